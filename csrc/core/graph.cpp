@@ -1,0 +1,175 @@
+#include "core/graph.hpp"
+
+#include <algorithm>
+#include <functional>
+#include <queue>
+#include <stdexcept>
+
+namespace pyplan {
+
+Graph::Graph(int num_devices, std::vector<Block> blocks, std::vector<Edge> edges,
+             std::vector<OrderRule> rules)
+    : num_devices_(num_devices), blocks_(std::move(blocks)), edges_(std::move(edges)),
+      rules_(std::move(rules)) {
+    if (num_devices_ <= 0) throw std::invalid_argument("num_devices must be positive");
+    const int k = num_blocks();
+    on_device_.assign(num_devices_, {});
+    for (int b = 0; b < k; ++b) {
+        Block& blk = blocks_[b];
+        if (blk.time <= 0)
+            throw std::invalid_argument("block '" + blk.name + "' has non-positive time");
+        if (blk.devices.empty())
+            throw std::invalid_argument("block '" + blk.name + "' has no devices");
+        std::sort(blk.devices.begin(), blk.devices.end());
+        if (std::adjacent_find(blk.devices.begin(), blk.devices.end()) != blk.devices.end())
+            throw std::invalid_argument("block '" + blk.name + "' lists a device twice");
+        for (int d : blk.devices) {
+            if (d < 0 || d >= num_devices_)
+                throw std::out_of_range("block '" + blk.name + "' uses device " +
+                                        std::to_string(d) + " of " +
+                                        std::to_string(num_devices_));
+            on_device_[d].push_back(b);
+        }
+    }
+    succ_.assign(k, {});
+    pred_.assign(k, {});
+    for (const Edge& e : edges_) {
+        if (e.from < 0 || e.from >= k || e.to < 0 || e.to >= k)
+            throw std::out_of_range("dependency refers to a block index out of range");
+        if (e.from == e.to)
+            throw std::invalid_argument("block '" + blocks_[e.from].name + "' depends on itself");
+        succ_[e.from].push_back(e.to);
+        pred_[e.to].push_back(e.from);
+    }
+    for (const OrderRule& r : rules_) {
+        if (r.before < 0 || r.before >= k || r.after < 0 || r.after >= k)
+            throw std::out_of_range("order rule refers to a block index out of range");
+    }
+    shares_.assign(k, std::vector<char>(k, 0));
+    for (int d = 0; d < num_devices_; ++d)
+        for (int a : on_device_[d])
+            for (int b : on_device_[d]) shares_[a][b] = 1;
+}
+
+bool Graph::shares_device(int a, int b) const { return shares_[a][b] != 0; }
+
+std::vector<int> Graph::topological_order() const {
+    const int k = num_blocks();
+    std::vector<int> indegree(k, 0);
+    for (const Edge& e : edges_) ++indegree[e.to];
+    std::priority_queue<int, std::vector<int>, std::greater<int>> ready;
+    for (int b = 0; b < k; ++b)
+        if (indegree[b] == 0) ready.push(b);
+    std::vector<int> order;
+    order.reserve(k);
+    while (!ready.empty()) {
+        int b = ready.top();
+        ready.pop();
+        order.push_back(b);
+        for (int s : succ_[b])
+            if (--indegree[s] == 0) ready.push(s);
+    }
+    if (static_cast<int>(order.size()) != k) order.clear();
+    return order;
+}
+
+std::vector<int> Graph::find_cycle() const {
+    // Iterative DFS with colours; a grey successor closes a cycle.
+    const int k = num_blocks();
+    std::vector<char> colour(k, 0);  // 0 white, 1 grey, 2 black
+    std::vector<int> parent(k, -1);
+    for (int root = 0; root < k; ++root) {
+        if (colour[root] != 0) continue;
+        std::vector<std::pair<int, size_t>> stack{{root, 0}};
+        colour[root] = 1;
+        while (!stack.empty()) {
+            auto& [b, next] = stack.back();
+            if (next < succ_[b].size()) {
+                int s = succ_[b][next++];
+                if (colour[s] == 0) {
+                    colour[s] = 1;
+                    parent[s] = b;
+                    stack.push_back({s, 0});
+                } else if (colour[s] == 1) {
+                    std::vector<int> cycle{s};
+                    for (int x = b; x != s; x = parent[x]) cycle.push_back(x);
+                    std::reverse(cycle.begin() + 1, cycle.end());
+                    return cycle;
+                }
+            } else {
+                colour[b] = 2;
+                stack.pop_back();
+            }
+        }
+    }
+    return {};
+}
+
+std::vector<int64_t> Graph::device_loads() const {
+    std::vector<int64_t> load(num_devices_, 0);
+    for (const Block& blk : blocks_)
+        for (int d : blk.devices) load[d] += blk.time;
+    return load;
+}
+
+int64_t Graph::load_bound() const {
+    auto load = device_loads();
+    return *std::max_element(load.begin(), load.end());
+}
+
+static std::vector<int> require_order(const Graph& g) {
+    auto order = g.topological_order();
+    if (static_cast<int>(order.size()) != g.num_blocks())
+        throw std::invalid_argument("the dependency graph has a cycle");
+    return order;
+}
+
+std::vector<int64_t> Graph::heads() const {
+    auto order = require_order(*this);
+    std::vector<int64_t> head(num_blocks(), 0);
+    for (int b : order)
+        for (int s : succ_[b]) head[s] = std::max(head[s], head[b] + blocks_[b].time);
+    return head;
+}
+
+std::vector<int64_t> Graph::tails() const {
+    auto order = require_order(*this);
+    std::vector<int64_t> tail(num_blocks(), 0);
+    for (auto it = order.rbegin(); it != order.rend(); ++it)
+        for (int s : succ_[*it]) tail[*it] = std::max(tail[*it], blocks_[s].time + tail[s]);
+    return tail;
+}
+
+int64_t Graph::critical_path() const {
+    auto head = heads();
+    int64_t best = 0;
+    for (int b = 0; b < num_blocks(); ++b) best = std::max(best, head[b] + blocks_[b].time);
+    return best;
+}
+
+int64_t Graph::makespan_bound(int num_micro_batches) const {
+    if (num_micro_batches <= 0) return 0;
+    auto head = heads();
+    auto tail = tails();
+    auto load = device_loads();
+    int64_t bound = critical_path();
+    for (int d = 0; d < num_devices_; ++d) {
+        if (on_device_[d].empty()) continue;
+        int64_t min_head = INT64_MAX, min_tail = INT64_MAX;
+        for (int b : on_device_[d]) {
+            min_head = std::min(min_head, head[b]);
+            min_tail = std::min(min_tail, tail[b]);
+        }
+        bound = std::max(bound, min_head + num_micro_batches * load[d] + min_tail);
+    }
+    return bound;
+}
+
+std::vector<int64_t> Graph::net_memory() const {
+    std::vector<int64_t> net(num_devices_, 0);
+    for (const Block& blk : blocks_)
+        for (int d : blk.devices) net[d] += blk.memory;
+    return net;
+}
+
+}  // namespace pyplan

@@ -1,0 +1,80 @@
+// Blocks of one micro-batch and their dependency DAG: the problem every other part of the core
+// works on. Pure C++17, no pybind11.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pyplan {
+
+struct Block {
+    std::string name;
+    int64_t time = 1;          // execution time, > 0
+    int64_t memory = 0;        // memory delta applied to each of its devices when it starts
+    std::vector<int> devices;  // sorted, unique; all of them are occupied at once
+};
+
+struct Edge {
+    int from = 0;
+    int to = 0;
+};
+
+// "before@(m + before_shift) finishes before after@(m + after_shift) starts" for every
+// micro-batch m >= min_m for which both indices exist (nnScaler op-order).
+struct OrderRule {
+    int before = 0;
+    int before_shift = 0;
+    int after = 0;
+    int after_shift = 0;
+    int min_m = 0;
+};
+
+class Graph {
+  public:
+    Graph(int num_devices, std::vector<Block> blocks, std::vector<Edge> edges,
+          std::vector<OrderRule> rules = {});
+
+    int num_devices() const { return num_devices_; }
+    int num_blocks() const { return static_cast<int>(blocks_.size()); }
+    const Block& block(int b) const { return blocks_[b]; }
+    const std::vector<Block>& blocks() const { return blocks_; }
+    const std::vector<Edge>& edges() const { return edges_; }
+    const std::vector<OrderRule>& rules() const { return rules_; }
+    const std::vector<int>& successors(int b) const { return succ_[b]; }
+    const std::vector<int>& predecessors(int b) const { return pred_[b]; }
+    const std::vector<int>& blocks_on(int device) const { return on_device_[device]; }
+    bool shares_device(int a, int b) const;
+
+    // Kahn's algorithm, smallest index first among ready blocks; empty if there is a cycle.
+    std::vector<int> topological_order() const;
+    // One dependency cycle as a block list (first block not repeated); empty if acyclic.
+    std::vector<int> find_cycle() const;
+    bool is_acyclic() const { return find_cycle().empty(); }
+
+    // Sum of block times per device for one micro-batch.
+    std::vector<int64_t> device_loads() const;
+    // Lower bound of a repetend period: the busiest device's load.
+    int64_t load_bound() const;
+    // Longest dependency path of one micro-batch (its latency with unlimited devices).
+    int64_t critical_path() const;
+    // Earliest start of each block with unlimited devices (longest path from the sources).
+    std::vector<int64_t> heads() const;
+    // Longest path from the end of each block to the end of the micro-batch.
+    std::vector<int64_t> tails() const;
+    // Makespan lower bound for n micro-batches: max(critical path,
+    // max over devices of min head + n * load + min tail).
+    int64_t makespan_bound(int num_micro_batches) const;
+    // Net memory a micro-batch leaves on each device after all its blocks ran.
+    std::vector<int64_t> net_memory() const;
+
+  private:
+    int num_devices_;
+    std::vector<Block> blocks_;
+    std::vector<Edge> edges_;
+    std::vector<OrderRule> rules_;
+    std::vector<std::vector<int>> succ_, pred_, on_device_;
+    std::vector<std::vector<char>> shares_;  // block x block: share a device
+};
+
+}  // namespace pyplan

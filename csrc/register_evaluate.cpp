@@ -1,0 +1,53 @@
+#include <pybind11/stl.h>
+
+#include "bindings.hpp"
+#include "core/evaluate.hpp"
+
+using namespace pyplan;
+
+using PyOrders = std::vector<std::vector<std::pair<int, int>>>;
+
+DeviceOrders to_orders(const PyOrders& orders) {
+    DeviceOrders out(orders.size());
+    for (size_t d = 0; d < orders.size(); ++d) {
+        out[d].reserve(orders[d].size());
+        for (auto [b, m] : orders[d]) out[d].push_back({b, m});
+    }
+    return out;
+}
+
+PyOrders from_orders(const DeviceOrders& orders) {
+    PyOrders out(orders.size());
+    for (size_t d = 0; d < orders.size(); ++d)
+        for (const Instance& i : orders[d]) out[d].push_back({i.block, i.mb});
+    return out;
+}
+
+void register_evaluate(py::module_& m) {
+    py::class_<Evaluation>(m, "Evaluation")
+        .def_readonly("ok", &Evaluation::ok)
+        .def_readonly("reason", &Evaluation::reason)
+        .def_readonly("num_micro_batches", &Evaluation::num_micro_batches)
+        .def_readonly("start", &Evaluation::start)
+        .def_readonly("makespan", &Evaluation::makespan)
+        .def_readonly("busy", &Evaluation::busy)
+        .def_readonly("peak_memory", &Evaluation::peak_memory)
+        .def_readonly("final_memory", &Evaluation::final_memory)
+        .def_readonly("bubble_rate", &Evaluation::bubble_rate)
+        .def_readonly("scheduled_blocks", &Evaluation::scheduled_blocks);
+
+    m.def(
+        "evaluate",
+        [](const Graph& g, const PyOrders& orders, int64_t memory_capacity,
+           std::vector<int64_t> initial_memory, int complete_micro_batches, bool enforce_rules) {
+            DeviceOrders ords = to_orders(orders);
+            EvalOptions opt{memory_capacity, std::move(initial_memory), complete_micro_batches,
+                            enforce_rules};
+            py::gil_scoped_release release;
+            return evaluate(g, ords, opt);
+        },
+        py::arg("graph"), py::arg("orders"), py::arg("memory_capacity") = -1,
+        py::arg("initial_memory") = std::vector<int64_t>{},
+        py::arg("complete_micro_batches") = 0, py::arg("enforce_rules") = true,
+        "Earliest-start evaluation of per-device orders of (block, micro-batch).");
+}

@@ -1,0 +1,65 @@
+#include <pybind11/stl.h>
+
+#include "bindings.hpp"
+#include "core/graph.hpp"
+
+using namespace pyplan;
+
+void register_graph(py::module_& m) {
+    py::class_<Block>(m, "Block")
+        .def(py::init([](std::string name, int64_t time, int64_t memory, std::vector<int> devices) {
+                 return Block{std::move(name), time, memory, std::move(devices)};
+             }),
+             py::arg("name"), py::arg("time"), py::arg("memory"), py::arg("devices"))
+        .def_readonly("name", &Block::name)
+        .def_readonly("time", &Block::time)
+        .def_readonly("memory", &Block::memory)
+        .def_readonly("devices", &Block::devices);
+
+    py::class_<OrderRule>(m, "OrderRule")
+        .def(py::init([](int before, int before_shift, int after, int after_shift, int min_m) {
+                 return OrderRule{before, before_shift, after, after_shift, min_m};
+             }),
+             py::arg("before"), py::arg("before_shift"), py::arg("after"),
+             py::arg("after_shift"), py::arg("min_m") = 0)
+        .def_readonly("before", &OrderRule::before)
+        .def_readonly("before_shift", &OrderRule::before_shift)
+        .def_readonly("after", &OrderRule::after)
+        .def_readonly("after_shift", &OrderRule::after_shift)
+        .def_readonly("min_m", &OrderRule::min_m);
+
+    py::class_<Graph>(m, "Graph")
+        .def(py::init([](int num_devices, std::vector<Block> blocks,
+                         const std::vector<std::pair<int, int>>& edges,
+                         std::vector<OrderRule> rules) {
+                 std::vector<Edge> es;
+                 es.reserve(edges.size());
+                 for (auto [a, b] : edges) es.push_back({a, b});
+                 return Graph(num_devices, std::move(blocks), std::move(es), std::move(rules));
+             }),
+             py::arg("num_devices"), py::arg("blocks"), py::arg("edges"),
+             py::arg("rules") = std::vector<OrderRule>{})
+        .def_property_readonly("num_devices", &Graph::num_devices)
+        .def_property_readonly("num_blocks", &Graph::num_blocks)
+        .def_property_readonly("blocks", &Graph::blocks)
+        .def_property_readonly("edges",
+                               [](const Graph& g) {
+                                   std::vector<std::pair<int, int>> out;
+                                   for (const Edge& e : g.edges()) out.push_back({e.from, e.to});
+                                   return out;
+                               })
+        .def_property_readonly("rules", &Graph::rules)
+        .def("successors", &Graph::successors)
+        .def("predecessors", &Graph::predecessors)
+        .def("blocks_on", &Graph::blocks_on)
+        .def("topological_order", &Graph::topological_order)
+        .def("find_cycle", &Graph::find_cycle)
+        .def("is_acyclic", &Graph::is_acyclic)
+        .def("device_loads", &Graph::device_loads)
+        .def("load_bound", &Graph::load_bound)
+        .def("critical_path", &Graph::critical_path)
+        .def("heads", &Graph::heads)
+        .def("tails", &Graph::tails)
+        .def("makespan_bound", &Graph::makespan_bound, py::arg("num_micro_batches"))
+        .def("net_memory", &Graph::net_memory);
+}

@@ -1,0 +1,108 @@
+#include <pybind11/stl.h>
+
+#include "bindings.hpp"
+#include "core/repetend.hpp"
+
+using namespace pyplan;
+
+using PyOrders = std::vector<std::vector<std::pair<int, int>>>;
+DeviceOrders to_orders(const PyOrders& orders);
+PyOrders from_orders(const DeviceOrders& orders);
+
+static PyOrders instances_to_py(const std::vector<Instance>& xs) {
+    PyOrders out(1);
+    for (const Instance& i : xs) out[0].push_back({i.block, i.mb});
+    return out;
+}
+
+void register_repetend(py::module_& m) {
+    py::class_<Repetend>(m, "Repetend")
+        .def_readonly("indices", &Repetend::indices)
+        .def_readonly("orders", &Repetend::orders)
+        .def_readonly("feasible", &Repetend::feasible)
+        .def_readonly("period", &Repetend::period)
+        .def_readonly("offsets", &Repetend::offsets)
+        .def_readonly("execution", &Repetend::execution)
+        .def_readonly("wait", &Repetend::wait)
+        .def_readonly("entry_memory", &Repetend::entry_memory)
+        .def_readonly("peak_memory", &Repetend::peak_memory)
+        .def_property_readonly("num_micro_batches", &Repetend::num_micro_batches)
+        .def("bubble_rate", &Repetend::bubble_rate, py::arg("graph"));
+
+    py::class_<RepetendEnumerator>(m, "RepetendEnumerator")
+        .def(py::init<const Graph&, int, int64_t, int64_t>(), py::arg("graph"),
+             py::arg("num_micro_batches"), py::arg("memory_capacity") = -1,
+             py::arg("period_below") = 0, py::keep_alive<1, 2>())
+        .def("__iter__", [](RepetendEnumerator& e) -> RepetendEnumerator& { return e; })
+        .def("__next__",
+             [](RepetendEnumerator& e) {
+                 std::vector<int> out;
+                 if (!e.next(out)) throw py::stop_iteration();
+                 return out;
+             })
+        .def(
+            "batch",
+            [](RepetendEnumerator& e, int size) {
+                std::vector<std::vector<int>> out;
+                py::gil_scoped_release release;
+                std::vector<int> cand;
+                while (static_cast<int>(out.size()) < size && e.next(cand)) out.push_back(cand);
+                return out;
+            },
+            py::arg("size"))
+        .def("set_period_below", &RepetendEnumerator::set_period_below)
+        .def_property_readonly("visited_nodes", &RepetendEnumerator::visited_nodes);
+
+    m.def("longest_paths", &longest_paths, py::arg("graph"));
+    m.def(
+        "repetend_bound",
+        [](const Graph& g, const std::vector<int>& indices) {
+            return repetend_bound(g, indices, longest_paths(g));
+        },
+        py::arg("graph"), py::arg("indices"));
+    m.def("evaluate_repetend", &evaluate_repetend, py::arg("graph"), py::arg("indices"),
+          py::arg("orders"), py::arg("min_period") = 0,
+          py::call_guard<py::gil_scoped_release>());
+    m.def("list_schedule_repetend", &list_schedule_repetend, py::arg("graph"),
+          py::arg("indices"), py::call_guard<py::gil_scoped_release>());
+    m.def("memory_fits", &memory_fits, py::arg("repetend"), py::arg("capacity"));
+    m.def(
+        "warmup_blocks", [](const std::vector<int>& n) { return instances_to_py(warmup_blocks(n))[0]; },
+        py::arg("indices"));
+    m.def(
+        "cooldown_blocks",
+        [](const std::vector<int>& n) { return instances_to_py(cooldown_blocks(n))[0]; },
+        py::arg("indices"));
+    m.def(
+        "periodic_orders",
+        [](const Graph& g, const Repetend& r, int n) { return from_orders(periodic_orders(g, r, n)); },
+        py::arg("graph"), py::arg("repetend"), py::arg("num_micro_batches"));
+    m.def(
+        "extend",
+        [](const Graph& g, const PyOrders& warmup, const Repetend& r, const PyOrders& cooldown,
+           int n) { return from_orders(extend(g, to_orders(warmup), r, to_orders(cooldown), n)); },
+        py::arg("graph"), py::arg("warmup"), py::arg("repetend"), py::arg("cooldown"),
+        py::arg("num_micro_batches"));
+
+    py::class_<RepetendSearchStats>(m, "RepetendSearchStats")
+        .def(py::init<>())
+        .def_readonly("enumerated", &RepetendSearchStats::enumerated)
+        .def_readonly("evaluated", &RepetendSearchStats::evaluated)
+        .def_readonly("pruned_memory", &RepetendSearchStats::pruned_memory)
+        .def_readonly("visited_nodes", &RepetendSearchStats::visited_nodes);
+    m.def(
+        "search_repetends",
+        [](const Graph& g, int num_mb, int64_t capacity, int64_t best_period, int64_t target,
+           int64_t max_candidates) {
+            RepetendSearchStats stats;
+            Repetend best;
+            {
+                py::gil_scoped_release release;
+                best = search_repetends(g, num_mb, capacity, best_period, target, max_candidates,
+                                        stats);
+            }
+            return py::make_tuple(best, stats);
+        },
+        py::arg("graph"), py::arg("num_micro_batches"), py::arg("memory_capacity") = -1,
+        py::arg("best_period") = 0, py::arg("target") = 0, py::arg("max_candidates") = 0);
+}

@@ -1,0 +1,3 @@
+from pyplan.cli.main import main
+
+raise SystemExit(main())

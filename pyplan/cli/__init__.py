@@ -1,0 +1,5 @@
+"""Command-line interface: `main` parses and dispatches; one module per subcommand."""
+
+from pyplan.cli.main import main
+
+__all__ = ["main"]

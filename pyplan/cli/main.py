@@ -1,0 +1,47 @@
+"""`pyplan` entry point: parse arguments, dispatch to a subcommand, map errors to exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pyplan import __version__
+from pyplan.errors import EXIT_INTERRUPTED, PyplanError
+
+__all__ = ["main"]
+
+# subcommand -> module in pyplan.cli; each module has add_arguments(parser) and run(args) -> int
+_COMMANDS = {
+    "validate": ("validate", "check plans and print a one-line summary of each"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pyplan",
+        description="Plan, solve and run pipeline-parallel schedules.")
+    parser.add_argument("--version", action="version", version=f"pyplan {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in _COMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(_module=module)
+        _load(module).add_arguments(sub_parser)
+    return parser
+
+
+def _load(module: str):
+    return importlib.import_module(f"pyplan.cli.{module}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0 ok, 1 run failed, 2 bad input, 3 infeasible)."""
+    args = _parser().parse_args(argv)
+    try:
+        return _load(args._module).run(args)
+    except PyplanError as exc:
+        print(exc, file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

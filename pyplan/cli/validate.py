@@ -1,0 +1,42 @@
+"""`pyplan validate PLAN...`: check plans; one summary line per valid plan, errors on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pyplan.errors import EXIT_BAD_INPUT, PlanError
+from pyplan.problem import load_problem, Problem
+
+__all__ = ["add_arguments", "run", "summary"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plans", nargs="+", metavar="PLAN", help="plan files (YAML)")
+
+
+def summary(problem: Problem) -> str:
+    kinds: dict[str, int] = {}
+    for block in problem.blocks:
+        kinds[block.kind] = kinds.get(block.kind, 0) + 1
+    parts = ", ".join(f"{n} {k}" for k, n in kinds.items())
+    loads = " ".join(str(x) for x in problem.device_loads())
+    task = "training" if problem.training else "inference"
+    rules = f", {len(problem.rules)} order rules" if problem.rules else ""
+    return (f"{problem.name}: {task}, {len(problem.blocks)} blocks ({parts}) on "
+            f"{problem.num_devices} devices, {problem.num_micro_batches} micro-batches, "
+            f"memory {problem.show_memory(problem.memory_capacity)}{rules}; "
+            f"load per device [{loads}], repetend period >= {problem.load_bound()}")
+
+
+def run(args: argparse.Namespace) -> int:
+    status = 0
+    for path in args.plans:
+        try:
+            problem = load_problem(path)
+        except PlanError as exc:
+            print(exc, file=sys.stderr)
+            status = EXIT_BAD_INPUT
+            continue
+        print(f"{path}: ok: {summary(problem)}")
+    return status

@@ -1,0 +1,63 @@
+"""Errors a user can cause, each mapped to one exit code and printed as one line.
+
+Plan errors print as ``FILE:LINE:COL: error: MESSAGE (hint: HINT)`` so editors and CI logs can jump
+to the spot. Internal bugs are not wrapped: they keep their traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_INFEASIBLE",
+    "EXIT_INTERRUPTED",
+    "EXIT_RUN_FAILED",
+    "InfeasibleError",
+    "PlanError",
+    "PyplanError",
+    "RunError",
+]
+
+EXIT_RUN_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INFEASIBLE = 3
+EXIT_INTERRUPTED = 130
+
+
+class PyplanError(Exception):
+    """Root of every error a user can cause; carries the process exit code."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message: str, *, hint: str | None = None,
+                 file: str | None = None, line: int = 1, column: int = 1) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.file = file
+        self.line = line
+        self.column = column
+
+    def __str__(self) -> str:
+        text = f"error: {self.message}"
+        if self.hint:
+            text += f" (hint: {self.hint})"
+        if self.file is not None:
+            text = f"{self.file}:{self.line}:{self.column}: {text}"
+        # One line, whatever a user-written value inside the message contains.
+        return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
+class PlanError(PyplanError):
+    """A plan or resolved plan that cannot be read, is invalid, or is stale (exit 2)."""
+
+
+class InfeasibleError(PyplanError):
+    """A valid plan that admits no schedule, e.g. too little memory (exit 3)."""
+
+    exit_code = EXIT_INFEASIBLE
+
+
+class RunError(PyplanError):
+    """`pyplan run` failed: a rank died, a check failed, or the world does not fit (exit 1)."""
+
+    exit_code = EXIT_RUN_FAILED

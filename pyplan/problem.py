@@ -1,0 +1,335 @@
+"""The problem IR: the blocks of ONE micro-batch with times, memory deltas and devices, their
+dependency DAG, the number of micro-batches, memory capacity and order rules.
+
+Built from a spec with shapes expanded and backward blocks derived; every check that needs the
+expanded blocks happens here and points back at the plan line it concerns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from pyplan import _core
+from pyplan.constraints import RuleSyntaxError, expand_template, parse_rule
+from pyplan.errors import PlanError
+from pyplan.shapes import expand_blocks
+from pyplan.spec import BlockSpec, ModelSpec, PlanSpec, SearchSpec, format_memory, load_spec
+from pyplan.spec.schema import did_you_mean
+
+__all__ = ["FORWARD", "BACKWARD", "WEIGHT", "OTHER", "Block", "OrderRule", "Problem",
+           "build_problem", "load_problem"]
+
+FORWARD, BACKWARD, WEIGHT, OTHER = "forward", "backward", "weight", "other"
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block of a micro-batch."""
+
+    index: int
+    name: str
+    """Unique name: the declared name, NAME.b / NAME.w for derived backward blocks."""
+    kind: str
+    """forward, backward (or input-gradient), weight (weight-gradient) or other."""
+    time: int
+    memory: int
+    devices: tuple[int, ...]
+    layer: str
+    """The declared block this one derives from (its own name for declared blocks)."""
+
+
+@dataclass(frozen=True)
+class OrderRule:
+    """before[m + before_shift] finishes before after[m + after_shift] starts, for m >= min_m."""
+
+    before: int
+    before_shift: int
+    after: int
+    after_shift: int
+    min_m: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything the search needs, and nothing about how the plan was written."""
+
+    name: str
+    description: str
+    num_devices: int
+    memory_capacity: int | None
+    memory_is_size: bool
+    num_micro_batches: int
+    training: bool
+    blocks: tuple[Block, ...]
+    edges: tuple[tuple[int, int], ...]
+    rules: tuple[OrderRule, ...] = ()
+    search: SearchSpec = SearchSpec()
+    model: ModelSpec | None = None
+    spec_sha256: str = ""
+    source_path: str = ""
+    by_name: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def block(self, name: str) -> Block:
+        return self.blocks[self.by_name[name]]
+
+    @cached_property
+    def graph(self) -> _core.Graph:
+        """The problem as the C++ core sees it."""
+        return _core.Graph(
+            self.num_devices,
+            [_core.Block(b.name, b.time, b.memory, list(b.devices)) for b in self.blocks],
+            list(self.edges),
+            [_core.OrderRule(r.before, r.before_shift, r.after, r.after_shift, r.min_m)
+             for r in self.rules])
+
+    @property
+    def capacity(self) -> int:
+        """Memory capacity for the core: -1 when unlimited."""
+        return -1 if self.memory_capacity is None else self.memory_capacity
+
+    def device_loads(self) -> list[int]:
+        return list(self.graph.device_loads())
+
+    def load_bound(self) -> int:
+        return self.graph.load_bound()
+
+    def show_memory(self, amount: int | None) -> str:
+        return format_memory(amount, self.memory_is_size)
+
+    def with_overrides(self, *, micro_batches: int | None = None, memory: int | None = None,
+                       time_limit: float | None = None, rules: bool = True) -> "Problem":
+        """A copy with the number of micro-batches, capacity or time limit replaced."""
+        changes: dict = {}
+        if micro_batches is not None:
+            changes["num_micro_batches"] = micro_batches
+        if memory is not None:
+            changes["memory_capacity"] = memory
+        if time_limit is not None:
+            changes["search"] = dataclasses.replace(self.search, time_limit=time_limit)
+        if not rules:
+            changes["rules"] = ()
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+class _Builder:
+    def __init__(self, spec: PlanSpec) -> None:
+        self.spec = spec
+        self.source = spec.source
+        self.blocks: list[Block] = []
+        self.edges: list[tuple[int, int]] = []
+        self.paths: list[tuple] = []  # document path of the declaration behind each block
+        self.by_name: dict[str, int] = {}
+
+    def fail(self, path, message, hint=None, **kw) -> PlanError:
+        return self.source.error(path, message, hint, **kw)
+
+    def add(self, name: str, kind: str, time: int, memory: int, devices: tuple[int, ...],
+            layer: str, path: tuple) -> int:
+        index = len(self.blocks)
+        self.blocks.append(Block(index, name, kind, time, memory, devices, layer))
+        self.paths.append(path)
+        self.by_name[name] = index
+        return index
+
+    # -- declared blocks
+
+    def declare(self, specs: list[BlockSpec]) -> None:
+        D = self.spec.num_devices
+        for spec in specs:
+            path = spec.path
+            if spec.name in self.by_name:
+                first = self.source.locate(self.paths[self.by_name[spec.name]])[0]
+                raise self.fail(path + ("name",), f"duplicate block name '{spec.name}'",
+                                f"first declared on line {first}; block names must be unique")
+            if spec.time <= 0:
+                raise self.fail(path + ("time",), f"block '{spec.name}' has time {spec.time}; "
+                                "times must be positive integers", "use 1 for negligible work")
+            if spec.devices is None:
+                devices = tuple(range(D))
+            else:
+                for i, d in enumerate(spec.devices):
+                    if not 0 <= d < D:
+                        raise self.fail(path + ("devices", i) if self.spec.shape is None else path,
+                                        f"block '{spec.name}' uses device {d}, but the plan has "
+                                        f"{D} devices (0..{D - 1})",
+                                        "raise devices: or fix the device id")
+                if len(set(spec.devices)) != len(spec.devices):
+                    raise self.fail(path + ("devices",),
+                                    f"block '{spec.name}' lists a device twice")
+                devices = tuple(sorted(spec.devices))
+            if spec.kind == BACKWARD and not self.spec.training:
+                raise self.fail(path + ("kind",), f"block '{spec.name}' is a backward block in "
+                                "an inference plan", "set task: training or remove the block")
+            capacity = self.spec.memory_capacity
+            if capacity is not None and spec.memory > capacity:
+                raise self.fail(path + ("memory",),
+                                f"block '{spec.name}' alone needs {self.show(spec.memory)} per "
+                                f"device, more than the capacity {self.show(capacity)}",
+                                "split the block over more devices or raise memory:")
+            self.add(spec.name, spec.kind, spec.time, spec.memory, devices, spec.name, path)
+
+    def show(self, amount: int) -> str:
+        return format_memory(amount, self.spec.memory_is_size)
+
+    def depend(self, specs: list[BlockSpec]) -> None:
+        previous = None
+        for spec in specs:
+            index = self.by_name[spec.name]
+            if spec.after is None:
+                parents = [previous] if previous is not None else []
+            else:
+                parents = []
+                for i, name in enumerate(spec.after):
+                    if name not in self.by_name:
+                        raise self.fail(spec.path + ("after", i),
+                                        f"block '{spec.name}' depends on unknown block '{name}'",
+                                        did_you_mean(name, self.by_name) or
+                                        "name a block declared in this plan")
+                    if name == spec.name:
+                        raise self.fail(spec.path + ("after", i),
+                                        f"block '{spec.name}' depends on itself")
+                    parents.append(self.by_name[name])
+            for p in dict.fromkeys(parents):
+                self.edges.append((p, index))
+            previous = index
+
+    # -- derived backward blocks
+
+    def derive_backward(self, specs: list[BlockSpec]) -> None:
+        rule = self.spec.backward
+        forwards = [s for s in specs if s.kind == FORWARD and s.backward.enabled]
+        if rule is None:
+            if self.spec.training and not any(s.kind == BACKWARD for s in specs):
+                raise self.fail((), "this training plan has no backward blocks",
+                                "add training: {backward: {time_ratio: 2}} to derive them, "
+                                "list blocks of kind backward, or set task: inference")
+            return
+        derived = {s.name for s in forwards}
+        for spec in forwards:
+            fwd = self.blocks[self.by_name[spec.name]]
+            over = spec.backward
+            keep = 0
+            if rule.weight_time_ratio is not None:
+                keep = round(fwd.memory * rule.weight_memory_ratio)
+            b_time = over.time if over.time is not None else max(1, round(fwd.time *
+                                                                         rule.time_ratio))
+            b_mem = over.memory if over.memory is not None else -(fwd.memory - keep)
+            if b_time <= 0:
+                raise self.fail(spec.path + ("backward", "time"),
+                                f"backward time of '{spec.name}' must be positive")
+            b = self.add(f"{spec.name}.b", BACKWARD, b_time, b_mem, fwd.devices, spec.name,
+                         spec.path)
+            if rule.weight_time_ratio is not None:
+                w_time = (over.weight_time if over.weight_time is not None
+                          else max(1, round(fwd.time * rule.weight_time_ratio)))
+                w_mem = over.weight_memory if over.weight_memory is not None else -keep
+                if w_time <= 0:
+                    raise self.fail(spec.path + ("backward", "weight_time"),
+                                    f"weight-gradient time of '{spec.name}' must be positive")
+                w = self.add(f"{spec.name}.w", WEIGHT, w_time, w_mem, fwd.devices, spec.name,
+                             spec.path)
+                self.edges.append((b, w))
+        # Gradients flow back along the forward edges between blocks that have a backward; the
+        # backward chain starts at the forward blocks none of whose successors has one.
+        forward_edges = list(self.edges)
+        for src, dst in forward_edges:
+            a, c = self.blocks[src].name, self.blocks[dst].name
+            if a in derived and c in derived:
+                self.edges.append((self.by_name[f"{c}.b"], self.by_name[f"{a}.b"]))
+        for name in derived:
+            index = self.by_name[name]
+            if not any(self.blocks[d].name in derived for s, d in forward_edges if s == index):
+                self.edges.append((index, self.by_name[f"{name}.b"]))
+
+    # -- whole-problem checks
+
+    def check_cycles(self) -> None:
+        graph = _core.Graph(self.spec.num_devices,
+                            [_core.Block(b.name, b.time, 0, list(b.devices)) for b in self.blocks],
+                            self.edges)
+        cycle = graph.find_cycle()
+        if cycle:
+            names = [self.blocks[i].name for i in cycle]
+            first = min(cycle, key=lambda i: self.source.locate(self.paths[i]))
+            raise self.fail(self.paths[first] + ("after",),
+                            "dependency cycle: " + " -> ".join(names + [names[0]]),
+                            "a block cannot depend, directly or not, on itself; fix after:",
+                            key=True)
+
+    def check_memory_balance(self) -> None:
+        net = [0] * self.spec.num_devices
+        for b in self.blocks:
+            for d in b.devices:
+                net[d] += b.memory
+        for d, amount in enumerate(net):
+            if amount != 0:
+                first = next(i for i, b in enumerate(self.blocks)
+                             if d in b.devices and b.memory != 0)
+                raise self.fail(self.paths[first] + ("memory",), f"memory does not balance on device {d}: one "
+                                f"micro-batch leaves {self.show(amount)} allocated",
+                                "backward blocks must free what forward blocks allocate "
+                                "(for inference plans use memory 0)")
+
+    def rules(self) -> list[OrderRule]:
+        rules = []
+        for order in self.spec.order:
+            texts = [order.text]
+            try:
+                if order.loop:
+                    texts = expand_template(order.text, order.loop,
+                                            {"D": self.spec.num_devices,
+                                             "N": self.spec.num_micro_batches})
+                for text in texts:
+                    rules.append(self.rule(text, order))
+            except RuleSyntaxError as exc:
+                raise self.fail(order.text_path, f"malformed order rule: {exc}", exc.hint,
+                                offset=exc.offset if not order.loop else 0) from None
+        return rules
+
+    def rule(self, text: str, order) -> OrderRule:
+        parsed = parse_rule(text)
+        indices = []
+        for name, at in ((parsed.before, parsed.before_at), (parsed.after, parsed.after_at)):
+            target = name[:-2] if name.endswith(".f") else name
+            if target not in self.by_name or (name.endswith(".f") and
+                                              self.blocks[self.by_name[target]].kind != FORWARD):
+                names = list(self.by_name) + [f"{n}.f" for n, i in self.by_name.items()
+                                              if self.blocks[i].kind == FORWARD]
+                raise self.fail(order.text_path, f"order rule '{text}' names unknown block "
+                                f"'{name}'", did_you_mean(name, names) or
+                                "use a block name, NAME.f, NAME.b or NAME.w",
+                                offset=at if not order.loop else 0)
+            indices.append(self.by_name[target])
+        return OrderRule(indices[0], parsed.before_shift, indices[1], parsed.after_shift,
+                         parsed.min_m, text)
+
+    def build(self) -> Problem:
+        spec = self.spec
+        specs = expand_blocks(spec)
+        self.declare(specs)
+        self.depend(specs)
+        self.derive_backward(specs)
+        self.check_cycles()
+        self.check_memory_balance()
+        rules = self.rules()
+        return Problem(name=spec.name, description=spec.description,
+                       num_devices=spec.num_devices, memory_capacity=spec.memory_capacity,
+                       memory_is_size=spec.memory_is_size,
+                       num_micro_batches=spec.num_micro_batches, training=spec.training,
+                       blocks=tuple(self.blocks), edges=tuple(self.edges), rules=tuple(rules),
+                       search=spec.search, model=spec.model, spec_sha256=spec.source.sha256,
+                       source_path=spec.source.path, by_name=dict(self.by_name))
+
+
+def build_problem(spec: PlanSpec) -> Problem:
+    """Expand shapes, derive backward blocks, check the result and build the IR."""
+    return _Builder(spec).build()
+
+
+def load_problem(path: str | Path) -> Problem:
+    """Load, validate and build a plan file."""
+    return build_problem(load_spec(path))

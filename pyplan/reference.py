@@ -1,0 +1,298 @@
+"""Plain-Python reference implementations of the C++ core, written for obviousness, not speed.
+
+They are the oracle of the differential tests (tests/test_core_*.py) and the baseline of
+benchmarks/core.py. Each function mirrors one in csrc/core and takes plain data:
+``blocks`` is a list of (time, memory, devices) tuples, ``edges`` a list of (from, to) pairs,
+``rules`` a list of (before, before_shift, after, after_shift, min_m) tuples.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+__all__ = [
+    "critical_path", "device_loads", "enumerate_repetends", "evaluate", "evaluate_repetend",
+    "extend", "find_cycle", "heads", "load_bound", "longest_paths", "makespan_bound",
+    "periodic_orders", "repetend_bound", "tails", "topological_order",
+]
+
+
+def _succ(k, edges):
+    out = [[] for _ in range(k)]
+    for a, b in edges:
+        out[a].append(b)
+    return out
+
+
+def topological_order(k, edges):
+    """Kahn's algorithm taking the smallest ready index first; [] when there is a cycle."""
+    indegree = [0] * k
+    for _, b in edges:
+        indegree[b] += 1
+    done, order = set(), []
+    while len(order) < k:
+        ready = [b for b in range(k) if b not in done and indegree[b] == 0]
+        if not ready:
+            return []
+        b = min(ready)
+        done.add(b)
+        order.append(b)
+        for a, c in edges:
+            if a == b:
+                indegree[c] -= 1
+    return order
+
+
+def find_cycle(k, edges):
+    """Some dependency cycle as a list of blocks, or [] when the graph is acyclic."""
+    succ = _succ(k, edges)
+    for start in range(k):
+        # Depth-first search for a path back to `start`.
+        stack = [(start, [start])]
+        seen = set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in succ[node]:
+                if nxt == start:
+                    return path
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+    return []
+
+
+def device_loads(num_devices, blocks):
+    loads = [0] * num_devices
+    for time, _, devices in blocks:
+        for d in devices:
+            loads[d] += time
+    return loads
+
+
+def load_bound(num_devices, blocks):
+    return max(device_loads(num_devices, blocks))
+
+
+def heads(blocks, edges):
+    k = len(blocks)
+    head = [0] * k
+    for b in topological_order(k, edges):
+        for a, c in edges:
+            if a == b:
+                head[c] = max(head[c], head[b] + blocks[b][0])
+    return head
+
+
+def tails(blocks, edges):
+    k = len(blocks)
+    tail = [0] * k
+    for b in reversed(topological_order(k, edges)):
+        for a, c in edges:
+            if a == b:
+                tail[b] = max(tail[b], blocks[c][0] + tail[c])
+    return tail
+
+
+def critical_path(blocks, edges):
+    head = heads(blocks, edges)
+    return max(head[b] + blocks[b][0] for b in range(len(blocks)))
+
+
+def makespan_bound(num_devices, blocks, edges, n):
+    if n <= 0:
+        return 0
+    head, tail = heads(blocks, edges), tails(blocks, edges)
+    loads = device_loads(num_devices, blocks)
+    bound = critical_path(blocks, edges)
+    for d in range(num_devices):
+        on = [b for b in range(len(blocks)) if d in blocks[b][2]]
+        if on:
+            bound = max(bound, min(head[b] for b in on) + n * loads[d] +
+                        min(tail[b] for b in on))
+    return bound
+
+
+def evaluate(num_devices, blocks, edges, orders, *, capacity=-1, initial_memory=None,
+             rules=(), complete=0):
+    """Run per-device orders of (block, micro-batch) as early as possible.
+
+    Returns a dict with ok, makespan, start {(block, mb): time}, busy, peak_memory, bubble_rate.
+    A block starts when it heads the queue of every device it uses and its dependencies (and
+    order rules) have finished; starting it adds its memory to each of its devices.
+    """
+    scheduled = {inst for order in orders for inst in order}
+    for b in range(len(blocks)):
+        for m in range(complete):
+            if (b, m) not in scheduled:
+                raise ValueError(f"block {b} of micro-batch {m} is not scheduled")
+    preds = {inst: [] for inst in scheduled}
+    for (b, m) in scheduled:
+        for a, c in edges:
+            if c == b and (a, m) in scheduled:
+                preds[(b, m)].append((a, m))
+        for before, bshift, after, ashift, min_m in rules:
+            if after == b:
+                base = m - ashift
+                other = (before, base + bshift)
+                if base >= min_m and other in scheduled and other != (b, m):
+                    preds[(b, m)].append(other)
+    memory = list(initial_memory or [0] * num_devices)
+    peak = list(memory)
+    position = [0] * num_devices
+    free = [0] * num_devices
+    end, start = {}, {}
+    progress = True
+    while progress:
+        progress = False
+        for d in range(num_devices):
+            if position[d] >= len(orders[d]):
+                continue
+            inst = orders[d][position[d]]
+            b = inst[0]
+            time, mem, devices = blocks[b]
+            at_head = all(position[e] < len(orders[e]) and orders[e][position[e]] == inst
+                          for e in devices)
+            if not at_head or any(p not in end for p in preds[inst]):
+                continue
+            for e in devices:
+                memory[e] += mem
+                if capacity >= 0 and memory[e] > capacity:
+                    return {"ok": False, "reason": "memory"}
+                peak[e] = max(peak[e], memory[e])
+            s = max([free[e] for e in devices] + [end[p] for p in preds[inst]])
+            start[inst] = s
+            end[inst] = s + time
+            for e in devices:
+                free[e] = s + time
+                position[e] += 1
+            progress = True
+    if len(end) != len(scheduled):
+        return {"ok": False, "reason": "deadlock"}
+    makespan = max(end.values(), default=0)
+    busy = [sum(blocks[b][0] for b, _ in orders[d]) for d in range(num_devices)]
+    bubble = 1 - sum(busy) / (num_devices * makespan) if makespan else 0.0
+    return {"ok": True, "makespan": makespan, "start": start, "busy": busy,
+            "peak_memory": peak, "bubble_rate": bubble}
+
+
+# ---------------------------------------------------------------- repetends
+
+def longest_paths(blocks, edges):
+    """dist[i][j]: longest start-to-start dependency path from i to j, -1 if none."""
+    k = len(blocks)
+    order = topological_order(k, edges)
+    dist = [[-1] * k for _ in range(k)]
+    for src in range(k):
+        dist[src][src] = 0
+        for b in order:
+            if dist[src][b] < 0:
+                continue
+            for a, c in edges:
+                if a == b:
+                    dist[src][c] = max(dist[src][c], dist[src][b] + blocks[b][0])
+    return dist
+
+
+def _shares(blocks, i, j):
+    return bool(set(blocks[i][2]) & set(blocks[j][2]))
+
+
+def repetend_bound(num_devices, blocks, edges, indices):
+    longest = longest_paths(blocks, edges)
+    bound = load_bound(num_devices, blocks)
+    for i in range(len(blocks)):
+        for j in range(len(blocks)):
+            if i != j and longest[i][j] >= 0 and _shares(blocks, i, j):
+                bound = max(bound, math.ceil((longest[i][j] + blocks[j][0]) /
+                                             (indices[i] - indices[j] + 1)))
+    return bound
+
+
+def enumerate_repetends(num_devices, blocks, edges, num_mb, *, capacity=-1, period_below=0,
+                        rules=()):
+    """All index assignments the core enumerates, by brute force over [0, num_mb)^K."""
+    k = len(blocks)
+    out = []
+    for n in itertools.product(range(num_mb), repeat=k):
+        if min(n) != 0 or max(n) != num_mb - 1:
+            continue
+        if any(n[b] > n[a] for a, b in edges):
+            continue
+        if any(n[after] - n[before] > ashift - bshift
+               for before, bshift, after, ashift, _ in rules):
+            continue
+        if capacity >= 0 and any(
+                sum(blocks[b][1] * n[b] for b in range(k) if d in blocks[b][2]) > capacity
+                for d in range(num_devices)):
+            continue
+        if period_below > 0 and repetend_bound(num_devices, blocks, edges, n) >= period_below:
+            continue
+        out.append(list(n))
+    return out
+
+
+def _no_positive_cycle(k, cons, period):
+    """Bellman-Ford longest paths for a_to - a_from >= w - h * period; None on a positive cycle."""
+    dist = [0] * k
+    for _ in range(k + 1):
+        changed = False
+        for a, b, w, h in cons:
+            if dist[a] + w - h * period > dist[b]:
+                dist[b] = dist[a] + w - h * period
+                changed = True
+        if not changed:
+            return dist
+    return None
+
+
+def evaluate_repetend(num_devices, blocks, edges, indices, orders, *, rules=(), min_period=0):
+    """Least integer period of repeating `orders` with micro-batch `indices`, by trying periods
+    upward. Returns None when the order contradicts the dependencies, else a dict."""
+    k = len(blocks)
+    n = indices
+    cons = [(a, b, blocks[a][0], n[a] - n[b]) for a, b in edges]
+    for before, bshift, after, ashift, _ in rules:
+        h = (ashift - bshift) - n[after] + n[before]
+        if h < 0:
+            return None
+        cons.append((before, after, blocks[before][0], h))
+    for order in orders:
+        for x, y in zip(order, order[1:]):
+            cons.append((x, y, blocks[x][0], 0))
+        if order:
+            cons.append((order[-1], order[0], blocks[order[-1]][0], 1))
+    total = sum(t for t, _, _ in blocks)
+    if _no_positive_cycle(k, cons, max(total, min_period, 1)) is None:
+        return None
+    period = max(min_period, load_bound(num_devices, blocks), 1)
+    while _no_positive_cycle(k, cons, period) is None:
+        period += 1
+    dist = _no_positive_cycle(k, cons, period)
+    base = min(dist)
+    offsets = [x - base for x in dist]
+    peak, entry = [], []
+    for d, order in enumerate(orders):
+        e = sum(blocks[b][1] * n[b] for b in order)
+        running, best = e, e
+        for b in order:
+            running += blocks[b][1]
+            best = max(best, running)
+        entry.append(e)
+        peak.append(best)
+    return {"period": period, "offsets": offsets, "entry_memory": entry, "peak_memory": peak}
+
+
+def periodic_orders(indices, orders, n):
+    """Orders of the periodic schedule of a repetend for n micro-batches."""
+    nr = max(indices) + 1
+    return [[(b, j + indices[b]) for j in range(-(nr - 1), n) for b in order
+             if 0 <= j + indices[b] < n] for order in orders]
+
+
+def extend(warmup, indices, orders, cooldown, n):
+    """Warmup, the repetend repeated n - N_R + 1 times, then cooldown shifted to the end."""
+    nr = max(indices) + 1
+    shift = n - nr
+    return [list(warmup[d]) + [(b, j + indices[b]) for j in range(shift + 1) for b in orders[d]]
+            + [(b, m + shift) for b, m in cooldown[d]] for d in range(len(orders))]

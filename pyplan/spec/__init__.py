@@ -1,0 +1,40 @@
+"""Plan specification: safe YAML loading with positions, JSON-Schema validation, typed spec."""
+
+from pyplan.spec.plan import (
+    FORMAT_VERSION,
+    BackwardOverride,
+    BackwardSpec,
+    BlockSpec,
+    CostSpec,
+    ModelSpec,
+    OrderSpec,
+    PlanSpec,
+    SearchSpec,
+    ShapeSpec,
+    load_spec,
+    parse_spec,
+    spec_from_text,
+)
+from pyplan.spec.source import Source, load_yaml, parse_yaml
+from pyplan.spec.units import format_memory, parse_memory
+
+__all__ = [
+    "FORMAT_VERSION",
+    "BackwardOverride",
+    "BackwardSpec",
+    "BlockSpec",
+    "CostSpec",
+    "ModelSpec",
+    "OrderSpec",
+    "PlanSpec",
+    "SearchSpec",
+    "ShapeSpec",
+    "Source",
+    "format_memory",
+    "load_spec",
+    "load_yaml",
+    "parse_memory",
+    "parse_spec",
+    "parse_yaml",
+    "spec_from_text",
+]

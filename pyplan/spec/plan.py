@@ -1,0 +1,316 @@
+"""The plan specification: typed, immutable view of a schema-valid plan document.
+
+Only checks that need nothing but the document itself live here (version, one memory unit,
+blocks xor shape, training options only for training plans); checks that need the expanded
+blocks (names, dependencies, devices, cycles, memory) belong to pyplan.problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pyplan.errors import PlanError
+from pyplan.spec.schema import check_schema
+from pyplan.spec.source import Source, load_yaml, parse_yaml
+from pyplan.spec.units import parse_memory
+
+__all__ = [
+    "FORMAT_VERSION",
+    "BackwardOverride",
+    "BackwardSpec",
+    "BlockSpec",
+    "CostSpec",
+    "ModelSpec",
+    "OrderSpec",
+    "PlanSpec",
+    "SearchSpec",
+    "ShapeSpec",
+    "load_spec",
+    "parse_spec",
+    "spec_from_text",
+]
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackwardSpec:
+    """How backward blocks are derived from forward blocks (training.backward)."""
+
+    time_ratio: float = 2.0
+    """Backward (or input-gradient) time as a multiple of the forward time."""
+    weight_time_ratio: float | None = None
+    """When set, the backward splits into NAME.b and a weight-gradient block NAME.w."""
+    weight_memory_ratio: float = 0.0
+    """Fraction of the forward's memory that stays allocated until NAME.w runs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackwardOverride:
+    """A block's own backward costs (overriding the derived ones), or no backward at all."""
+
+    enabled: bool = True
+    time: int | None = None
+    memory: int | None = None
+    weight_time: int | None = None
+    weight_memory: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockSpec:
+    """One block as written in `blocks:`."""
+
+    name: str
+    kind: str = "forward"
+    time: int
+    memory: int = 0
+    devices: tuple[int, ...] | None
+    """Device ids; None means all devices."""
+    after: tuple[str, ...] | None = None
+    """Dependencies by name; None means "the block listed before"."""
+    backward: BackwardOverride = BackwardOverride()
+    path: tuple = ()
+    """Where the block sits in the document, for error messages."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostSpec:
+    """Costs of a shape's stage blocks or shared blocks."""
+
+    time: int | tuple[int, ...] = 1
+    memory: int | tuple[int, ...] = 0
+    backward: BackwardOverride = BackwardOverride()
+    path: tuple = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShapeSpec:
+    """A placement shorthand (shape:) that expands into blocks."""
+
+    kind: str
+    stages: int | None = None
+    chunks: int | None = None
+    stage: CostSpec = CostSpec()
+    shared: CostSpec = CostSpec()
+    path: tuple = ("shape",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OrderSpec:
+    """One order rule as written; `loop` holds the values of its {variables}."""
+
+    text: str
+    loop: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    path: tuple = ()
+    text_path: tuple = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpec:
+    """Options of `pyplan solve`."""
+
+    max_repetend_micro_batches: int | None = None
+    time_limit: float | None = None
+    exact: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Import paths `pyplan run` uses to build modules, data and loss."""
+
+    blocks: str
+    data: str
+    loss: str
+    path: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSpec:
+    """A whole plan as written (shapes not yet expanded)."""
+
+    source: Source
+    name: str
+    description: str = ""
+    num_devices: int
+    memory_capacity: int | None = None
+    """Per-device capacity in the plan's unit (bytes when sizes are used); None = unlimited."""
+    memory_is_size: bool = False
+    num_micro_batches: int
+    task: str = "training"
+    backward: BackwardSpec | None = None
+    shape: ShapeSpec | None = None
+    blocks: tuple[BlockSpec, ...] = ()
+    order: tuple[OrderSpec, ...] = ()
+    search: SearchSpec = SearchSpec()
+    model: ModelSpec | None = None
+
+    @property
+    def training(self) -> bool:
+        return self.task == "training"
+
+    @property
+    def base_dir(self) -> Path:
+        return Path(self.source.path).resolve().parent
+
+
+class _Memory:
+    """Parses every memory amount of a plan and enforces one unit per plan."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self.first: tuple[tuple, bool] | None = None
+
+    def __call__(self, value: Any, path: tuple) -> int:
+        amount, is_size = parse_memory(value)
+        if amount != 0:
+            if self.first is None:
+                self.first = (path, is_size)
+            elif self.first[1] != is_size:
+                line, _ = self.source.locate(self.first[0])
+                unit = "a size" if is_size else "a plain integer"
+                raise self.source.error(
+                    path, f"memory is {unit} here but not on line {line}",
+                    "use one unit per plan: all sizes like \"2GiB\" or all integers")
+        return amount
+
+    @property
+    def is_size(self) -> bool:
+        return bool(self.first and self.first[1])
+
+
+def _override(raw: Any, memory: _Memory, path: tuple) -> BackwardOverride:
+    if raw is None:
+        return BackwardOverride()
+    if raw is False:
+        return BackwardOverride(enabled=False)
+    return BackwardOverride(
+        time=raw.get("time"),
+        memory=memory(raw["memory"], path + ("memory",)) if "memory" in raw else None,
+        weight_time=raw.get("weight_time"),
+        weight_memory=(memory(raw["weight_memory"], path + ("weight_memory",))
+                       if "weight_memory" in raw else None))
+
+
+def _cost(raw: dict | None, memory: _Memory, path: tuple) -> CostSpec:
+    raw = raw or {}
+    mem = raw.get("memory", 0)
+    if isinstance(mem, list):
+        mem = tuple(memory(v, path + ("memory", i)) for i, v in enumerate(mem))
+    else:
+        mem = memory(mem, path + ("memory",))
+    time = raw.get("time", 1)
+    return CostSpec(time=tuple(time) if isinstance(time, list) else time, memory=mem,
+                    backward=_override(raw.get("backward"), memory, path + ("backward",)),
+                    path=path)
+
+
+def _loop_values(source: Source, raw: Any, path: tuple) -> tuple[int, ...]:
+    if isinstance(raw, list):
+        return tuple(raw)
+    lo, hi = (int(x) for x in raw.split(".."))
+    if hi < lo:
+        raise source.error(path, f"empty range {raw!r}", "write low..high with low <= high")
+    return tuple(range(lo, hi + 1))
+
+
+def _build(source: Source) -> PlanSpec:
+    doc = source.data
+    memory = _Memory(source)
+    task = doc.get("task", "training")
+    if "blocks" in doc and "shape" in doc:
+        raise source.error(("shape",), "a plan has either blocks or a shape, not both",
+                           "remove shape: to list blocks by hand", key=True)
+    if "blocks" not in doc and "shape" not in doc:
+        raise source.error((), "the plan has neither blocks nor a shape",
+                           "add blocks: (one micro-batch) or shape: {kind: vshape}")
+    if task == "inference" and "training" in doc:
+        raise source.error(("training",), "an inference plan has no training options",
+                           "remove training: or set task: training", key=True)
+    backward = None
+    if "training" in doc and "backward" in doc["training"]:
+        raw = doc["training"]["backward"]
+        backward = BackwardSpec(time_ratio=float(raw.get("time_ratio", 2.0)),
+                                weight_time_ratio=raw.get("weight_time_ratio"),
+                                weight_memory_ratio=float(raw.get("weight_memory_ratio", 0.0)))
+        if backward.weight_time_ratio is None and "weight_memory_ratio" in raw:
+            raise source.error(("training", "backward", "weight_memory_ratio"),
+                               "weight_memory_ratio needs a split backward",
+                               "set weight_time_ratio too", key=True)
+    capacity = None
+    if "memory" in doc:
+        capacity = memory(doc["memory"], ("memory",))
+        if capacity <= 0:
+            raise source.error(("memory",), f"memory capacity must be positive, got {capacity}",
+                               "omit memory: for unlimited memory")
+    blocks = []
+    for i, raw in enumerate(doc.get("blocks", [])):
+        path = ("blocks", i)
+        devices = raw["devices"]
+        blocks.append(BlockSpec(
+            name=raw["name"], kind=raw.get("kind", "forward"), time=raw["time"],
+            memory=memory(raw.get("memory", 0), path + ("memory",)),
+            devices=None if devices == "all" else tuple(
+                [devices] if isinstance(devices, int) else devices),
+            after=tuple(raw["after"]) if "after" in raw else None,
+            backward=_override(raw.get("backward"), memory, path + ("backward",)),
+            path=path))
+    shape = None
+    if "shape" in doc:
+        raw = doc["shape"]
+        shape = ShapeSpec(kind=raw["kind"], stages=raw.get("stages"), chunks=raw.get("chunks"),
+                          stage=_cost(raw.get("stage"), memory, ("shape", "stage")),
+                          shared=_cost(raw.get("shared"), memory, ("shape", "shared")))
+    order = []
+    for i, raw in enumerate(doc.get("constraints", {}).get("order", [])):
+        path = ("constraints", "order", i)
+        if isinstance(raw, str):
+            order.append(OrderSpec(text=raw, path=path, text_path=path))
+        else:
+            loop = {name: _loop_values(source, values, path + ("for", name))
+                    for name, values in raw["for"].items()}
+            order.append(OrderSpec(text=raw["rule"], loop=loop, path=path,
+                                   text_path=path + ("rule",)))
+    search_raw = doc.get("search", {})
+    search = SearchSpec(max_repetend_micro_batches=search_raw.get("max_repetend_micro_batches"),
+                        time_limit=search_raw.get("time_limit"),
+                        exact=search_raw.get("exact", True))
+    model = None
+    if "model" in doc:
+        raw = doc["model"]
+        model = ModelSpec(blocks=raw["blocks"], data=raw["data"], loss=raw["loss"],
+                          path=raw.get("path"))
+    return PlanSpec(source=source, name=doc["name"], description=doc.get("description", ""),
+                    num_devices=doc["devices"], memory_capacity=capacity,
+                    memory_is_size=memory.is_size, num_micro_batches=doc["micro_batches"],
+                    task=task, backward=backward, shape=shape, blocks=tuple(blocks),
+                    order=tuple(order), search=search, model=model)
+
+
+def parse_spec(source: Source) -> PlanSpec:
+    """Check a loaded document (version, schema, document-level rules) and build the spec."""
+    doc = source.data
+    if not isinstance(doc, dict):
+        raise source.error((), "a plan must be a mapping of keys to values",
+                           "start from an example in plans/")
+    version = doc.get("pyplan")
+    if "pyplan" not in doc:
+        raise source.error((), "missing the format version 'pyplan: 1'",
+                           "add `pyplan: 1` as the first line")
+    if isinstance(version, int) and not isinstance(version, bool) and version != FORMAT_VERSION:
+        raise source.error(("pyplan",), f"unsupported plan format version {version}",
+                           f"this pyplan reads version {FORMAT_VERSION}; upgrade pyplan or "
+                           "convert the plan")
+    check_schema(source)
+    return _build(source)
+
+
+def load_spec(path: str | Path) -> PlanSpec:
+    """Load and check a plan file."""
+    return parse_spec(load_yaml(path))
+
+
+def spec_from_text(text: str, name: str = "<plan>") -> PlanSpec:
+    """Parse a plan from a string (tests, tools)."""
+    return parse_spec(parse_yaml(text, name))

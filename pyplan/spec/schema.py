@@ -1,0 +1,146 @@
+"""Validate a plan document against schemas/plan.schema.json, reporting the first error by
+position in the file as one located, human-readable PlanError."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from pyplan.errors import PlanError
+from pyplan.spec.source import Source
+
+__all__ = ["check_schema", "did_you_mean", "load_schema", "schema_path"]
+
+_TYPE_NAMES = {"integer": "an integer", "number": "a number", "string": "a string",
+               "array": "a list", "object": "a mapping", "boolean": "true or false"}
+
+
+def schema_path() -> Path:
+    """The plan schema: installed beside the package, or in the source tree's schemas/."""
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (here / "schemas" / "plan.schema.json",
+                      here.parent / "schemas" / "plan.schema.json"):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError("plan.schema.json is missing from the pyplan installation")
+
+
+@lru_cache(maxsize=1)
+def load_schema() -> dict:
+    return json.loads(schema_path().read_text(encoding="utf-8"))
+
+
+@lru_cache(maxsize=1)
+def _validator() -> jsonschema.Draft202012Validator:
+    schema = load_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def did_you_mean(word: str, choices) -> str | None:
+    """A "did you mean 'x'?" hint for a misspelt name, or None."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'?" if close else None
+
+
+def _show_path(path: tuple) -> str:
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "the plan"
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return repr(value)
+
+
+def _hint(error: jsonschema.ValidationError) -> str | None:
+    for schema in (error.schema, getattr(error.parent, "schema", None)):
+        if isinstance(schema, dict) and "x-hint" in schema:
+            return schema["x-hint"]
+    return None
+
+
+def _leaf(error: jsonschema.ValidationError) -> jsonschema.ValidationError:
+    """For oneOf/anyOf, the alternative whose type matches the value explains best."""
+    while error.validator in ("oneOf", "anyOf") and error.context:
+        typed = [e for e in error.context if e.validator not in ("type", "const", "oneOf")]
+        deeper = [e for e in error.context if len(e.absolute_path) > len(error.absolute_path)]
+        pick = deeper or typed
+        if not pick:
+            break
+        pick.sort(key=lambda e: -len(e.absolute_path))
+        error = pick[0]
+    return error
+
+
+def _to_plan_error(source: Source, error: jsonschema.ValidationError) -> PlanError:
+    path = tuple(error.absolute_path)
+    where = _show_path(path)
+    kind = error.validator
+    value = error.instance
+    if kind == "additionalProperties":
+        allowed = list(error.schema.get("properties", {}))
+        unknown = [k for k in value if k not in allowed]
+        key = min(unknown, key=lambda k: source.locate(path + (k,), key=True))
+        hint = did_you_mean(key, allowed) or ("allowed keys: " + ", ".join(allowed))
+        context = f" in {where}" if path else ""
+        return source.error(path + (key,), f"unknown key {key!r}{context}", hint, key=True)
+    if kind == "required":
+        missing = [k for k in error.validator_value if k not in value]
+        allowed = error.schema.get("properties", {})
+        for key in value:  # a misspelt required key explains the missing one
+            if key not in allowed and did_you_mean(key, missing):
+                return source.error(path + (key,), f"unknown key {key!r}"
+                                    + (f" in {where}" if path else ""),
+                                    did_you_mean(key, missing), key=True)
+        prop = allowed.get(missing[0], {})
+        return source.error(path, f"missing required key '{missing[0]}' in {where}",
+                            prop.get("description"))
+    if kind == "type":
+        expected = error.validator_value
+        names = [expected] if isinstance(expected, str) else expected
+        wanted = " or ".join(_TYPE_NAMES.get(n, n) for n in names)
+        return source.error(path, f"{where} must be {wanted}, got {_describe(value)}",
+                            _hint(error))
+    if kind == "enum":
+        options = error.validator_value
+        hint = did_you_mean(value, options) if isinstance(value, str) else None
+        return source.error(path, f"{where} must be one of {', '.join(map(str, options))}; "
+                            f"got {_describe(value)}", hint or _hint(error))
+    if kind in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        op = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=",
+              "exclusiveMaximum": "<"}[kind]
+        return source.error(path, f"{where} must be {op} {error.validator_value}, "
+                            f"got {_describe(value)}", _hint(error))
+    if kind in ("minItems", "minProperties"):
+        return source.error(path, f"{where} must not be empty", _hint(error))
+    if kind == "pattern":
+        return source.error(path, f"{where} has an invalid form: {_describe(value)}",
+                            _hint(error))
+    if kind == "const":
+        return source.error(path, f"{where} must be {_describe(error.validator_value)}, "
+                            f"got {_describe(value)}", _hint(error))
+    return source.error(path, f"{where} has the wrong form: {_describe(value)}", _hint(error))
+
+
+def check_schema(source: Source) -> None:
+    """Raise a PlanError for the first schema violation in file order."""
+    errors = list(_validator().iter_errors(source.data))
+    if not errors:
+        return
+    plan_errors = [_to_plan_error(source, _leaf(e)) for e in errors]
+    raise min(plan_errors, key=lambda e: (e.line, e.column))

@@ -1,0 +1,143 @@
+"""Read a YAML file safely while remembering where every key and value came from.
+
+The YAML is composed into nodes with a safe loader (C-accelerated when available) and turned into
+plain Python data by hand, so each value's line and column can be looked up by its path in the
+document, duplicate keys are caught, and no tag can construct arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pyplan.errors import PlanError
+
+__all__ = ["Source", "load_yaml", "parse_yaml"]
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in
+               ("str", "int", "float", "bool", "null", "map", "seq", "merge", "timestamp")}
+DocPath = tuple  # keys (str) and list indices (int) from the document root
+
+
+@dataclass(frozen=True)
+class Source:
+    """A loaded YAML document: its data plus a (line, column) for every path in it."""
+
+    path: str
+    sha256: str
+    data: Any
+    marks: dict = field(repr=False)
+    key_marks: dict = field(repr=False)
+    quoted: frozenset = field(repr=False, default=frozenset())
+
+    def locate(self, path: DocPath, *, key: bool = False) -> tuple[int, int]:
+        """1-based (line, column) of a value, or of its key with key=True; falls back to parents."""
+        path = tuple(path)
+        if key and path in self.key_marks:
+            return self.key_marks[path]
+        while path not in self.marks and path:
+            path = path[:-1]
+        return self.marks.get(path, (1, 1))
+
+    def error(self, path: DocPath, message: str, hint: str | None = None, *,
+              key: bool = False, offset: int = 0) -> PlanError:
+        """A PlanError pointing at `path`; `offset` moves the column inside a scalar string."""
+        line, column = self.locate(path, key=key)
+        if offset:
+            column += offset + (1 if tuple(path) in self.quoted else 0)
+        return PlanError(message, hint=hint, file=self.path, line=line, column=column)
+
+
+class _Builder:
+    """Turns a composed node tree into plain data, recording marks and rejecting duplicates."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.constructor = yaml.SafeLoader("")
+        self.marks: dict = {}
+        self.key_marks: dict = {}
+        self.quoted: set = set()
+
+    def fail(self, node: yaml.Node, message: str, hint: str | None = None) -> PlanError:
+        mark = node.start_mark
+        return PlanError(message, hint=hint, file=self.name, line=mark.line + 1,
+                         column=mark.column + 1)
+
+    def build(self, node: yaml.Node, path: DocPath) -> Any:
+        self.marks[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
+        if node.tag not in _PLAIN_TAGS:
+            raise self.fail(node, f"YAML tag '{node.tag}' is not allowed in a plan",
+                            "plans hold plain data: remove the tag")
+        if isinstance(node, yaml.MappingNode):
+            self.constructor.flatten_mapping(node)  # resolve `<<` merge keys
+            result: dict = {}
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise self.fail(key_node, "mapping keys must be plain scalars")
+                key = self.constructor.construct_object(key_node, deep=True)
+                if not isinstance(key, (str, int, bool, float)) or key is None:
+                    raise self.fail(key_node, f"unsupported mapping key {key!r}")
+                if key in result:
+                    first = self.key_marks[path + (key,)]
+                    raise self.fail(key_node, f"duplicate key '{key}'",
+                                    f"it was first set on line {first[0]}; remove one of them")
+                self.key_marks[path + (key,)] = (key_node.start_mark.line + 1,
+                                                 key_node.start_mark.column + 1)
+                result[key] = self.build(value_node, path + (key,))
+            return result
+        if isinstance(node, yaml.SequenceNode):
+            return [self.build(item, path + (i,)) for i, item in enumerate(node.value)]
+        if node.style in ("'", '"'):
+            self.quoted.add(path)
+        return self.constructor.construct_object(node, deep=True)
+
+
+def parse_yaml(text: str, name: str) -> Source:
+    """Parse YAML text (one document) into a Source; `name` is used in error messages."""
+    try:
+        documents = list(yaml.compose_all(text, Loader=_Loader))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        problem = (exc.problem or exc.context or "invalid YAML").strip()
+        raise PlanError(f"YAML syntax: {problem}", hint="check indentation, quotes and colons",
+                        file=name, line=(mark.line + 1) if mark else 1,
+                        column=(mark.column + 1) if mark else 1) from None
+    except yaml.YAMLError as exc:
+        raise PlanError(f"YAML syntax: {exc}", file=name) from None
+    documents = [d for d in documents if d is not None]
+    if not documents:
+        raise PlanError("the file is empty", hint="start from an example in plans/", file=name)
+    if len(documents) > 1:
+        second = documents[1].start_mark
+        raise PlanError("the file holds more than one YAML document",
+                        hint="keep one plan per file", file=name,
+                        line=second.line + 1, column=second.column + 1)
+    builder = _Builder(name)
+    data = builder.build(documents[0], ())
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return Source(name, digest, data, builder.marks, builder.key_marks, frozenset(builder.quoted))
+
+
+def load_yaml(path: str | Path) -> Source:
+    """Read and parse a YAML file; unreadable or non-UTF-8 files raise PlanError."""
+    name = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise PlanError("no such file", hint="check the path", file=name) from None
+    except IsADirectoryError:
+        raise PlanError("is a directory, not a plan file", file=name) from None
+    except OSError as exc:
+        raise PlanError(f"cannot read the file: {exc.strerror}", file=name) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise PlanError("the file is not valid UTF-8 text", hint="save it as UTF-8",
+                        file=name, line=line) from None
+    return parse_yaml(text, name)

@@ -1,0 +1,47 @@
+"""Hypothesis strategies for random scheduling problems (blocks of one micro-batch + DAG)."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from pyplan import _core
+
+
+@st.composite
+def problems(draw, max_devices=8, max_blocks=24, multi_device=True, balanced_memory=True):
+    """(num_devices, blocks, edges): blocks are (time, memory, devices) with a random DAG.
+
+    Edges go from lower to higher index, so the graph is acyclic; with balanced_memory every
+    device's memory deltas sum to zero (as pyplan requires of real plans).
+    """
+    num_devices = draw(st.integers(1, max_devices))
+    k = draw(st.integers(1, max_blocks))
+    blocks = []
+    for _ in range(k):
+        time = draw(st.integers(1, 6))
+        if multi_device and draw(st.integers(0, 5)) == 0:
+            devices = sorted(draw(st.sets(st.integers(0, num_devices - 1), min_size=1)))
+        else:
+            devices = [draw(st.integers(0, num_devices - 1))]
+        blocks.append([time, draw(st.integers(-3, 3)), devices])
+    if balanced_memory:
+        for b in blocks:
+            b[1] = 0
+        # Pair blocks: +x on one, -x on a later one on the same devices keeps every device at 0.
+        for i in range(k):
+            for j in range(i + 1, k):
+                if blocks[i][2] == blocks[j][2] and blocks[i][1] == 0 and blocks[j][1] == 0:
+                    x = draw(st.integers(0, 3))
+                    blocks[i][1], blocks[j][1] = x, -x
+                    break
+    edges = []
+    for j in range(1, k):
+        for i in draw(st.sets(st.integers(0, j - 1), max_size=3)):
+            edges.append((i, j))
+    return num_devices, [tuple(b) for b in blocks], sorted(edges)
+
+
+def core_graph(num_devices, blocks, edges, rules=()):
+    return _core.Graph(num_devices,
+                       [_core.Block(f"b{i}", t, m, list(d)) for i, (t, m, d) in enumerate(blocks)],
+                       list(edges), [_core.OrderRule(*r) for r in rules])
