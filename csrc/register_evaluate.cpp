@@ -1,11 +1,7 @@
-#include <pybind11/stl.h>
-
 #include "bindings.hpp"
 #include "core/evaluate.hpp"
 
 using namespace pyplan;
-
-using PyOrders = std::vector<std::vector<std::pair<int, int>>>;
 
 DeviceOrders to_orders(const PyOrders& orders) {
     DeviceOrders out(orders.size());
@@ -36,6 +32,24 @@ void register_evaluate(py::module_& m) {
         .def_readonly("bubble_rate", &Evaluation::bubble_rate)
         .def_readonly("scheduled_blocks", &Evaluation::scheduled_blocks);
 
+    // Orders converted once, for callers that evaluate the same schedule repeatedly.
+    py::class_<DeviceOrders>(m, "Orders")
+        .def(py::init([](const PyOrders& orders) { return to_orders(orders); }), py::arg("orders"))
+        .def("to_list", [](const DeviceOrders& o) { return from_orders(o); })
+        .def("__len__", [](const DeviceOrders& o) { return o.size(); });
+
+    m.def(
+        "evaluate",
+        [](const Graph& g, const DeviceOrders& orders, int64_t memory_capacity,
+           std::vector<int64_t> initial_memory, int complete_micro_batches, bool enforce_rules) {
+            EvalOptions opt{memory_capacity, std::move(initial_memory), complete_micro_batches,
+                            enforce_rules};
+            py::gil_scoped_release release;
+            return evaluate(g, orders, opt);
+        },
+        py::arg("graph"), py::arg("orders"), py::arg("memory_capacity") = -1,
+        py::arg("initial_memory") = std::vector<int64_t>{},
+        py::arg("complete_micro_batches") = 0, py::arg("enforce_rules") = true);
     m.def(
         "evaluate",
         [](const Graph& g, const PyOrders& orders, int64_t memory_capacity,

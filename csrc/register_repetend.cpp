@@ -1,13 +1,8 @@
-#include <pybind11/stl.h>
-
 #include "bindings.hpp"
 #include "core/repetend.hpp"
 
 using namespace pyplan;
 
-using PyOrders = std::vector<std::vector<std::pair<int, int>>>;
-DeviceOrders to_orders(const PyOrders& orders);
-PyOrders from_orders(const DeviceOrders& orders);
 
 static PyOrders instances_to_py(const std::vector<Instance>& xs) {
     PyOrders out(1);

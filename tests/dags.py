@@ -24,20 +24,24 @@ def problems(draw, max_devices=8, max_blocks=24, multi_device=True, balanced_mem
         else:
             devices = [draw(st.integers(0, num_devices - 1))]
         blocks.append([time, draw(st.integers(-3, 3)), devices])
+    edges = set()
+    for j in range(1, k):
+        for i in draw(st.sets(st.integers(0, j - 1), max_size=3)):
+            edges.add((i, j))
     if balanced_memory:
         for b in blocks:
             b[1] = 0
-        # Pair blocks: +x on one, -x on a later one on the same devices keeps every device at 0.
+        # Pair blocks: +x on one and -x on a later one on the same devices, which depends on it
+        # (memory is freed after it is allocated), keeps every device balanced.
+        paired = set()
         for i in range(k):
             for j in range(i + 1, k):
-                if blocks[i][2] == blocks[j][2] and blocks[i][1] == 0 and blocks[j][1] == 0:
+                if blocks[i][2] == blocks[j][2] and not {i, j} & paired:
                     x = draw(st.integers(0, 3))
                     blocks[i][1], blocks[j][1] = x, -x
+                    paired |= {i, j}
+                    edges.add((i, j))
                     break
-    edges = []
-    for j in range(1, k):
-        for i in draw(st.sets(st.integers(0, j - 1), max_size=3)):
-            edges.append((i, j))
     return num_devices, [tuple(b) for b in blocks], sorted(edges)
 
 

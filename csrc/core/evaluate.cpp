@@ -75,29 +75,45 @@ Evaluation evaluate(const Graph& g, const DeviceOrders& orders, const EvalOption
     std::vector<char> present = check_orders(g, orders, lay, opt.complete_micro_batches);
 
     const int n = lay.k * lay.num_mb;
-    // Dependencies between scheduled instances: the DAG inside a micro-batch plus order rules.
-    std::vector<std::vector<int>> succ(n);
-    std::vector<int> waiting(n, 0);
-    auto link = [&](int a, int b) {
-        succ[a].push_back(b);
-        ++waiting[b];
-    };
-    for (int m = 0; m < lay.num_mb; ++m)
-        for (const Edge& e : g.edges()) {
-            int a = lay.id({e.from, m}), b = lay.id({e.to, m});
-            if (present[a] && present[b]) link(a, b);
-        }
+    // Each instance waits for its scheduled dependencies (the DAG inside a micro-batch plus order
+    // rules) and to reach the head of every device it runs on. Successors are found on the fly.
+    std::vector<std::vector<int>> rules_from(lay.k), rules_to(lay.k);
     if (opt.enforce_rules)
-        for (const OrderRule& r : g.rules())
-            for (int m = r.min_m; m < lay.num_mb; ++m) {
-                int ma = m + r.before_shift, mb = m + r.after_shift;
-                if (ma < 0 || mb < 0 || ma >= lay.num_mb || mb >= lay.num_mb) continue;
-                int a = lay.id({r.before, ma}), b = lay.id({r.after, mb});
-                if (present[a] && present[b] && a != b) link(a, b);
-            }
-    // Each instance also waits to reach the head of every device it runs on.
-    for (int id = 0; id < n; ++id)
-        if (present[id]) waiting[id] += static_cast<int>(g.block(lay.inst(id).block).devices.size());
+        for (size_t i = 0; i < g.rules().size(); ++i) {
+            rules_from[g.rules()[i].before].push_back(static_cast<int>(i));
+            rules_to[g.rules()[i].after].push_back(static_cast<int>(i));
+        }
+    // The instance a rule links to, or -1: rule variable m = mb - shift must be >= min_m.
+    auto rule_peer = [&](const OrderRule& r, int mb, bool forward) {
+        int m = mb - (forward ? r.before_shift : r.after_shift);
+        int other = m + (forward ? r.after_shift : r.before_shift);
+        if (m < r.min_m || other < 0 || other >= lay.num_mb) return -1;
+        int id = lay.id({forward ? r.after : r.before, other});
+        return present[id] ? id : -1;
+    };
+    std::vector<int> waiting(n, 0);
+    for (int id = 0; id < n; ++id) {
+        if (!present[id]) continue;
+        Instance inst = lay.inst(id);
+        int w = static_cast<int>(g.block(inst.block).devices.size());
+        for (int p : g.predecessors(inst.block)) w += present[lay.id({p, inst.mb})];
+        for (int ri : rules_to[inst.block]) {
+            int peer = rule_peer(g.rules()[ri], inst.mb, false);
+            w += (peer >= 0 && peer != id);
+        }
+        waiting[id] = w;
+    }
+    auto for_each_successor = [&](int id, auto&& fn) {
+        Instance inst = lay.inst(id);
+        for (int s : g.successors(inst.block)) {
+            int sid = lay.id({s, inst.mb});
+            if (present[sid]) fn(sid);
+        }
+        for (int ri : rules_from[inst.block]) {
+            int peer = rule_peer(g.rules()[ri], inst.mb, true);
+            if (peer >= 0 && peer != id) fn(peer);
+        }
+    };
 
     Evaluation ev;
     ev.num_micro_batches = lay.num_mb;
@@ -148,10 +164,10 @@ Evaluation evaluate(const Graph& g, const DeviceOrders& orders, const EvalOption
                 if (--waiting[next] == 0) queue.push_back(next);
             }
         }
-        for (int s : succ[id]) {
+        for_each_successor(id, [&](int s) {
             ready[s] = std::max(ready[s], end);
             if (--waiting[s] == 0) queue.push_back(s);
-        }
+        });
     }
     ev.scheduled_blocks = static_cast<int64_t>(queue.size());
     ev.final_memory = memory;
@@ -159,7 +175,7 @@ Evaluation evaluate(const Graph& g, const DeviceOrders& orders, const EvalOption
         // Follow "waits for" links from a stalled device head until one repeats: that is the cycle.
         std::vector<std::vector<int>> pred(n);
         for (int p = 0; p < n; ++p)
-            for (int s : succ[p]) pred[s].push_back(p);
+            if (present[p]) for_each_successor(p, [&](int s) { pred[s].push_back(p); });
         std::vector<int> seen_at(n, -1);
         std::vector<std::string> chain;
         int cur = -1;
@@ -174,7 +190,7 @@ Evaluation evaluate(const Graph& g, const DeviceOrders& orders, const EvalOption
                 int h = lay.id(orders[d][head[d]]);
                 if (h != cur) {
                     next = h;
-                    why = " (behind it on device " + std::to_string(d) + ")";
+                    why = " (ahead of it on device " + std::to_string(d) + ")";
                     break;
                 }
             }

@@ -65,6 +65,7 @@ RepetendEnumerator::RepetendEnumerator(const Graph& graph, int num_mb, int64_t c
     value_.assign(k, 0);
     depth_.assign(k + 1, 0);
     longest_ = longest_paths(g_);
+    load_bound_ = g_.load_bound();
     checks_.assign(k, {});
     for (int i = 0; i < k; ++i)
         for (int j = 0; j < k; ++j)
@@ -103,6 +104,10 @@ bool RepetendEnumerator::feasible_prefix(int depth) {
 bool RepetendEnumerator::next(std::vector<int>& out) {
     const int k = g_.num_blocks();
     if (done_) return false;
+    if (period_below_ > 0 && load_bound_ >= period_below_) {  // no candidate can beat it
+        done_ = true;
+        return false;
+    }
     // depth_[l] holds the next value to try at level l (counting down); -1 means exhausted.
     auto upper = [&](int level) {
         int b = topo_[level];

@@ -46,6 +46,7 @@ class RepetendEnumerator {
     int num_mb_;
     int64_t capacity_;
     int64_t period_below_;
+    int64_t load_bound_ = 0;
     std::vector<int> topo_, pos_;
     std::vector<int> value_;                 // current assignment by block
     std::vector<int> depth_;                 // DFS: next value to try at each depth
