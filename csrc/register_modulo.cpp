@@ -1,5 +1,42 @@
-#include <pybind11/stl.h>
-
 #include "bindings.hpp"
+#include "core/modulo.hpp"
 
-void register_modulo(py::module_&) {}
+using namespace pyplan;
+
+void register_modulo(py::module_& m) {
+    py::class_<ModuloStats>(m, "ModuloStats")
+        .def(py::init<>())
+        .def_readonly("nodes", &ModuloStats::nodes)
+        .def_readonly("periods_tried", &ModuloStats::periods_tried)
+        .def_readonly("budget_exhausted", &ModuloStats::budget_exhausted);
+    m.def(
+        "modulo_schedule",
+        [](const Graph& g, int64_t period, int max_micro_batches, int64_t capacity,
+           int64_t budget) {
+            ModuloStats stats;
+            Repetend r;
+            {
+                py::gil_scoped_release release;
+                r = modulo_schedule(g, period, max_micro_batches, capacity, budget, stats);
+            }
+            return py::make_tuple(r, stats);
+        },
+        py::arg("graph"), py::arg("period"), py::arg("max_micro_batches"),
+        py::arg("memory_capacity") = -1, py::arg("node_budget") = 200000);
+    m.def(
+        "modulo_search",
+        [](const Graph& g, int max_micro_batches, int64_t capacity, int64_t max_period,
+           int64_t budget) {
+            ModuloStats stats;
+            Repetend r;
+            {
+                py::gil_scoped_release release;
+                r = modulo_search(g, max_micro_batches, capacity, max_period, budget, stats);
+            }
+            return py::make_tuple(r, stats);
+        },
+        py::arg("graph"), py::arg("max_micro_batches"), py::arg("memory_capacity") = -1,
+        py::arg("max_period") = 0, py::arg("node_budget") = 200000);
+    m.def("repetend_from_starts", &repetend_from_starts, py::arg("graph"), py::arg("start"),
+          py::arg("period"));
+}

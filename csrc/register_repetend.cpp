@@ -81,6 +81,7 @@ void register_repetend(py::module_& m) {
 
     py::class_<RepetendSearchStats>(m, "RepetendSearchStats")
         .def(py::init<>())
+        .def_readonly("out_of_time", &RepetendSearchStats::out_of_time)
         .def_readonly("enumerated", &RepetendSearchStats::enumerated)
         .def_readonly("evaluated", &RepetendSearchStats::evaluated)
         .def_readonly("pruned_memory", &RepetendSearchStats::pruned_memory)
@@ -88,16 +89,36 @@ void register_repetend(py::module_& m) {
     m.def(
         "search_repetends",
         [](const Graph& g, int num_mb, int64_t capacity, int64_t best_period, int64_t target,
-           int64_t max_candidates) {
+           int64_t max_candidates, double seconds) {
             RepetendSearchStats stats;
             Repetend best;
             {
                 py::gil_scoped_release release;
                 best = search_repetends(g, num_mb, capacity, best_period, target, max_candidates,
-                                        stats);
+                                        stats, seconds);
             }
             return py::make_tuple(best, stats);
         },
         py::arg("graph"), py::arg("num_micro_batches"), py::arg("memory_capacity") = -1,
-        py::arg("best_period") = 0, py::arg("target") = 0, py::arg("max_candidates") = 0);
+        py::arg("best_period") = 0, py::arg("target") = 0, py::arg("max_candidates") = 0,
+        py::arg("seconds") = 0.0);
+    m.def("periodic_makespan", &periodic_makespan, py::arg("graph"), py::arg("repetend"),
+          py::arg("num_micro_batches"), py::arg("memory_capacity") = -1,
+          py::call_guard<py::gil_scoped_release>());
+    m.def(
+        "rank_repetends",
+        [](const Graph& g, int num_mb, int64_t capacity, int64_t period, int n, int keep,
+           int64_t max_candidates, double seconds) {
+            RepetendSearchStats stats;
+            std::vector<Repetend> out;
+            {
+                py::gil_scoped_release release;
+                out = rank_repetends(g, num_mb, capacity, period, n, keep, max_candidates, stats,
+                                     seconds);
+            }
+            return py::make_tuple(out, stats);
+        },
+        py::arg("graph"), py::arg("num_micro_batches_in_repetend"), py::arg("memory_capacity"),
+        py::arg("period"), py::arg("num_micro_batches"), py::arg("keep") = 4,
+        py::arg("max_candidates") = 0, py::arg("seconds") = 0.0);
 }

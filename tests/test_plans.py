@@ -133,5 +133,5 @@ def test_templated_rules_expand_per_stage():
 def test_af2_condition_sets_min_m():
     p = load_problem(PLANS / "alphafold2-3f1b.yaml")
     rule = next(r for r in p.rules if r.text.startswith("f3_s1[m] < f3_s1.b"))
-    assert rule.text == "f3_s1[m] < f3_s1.b[m-3] if m > 3"
-    assert (rule.after_shift, rule.min_m) == (-3, 4)
+    assert rule.text == "f3_s1[m] < f3_s1.b[m-2] if m > 2"
+    assert (rule.after_shift, rule.min_m) == (-2, 3)

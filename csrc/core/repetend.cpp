@@ -1,6 +1,7 @@
 #include "core/repetend.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <numeric>
 #include <stdexcept>
 
@@ -52,6 +53,7 @@ int64_t repetend_bound(const Graph& g, const std::vector<int>& n,
 
 // ---------------------------------------------------------------- enumeration
 
+
 RepetendEnumerator::RepetendEnumerator(const Graph& graph, int num_mb, int64_t capacity,
                                        int64_t period_below)
     : g_(graph), num_mb_(num_mb), capacity_(capacity), period_below_(period_below) {
@@ -80,6 +82,13 @@ RepetendEnumerator::RepetendEnumerator(const Graph& graph, int num_mb, int64_t c
     device_done_depth_.assign(g_.num_devices(), -1);
     for (int d = 0; d < g_.num_devices(); ++d)
         for (int b : g_.blocks_on(d)) device_done_depth_[d] = std::max(device_done_depth_[d], pos_[b]);
+}
+
+void RepetendEnumerator::set_time_limit(double seconds) {
+    timed_ = seconds > 0;
+    deadline_ = std::chrono::steady_clock::now() +
+                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                    std::chrono::duration<double>(timed_ ? seconds : 0));
 }
 
 bool RepetendEnumerator::feasible_prefix(int depth) {
@@ -128,7 +137,11 @@ bool RepetendEnumerator::next(std::vector<int>& out) {
             continue;
         }
         value_[topo_[level_]] = depth_[level_]--;
-        ++visited_;
+        if ((++visited_ & 1023) == 0 && timed_ &&
+            std::chrono::steady_clock::now() >= deadline_) {
+            out_of_time_ = done_ = true;
+            return false;
+        }
         if (!feasible_prefix(level_)) continue;
         if (level_ + 1 < k) {
             ++level_;
@@ -417,8 +430,10 @@ DeviceOrders extend(const Graph& g, const DeviceOrders& warmup, const Repetend& 
 // ---------------------------------------------------------------- search
 
 Repetend search_repetends(const Graph& g, int num_mb, int64_t capacity, int64_t best_period,
-                          int64_t target, int64_t max_candidates, RepetendSearchStats& stats) {
+                          int64_t target, int64_t max_candidates, RepetendSearchStats& stats,
+                          double seconds) {
     RepetendEnumerator en(g, num_mb, capacity, best_period);
+    en.set_time_limit(seconds);
     Repetend best;
     std::vector<int> cand;
     while ((max_candidates <= 0 || stats.enumerated < max_candidates) && en.next(cand)) {
@@ -437,7 +452,51 @@ Repetend search_repetends(const Graph& g, int num_mb, int64_t capacity, int64_t 
         if (best_period <= target) break;
     }
     stats.visited_nodes += en.visited_nodes();
+    stats.out_of_time |= en.out_of_time();
     return best;
+}
+
+int64_t periodic_makespan(const Graph& g, const Repetend& r, int n, int64_t capacity) {
+    EvalOptions opt;
+    opt.memory_capacity = capacity;
+    opt.complete_micro_batches = n;
+    Evaluation ev = evaluate(g, periodic_orders(g, r, n), opt);
+    return ev.ok ? ev.makespan : -1;
+}
+
+std::vector<Repetend> rank_repetends(const Graph& g, int num_mb, int64_t capacity,
+                                     int64_t period, int n, int keep, int64_t max_candidates,
+                                     RepetendSearchStats& stats, double seconds) {
+    std::vector<std::pair<std::pair<int64_t, int>, Repetend>> kept;  // ((makespan, N_R), rep)
+    if (n < num_mb) return {};
+    RepetendEnumerator en(g, num_mb, capacity, period + 1);
+    en.set_time_limit(seconds);
+    std::vector<int> cand;
+    int64_t seen = 0;
+    while ((max_candidates <= 0 || seen < max_candidates) && en.next(cand)) {
+        ++seen;
+        Repetend r = list_schedule_repetend(g, cand);
+        ++stats.evaluated;
+        if (!r.feasible || r.period > period) continue;
+        if (!memory_fits(r, capacity)) {
+            ++stats.pruned_memory;
+            continue;
+        }
+        int64_t makespan = periodic_makespan(g, r, n, capacity);
+        if (makespan < 0) continue;
+        auto key = std::make_pair(makespan, r.num_micro_batches());
+        if (static_cast<int>(kept.size()) == keep && !(key < kept.back().first)) continue;
+        kept.emplace_back(key, std::move(r));
+        std::stable_sort(kept.begin(), kept.end(),
+                         [](const auto& x, const auto& y) { return x.first < y.first; });
+        if (static_cast<int>(kept.size()) > keep) kept.pop_back();
+    }
+    stats.enumerated += seen;
+    stats.visited_nodes += en.visited_nodes();
+    stats.out_of_time |= en.out_of_time();
+    std::vector<Repetend> out;
+    for (auto& item : kept) out.push_back(std::move(item.second));
+    return out;
 }
 
 }  // namespace pyplan

@@ -3,6 +3,7 @@
 // cooldown sets (Eq. 5-6) and extension to N micro-batches.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -39,6 +40,9 @@ class RepetendEnumerator {
     bool next(std::vector<int>& out);
     int64_t visited_nodes() const { return visited_; }
     void set_period_below(int64_t p) { period_below_ = p; }
+    // Stop (as if exhausted) once `seconds` of wall time have passed; <= 0: no limit.
+    void set_time_limit(double seconds);
+    bool out_of_time() const { return out_of_time_; }
 
   private:
     bool feasible_prefix(int depth);
@@ -51,7 +55,9 @@ class RepetendEnumerator {
     std::vector<int> value_;                 // current assignment by block
     std::vector<int> depth_;                 // DFS: next value to try at each depth
     int level_ = 0;
-    bool started_ = false, done_ = false;
+    bool started_ = false, done_ = false, out_of_time_ = false;
+    bool timed_ = false;
+    std::chrono::steady_clock::time_point deadline_{};
     int64_t visited_ = 0;
     std::vector<std::vector<int64_t>> longest_;  // longest start-to-start path, -1 if none
     std::vector<std::vector<std::pair<int, int64_t>>> checks_;  // by depth: (i, bound numer)
@@ -92,6 +98,7 @@ DeviceOrders extend(const Graph& g, const DeviceOrders& warmup, const Repetend& 
                     const DeviceOrders& cooldown, int num_micro_batches);
 
 struct RepetendSearchStats {
+    bool out_of_time = false;
     int64_t enumerated = 0;
     int64_t evaluated = 0;
     int64_t pruned_memory = 0;
@@ -101,7 +108,21 @@ struct RepetendSearchStats {
 // Enumerate every candidate with N_R = num_mb, evaluate the list-scheduled order of those whose
 // bound can beat `best_period` (0: none yet) and keep the best feasible one within memory.
 // Stops early when a candidate reaches `target`. Returns the best (feasible == false if none).
+// `seconds` > 0 bounds the wall time (checked every few candidates).
 Repetend search_repetends(const Graph& g, int num_mb, int64_t memory_capacity, int64_t best_period,
-                          int64_t target, int64_t max_candidates, RepetendSearchStats& stats);
+                          int64_t target, int64_t max_candidates, RepetendSearchStats& stats,
+                          double seconds = 0);
+
+// Makespan of the periodic schedule of a repetend for n micro-batches (-1 if it does not run).
+int64_t periodic_makespan(const Graph& g, const Repetend& r, int num_micro_batches,
+                          int64_t memory_capacity);
+
+// Candidates with N_R = num_mb whose list-scheduled period is at most `period`, within memory,
+// ranked by the makespan of their periodic schedule for n micro-batches (then N_R); the best
+// `keep` of at most `max_candidates` enumerated.
+std::vector<Repetend> rank_repetends(const Graph& g, int num_mb, int64_t memory_capacity,
+                                     int64_t period, int num_micro_batches, int keep,
+                                     int64_t max_candidates, RepetendSearchStats& stats,
+                                     double seconds = 0);
 
 }  // namespace pyplan

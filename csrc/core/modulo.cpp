@@ -1,0 +1,274 @@
+#include "core/modulo.hpp"
+
+#include <algorithm>
+#include <numeric>
+#include <stdexcept>
+
+namespace pyplan {
+
+Repetend repetend_from_starts(const Graph& g, const std::vector<int64_t>& start, int64_t period) {
+    const int k = g.num_blocks();
+    if (static_cast<int>(start.size()) != k || period <= 0)
+        throw std::invalid_argument("need one start per block and a positive period");
+    int64_t low = *std::min_element(start.begin(), start.end());
+    std::vector<int64_t> lag(k), offset(k);
+    int64_t max_lag = 0;
+    for (int b = 0; b < k; ++b) {
+        int64_t a = start[b] - (low / period) * period - (low < 0 && low % period ? period : 0);
+        lag[b] = a / period;
+        offset[b] = a % period;
+        max_lag = std::max(max_lag, lag[b]);
+    }
+    std::vector<int> indices(k);
+    for (int b = 0; b < k; ++b) indices[b] = static_cast<int>(max_lag - lag[b]);
+    std::vector<std::vector<int>> orders(g.num_devices());
+    for (int d = 0; d < g.num_devices(); ++d) {
+        orders[d] = g.blocks_on(d);
+        std::stable_sort(orders[d].begin(), orders[d].end(),
+                         [&](int x, int y) { return offset[x] < offset[y]; });
+    }
+    return evaluate_repetend(g, indices, orders);
+}
+
+namespace {
+
+class ModuloSearch {
+  public:
+    ModuloSearch(const Graph& g, int64_t period, int max_mb, int64_t capacity, int64_t budget,
+                 ModuloStats& stats)
+        : g_(g), T_(period), max_lag_(max_mb - 1), capacity_(capacity), budget_(budget),
+          stats_(stats) {
+        const int k = g.num_blocks();
+        auto topo = g.topological_order();
+        std::vector<int> pos(k);
+        for (int i = 0; i < k; ++i) pos[topo[i]] = i;
+        // Blocks spanning several devices are the hardest to fit: place their offsets first.
+        for (int b : topo)
+            if (g.block(b).devices.size() > 1) order_.push_back(b);
+        std::stable_sort(order_.begin(), order_.end(), [&](int x, int y) {
+            return g.block(x).devices.size() > g.block(y).devices.size();
+        });
+        for (int b : topo)
+            if (g.block(b).devices.size() == 1) order_.push_back(b);
+        offset_.assign(k, -1);
+        start_.assign(k, kUnknown);
+        table_.assign(g.num_devices(), std::vector<int>(static_cast<size_t>(T_), -1));
+        for (size_t i = 0; i < g.rules().size(); ++i) {
+            rules_of_.resize(k);
+            rules_of_[g.rules()[i].before].push_back(static_cast<int>(i));
+            rules_of_[g.rules()[i].after].push_back(static_cast<int>(i));
+        }
+        rules_of_.resize(k);
+    }
+
+    bool run() {
+        for (const Block& b : g_.blocks())
+            if (b.time > T_) return false;
+        return place(0);
+    }
+
+    const std::vector<int64_t>& starts() const { return start_; }
+    Repetend result;
+
+  private:
+    static constexpr int64_t kUnknown = INT64_MIN;
+
+    bool fits(int b, int64_t off) const {
+        for (int d : g_.block(b).devices)
+            for (int64_t t = 0; t < g_.block(b).time; ++t)
+                if (table_[d][(off + t) % T_] >= 0) return false;
+        return true;
+    }
+    void mark(int b, int64_t off, int who) {
+        for (int d : g_.block(b).devices)
+            for (int64_t t = 0; t < g_.block(b).time; ++t) table_[d][(off + t) % T_] = who;
+    }
+
+    // Forward checking: the unplaced blocks of a device must still pack into its free slots.
+    bool can_pack(int d) {
+        std::vector<int> rest;
+        for (int b : g_.blocks_on(d))
+            if (offset_[b] < 0) rest.push_back(b);
+        std::sort(rest.begin(), rest.end(),
+                  [&](int x, int y) { return g_.block(x).time > g_.block(y).time; });
+        return pack(rest, 0);
+    }
+    bool pack(const std::vector<int>& rest, size_t i) {
+        if (i == rest.size()) return true;
+        const int b = rest[i];
+        for (int64_t off = 0; off < T_; ++off) {
+            if (!fits(b, off)) continue;
+            mark(b, off, b);
+            bool ok = pack(rest, i + 1);
+            mark(b, off, -1);
+            if (ok) return true;
+        }
+        return false;
+    }
+    bool devices_can_pack(int b) {
+        for (int d : g_.block(b).devices)
+            if (!can_pack(d)) return false;
+        return true;
+    }
+
+    // Absolute start of a placed block, resolving spanning blocks from their predecessors.
+    int64_t resolve(int b) {
+        if (start_[b] != kUnknown) return start_[b];
+        if (offset_[b] < 0) return kUnknown;
+        int64_t earliest = 0;
+        for (int p : g_.predecessors(b)) {
+            int64_t s = resolve(p);
+            if (s == kUnknown) return kUnknown;
+            earliest = std::max(earliest, s + g_.block(p).time);
+        }
+        int64_t s = earliest + ((offset_[b] - earliest % T_) % T_ + T_) % T_;
+        resolved_.push_back(b);
+        return start_[b] = s;
+    }
+
+    // Order rules between resolved blocks: before[m+a] ends before after[m+b] starts.
+    bool rules_hold(int b) {
+        for (int i : rules_of_[b]) {
+            const OrderRule& r = g_.rules()[i];
+            int64_t sa = start_[r.before], sb = start_[r.after];
+            if (sa == kUnknown || sb == kUnknown) continue;
+            if (sb - sa < g_.block(r.before).time + (r.before_shift - r.after_shift) * T_)
+                return false;
+        }
+        return true;
+    }
+
+    bool lag_ok(int b) const { return start_[b] / T_ <= max_lag_; }
+
+    bool place(size_t depth) {
+        if (depth == order_.size()) return finish();
+        if (stats_.nodes >= budget_) {
+            stats_.budget_exhausted = true;
+            return false;
+        }
+        const int b = order_[depth];
+        const Block& blk = g_.block(b);
+        if (blk.devices.size() > 1) {
+            for (int64_t off = 0; off < T_; ++off) {
+                if (!fits(b, off)) continue;
+                ++stats_.nodes;
+                offset_[b] = off;
+                mark(b, off, b);
+                if (devices_can_pack(b) && place(depth + 1)) return true;
+                mark(b, off, -1);
+                offset_[b] = -1;
+                if (stats_.budget_exhausted) return false;
+            }
+            return false;
+        }
+        int64_t earliest = 0;
+        size_t mark_resolved = resolved_.size();
+        for (int p : g_.predecessors(b)) {
+            int64_t s = resolve(p);
+            earliest = std::max(earliest, s + g_.block(p).time);
+        }
+        for (int i : rules_of_[b]) {  // placed rule partners that must finish first
+            const OrderRule& r = g_.rules()[i];
+            if (r.after != b || r.before == b) continue;
+            int64_t sa = resolve(r.before);
+            if (sa != kUnknown)
+                earliest = std::max(earliest, sa + g_.block(r.before).time +
+                                                  (r.before_shift - r.after_shift) * T_);
+        }
+        bool ok = false;
+        for (int64_t delta = 0; delta < T_ && !ok; ++delta) {
+            int64_t s = earliest + delta;
+            int64_t off = s % T_;
+            if (!fits(b, off)) continue;
+            ++stats_.nodes;
+            offset_[b] = off;
+            start_[b] = s;
+            if (!lag_ok(b)) {
+                start_[b] = kUnknown;
+                offset_[b] = -1;
+                break;  // later candidates only grow the lag
+            }
+            if (rules_hold(b)) {
+                mark(b, off, b);
+                ok = devices_can_pack(b) && place(depth + 1);
+                if (!ok) mark(b, off, -1);
+            }
+            if (!ok) {
+                start_[b] = kUnknown;
+                offset_[b] = -1;
+                if (stats_.budget_exhausted) break;
+            }
+        }
+        if (!ok) unresolve(mark_resolved);
+        return ok;
+    }
+
+    void unresolve(size_t keep) {
+        while (resolved_.size() > keep) {
+            start_[resolved_.back()] = kUnknown;
+            resolved_.pop_back();
+        }
+    }
+
+    bool finish() {
+        size_t keep = resolved_.size();
+        for (int b = 0; b < g_.num_blocks(); ++b) {
+            if (resolve(b) == kUnknown || !lag_ok(b) || !rules_hold(b)) {
+                unresolve(keep);
+                return false;
+            }
+        }
+        Repetend r = repetend_from_starts(g_, start_, T_);
+        if (!r.feasible || r.period > T_ || !memory_fits(r, capacity_)) {
+            unresolve(keep);
+            return false;
+        }
+        result = std::move(r);
+        return true;
+    }
+
+    const Graph& g_;
+    int64_t T_;
+    int64_t max_lag_;
+    int64_t capacity_;
+    int64_t budget_;
+    ModuloStats& stats_;
+    std::vector<int> order_;
+    std::vector<int64_t> offset_, start_;
+    std::vector<int> resolved_;
+    std::vector<std::vector<int>> table_;
+    std::vector<std::vector<int>> rules_of_;
+};
+
+}  // namespace
+
+Repetend modulo_schedule(const Graph& g, int64_t period, int max_micro_batches,
+                         int64_t memory_capacity, int64_t node_budget, ModuloStats& stats) {
+    if (period <= 0) throw std::invalid_argument("the period must be positive");
+    if (max_micro_batches < 1) throw std::invalid_argument("need at least one micro-batch");
+    if (static_cast<int>(g.topological_order().size()) != g.num_blocks())
+        throw std::invalid_argument("the dependency graph has a cycle");
+    ++stats.periods_tried;
+    stats.budget_exhausted = false;
+    int64_t before = stats.nodes;
+    ModuloSearch search(g, period, max_micro_batches, memory_capacity, before + node_budget,
+                        stats);
+    if (search.run()) return search.result;
+    Repetend none;
+    none.orders.assign(g.num_devices(), {});
+    return none;
+}
+
+Repetend modulo_search(const Graph& g, int max_micro_batches, int64_t memory_capacity,
+                       int64_t max_period, int64_t node_budget_per_period, ModuloStats& stats) {
+    for (int64_t T = g.load_bound(); T <= max_period; ++T) {
+        Repetend r = modulo_schedule(g, T, max_micro_batches, memory_capacity,
+                                     node_budget_per_period, stats);
+        if (r.feasible) return r;
+    }
+    Repetend none;
+    none.orders.assign(g.num_devices(), {});
+    return none;
+}
+
+}  // namespace pyplan

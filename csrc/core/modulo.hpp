@@ -1,0 +1,36 @@
+// Fast path of the search: a repetend as a modulo schedule (Rau's iterative modulo scheduling,
+// DESIGN.md "Search at scale"). Block b of micro-batch m starts at start[b] + m * period; blocks
+// sharing a device must not overlap modulo the period. A depth-first search over each block's
+// offset in [0, period) with a modulo reservation table finds one, as-early-as-possible first,
+// so lags (and with them memory and warmup length) stay small.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/graph.hpp"
+#include "core/repetend.hpp"
+
+namespace pyplan {
+
+struct ModuloStats {
+    int64_t nodes = 0;           // placements tried
+    int64_t periods_tried = 0;
+    bool budget_exhausted = false;
+};
+
+// A modulo schedule with the given period whose repetend has at most max_micro_batches
+// micro-batches and fits memory, or a Repetend with feasible == false.
+Repetend modulo_schedule(const Graph& g, int64_t period, int max_micro_batches,
+                         int64_t memory_capacity, int64_t node_budget, ModuloStats& stats);
+
+// Try periods from the load bound up to max_period (inclusive); the first that admits a modulo
+// schedule wins.
+Repetend modulo_search(const Graph& g, int max_micro_batches, int64_t memory_capacity,
+                       int64_t max_period, int64_t node_budget_per_period, ModuloStats& stats);
+
+// The repetend a modulo schedule (absolute starts of micro-batch 0) stands for: indices from the
+// lags, per-device order by offset, evaluated exactly.
+Repetend repetend_from_starts(const Graph& g, const std::vector<int64_t>& start, int64_t period);
+
+}  // namespace pyplan

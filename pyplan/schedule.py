@@ -1,0 +1,131 @@
+"""A schedule: per-device orders of (block, micro-batch) and the as-early-as-possible times the
+core computes for them, with its warmup / repetend / cooldown structure when it has one.
+
+Orders are the schedule; times follow from them (every block starts as soon as its inputs,
+its devices and the order allow), and memory on a device depends only on its order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from pyplan import _core
+from pyplan.problem import Problem
+
+__all__ = ["Instance", "Repetend", "Schedule", "build_schedule", "repetend_from_core"]
+
+Instance = tuple[int, int]  # (block index, micro-batch)
+DeviceOrders = tuple[tuple[Instance, ...], ...]
+
+
+@dataclass(frozen=True)
+class Repetend:
+    """One repetition of the steady state: block b processes micro-batch j + indices[b] in
+    repetition j, each device runs its blocks in `orders[d]`, one repetition per period."""
+
+    indices: tuple[int, ...]
+    orders: tuple[tuple[int, ...], ...]
+    period: int
+    bubble_rate: float
+    peak_memory: tuple[int, ...]
+
+    @property
+    def num_micro_batches(self) -> int:
+        return max(self.indices) + 1
+
+    def core(self, problem: Problem) -> _core.Repetend:
+        return _core.evaluate_repetend(problem.graph, list(self.indices),
+                                       [list(o) for o in self.orders])
+
+
+def repetend_from_core(problem: Problem, rep: _core.Repetend) -> Repetend:
+    return Repetend(tuple(rep.indices), tuple(tuple(o) for o in rep.orders), rep.period,
+                    rep.bubble_rate(problem.graph), tuple(rep.peak_memory))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A complete, verified schedule of all micro-batches."""
+
+    problem: Problem
+    warmup: DeviceOrders
+    repetend: Repetend | None
+    cooldown: DeviceOrders
+    """Micro-batches relative to the last repetition: m stands for m + N - N_R."""
+    orders: DeviceOrders
+    start: tuple[int, ...]  # [mb * K + block]
+    makespan: int
+    busy: tuple[int, ...]
+    peak_memory: tuple[int, ...]
+    bubble_rate: float
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.problem.num_micro_batches
+
+    @property
+    def repetend_count(self) -> int:
+        if self.repetend is None:
+            return 0
+        return self.num_micro_batches - self.repetend.num_micro_batches + 1
+
+    def start_of(self, block: int, mb: int) -> int:
+        return self.start[mb * len(self.problem.blocks) + block]
+
+    def end_of(self, block: int, mb: int) -> int:
+        return self.start_of(block, mb) + self.problem.blocks[block].time
+
+    def entries(self, device: int) -> list[tuple[int, int, int, int]]:
+        """(block, micro-batch, start, end) of a device, in execution order."""
+        return [(b, m, self.start_of(b, m), self.end_of(b, m)) for b, m in self.orders[device]]
+
+    @cached_property
+    def phase_of(self) -> dict[Instance, str]:
+        """'warmup', 'repetend' or 'cooldown' for every instance."""
+        phase = {}
+        shift = self.num_micro_batches - (self.repetend.num_micro_batches
+                                          if self.repetend else 0)
+        for order in self.warmup:
+            for inst in order:
+                phase[inst] = "warmup"
+        for order in self.cooldown:
+            for b, m in order:
+                phase[(b, m + shift)] = "cooldown"
+        for order in self.orders:
+            for inst in order:
+                phase.setdefault(inst, "repetend")
+        return phase
+
+    def repetend_window(self) -> tuple[int, int] | None:
+        """Start of the first repetition and end of the last, or None without a repetend."""
+        if self.repetend is None:
+            return None
+        rep = self.repetend
+        first = [(b, rep.indices[b]) for b in range(len(rep.indices))]
+        last = [(b, rep.indices[b] + self.repetend_count - 1) for b in range(len(rep.indices))]
+        return (min(self.start_of(b, m) for b, m in first),
+                max(self.end_of(b, m) for b, m in last))
+
+
+def build_schedule(problem: Problem, warmup, repetend: Repetend | None, cooldown) -> Schedule:
+    """Compose warmup + repetend x (N - N_R + 1) + cooldown, evaluate and verify it.
+
+    Raises RuntimeError when the composition does not run (a bug, not a user error).
+    """
+    graph = problem.graph
+    n = problem.num_micro_batches
+    warmup = tuple(tuple(tuple(i) for i in o) for o in warmup)
+    cooldown = tuple(tuple(tuple(i) for i in o) for o in cooldown)
+    if repetend is None:
+        orders = warmup
+    else:
+        core_rep = repetend.core(problem)
+        orders = tuple(tuple(o) for o in _core.extend(graph, [list(o) for o in warmup],
+                                                      core_rep, [list(o) for o in cooldown], n))
+    ev = _core.evaluate(graph, [list(o) for o in orders], memory_capacity=problem.capacity,
+                        complete_micro_batches=n)
+    if not ev.ok:
+        raise RuntimeError(f"composed schedule does not run: {ev.reason}")
+    return Schedule(problem, warmup, repetend, cooldown, orders, tuple(ev.start), ev.makespan,
+                    tuple(ev.busy), tuple(ev.peak_memory), ev.bubble_rate)

@@ -1,0 +1,152 @@
+"""Schedule completion (Tessel IV-C): warmup and cooldown around the repeated repetend.
+
+The periodic schedule (every repetition of the repetend, instances outside [0, N) dropped) is
+always feasible and is the starting point. For the winning repetends only (lazy search), Z3
+then finds time-optimal warmup (Eq. 5) and cooldown (Eq. 6) phases that meet the repetend as a
+rigid periodic block (compaction at the boundaries, Fig. 6), under the memory the other phases
+leave; the better composition wins, and its times are the earliest its orders allow. With fewer
+micro-batches than the repetend spans there is no steady state: the whole problem is solved
+time-optimally instead.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pyplan import _core
+from pyplan.problem import Problem
+from pyplan.schedule import Schedule, build_schedule, repetend_from_core
+from pyplan.solve.exact import Anchor, time_optimal
+
+__all__ = ["EXACT_LIMIT", "PHASE_SECONDS", "complete"]
+
+EXACT_LIMIT = 160     # instances: above this the exact warmup/cooldown solve is skipped
+PHASE_SECONDS = 1.0   # at most this long per exact phase solve
+
+
+def _split_periodic(problem: Problem, rep: _core.Repetend):
+    """Warmup and cooldown (relative micro-batches) of the periodic schedule."""
+    n = problem.num_micro_batches
+    shift = n - rep.num_micro_batches
+    full = _core.periodic_orders(problem.graph, rep, n)
+    warmup = [[(b, m) for b, m in order if m < rep.indices[b]] for order in full]
+    cooldown = [[(b, m - shift) for b, m in order if m > rep.indices[b] + shift]
+                for order in full]
+    return warmup, cooldown
+
+
+def _phase_deadline(deadline: float | None) -> float:
+    cap = time.monotonic() + PHASE_SECONDS
+    return cap if deadline is None else min(cap, deadline)
+
+
+def _warmup_anchor(problem: Problem, rep: _core.Repetend, instances) -> Anchor:
+    blocks = problem.blocks
+    T, n, a = rep.period, rep.indices, rep.offsets
+    first = {d: min(a[b] for b in problem.graph.blocks_on(d))
+             for d in range(problem.num_devices) if problem.graph.blocks_on(d)}
+    members = set(instances)
+    external: dict = {}
+    for p, c in problem.edges:
+        for (b, m) in instances:
+            if b == p and (c, m) not in members:
+                due = (m - n[c]) * T + a[c]  # (c, m) runs in repetition m - n[c] >= 0
+                external[(b, m)] = min(external.get((b, m), due), due)
+    # R cannot be earlier than any device's warmup work, nor than any instance's own chain.
+    head = problem.graph.heads()
+    bound = 0
+    for d, due in first.items():
+        on = [(b, m) for b, m in instances if d in blocks[b].devices]
+        if on:
+            bound = max(bound, min(head[b] for b, _ in on) + sum(blocks[b].time for b, _ in on)
+                        - due)
+    for (b, m), due in external.items():
+        bound = max(bound, head[b] + blocks[b].time - due)
+    return Anchor("warmup", first, external, floor=bound)
+
+
+def _cooldown_anchor(problem: Problem, rep: _core.Repetend, instances, last: int) -> Anchor:
+    T, n, a = rep.period, rep.indices, rep.offsets
+    time_of = [b.time for b in problem.blocks]
+    end = {d: max(a[b] + time_of[b] for b in problem.graph.blocks_on(d))
+           for d in range(problem.num_devices) if problem.graph.blocks_on(d)}
+    members = set(instances)
+    external: dict = {}
+    for p, c in problem.edges:
+        for (b, m) in instances:
+            if b == c and (p, m) not in members:
+                ready = (m - n[p] - last) * T + a[p] + time_of[p]
+                external[(b, m)] = max(external.get((b, m), ready), ready)
+    # The end is no earlier than any device's cooldown work after its last repetition.
+    tail = problem.graph.tails()
+    floor = max(end.values(), default=0)
+    for d, ready in end.items():
+        on = [(b, m) for b, m in instances if d in problem.blocks[b].devices]
+        if on:
+            floor = max(floor, ready + sum(time_of[b] for b, _ in on) + min(tail[b] for b, _ in on))
+    for (b, m), ready in external.items():
+        floor = max(floor, ready + time_of[b] + tail[b])
+    return Anchor("cooldown", end, external, floor=floor)
+
+
+def complete(problem: Problem, rep: _core.Repetend, *, exact: bool,
+             deadline: float | None, notes: list[str]) -> tuple[Schedule, bool]:
+    """The best completion found and whether a time limit cut the exact solve short."""
+    n = problem.num_micro_batches
+    if n < rep.num_micro_batches:
+        return _whole(problem, rep, exact, deadline, notes)
+    repetend = repetend_from_core(problem, rep)
+    warmup, cooldown = _split_periodic(problem, rep)
+    periodic = build_schedule(problem, warmup, repetend, cooldown)
+    warm = _core.warmup_blocks(list(rep.indices))
+    last = n - rep.num_micro_batches
+    cool = [(b, m + last) for b, m in _core.cooldown_blocks(list(rep.indices))]
+    if not exact or max(len(warm), len(cool)) > EXACT_LIMIT:
+        notes.append(f"completion: periodic warmup ({len(warm)} blocks) and cooldown "
+                     f"({len(cool)} blocks)" + ("" if not exact else
+                                               f", above the exact limit of {EXACT_LIMIT}"))
+        return periodic, False
+    w = c = None
+    cut = False
+    if warm:
+        result = time_optimal(problem, warm, anchor=_warmup_anchor(problem, rep, warm),
+                              deadline=_phase_deadline(deadline))
+        cut |= result.status in ("feasible", "unknown")
+        w = result.orders if result.orders else None
+    if cool:
+        result = time_optimal(problem, cool, initial_memory=list(rep.entry_memory),
+                              anchor=_cooldown_anchor(problem, rep, cool, last),
+                              deadline=_phase_deadline(deadline))
+        cut |= result.status in ("feasible", "unknown")
+        c = [[(b, m - last) for b, m in order] for order in result.orders] \
+            if result.orders else None
+    best = periodic
+    if w is not None or c is not None:
+        try:
+            candidate = build_schedule(problem, w if w is not None else warmup, repetend,
+                                       c if c is not None else cooldown)
+            if candidate.makespan < best.makespan:
+                best = candidate
+        except RuntimeError:
+            pass  # an order rule ties a phase to the repetend: the periodic phases stay
+    notes.append(f"completion: warmup ({len(warm)} blocks) and cooldown ({len(cool)} blocks) "
+                 + ("improved by Z3 until the time limit" if cut else "time-optimal (Z3)"))
+    return best, cut
+
+
+def _whole(problem, rep, exact, deadline, notes):
+    n = problem.num_micro_batches
+    schedule = build_schedule(problem, _core.periodic_orders(problem.graph, rep, n), None, ())
+    if not exact or n * len(problem.blocks) > EXACT_LIMIT:
+        notes.append(f"completion: periodic order (no full repetend fits in {n} micro-batches)")
+        return schedule, False
+    everything = [(b.index, m) for m in range(n) for b in problem.blocks]
+    result = time_optimal(problem, everything, upper_bound=schedule.makespan,
+                          lower_bound=problem.graph.makespan_bound(n),
+                          deadline=_phase_deadline(deadline))
+    if result.orders:
+        schedule = build_schedule(problem, result.orders, None, ())
+    cut = result.status in ("feasible", "unknown")
+    notes.append("completion: whole schedule improved by Z3 until the time limit" if cut else
+                 "completion: whole schedule time-optimal (Z3)")
+    return schedule, cut

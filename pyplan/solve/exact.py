@@ -1,0 +1,250 @@
+"""Exact subproblems with Z3.
+
+* `modulo_repetend`: is there a repetend with period T (a modulo schedule: block b of micro-batch
+  m starts at k_b * T + o_b + m * T, o_b in [0, T)) within the lag and memory limits? Blocks
+  sharing a device do not overlap modulo T; steady-state memory is checked at every block
+  start: -sum(m_i k_i) - sum(m_i for o_i > o_j).
+* `time_optimal`: the least makespan of a set of instances (warmup, cooldown or a whole small
+  problem) with dependencies, exclusive devices, memory at block-start events and order rules.
+
+Both use a plain Solver: T is fixed per check (keeps everything linear), and makespans are
+bisected with push/pop; `method="optimize"` runs z3.Optimize instead, for comparison.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import z3
+
+from pyplan.problem import Problem
+
+__all__ = ["Anchor", "ModuloResult", "TimeOptimal", "modulo_repetend", "time_optimal"]
+
+
+def _solver(deadline: float | None) -> z3.Solver:
+    solver = z3.SolverFor("QF_LIA")
+    if deadline is not None:
+        solver.set("timeout", max(1, int((deadline - time.monotonic()) * 1000)))
+    return solver
+
+
+def _remaining_ms(deadline: float | None) -> int | None:
+    if deadline is None:
+        return None
+    return max(1, int((deadline - time.monotonic()) * 1000))
+
+
+@dataclass(frozen=True)
+class ModuloResult:
+    status: str  # "sat", "unsat" or "unknown" (timeout)
+    starts: tuple[int, ...] = ()  # absolute start of each block of micro-batch 0
+
+
+def modulo_repetend(problem: Problem, period: int, max_micro_batches: int, *,
+                    min_lags: list[int] | None = None, deadline: float | None = None
+                    ) -> ModuloResult:
+    """A repetend with this period, at most `max_micro_batches` micro-batches (lag span) and
+    within memory, or unsat. `min_lags` pins Tessel index assignments: lag_b >= min_lags[b]."""
+    blocks = problem.blocks
+    T = period
+    if any(b.time > T for b in blocks):
+        return ModuloResult("unsat")
+    max_lag = max_micro_batches - 1
+    solver = _solver(deadline)
+    off = [z3.Int(f"o_{b.name}") for b in blocks]
+    lag = [z3.Int(f"k_{b.name}") for b in blocks]
+    start = [lag[i] * T + off[i] for i in range(len(blocks))]
+    for i, b in enumerate(blocks):
+        solver.add(off[i] >= 0, off[i] < T, lag[i] >= (min_lags[i] if min_lags else 0),
+                   lag[i] <= max_lag)
+    for a, c in problem.edges:
+        solver.add(start[c] >= start[a] + blocks[a].time)
+    for r in problem.rules:
+        solver.add(start[r.after] - start[r.before] >=
+                   blocks[r.before].time + (r.before_shift - r.after_shift) * T)
+    for i in range(len(blocks)):
+        for j in range(i + 1, len(blocks)):
+            if set(blocks[i].devices) & set(blocks[j].devices):
+                ti, tj = blocks[i].time, blocks[j].time
+                solver.add(z3.Or(z3.And(off[i] + ti <= off[j], off[j] + tj <= off[i] + T),
+                                 z3.And(off[j] + tj <= off[i], off[i] + ti <= off[j] + T)))
+    if problem.memory_capacity is not None:
+        for d in range(problem.num_devices):
+            on = [i for i, b in enumerate(blocks) if d in b.devices]
+            if all(blocks[i].memory == 0 for i in on):
+                continue
+            base = -z3.Sum([blocks[i].memory * lag[i] for i in on])
+            for j in on:
+                later = [z3.If(off[i] > off[j], blocks[i].memory, 0) for i in on
+                         if i != j and blocks[i].memory != 0]
+                memory_at_start = base - z3.Sum(later) if later else base
+                solver.add(memory_at_start <= problem.memory_capacity)
+    # Shifting a whole schedule by a period changes nothing: let some block have lag 0.
+    solver.add(z3.Or([k == 0 for k in lag]))
+    outcome = solver.check()
+    if outcome == z3.sat:
+        model = solver.model()
+        return ModuloResult("sat", tuple(model.eval(s, model_completion=True).as_long()
+                                         for s in start))
+    return ModuloResult("unsat" if outcome == z3.unsat else "unknown")
+
+
+@dataclass(frozen=True)
+class TimeOptimal:
+    status: str  # "optimal", "feasible" (search stopped early) or "none" (nothing better found)
+    value: int = 0  # the minimised objective
+    orders: tuple = ()  # per device, instances by start time
+    starts: dict | None = None
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """How a phase meets the repetend, which runs as a rigid periodic block of time.
+
+    warmup: a variable origin R (at least `floor`) is minimised; an instance on device d must
+    end by R + device_time[d]; `external[i]` = c means instance i must end by R + c.
+    cooldown: the origin is 0 (the last repetition's start); an instance on device d starts at
+    device_time[d] or later; `external[i]` = c means instance i starts at c or later; the
+    objective is the end of everything, at least `floor`.
+    """
+
+    kind: str
+    device_time: dict = field(default_factory=dict)
+    external: dict = field(default_factory=dict)
+    floor: int = 0
+
+
+def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
+                 initial_memory: list[int] | None = None, lower_bound: int = 0,
+                 upper_bound: int | None = None, deadline: float | None = None,
+                 anchor: Anchor | None = None, symmetry: bool = True,
+                 method: str = "bisection") -> TimeOptimal:
+    """Least makespan of `instances` (block, micro-batch), strictly below `upper_bound`; with an
+    anchor, the least warmup origin or cooldown end instead.
+
+    Dependencies to instances outside the set count as already done (or are given by the
+    anchor); memory starts at `initial_memory` per device; `symmetry` orders instances of one
+    block by micro-batch (Tessel Property 4.1). Blocks sharing a device get one Boolean per
+    pair that fixes both their order and which of them counts in the other's memory.
+    """
+    blocks = problem.blocks
+    inst = sorted(set(map(tuple, instances)), key=lambda x: (x[1], x[0]))
+    index = {x: i for i, x in enumerate(inst)}
+    time_of = [blocks[b].time for b, _ in inst]
+    s = [z3.Int(f"s_{blocks[b].name}@{m}") for b, m in inst]
+    cons = [v >= 0 for v in s]
+    for a, c in problem.edges:
+        for m in sorted({m for _, m in inst}):
+            if (a, m) in index and (c, m) in index:
+                cons.append(s[index[(c, m)]] >= s[index[(a, m)]] + blocks[a].time)
+    for r in problem.rules:
+        for (b, m) in inst:
+            if b != r.before:
+                continue
+            var = m - r.before_shift
+            other = (r.after, var + r.after_shift)
+            if var >= r.min_m and other in index and other != (b, m):
+                cons.append(s[index[other]] >= s[index[(b, m)]] + blocks[b].time)
+    previous: dict[int, int] = {}  # block -> its last micro-batch seen, for symmetry
+    if symmetry:
+        for b, m in inst:
+            if b in previous:
+                cons.append(s[index[(b, previous[b])]] < s[index[(b, m)]])
+            previous[b] = m
+    before: dict[tuple[int, int], z3.BoolRef] = {}
+    on_device = [[i for i, (b, _) in enumerate(inst) if d in blocks[b].devices]
+                 for d in range(problem.num_devices)]
+    for on in on_device:
+        for x in range(len(on)):
+            for y in range(x + 1, len(on)):
+                i, j = on[x], on[y]
+                if (i, j) in before:
+                    continue
+                p = z3.Bool(f"p_{i}_{j}")
+                before[(i, j)] = p
+                cons.append(z3.If(p, s[i] + time_of[i] <= s[j], s[j] + time_of[j] <= s[i]))
+
+    def precedes(i: int, j: int):
+        return before[(i, j)] if (i, j) in before else z3.Not(before[(j, i)])
+
+    if problem.memory_capacity is not None:
+        init = initial_memory or [0] * problem.num_devices
+        for d, on in enumerate(on_device):
+            positive = sum(max(0, blocks[inst[i][0]].memory) for i in on)
+            if init[d] + positive <= problem.memory_capacity:
+                continue  # cannot overflow whatever the order
+            for j in on:
+                earlier = [z3.If(precedes(i, j), blocks[inst[i][0]].memory, 0) for i in on
+                           if i != j and blocks[inst[i][0]].memory != 0]
+                cons.append(init[d] + blocks[inst[j][0]].memory + z3.Sum(earlier)
+                            <= problem.memory_capacity)
+    objective = z3.Int("objective")
+    if anchor is None or anchor.kind == "cooldown":
+        cons += [objective >= s[i] + time_of[i] for i in range(len(inst))]
+    if anchor is not None and anchor.kind == "warmup":
+        cons.append(objective >= anchor.floor)
+        for i, (b, _) in enumerate(inst):
+            for d in blocks[b].devices:
+                if d in anchor.device_time:
+                    cons.append(s[i] + time_of[i] <= objective + anchor.device_time[d])
+        for x, c in anchor.external.items():
+            cons.append(s[index[x]] + time_of[index[x]] <= objective + c)
+    if anchor is not None and anchor.kind == "cooldown":
+        cons.append(objective >= anchor.floor)
+        for i, (b, _) in enumerate(inst):
+            for d in blocks[b].devices:
+                if d in anchor.device_time:
+                    cons.append(s[i] >= anchor.device_time[d])
+        for x, c in anchor.external.items():
+            cons.append(s[index[x]] >= c)
+    lo = max(lower_bound, anchor.floor if anchor is not None else 0)
+    hi = (upper_bound - 1) if upper_bound is not None else \
+        sum(time_of) + max([0, anchor.floor if anchor else 0] +
+                           list(anchor.device_time.values() if anchor else []))
+    if lo > hi:
+        return TimeOptimal("none")
+    if method == "optimize":
+        opt = z3.Optimize()
+        if deadline is not None:
+            opt.set("timeout", _remaining_ms(deadline))
+        opt.add(*cons, objective <= hi)
+        handle = opt.minimize(objective)
+        if opt.check() != z3.sat:
+            return TimeOptimal("none")
+        model = opt.model()
+        exact = opt.lower(handle).as_long() == model.eval(objective).as_long()
+        return _result(problem, inst, s, model, objective, "optimal" if exact else "feasible")
+    solver = _solver(deadline)
+    solver.add(*cons)
+    best_model, proven = None, True
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        solver.push()
+        solver.add(objective <= mid)
+        ms = _remaining_ms(deadline)
+        if ms is not None:
+            solver.set("timeout", ms)
+        outcome = solver.check()
+        if outcome == z3.sat:
+            best_model = solver.model()
+            hi = best_model.eval(objective).as_long() - 1
+        elif outcome == z3.unsat:
+            lo = mid + 1
+        else:
+            proven = False
+            solver.pop()
+            break
+        solver.pop()
+    if best_model is None:
+        return TimeOptimal("none" if proven else "unknown")
+    return _result(problem, inst, s, best_model, objective, "optimal" if proven else "feasible")
+
+
+def _result(problem, inst, s, model, objective, status) -> TimeOptimal:
+    starts = {x: model.eval(s[i], model_completion=True).as_long() for i, x in enumerate(inst)}
+    orders = tuple(tuple(sorted((x for x in inst if d in problem.blocks[x[0]].devices),
+                                key=lambda x: (starts[x], x[1], x[0])))
+                   for d in range(problem.num_devices))
+    return TimeOptimal(status, model.eval(objective).as_long(), orders, starts)

@@ -1,0 +1,219 @@
+"""Repetend search: Tessel's Algorithm 1 with a modulo-scheduling fast path and exact Z3 checks.
+
+1. Bounds: the period cannot beat the busiest device's load (lower bound); memory caps how many
+   micro-batches a repetend may span (max in-flight).
+2. Fast path (C++): a modulo schedule at the lower bound, then the next periods, as early as
+   possible; usually zero-bubble at once, even at 32 devices.
+3. Tessel enumeration (C++): index assignments for N_R = 1, 2, ... pruned by dependencies
+   (Property 4.2), order rules, entry memory and a per-candidate period bound, each
+   list-scheduled and evaluated exactly; candidates that cannot beat the best are skipped.
+4. Exact (Z3): is a shorter period feasible? The lower bound first, then bisection; all unsat
+   proves the best optimal among repetends of at most max N_R micro-batches.
+5. A pool of repetends with that period (modulo schedules for every N_R limit, the best Tessel
+   candidates of each N_R) is ranked by the makespan of its periodic schedule; completion
+   (pyplan.solve.complete) picks among the best of them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pyplan import _core
+from pyplan.errors import InfeasibleError
+from pyplan.problem import Problem
+from pyplan.solve.exact import modulo_repetend
+
+__all__ = ["RepetendSearch", "SearchStats", "candidate_pool", "max_repetend_micro_batches",
+           "search_repetend"]
+
+MODULO_BUDGET = 20_000        # DFS placements per period in the fast path
+ENUMERATION_BUDGET = 200_000  # Tessel candidates per N_R while searching the period
+POOL_BUDGET = 20_000          # Tessel candidates per N_R while filling the completion pool
+POOL_SIZE = 4                 # repetends of the best period that completion tries
+POOL_SECONDS = 2.0            # at most this long filling the pool
+
+
+@dataclass
+class SearchStats:
+    """What the search did (deterministic counts; times go to search_seconds)."""
+
+    modulo_nodes: int = 0
+    candidates: int = 0
+    z3_checks: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RepetendSearch:
+    repetend: _core.Repetend
+    lower_bound: int
+    proven_optimal: bool
+    timed_out: bool
+
+
+class _Clock:
+    def __init__(self, limit: float | None) -> None:
+        self.deadline = None if limit is None else time.monotonic() + limit
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def remaining(self) -> float:
+        """Seconds left (0.0 means no limit for the core, so never return exactly 0)."""
+        if self.deadline is None:
+            return 0.0
+        return max(1e-3, self.deadline - time.monotonic())
+
+
+def max_repetend_micro_batches(problem: Problem) -> int:
+    """How many micro-batches a repetend may span: the plan's limit, else a little more than the
+    number of micro-batches whose forward memory fits on every device (Tessel's
+    CalMaxInflight), never more than the plan's micro-batches."""
+    limit = problem.search.max_repetend_micro_batches
+    if limit is None:
+        limit = 2 * problem.num_devices + 2
+        if problem.memory_capacity is not None:
+            held = [0] * problem.num_devices
+            for b in problem.blocks:
+                for d in b.devices:
+                    held[d] += max(0, b.memory)
+            fits = [problem.memory_capacity // h for h in held if h > 0]
+            if fits:
+                # A repetend spans a little more than what is in flight on the busiest device
+                # (a deferred weight-gradient block, say), hence the margin.
+                limit = max(1, min(fits)) + 2
+    return max(1, min(limit, problem.num_micro_batches))
+
+
+def _better(a: _core.Repetend | None, b: _core.Repetend) -> bool:
+    """Is b better than a: shorter period, then fewer micro-batches."""
+    if not b.feasible:
+        return False
+    if a is None or not a.feasible:
+        return True
+    return (b.period, b.num_micro_batches) < (a.period, a.num_micro_batches)
+
+
+def search_repetend(problem: Problem, *, time_limit: float | None, exact: bool,
+                    stats: SearchStats, progress=None) -> RepetendSearch:
+    graph = problem.graph
+    capacity = problem.capacity
+    bound = graph.load_bound()
+    max_nr = max_repetend_micro_batches(problem)
+    clock = _Clock(time_limit)
+
+    def report(phase: str, n_r=None):
+        if progress is not None:
+            progress.update(phase=phase, n_r=n_r, candidates=stats.candidates,
+                            best=best.period if best is not None else None, bound=bound)
+
+    best: _core.Repetend | None = None
+    # One micro-batch at a time always works if one micro-batch fits: the fallback.
+    sequential = _core.list_schedule_repetend(graph, [0] * len(problem.blocks))
+    if sequential.feasible and _core.memory_fits(sequential, capacity):
+        best = sequential
+    report("fast path")
+    max_period = best.period - 1 if best is not None else bound * 4
+    for period in range(bound, max_period + 1):
+        if clock.expired():
+            break
+        rep, mstats = _core.modulo_schedule(graph, period, max_nr, capacity, MODULO_BUDGET)
+        stats.modulo_nodes += mstats.nodes
+        if _better(best, rep):
+            best = rep
+            break
+    timed_out = False
+    if best is None or best.period > bound:
+        for nr in range(1, max_nr + 1):
+            if clock.expired():
+                timed_out = True
+                break
+            report("enumeration", nr)
+            rep, estats = _core.search_repetends(graph, nr, capacity,
+                                                 best.period if best else 0, bound,
+                                                 ENUMERATION_BUDGET, clock.remaining())
+            stats.candidates += estats.enumerated
+            if _better(best, rep):
+                best = rep
+            if best is not None and best.period <= bound:
+                break
+    if best is None and not exact:
+        raise InfeasibleError("no schedule satisfies the memory capacity and order rules",
+                              hint="raise memory:, relax constraints: or enable search.exact")
+    proven = best is not None and best.period <= bound
+    if not proven and exact and not timed_out:
+        proven, timed_out, found = _exact_period(problem, best, bound, max_nr, clock, stats,
+                                                 report)
+        if found is not None:
+            best = found
+    if best is None:
+        raise InfeasibleError("no schedule satisfies the memory capacity and order rules",
+                              hint="raise memory: or relax constraints:")
+    return RepetendSearch(best, bound, proven, timed_out)
+
+
+def _exact_period(problem, best, bound, max_nr, clock, stats, report):
+    """Z3: the lower bound first, then bisection below the best period."""
+    graph = problem.graph
+    lo = bound
+    hi = (best.period - 1) if best is not None else bound * 4
+    found = None
+    proven = True
+    first = True
+    while lo <= hi:
+        period = lo if first else (lo + hi) // 2
+        first = False
+        report(f"exact period {period}")
+        stats.z3_checks += 1
+        result = modulo_repetend(problem, period, max_nr, deadline=clock.deadline)
+        if result.status == "sat":
+            rep = _core.repetend_from_starts(graph, list(result.starts), period)
+            if rep.feasible and _core.memory_fits(rep, problem.capacity) and \
+                    _better(found or best, rep):
+                found = rep
+            hi = rep.period - 1
+        elif result.status == "unsat":
+            lo = period + 1
+        else:
+            return False, True, found
+    return proven, False, found
+
+
+def candidate_pool(problem: Problem, best: _core.Repetend, *, time_limit: float | None,
+                   stats: SearchStats, keep: int = POOL_SIZE) -> list[_core.Repetend]:
+    """Repetends with the best period, ranked by the makespan of their periodic schedule for the
+    plan's micro-batches (then fewer micro-batches): modulo schedules with every N_R limit and
+    the best Tessel candidates of each N_R. Completion picks among them."""
+    graph, capacity = problem.graph, problem.capacity
+    n = problem.num_micro_batches
+    clock = _Clock(POOL_SECONDS if time_limit is None else min(time_limit, POOL_SECONDS))
+    period = best.period
+    max_nr = max_repetend_micro_batches(problem)
+    pool = {_key(best): best}
+    for nr in range(1, max_nr + 1):
+        if clock.expired():
+            break
+        rep, mstats = _core.modulo_schedule(graph, period, nr, capacity, MODULO_BUDGET)
+        stats.modulo_nodes += mstats.nodes
+        if rep.feasible and rep.period <= period:
+            pool.setdefault(_key(rep), rep)
+    for nr in range(1, min(max_nr, n) + 1):
+        if clock.expired():
+            break
+        ranked, estats = _core.rank_repetends(graph, nr, capacity, period, n, keep,
+                                              POOL_BUDGET, clock.remaining())
+        stats.candidates += estats.enumerated
+        for rep in ranked:
+            pool.setdefault(_key(rep), rep)
+
+    def rank(rep):
+        makespan = _core.periodic_makespan(graph, rep, n, capacity)
+        return (makespan if makespan >= 0 else float("inf"), rep.num_micro_batches,
+                sum(rep.peak_memory))
+
+    return sorted(pool.values(), key=rank)[:keep]
+
+
+def _key(rep: _core.Repetend):
+    return tuple(rep.indices), tuple(tuple(o) for o in rep.orders)

@@ -1,0 +1,402 @@
+"""Hand-written schedules as baselines on the plan's own placement, evaluated by the core.
+
+GPipe applies to any placement. 1F1B, ZB-H1 and 3F1B need the forward blocks to form one chain
+whose single-device blocks are the pipeline stages; blocks spanning several devices (a sharded
+embedding, say) are glued to their neighbouring stage, which is Tessel's "1F1B+". Interleaved
+1F1B needs stage s on device s mod D with several chunks per device, and Chimera the two chains
+of an X-shape. A template that does not fit the placement says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyplan import _core
+from pyplan.problem import BACKWARD, FORWARD, WEIGHT, Problem
+
+__all__ = ["TEMPLATES", "Baseline", "baselines", "template_orders"]
+
+TEMPLATES = ("gpipe", "1f1b", "interleaved-1f1b", "chimera", "zb-h1", "3f1b")
+
+
+class NotApplicable(Exception):
+    """The template does not fit this placement."""
+
+
+@dataclass(frozen=True)
+class Baseline:
+    name: str
+    makespan: int | None = None
+    bubble_rate: float | None = None
+    peak_memory: tuple[int, ...] = ()
+    fits_memory: bool = True
+    reason: str | None = None  # why it does not apply
+
+    @property
+    def applicable(self) -> bool:
+        return self.reason is None
+
+
+# ---------------------------------------------------------------- structure of the placement
+
+def _forward_chains(problem: Problem) -> list[list[int]]:
+    """Connected chains of forward blocks, each in dependency order."""
+    fwd = {b.index for b in problem.blocks if b.kind == FORWARD}
+    succ = {b: [c for a, c in problem.edges if a == b and c in fwd] for b in fwd}
+    pred = {b: [a for a, c in problem.edges if c == b and a in fwd] for b in fwd}
+    chains = []
+    for head in sorted(b for b in fwd if not pred[b]):
+        chain = [head]
+        while True:
+            nxt = succ[chain[-1]]
+            if len(nxt) > 1 or any(len(pred[n]) > 1 for n in nxt):
+                raise NotApplicable("the forward blocks branch or join")
+            if not nxt:
+                break
+            chain.append(nxt[0])
+        chains.append(chain)
+    if sum(map(len, chains)) != len(fwd):
+        raise NotApplicable("the forward blocks do not form chains")
+    return chains
+
+
+def _stages(problem: Problem, chain: list[int]) -> list[list[int]]:
+    """Group a chain into stages: each single-device block with the spanning blocks glued to it
+    (those before the first stage block go with it, others with the stage before them)."""
+    stages: list[list[int]] = []
+    pending: list[int] = []
+    for b in chain:
+        if len(problem.blocks[b].devices) == 1:
+            stages.append(pending + [b])
+            pending = []
+        elif stages:
+            stages[-1].append(b)
+        else:
+            pending.append(b)
+    if not stages:
+        raise NotApplicable("no single-device stage blocks")
+    stages[-1].extend(pending)
+    return stages
+
+
+def _stage_device(problem: Problem, stage: list[int]) -> int:
+    return next(problem.blocks[b].devices[0] for b in stage
+                if len(problem.blocks[b].devices) == 1)
+
+
+def _backward_of(problem: Problem, block: int, kind: str) -> int | None:
+    name = problem.blocks[block].name + (".b" if kind == BACKWARD else ".w")
+    return problem.by_name.get(name)
+
+
+def _require_training(problem: Problem) -> None:
+    if not problem.training:
+        raise NotApplicable("an inference plan has no backward blocks")
+    for b in problem.blocks:
+        if b.kind == FORWARD and _backward_of(problem, b.index, BACKWARD) is None:
+            raise NotApplicable(f"forward block '{b.name}' has no derived backward")
+
+
+# ---------------------------------------------------------------- stage-level simulation
+
+def _simulate(num_stages: int, n: int, pick) -> list[list[tuple[str, int]]]:
+    """Unit-time pipeline of `num_stages` stages: F flows down, B flows back up.
+    `pick(stage, counts, ready)` chooses the op each stage runs at each step."""
+    done: set[tuple[str, int, int]] = set()
+    next_mb = {(op, s): 0 for op in "FBW" for s in range(num_stages)}
+    orders: list[list[tuple[str, int]]] = [[] for _ in range(num_stages)]
+    total = num_stages * n * 2
+    step = 0
+    while len(done) < total:
+        chosen = []
+        for s in range(num_stages):
+            ready = {}
+            m = next_mb[("F", s)]
+            if m < n and (s == 0 or ("F", s - 1, m) in done):
+                ready["F"] = m
+            m = next_mb[("B", s)]
+            if m < n and ("F", s, m) in done and (s == num_stages - 1 or ("B", s + 1, m) in done):
+                ready["B"] = m
+            counts = {op: next_mb[(op, s)] for op in "FBW"}
+            op = pick(s, counts, ready)
+            if op is not None:
+                chosen.append((op, s, ready[op]))
+        for op, s, m in chosen:
+            done.add((op, s, m))
+            next_mb[(op, s)] += 1
+            orders[s].append((op, m))
+        step += 1
+        if step > 4 * total + 10:
+            raise NotApplicable("the template does not make progress")
+    return orders
+
+
+def _one_f_one_b(num_stages: int):
+    """1F1B: a backward as soon as one is ready, otherwise a forward while stage s has fewer
+    than num_stages - s micro-batches in flight."""
+    def pick(s, counts, ready):
+        if "B" in ready:
+            return "B"
+        if "F" in ready and counts["F"] - counts["B"] < num_stages - s:
+            return "F"
+        return None
+    return pick
+
+
+def _chain_template(problem: Problem, stage_orders, stages: list[list[int]],
+                    tag: int = 0) -> list[tuple[tuple, tuple[int, int]]]:
+    """Real instances keyed by the unit-time step of their stage op (then chain, then position
+    inside the stage), so sorting all keys gives one global order every device agrees with."""
+    times = _unit_times(stage_orders)
+    keyed = []
+    for s, order in enumerate(stage_orders):
+        for op, m in order:
+            if op == "F":
+                members = stages[s]
+            else:
+                kind = BACKWARD if op == "B" else WEIGHT
+                members = [_backward_of(problem, b, kind) for b in reversed(stages[s])]
+            for pos, b in enumerate(x for x in members if x is not None):
+                keyed.append(((times[(op, s, m)], tag, pos), (b, m)))
+    return keyed
+
+
+def _unit_times(stage_orders) -> dict:
+    """Start step of each (op, stage, mb) when every op takes one step."""
+    num = len(stage_orders)
+    pos = [0] * num
+    end: dict = {}
+    free = [0] * num
+    progress = True
+    while progress:
+        progress = False
+        for s in range(num):
+            if pos[s] >= len(stage_orders[s]):
+                continue
+            op, m = stage_orders[s][pos[s]]
+            deps = []
+            if op == "F" and s > 0:
+                deps.append(("F", s - 1, m))
+            if op == "B":
+                deps.append(("F", s, m))
+                if s < num - 1:
+                    deps.append(("B", s + 1, m))
+            if op == "W":
+                deps.append(("B", s, m))
+            if any(d not in end for d in deps):
+                continue
+            start = max([free[s]] + [end[d] for d in deps])
+            end[(op, s, m)] = start + 1
+            free[s] = start + 1
+            pos[s] += 1
+            progress = True
+    return {key: value - 1 for key, value in end.items()}
+
+
+def _orders_from_keys(problem: Problem, keyed) -> list[list[tuple[int, int]]]:
+    keyed.sort(key=lambda x: x[0])
+    orders: list[list[tuple[int, int]]] = [[] for _ in range(problem.num_devices)]
+    for _, (b, m) in keyed:
+        for d in problem.blocks[b].devices:
+            orders[d].append((b, m))
+    return orders
+
+
+def _single_chain_stages(problem: Problem) -> list[list[int]]:
+    chains = _forward_chains(problem)
+    if len(chains) != 1:
+        raise NotApplicable(f"the forward blocks form {len(chains)} chains, not one")
+    stages = _stages(problem, chains[0])
+    devices = [_stage_device(problem, s) for s in stages]
+    if len(set(devices)) != len(devices):
+        raise NotApplicable("a device holds several stages (see interleaved-1f1b)")
+    return stages
+
+
+# ---------------------------------------------------------------- the templates
+
+def _gpipe(problem: Problem):
+    """All forwards, then all backwards, each phase a wavefront: block b of micro-batch m at
+    step depth(b) + m, depth counted within its phase (a plain pipeline fill and drain)."""
+    topo = problem.graph.topological_order()
+    phase = {b.index: 1 if b.kind in (BACKWARD, WEIGHT) else 0 for b in problem.blocks}
+    depth = dict.fromkeys(topo, 0)
+    for b in topo:
+        for a, c in problem.edges:
+            if a == b and phase[a] == phase[c]:
+                depth[c] = max(depth[c], depth[b] + 1)
+    position = {b: i for i, b in enumerate(topo)}
+    keyed = [((phase[b], depth[b] + m, m, position[b]), (b, m))
+             for b in topo for m in range(problem.num_micro_batches)]
+    return _orders_from_keys(problem, keyed)
+
+
+def _1f1b(problem: Problem):
+    _require_training(problem)
+    stages = _single_chain_stages(problem)
+    split = any(b.kind == WEIGHT for b in problem.blocks)
+    order = _simulate(len(stages), problem.num_micro_batches, _one_f_one_b(len(stages)))
+    keyed = _chain_template(problem, order, stages)
+    if split:  # 1F1B runs a split backward's two halves back to back
+        keyed = _glue_weights(problem, keyed)
+    return _orders_from_keys(problem, keyed)
+
+
+def _glue_weights(problem: Problem, keyed):
+    out = []
+    for key, (b, m) in keyed:
+        out.append((key, (b, m)))
+        if problem.blocks[b].kind == BACKWARD:
+            w = _backward_of(problem, problem.by_name[problem.blocks[b].layer], WEIGHT)
+            if w is not None:
+                out.append((key + (1,), (w, m)))
+    return out
+
+
+def _zb_h1(problem: Problem):
+    _require_training(problem)
+    if not any(b.kind == WEIGHT for b in problem.blocks):
+        raise NotApplicable("needs a split backward (training.backward.weight_time_ratio)")
+    stages = _single_chain_stages(problem)
+    n = problem.num_micro_batches
+    one_f_one_b = _simulate(len(stages), n, _one_f_one_b(len(stages)))
+    # ZB-H1: 1F1B's F/B order, with stage s running W(m) right after B(m + s); the W passes
+    # deferred this way fill the cooldown bubbles at 1F1B's activation memory.
+    order = []
+    for s, stage_order in enumerate(one_f_one_b):
+        ops = []
+        for op, m in stage_order:
+            ops.append((op, m))
+            if op == "B" and m - s >= 0:
+                ops.append(("W", m - s))
+        ops += [("W", m) for m in range(max(0, n - s), n)]
+        order.append(ops)
+    return _orders_from_keys(problem, _chain_template(problem, order, stages))
+
+
+def _chimera(problem: Problem):
+    _require_training(problem)
+    chains = _forward_chains(problem)
+    if len(chains) != 2:
+        raise NotApplicable("needs two chains of stages in opposite directions (an X-shape)")
+    keyed = []
+    for tag, chain in enumerate(chains):
+        stages = _stages(problem, chain)
+        devices = [_stage_device(problem, s) for s in stages]
+        if sorted(devices) != list(range(problem.num_devices)):
+            raise NotApplicable("each chain must visit every device once")
+        order = _simulate(len(stages), problem.num_micro_batches,
+                          _one_f_one_b(len(stages)))
+        keyed += _chain_template(problem, order, stages, tag)
+    if any(b.kind == WEIGHT for b in problem.blocks):
+        keyed = _glue_weights(problem, keyed)
+    return _orders_from_keys(problem, keyed)
+
+
+def _interleaved(problem: Problem):
+    _require_training(problem)
+    D, n = problem.num_devices, problem.num_micro_batches
+    stages = _single_chain_stages_any(problem)
+    if len(stages) % D or len(stages) == D:
+        raise NotApplicable("needs several stages per device (stage s on device s mod D)")
+    if any(_stage_device(problem, st) != s % D for s, st in enumerate(stages)):
+        raise NotApplicable("stage s must run on device s mod D")
+    if any(len(st) != 1 for st in stages):
+        raise NotApplicable("blocks spanning several devices are not supported")
+    if n % D:
+        raise NotApplicable(f"needs micro-batches divisible by devices ({D})")
+    if any(b.kind == WEIGHT for b in problem.blocks):
+        raise NotApplicable("a split backward is not supported")
+    v = len(stages) // D
+    total = n * v
+
+    def forward_op(k):
+        return (k // D) % v, (k // (D * v)) * D + k % D
+
+    def backward_op(k):
+        return v - 1 - (k // D) % v, (k // (D * v)) * D + k % D
+
+    orders = []
+    for r in range(D):
+        warmup = min((D - r - 1) * 2 + (v - 1) * D, total)
+        ops = [("F", k) for k in range(warmup)]
+        for i in range(total - warmup):
+            ops += [("F", warmup + i), ("B", i)]
+        ops += [("B", k) for k in range(total - warmup, total)]
+        order = []
+        for op, k in ops:
+            chunk, m = forward_op(k) if op == "F" else backward_op(k)
+            block = stages[chunk * D + r][0]
+            if op == "B":
+                block = _backward_of(problem, block, BACKWARD)
+            order.append((block, m))
+        orders.append(order)
+    return orders
+
+
+def _single_chain_stages_any(problem: Problem) -> list[list[int]]:
+    chains = _forward_chains(problem)
+    if len(chains) != 1:
+        raise NotApplicable(f"the forward blocks form {len(chains)} chains, not one")
+    return _stages(problem, chains[0])
+
+
+def _3f1b(problem: Problem):
+    _require_training_3f1b(problem)
+    stages = _single_chain_stages_any(problem)
+    if any(len(st) != 1 for st in stages) or len(stages) % 3:
+        raise NotApplicable("needs three forward passes over the same single-device stages")
+    S = len(stages) // 3
+    passes = [[st[0] for st in stages[p * S:(p + 1) * S]] for p in range(3)]
+    devices = [[problem.blocks[b].devices[0] for b in ps] for ps in passes]
+    if not devices[0] == devices[1] == devices[2] or len(set(devices[0])) != S:
+        raise NotApplicable("the three passes must visit the same devices in the same order")
+    if any(_backward_of(problem, b, BACKWARD) is not None for b in passes[0] + passes[1]) or \
+            any(_backward_of(problem, b, BACKWARD) is None for b in passes[2]):
+        raise NotApplicable("only the third pass may have a backward")
+    n = problem.num_micro_batches
+    orders: list[list[tuple[int, int]]] = [[] for _ in range(problem.num_devices)]
+    for i in range(S):
+        ofst = S - i - 1  # nnScaler Table 7 with stages counted from 0
+        f1, f2, f3 = passes[0][i], passes[1][i], passes[2][i]
+        b = _backward_of(problem, f3, BACKWARD)
+        order = orders[devices[0][i]]
+        for r in range(n + ofst + 3):
+            for block, m in ((f1, r), (f2, r - 1), (f3, r - 2), (b, r - 2 - ofst)):
+                if 0 <= m < n:
+                    order.append((block, m))
+    return orders
+
+
+def _require_training_3f1b(problem: Problem) -> None:
+    if not problem.training:
+        raise NotApplicable("an inference plan has no backward blocks")
+
+
+_BUILDERS = {"gpipe": _gpipe, "1f1b": _1f1b, "interleaved-1f1b": _interleaved,
+             "chimera": _chimera, "zb-h1": _zb_h1, "3f1b": _3f1b}
+
+
+def template_orders(problem: Problem, name: str) -> list[list[tuple[int, int]]]:
+    """Per-device orders of a template; raises NotApplicable when it does not fit."""
+    return _BUILDERS[name](problem)
+
+
+def baselines(problem: Problem) -> dict[str, Baseline]:
+    """Every template evaluated on the problem (memory reported, not enforced)."""
+    out = {}
+    for name in TEMPLATES:
+        try:
+            orders = template_orders(problem, name)
+        except NotApplicable as exc:
+            out[name] = Baseline(name, reason=str(exc))
+            continue
+        # A template is its own order rule: the plan's order constraints do not apply to it.
+        ev = _core.evaluate(problem.graph, orders, complete_micro_batches=problem.num_micro_batches,
+                            enforce_rules=False)
+        if not ev.ok:
+            out[name] = Baseline(name, reason=f"does not run on this placement ({ev.reason})")
+            continue
+        fits = problem.memory_capacity is None or max(ev.peak_memory) <= problem.memory_capacity
+        out[name] = Baseline(name, ev.makespan, ev.bubble_rate, tuple(ev.peak_memory), fits)
+    return out
