@@ -137,8 +137,12 @@ bool RepetendEnumerator::next(std::vector<int>& out) {
             continue;
         }
         value_[topo_[level_]] = depth_[level_]--;
-        if ((++visited_ & 1023) == 0 && timed_ &&
-            std::chrono::steady_clock::now() >= deadline_) {
+        ++visited_;
+        if (node_limit_ > 0 && visited_ >= node_limit_) {
+            done_ = true;
+            return false;
+        }
+        if ((visited_ & 1023) == 0 && timed_ && std::chrono::steady_clock::now() >= deadline_) {
             out_of_time_ = done_ = true;
             return false;
         }
@@ -429,11 +433,16 @@ DeviceOrders extend(const Graph& g, const DeviceOrders& warmup, const Repetend& 
 
 // ---------------------------------------------------------------- search
 
+// Budgets count candidates; the search nodes spent finding them are capped in proportion so a
+// budget bounds the work even where pruning leaves few candidates.
+constexpr int64_t kNodesPerCandidate = 200;
+
 Repetend search_repetends(const Graph& g, int num_mb, int64_t capacity, int64_t best_period,
                           int64_t target, int64_t max_candidates, RepetendSearchStats& stats,
                           double seconds) {
     RepetendEnumerator en(g, num_mb, capacity, best_period);
     en.set_time_limit(seconds);
+    if (max_candidates > 0) en.set_node_limit(kNodesPerCandidate * max_candidates);
     Repetend best;
     std::vector<int> cand;
     while ((max_candidates <= 0 || stats.enumerated < max_candidates) && en.next(cand)) {
@@ -471,6 +480,7 @@ std::vector<Repetend> rank_repetends(const Graph& g, int num_mb, int64_t capacit
     if (n < num_mb) return {};
     RepetendEnumerator en(g, num_mb, capacity, period + 1);
     en.set_time_limit(seconds);
+    if (max_candidates > 0) en.set_node_limit(kNodesPerCandidate * max_candidates);
     std::vector<int> cand;
     int64_t seen = 0;
     while ((max_candidates <= 0 || seen < max_candidates) && en.next(cand)) {

@@ -42,6 +42,8 @@ class RepetendEnumerator {
     void set_period_below(int64_t p) { period_below_ = p; }
     // Stop (as if exhausted) once `seconds` of wall time have passed; <= 0: no limit.
     void set_time_limit(double seconds);
+    // Stop once this many search nodes were visited; <= 0: no limit.
+    void set_node_limit(int64_t nodes) { node_limit_ = nodes; }
     bool out_of_time() const { return out_of_time_; }
 
   private:
@@ -57,6 +59,7 @@ class RepetendEnumerator {
     int level_ = 0;
     bool started_ = false, done_ = false, out_of_time_ = false;
     bool timed_ = false;
+    int64_t node_limit_ = 0;
     std::chrono::steady_clock::time_point deadline_{};
     int64_t visited_ = 0;
     std::vector<std::vector<int64_t>> longest_;  // longest start-to-start path, -1 if none

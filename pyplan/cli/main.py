@@ -14,6 +14,7 @@ __all__ = ["main"]
 # subcommand -> module in pyplan.cli; each module has add_arguments(parser) and run(args) -> int
 _COMMANDS = {
     "validate": ("validate", "check plans and print a one-line summary of each"),
+    "solve": ("solve", "search a schedule and write PLAN.resolved.yaml"),
 }
 
 

@@ -10,14 +10,15 @@ from pyplan import _core
 from pyplan.errors import InfeasibleError
 from pyplan.problem import Problem
 from pyplan.schedule import Schedule
-from pyplan.solve.complete import complete
+from pyplan.solve.complete import complete, complete_whole
+from pyplan.solve.exact import Effort
 from pyplan.solve.search import SearchStats, candidate_pool, search_repetend
 from pyplan.solve.templates import TEMPLATES, Baseline, baselines
 
 __all__ = ["DEFAULT_TIME_LIMIT", "TEMPLATES", "Baseline", "Solution", "min_memory", "solve"]
 
 DEFAULT_TIME_LIMIT = 60.0
-COMPLETION_SECONDS = 6.0  # exact completion of the pool's repetends, at most this long
+COMPLETION_EFFORT = 30_000_000  # Z3 resource units for completing the pool (about 2 s here)
 
 
 @dataclass(frozen=True)
@@ -67,23 +68,26 @@ def solve(problem: Problem, *, progress=None) -> Solution:
     deadline = started + limit
     pool = candidate_pool(problem, found.repetend, time_limit=deadline - time.monotonic(),
                           stats=stats)
-    schedule, completion_cut = None, False
+    schedule, best_notes = None, []
     lower_bound = problem.graph.makespan_bound(problem.num_micro_batches)
-    completion_deadline = min(deadline, time.monotonic() + COMPLETION_SECONDS)
+    effort = Effort(COMPLETION_EFFORT)
     for rep in pool:
-        if schedule is not None and (time.monotonic() >= completion_deadline or
-                                     schedule.makespan <= lower_bound):
+        if schedule is not None and (schedule.makespan <= lower_bound or
+                                     time.monotonic() >= deadline):
             break
         if progress is not None:
             progress.update(phase="completion", n_r=rep.num_micro_batches,
                             candidates=stats.candidates, best=rep.period,
                             bound=found.lower_bound)
         notes: list[str] = []
-        candidate, cut = complete(problem, rep, exact=problem.search.exact,
-                                  deadline=completion_deadline, notes=notes)
-        completion_cut |= cut and time.monotonic() >= deadline
+        candidate, _ = complete(problem, rep, exact=problem.search.exact, deadline=deadline,
+                                effort=effort, notes=notes)
         if schedule is None or _rank(candidate) < _rank(schedule):
             schedule, best_notes = candidate, notes
+    if problem.search.exact and schedule.makespan > lower_bound:
+        schedule = complete_whole(problem, schedule, deadline=deadline, effort=effort,
+                                  notes=best_notes)
+    completion_cut = time.monotonic() >= deadline
     stats.notes.extend(best_notes)
     seconds = time.monotonic() - started
     if found.timed_out or completion_cut:

@@ -11,17 +11,16 @@ time-optimally instead.
 
 from __future__ import annotations
 
-import time
-
 from pyplan import _core
 from pyplan.problem import Problem
 from pyplan.schedule import Schedule, build_schedule, repetend_from_core
-from pyplan.solve.exact import Anchor, time_optimal
+from pyplan.solve.exact import Anchor, Effort, time_optimal
 
-__all__ = ["EXACT_LIMIT", "PHASE_SECONDS", "complete"]
+__all__ = ["EXACT_LIMIT", "PHASE_EFFORT", "WHOLE_LIMIT", "complete", "complete_whole"]
 
-EXACT_LIMIT = 160     # instances: above this the exact warmup/cooldown solve is skipped
-PHASE_SECONDS = 1.0   # at most this long per exact phase solve
+EXACT_LIMIT = 160          # instances: above this the exact warmup/cooldown solve is skipped
+WHOLE_LIMIT = 48           # instances: up to this the whole problem is also solved exactly
+PHASE_EFFORT = 6_000_000   # Z3 resource units for one phase (about 0.4 s here)
 
 
 def _split_periodic(problem: Problem, rep: _core.Repetend):
@@ -33,11 +32,6 @@ def _split_periodic(problem: Problem, rep: _core.Repetend):
     cooldown = [[(b, m - shift) for b, m in order if m > rep.indices[b] + shift]
                 for order in full]
     return warmup, cooldown
-
-
-def _phase_deadline(deadline: float | None) -> float:
-    cap = time.monotonic() + PHASE_SECONDS
-    return cap if deadline is None else min(cap, deadline)
 
 
 def _warmup_anchor(problem: Problem, rep: _core.Repetend, instances) -> Anchor:
@@ -89,34 +83,45 @@ def _cooldown_anchor(problem: Problem, rep: _core.Repetend, instances, last: int
     return Anchor("cooldown", end, external, floor=floor)
 
 
-def complete(problem: Problem, rep: _core.Repetend, *, exact: bool,
-             deadline: float | None, notes: list[str]) -> tuple[Schedule, bool]:
-    """The best completion found and whether a time limit cut the exact solve short."""
+def _phase_effort(effort: Effort) -> Effort:
+    return Effort(min(PHASE_EFFORT, effort.left))
+
+
+def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, deadline: float | None,
+             effort: Effort, notes: list[str]) -> tuple[Schedule, bool]:
+    """The best completion found, and whether Z3 stopped before proving its phases optimal."""
     n = problem.num_micro_batches
     if n < rep.num_micro_batches:
-        return _whole(problem, rep, exact, deadline, notes)
+        schedule = build_schedule(problem, _core.periodic_orders(problem.graph, rep, n), None, ())
+        notes.append(f"completion: periodic order (no full repetend fits in {n} micro-batches)")
+        return schedule, False
     repetend = repetend_from_core(problem, rep)
     warmup, cooldown = _split_periodic(problem, rep)
     periodic = build_schedule(problem, warmup, repetend, cooldown)
     warm = _core.warmup_blocks(list(rep.indices))
     last = n - rep.num_micro_batches
     cool = [(b, m + last) for b, m in _core.cooldown_blocks(list(rep.indices))]
-    if not exact or max(len(warm), len(cool)) > EXACT_LIMIT:
+    if not exact or max(len(warm), len(cool)) > EXACT_LIMIT or effort.spent:
+        reason = "" if not exact else (f", above the exact limit of {EXACT_LIMIT}"
+                                       if not effort.spent else ", exact effort used up")
         notes.append(f"completion: periodic warmup ({len(warm)} blocks) and cooldown "
-                     f"({len(cool)} blocks)" + ("" if not exact else
-                                               f", above the exact limit of {EXACT_LIMIT}"))
+                     f"({len(cool)} blocks){reason}")
         return periodic, False
     w = c = None
     cut = False
     if warm:
+        phase = _phase_effort(effort)
         result = time_optimal(problem, warm, anchor=_warmup_anchor(problem, rep, warm),
-                              deadline=_phase_deadline(deadline))
+                              deadline=deadline, effort=phase)
+        effort.left -= min(PHASE_EFFORT, effort.left) - max(phase.left, 0)
         cut |= result.status in ("feasible", "unknown")
         w = result.orders if result.orders else None
     if cool:
+        phase = _phase_effort(effort)
         result = time_optimal(problem, cool, initial_memory=list(rep.entry_memory),
                               anchor=_cooldown_anchor(problem, rep, cool, last),
-                              deadline=_phase_deadline(deadline))
+                              deadline=deadline, effort=phase)
+        effort.left -= min(PHASE_EFFORT, effort.left) - max(phase.left, 0)
         cut |= result.status in ("feasible", "unknown")
         c = [[(b, m - last) for b, m in order] for order in result.orders] \
             if result.orders else None
@@ -130,23 +135,24 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool,
         except RuntimeError:
             pass  # an order rule ties a phase to the repetend: the periodic phases stay
     notes.append(f"completion: warmup ({len(warm)} blocks) and cooldown ({len(cool)} blocks) "
-                 + ("improved by Z3 until the time limit" if cut else "time-optimal (Z3)"))
+                 + ("improved by Z3 within its effort, not proven optimal" if cut
+                    else "time-optimal (Z3)"))
     return best, cut
 
 
-def _whole(problem, rep, exact, deadline, notes):
+def complete_whole(problem: Problem, best: Schedule, *, deadline: float | None,
+                   effort: Effort, notes: list[str]) -> Schedule:
+    """For small problems: the whole schedule time-optimal, if that beats `best`."""
     n = problem.num_micro_batches
-    schedule = build_schedule(problem, _core.periodic_orders(problem.graph, rep, n), None, ())
-    if not exact or n * len(problem.blocks) > EXACT_LIMIT:
-        notes.append(f"completion: periodic order (no full repetend fits in {n} micro-batches)")
-        return schedule, False
     everything = [(b.index, m) for m in range(n) for b in problem.blocks]
-    result = time_optimal(problem, everything, upper_bound=schedule.makespan,
-                          lower_bound=problem.graph.makespan_bound(n),
-                          deadline=_phase_deadline(deadline))
-    if result.orders:
-        schedule = build_schedule(problem, result.orders, None, ())
-    cut = result.status in ("feasible", "unknown")
-    notes.append("completion: whole schedule improved by Z3 until the time limit" if cut else
-                 "completion: whole schedule time-optimal (Z3)")
-    return schedule, cut
+    if len(everything) > WHOLE_LIMIT or effort.spent:
+        return best
+    result = time_optimal(problem, everything, upper_bound=best.makespan,
+                          lower_bound=problem.graph.makespan_bound(n), deadline=deadline,
+                          effort=effort)
+    if not result.orders:
+        return best
+    notes[:] = ["completion: whole schedule time-optimal (Z3), better than any repetend here"
+                if result.status == "optimal" else
+                "completion: whole schedule improved by Z3, not proven optimal"]
+    return build_schedule(problem, result.orders, None, ())

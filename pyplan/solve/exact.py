@@ -20,11 +20,12 @@ import z3
 
 from pyplan.problem import Problem
 
-__all__ = ["Anchor", "ModuloResult", "TimeOptimal", "modulo_repetend", "time_optimal"]
+__all__ = ["Anchor", "Effort", "ModuloResult", "TimeOptimal", "modulo_repetend",
+           "time_optimal"]
 
 
-def _solver(deadline: float | None) -> z3.Solver:
-    solver = z3.SolverFor("QF_LIA")
+def _solver(deadline: float | None, ctx: z3.Context) -> z3.Solver:
+    solver = z3.SolverFor("QF_LIA", ctx=ctx)
     if deadline is not None:
         solver.set("timeout", max(1, int((deadline - time.monotonic()) * 1000)))
     return solver
@@ -34,6 +35,30 @@ def _remaining_ms(deadline: float | None) -> int | None:
     if deadline is None:
         return None
     return max(1, int((deadline - time.monotonic()) * 1000))
+
+
+class Effort:
+    """A deterministic Z3 work allowance (resource units, about 15 million a second here)
+    shared by several solves; unlike a wall-clock timeout it gives the same answer every run."""
+
+    def __init__(self, units: int) -> None:
+        self.left = units
+
+    @property
+    def spent(self) -> bool:
+        return self.left <= 0
+
+    def check(self, solver: z3.Solver) -> z3.CheckSatResult:
+        before = _rlimit_count(solver)
+        solver.set("rlimit", max(1, self.left))
+        outcome = solver.check()
+        self.left -= _rlimit_count(solver) - before
+        return outcome
+
+
+def _rlimit_count(solver: z3.Solver) -> int:
+    stats = solver.statistics()
+    return int(stats.get_key_value("rlimit count")) if "rlimit count" in stats.keys() else 0
 
 
 @dataclass(frozen=True)
@@ -52,9 +77,10 @@ def modulo_repetend(problem: Problem, period: int, max_micro_batches: int, *,
     if any(b.time > T for b in blocks):
         return ModuloResult("unsat")
     max_lag = max_micro_batches - 1
-    solver = _solver(deadline)
-    off = [z3.Int(f"o_{b.name}") for b in blocks]
-    lag = [z3.Int(f"k_{b.name}") for b in blocks]
+    ctx = z3.Context()  # a fresh context per model keeps Z3's choices, and so results, repeatable
+    solver = _solver(deadline, ctx)
+    off = [z3.Int(f"o_{b.name}", ctx) for b in blocks]
+    lag = [z3.Int(f"k_{b.name}", ctx) for b in blocks]
     start = [lag[i] * T + off[i] for i in range(len(blocks))]
     for i, b in enumerate(blocks):
         solver.add(off[i] >= 0, off[i] < T, lag[i] >= (min_lags[i] if min_lags else 0),
@@ -77,12 +103,15 @@ def modulo_repetend(problem: Problem, period: int, max_micro_batches: int, *,
                 continue
             base = -z3.Sum([blocks[i].memory * lag[i] for i in on])
             for j in on:
-                later = [z3.If(off[i] > off[j], blocks[i].memory, 0) for i in on
-                         if i != j and blocks[i].memory != 0]
-                memory_at_start = base - z3.Sum(later) if later else base
+                later_ones = [z3.If(off[i] > off[j], blocks[i].memory, 0) for i in on
+                              if i != j and blocks[i].memory != 0]
+                memory_at_start = base - z3.Sum(later_ones) if later_ones else base
                 solver.add(memory_at_start <= problem.memory_capacity)
-    # Shifting a whole schedule by a period changes nothing: let some block have lag 0.
-    solver.add(z3.Or([k == 0 for k in lag]))
+    # Symmetries: shifting a whole schedule by a period, or rotating it within the period, gives
+    # an equivalent one; let some block have lag 0 and some block offset 0.
+    solver.add(z3.Or([k == 0 for k in lag]), z3.Or([o == 0 for o in off]))
+    for a, c in problem.edges:  # implied (a_c > a_a), stated to help propagation
+        solver.add(lag[c] >= lag[a])
     outcome = solver.check()
     if outcome == z3.sat:
         model = solver.model()
@@ -120,7 +149,7 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
                  initial_memory: list[int] | None = None, lower_bound: int = 0,
                  upper_bound: int | None = None, deadline: float | None = None,
                  anchor: Anchor | None = None, symmetry: bool = True,
-                 method: str = "bisection") -> TimeOptimal:
+                 effort: Effort | None = None, method: str = "bisection") -> TimeOptimal:
     """Least makespan of `instances` (block, micro-batch), strictly below `upper_bound`; with an
     anchor, the least warmup origin or cooldown end instead.
 
@@ -133,7 +162,8 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
     inst = sorted(set(map(tuple, instances)), key=lambda x: (x[1], x[0]))
     index = {x: i for i, x in enumerate(inst)}
     time_of = [blocks[b].time for b, _ in inst]
-    s = [z3.Int(f"s_{blocks[b].name}@{m}") for b, m in inst]
+    ctx = z3.Context()  # a fresh context per model keeps Z3's choices, and so results, repeatable
+    s = [z3.Int(f"s_{blocks[b].name}@{m}", ctx) for b, m in inst]
     cons = [v >= 0 for v in s]
     for a, c in problem.edges:
         for m in sorted({m for _, m in inst}):
@@ -162,7 +192,7 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
                 i, j = on[x], on[y]
                 if (i, j) in before:
                     continue
-                p = z3.Bool(f"p_{i}_{j}")
+                p = z3.Bool(f"p_{i}_{j}", ctx)
                 before[(i, j)] = p
                 cons.append(z3.If(p, s[i] + time_of[i] <= s[j], s[j] + time_of[j] <= s[i]))
 
@@ -178,9 +208,10 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
             for j in on:
                 earlier = [z3.If(precedes(i, j), blocks[inst[i][0]].memory, 0) for i in on
                            if i != j and blocks[inst[i][0]].memory != 0]
-                cons.append(init[d] + blocks[inst[j][0]].memory + z3.Sum(earlier)
-                            <= problem.memory_capacity)
-    objective = z3.Int("objective")
+                if earlier:
+                    cons.append(init[d] + blocks[inst[j][0]].memory + z3.Sum(earlier)
+                                <= problem.memory_capacity)
+    objective = z3.Int("objective", ctx)
     if anchor is None or anchor.kind == "cooldown":
         cons += [objective >= s[i] + time_of[i] for i in range(len(inst))]
     if anchor is not None and anchor.kind == "warmup":
@@ -206,7 +237,7 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
     if lo > hi:
         return TimeOptimal("none")
     if method == "optimize":
-        opt = z3.Optimize()
+        opt = z3.Optimize(ctx=ctx)
         if deadline is not None:
             opt.set("timeout", _remaining_ms(deadline))
         opt.add(*cons, objective <= hi)
@@ -216,17 +247,20 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
         model = opt.model()
         exact = opt.lower(handle).as_long() == model.eval(objective).as_long()
         return _result(problem, inst, s, model, objective, "optimal" if exact else "feasible")
-    solver = _solver(deadline)
+    solver = _solver(deadline, ctx)
     solver.add(*cons)
     best_model, proven = None, True
     while lo <= hi:
+        if effort is not None and effort.spent:
+            proven = False
+            break
         mid = (lo + hi) // 2
         solver.push()
         solver.add(objective <= mid)
         ms = _remaining_ms(deadline)
         if ms is not None:
             solver.set("timeout", ms)
-        outcome = solver.check()
+        outcome = effort.check(solver) if effort is not None else solver.check()
         if outcome == z3.sat:
             best_model = solver.model()
             hi = best_model.eval(objective).as_long() - 1

@@ -29,9 +29,8 @@ __all__ = ["RepetendSearch", "SearchStats", "candidate_pool", "max_repetend_micr
 
 MODULO_BUDGET = 20_000        # DFS placements per period in the fast path
 ENUMERATION_BUDGET = 200_000  # Tessel candidates per N_R while searching the period
-POOL_BUDGET = 20_000          # Tessel candidates per N_R while filling the completion pool
+POOL_WORK = 30_000_000        # instance evaluations for ranking pool candidates (about 1 s)
 POOL_SIZE = 4                 # repetends of the best period that completion tries
-POOL_SECONDS = 2.0            # at most this long filling the pool
 
 
 @dataclass
@@ -187,7 +186,7 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, time_limit: float 
     the best Tessel candidates of each N_R. Completion picks among them."""
     graph, capacity = problem.graph, problem.capacity
     n = problem.num_micro_batches
-    clock = _Clock(POOL_SECONDS if time_limit is None else min(time_limit, POOL_SECONDS))
+    clock = _Clock(time_limit)
     period = best.period
     max_nr = max_repetend_micro_batches(problem)
     pool = {_key(best): best}
@@ -198,11 +197,15 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, time_limit: float 
         stats.modulo_nodes += mstats.nodes
         if rep.feasible and rep.period <= period:
             pool.setdefault(_key(rep), rep)
-    for nr in range(1, min(max_nr, n) + 1):
+    # Ranking evaluates each candidate's whole periodic schedule: a fixed amount of work shared
+    # by the N_R values keeps the pool (and so the result) the same on every run.
+    limits = range(1, min(max_nr, n) + 1)
+    per_limit = max(20, POOL_WORK // (len(problem.blocks) * n * len(limits)))
+    for nr in limits:
         if clock.expired():
             break
         ranked, estats = _core.rank_repetends(graph, nr, capacity, period, n, keep,
-                                              POOL_BUDGET, clock.remaining())
+                                              per_limit, clock.remaining())
         stats.candidates += estats.enumerated
         for rep in ranked:
             pool.setdefault(_key(rep), rep)

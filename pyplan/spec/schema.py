@@ -35,11 +35,21 @@ def load_schema() -> dict:
     return json.loads(schema_path().read_text(encoding="utf-8"))
 
 
+def _is_integer(checker, instance) -> bool:
+    # JSON Schema counts 1.0 as an integer; plans want real integers (times, ids, counts).
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+_PlanValidator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
+
+
 @lru_cache(maxsize=1)
-def _validator() -> jsonschema.Draft202012Validator:
+def _validator():
     schema = load_schema()
     jsonschema.Draft202012Validator.check_schema(schema)
-    return jsonschema.Draft202012Validator(schema)
+    return _PlanValidator(schema)
 
 
 def did_you_mean(word: str, choices) -> str | None:

@@ -1,0 +1,35 @@
+"""Atomic file writes: a reader sees the old file or the new one, never half of it."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from pyplan.errors import PyplanError
+
+__all__ = ["write_atomic"]
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Write to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
+    path = Path(path)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
+                                   dir=path.parent if str(path.parent) else ".")
+    except OSError as exc:
+        raise PyplanError(f"cannot write {path}: {exc.strerror}",
+                          hint="check that the directory exists and is writable") from None
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(raw)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise PyplanError(f"cannot write {path}: {exc.strerror}") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,344 @@
+"""Resolved plans: the compact, canonical, diffable output of `pyplan solve`.
+
+A resolved plan records the blocks of one micro-batch and their dependencies, then the schedule
+as each device's order, in three parts: warmup, one repetition of the repetend (repeated
+N - N_R + 1 times, micro-batches and times advancing each time) and cooldown, whose micro-batches
+count from the end (@-1 is the last). Every entry reads "block@micro-batch start". Orders are
+the schedule; reading a resolved plan re-evaluates them in the core and checks the recorded
+times, so hand edits that break the schedule are caught.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pyplan import __version__, _core
+from pyplan.constraints import RuleSyntaxError, parse_rule
+from pyplan.errors import PlanError
+from pyplan.fileio import write_atomic
+from pyplan.problem import Block, OrderRule, Problem
+from pyplan.schedule import Schedule, build_schedule, repetend_from_core
+from pyplan.spec import ModelSpec, load_yaml
+
+__all__ = ["FORMAT", "ResolvedPlan", "load_resolved", "render_resolved", "resolved_path",
+           "write_resolved"]
+
+FORMAT = 1
+
+
+def resolved_path(plan_path: str | Path) -> Path:
+    """plans/x.yaml -> plans/x.resolved.yaml"""
+    path = Path(plan_path)
+    stem = path.name[:-5] if path.name.endswith(".yaml") else path.name
+    return path.with_name(f"{stem}.resolved.yaml")
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    path: str
+    plan: str | None
+    """The plan file, relative to the resolved plan."""
+    spec_sha256: str
+    problem: Problem
+    schedule: Schedule
+    status: str
+    lower_bound: int
+    period_bound: int
+    baselines: dict = field(default_factory=dict)
+
+    @property
+    def plan_path(self) -> Path | None:
+        return None if self.plan is None else Path(self.path).parent / self.plan
+
+    def check_fresh(self) -> None:
+        """Raise PlanError when the plan changed (or vanished) since it was solved."""
+        plan = self.plan_path
+        if plan is None:
+            return
+        try:
+            digest = hashlib.sha256(plan.read_bytes()).hexdigest()
+        except OSError:
+            raise PlanError(f"the plan it was solved from, {plan}, cannot be read",
+                            hint="keep the plan beside its resolved plan", file=self.path) \
+                from None
+        if digest != self.spec_sha256:
+            raise PlanError(f"stale: {plan} changed since this plan was resolved",
+                            hint=f"re-run pyplan solve {plan}", file=self.path)
+
+    def expand(self, num_micro_batches: int) -> Schedule:
+        """The same warmup, repetend and cooldown for another number of micro-batches."""
+        rep = self.schedule.repetend
+        if rep is None or num_micro_batches < rep.num_micro_batches:
+            need = rep.num_micro_batches if rep else self.problem.num_micro_batches
+            raise PlanError(f"this schedule extends to {need} or more micro-batches only",
+                            hint="re-run pyplan solve --micro-batches N", file=self.path)
+        problem = self.problem.with_overrides(micro_batches=num_micro_batches)
+        return build_schedule(problem, self.schedule.warmup, rep, self.schedule.cooldown)
+
+
+# ---------------------------------------------------------------- writing
+
+def _flow(items) -> str:
+    return "[" + ", ".join(str(x) for x in items) + "]"
+
+
+def _entry(problem: Problem, schedule: Schedule, block: int, mb: int, shown_mb: int) -> str:
+    return f"{problem.blocks[block].name}@{shown_mb} {schedule.start_of(block, mb)}"
+
+
+def _rate(x: float) -> str:
+    return f"{x:.4f}"
+
+
+def render_resolved(solution, plan_rel: str | None) -> str:
+    """The resolved plan text for a Solution (deterministic: same solution, same bytes)."""
+    schedule: Schedule = solution.schedule
+    problem = schedule.problem
+    n = problem.num_micro_batches
+    rep = schedule.repetend
+    lines = [
+        f"# Resolved by pyplan {__version__} from {plan_rel or 'a plan'}; do not edit, re-run "
+        "`pyplan solve`.",
+        "# Entries are \"block@micro-batch start\": each device runs its entries in order, each",
+        "# block as early as its inputs, devices and order allow.",
+        f"pyplan_resolved: {FORMAT}",
+        f"plan: {plan_rel}" if plan_rel else "plan: null",
+        f"spec_sha256: {problem.spec_sha256}",
+        f"name: {problem.name}",
+        f"task: {'training' if problem.training else 'inference'}",
+        f"devices: {problem.num_devices}",
+        f"micro_batches: {n}",
+        f"memory: {'null' if problem.memory_capacity is None else problem.memory_capacity}",
+        f"memory_unit: {'bytes' if problem.memory_is_size else 'plan'}",
+        "blocks:",
+    ]
+    for b in problem.blocks:
+        lines.append(f"  - {{name: {b.name}, kind: {b.kind}, time: {b.time}, "
+                     f"memory: {b.memory}, devices: {_flow(b.devices)}}}")
+    lines.append("dependencies:")
+    for a, c in problem.edges:
+        lines.append(f"  - [{problem.blocks[a].name}, {problem.blocks[c].name}]")
+    if problem.rules:
+        lines.append("order_rules:")
+        for r in problem.rules:
+            lines.append(f"  - \"{r.text}\"")
+    if problem.model is not None:
+        m = problem.model
+        lines.append(f"model: {{blocks: \"{m.blocks}\", data: \"{m.data}\", loss: \"{m.loss}\""
+                     + (f", path: \"{m.path}\"" if m.path else "") + "}")
+    lines += [
+        f"status: {solution.status}",
+        f"makespan: {schedule.makespan}",
+        f"lower_bound: {solution.lower_bound}",
+        f"bubble_rate: {_rate(schedule.bubble_rate)}",
+        f"peak_memory: {_flow(schedule.peak_memory)}",
+    ]
+    if rep is None:
+        lines.append("repetend: null")
+    else:
+        start, end = schedule.repetend_window()
+        lines += [
+            "repetend:",
+            f"  micro_batches: {rep.num_micro_batches}",
+            f"  period: {rep.period}",
+            f"  period_lower_bound: {solution.period_bound}",
+            f"  bubble_rate: {_rate(rep.bubble_rate)}",
+            f"  indices: {_flow(rep.indices)}",
+            f"  count: {schedule.repetend_count}",
+            f"  start: {start}",
+            f"  end: {end}",
+        ]
+    lines.append("schedule:")
+    shift = n - (rep.num_micro_batches if rep else 0)
+    parts = [("warmup", schedule.warmup, 0)]
+    if rep is not None:
+        parts.append(("repetend", tuple(tuple((b, rep.indices[b]) for b in order)
+                                        for order in rep.orders), 0))
+        parts.append(("cooldown", schedule.cooldown, shift))
+    for title, orders, offset in parts:
+        lines.append(f"  {title}:")
+        for d, order in enumerate(orders):
+            if not order:
+                lines.append(f"    {d}: []")
+                continue
+            lines.append(f"    {d}:")
+            for b, m in order:
+                shown = m - n + offset if title == "cooldown" else m
+                lines.append(f"      - {_entry(problem, schedule, b, m + offset, shown)}")
+    lines.append("baselines:")
+    for name, base in solution.baselines.items():
+        if not base.applicable:
+            lines.append(f"  {name}: \"not applicable: {base.reason}\"")
+            continue
+        extra = "" if base.fits_memory else f", exceeds_memory: {max(base.peak_memory)}"
+        lines.append(f"  {name}: {{makespan: {base.makespan}, bubble_rate: "
+                     f"{_rate(base.bubble_rate)}{extra}}}")
+    return "\n".join(lines) + "\n"
+
+
+def write_resolved(solution, out_path: str | Path) -> Path:
+    """Write atomically; the plan path inside is relative to the output file."""
+    out = Path(out_path)
+    source = solution.schedule.problem.source_path
+    plan_rel = None
+    if source:
+        try:
+            plan_rel = Path(os.path.relpath(Path(source).resolve(),
+                                            out.resolve().parent)).as_posix()
+        except ValueError:
+            plan_rel = Path(source).resolve().as_posix()
+    write_atomic(out, render_resolved(solution, plan_rel))
+    return out
+
+
+# ---------------------------------------------------------------- reading
+
+class _Reader:
+    def __init__(self, path: str | Path) -> None:
+        self.source = load_yaml(path)
+        self.path = str(path)
+        self.doc = self.source.data
+
+    def fail(self, where, message, hint=None) -> PlanError:
+        return self.source.error(where, message, hint)
+
+    def get(self, key, kind, where=()):
+        node = self.doc
+        for part in where:
+            node = node[part]
+        if not isinstance(node, dict) or key not in node:
+            raise self.fail(where, f"missing '{key}'",
+                            "this does not look like a resolved plan; re-run pyplan solve")
+        value = node[key]
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise self.fail(where + (key,), f"'{key}' must be an integer")
+        if kind is list and not isinstance(value, list):
+            raise self.fail(where + (key,), f"'{key}' must be a list")
+        if kind is dict and not isinstance(value, dict):
+            raise self.fail(where + (key,), f"'{key}' must be a mapping")
+        return value
+
+    def problem(self) -> Problem:
+        if not isinstance(self.doc, dict) or self.doc.get("pyplan_resolved") != FORMAT:
+            raise self.fail((), "not a resolved plan (pyplan_resolved: 1 missing)",
+                            "pass the .resolved.yaml written by pyplan solve")
+        blocks, by_name = [], {}
+        num_devices = self.get("devices", int)
+        for i, raw in enumerate(self.get("blocks", list)):
+            try:
+                devices = tuple(int(d) for d in raw["devices"])
+                block = Block(i, str(raw["name"]), str(raw["kind"]), int(raw["time"]),
+                              int(raw["memory"]), devices, str(raw["name"]).split(".")[0])
+            except (KeyError, TypeError, ValueError):
+                raise self.fail(("blocks", i), "malformed block") from None
+            if block.time <= 0 or not devices or \
+                    any(not 0 <= d < num_devices for d in devices):
+                raise self.fail(("blocks", i), f"block '{block.name}' is invalid")
+            by_name[block.name] = i
+            blocks.append(block)
+        edges = []
+        for i, pair in enumerate(self.get("dependencies", list)):
+            if not (isinstance(pair, list) and len(pair) == 2 and all(p in by_name for p in pair)):
+                raise self.fail(("dependencies", i), "malformed dependency")
+            edges.append((by_name[pair[0]], by_name[pair[1]]))
+        rules = []
+        for i, text in enumerate(self.doc.get("order_rules") or []):
+            try:
+                parsed = parse_rule(str(text))
+                names = [p[:-2] if p.endswith(".f") else p for p in (parsed.before, parsed.after)]
+                rules.append(OrderRule(by_name[names[0]], parsed.before_shift, by_name[names[1]],
+                                       parsed.after_shift, parsed.min_m, str(text)))
+            except (RuleSyntaxError, KeyError):
+                raise self.fail(("order_rules", i), "malformed order rule") from None
+        model = None
+        if isinstance(self.doc.get("model"), dict):
+            raw = self.doc["model"]
+            model = ModelSpec(blocks=str(raw.get("blocks")), data=str(raw.get("data")),
+                              loss=str(raw.get("loss")), path=raw.get("path"))
+        memory = self.doc.get("memory")
+        problem = Problem(
+            name=str(self.get("name", str)), description="", num_devices=num_devices,
+            memory_capacity=memory if isinstance(memory, int) else None,
+            memory_is_size=self.doc.get("memory_unit") == "bytes",
+            num_micro_batches=self.get("micro_batches", int),
+            training=self.doc.get("task") != "inference", blocks=tuple(blocks),
+            edges=tuple(edges), rules=tuple(rules), model=model,
+            spec_sha256=str(self.get("spec_sha256", str)), source_path=self.path,
+            by_name=by_name)
+        if problem.graph.find_cycle():
+            raise self.fail(("dependencies",), "the dependencies form a cycle")
+        return problem
+
+    def entries(self, problem: Problem, part: str, relative_to: int):
+        """Per-device [(block, mb, start)] of a schedule part; cooldown mbs count from the end."""
+        raw = self.get(part, dict, ("schedule",))
+        orders = []
+        for d in range(problem.num_devices):
+            items = raw.get(d, [])
+            where = ("schedule", part, d)
+            if not isinstance(items, list):
+                raise self.fail(where, f"device {d} of {part} must be a list")
+            order = []
+            for i, text in enumerate(items):
+                try:
+                    head, start = str(text).split(" ")
+                    name, mb = head.rsplit("@", 1)
+                    order.append((problem.by_name[name], int(mb) + relative_to, int(start)))
+                except (ValueError, KeyError):
+                    raise self.fail(where + (i,), f"malformed entry {text!r}",
+                                    "entries read \"block@micro-batch start\"") from None
+            orders.append(order)
+        return orders
+
+
+def load_resolved(path: str | Path) -> ResolvedPlan:
+    """Read a resolved plan, rebuild and re-verify its schedule in the core."""
+    reader = _Reader(path)
+    problem = reader.problem()
+    n = problem.num_micro_batches
+    doc = reader.doc
+    rep_doc = doc.get("repetend")
+    warmup = reader.entries(problem, "warmup", 0)
+    repetend, cooldown = None, [[] for _ in range(problem.num_devices)]
+    recorded = {(b, m): s for order in warmup for b, m, s in order}
+    if rep_doc is not None:
+        rep_orders = reader.entries(problem, "repetend", 0)
+        indices = reader.get("indices", list, ("repetend",))
+        nr = max(indices) + 1 if indices else 0
+        if len(indices) != len(problem.blocks):
+            raise reader.fail(("repetend", "indices"), "needs one index per block")
+        cooldown_abs = reader.entries(problem, "cooldown", n)
+        cooldown = [[(b, m - (n - nr)) for b, m, _ in order] for order in cooldown_abs]
+        recorded.update({(b, m): s for order in rep_orders for b, m, s in order})
+        recorded.update({(b, m): s for order in cooldown_abs for b, m, s in order})
+        try:
+            core_rep = _core.evaluate_repetend(problem.graph, [int(i) for i in indices],
+                                               [[b for b, _, _ in o] for o in rep_orders])
+        except (ValueError, TypeError) as exc:
+            raise reader.fail(("schedule", "repetend"), f"invalid repetend: {exc}") from None
+        if not core_rep.feasible or core_rep.period != reader.get("period", int, ("repetend",)):
+            raise reader.fail(("repetend", "period"), "the repetend does not run with this "
+                              "period", "the file was edited; re-run pyplan solve")
+        repetend = repetend_from_core(problem, core_rep)
+    try:
+        schedule = build_schedule(problem, [[(b, m) for b, m, _ in o] for o in warmup],
+                                  repetend, cooldown)
+    except (RuntimeError, ValueError, IndexError) as exc:
+        raise reader.fail(("schedule",), f"the schedule does not run: {exc}",
+                          "re-run pyplan solve") from None
+    for (b, m), s in recorded.items():
+        if schedule.start_of(b, m) != s:
+            raise reader.fail(("schedule",), f"recorded start {s} of "
+                              f"{problem.blocks[b].name}@{m} does not match its order "
+                              f"({schedule.start_of(b, m)})",
+                              "the file was edited; re-run pyplan solve")
+    if schedule.makespan != doc.get("makespan"):
+        raise reader.fail(("makespan",), "makespan does not match the schedule",
+                          "the file was edited; re-run pyplan solve")
+    return ResolvedPlan(str(path), doc.get("plan"), problem.spec_sha256, problem, schedule,
+                        str(doc.get("status")), int(doc.get("lower_bound") or 0),
+                        int((rep_doc or {}).get("period_lower_bound") or 0),
+                        doc.get("baselines") or {})
