@@ -19,6 +19,7 @@ __all__ = ["DEFAULT_TIME_LIMIT", "TEMPLATES", "Baseline", "Solution", "min_memor
 
 DEFAULT_TIME_LIMIT = 60.0
 COMPLETION_EFFORT = 30_000_000  # Z3 resource units for completing the pool (about 2 s here)
+WHOLE_EFFORT = 30_000_000       # and for solving a tiny problem whole
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,8 @@ def solve(problem: Problem, *, progress=None) -> Solution:
         if schedule is None or _rank(candidate) < _rank(schedule):
             schedule, best_notes = candidate, notes
     if problem.search.exact and schedule.makespan > lower_bound:
-        schedule = complete_whole(problem, schedule, deadline=deadline, effort=effort,
-                                  notes=best_notes)
+        schedule = complete_whole(problem, schedule, deadline=deadline,
+                                  effort=Effort(WHOLE_EFFORT), notes=best_notes)
     completion_cut = time.monotonic() >= deadline
     stats.notes.extend(best_notes)
     seconds = time.monotonic() - started

@@ -1,0 +1,168 @@
+"""Search cost and quality, measured side by side in one run.
+
+    python benchmarks/search.py [--quick] [--to-limit SECONDS]
+
+1. pyplan solve vs the exact time-optimal Z3 formulation of the whole problem (Tessel's "TO")
+   on the same placements for 1, 2, 4 and 6 micro-batches (Tessel Fig. 9): seconds and
+   makespans side by side.
+2. Scaling: V, X, M and NN shapes at 4, 8, 16 and 32 devices: search seconds, repetend bubble,
+   gap of the makespan to its lower bound. Targets: 4 devices < 1 s, 32 devices < 10 s with a
+   zero-bubble repetend where the placement admits one.
+3. Order constraints on AlphaFold2 3F1B (nnScaler Table 7): the exhaustive Tessel search
+   (every index assignment for N_R = 1..6, list-scheduled and evaluated, then a Z3 proof) with
+   and without the rules; nnScaler reports 11.7x.
+4. Z3 plain Solver with bisection vs z3.Optimize on the same time-optimal problems.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+from pyplan import _core
+from pyplan.problem import build_problem, load_problem
+from pyplan.solve import solve
+from pyplan.solve.exact import modulo_repetend, time_optimal
+from pyplan.spec import spec_from_text
+
+PLANS = Path(__file__).resolve().parent.parent / "plans"
+
+
+def shape_problem(kind: str, devices: int, micro_batches: int):
+    shared = "shared: {time: 1, memory: 0, backward: {time: 1, memory: 0}}" \
+        if kind in ("mshape", "nnshape") else ""
+    text = (f"pyplan: 1\nname: {kind}-{devices}\ndevices: {devices}\n"
+            f"memory: {2 * devices + 4}\nmicro_batches: {micro_batches}\n"
+            f"training: {{backward: {{time_ratio: 3}}}}\n"
+            f"shape: {{kind: {kind}, stage: {{time: 1, memory: 1}}, {shared}}}\n"
+            f"search: {{max_repetend_micro_batches: {2 * devices + 4}}}\n")
+    return build_problem(spec_from_text(text))
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def bench_time_optimal(quick: bool, to_limit: float) -> None:
+    print("1. pyplan vs exact time-optimal Z3 (TO), 4 devices, paper costs (f=1, b=3)")
+    print(f"{'plan':16} {'N':>3} {'pyplan s':>9} {'makespan':>9} {'TO s':>8} {'TO makespan':>12}"
+          f" {'TO/pyplan time':>15}")
+    for name in ("tessel-vshape", "tessel-mshape", "tessel-nnshape", "tessel-kshape"):
+        base = load_problem(PLANS / f"{name}.yaml")
+        for n in ((1, 2, 4) if quick else (1, 2, 4, 6)):
+            problem = base.with_overrides(micro_batches=n)
+            ours, t_ours = timed(lambda: solve(problem))
+            everything = [(b.index, m) for m in range(n) for b in problem.blocks]
+            deadline = time.monotonic() + to_limit
+            exact, t_to = timed(lambda: time_optimal(problem, everything, deadline=deadline))
+            shown = f"{exact.value}" + ("" if exact.status == "optimal" else " (limit)")
+            if exact.status in ("none", "unknown"):
+                shown = "none (limit)"
+            print(f"{name:16} {n:>3} {t_ours:>9.2f} {ours.schedule.makespan:>9} {t_to:>8.2f} "
+                  f"{shown:>12} {t_to / t_ours:>14.1f}x")
+
+
+def bench_scaling(quick: bool) -> None:
+    print("\n2. Scaling (memory 2D+4, 256 micro-batches)")
+    print(f"{'shape':8} {'devices':>7} {'seconds':>8} {'status':>10} {'period':>7} {'bound':>6} "
+          f"{'rep. bubble':>12} {'N_R':>4} {'makespan':>9} {'lower bd':>9} {'gap':>6}")
+    for kind in ("vshape", "xshape", "mshape", "nnshape"):
+        for devices in ((4, 8, 16) if quick else (4, 8, 16, 32)):
+            problem = shape_problem(kind, devices, 256)
+            solution, seconds = timed(lambda: solve(problem))
+            rep = solution.schedule.repetend
+            gap = solution.schedule.makespan / solution.lower_bound - 1
+            print(f"{kind:8} {devices:>7} {seconds:>8.2f} {solution.status:>10} {rep.period:>7} "
+                  f"{solution.period_bound:>6} {rep.bubble_rate:>12.1%} "
+                  f"{rep.num_micro_batches:>4} {solution.schedule.makespan:>9} "
+                  f"{solution.lower_bound:>9} {gap:>6.1%}")
+
+
+def exhaustive_tessel(problem, max_nr: int):
+    """Every index assignment for N_R = 1..max_nr (no fast path), then a Z3 proof that no
+    shorter period exists: the search nnScaler's constraints are meant to cut."""
+    graph = problem.graph
+    best = None
+    count = 0
+    for nr in range(1, max_nr + 1):
+        rep, stats = _core.search_repetends(graph, nr, problem.capacity, 0, 0, 0)
+        count += stats.enumerated
+        if rep.feasible and (best is None or rep.period < best.period):
+            best = rep
+    checks = 0
+    for period in range(problem.load_bound(), best.period):
+        checks += 1
+        if modulo_repetend(problem, period, max_nr).status == "sat":
+            return period, count, checks
+    return best.period, count, checks
+
+
+def alphafold2(stages: int):
+    """plans/alphafold2-3f1b.yaml generalised to any number of stages."""
+    blocks = "".join(f"  - {{name: f{p}_s{i}, time: 1, devices: [{i}]"
+                     + (", backward: false}\n" if p < 3 else ", memory: 1}\n")
+                     for p in (1, 2, 3) for i in range(stages))
+    text = (f"pyplan: 1\nname: af2-{stages}\ndevices: {stages}\nmemory: {stages + 2}\n"
+            f"micro_batches: 16\ntraining: {{backward: {{time_ratio: 2}}}}\nblocks:\n{blocks}"
+            "constraints:\n  order:\n"
+            f"    - {{rule: \"f1_s{{i}}[m+2] < f2_s{{i}}[m+1]\", for: {{i: \"0..{stages - 1}\"}}}}\n"
+            f"    - {{rule: \"f2_s{{i}}[m+1] < f3_s{{i}}[m]\", for: {{i: \"0..{stages - 1}\"}}}}\n"
+            f"    - {{rule: \"f3_s{{i}}[m] < f3_s{{i}}.b[m-{{D-i-1}}] if m > {{D-i-1}}\", "
+            f"for: {{i: \"0..{stages - 1}\"}}}}\n")
+    return build_problem(spec_from_text(text))
+
+
+def bench_constraints() -> None:
+    print("\n3. Order constraints, AlphaFold2 3F1B (nnScaler Table 7), exhaustive Tessel search"
+          " (N_R <= stages + 4) with and without the rules; nnScaler reports 11.7x at 4 stages")
+    print(f"{'stages':>6} {'with s':>8} {'cand.':>8} {'period':>7} {'without s':>10} "
+          f"{'cand.':>9} {'period':>7} {'speed-up':>9}")
+    for stages in (4, 5):
+        problem = alphafold2(stages)
+        free = problem.with_overrides(rules=False)
+        limit = stages + 4  # the rules need N_R > stages (f3 of m runs before b of m-(D-1))
+        (p_with, n_with, _), t_with = timed(lambda: exhaustive_tessel(problem, limit))
+        (p_free, n_free, _), t_free = timed(lambda: exhaustive_tessel(free, limit))
+        print(f"{stages:>6} {t_with:>8.3f} {n_with:>8} {p_with:>7} {t_free:>10.3f} {n_free:>9} "
+              f"{p_free:>7} {t_free / t_with:>8.1f}x")
+    problem = load_problem(PLANS / "alphafold2-3f1b.yaml")
+    free = problem.with_overrides(rules=False)
+    with_solution, t_solve_with = timed(lambda: solve(problem))
+    free_solution, t_solve_free = timed(lambda: solve(free))
+    print(f"  full pyplan solve of plans/alphafold2-3f1b.yaml: with rules {t_solve_with:.2f}s "
+          f"(makespan {with_solution.schedule.makespan}), without {t_solve_free:.2f}s (makespan "
+          f"{free_solution.schedule.makespan}): the fast path needs no rules to reach the bound")
+
+
+def bench_optimize(quick: bool) -> None:
+    print("\n4. Z3: plain Solver + bisection vs Optimize (whole problem, time-optimal)")
+    print(f"{'plan':16} {'N':>3} {'bisection s':>12} {'optimize s':>11} {'ratio':>7} "
+          f"{'makespans':>12}")
+    for name in ("tessel-vshape", "tessel-kshape", "tessel-mshape"):
+        for n in ((2,) if quick else (2, 3)):
+            problem = load_problem(PLANS / f"{name}.yaml").with_overrides(micro_batches=n)
+            everything = [(b.index, m) for m in range(n) for b in problem.blocks]
+            a, t_a = timed(lambda: time_optimal(problem, everything, method="bisection"))
+            b, t_b = timed(lambda: time_optimal(problem, everything, method="optimize"))
+            print(f"{name:16} {n:>3} {t_a:>12.2f} {t_b:>11.2f} {t_b / t_a:>6.1f}x "
+                  f"{a.value:>5} / {b.value:<5}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer and smaller cases")
+    parser.add_argument("--to-limit", type=float, default=120.0,
+                        help="seconds allowed to each exact TO solve (default 120)")
+    args = parser.parse_args()
+    bench_scaling(args.quick)
+    bench_constraints()
+    bench_optimize(args.quick)
+    bench_time_optimal(args.quick, args.to_limit)
+
+
+if __name__ == "__main__":
+    main()
