@@ -1,4 +1,5 @@
-"""pyplan: plan, solve and run pipeline-parallel schedules for deep-learning training and inference."""
+"""pyplan: plan, solve and run pipeline-parallel schedules for deep-learning training and
+inference."""
 
 from __future__ import annotations
 

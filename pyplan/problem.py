@@ -101,7 +101,7 @@ class Problem:
         return format_memory(amount, self.memory_is_size)
 
     def with_overrides(self, *, micro_batches: int | None = None, memory: int | None = None,
-                       time_limit: float | None = None, rules: bool = True) -> "Problem":
+                       time_limit: float | None = None, rules: bool = True) -> Problem:
         """A copy with the number of micro-batches, capacity or time limit replaced."""
         changes: dict = {}
         if micro_batches is not None:
@@ -269,8 +269,9 @@ class _Builder:
             if amount != 0:
                 first = next(i for i, b in enumerate(self.blocks)
                              if d in b.devices and b.memory != 0)
-                raise self.fail(self.paths[first] + ("memory",), f"memory does not balance on device {d}: one "
-                                f"micro-batch leaves {self.show(amount)} allocated",
+                raise self.fail(self.paths[first] + ("memory",),
+                                f"memory does not balance on device {d}: one micro-batch "
+                                f"leaves {self.show(amount)} allocated",
                                 "backward blocks must free what forward blocks allocate "
                                 "(for inference plans use memory 0)")
 

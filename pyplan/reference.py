@@ -272,7 +272,7 @@ def evaluate_repetend(num_devices, blocks, edges, indices, orders, *, rules=(), 
     base = min(dist)
     offsets = [x - base for x in dist]
     peak, entry = [], []
-    for d, order in enumerate(orders):
+    for order in orders:
         e = sum(blocks[b][1] * n[b] for b in order)
         running, best = e, e
         for b in order:

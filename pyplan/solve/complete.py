@@ -54,7 +54,7 @@ def _warmup_anchor(problem: Problem, rep: _core.Repetend, instances) -> Anchor:
         if on:
             bound = max(bound, min(head[b] for b, _ in on) + sum(blocks[b].time for b, _ in on)
                         - due)
-    for (b, m), due in external.items():
+    for (b, _), due in external.items():
         bound = max(bound, head[b] + blocks[b].time - due)
     return Anchor("warmup", first, external, floor=bound)
 
@@ -77,8 +77,9 @@ def _cooldown_anchor(problem: Problem, rep: _core.Repetend, instances, last: int
     for d, ready in end.items():
         on = [(b, m) for b, m in instances if d in problem.blocks[b].devices]
         if on:
-            floor = max(floor, ready + sum(time_of[b] for b, _ in on) + min(tail[b] for b, _ in on))
-    for (b, m), ready in external.items():
+            floor = max(floor, ready + sum(time_of[b] for b, _ in on)
+                        + min(tail[b] for b, _ in on))
+    for (b, _), ready in external.items():
         floor = max(floor, ready + time_of[b] + tail[b])
     return Anchor("cooldown", end, external, floor=floor)
 

@@ -82,7 +82,7 @@ def modulo_repetend(problem: Problem, period: int, max_micro_batches: int, *,
     off = [z3.Int(f"o_{b.name}", ctx) for b in blocks]
     lag = [z3.Int(f"k_{b.name}", ctx) for b in blocks]
     start = [lag[i] * T + off[i] for i in range(len(blocks))]
-    for i, b in enumerate(blocks):
+    for i in range(len(blocks)):
         solver.add(off[i] >= 0, off[i] < T, lag[i] >= (min_lags[i] if min_lags else 0),
                    lag[i] <= max_lag)
     for a, c in problem.edges:

@@ -89,11 +89,12 @@ def _backward_of(problem: Problem, block: int, kind: str) -> int | None:
     return problem.by_name.get(name)
 
 
-def _require_training(problem: Problem) -> None:
+def _require_training(problem: Problem, every_forward: bool = True) -> None:
     if not problem.training:
         raise NotApplicable("an inference plan has no backward blocks")
     for b in problem.blocks:
-        if b.kind == FORWARD and _backward_of(problem, b.index, BACKWARD) is None:
+        if every_forward and b.kind == FORWARD and \
+                _backward_of(problem, b.index, BACKWARD) is None:
             raise NotApplicable(f"forward block '{b.name}' has no derived backward")
 
 
@@ -202,13 +203,13 @@ def _orders_from_keys(problem: Problem, keyed) -> list[list[tuple[int, int]]]:
     return orders
 
 
-def _single_chain_stages(problem: Problem) -> list[list[int]]:
+def _single_chain_stages(problem: Problem, one_per_device: bool = True) -> list[list[int]]:
     chains = _forward_chains(problem)
     if len(chains) != 1:
         raise NotApplicable(f"the forward blocks form {len(chains)} chains, not one")
     stages = _stages(problem, chains[0])
     devices = [_stage_device(problem, s) for s in stages]
-    if len(set(devices)) != len(devices):
+    if one_per_device and len(set(devices)) != len(devices):
         raise NotApplicable("a device holds several stages (see interleaved-1f1b)")
     return stages
 
@@ -296,7 +297,7 @@ def _chimera(problem: Problem):
 def _interleaved(problem: Problem):
     _require_training(problem)
     D, n = problem.num_devices, problem.num_micro_batches
-    stages = _single_chain_stages_any(problem)
+    stages = _single_chain_stages(problem, one_per_device=False)
     if len(stages) % D or len(stages) == D:
         raise NotApplicable("needs several stages per device (stage s on device s mod D)")
     if any(_stage_device(problem, st) != s % D for s, st in enumerate(stages)):
@@ -334,16 +335,9 @@ def _interleaved(problem: Problem):
     return orders
 
 
-def _single_chain_stages_any(problem: Problem) -> list[list[int]]:
-    chains = _forward_chains(problem)
-    if len(chains) != 1:
-        raise NotApplicable(f"the forward blocks form {len(chains)} chains, not one")
-    return _stages(problem, chains[0])
-
-
 def _3f1b(problem: Problem):
-    _require_training_3f1b(problem)
-    stages = _single_chain_stages_any(problem)
+    _require_training(problem, every_forward=False)  # the first two passes have no backward
+    stages = _single_chain_stages(problem, one_per_device=False)
     if any(len(st) != 1 for st in stages) or len(stages) % 3:
         raise NotApplicable("needs three forward passes over the same single-device stages")
     S = len(stages) // 3
@@ -366,11 +360,6 @@ def _3f1b(problem: Problem):
                 if 0 <= m < n:
                     order.append((block, m))
     return orders
-
-
-def _require_training_3f1b(problem: Problem) -> None:
-    if not problem.training:
-        raise NotApplicable("an inference plan has no backward blocks")
 
 
 _BUILDERS = {"gpipe": _gpipe, "1f1b": _1f1b, "interleaved-1f1b": _interleaved,

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyplan.errors import PlanError
 from pyplan.spec.schema import check_schema
 from pyplan.spec.source import Source, load_yaml, parse_yaml
 from pyplan.spec.units import parse_memory
