@@ -50,7 +50,7 @@ def compare(g, problem, orders, capacity, rules=()):
 
 
 @settings(max_examples=300, deadline=None)
-@given(problems(max_blocks=12), st.integers(1, 4), st.randoms(use_true_random=False),
+@given(problems(max_blocks=24), st.integers(1, 4), st.randoms(use_true_random=False),
        st.booleans(), st.integers(-1, 6))
 def test_evaluation_matches_reference(problem, n, rng, scramble, capacity):
     g = core_graph(*problem)

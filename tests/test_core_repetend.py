@@ -30,7 +30,7 @@ def test_enumeration_matches_brute_force(problem, num_mb, capacity, period_below
 
 @st.composite
 def repetend_cases(draw):
-    num_devices, blocks, edges = draw(problems(max_devices=5, max_blocks=10))
+    num_devices, blocks, edges = draw(problems(max_devices=8, max_blocks=24))
     k = len(blocks)
     order = _core.Graph(num_devices, [_core.Block(str(i), *b) for i, b in enumerate(blocks)],
                         edges).topological_order()
