@@ -6,12 +6,17 @@ import dataclasses
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import PLANS, spec_plans
+from pyplan.errors import InfeasibleError
+from pyplan.problem import build_problem
+from pyplan.spec import spec_from_text
 from pyplan import _core
 from pyplan.problem import load_problem
 from pyplan.resolved import load_resolved, render_resolved, write_resolved
-from pyplan.solve import solve
+from pyplan.solve import min_memory, solve
 from pyplan.solve.exact import time_optimal
 from pyplan.solve.search import SearchStats, search_repetend
 from pyplan.solve.templates import baselines
@@ -203,3 +208,40 @@ def test_quiet_prints_nothing(cli, tmp_path):
     code, stdout, err = cli("solve", PLANS / "1f1b-4stage.yaml", "-o", tmp_path / "a.yaml",
                             "--quiet")
     assert (code, stdout, err) == (0, "", "")
+
+
+@st.composite
+def random_plans(draw):
+    """Small random training plans: a shape with random stage costs and memory."""
+    kind = draw(st.sampled_from(["vshape", "xshape", "mshape", "nnshape", "kshape"]))
+    devices = draw(st.integers(2, 4))
+    times = [draw(st.integers(1, 3)) for _ in range(2 * devices if kind == "xshape" else devices)]
+    ratio = draw(st.sampled_from([1, 2, 3]))
+    shared = "shared: {time: 1, memory: 1}" if kind != "vshape" and kind != "xshape" else ""
+    text = (f"pyplan: 1\nname: random\ndevices: {devices}\nmemory: {draw(st.integers(3, 8))}\n"
+            f"micro_batches: {draw(st.integers(1, 12))}\n"
+            f"training: {{backward: {{time_ratio: {ratio}}}}}\n"
+            f"shape: {{kind: {kind}, stage: {{time: {times}, memory: 1}}, {shared}}}\n"
+            "search: {time_limit: 30}\n")
+    return build_problem(spec_from_text(text))
+
+
+@settings(max_examples=25, deadline=None)
+@given(random_plans())
+def test_random_plans_solve_to_verified_schedules(problem):
+    try:
+        solution = solve(problem)
+    except InfeasibleError:
+        need = max(min_memory(problem))
+        assert need > problem.memory_capacity
+        return
+    schedule = solution.schedule
+    ev = _core.evaluate(problem.graph, [list(o) for o in schedule.orders],
+                        memory_capacity=problem.capacity,
+                        complete_micro_batches=problem.num_micro_batches)
+    assert ev.ok and ev.makespan == schedule.makespan
+    assert schedule.makespan >= solution.lower_bound
+    assert schedule.repetend is None or schedule.repetend.period >= solution.period_bound
+    assert solution.status in ("optimal", "feasible")
+    fitting = [b.makespan for b in solution.baselines.values() if b.applicable and b.fits_memory]
+    assert all(schedule.makespan <= m for m in fitting)
