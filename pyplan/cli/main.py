@@ -15,6 +15,9 @@ __all__ = ["main"]
 _COMMANDS = {
     "validate": ("validate", "check plans and print a one-line summary of each"),
     "solve": ("solve", "search a schedule and write PLAN.resolved.yaml"),
+    "show": ("show", "draw a schedule as a timeline in the terminal"),
+    "export": ("export", "write a schedule as SVG, Chrome trace or torch-csv"),
+    "import": ("import_", "evaluate a torch.distributed.pipelining schedule CSV on a plan"),
 }
 
 

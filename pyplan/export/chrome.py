@@ -13,7 +13,8 @@ from pathlib import Path
 
 from pyplan.fileio import write_atomic
 
-__all__ = ["TraceEvent", "chrome_trace", "schedule_events", "write_chrome_trace"]
+__all__ = ["TraceEvent", "chrome_trace", "memory_counters", "schedule_events", "schedule_trace",
+           "write_chrome_trace"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,38 @@ def schedule_events(schedule) -> list[TraceEvent]:
             events.append(TraceEvent(d, f"{block.name}@{m}", block.kind, start, end - start, m,
                                      phase.get((b, m), "")))
     return events
+
+
+def memory_counters(schedule) -> list[dict]:
+    """Counter ("C") events: each device's memory after every block start, where it changes
+    (the running sum of block memory in the device's order)."""
+    problem = schedule.problem
+    events = []
+    for d in range(problem.num_devices):
+        level = 0
+        events.append({"name": f"memory device {d}", "ph": "C", "pid": 0, "ts": 0,
+                       "args": {"memory": 0}})
+        for b, _, start, _ in schedule.entries(d):
+            if problem.blocks[b].memory:
+                level += problem.blocks[b].memory
+                events.append({"name": f"memory device {d}", "ph": "C", "pid": 0, "ts": start,
+                               "args": {"memory": level}})
+    return events
+
+
+def schedule_trace(schedule) -> dict:
+    """A solved schedule as a trace: one track per device, one event per block execution on a
+    device (a block on several devices appears on each), plus a memory counter per device."""
+    problem = schedule.problem
+    trace = chrome_trace(schedule_events(schedule), title=problem.name,
+                         time_unit="model time units (shown as microseconds)",
+                         num_devices=problem.num_devices)
+    trace["traceEvents"] += memory_counters(schedule)
+    trace["otherData"].update({"makespan": schedule.makespan,
+                               "bubble_rate": schedule.bubble_rate,
+                               "peak_memory": list(schedule.peak_memory),
+                               "memory_capacity": problem.memory_capacity})
+    return trace
 
 
 def write_chrome_trace(path: str | Path, trace: dict) -> None:

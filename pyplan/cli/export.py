@@ -1,0 +1,61 @@
+"""`pyplan export PLAN|RESOLVED --format svg|chrome|torch-csv -o FILE`: the schedule as a
+picture, a Chrome/Perfetto trace or torch.distributed.pipelining's schedule CSV."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pyplan.cli._schedule import load_plan, pick_schedule
+from pyplan.errors import PlanError
+from pyplan.export.chrome import schedule_trace
+from pyplan.export.svg import render_svg
+from pyplan.export.torch_csv import render_torch_csv, torch_stages
+from pyplan.fileio import write_atomic
+from pyplan.spec.schema import did_you_mean
+
+__all__ = ["FORMATS", "add_arguments", "run"]
+
+
+def _chrome(schedule) -> str:
+    return json.dumps(schedule_trace(schedule), separators=(",", ":")) + "\n"
+
+
+FORMATS = {"svg": render_svg, "chrome": _chrome, "torch-csv": render_torch_csv}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", metavar="RESOLVED",
+                        help="resolved plan (a plan is solved in memory first)")
+    parser.add_argument("--format", required=True, metavar="FORMAT",
+                        help="svg (timeline picture), chrome (Chrome/Perfetto trace JSON) or "
+                             "torch-csv (torch.distributed.pipelining schedule)")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE",
+                        help="file to write, '-' for standard output")
+    parser.add_argument("--template", metavar="NAME",
+                        help="export a hand-written schedule (gpipe, 1f1b, ...) on the plan's "
+                             "placement instead")
+
+
+def run(args: argparse.Namespace) -> int:
+    render = FORMATS.get(args.format)
+    if render is None:
+        raise PlanError(f"unknown export format '{args.format}'",
+                        hint=did_you_mean(args.format, FORMATS)
+                        or f"choose {', '.join(FORMATS)}")
+    problem, resolved = load_plan(args.plan)
+    if args.format == "torch-csv":
+        torch_stages(problem)  # fail before solving when torch cannot run this placement
+    schedule = pick_schedule(problem, resolved, args.template)
+    text = render(schedule)
+    if args.output == "-":
+        sys.stdout.write(text)
+        return 0
+    write_atomic(args.output, text)
+    problem = schedule.problem
+    what = f"{problem.num_micro_batches} micro-batches on {problem.num_devices} devices"
+    if args.format == "torch-csv":
+        what += f" as {len(torch_stages(problem))} torch stages"
+    print(f"wrote {args.output}: {args.format}, {what}, makespan {schedule.makespan}")
+    return 0
