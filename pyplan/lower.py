@@ -1,0 +1,214 @@
+"""Lowering: a schedule -> one instruction program per rank (COMPUTE, SEND, RECV, WAIT, REDUCE).
+
+Tessel IV-D: one global order, a topological sort of the schedule (start time, then the
+per-device orders), fixes where every rank posts its sends and receives. Each SEND/RECV pair
+sits right after the block instance that produces its tensor, at the same place on both ranks,
+so the pairs between two ranks are posted in the same order on both sides and cannot cross;
+each WAIT sits right before the first block instance on its rank that consumes the tensor.
+
+Routing of a tensor between a producer on devices P and a consumer on devices C: an activation
+(one tensor, the same on every device of P) goes to each device of C that is not in P from the
+lowest device of P. A gradient is computed by every device of a backward block; each device's
+contribution goes back the way the activation came (to itself when it is also a device of the
+receiving block, else to that block's lowest device), where all contributions are summed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyplan.errors import PlanError
+from pyplan.problem import BACKWARD, WEIGHT, Problem
+
+__all__ = ["ACTIVATION", "COMPUTE", "GRADIENT", "RECV", "REDUCE", "SEND", "WAIT",
+           "Instruction", "Lowered", "Value", "check_runnable", "describe", "describe_value",
+           "global_order", "is_gradient", "lower"]
+
+COMPUTE, SEND, RECV, WAIT, REDUCE = "compute", "send", "recv", "wait", "reduce"
+ACTIVATION, GRADIENT = "activation", "gradient"
+
+
+@dataclass(frozen=True)
+class Value:
+    """A tensor one block instance hands to another."""
+
+    kind: str
+    """activation: the output of `block`; gradient: a contribution to the gradient of
+    `consumer`'s forward output, computed by backward block `block` on device `origin`."""
+    block: int
+    micro_batch: int
+    consumer: int = -1
+    origin: int = -1
+
+
+@dataclass(frozen=True)
+class Instruction:
+    op: str
+    seq: int
+    """Position in the global order; both halves of a SEND/RECV pair share it."""
+    block: int
+    """compute/reduce: the block; send/recv: the producer; wait: the block that needs it."""
+    micro_batch: int
+    value: Value | None = None
+    peer: int = -1
+    group: tuple[int, ...] = ()
+    """compute/reduce: every rank that runs it (they meet in its collectives)."""
+    inputs: tuple[Value, ...] = ()
+    """compute: what it consumes on this rank (forward inputs in dependency order)."""
+
+
+@dataclass(frozen=True)
+class Lowered:
+    problem: Problem
+    order: tuple[tuple[int, int], ...]
+    """Every (block, micro-batch) in the global order."""
+    programs: tuple[tuple[Instruction, ...], ...]
+
+    def name(self, block: int) -> str:
+        return self.problem.blocks[block].name
+
+
+def is_gradient(problem: Problem, src: int, dst: int) -> bool:
+    """Does the dependency src -> dst carry a gradient (backward to backward)?"""
+    return problem.blocks[src].kind == BACKWARD and problem.blocks[dst].kind == BACKWARD
+
+
+def global_order(problem: Problem, schedule) -> list[tuple[int, int]]:
+    """All instances sorted by start time (ties: block, micro-batch); a topological order of the
+    dependencies and of every device's order, because blocks take positive time."""
+    order = sorted(((b, m) for b in range(len(problem.blocks))
+                    for m in range(problem.num_micro_batches)),
+                   key=lambda i: (schedule.start_of(*i), i))
+    where = {inst: k for k, inst in enumerate(order)}
+    for device_order in schedule.orders:
+        if any(where[a] > where[b] for a, b in zip(device_order, device_order[1:])):
+            raise ValueError("the schedule's device orders disagree with its start times")
+    return order
+
+
+def lower(problem: Problem, schedule) -> Lowered:
+    """Per-rank programs for one iteration (all micro-batches) of a schedule."""
+    blocks = problem.blocks
+    preds: list[list[int]] = [[] for _ in blocks]
+    succs: list[list[int]] = [[] for _ in blocks]
+    for a, c in problem.edges:
+        preds[c].append(a)
+        succs[a].append(c)
+    programs: list[list[Instruction]] = [[] for _ in range(problem.num_devices)]
+    pending: list[set[Value]] = [set() for _ in programs]  # received, not yet waited
+    seq = 0
+    order = global_order(problem, schedule)
+    for b, m in order:
+        devices = blocks[b].devices
+        seq += 1
+        for d in devices:
+            inputs = tuple(v for p in preds[b] for v in _inputs(problem, p, b, m, d))
+            for v in inputs:
+                if v in pending[d]:
+                    pending[d].discard(v)
+                    programs[d].append(Instruction(WAIT, seq, b, m, v, _source(v, d, problem)))
+            programs[d].append(Instruction(COMPUTE, seq, b, m, group=devices, inputs=inputs))
+        for value, src, dst in _transfers(problem, b, m, succs[b]):
+            seq += 1
+            programs[src].append(Instruction(SEND, seq, b, m, value, dst))
+            programs[dst].append(Instruction(RECV, seq, b, m, value, src))
+            pending[dst].add(value)
+    if problem.training:
+        # Replicated parameters of multi-device blocks: their gradients are summed over the
+        # block's ranks once all micro-batches are done, in block order on every rank.
+        for block in blocks:
+            if len(block.devices) > 1 and block.kind not in (BACKWARD, WEIGHT) and \
+                    f"{block.name}.b" in problem.by_name:
+                seq += 1
+                for d in block.devices:
+                    programs[d].append(Instruction(REDUCE, seq, block.index, -1,
+                                                   group=block.devices))
+    return Lowered(problem, tuple(order), tuple(tuple(p) for p in programs))
+
+
+def _route(to: int, devices: tuple[int, ...]) -> int:
+    return to if to in devices else devices[0]
+
+
+def _inputs(problem: Problem, src: int, dst: int, m: int, device: int) -> list[Value]:
+    """What block `dst` on `device` consumes from `src` for micro-batch m."""
+    if not is_gradient(problem, src, dst):
+        return [Value(ACTIVATION, src, m)]
+    here = problem.blocks[dst].devices
+    return [Value(GRADIENT, src, m, dst, k) for k in problem.blocks[src].devices
+            if _route(k, here) == device]
+
+
+def _source(value: Value, device: int, problem: Problem) -> int:
+    if value.kind == GRADIENT:
+        return value.origin
+    return _route(device, problem.blocks[value.block].devices)
+
+
+def _transfers(problem: Problem, b: int, m: int, consumers: list[int]):
+    """(value, src, dst) for everything instance (b, m) sends, in a fixed order."""
+    here = problem.blocks[b].devices
+    needs: dict[int, None] = {}
+    out = []
+    for c in consumers:
+        there = problem.blocks[c].devices
+        if is_gradient(problem, b, c):
+            for k in here:
+                if _route(k, there) != k:
+                    out.append((Value(GRADIENT, b, m, c, k), k, there[0]))
+        else:
+            needs.update((d, None) for d in there if d not in here)
+    out[:0] = [(Value(ACTIVATION, b, m), here[0], d) for d in sorted(needs)]
+    return out
+
+
+def check_runnable(problem: Problem) -> int:
+    """Raise PlanError unless `pyplan run` can execute the plan; returns the output block (the
+    one forward block whose output goes to the loss)."""
+    by_name = problem.by_name
+    for block in problem.blocks:
+        suffix = {BACKWARD: ".b", WEIGHT: ".w"}.get(block.kind)
+        if suffix and (block.name != block.layer + suffix or block.layer not in by_name):
+            raise PlanError(f"block '{block.name}' is a hand-written {block.kind} block; "
+                            "pyplan run derives backward work from forward blocks",
+                            hint="let training: backward: derive NAME.b (and NAME.w) blocks",
+                            file=problem.source_path)
+    forward = [b for b in problem.blocks if b.kind not in (BACKWARD, WEIGHT)]
+    feeds = {a for a, c in problem.edges if problem.blocks[c].kind not in (BACKWARD, WEIGHT)}
+    last = [b.name for b in forward if b.index not in feeds]
+    if len(last) != 1:
+        raise PlanError(f"pyplan run needs exactly one last forward block (its output goes to "
+                        f"the loss); this plan has {len(last)}: {', '.join(last)}",
+                        hint="join the branches in one block with after:",
+                        file=problem.source_path)
+    return by_name[last[0]]
+
+
+def describe(lowered: Lowered, ins: Instruction) -> str:
+    """One instruction in words, e.g. 'wait for stage0@3 output from rank 0 before stage1@3'."""
+    name = lowered.name
+    if ins.op == COMPUTE:
+        where = f" on ranks {_ranks(ins.group)}" if len(ins.group) > 1 else ""
+        return f"compute {name(ins.block)}@{ins.micro_batch}{where}"
+    if ins.op == REDUCE:
+        return f"reduce {name(ins.block)} gradients over ranks {_ranks(ins.group)}"
+    what = describe_value(lowered, ins.value)
+    if ins.op == SEND:
+        return f"send {what} to rank {ins.peer}"
+    if ins.op == RECV:
+        return f"recv {what} from rank {ins.peer}"
+    return f"wait for {what} from rank {ins.peer} before {name(ins.block)}@{ins.micro_batch}"
+
+
+def describe_value(lowered: Lowered, value: Value) -> str:
+    if value.kind == ACTIVATION:
+        return f"{lowered.name(value.block)}@{value.micro_batch} output"
+    return (f"gradient {lowered.name(value.block)}->{lowered.name(value.consumer)}"
+            f"@{value.micro_batch} of rank {value.origin}")
+
+
+def _ranks(group: tuple[int, ...]) -> str:
+    if list(group) == list(range(group[0], group[-1] + 1)) and len(group) > 2:
+        return f"{group[0]}-{group[-1]}"
+    return ",".join(str(g) for g in group)
+
