@@ -12,6 +12,8 @@ periods of the steady state are elided first, but only where the picture provabl
 
 from __future__ import annotations
 
+import textwrap
+
 from pyplan.export._layout import device_chunks, repetitions, time_step
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT
 from pyplan.schedule import Schedule
@@ -134,8 +136,9 @@ def timeline(schedule: Schedule, *, width: int = 100, compress: bool = True) -> 
         bands[-1].append(col)
         used += w
 
-    lines: list[Line] = [[(f"{problem.name}: {problem.num_micro_batches} micro-batches on "
-                           f"{problem.num_devices} devices", "")], []]
+    title = (f"{problem.name}: {problem.num_micro_batches} micro-batches on "
+             f"{problem.num_devices} devices")
+    lines: list[Line] = [[(part, "")] for part in textwrap.wrap(title, width)] + [[]]
     for i, band in enumerate(bands):
         if i:
             lines.append([])
@@ -150,7 +153,9 @@ def timeline(schedule: Schedule, *, width: int = 100, compress: bool = True) -> 
         if row.strip(_SEP):
             lines.append([("rep".ljust(prefix), "axis"), (row.rstrip(), "rep")])
     lines.append([])
-    lines += [[(text, "")] for text in _legend(schedule, grid, cut)]
+    for text in _legend(schedule, grid, cut):
+        lines += [[(part, "")] for part in
+                  textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False)]
     return lines
 
 
@@ -195,10 +200,10 @@ def _legend(schedule: Schedule, grid: _Grid, cut: tuple | None) -> list[str]:
     problem = schedule.problem
     kinds = {b.kind for b in problem.blocks}
     names = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight gradient"}
-    parts = [f"{_LETTER.get(k, 'O')} {names.get(k, 'other')}" for k in
-             (FORWARD, BACKWARD, WEIGHT, "other") if k in kinds or
-             (k == "other" and kinds - set(names))]
-    text = ", ".join(parts) + " + micro-batch; . idle"
+    present = [k for k in names if k in kinds] + (["other"] if kinds - set(names) else [])
+    parts = [f"{_LETTER.get(k, 'O')}: {names.get(k, 'other')}" for k in present]
+    parts[0] = parts[0].replace(":", "3:", 1) + " of micro-batch 3"
+    text = ", ".join(parts) + "; . idle"
     if any(len(b.devices) > 1 for b in problem.blocks):
         text += "; lowercase: a block on several devices at once"
     if grid.num_chunks > 1:
@@ -209,8 +214,8 @@ def _legend(schedule: Schedule, grid: _Grid, cut: tuple | None) -> list[str]:
     if rep is not None:
         start, end = schedule.repetend_window()
         lines.append(f"rep: repetend of {rep.num_micro_batches} micro-batches, period "
-                     f"{rep.period}, repeated {schedule.repetend_count}x from t={start} to "
-                     f"t={end} ([ and | mark where each repetition starts)")
+                     f"{rep.period}, {schedule.repetend_count} repetitions from t={start} to "
+                     f"t={end} ([ | mark their starts)")
     if cut is not None:
         start, length = cut
         periods = length * grid.unit // rep.period
