@@ -92,7 +92,7 @@ def torch_stages(problem: Problem) -> tuple[TorchStage, ...]:
         b, w = by_name.get(f"{name}.b"), by_name.get(f"{name}.w")
         if b is None or blocks[b].kind != BACKWARD:
             raise fail(f"forward block '{name}' has no backward block '{name}.b'",
-                       "derive backward blocks with training: {backward: ...}")
+                       "every torch stage runs a backward for each micro-batch")
         if w is not None and blocks[w].kind != WEIGHT:
             w = None
         stages.append(TorchStage(s, blocks[f].devices[0], f, b, w))
