@@ -137,3 +137,23 @@ def test_stale_or_edited_resolved_plan_is_refused(cli, tmp_path):
     code, _, err = cli("export", resolved, "--format", "svg", "-o", tmp_path / "a.svg")
     assert code == 2 and err.count("\n") == 1
     assert "makespan does not match the schedule" in err
+
+
+def test_show_and_exports_work_without_torch(tmp_path):
+    # torch is optional: only `pyplan run` needs it, so none of these may import it.
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from pyplan.cli import main
+plan = {str(PLANS / "1f1b-4stage.yaml")!r}
+out = {str(tmp_path)!r}
+assert main(["show", plan]) == 0
+for fmt in ("svg", "chrome", "torch-csv"):
+    assert main(["export", plan, "--format", fmt, "-o", f"{{out}}/a.{{fmt}}"]) == 0
+assert main(["import", "torch-csv", f"{{out}}/a.torch-csv", "--plan", plan]) == 0
+assert "torch" not in sys.modules, "torch was imported"
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

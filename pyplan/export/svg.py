@@ -22,7 +22,7 @@ _COLOURS = {
     "other": (("#b07aa1", "#fff"), ("#d4a6c8", "#000")),
 }
 _NAMES = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight gradient", "other": "other"}
-_LEFT, _RIGHT, _ROW, _GAP, _MEM = 86, 24, 24, 4, 40
+_LEFT, _RIGHT, _ROW, _GAP, _MEM = 86, 40, 24, 4, 40
 _FONT = "font-family=\"Helvetica, Arial, sans-serif\""
 
 
@@ -45,39 +45,50 @@ def _num(x: float) -> str:
 def render_svg(schedule: Schedule) -> str:
     """The picture as an SVG document (deterministic: same schedule, same bytes)."""
     problem = schedule.problem
-    D, makespan = problem.num_devices, schedule.makespan
-    scale = _scale(makespan)
-    width = _LEFT + makespan * scale + _RIGHT
-    x = lambda t: _num(_LEFT + t * scale)  # noqa: E731
-    out: list[str] = []
+    scale = _scale(schedule.makespan)
+    out = [f'<text x="{_LEFT}" y="18" font-size="14" font-weight="bold" {_FONT}>'
+           f"{escape(problem.name)}: {problem.num_micro_batches} micro-batches on "
+           f"{problem.num_devices} devices, makespan {schedule.makespan}, bubble "
+           f"{schedule.bubble_rate:.1%}</text>"]
+    y: float = 30
+    for section in (_repetitions, _devices, _axis, _memory):
+        y = section(out, schedule, y, scale)
+    y = _legend(out, problem, y) + 8
+    width = _LEFT + schedule.makespan * scale + _RIGHT
+    head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{_num(width)}" '
+            f'height="{_num(y)}" viewBox="0 0 {_num(width)} {_num(y)}">\n'
+            f"<title>{escape(problem.name)} schedule</title>\n"
+            f'<rect width="100%" height="100%" fill="#fff"/>\n')
+    return head + "\n".join(out) + "\n</svg>\n"
 
-    out.append(f'<text x="{_LEFT}" y="18" font-size="14" font-weight="bold" {_FONT}>'
-               f"{escape(problem.name)}: {problem.num_micro_batches} micro-batches on {D} "
-               f"devices, makespan {makespan}, bubble {schedule.bubble_rate:.1%}</text>")
 
-    # Repetition bars in two lanes: consecutive repetitions overlap (compaction).
-    y = 30
+def _repetitions(out: list[str], schedule: Schedule, y: float, scale: float) -> float:
+    """A bar over each repetition, in two lanes: consecutive ones overlap (compaction)."""
     spans = repetitions(schedule)
-    if spans:
-        rep = schedule.repetend
-        out.append(f'<text x="{_LEFT - 6}" y="{y + 12}" font-size="11" text-anchor="end" '
-                   f'{_FONT}>repetend</text>')
-        for j, (start, end) in enumerate(spans):
-            lane = y + (j % 2) * 9
-            out.append(f'<rect class="repetition" x="{x(start)}" y="{lane}" '
-                       f'width="{_num((end - start) * scale)}" height="7" rx="2" '
-                       f'fill="{"#f28e2b" if j % 2 == 0 else "#ffbe7d"}">'
-                       f"<title>repetition {j + 1} of {len(spans)}: t={start}..{end} (period "
-                       f"{rep.period}, {rep.num_micro_batches} micro-batches)</title></rect>")
-        y += 24
+    if not spans:
+        return y
+    rep = schedule.repetend
+    out.append(f'<text x="{_LEFT - 6}" y="{y + 12}" font-size="11" text-anchor="end" '
+               f'{_FONT}>repetend</text>')
+    for j, (start, end) in enumerate(spans):
+        colour = "#f28e2b" if j % 2 == 0 else "#ffbe7d"
+        out.append(f'<rect class="repetition" x="{_num(_LEFT + start * scale)}" '
+                   f'y="{y + (j % 2) * 9}" width="{_num((end - start) * scale)}" height="7" '
+                   f'rx="2" fill="{colour}"><title>repetition {j + 1} of {len(spans)}: '
+                   f"t={start}..{end} (period {rep.period}, {rep.num_micro_batches} "
+                   "micro-batches)</title></rect>")
+    return y + 24
 
+
+def _devices(out: list[str], schedule: Schedule, y: float, scale: float) -> float:
+    """One row per device; a block on several devices is drawn on each (dashed outline)."""
+    problem = schedule.problem
     chunks = device_chunks(problem)
-    top = y
-    for d in range(D):
-        row = top + d * (_ROW + _GAP)
+    for d in range(problem.num_devices):
+        row = y + d * (_ROW + _GAP)
         out.append(f'<text x="{_LEFT - 6}" y="{row + _ROW / 2 + 4}" font-size="12" '
                    f'text-anchor="end" {_FONT}>device {d}</text>')
-        out.append(f'<rect x="{x(0)}" y="{row}" width="{_num(makespan * scale)}" '
+        out.append(f'<rect x="{_LEFT}" y="{row}" width="{_num(schedule.makespan * scale)}" '
                    f'height="{_ROW}" fill="#f4f4f4"/>')
         for b, m, start, end in schedule.entries(d):
             block = problem.blocks[b]
@@ -87,36 +98,32 @@ def render_svg(schedule: Schedule) -> str:
             w = (end - start) * scale
             out.append(
                 f'<rect class="block {kind}{" shared" if shared else ""}" data-device="{d}" '
-                f'data-block={quoteattr(block.name)} data-mb="{m}" x="{x(start)}" y="{row}" '
-                f'width="{_num(w)}" height="{_ROW}" fill="{fill}" stroke="#fff" '
+                f'data-block={quoteattr(block.name)} data-mb="{m}" '
+                f'x="{_num(_LEFT + start * scale)}" y="{row}" width="{_num(w)}" '
+                f'height="{_ROW}" fill="{fill}" stroke="#fff" '
                 f'stroke-width="{1 if scale >= 6 else 0.5}"'
                 + (' stroke-dasharray="3 2"' if shared else "")
                 + f"><title>{escape(block.name)}@{m} on device {d}: t={start}..{end}, memory "
                 f"{block.memory:+d}</title></rect>")
-            label = str(m)
-            if w >= 7 * len(label) + 3:
+            if w >= 7 * len(str(m)) + 3:  # the number only where it fits
                 out.append(f'<text x="{_num(_LEFT + (start + end) / 2 * scale)}" '
                            f'y="{row + _ROW / 2 + 4}" font-size="11" text-anchor="middle" '
-                           f'fill="{ink}" pointer-events="none" {_FONT}>{label}</text>')
-    y = top + D * (_ROW + _GAP)
+                           f'fill="{ink}" pointer-events="none" {_FONT}>{m}</text>')
+    return y + problem.num_devices * (_ROW + _GAP)
 
+
+def _axis(out: list[str], schedule: Schedule, y: float, scale: float) -> float:
+    makespan = schedule.makespan
     tick = _tick(makespan, scale)
-    out.append(f'<line x1="{x(0)}" y1="{y}" x2="{x(makespan)}" y2="{y}" stroke="#888"/>')
+    right = _num(_LEFT + makespan * scale)
+    out.append(f'<line x1="{_LEFT}" y1="{y}" x2="{right}" y2="{y}" stroke="#888"/>')
     for t in list(range(0, makespan, tick)) + [makespan]:
-        out.append(f'<line x1="{x(t)}" y1="{y}" x2="{x(t)}" y2="{y + 4}" stroke="#888"/>')
-        if t == makespan or makespan - t >= tick / 2:
-            out.append(f'<text x="{x(t)}" y="{y + 15}" font-size="10" text-anchor="middle" '
+        x = _num(_LEFT + t * scale)
+        out.append(f'<line x1="{x}" y1="{y}" x2="{x}" y2="{y + 4}" stroke="#888"/>')
+        if t == makespan or makespan - t >= tick / 2:  # keep the last tick's label clear
+            out.append(f'<text x="{x}" y="{y + 15}" font-size="10" text-anchor="middle" '
                        f'fill="#555" {_FONT}>{t}</text>')
-    y += 30
-
-    y = _memory(out, schedule, y, scale)
-    y = _legend(out, problem, y)
-    height = y + 8
-    head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{_num(width)}" '
-            f'height="{_num(height)}" viewBox="0 0 {_num(width)} {_num(height)}">\n'
-            f"<title>{escape(problem.name)} schedule</title>\n"
-            f'<rect width="100%" height="100%" fill="#fff"/>\n')
-    return head + "\n".join(out) + "\n</svg>\n"
+    return y + 30
 
 
 def _memory(out: list[str], schedule: Schedule, y: float, scale: float) -> float:
@@ -134,7 +141,10 @@ def _memory(out: list[str], schedule: Schedule, y: float, scale: float) -> float
     y += 8
     for d, steps in enumerate(curves):
         base = y + _MEM
-        level_y = lambda v: _num(base - (v - min(low, 0)) / span * _MEM)  # noqa: E731
+
+        def level_y(v: int, base: float = base) -> str:
+            return _num(base - (v - min(low, 0)) / span * _MEM)
+
         points = []
         for i, (t, level) in enumerate(steps):
             if i:

@@ -2,8 +2,9 @@
 
 A block is drawn from its start for its whole duration: a label (kind letter and micro-batch:
 F3 forward, B3 backward, W3 weight gradient, O3 other; lowercase when the block runs on several
-devices at once) padded with its kind's fill ('-', '=', '~', '+'); '.' is idle. One step is the
-gcd of the block times. The `rep` row marks where each repetition of the repetend starts.
+devices at once; F3' when it is the device's second stage, as in interleaved placements) padded
+with its kind's fill ('-', '=', '~', '+'); '.' is idle. One step is the gcd of the block times.
+The `rep` row marks where each repetition of the repetend starts.
 
 Long schedules wrap into bands that fit the width. When they would need several bands, whole
 periods of the steady state are elided first, but only where the picture provably repeats
@@ -26,7 +27,7 @@ STYLES = {  # rich styles; two shades per kind tell a device's chunks (interleav
     "backward0": "black on green3", "backward1": "black on dark_olive_green3",
     "weight0": "black on yellow3", "weight1": "black on gold1",
     "other0": "white on magenta3", "other1": "white on medium_purple3",
-    "idle": "grey42", "axis": "dim", "rep": "bold cyan", "elided": "bold red", "": "",
+    "idle": "grey42", "axis": "dim", "rep": "bold cyan", "elided": "bold red",
 }
 _LETTER = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
 _FILL = {FORWARD: "-", BACKWARD: "=", WEIGHT: "~"}
