@@ -169,7 +169,7 @@ def _ruler(band: list[int | None], grid: _Grid, tick: int) -> str:
         starts.append(len(chars))
         chars += list(_SEP) if col is None else [" "] * grid.width
     free = 0  # first position the next label may use
-    for col, pos in zip(band, starts):
+    for col, pos in zip(band, starts, strict=True):
         if col is None or col * grid.unit % tick or pos < free:
             continue
         label = str(col * grid.unit)
