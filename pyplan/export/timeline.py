@@ -22,12 +22,12 @@ from pyplan.schedule import Schedule
 __all__ = ["STYLES", "Line", "render_plain", "render_rich", "timeline"]
 
 Line = list[tuple[str, str]]  # (text, style key) segments
-STYLES = {  # rich styles; two shades per kind tell a device's chunks (interleaved) apart
-    "forward0": "white on blue3", "forward1": "black on deep_sky_blue1",
-    "backward0": "black on green3", "backward1": "black on dark_olive_green3",
-    "weight0": "black on yellow3", "weight1": "black on gold1",
-    "other0": "white on magenta3", "other1": "white on medium_purple3",
-    "idle": "grey42", "axis": "dim", "rep": "bold cyan", "elided": "bold red",
+STYLES = {  # rich styles in the 16 basic colours; two shades per kind tell chunks apart
+    "forward0": "white on blue", "forward1": "black on cyan",
+    "backward0": "black on green", "backward1": "black on bright_green",
+    "weight0": "black on yellow", "weight1": "black on bright_yellow",
+    "other0": "white on magenta", "other1": "black on bright_magenta",
+    "idle": "bright_black", "axis": "dim", "rep": "bold cyan", "elided": "bold red",
 }
 _LETTER = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
 _FILL = {FORWARD: "-", BACKWARD: "=", WEIGHT: "~"}
