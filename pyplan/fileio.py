@@ -26,6 +26,14 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
             handle.write(raw)
             handle.flush()
             os.fsync(handle.fileno())
+        # mkstemp creates 0600; give the file the mode a plain open() would (or keep the old one).
+        try:
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
