@@ -120,3 +120,14 @@ def test_template(cli):
     code, _, err = cli("show", PLANS / "1f1b-4stage.yaml", "--template", "chimera")
     assert (code, err) == (2, "error: template chimera does not fit 1f1b-4stage: needs two "
                               "chains of stages in opposite directions (an X-shape)\n")
+
+
+def test_stale_resolved_plan_is_shown_with_a_warning(cli, tmp_path):
+    plan = tmp_path / "v.yaml"
+    plan.write_text((PLANS / "1f1b-4stage.yaml").read_text())
+    assert cli("solve", plan, "--quiet")[0] == 0
+    plan.write_text(plan.read_text() + "# edited\n")
+    code, out, err = cli("show", tmp_path / "v.resolved.yaml")
+    assert code == 0 and out
+    assert err == (f"{tmp_path / 'v.resolved.yaml'}:1:1: warning: stale: {plan} changed since "
+                   f"this plan was resolved (hint: re-run pyplan solve {plan})\n")

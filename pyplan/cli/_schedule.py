@@ -4,6 +4,7 @@ a hand-written template on the plan's placement, or any per-device orders evalua
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,10 @@ def load_plan(path: str | Path) -> tuple[Problem, ResolvedPlan | None]:
     """The problem of a plan or resolved plan, and the resolved plan when it is one."""
     if is_resolved(path):
         resolved = load_resolved(path)
+        try:  # a stale plan still shows what it says; say that it is stale
+            resolved.check_fresh()
+        except PlanError as exc:
+            print(str(exc).replace(": error: ", ": warning: ", 1), file=sys.stderr)
         return resolved.problem, resolved
     return load_problem(path), None
 
