@@ -18,6 +18,7 @@ _COMMANDS = {
     "show": ("show", "draw a schedule as a timeline in the terminal"),
     "export": ("export", "write a schedule as SVG, Chrome trace or torch-csv"),
     "import": ("import_", "evaluate a torch.distributed.pipelining schedule CSV on a plan"),
+    "run": ("run", "execute a resolved plan under torchrun (one process per device)"),
 }
 
 

@@ -1,0 +1,158 @@
+"""`pyplan run PLAN.resolved.yaml`: execute a resolved plan, one process per device:
+
+    torchrun --nproc-per-node D -m pyplan run PLAN.resolved.yaml [--check] [--blocking] [--trace F]
+
+Every rank loads the plan, lowers it to per-rank programs and verifies them before anything
+runs; then init -> build -> run -> close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from pyplan.errors import EXIT_RUN_FAILED, PlanError, RunError
+from pyplan.lower import COMPUTE, RECV, SEND, WAIT, check_runnable, describe, lower
+from pyplan.resolved import load_resolved
+from pyplan.verify import verify
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", metavar="PLAN", help="resolved plan written by pyplan solve")
+    parser.add_argument("--iterations", type=int, default=1, metavar="N",
+                        help="training iterations (default 1)")
+    parser.add_argument("--check", action="store_true",
+                        help="also train the model in one process with the same seed and "
+                        "batches; exit 1 if the loss or a gradient differs")
+    parser.add_argument("--blocking", action="store_true",
+                        help="blocking sends and receives (to compare with the default, "
+                        "non-blocking communication)")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="write a Chrome/Perfetto trace of the last iteration (microseconds)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object with the results instead of the summary")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
+    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
+    parser.add_argument("--tolerance", type=float, default=1e-5, metavar="T",
+                        help="--check: largest allowed absolute difference (default 1e-5)")
+    parser.add_argument("--fault-timeout", type=float, default=10.0, metavar="S",
+                        help="a rank silent for S seconds counts as dead (default 10)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="lower and verify the plan and print each rank's program; "
+                        "run nothing (no torchrun needed)")
+    parser.add_argument("--fail-at", metavar="RANK:INDEX[:kill]",
+                        help="testing aid: RANK raises (or kills itself) at instruction INDEX "
+                        "of iteration 0")
+
+
+def run(args: argparse.Namespace) -> int:
+    fail_at = _options(args)
+    plan = load_resolved(args.plan)
+    plan.check_fresh()
+    problem = plan.problem
+    if problem.model is None:
+        raise PlanError("the plan has no model: section, so there is nothing to run",
+                        hint="add model: {blocks: ..., data: ..., loss: ...} and re-run "
+                        "pyplan solve", file=plan.plan_path and str(plan.plan_path))
+    output = check_runnable(problem)
+    lowered = lower(problem, plan.schedule)
+    verify(lowered)
+    verify(lowered, blocking=True)
+    if args.dry_run:
+        _print_programs(lowered)
+        return 0
+    devices = problem.num_devices
+    command = f"torchrun --nproc-per-node {devices} -m pyplan run {args.plan}"
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RunError("pyplan run runs one process per device under torchrun",
+                       hint=f"launch it with: {command}")
+    if int(os.environ["WORLD_SIZE"]) != devices:
+        raise RunError(f"the plan needs {devices} processes (devices: {devices}) but torchrun "
+                       f"started {os.environ['WORLD_SIZE']}", hint=f"launch it with: {command}")
+    try:
+        import pyplan.runtime  # noqa: F401
+        from torch.distributed.elastic.multiprocessing.errors import record
+    except ImportError as exc:
+        raise RunError(f"pyplan run needs torch ({exc})",
+                       hint="pip install 'pyplan[run]'") from None
+    from pyplan.runtime.binding import load_model
+
+    model = load_model(problem, (plan.plan_path or Path(plan.path)).parent)
+    return record(_session)(args, lowered, output, model, fail_at)
+
+
+def _session(args, lowered, output: int, model, fail_at) -> int:
+    """What torchrun runs on every rank: init -> build -> run -> close."""
+    from pyplan.runtime.session import Options, Session, summary
+
+    options = Options(iterations=args.iterations, seed=args.seed, lr=args.lr,
+                      blocking=args.blocking, check=args.check, tolerance=args.tolerance,
+                      trace=args.trace, fault_timeout=args.fault_timeout, fail_at=fail_at)
+    session = Session(lowered, output, model, options)
+    try:
+        session.build()
+        report = session.train()
+    except Exception as exc:  # every rank agrees on the first failure, then exits
+        raise session.failed(exc) from None
+    session.close()
+    ok = report.verdict is None or report.verdict.ok
+    if session.rank != 0:
+        return 0 if ok else EXIT_RUN_FAILED
+    if args.json:
+        print(json.dumps(_json(report, lowered, options), sort_keys=True))
+    else:
+        print("\n".join(summary(report, lowered, options)))
+    if not ok:
+        raise RunError(f"check failed: {report.verdict.message}",
+                       hint="the pipelined run does not compute what the model computes")
+    return 0
+
+
+def _options(args: argparse.Namespace):
+    if args.iterations < 1:
+        raise PlanError("--iterations must be at least 1")
+    if args.fault_timeout <= 0 or args.tolerance < 0:
+        raise PlanError("--fault-timeout must be positive and --tolerance not negative")
+    if args.fail_at is None:
+        return None
+    parts = args.fail_at.split(":")
+    try:
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "kill"):
+            raise ValueError
+        return int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "raise"
+    except ValueError:
+        raise PlanError(f"--fail-at {args.fail_at!r} is not RANK:INDEX or RANK:INDEX:kill") \
+            from None
+
+
+def _print_programs(lowered) -> None:
+    problem = lowered.problem
+    print(f"{problem.name}: {len(lowered.order)} block instances on {problem.num_devices} "
+          "ranks; verified: no send/recv pair can cross or block forever (non-blocking and "
+          "blocking)")
+    for rank, program in enumerate(lowered.programs):
+        counts = {op: sum(1 for i in program if i.op == op) for op in (COMPUTE, SEND, RECV, WAIT)}
+        print(f"rank {rank}: {len(program)} instructions (" +
+              ", ".join(f"{n} {op}" for op, n in counts.items()) + ")")
+        for index, ins in enumerate(program):
+            print(f"  {index:4} {describe(lowered, ins)}")
+
+
+def _json(report, lowered, options) -> dict:
+    return {
+        "plan": lowered.problem.name,
+        "ranks": len(lowered.programs),
+        "backend": report.backend,
+        "blocking": options.blocking,
+        "micro_batches": lowered.problem.num_micro_batches,
+        "iteration_seconds": report.seconds,
+        "losses": report.losses,
+        "compute_seconds": report.compute,
+        "rank_iteration_seconds": report.iteration_seconds,
+        "check": None if report.verdict is None else {"ok": report.verdict.ok,
+                                                      "message": report.verdict.message},
+    }

@@ -1,0 +1,135 @@
+"""Building blocks of the example models: a pre-norm transformer layer and tensor-parallel
+layers for blocks that run on several devices.
+
+Tensor-parallel layers draw the whole weight (so the RNG advances exactly as in the unsharded
+layer the single-process reference builds) and keep their group rank's chunk, marked with
+pyplan.runtime.shard. With group None they are the plain, whole layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from pyplan.runtime import shard
+
+__all__ = ["ColumnParallelLinear", "Layer", "RowParallelLinear", "VocabParallelEmbedding",
+           "VocabParallelHead", "all_sum"]
+
+
+class Layer(nn.Module):
+    """Pre-norm transformer layer: self-attention and a 4x MLP, (B, T, D) -> (B, T, D)."""
+
+    def __init__(self, dim: int, heads: int, causal: bool = True) -> None:
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class _Sum(torch.autograd.Function):
+    """All-reduce (sum) whose gradient is the all-reduced gradient: exact under pyplan's
+    contract, where a multi-device block's output gradient may be split among its ranks."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_sum(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else _Sum.apply(x, group)
+
+
+def _chunk(whole: torch.Tensor, group, dim: int) -> nn.Parameter:
+    if group is None:
+        return nn.Parameter(whole.detach().clone())
+    size = dist.get_world_size(group)
+    if whole.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of size {whole.shape[dim]} does not split over "
+                         f"{size} ranks")
+    part = whole.detach().chunk(size, dim)[dist.get_rank(group)].clone()
+    return shard(nn.Parameter(part), dim)
+
+
+def _span(total: int, group) -> tuple[int, int]:
+    if group is None:
+        return 0, total
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return rank * total // size, (rank + 1) * total // size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a slice of the vocabulary; tokens outside it contribute zeros."""
+
+    def __init__(self, vocab: int, dim: int, group) -> None:
+        super().__init__()
+        self.group = group
+        self.weight = _chunk(torch.randn(vocab, dim) * 0.02, group, 0)
+        self.lo, self.hi = _span(vocab, group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.lo) & (ids < self.hi)
+        local = F.embedding((ids - self.lo).clamp(0, self.hi - self.lo - 1), self.weight)
+        return all_sum(local * mine.unsqueeze(-1), self.group)
+
+
+class VocabParallelHead(nn.Module):
+    """Logits over the whole vocabulary; each rank computes those of its slice."""
+
+    def __init__(self, dim: int, vocab: int, group) -> None:
+        super().__init__()
+        self.group, self.vocab = group, vocab
+        self.weight = _chunk(torch.randn(vocab, dim) * dim ** -0.5, group, 0)
+        self.lo, self.hi = _span(vocab, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = x @ self.weight.t()
+        return all_sum(F.pad(local, (self.lo, self.vocab - self.hi)), self.group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with the output features split over the ranks (output stays split)."""
+
+    def __init__(self, features_in: int, features_out: int, group) -> None:
+        super().__init__()
+        whole = nn.Linear(features_in, features_out)
+        self.weight = _chunk(whole.weight, group, 0)
+        self.bias = _chunk(whole.bias, group, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with the input features split over the ranks; the partial products are
+    summed, the bias (replicated) is added once after the sum."""
+
+    def __init__(self, features_in: int, features_out: int, group) -> None:
+        super().__init__()
+        self.group = group
+        whole = nn.Linear(features_in, features_out)
+        self.weight = _chunk(whole.weight, group, 1)
+        self.bias = nn.Parameter(whole.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_sum(F.linear(x, self.weight), self.group) + self.bias

@@ -1,0 +1,19 @@
+"""`pyplan run`: execute lowered plans on real torch.distributed process groups.
+
+Everything under pyplan.runtime needs torch; the CLI imports it only when `pyplan run` runs, so
+validate/solve/show/export work without torch. Model code marks sharded parameters of
+multi-device blocks with `shard` (see the `model:` contract in schemas/plan.schema.json).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+with warnings.catch_warnings():
+    # torch warns at import when numpy is absent; nothing here needs numpy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: F401
+
+from pyplan.runtime.binding import shard  # noqa: E402
+
+__all__ = ["shard"]

@@ -1,0 +1,141 @@
+"""Binding a plan's `model:` section to nn.Modules, batches and a loss (the contract is in the
+`model:` descriptions of schemas/plan.schema.json).
+
+Every rank and the single-process reference build a block after seeding torch's RNG from the
+run's seed and the block's name, so a block starts with the same weights wherever it is built,
+whatever else that process built before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from pyplan.errors import PlanError, RunError
+from pyplan.problem import BACKWARD, WEIGHT, Problem
+
+__all__ = ["SHARD_DIM", "Model", "build_modules", "forward_blocks", "load_model", "make_batch",
+           "named_parameters", "shard", "shard_dim", "split_batch", "seed_everything"]
+
+SHARD_DIM = "pyplan_shard_dim"
+
+
+def shard(param: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Mark `param` of a multi-device block as this rank's chunk of the whole parameter:
+    torch.chunk(whole, group size, dim)[rank in group]. Unmarked parameters of such a block are
+    replicated: pyplan sums their gradients over the block's ranks."""
+    setattr(param, SHARD_DIM, dim)
+    return param
+
+
+def shard_dim(param: torch.Tensor) -> int | None:
+    return getattr(param, SHARD_DIM, None)
+
+
+@dataclass(frozen=True)
+class Model:
+    build: Callable[[str, Any], torch.nn.Module]
+    data: Callable[[int], tuple[Any, Any]]
+    loss: Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+def _function(text: str, what: str, file: str) -> Callable:
+    module_name, _, attr = text.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PlanError(f"model.{what}: cannot import {module_name}: {exc}",
+                        hint="install the model's package or set model.path", file=file) from None
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise PlanError(f"model.{what}: {module_name} has no function {attr!r}", file=file)
+    return function
+
+
+def load_model(problem: Problem, plan_dir: Path) -> Model:
+    """Import the plan's model functions (model.path is relative to the plan file)."""
+    spec = problem.model
+    file = problem.source_path
+    if spec.path:
+        path = str((plan_dir / spec.path).resolve())
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    return Model(_function(spec.blocks, "blocks", file), _function(spec.data, "data", file),
+                 _function(spec.loss, "loss", file))
+
+
+def seed_everything(seed: int, *parts: object) -> None:
+    text = ":".join(str(p) for p in (seed,) + parts)
+    torch.manual_seed(int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big"))
+
+
+def forward_blocks(problem: Problem) -> list[int]:
+    """The declared (forward or other) blocks, which own the modules, in plan order."""
+    return [b.index for b in problem.blocks if b.kind not in (BACKWARD, WEIGHT)]
+
+
+def build_modules(model: Model, problem: Problem, *, seed: int, device, rank: int | None = None,
+                  groups: dict[int, Any] | None = None) -> dict[int, torch.nn.Module]:
+    """{block index: module} for the forward blocks on `rank` (every block when rank is None:
+    the single-process reference, where every block is built whole)."""
+    modules = {}
+    for b in forward_blocks(problem):
+        block = problem.blocks[b]
+        if rank is not None and rank not in block.devices:
+            continue
+        seed_everything(seed, "block", block.name)
+        module = model.build(block.name, (groups or {}).get(b))
+        if not isinstance(module, torch.nn.Module):
+            raise RunError(f"model.blocks returned {type(module).__name__} for block "
+                           f"'{block.name}', not a torch.nn.Module")
+        modules[b] = module.to(device)
+    return modules
+
+
+def named_parameters(problem: Problem, modules: dict[int, torch.nn.Module]):
+    """("block.parameter", parameter) of every module, in plan order."""
+    for b, module in modules.items():
+        for name, param in module.named_parameters():
+            yield f"{problem.blocks[b].name}.{name}", param
+
+
+def make_batch(model: Model, step: int, seed: int, device) -> tuple[Any, Any]:
+    """The global batch of iteration `step`, the same on every rank and in the reference."""
+    seed_everything(seed, "data", step)
+    batch = model.data(step)
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise RunError("model.data must return (inputs, targets)")
+    return _to(batch[0], device), _to(batch[1], device)
+
+
+def _to(tree, device):
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: _to(v, device) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_to(v, device) for v in tree)
+    return tree
+
+
+def split_batch(tree, n: int) -> list:
+    """Split every tensor of `tree` along dim 0 into n equal micro-batches."""
+    if isinstance(tree, torch.Tensor):
+        if tree.dim() == 0 or tree.shape[0] % n:
+            raise RunError(f"a batch tensor of shape {tuple(tree.shape)} does not split into "
+                           f"{n} equal micro-batches along dim 0",
+                           hint="make the global batch size a multiple of micro_batches")
+        return list(tree.chunk(n))
+    if isinstance(tree, dict):
+        parts = {k: split_batch(v, n) for k, v in tree.items()}
+        return [{k: parts[k][i] for k in tree} for i in range(n)]
+    if isinstance(tree, (tuple, list)):
+        parts = [split_batch(v, n) for v in tree]
+        return [type(tree)(p[i] for p in parts) for i in range(n)]
+    return [tree] * n

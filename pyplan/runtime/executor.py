@@ -1,0 +1,230 @@
+"""One rank's program for one iteration: COMPUTE runs a block on a micro-batch, SEND/RECV post
+transfers, WAIT completes one right before the block that needs it, REDUCE sums replicated
+gradients of a multi-device block over its ranks.
+
+Every block's inputs are detached leaves, so a backward block runs autograd for exactly its
+block: from the saved forward output (or the loss, in the last block) back to those leaves,
+whose gradients go to the blocks that produced the inputs. With a weight block (NAME.w, the
+zero-bubble split) NAME.b computes only the input gradients and keeps the graph; NAME.w then
+computes the weight gradients from it.
+
+A multi-device block is one SPMD program over its process group: every rank gets the same
+inputs and returns the same output; the output gradient may be split among its ranks in any way
+(ranks that get none start from zeros) and the input gradients of its ranks are summed, which
+is exactly the semantics of differentiable collectives such as an all-reduce.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from pyplan.errors import RunError
+from pyplan.export.chrome import TraceEvent
+from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, WAIT, Lowered,
+                          Value, describe, is_gradient)
+from pyplan.problem import BACKWARD, WEIGHT
+from pyplan.runtime.binding import shard_dim
+from pyplan.runtime.comm import Comm, TransferError
+
+__all__ = ["Executor", "IterationResult"]
+
+
+@dataclass
+class IterationResult:
+    loss: float | None
+    """Mean loss over the micro-batches (on the rank that owns the loss, else None)."""
+    seconds: float
+    compute: float
+    events: list[TraceEvent] = field(default_factory=list)
+
+
+class Executor:
+    def __init__(self, lowered: Lowered, rank: int, modules: dict, groups: dict, comm: Comm,
+                 loss_fn, output_block: int, fail_at: tuple[int, int, str] | None = None):
+        problem = lowered.problem
+        self.lowered, self.rank, self.modules, self.groups = lowered, rank, modules, groups
+        self.comm, self.loss_fn, self.output = comm, loss_fn, output_block
+        self.program = lowered.programs[rank]
+        self.blocks = problem.blocks
+        self.layer = [problem.by_name[b.layer] for b in problem.blocks]
+        self.trains = {self.layer[b.index] for b in problem.blocks if b.kind == BACKWARD}
+        self.split = {self.layer[b.index] for b in problem.blocks if b.kind == WEIGHT}
+        self.preds: list[list[int]] = [[] for _ in problem.blocks]
+        self.backs_to: list[set[int]] = [set() for _ in problem.blocks]
+        for a, c in problem.edges:
+            if is_gradient(problem, a, c):
+                self.backs_to[self.layer[a]].add(self.layer[c])
+            elif problem.blocks[c].kind not in (BACKWARD, WEIGHT):
+                self.preds[c].append(a)
+        self.loss_owner = problem.blocks[output_block].devices[0] == rank
+        self.fail_at = fail_at if fail_at and fail_at[0] == rank else None
+        self.drop = _last_uses(self.program)
+        self.iteration, self.index = -1, -1  # read by the fault watchdog
+
+    def run(self, inputs: list, targets: list, *, iteration: int,
+            trace: bool = False) -> IterationResult:
+        self.iteration = iteration
+        self.inputs, self.targets = inputs, targets
+        self.store: dict[Value, torch.Tensor] = {}
+        self.received: dict = {}
+        self.saved: dict = {}
+        self.losses: list[torch.Tensor] = []
+        events, compute = [], 0.0
+        sync = trace and self.comm.device.type == "cuda"
+        start = time.perf_counter()
+        for index, ins in enumerate(self.program):
+            self.index = index
+            if self.fail_at and self.fail_at[1] == index and iteration == 0:
+                _inject(self.fail_at[2])
+            t0 = time.perf_counter()
+            if ins.op == COMPUTE:
+                self.compute(ins)
+                if sync:
+                    torch.cuda.current_stream(self.comm.device).synchronize()
+            elif ins.op == SEND:
+                stream = ins.value.block if ins.value.kind == ACTIVATION else None
+                self.comm.send(self.store[ins.value], ins.peer, stream)
+            elif ins.op == RECV:
+                self.received[ins.value] = self.recv(ins.value, ins.peer)
+            elif ins.op == WAIT:
+                self.store[ins.value] = self.comm.wait(self.received.pop(ins.value))
+            elif ins.op == REDUCE:
+                self.reduce(ins.block)
+            t1 = time.perf_counter()
+            if ins.op == COMPUTE:
+                compute += t1 - t0
+            if trace:
+                events.append(self.event(ins, t0 - start, t1 - t0))
+            for value in self.drop.get(index, ()):
+                self.store.pop(value, None)
+        self.index = len(self.program)
+        t0 = time.perf_counter()
+        self.comm.finish()
+        for received in self.received.values():  # blocking mode: received, never waited
+            self.comm.wait(received)
+        if trace and time.perf_counter() - t0 > 1e-6:
+            events.append(TraceEvent(self.rank, "finish sends", "wait", (t0 - start) * 1e6,
+                                     (time.perf_counter() - t0) * 1e6))
+        loss = (float(torch.stack(self.losses).mean()) if self.loss_owner and self.losses
+                else None)
+        return IterationResult(loss, time.perf_counter() - start, compute, events)
+
+    # -- blocks
+
+    def compute(self, ins) -> None:
+        kind = self.blocks[ins.block].kind
+        if kind == BACKWARD:
+            self.backward(ins)
+        elif kind == WEIGHT:
+            root, grad, params = self.saved.pop(("w", self.layer[ins.block], ins.micro_batch))
+            if params and root.requires_grad:
+                torch.autograd.backward(root, grad, inputs=params)
+        else:
+            self.forward(ins)
+
+    def forward(self, ins) -> None:
+        b, m = ins.block, ins.micro_batch
+        trains = b in self.trains
+        if self.preds[b]:
+            args, leaves = [], []
+            for p, value in zip(self.preds[b], ins.inputs):
+                x = self.store[value].detach()
+                if trains and p in self.backs_to[b] and x.is_floating_point():
+                    x.requires_grad_(True)
+                    leaves.append((p, x))
+                args.append(x)
+        else:
+            args, leaves = [self.inputs[m]], []
+        with torch.set_grad_enabled(trains):
+            out = self.modules[b](*args)
+            if not isinstance(out, torch.Tensor):
+                raise RunError(f"block '{self.blocks[b].name}' returned "
+                               f"{type(out).__name__}; a block returns one tensor")
+            loss = None
+            if b == self.output:
+                loss = self.loss_fn(out, self.targets[m])
+                self.losses.append(loss.detach())
+        self.store[Value(ACTIVATION, b, m)] = out.detach()
+        if trains:
+            self.saved[(b, m)] = (out, loss if self.loss_owner else None, leaves)
+
+    def backward(self, ins) -> None:
+        b, m = self.layer[ins.block], ins.micro_batch
+        out, loss, leaves = self.saved.pop((b, m))
+        grads = [self.store[v] for v in ins.inputs if v.kind == GRADIENT]
+        if loss is not None:  # the loss counts once, on the first rank of the last block
+            root, grad = loss / self.lowered.problem.num_micro_batches, None
+        else:
+            root, grad = out, sum(grads) if grads else torch.zeros_like(out)
+        xs = [x for _, x in leaves]
+        if b in self.split:
+            params = [p for p in self.modules[b].parameters() if p.requires_grad]
+            self.saved[("w", b, m)] = (root, grad, params)
+            gs = (torch.autograd.grad(root, xs, grad, retain_graph=True, allow_unused=True)
+                  if xs and root.requires_grad else [None] * len(xs))
+        else:
+            if root.requires_grad:
+                torch.autograd.backward(root, grad)
+            gs = [x.grad for x in xs]
+        by_name = self.lowered.problem.by_name
+        for (p, x), g in zip(leaves, gs):
+            target = by_name[f"{self.blocks[p].name}.b"]
+            self.store[Value(GRADIENT, ins.block, m, target, self.rank)] = \
+                torch.zeros_like(x) if g is None else g
+
+    def recv(self, value: Value, peer: int):
+        if value.kind == GRADIENT:  # shaped like the local output it is the gradient of
+            like = self.saved[(self.layer[value.consumer], value.micro_batch)][0]
+            return self.comm.recv(peer, None, like)
+        return self.comm.recv(peer, value.block, None)
+
+    def reduce(self, block: int) -> None:
+        params = [p for p in self.modules[block].parameters()
+                  if p.requires_grad and shard_dim(p) is None]
+        if not params:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        try:
+            dist.all_reduce(flat, group=self.groups[block])
+        except RuntimeError as exc:
+            raise TransferError(f"{exc}".splitlines()[0]) from exc
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def event(self, ins, start: float, seconds: float) -> TraceEvent:
+        if ins.op == COMPUTE:
+            block = self.blocks[ins.block]
+            return TraceEvent(self.rank, f"{block.name}@{ins.micro_batch}", block.kind,
+                              start * 1e6, seconds * 1e6, ins.micro_batch)
+        return TraceEvent(self.rank, describe(self.lowered, ins), ins.op, start * 1e6,
+                          seconds * 1e6, ins.micro_batch)
+
+
+def _last_uses(program) -> dict[int, list[Value]]:
+    """Instruction index -> values this rank no longer needs after it."""
+    last: dict[Value, int] = {}
+    for index, ins in enumerate(program):
+        for value in ins.inputs if ins.op == COMPUTE else (ins.value,) if ins.op == SEND else ():
+            last[value] = index
+    drop: dict[int, list[Value]] = {}
+    for value, index in last.items():
+        drop.setdefault(index, []).append(value)
+    return drop
+
+
+def _inject(mode: str) -> None:
+    """--fail-at: make this rank fail here (a testing aid for the fault handling)."""
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError("injected fault (--fail-at)")

@@ -1,0 +1,158 @@
+"""Fault handling: when a rank raises or dies, every other rank exits non-zero within a bounded
+time, naming the failing rank and the instruction it was at.
+
+A watchdog thread per rank uses torchrun's rendezvous store as a side channel (the gloo/NCCL
+groups themselves can block forever): it writes a heartbeat with the rank's position every
+PERIOD seconds, watches the others', and watches the `failed` key. The first failure wins that
+key (compare-and-set); a rank whose heartbeat stops for `timeout` seconds is declared dead.
+torchrun stops the surviving ranks of a node with SIGTERM when one dies; the watchdog sees the
+signal through a wakeup fd even while the main thread is blocked inside a collective, and waits
+(at most `timeout`) until it can name the rank that died.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+from pyplan.errors import RunError
+
+__all__ = ["Watchdog"]
+
+PERIOD = 0.1
+RUNNING, TERMINATING, DONE, EXITING = "R", "T", "D", "X"
+
+
+class Watchdog:
+    def __init__(self, rank: int, world: int, timeout: float,
+                 position: Callable[[], tuple[int, int]],
+                 where: Callable[[int, int, int], str]) -> None:
+        self.rank, self.world, self.timeout = rank, world, timeout
+        self.position, self.where = position, where
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                               is_master=False, timeout=timedelta(seconds=max(30.0, timeout)))
+        self.store = dist.PrefixStore("pyplan/", client)
+        self.lock = threading.Lock()  # held by whoever prints the last line of this process
+        self.handling = False  # the main thread is reporting a failure itself
+        self.state = RUNNING
+        self.terminated_at: float | None = None
+        self.beat = 0
+        self.stopping = threading.Event()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        self.old_handler = signal.signal(signal.SIGTERM, lambda *_: None)
+        self.old_fd = signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        self.heartbeat()
+        self.thread = threading.Thread(target=self._loop, name="pyplan-watchdog", daemon=True)
+        self.thread.start()
+
+    # -- called by the main thread
+
+    def fail(self, message: str, *, wait_for_cause: bool) -> str:
+        """Publish this rank's failure, unless another rank failed first (after a collective or
+        transfer failed, give the watchdogs time to find out who). Returns what to report."""
+        self.handling = True
+        if wait_for_cause:
+            deadline = time.monotonic() + self.timeout + 3 * PERIOD
+            while time.monotonic() < deadline and not self.store.check(["failed"]):
+                time.sleep(PERIOD)
+        winner = self.publish(message)
+        deadline = time.monotonic() + min(3.0, self.timeout)
+        while time.monotonic() < deadline:  # let the others print their line first
+            states = self.states()
+            if all(states[r] is None or states[r][3] in (DONE, EXITING)
+                   for r in range(self.world) if r != self.rank):
+                break
+            time.sleep(PERIOD)
+        self.close(EXITING)
+        return winner
+
+    def close(self, state: str = DONE) -> None:
+        self.state = state
+        self.stopping.set()
+        self.thread.join()
+        self.heartbeat()
+        signal.set_wakeup_fd(self.old_fd)
+        signal.signal(signal.SIGTERM, self.old_handler)
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+    # -- the watchdog thread
+
+    def heartbeat(self) -> None:
+        self.beat += 1
+        iteration, index = self.position()
+        self.store.set(f"hb/{self.rank}", f"{self.beat} {iteration} {index} {self.state}")
+
+    def states(self) -> list[tuple[str, int, int, str] | None]:
+        keys = [f"hb/{r}" for r in range(self.world)]
+        if self.store.check(keys):
+            values = self.store.multi_get(keys)
+        else:
+            values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
+        return [None if v is None else tuple(_parse(v.decode())) for v in values]
+
+    def publish(self, message: str) -> str:
+        return self.store.compare_set("failed", "", message).decode()
+
+    def _loop(self) -> None:
+        seen = {r: (None, time.monotonic()) for r in range(self.world) if r != self.rank}
+        while not self.stopping.is_set():
+            ready, _, _ = select.select([self.wake_r], [], [], PERIOD)
+            if ready and signal.SIGTERM in os.read(self.wake_r, 64) and \
+                    self.terminated_at is None:
+                self.terminated_at = time.monotonic()
+                self.state = TERMINATING
+            if self.stopping.is_set():
+                break
+            try:
+                self.heartbeat()
+                self._watch(seen)
+            except Exception as exc:  # the store's host is gone: nobody left to coordinate with
+                self._exit(f"lost torchrun's rendezvous store ({type(exc).__name__}: {exc})")
+
+    def _watch(self, seen) -> None:
+        if self.store.check(["failed"]):
+            self._exit(self.store.get("failed").decode())
+            return
+        states, now = self.states(), time.monotonic()
+        for r in seen:
+            if states[r] is not None and states[r][0] != seen[r][0]:
+                seen[r] = (states[r][0], now)
+            if states[r] is not None and states[r][3] in (DONE, EXITING):
+                continue
+            if now - seen[r][1] > self.timeout:
+                at = self.where(r, *states[r][1:3]) if states[r] else "start-up"
+                self._exit(self.publish(f"rank {r} stopped responding for {self.timeout:g} s "
+                                        f"(its process died or hangs); last seen at {at}"))
+                return
+        if self.terminated_at is not None:
+            others = [s for r, s in enumerate(states) if r != self.rank and s is not None
+                      and s[3] not in (DONE, EXITING)]
+            if all(s[3] == TERMINATING for s in others) or \
+                    now - self.terminated_at > self.timeout + 1:
+                self._exit("stopped by the launcher (SIGTERM); no rank reported a failure")
+
+    def _exit(self, message: str) -> None:
+        if self.handling or not self.lock.acquire(blocking=False):
+            return
+        self.state = EXITING
+        try:
+            self.heartbeat()
+        except Exception:  # noqa: BLE001 - leaving anyway; the message matters more
+            pass
+        print(RunError(f"rank {self.rank} stops: {message}"), file=sys.stderr, flush=True)
+        os._exit(1)  # the main thread may be blocked inside a collective that never returns
+
+
+def _parse(value: str):
+    beat, iteration, index, state = value.split(" ")
+    return beat, int(iteration), int(index), state

@@ -1,0 +1,211 @@
+"""A `pyplan run` on one rank: process groups, modules and optimizer, the iterations, then the
+report (timings, loss, trace, --check) gathered on rank 0.
+
+NCCL on CUDA, gloo on CPU, chosen automatically. Multi-node needs nothing here: torchrun's
+rendezvous gives every process its global rank.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pyplan.errors import RunError
+from pyplan.export.chrome import chrome_trace, write_chrome_trace
+from pyplan.lower import COMPUTE, Lowered, describe
+from pyplan.runtime.binding import Model, build_modules, make_batch, split_batch
+from pyplan.runtime.check import Verdict, compare, full_gradients, reference_run
+from pyplan.runtime.comm import Comm, TransferError, all_gather_objects
+from pyplan.runtime.executor import Executor
+from pyplan.runtime.faults import Watchdog
+
+__all__ = ["Options", "Report", "Session"]
+
+SETUP, REPORT = -1, -2  # positions outside the iterations, for fault messages
+
+
+@dataclass(frozen=True)
+class Options:
+    iterations: int = 1
+    seed: int = 0
+    lr: float = 0.01
+    blocking: bool = False
+    check: bool = False
+    tolerance: float = 1e-5
+    trace: str | None = None
+    fault_timeout: float = 10.0
+    fail_at: tuple[int, int, str] | None = None
+
+
+@dataclass(frozen=True)
+class Report:
+    """What rank 0 prints: per iteration the slowest rank's time and the loss; per rank and
+    iteration the time spent computing blocks (the rest of the iteration is waiting)."""
+
+    seconds: list[float]
+    losses: list[float | None]
+    compute: list[list[float]]
+    iteration_seconds: list[list[float]]
+    verdict: Verdict | None
+    backend: str
+
+
+class Session:
+    def __init__(self, lowered: Lowered, output_block: int, model: Model, options: Options, *,
+                 watch: bool = True):
+        """Joins the default process group (creating it unless the caller did) and, with
+        `watch`, starts the fault watchdog."""
+        self.lowered, self.output, self.model, self.options = lowered, output_block, model, options
+        self.problem = lowered.problem
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        cuda = torch.cuda.is_available() and local < torch.cuda.device_count()
+        self.device = torch.device("cuda", local) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
+        self.owns_group = not dist.is_initialized()
+        if self.owns_group:
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+        self.backend = dist.get_backend()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.executor: Executor | None = None
+        self.watchdog = Watchdog(self.rank, self.world, options.fault_timeout, self.position,
+                                 self.where) if watch else None
+        # Every rank creates every group, in the same order, as new_group requires.
+        sets = sorted({b.devices for b in self.problem.blocks if len(b.devices) > 1})
+        made = {devices: dist.new_group(list(devices)) for devices in sets}
+        self.groups = {b.index: made[b.devices] for b in self.problem.blocks
+                       if len(b.devices) > 1}
+
+    # -- fault reporting
+
+    def position(self) -> tuple[int, int]:
+        return (SETUP, 0) if self.executor is None else \
+            (self.executor.iteration, self.executor.index)
+
+    def where(self, rank: int, iteration: int, index: int) -> str:
+        if iteration == SETUP:
+            return "set-up"
+        if iteration == REPORT:
+            return "the final report"
+        program = self.lowered.programs[rank]
+        if not 0 <= index < len(program):
+            return f"the {'end' if index >= 0 else 'start'} of iteration {iteration}"
+        return (f"instruction {index} of iteration {iteration} "
+                f"({describe(self.lowered, program[index])})")
+
+    def failed(self, exc: BaseException) -> RunError:
+        """Agree with the other ranks on the first failure; the error this rank exits with."""
+        iteration, index = self.position()
+        text = exc.message if isinstance(exc, RunError) else f"{type(exc).__name__}: {exc}"
+        own = f"rank {self.rank} failed at {self.where(self.rank, iteration, index)}: {text}"
+        program = self.lowered.programs[self.rank]
+        ins = program[index] if iteration >= 0 and 0 <= index < len(program) else None
+        # A failed transfer or collective is most likely the echo of another rank's failure.
+        echo = isinstance(exc, (TransferError, dist.DistError)) or \
+            (ins is not None and ins.op == COMPUTE and len(ins.group) > 1)
+        if self.watchdog is None:
+            return RunError(own)
+        message = self.watchdog.fail(own, wait_for_cause=echo)
+        return RunError(message if message == own else f"rank {self.rank} stops: {message}")
+
+    # -- build, run, report, close
+
+    def build(self) -> None:
+        opts = self.options
+        self.modules = build_modules(self.model, self.problem, seed=opts.seed,
+                                     device=self.device, rank=self.rank, groups=self.groups)
+        params = list({id(p): p for m in self.modules.values() for p in m.parameters()
+                       if p.requires_grad}.values())
+        self.optimizer = (torch.optim.SGD(params, lr=opts.lr)
+                          if self.problem.training and params else None)
+        self.executor = Executor(self.lowered, self.rank, self.modules, self.groups,
+                                 Comm(self.device, blocking=opts.blocking), self.model.loss,
+                                 self.output, fail_at=opts.fail_at)
+
+    def train(self) -> Report:
+        opts, n = self.options, self.problem.num_micro_batches
+        records, events, grads = [], [], {}
+        for step in range(opts.iterations):
+            inputs, targets = make_batch(self.model, step, opts.seed, self.device)
+            inputs, targets = split_batch(inputs, n), split_batch(targets, n)
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            dist.barrier()
+            started = time.perf_counter()
+            result = self.executor.run(inputs, targets, iteration=step,
+                                       trace=opts.trace is not None and
+                                       step == opts.iterations - 1)
+            if opts.check and step == 0:
+                grads = full_gradients(self.problem, self.modules, self.groups, self.rank)
+            if self.optimizer is not None:
+                self.optimizer.step()
+            records.append((time.perf_counter() - started, result.compute, result.loss))
+            events = result.events or events
+        self.executor.iteration = REPORT
+        return self.report(records, events, grads)
+
+    def report(self, records, events, grads) -> Report:
+        gathered = all_gather_objects((records, events, grads), self.device)
+        result = None
+        if self.rank == 0:
+            by_rank = [g[0] for g in gathered]
+            iterations = range(self.options.iterations)
+            losses = [next((r[i][2] for r in by_rank if r[i][2] is not None), None)
+                      for i in iterations]
+            if self.options.trace:
+                trace = chrome_trace([e for g in gathered for e in g[1]],
+                                     title=f"pyplan run {self.problem.name}", time_unit="us",
+                                     num_devices=self.world)
+                write_chrome_trace(self.options.trace, trace)
+            verdict = None
+            if self.options.check:
+                verdict = self.check(losses, {k: v for g in gathered for k, v in g[2].items()})
+            result = Report(seconds=[max(r[i][0] for r in by_rank) for i in iterations],
+                            losses=losses, compute=[[x[1] for x in r] for r in by_rank],
+                            iteration_seconds=[[x[0] for x in r] for r in by_rank],
+                            verdict=verdict, backend=self.backend)
+        return all_gather_objects(result, self.device)[0]
+
+    def check(self, losses: list[float], grads: dict) -> Verdict:
+        opts = self.options
+        ref_losses, ref_grads = reference_run(self.model, self.problem, self.output,
+                                              seed=opts.seed, lr=opts.lr,
+                                              iterations=opts.iterations, device=self.device)
+        return compare(losses, grads, ref_losses, ref_grads, opts.tolerance)
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+        if self.owns_group:
+            dist.destroy_process_group()
+
+
+def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
+    """The lines rank 0 prints."""
+    problem = lowered.problem
+    mode = "blocking" if options.blocking else "non-blocking"
+    lines = [f"{problem.name}: {len(report.seconds)} iterations on {len(lowered.programs)} "
+             f"ranks ({report.backend}), {mode} communication, {problem.num_micro_batches} "
+             "micro-batches"]
+    for i, (seconds, loss) in enumerate(zip(report.seconds, report.losses)):
+        lines.append(f"  iteration {i}: {seconds * 1e3:8.1f} ms" +
+                     ("" if loss is None else f"  loss {loss:.6f}"))
+    median = statistics.median(report.seconds)
+    parts = []
+    for r, (compute, total) in enumerate(zip(report.compute, report.iteration_seconds)):
+        c, t = statistics.median(compute), statistics.median(total)
+        parts.append(f"{r}: {c * 1e3:.1f}/{(t - c) * 1e3:.1f}")
+    lines.append(f"  median iteration {median * 1e3:.1f} ms; compute/wait per rank (ms): "
+                 + "  ".join(parts))
+    if report.verdict is not None:
+        lines.append(("  check: " if report.verdict.ok else "  check FAILED: ")
+                     + report.verdict.message)
+    if options.trace:
+        lines.append(f"  trace of iteration {len(report.seconds) - 1}: {options.trace}")
+    return lines
