@@ -1,0 +1,93 @@
+"""`pyplan run` before anything runs: stale and model-less plans, launching outside torchrun,
+--dry-run, and the commands that must work without torch."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import PLANS
+
+VSHAPE = PLANS / "transformer-vshape.resolved.yaml"
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def outside_torchrun(monkeypatch):
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_stale_plan_is_refused(cli, tmp_path, outside_torchrun):
+    for name in ("transformer-vshape.yaml", "transformer-vshape.resolved.yaml"):
+        shutil.copy(PLANS / name, tmp_path / name)
+    plan = tmp_path / "transformer-vshape.yaml"
+    plan.write_text(plan.read_text().replace("micro_batches: 8", "micro_batches: 16"))
+    code, out, err = cli("run", tmp_path / "transformer-vshape.resolved.yaml")
+    assert (code, out) == (2, "")
+    assert err == (f"{tmp_path}/transformer-vshape.resolved.yaml:1:1: error: stale: {plan} "
+                   "changed since this plan was resolved (hint: re-run pyplan solve "
+                   f"{plan})\n")
+
+
+def test_outside_torchrun_says_how_to_launch(cli, outside_torchrun):
+    code, out, err = cli("run", VSHAPE)
+    assert (code, out) == (1, "")
+    assert err == ("error: pyplan run runs one process per device under torchrun (hint: "
+                   f"launch it with: torchrun --nproc-per-node 4 -m pyplan run {VSHAPE})\n")
+
+
+def test_python_dash_m_outside_torchrun_does_not_crash(outside_torchrun):
+    result = subprocess.run([sys.executable, "-m", "pyplan", "run", str(VSHAPE)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1
+    assert "torchrun --nproc-per-node 4 -m pyplan run" in result.stderr
+
+
+def test_plan_without_model_is_refused(cli, outside_torchrun):
+    code, _, err = cli("run", PLANS / "tessel-vshape.resolved.yaml")
+    assert code == 2
+    assert err == (f"{PLANS}/tessel-vshape.yaml:1:1: error: the plan has no model: section, so "
+                   "there is nothing to run (hint: add model: {blocks: ..., data: ..., loss: "
+                   "...} and re-run pyplan solve)\n")
+
+
+def test_dry_run_prints_verified_programs(cli, outside_torchrun):
+    code, out, err = cli("run", PLANS / "gpt-mshape.resolved.yaml", "--dry-run")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == ("gpt-mshape: 96 block instances on 4 ranks; verified: no send/recv pair "
+                        "can cross or block forever (non-blocking and blocking)")
+    assert "rank 0: 98 instructions (48 compute, 16 send, 16 recv, 16 wait)" in lines
+    assert "     0 compute embed@0 on ranks 0-3" in lines
+    assert "     8 wait for stage3@0 output from rank 3 before head@0" in lines
+
+
+@pytest.mark.parametrize("value", ["2", "a:1", "1:2:explode"])
+def test_bad_fail_at_is_refused(cli, value):
+    code, _, err = cli("run", VSHAPE, "--fail-at", value)
+    assert code == 2 and f"--fail-at '{value}' is not RANK:INDEX or RANK:INDEX:kill" in err
+
+
+def test_commands_work_without_torch(tmp_path):
+    # torch set to None in sys.modules makes every `import torch` fail, as if uninstalled.
+    plan, out = PLANS / "transformer-vshape.yaml", tmp_path / "v.resolved.yaml"
+    script = f"""
+import os, sys
+sys.modules["torch"] = None
+from pyplan.cli import main
+assert main(["validate", {str(plan)!r}]) == 0
+assert main(["solve", {str(plan)!r}, "-o", {str(out)!r}, "--quiet"]) == 0
+assert main(["run", {str(out)!r}, "--dry-run"]) == 0
+os.environ.update(RANK="0", WORLD_SIZE="4")
+assert main(["run", {str(out)!r}]) == 1
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ("error: pyplan run needs torch (import of torch halted; None in "
+                             "sys.modules) (hint: pip install 'pyplan[run]')\n")

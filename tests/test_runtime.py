@@ -1,0 +1,217 @@
+"""`pyplan run` executing plans: every example's loss and gradients equal single-process
+training after one iteration and its losses after five (Pfeife's protocol), under torchrun with
+4 gloo processes (also as two 2-process "nodes"); the zero-bubble split in-process; faults end
+every rank with a message naming the failing rank and instruction."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import PLANS
+from pyplan.cli import main
+from pyplan.export.chrome import schedule_events
+from pyplan.resolved import load_resolved
+
+from pyplan.errors import RunError
+from pyplan.runtime import torch  # imports torch without its numpy warning
+from pyplan.runtime.binding import split_batch
+from pyplan.runtime.check import compare
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*args, nproc=4, extra=(), timeout=90):
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", *extra,
+                             "--nproc-per-node", str(nproc), "-m", "pyplan", "run",
+                             *[str(a) for a in args]],
+                            capture_output=True, text=True, timeout=timeout)
+    return result, time.monotonic() - started
+
+
+def _check_line(out: str, iterations: int) -> None:
+    assert re.search(r"check: the loss and \d+ parameter gradients \(max abs diff [0-9.e-]+\) "
+                     rf"after iteration 0 and the losses of {iterations} iterations \(max abs "
+                     r"diff [0-9.e-]+\) match the single-process run", out), out
+    assert len(re.findall(r"iteration \d: +[0-9.]+ ms  loss \d", out)) == iterations
+
+
+# ---------------------------------------------------------------- in this process
+
+def test_compare_names_the_first_difference():
+    t = torch.tensor
+    ref = {"a.w": t([1.0, 2.0]), "b.w": t([3.0])}
+    assert compare([1.0, 0.5], {"a.w": t([1.0, 2.0]), "b.w": t([3.0])}, [1.0, 0.5], ref,
+                   1e-5).ok
+    verdict = compare([1.0, 0.5], {"a.w": t([1.0, 2.0]), "b.w": t([3.1])}, [1.0, 0.5], ref, 1e-5)
+    assert not verdict.ok
+    assert verdict.message.startswith("the gradient of b.w differs from the single-process "
+                                      "run's by 0.1")
+    verdict = compare([1.0, 0.6], {"a.w": t([1.0, 2.0]), "b.w": t([3.0])}, [1.0, 0.5], ref, 1e-5)
+    assert verdict.message.startswith("the loss of iteration 1 is 0.6, the single-process "
+                                      "run's 0.5")
+    assert "missing" in compare([1.0], {}, [1.0], ref, 1e-5).message
+
+
+def test_batches_must_split_evenly():
+    parts = split_batch({"x": torch.arange(8), "y": (torch.ones(8, 2),)}, 4)
+    assert [p["x"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(RunError, match=r"shape \(6,\) does not split into 4 equal"):
+        split_batch(torch.arange(6), 4)
+
+
+ONE_DEVICE = """\
+pyplan: 1
+name: zb-one-device
+devices: 1
+micro_batches: 4
+training:
+  backward: {time_ratio: 1, weight_time_ratio: 1}
+blocks:
+  - {name: stage0, devices: [0], time: 1, memory: 1}
+  - {name: stage1, devices: [0], time: 1, memory: 1}
+  - {name: stage2, devices: [0], time: 1, memory: 1}
+  - {name: stage3, devices: [0], time: 1, memory: 1}
+model:
+  blocks: pyplan.examples.transformer:build
+  data: pyplan.examples.transformer:batch
+  loss: LOSS
+  path: .
+"""
+
+SUM_LOSS = """\
+import torch.nn.functional as F
+
+
+def loss(logits, targets):  # a sum, not a mean: micro-batching changes the loss
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           reduction="sum")
+"""
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """torchrun's environment for a world of one process (use capfd, not capsys: torchrun's
+    error recording needs real file descriptors)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+
+
+def _one_device_plan(tmp_path, loss: str):
+    (tmp_path / "sum_loss.py").write_text(SUM_LOSS)
+    plan = tmp_path / "zb.yaml"
+    plan.write_text(ONE_DEVICE.replace("LOSS", loss))
+    assert main(["solve", str(plan), "--quiet"]) == 0
+    return tmp_path / "zb.resolved.yaml"
+
+
+def test_zero_bubble_split_matches_single_process_training(tmp_path, one_process, capfd):
+    resolved = _one_device_plan(tmp_path, "pyplan.examples.transformer:loss")
+    kinds = {b.kind for b in load_resolved(resolved).problem.blocks}
+    assert kinds == {"forward", "backward", "weight"}
+    assert main(["run", str(resolved), "--check", "--iterations", "3"]) == 0
+    out, err = capfd.readouterr()
+    assert err == ""
+    _check_line(out, 3)
+
+
+def test_check_fails_naming_the_loss_when_it_is_not_a_mean(tmp_path, one_process, capfd):
+    resolved = _one_device_plan(tmp_path, "sum_loss:loss")
+    assert main(["run", str(resolved), "--check"]) == 1
+    out, err = capfd.readouterr()
+    assert "check FAILED: the loss of iteration 0 is" in out
+    assert err.startswith("error: check failed: the loss of iteration 0 is ")
+    assert err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- under torchrun
+
+@pytest.mark.torchrun
+def test_gpt_mshape_matches_single_process_training_and_traces(tmp_path):
+    resolved = PLANS / "gpt-mshape.resolved.yaml"
+    trace = tmp_path / "run.json"
+    result, _ = _torchrun(resolved, "--check", "--iterations", "5", "--trace", trace)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "non-blocking communication" in result.stdout
+    _check_line(result.stdout, 5)
+    events = json.loads(trace.read_text())["traceEvents"]
+    ran = {(e["tid"], e["name"]) for e in events
+           if e.get("ph") == "X" and e["cat"] in ("forward", "backward")}
+    planned = {(e.device, e.name) for e in schedule_events(load_resolved(resolved).schedule)}
+    assert ran == planned
+    assert {e["cat"] for e in events if e.get("ph") == "X"} >= {"send", "recv", "wait",
+                                                               "reduce"}
+
+
+@pytest.mark.torchrun
+def test_flava_kshape_matches_single_process_training_with_blocking_communication():
+    result, _ = _torchrun(PLANS / "flava-kshape.resolved.yaml", "--check", "--iterations", "5",
+                          "--blocking")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "blocking communication" in result.stdout
+    assert "non-blocking" not in result.stdout
+    _check_line(result.stdout, 5)
+
+
+@pytest.mark.torchrun
+def test_transformer_vshape_on_two_nodes_matches_single_process_training():
+    endpoint = f"localhost:{_free_port()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+               "-m", "pyplan", "run", str(PLANS / "transformer-vshape.resolved.yaml"),
+               "--check", "--iterations", "5"]
+    nodes = [subprocess.Popen(command[:3] + ["--node-rank", str(n)] + command[3:],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in (0, 1)]
+    outputs = [node.communicate(timeout=120) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:]
+    _check_line(outputs[0][0], 5)  # global rank 0 runs on node 0
+    assert outputs[1][0] == ""
+
+
+@pytest.mark.torchrun
+def test_a_raising_rank_stops_every_rank_with_its_instruction():
+    result, seconds = _torchrun(PLANS / "transformer-vshape.resolved.yaml", "--fail-at", "2:3",
+                                "--fault-timeout", "3")
+    assert result.returncode != 0
+    what = ("rank 2 failed at instruction 3 of iteration 0 (compute stage2@0): RuntimeError: "
+            "injected fault (--fail-at)")
+    assert f"\nerror: {what}\n" in result.stderr
+    for rank in (0, 1, 3):
+        assert f"\nerror: rank {rank} stops: {what}\n" in result.stderr
+    assert seconds < 60
+
+
+@pytest.mark.torchrun
+def test_a_dead_rank_stops_every_rank_within_the_timeout():
+    result, seconds = _torchrun(PLANS / "transformer-vshape.resolved.yaml", "--fail-at",
+                                "1:9:kill", "--iterations", "3", "--fault-timeout", "3")
+    assert result.returncode != 0
+    for rank in (0, 2, 3):
+        assert re.search(rf"\nerror: rank {rank} stops: rank 1 stopped responding for 3 s \(its "
+                         r"process died or hangs\); last seen at (set-up|instruction \d+ of "
+                         r"iteration 0 \(.*\))\n", result.stderr), result.stderr[-3000:]
+    assert seconds < 60
+
+
+@pytest.mark.torchrun
+def test_world_size_must_match_the_plan():
+    result, _ = _torchrun(PLANS / "transformer-vshape.resolved.yaml", nproc=2)
+    assert result.returncode != 0
+    assert ("error: the plan needs 4 processes (devices: 4) but torchrun started 2 (hint: "
+            "launch it with: torchrun --nproc-per-node 4 -m pyplan run "
+            f"{PLANS / 'transformer-vshape.resolved.yaml'})\n") in result.stderr
