@@ -16,7 +16,7 @@ from torch import nn
 from pyplan.runtime import shard
 
 __all__ = ["ColumnParallelLinear", "Layer", "RowParallelLinear", "VocabParallelEmbedding",
-           "VocabParallelHead", "all_sum"]
+           "VocabParallelHead", "all_sum", "vocab_parallel_cross_entropy"]
 
 
 class Layer(nn.Module):
@@ -94,17 +94,31 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """Logits over the whole vocabulary; each rank computes those of its slice."""
+    """Logits of the group rank's slice of the vocabulary (all of it with group None); as the
+    last block, its output goes straight to vocab_parallel_cross_entropy on the same ranks."""
 
     def __init__(self, dim: int, vocab: int, group) -> None:
         super().__init__()
-        self.group, self.vocab = group, vocab
         self.weight = _chunk(torch.randn(vocab, dim) * dim ** -0.5, group, 0)
-        self.lo, self.hi = _span(vocab, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = x @ self.weight.t()
-        return all_sum(F.pad(local, (self.lo, self.vocab - self.hi)), self.group)
+        return x @ self.weight.t()
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                 group) -> torch.Tensor:
+    """Mean cross-entropy of logits split over the vocabulary (Megatron-LM): only per-token
+    sums cross the ranks, never the logits."""
+    if group is None:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    lo, hi = _span(logits.shape[-1] * dist.get_world_size(group), group)
+    peak = logits.detach().max(dim=-1).values  # any shift works; the largest avoids overflow
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - peak.unsqueeze(-1)
+    mine = (targets >= lo) & (targets < hi)
+    picked = shifted.gather(-1, (targets - lo).clamp(0, hi - lo - 1).unsqueeze(-1)).squeeze(-1)
+    sums = all_sum(torch.stack([shifted.exp().sum(dim=-1), picked * mine]), group)
+    return (sums[0].log() - sums[1]).mean()
 
 
 class ColumnParallelLinear(nn.Module):

@@ -8,10 +8,10 @@ model: {blocks: "pyplan.examples.gpt:build", data: "pyplan.examples.gpt:batch",
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pyplan.examples._layers import Layer, VocabParallelEmbedding, VocabParallelHead
+from pyplan.examples._layers import (Layer, VocabParallelEmbedding, VocabParallelHead,
+                                     vocab_parallel_cross_entropy)
 
 __all__ = ["BATCH", "SEQUENCE", "VOCAB", "batch", "build", "loss"]
 
@@ -31,7 +31,8 @@ class Embed(nn.Module):
 
 
 class Head(nn.Module):
-    """Final norm (replicated) and vocabulary-parallel LM head: (B, T, D) -> (B, T, VOCAB)."""
+    """Final norm (replicated) and vocabulary-parallel LM head: (B, T, D) -> (B, T, VOCAB / ranks),
+    the logits of this rank's slice of the vocabulary."""
 
     def __init__(self, group) -> None:
         super().__init__()
@@ -58,5 +59,6 @@ def batch(step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+def loss(logits: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
+    """Cross-entropy of the head's vocabulary-sharded logits (whole logits when group is None)."""
+    return vocab_parallel_cross_entropy(logits, targets, group)

@@ -58,7 +58,8 @@ def reference_run(model: Model, problem: Problem, output_block: int, *, seed: in
             with torch.set_grad_enabled(b in trains):
                 outputs[b] = modules[b](*args)
         with torch.set_grad_enabled(output_block in trains):
-            loss = model.loss(outputs[output_block], targets)
+            whole = (None,) if len(problem.blocks[output_block].devices) > 1 else ()
+            loss = model.loss(outputs[output_block], targets, *whole)
         losses.append(float(loss.detach()))
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)

@@ -11,7 +11,9 @@ computes the weight gradients from it.
 A multi-device block is one SPMD program over its process group: every rank gets the same
 inputs and returns the same output; the output gradient may be split among its ranks in any way
 (ranks that get none start from zeros) and the input gradients of its ranks are summed, which
-is exactly the semantics of differentiable collectives such as an all-reduce.
+is exactly the semantics of differentiable collectives such as an all-reduce. The last block's
+output only feeds the loss on the same ranks, so it may stay sharded: with several ranks the
+loss gets the block's group, every rank computes it, and it counts once, on the first rank.
 """
 
 from __future__ import annotations
@@ -148,18 +150,20 @@ class Executor:
                                f"{type(out).__name__}; a block returns one tensor")
             loss = None
             if b == self.output:
-                loss = self.loss_fn(out, self.targets[m])
+                group = self.groups.get(b)
+                loss = self.loss_fn(out, self.targets[m], *(() if group is None else (group,)))
                 self.losses.append(loss.detach())
         self.store[Value(ACTIVATION, b, m)] = out.detach()
         if trains:
-            self.saved[(b, m)] = (out, loss if self.loss_owner else None, leaves)
+            self.saved[(b, m)] = (out, loss, leaves)
 
     def backward(self, ins) -> None:
         b, m = self.layer[ins.block], ins.micro_batch
         out, loss, leaves = self.saved.pop((b, m))
         grads = [self.store[v] for v in ins.inputs if v.kind == GRADIENT]
         if loss is not None:  # the loss counts once, on the first rank of the last block
-            root, grad = loss / self.lowered.problem.num_micro_batches, None
+            scale = 1 / self.lowered.problem.num_micro_batches if self.loss_owner else 0.0
+            root, grad = loss, torch.tensor(scale, dtype=loss.dtype, device=loss.device)
         else:
             root, grad = out, sum(grads) if grads else torch.zeros_like(out)
         xs = [x for _, x in leaves]

@@ -1,0 +1,238 @@
+"""`pyplan run` throughput, measured side by side on 4 CPU gloo ranks:
+
+  1. non-blocking vs blocking communication on the same plan (Tessel Fig. 17 reports up to
+     1.9x on GPUs for M- and NN-shapes);
+  2. pyplan vs torch.distributed.pipelining (Schedule1F1B, ScheduleGPipe,
+     ScheduleInterleaved1F1B) on the same model, stage split and micro-batches;
+  3. the GPT on the M-shape (vocabulary-parallel embedding and head on all ranks), which
+     torch's runtime cannot express, vs the best torch schedule of the same model with the
+     embedding on the first and the head on the last stage.
+
+    python benchmarks/runtime.py [--rounds 3] [--iterations 6]
+
+The script solves the plans it needs into a temporary directory and re-launches itself under
+torchrun; the workers run every case in turn, `rounds` times, in the same processes, and rank 0
+prints each case's median iteration time and the ratios. The example models are enlarged here
+(their size constants) so that blocks, not Python overhead, dominate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = {"transformer": dict(DIM=128, HEADS=4, SEQUENCE=32, BATCH=32, VOCAB=512),
+         "gpt": dict(DIM=128, HEADS=4, SEQUENCE=32, BATCH=32, VOCAB=32768)}
+HEADER = "# yaml-language-server: $schema=../schemas/plan.schema.json\npyplan: 1\n"
+MODEL = ("model: {{blocks: 'pyplan.examples.transformer:{build}', "
+         "data: 'pyplan.examples.transformer:batch', loss: 'pyplan.examples.transformer:loss'}}\n")
+VSHAPE = ("devices: 4\nmicro_batches: 8\ntraining: {backward: {time_ratio: 2}}\n"
+          "shape: {kind: vshape, stage: {time: 1, memory: 1}}\n")
+PLANS = {
+    # The V-shape under GPipe's order (every forward of a stage before its first backward).
+    "transformer-gpipe": HEADER + "name: transformer-gpipe\nmemory: 8\n" + VSHAPE +
+    "constraints:\n  order:\n    - {rule: 'stage{s}.f[m+7] < stage{s}.b[m]', for: {s: '0..3'}}\n"
+    + MODEL.format(build="build"),
+    # Eight stages of one layer, two per device (stage s on device s mod 4), pyplan's schedule.
+    "transformer-interleaved": HEADER + "name: transformer-interleaved\nmemory: 8\n"
+    "devices: 4\nmicro_batches: 8\ntraining: {backward: {time_ratio: 2}}\n"
+    "shape: {kind: interleaved, chunks: 2, stage: {time: 1, memory: 1}}\n"
+    "search: {max_repetend_micro_batches: 4, time_limit: 20}\n"
+    + MODEL.format(build="build_interleaved"),
+}
+
+
+def prepare(directory: Path) -> dict[str, Path]:
+    """Solve every plan the benchmark runs; returns name -> resolved plan."""
+    from pyplan.problem import load_problem
+    from pyplan.resolved import resolved_path, write_resolved
+    from pyplan.solve import solve
+
+    paths = {}
+    for name in ("transformer-vshape", "gpt-mshape"):
+        (directory / f"{name}.yaml").write_text((ROOT / "plans" / f"{name}.yaml").read_text())
+    for name, text in PLANS.items():
+        (directory / f"{name}.yaml").write_text(text)
+    for name in ("transformer-vshape", "transformer-gpipe", "transformer-interleaved",
+                 "gpt-mshape"):
+        plan = directory / f"{name}.yaml"
+        paths[name] = write_resolved(solve(load_problem(plan)), resolved_path(plan))
+    return paths
+
+
+# ---------------------------------------------------------------- workers (under torchrun)
+
+class PyplanCase:
+    def __init__(self, name: str, resolved: Path, *, blocking: bool) -> None:
+        from pyplan.lower import check_runnable, lower
+        from pyplan.resolved import load_resolved
+        from pyplan.runtime.binding import load_model
+        from pyplan.runtime.session import Options, Session
+
+        plan = load_resolved(resolved)
+        self.name = name
+        self.session = Session(lower(plan.problem, plan.schedule),
+                               check_runnable(plan.problem),
+                               load_model(plan.problem, resolved.parent),
+                               Options(iterations=ITERATIONS, blocking=blocking), watch=False)
+        self.session.build()
+
+    def run(self) -> list[float]:
+        return self.session.train().seconds
+
+
+class TorchCase:
+    """The same modules under a torch.distributed.pipelining schedule."""
+
+    def __init__(self, name: str, schedule: str, example: str, stages: list[list[str]]):
+        import torch
+        import torch.distributed as dist
+        from torch.distributed import pipelining
+
+        from pyplan.runtime.binding import Model, seed_everything
+
+        self.name, self.dist, self.torch = name, dist, torch
+        module = __import__(f"pyplan.examples.{example}", fromlist=["batch"])
+        build = module.build_interleaved if len(stages) == 8 else module.build
+        self.model = Model(build, module.batch, module.loss)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = [s for s in range(len(stages)) if s % world == rank]
+        modules = []
+        for blocks in stages:
+            parts = []
+            for block in blocks:
+                seed_everything(0, "block", block)
+                parts.append(build(block, None))
+            modules.append(torch.nn.Sequential(*parts))
+        # Static stage metadata: example input and output of every stage for one micro-batch
+        # (torch's shape inference exchanges Python objects through numpy).
+        x = module.batch(0)[0][: module.BATCH // 8]
+        examples = []
+        for m in modules:  # with autograd on: torch reads which tensors need gradients
+            y = m(x)
+            examples.append((x, y.detach().requires_grad_(True)))
+            x = examples[-1][1]
+        pipeline_stages = [pipelining.PipelineStage(modules[s], s, len(stages),
+                                                    torch.device("cpu"),
+                                                    input_args=examples[s][0],
+                                                    output_args=examples[s][1])
+                           for s in mine]
+        self.params = [p for st in pipeline_stages for p in st.submod.parameters()]
+        self.optimizer = torch.optim.SGD(self.params, lr=0.01)
+        cls = getattr(pipelining, schedule)
+        self.schedule = cls(pipeline_stages if len(mine) > 1 else pipeline_stages[0],
+                            n_microbatches=8, loss_fn=module.loss)
+        self.first, self.last = 0 in mine, len(stages) - 1 in mine
+
+    def run(self) -> list[float]:
+        from pyplan.runtime.binding import make_batch
+
+        seconds = []
+        for step in range(ITERATIONS):
+            inputs, targets = make_batch(self.model, step, 0, self.torch.device("cpu"))
+            self.optimizer.zero_grad(set_to_none=True)
+            self.dist.barrier()
+            started = time.perf_counter()
+            kwargs = {"target": targets, "losses": []} if self.last else {}
+            self.schedule.step(*([inputs] if self.first else []), **kwargs)
+            self.optimizer.step()
+            mine = self.torch.tensor([time.perf_counter() - started])
+            self.dist.all_reduce(mine, op=self.dist.ReduceOp.MAX)
+            seconds.append(float(mine))
+        return seconds
+
+
+def worker(directory: Path, rounds: int) -> None:
+    import pyplan.runtime  # noqa: F401 - quiet torch import
+    import torch.distributed as dist
+
+    import pyplan.examples.gpt as gpt
+    import pyplan.examples.transformer as transformer
+
+    for module, sizes in ((transformer, SIZES["transformer"]), (gpt, SIZES["gpt"])):
+        for key, value in sizes.items():
+            setattr(module, key, value)
+    dist.init_process_group("gloo")
+    plan = {name: directory / f"{name}.resolved.yaml" for name in
+            ("transformer-vshape", "transformer-gpipe", "transformer-interleaved", "gpt-mshape")}
+    four = [[f"stage{s}"] for s in range(4)]
+    gpt_vshape = [["embed", "stage0"], ["stage1"], ["stage2"], ["stage3", "head"]]
+    cases = [
+        PyplanCase("pyplan 1F1B (V-shape)", plan["transformer-vshape"], blocking=False),
+        PyplanCase("pyplan 1F1B, blocking", plan["transformer-vshape"], blocking=True),
+        TorchCase("torch Schedule1F1B", "Schedule1F1B", "transformer", four),
+        PyplanCase("pyplan GPipe order", plan["transformer-gpipe"], blocking=False),
+        TorchCase("torch ScheduleGPipe", "ScheduleGPipe", "transformer", four),
+        PyplanCase("pyplan interleaved (8 stages)", plan["transformer-interleaved"],
+                   blocking=False),
+        TorchCase("torch ScheduleInterleaved1F1B", "ScheduleInterleaved1F1B", "transformer",
+                  [[f"stage{s}"] for s in range(8)]),
+        PyplanCase("pyplan GPT M-shape", plan["gpt-mshape"], blocking=False),
+        PyplanCase("pyplan GPT M-shape, blocking", plan["gpt-mshape"], blocking=True),
+        TorchCase("torch GPT Schedule1F1B", "Schedule1F1B", "gpt", gpt_vshape),
+        TorchCase("torch GPT ScheduleGPipe", "ScheduleGPipe", "gpt", gpt_vshape),
+    ]
+    times: dict[str, list[float]] = {case.name: [] for case in cases}
+    for _ in range(rounds):
+        for case in cases:
+            times[case.name] += case.run()[WARMUP:]
+    if dist.get_rank() == 0:
+        report({name: statistics.median(t) for name, t in times.items()})
+    dist.destroy_process_group()
+
+
+def report(median: dict[str, float]) -> None:
+    print(f"median iteration time over {ITERATIONS - WARMUP} iterations x rounds "
+          "(4 gloo ranks on this machine's CPU):")
+    for name, seconds in median.items():
+        print(f"  {name:34} {seconds * 1e3:8.1f} ms")
+
+    def ratio(label: str, slow: str, fast: str) -> None:
+        print(f"{label:62} {median[slow] / median[fast]:.2f}x")
+
+    print("ratios (> 1: the first named is faster):")
+    ratio("non-blocking vs blocking, V-shape 1F1B", "pyplan 1F1B, blocking",
+          "pyplan 1F1B (V-shape)")
+    ratio("non-blocking vs blocking, GPT M-shape", "pyplan GPT M-shape, blocking",
+          "pyplan GPT M-shape")
+    ratio("pyplan vs torch Schedule1F1B (same model, split, micro-batches)",
+          "torch Schedule1F1B", "pyplan 1F1B (V-shape)")
+    ratio("pyplan vs torch ScheduleGPipe", "torch ScheduleGPipe", "pyplan GPipe order")
+    ratio("pyplan vs torch ScheduleInterleaved1F1B", "torch ScheduleInterleaved1F1B",
+          "pyplan interleaved (8 stages)")
+    best = min(("torch GPT Schedule1F1B", "torch GPT ScheduleGPipe"), key=median.get)
+    ratio(f"pyplan GPT M-shape vs best torch ({best.split()[-1]}, V-shape)", best,
+          "pyplan GPT M-shape")
+
+
+ITERATIONS = int(os.environ.get("PYPLAN_BENCH_ITERATIONS", "6"))
+WARMUP = 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=6,
+                        help="iterations per case and round (the first is a warm-up)")
+    parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(Path(args.worker), args.rounds)
+        return 0
+    with tempfile.TemporaryDirectory() as directory:
+        prepare(Path(directory))
+        env = dict(os.environ, PYPLAN_BENCH_ITERATIONS=str(args.iterations))
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node", "4", __file__, "--worker", directory,
+                               "--rounds", str(args.rounds)], env=env).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
