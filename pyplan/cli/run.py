@@ -117,6 +117,8 @@ def _options(args: argparse.Namespace):
         raise PlanError("--iterations must be at least 1")
     if args.fault_timeout <= 0 or args.tolerance < 0:
         raise PlanError("--fault-timeout must be positive and --tolerance not negative")
+    if args.trace is not None and not Path(args.trace).resolve().parent.is_dir():
+        raise PlanError(f"--trace {args.trace}: its directory does not exist")
     if args.fail_at is None:
         return None
     parts = args.fail_at.split(":")

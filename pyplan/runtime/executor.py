@@ -108,8 +108,6 @@ class Executor:
         self.index = len(self.program)
         t0 = time.perf_counter()
         self.comm.finish()
-        for received in self.received.values():  # blocking mode: received, never waited
-            self.comm.wait(received)
         if trace and time.perf_counter() - t0 > 1e-6:
             events.append(TraceEvent(self.rank, "finish sends", "wait", (t0 - start) * 1e6,
                                      (time.perf_counter() - t0) * 1e6))

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pyplan.errors import RunError
+from pyplan.errors import PyplanError, RunError
 from pyplan.export.chrome import chrome_trace, write_chrome_trace
 from pyplan.lower import COMPUTE, Lowered, describe
 from pyplan.runtime.binding import Model, build_modules, make_batch, split_batch
@@ -76,11 +76,6 @@ class Session:
         self.executor: Executor | None = None
         self.watchdog = Watchdog(self.rank, self.world, options.fault_timeout, self.position,
                                  self.where) if watch else None
-        # Every rank creates every group, in the same order, as new_group requires.
-        sets = sorted({b.devices for b in self.problem.blocks if len(b.devices) > 1})
-        made = {devices: dist.new_group(list(devices)) for devices in sets}
-        self.groups = {b.index: made[b.devices] for b in self.problem.blocks
-                       if len(b.devices) > 1}
 
     # -- fault reporting
 
@@ -102,7 +97,7 @@ class Session:
     def failed(self, exc: BaseException) -> RunError:
         """Agree with the other ranks on the first failure; the error this rank exits with."""
         iteration, index = self.position()
-        text = exc.message if isinstance(exc, RunError) else f"{type(exc).__name__}: {exc}"
+        text = exc.message if isinstance(exc, PyplanError) else f"{type(exc).__name__}: {exc}"
         own = f"rank {self.rank} failed at {self.where(self.rank, iteration, index)}: {text}"
         program = self.lowered.programs[self.rank]
         ins = program[index] if iteration >= 0 and 0 <= index < len(program) else None
@@ -118,6 +113,11 @@ class Session:
 
     def build(self) -> None:
         opts = self.options
+        # Every rank creates every group, in the same order, as new_group requires.
+        sets = sorted({b.devices for b in self.problem.blocks if len(b.devices) > 1})
+        made = {devices: dist.new_group(list(devices)) for devices in sets}
+        self.groups = {b.index: made[b.devices] for b in self.problem.blocks
+                       if len(b.devices) > 1}
         self.modules = build_modules(self.model, self.problem, seed=opts.seed,
                                      device=self.device, rank=self.rank, groups=self.groups)
         params = list({id(p): p for m in self.modules.values() for p in m.parameters()
@@ -141,11 +141,14 @@ class Session:
             result = self.executor.run(inputs, targets, iteration=step,
                                        trace=opts.trace is not None and
                                        step == opts.iterations - 1)
-            if opts.check and step == 0:
+            seconds = time.perf_counter() - started
+            if opts.check and step == 0:  # before the step changes them; not timed
                 grads = full_gradients(self.problem, self.modules, self.groups, self.rank)
+            started = time.perf_counter()
             if self.optimizer is not None:
                 self.optimizer.step()
-            records.append((time.perf_counter() - started, result.compute, result.loss))
+            seconds += time.perf_counter() - started
+            records.append((seconds, result.compute, result.loss))
             events = result.events or events
         self.executor.iteration = REPORT
         return self.report(records, events, grads)
