@@ -66,7 +66,7 @@ class _Machine:
                                 f"rank {dst}, which never receives it: the send blocks forever",
                                 file=self.lowered.problem.source_path or None)
         for r, posted in enumerate(self.posted):
-            for value in posted.keys() - self.waited[r]:
+            for value in [v for v in posted if v not in self.waited[r]]:  # first posted first
                 raise PlanError(f"rank {r} receives {describe_value(self.lowered, value)} but "
                                 "never waits for it", file=self.lowered.problem.source_path or None)
 

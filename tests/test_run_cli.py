@@ -40,9 +40,10 @@ def test_outside_torchrun_says_how_to_launch(cli, outside_torchrun):
                    f"launch it with: torchrun --nproc-per-node 4 -m pyplan run {VSHAPE})\n")
 
 
-def test_python_dash_m_outside_torchrun_does_not_crash(outside_torchrun):
+def test_python_dash_m_outside_torchrun_does_not_crash(outside_torchrun, tmp_path):
+    # (run outside the source tree, which would shadow an installed, compiled pyplan)
     result = subprocess.run([sys.executable, "-m", "pyplan", "run", str(VSHAPE)],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.count("\n") == 1
     assert "torchrun --nproc-per-node 4 -m pyplan run" in result.stderr
@@ -87,7 +88,7 @@ os.environ.update(RANK="0", WORLD_SIZE="4")
 assert main(["run", {str(out)!r}]) == 1
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=60)
+                            timeout=60, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ("error: pyplan run needs torch (import of torch halted; None in "
                              "sys.modules) (hint: pip install 'pyplan[run]')\n")

@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -31,12 +32,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(*args, nproc=4, extra=(), timeout=90):
+# Processes start outside the source tree, which would shadow an installed (compiled) pyplan.
+NEUTRAL = tempfile.gettempdir()
+
+
+def _torchrun(*args, nproc=4, timeout=90):
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", *extra,
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run",
                              "--nproc-per-node", str(nproc), "-m", "pyplan", "run",
                              *[str(a) for a in args]],
-                            capture_output=True, text=True, timeout=timeout)
+                            capture_output=True, text=True, timeout=timeout, cwd=NEUTRAL)
     return result, time.monotonic() - started
 
 
@@ -175,7 +180,8 @@ def test_transformer_vshape_on_two_nodes_matches_single_process_training():
                "-m", "pyplan", "run", str(PLANS / "transformer-vshape.resolved.yaml"),
                "--check", "--iterations", "5"]
     nodes = [subprocess.Popen(command[:3] + ["--node-rank", str(n)] + command[3:],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=NEUTRAL)
              for n in (0, 1)]
     outputs = [node.communicate(timeout=120) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:]

@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _load(args._module).run(args)
     except PyplanError as exc:
-        print(exc, file=sys.stderr)
+        # One write: under torchrun every rank shares stderr, and print() writes the newline
+        # separately (stderr is unbuffered when it is a pipe), so lines would interleave.
+        sys.stderr.write(f"{exc}\n")
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -149,7 +149,8 @@ class Watchdog:
             self.heartbeat()
         except Exception:  # noqa: BLE001 - leaving anyway; the message matters more
             pass
-        print(RunError(f"rank {self.rank} stops: {message}"), file=sys.stderr, flush=True)
+        sys.stderr.write(f"{RunError(f'rank {self.rank} stops: {message}')}\n")  # one write
+        sys.stderr.flush()
         os._exit(1)  # the main thread may be blocked inside a collective that never returns
 
 
