@@ -8,7 +8,7 @@
      torch's runtime cannot express, vs the best torch schedule of the same model with the
      embedding on the first and the head on the last stage.
 
-    python benchmarks/runtime.py [--rounds 3] [--iterations 6]
+    python benchmarks/runtime.py [--rounds 5] [--iterations 6]
 
 The script solves the plans it needs into a temporary directory and re-launches itself under
 torchrun; the workers run every case in turn, `rounds` times, in the same processes, and rank 0
@@ -218,7 +218,7 @@ WARMUP = 1
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=6,
                         help="iterations per case and round (the first is a warm-up)")
     parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
