@@ -155,5 +155,8 @@ for fmt in ("svg", "chrome", "torch-csv"):
 assert main(["import", "torch-csv", f"{{out}}/a.torch-csv", "--plan", plan]) == 0
 assert "torch" not in sys.modules, "torch was imported"
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    # Run outside the source tree: there, `import pyplan` would find the sources (without the
+    # compiled core of a non-editable install) before the installed package.
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=tmp_path)
     assert done.returncode == 0, done.stderr

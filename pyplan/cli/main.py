@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from pyplan import __version__
 from pyplan.errors import EXIT_INTERRUPTED, PyplanError
 
 __all__ = ["main"]
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as shells report it
 
 # subcommand -> module in pyplan.cli; each module has add_arguments(parser) and run(args) -> int
 _COMMANDS = {
@@ -49,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         # separately (stderr is unbuffered when it is a pipe), so lines would interleave.
         sys.stderr.write(f"{exc}\n")
         return exc.exit_code
+    except BrokenPipeError:
+        # `pyplan show ... | head` closed our stdout: stop quietly, like other Unix tools.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
