@@ -27,5 +27,6 @@ def test_closed_pipe_stops_quietly(tmp_path):
     proc.stdout.readline()
     proc.stdout.close()
     err = proc.stderr.read().decode()
+    proc.stderr.close()
     assert proc.wait() == 141
     assert err == ""
