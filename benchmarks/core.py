@@ -92,18 +92,22 @@ def bench_enumeration(quick: bool) -> None:
         elapsed = time.perf_counter() - start
         print(f"{devices:>7} {stats.enumerated / elapsed:>13.0f} "
               f"{stats.evaluated / elapsed:>12.0f} {elapsed:>8.2f}")
-    print("\nRepetend candidates, Python reference enumeration (brute force over N_R^K):")
-    problem = shape_problem("vshape", 2)
-    blocks = [(b.time, b.memory, list(b.devices)) for b in problem.blocks]
+    print("\nRepetend enumeration, C++ vs the Python reference (brute force over N_R^K), same set:")
+    for devices, nr in ((3, 4), (4, 4)):
+        problem = shape_problem("vshape", devices)
+        blocks = [(b.time, b.memory, list(b.devices)) for b in problem.blocks]
+        found, py = timed(lambda: ref.enumerate_repetends(devices, blocks, list(problem.edges),
+                                                          nr))
+        cpp_list, fast = timed(lambda: list(_core.RepetendEnumerator(problem.graph, nr)))
+        assert sorted(cpp_list) == sorted(found)
+        print(f"  {devices} devices, N_R = {nr}: {len(found)} candidates; Python {py:.3f}s, "
+              f"C++ {fast:.5f}s, ratio {py / fast:.0f}x")
+
+
+def timed(fn):
     start = time.perf_counter()
-    found = ref.enumerate_repetends(2, blocks, list(problem.edges), 4)
-    py = time.perf_counter() - start
-    start = time.perf_counter()
-    cpp = list(_core.RepetendEnumerator(problem.graph, 4))
-    fast = time.perf_counter() - start
-    assert sorted(cpp) == sorted(found)
-    print(f"  2 devices, N_R = 4: {len(found)} candidates; Python {py:.3f}s, C++ {fast:.5f}s, "
-          f"ratio {py / fast:.0f}x")
+    result = fn()
+    return result, time.perf_counter() - start
 
 
 def main() -> None:
