@@ -19,7 +19,7 @@ __all__ = ["DEFAULT_TIME_LIMIT", "TEMPLATES", "Baseline", "Solution", "min_memor
 
 DEFAULT_TIME_LIMIT = 60.0
 COMPLETION_EFFORT = 30_000_000  # Z3 resource units for completing the pool (about 2 s here)
-WHOLE_EFFORT = 30_000_000       # and for solving a tiny problem whole
+WHOLE_EFFORT = 80_000_000       # and for solving a tiny problem (<= 48 blocks) whole
 
 
 @dataclass(frozen=True)
