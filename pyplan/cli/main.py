@@ -22,6 +22,7 @@ _COMMANDS = {
     "export": ("export", "write a schedule as SVG, Chrome trace or torch-csv"),
     "import": ("import_", "evaluate a torch.distributed.pipelining schedule CSV on a plan"),
     "run": ("run", "execute a resolved plan under torchrun (one process per device)"),
+    "profile": ("profile", "measure block times and memory of a plan's model"),
 }
 
 

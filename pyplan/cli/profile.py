@@ -1,0 +1,89 @@
+"""`pyplan profile PLAN`: measure the plan's blocks on this machine and suggest their costs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from pyplan.errors import PlanError
+from pyplan.problem import BACKWARD, WEIGHT, load_problem
+from pyplan.spec import format_memory
+
+__all__ = ["add_arguments", "run", "suggestions"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", metavar="PLAN", help="plan file with a model: section")
+    parser.add_argument("--repeats", type=int, default=5, metavar="K",
+                        help="timed runs per block and direction; the median counts (default 5)")
+    parser.add_argument("--unit-ms", type=float, metavar="MS",
+                        help="milliseconds per time unit of the suggested costs (default: the "
+                        "fastest forward block)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
+
+
+def suggestions(problem, costs, unit_ms: float) -> list[str]:
+    """A `blocks:` snippet with measured costs: times in units of `unit_ms`, memory as sizes."""
+    lines = ["blocks:"]
+    previous = None
+    for c in costs:
+        index = problem.by_name[c.name]
+        devices = "all" if len(c.devices) == problem.num_devices else \
+            "[" + ", ".join(map(str, c.devices)) + "]"
+        parents = [problem.blocks[a].name for a, b in problem.edges
+                   if b == index and problem.blocks[a].kind not in (BACKWARD, WEIGHT)]
+        after = "" if parents == ([previous] if previous else []) else \
+            ", after: [" + ", ".join(parents) + "]"
+        previous = c.name
+        entry = (f"  - {{name: {c.name}, devices: {devices}{after}, "
+                 f"time: {max(1, round(c.forward_ms / unit_ms))}, "
+                 f"memory: {format_memory(c.activation_bytes, True)}")
+        if c.backward_ms is not None:
+            entry += f", backward: {{time: {max(1, round(c.backward_ms / unit_ms))}}}"
+        lines.append(entry + "}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise PlanError("--repeats must be at least 1")
+    if args.unit_ms is not None and args.unit_ms <= 0:
+        raise PlanError("--unit-ms must be positive")
+    problem = load_problem(args.plan)
+    if problem.model is None:
+        raise PlanError("the plan has no model: section, so there is nothing to measure",
+                        hint="add model: {blocks: ..., data: ..., loss: ...}",
+                        file=problem.source_path)
+    from pyplan.runtime.binding import load_model  # torch only from here on
+    from pyplan.runtime.profile import profile_blocks
+
+    model = load_model(problem, Path(problem.source_path).resolve().parent)
+    costs = profile_blocks(problem, model, seed=args.seed, repeats=args.repeats)
+    unit = args.unit_ms or min(c.forward_ms for c in costs)
+    if args.json:
+        print(json.dumps({"unit_ms": unit, "blocks": [
+            {"name": c.name, "devices": list(c.devices), "forward_ms": c.forward_ms,
+             "backward_ms": c.backward_ms, "activation_bytes": c.activation_bytes}
+            for c in costs]}, sort_keys=True))
+        return 0
+    print(f"{problem.name}: one micro-batch per block, median of {args.repeats} runs")
+    print(f"  {'block':16} {'devices':>8} {'forward ms':>11} {'backward ms':>12} "
+          f"{'activations':>12}")
+    for c in costs:
+        back = "-" if c.backward_ms is None else f"{c.backward_ms:.3f}"
+        print(f"  {c.name:16} {len(c.devices):>8} {c.forward_ms:>11.3f} {back:>12} "
+              f"{format_memory(c.activation_bytes, True):>12}")
+    ratios = [c.backward_ms / c.forward_ms for c in costs if c.backward_ms and c.forward_ms]
+    if ratios:
+        print(f"  backward / forward: median {statistics.median(ratios):.2f} "
+              "(training.backward.time_ratio)")
+    if any(len(c.devices) > 1 for c in costs):
+        print("  blocks on several devices are measured whole on one device; spread over their "
+              "devices they take less time and memory each, plus communication")
+    print(f"suggested costs (1 time unit = {unit:.3f} ms; memory in bytes, so every memory "
+          "value of the plan becomes a size):")
+    print("\n".join("  " + line for line in suggestions(problem, costs, unit)))
+    return 0

@@ -1,0 +1,58 @@
+"""`pyplan profile`: block costs measured on this machine, activation memory exactly."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import PLANS
+
+TOY = """pyplan: 1
+name: toy
+devices: 2
+micro_batches: 2
+training: {backward: {time_ratio: 2}}
+blocks:
+  - {name: a, time: 1, memory: 1, devices: [0]}
+  - {name: b, time: 1, memory: 1, devices: [1]}
+model: {blocks: "toy:build", data: "toy:batch", loss: "toy:loss", path: MODELS}
+"""
+
+
+def toy_plan(tmp_path):
+    from pathlib import Path
+
+    models = Path(__file__).resolve().parent / "models"
+    plan = tmp_path / "toy.yaml"
+    plan.write_text(TOY.replace("MODELS", str(models)))
+    return plan
+
+
+def test_activation_memory_is_what_autograd_saves(cli, tmp_path):
+    code, out, err = cli("profile", toy_plan(tmp_path), "--json", "--repeats", "2")
+    assert (code, err) == (0, "")
+    blocks = {b["name"]: b for b in json.loads(out)["blocks"]}
+    # A micro-batch is 4 rows: block a saves its 4x8 float input, block b its 4x32 one.
+    assert blocks["a"]["activation_bytes"] == 4 * 8 * 4
+    assert blocks["b"]["activation_bytes"] == 4 * 32 * 4
+    assert all(b["forward_ms"] > 0 and b["backward_ms"] > 0 for b in blocks.values())
+
+
+def test_suggested_costs_validate(cli, tmp_path):
+    code, out, _ = cli("profile", PLANS / "flava-kshape.yaml", "--repeats", "1", "--unit-ms",
+                       "0.01")
+    assert code == 0
+    snippet = out.split("suggested costs")[1].split("\n", 1)[1]
+    lines = [line[2:] for line in snippet.splitlines()]
+    plan = tmp_path / "measured.yaml"
+    plan.write_text("pyplan: 1\nname: measured\ndevices: 4\nmicro_batches: 4\n"
+                    "training: {backward: {time_ratio: 2}}\n" + "\n".join(lines) + "\n")
+    code, out, err = cli("validate", plan)
+    assert (code, err) == (0, ""), err
+    assert "after: [" in snippet  # the two branches join at the cross encoder
+
+
+def test_plan_without_model_is_an_error(cli):
+    code, _, err = cli("profile", PLANS / "tessel-vshape.yaml")
+    assert code == 2
+    assert err.endswith("error: the plan has no model: section, so there is nothing to measure "
+                        "(hint: add model: {blocks: ..., data: ..., loss: ...})\n")
