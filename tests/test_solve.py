@@ -15,7 +15,7 @@ from pyplan.problem import build_problem
 from pyplan.spec import spec_from_text
 from pyplan import _core
 from pyplan.problem import load_problem
-from pyplan.resolved import load_resolved, render_resolved, write_resolved
+from pyplan.resolved import load_resolved, render_resolved, resolved_path, write_resolved
 from pyplan.solve import min_memory, solve
 from pyplan.solve.exact import time_optimal
 from pyplan.solve.search import SearchStats, search_repetend
@@ -137,6 +137,11 @@ def test_searched_schedule_never_loses_to_a_fitting_template():
 def test_every_resolved_plan_reverifies(plan, tmp_path):
     problem = load_problem(plan)
     solution = solve(problem)
+    # The committed resolved plan is fresh and is exactly what solving gives today.
+    committed = resolved_path(plan)
+    load_resolved(committed).check_fresh()
+    assert render_resolved(solution, plan.name) == committed.read_text(), \
+        f"{committed.name} is out of date: re-run pyplan solve {plan.name}"
     out = write_resolved(solution, tmp_path / "out.resolved.yaml")
     loaded = load_resolved(out)
     assert loaded.schedule.orders == solution.schedule.orders
