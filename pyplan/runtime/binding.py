@@ -20,7 +20,7 @@ import torch
 from pyplan.errors import PlanError, RunError
 from pyplan.problem import BACKWARD, WEIGHT, Problem
 
-__all__ = ["SHARD_DIM", "Model", "build_modules", "forward_blocks", "load_model", "make_batch",
+__all__ = ["SHARD_DIM", "Model", "block_inputs", "build_modules", "forward_blocks", "load_model", "make_batch",
            "named_parameters", "shard", "shard_dim", "split_batch", "seed_everything"]
 
 SHARD_DIM = "pyplan_shard_dim"
@@ -96,6 +96,17 @@ def build_modules(model: Model, problem: Problem, *, seed: int, device, rank: in
                            f"'{block.name}', not a torch.nn.Module")
         modules[b] = module.to(device)
     return modules
+
+
+def block_inputs(problem: Problem, modules: dict) -> dict[int, list[int]]:
+    """For each built forward block, the blocks whose outputs it takes, in `after:` order
+    (an empty list: it takes the micro-batch's inputs)."""
+    preds: dict[int, list[int]] = {b: [] for b in modules}
+    for a, c in problem.edges:
+        if c in modules and problem.blocks[c].kind not in (BACKWARD, WEIGHT) and \
+                problem.blocks[a].kind not in (BACKWARD, WEIGHT):
+            preds[c].append(a)
+    return preds
 
 
 def named_parameters(problem: Problem, modules: dict[int, torch.nn.Module]):

@@ -11,9 +11,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pyplan.lower import is_gradient
-from pyplan.problem import BACKWARD, WEIGHT, Problem
-from pyplan.runtime.binding import Model, build_modules, make_batch, shard_dim
+from pyplan.problem import BACKWARD, Problem
+from pyplan.runtime.binding import (
+    Model,
+    block_inputs,
+    build_modules,
+    make_batch,
+    shard_dim,
+)
 
 __all__ = ["Verdict", "compare", "full_gradients", "reference_run"]
 
@@ -43,11 +48,7 @@ def reference_run(model: Model, problem: Problem, output_block: int, *, seed: in
     params = list({id(p): p for m in modules.values() for p in m.parameters()}.values())
     optimizer = torch.optim.SGD(params, lr=lr) if problem.training and params else None
     trains = {problem.by_name[b.layer] for b in problem.blocks if b.kind == BACKWARD}
-    preds: dict[int, list[int]] = {b: [] for b in modules}
-    for a, c in problem.edges:
-        if c in modules and not is_gradient(problem, a, c) and \
-                problem.blocks[c].kind not in (BACKWARD, WEIGHT):
-            preds[c].append(a)
+    preds = block_inputs(problem, modules)
     order = [b for b in problem.graph.topological_order() if b in modules]
     losses, first = [], {}
     for step in range(iterations):

@@ -16,9 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from pyplan.lower import check_runnable, is_gradient
-from pyplan.problem import BACKWARD, WEIGHT, Problem
-from pyplan.runtime.binding import Model, build_modules, make_batch, split_batch
+from pyplan.lower import check_runnable
+from pyplan.problem import BACKWARD, Problem
+from pyplan.runtime.binding import (
+    Model,
+    block_inputs,
+    build_modules,
+    make_batch,
+    split_batch,
+)
 
 __all__ = ["BlockCost", "profile_blocks"]
 
@@ -71,11 +77,7 @@ def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: in
     output_block = check_runnable(problem)
     modules = build_modules(model, problem, seed=seed, device=device)
     trains = {problem.by_name[b.layer] for b in problem.blocks if b.kind == BACKWARD}
-    preds: dict[int, list[int]] = {b: [] for b in modules}
-    for a, c in problem.edges:
-        if c in modules and not is_gradient(problem, a, c) and \
-                problem.blocks[c].kind not in (BACKWARD, WEIGHT):
-            preds[c].append(a)
+    preds = block_inputs(problem, modules)
     inputs, targets = make_batch(model, 0, seed, device)
     inputs = split_batch(inputs, problem.num_micro_batches)[0]
     targets = split_batch(targets, problem.num_micro_batches)[0]
