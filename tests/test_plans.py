@@ -135,3 +135,14 @@ def test_af2_condition_sets_min_m():
     rule = next(r for r in p.rules if r.text.startswith("f3_s1[m] < f3_s1.b"))
     assert rule.text == "f3_s1[m] < f3_s1.b[m-2] if m > 2"
     assert (rule.after_shift, rule.min_m) == (-2, 3)
+
+
+def test_readme_plan_example_validates(cli, tmp_path):
+    readme = (PLANS.parent / "README.md").read_text()
+    example = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert example.startswith("# yaml-language-server")
+    plan = tmp_path / "example.yaml"
+    plan.write_text(example)
+    code, out, err = cli("validate", plan)
+    assert (code, err) == (0, ""), err
+    assert "gpt-embedding: training, 10 blocks" in out
