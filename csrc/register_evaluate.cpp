@@ -38,27 +38,25 @@ void register_evaluate(py::module_& m) {
         .def("to_list", [](const DeviceOrders& o) { return from_orders(o); })
         .def("__len__", [](const DeviceOrders& o) { return o.size(); });
 
+    // One evaluation for both forms of orders: prepared (_core.Orders) or plain lists.
+    auto run = [](const Graph& g, const DeviceOrders& orders, int64_t memory_capacity,
+                  std::vector<int64_t> initial_memory, int complete_micro_batches,
+                  bool enforce_rules) {
+        EvalOptions opt{memory_capacity, std::move(initial_memory), complete_micro_batches,
+                        enforce_rules};
+        py::gil_scoped_release release;
+        return evaluate(g, orders, opt);
+    };
+    m.def("evaluate", run, py::arg("graph"), py::arg("orders"), py::arg("memory_capacity") = -1,
+          py::arg("initial_memory") = std::vector<int64_t>{},
+          py::arg("complete_micro_batches") = 0, py::arg("enforce_rules") = true);
     m.def(
         "evaluate",
-        [](const Graph& g, const DeviceOrders& orders, int64_t memory_capacity,
-           std::vector<int64_t> initial_memory, int complete_micro_batches, bool enforce_rules) {
-            EvalOptions opt{memory_capacity, std::move(initial_memory), complete_micro_batches,
-                            enforce_rules};
-            py::gil_scoped_release release;
-            return evaluate(g, orders, opt);
-        },
-        py::arg("graph"), py::arg("orders"), py::arg("memory_capacity") = -1,
-        py::arg("initial_memory") = std::vector<int64_t>{},
-        py::arg("complete_micro_batches") = 0, py::arg("enforce_rules") = true);
-    m.def(
-        "evaluate",
-        [](const Graph& g, const PyOrders& orders, int64_t memory_capacity,
-           std::vector<int64_t> initial_memory, int complete_micro_batches, bool enforce_rules) {
-            DeviceOrders ords = to_orders(orders);
-            EvalOptions opt{memory_capacity, std::move(initial_memory), complete_micro_batches,
-                            enforce_rules};
-            py::gil_scoped_release release;
-            return evaluate(g, ords, opt);
+        [run](const Graph& g, const PyOrders& orders, int64_t memory_capacity,
+              std::vector<int64_t> initial_memory, int complete_micro_batches,
+              bool enforce_rules) {
+            return run(g, to_orders(orders), memory_capacity, std::move(initial_memory),
+                       complete_micro_batches, enforce_rules);
         },
         py::arg("graph"), py::arg("orders"), py::arg("memory_capacity") = -1,
         py::arg("initial_memory") = std::vector<int64_t>{},
