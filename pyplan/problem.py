@@ -51,6 +51,9 @@ class OrderRule:
     after_shift: int
     min_m: int
     text: str
+    line: int = 0
+    column: int = 0
+    """Where the rule is written in the plan (0 when unknown)."""
 
 
 @dataclass(frozen=True)
@@ -208,7 +211,7 @@ class _Builder:
                                 "add training: {backward: {time_ratio: 2}} to derive them, "
                                 "list blocks of kind backward, or set task: inference")
             return
-        derived = {s.name for s in forwards}
+        derived = {s.name: None for s in forwards}  # ordered: the same edges under any hash seed
         for spec in forwards:
             fwd = self.blocks[self.by_name[spec.name]]
             over = spec.backward
@@ -305,8 +308,33 @@ class _Builder:
                                 "use a block name, NAME.f, NAME.b or NAME.w",
                                 offset=at if not order.loop else 0)
             indices.append(self.by_name[target])
-        return OrderRule(indices[0], parsed.before_shift, indices[1], parsed.after_shift,
-                         parsed.min_m, text)
+        before, after = indices
+        if parsed.before_shift == parsed.after_shift and self.reaches(after, before):
+            names = (self.blocks[after].name, self.blocks[before].name)
+            raise self.fail(order.text_path, f"order rule '{text}' contradicts the dependencies:"
+                            f" {names[1]} depends on {names[0]} within a micro-batch"
+                            if after != before else f"order rule '{text}' orders a block "
+                            "before itself", "swap the two sides or change a shift",
+                            offset=parsed.before_at if not order.loop else 0)
+        line, column = self.source.locate(order.text_path)
+        return OrderRule(before, parsed.before_shift, after, parsed.after_shift,
+                         parsed.min_m, text, line, column)
+
+    def reaches(self, source: int, target: int) -> bool:
+        """Whether `target` is `source` or depends on it, directly or not."""
+        successors: dict[int, list[int]] = {}
+        for a, c in self.edges:
+            successors.setdefault(a, []).append(c)
+        seen, stack = {source}, [source]
+        while stack:
+            b = stack.pop()
+            if b == target:
+                return True
+            for c in successors.get(b, ()):
+                if c not in seen:
+                    seen.add(c)
+                    stack.append(c)
+        return False
 
     def build(self) -> Problem:
         spec = self.spec

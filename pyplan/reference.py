@@ -99,17 +99,54 @@ def critical_path(blocks, edges):
     return max(head[b] + blocks[b][0] for b in range(len(blocks)))
 
 
+def _idle_before_fed(blocks, edges, d):
+    """Least idle time of device d before it first runs a block fed from another device, and
+    which blocks on d are so fed. Until then d can only run blocks all of whose ancestors are
+    on d; while a chain of other devices' blocks that conflict with all of those runs, d waits."""
+    k = len(blocks)
+    on = [d in blocks[b][2] for b in range(k)]
+    preds = [[a for a, c in edges if c == b] for b in range(k)]
+    order = topological_order(k, edges)
+    closed, fed, after_fed = [False] * k, [False] * k, [False] * k
+    for b in order:
+        if on[b]:
+            closed[b] = all(closed[p] for p in preds[b])
+            fed[b] = any(not on[p] for p in preds[b])
+        after_fed[b] = any(fed[p] or after_fed[p] for p in preds[b])
+    free = [e for e in range(k) if closed[e]]
+    chain = [0] * k
+    for b in order:
+        if not on[b]:
+            waits = all(_shares(blocks, b, e) for e in free)
+            chain[b] = (blocks[b][0] if waits else 0) + \
+                max([chain[p] for p in preds[b] if not on[p]], default=0)
+    firsts = [b for b in range(k) if fed[b] and not after_fed[b]]
+    idle = min((max(chain[p] for p in preds[b] if not on[p]) for b in firsts), default=0)
+    return idle, fed
+
+
 def makespan_bound(num_devices, blocks, edges, n):
     if n <= 0:
         return 0
+    k = len(blocks)
     head, tail = heads(blocks, edges), tails(blocks, edges)
     loads = device_loads(num_devices, blocks)
     bound = critical_path(blocks, edges)
+    reverse = [(c, a) for a, c in edges]
     for d in range(num_devices):
-        on = [b for b in range(len(blocks)) if d in blocks[b][2]]
-        if on:
-            bound = max(bound, min(head[b] for b in on) + n * loads[d] +
-                        min(tail[b] for b in on))
+        on = [b for b in range(k) if d in blocks[b][2]]
+        if not on:
+            continue
+        bound = max(bound, min(head[b] for b in on) + n * loads[d] + min(tail[b] for b in on))
+        idle_head, fed = _idle_before_fed(blocks, edges, d)
+        idle_tail, feeds = _idle_before_fed(blocks, reverse, d)
+        # The two idle stretches are disjoint when some fed block precedes a feeding one.
+        reach = [feeds[b] for b in range(k)]
+        for b in reversed(topological_order(k, edges)):
+            reach[b] = reach[b] or any(reach[c] for a, c in edges if a == b)
+        disjoint = any(fed[b] and reach[b] for b in range(k))
+        idle = idle_head + idle_tail if disjoint else max(idle_head, idle_tail)
+        bound = max(bound, n * loads[d] + idle)
     return bound
 
 

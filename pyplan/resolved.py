@@ -131,6 +131,7 @@ def render_resolved(solution, plan_rel: str | None) -> str:
                      + (f", path: \"{m.path}\"" if m.path else "") + "}")
     lines += [
         f"status: {solution.status}",
+        f"origin: {solution.origin}",
         f"makespan: {schedule.makespan}",
         f"lower_bound: {solution.lower_bound}",
         f"bubble_rate: {_rate(schedule.bubble_rate)}",
@@ -145,6 +146,7 @@ def render_resolved(solution, plan_rel: str | None) -> str:
             f"  micro_batches: {rep.num_micro_batches}",
             f"  period: {rep.period}",
             f"  period_lower_bound: {solution.period_bound}",
+            f"  period_status: {solution.period_status}",
             f"  bubble_rate: {_rate(rep.bubble_rate)}",
             f"  indices: {_flow(rep.indices)}",
             f"  count: {schedule.repetend_count}",

@@ -1,7 +1,7 @@
 """Placement shapes (Tessel Fig. 1/8, Megatron interleaving) expanded into block lists.
 
 A shape names its blocks predictably so order constraints can refer to them:
-vshape/interleaved/mshape/nnshape use stage0..stageS-1 (plus embed, embed2 for the all-device
+vshape/interleaved/mshape/nnshape/wave use stage0..stageS-1 (plus embed, embed2 for the all-device
 blocks), xshape uses down0.. and up0.., kshape uses left0.., right0.. and cross.
 """
 
@@ -11,7 +11,7 @@ from pyplan.spec import BlockSpec, CostSpec, PlanSpec, ShapeSpec
 
 __all__ = ["SHAPES", "expand_blocks"]
 
-SHAPES = ("vshape", "interleaved", "xshape", "mshape", "nnshape", "kshape")
+SHAPES = ("vshape", "interleaved", "xshape", "mshape", "nnshape", "kshape", "wave")
 
 
 class _Expander:
@@ -75,6 +75,14 @@ class _Expander:
                                 f"got {stages}")
             for s in range(stages):
                 self.stage(f"stage{s}", s % D, stages, None)
+            return self.blocks
+        if kind == "wave":  # down the devices and back up: two chunks per device
+            if stages is not None and stages != 2 * D:
+                raise self.fail(shape.path + ("stages",),
+                                f"wave places two stages per device: stages must be {2 * D}, "
+                                f"got {stages}")
+            for s in range(2 * D):
+                self.stage(f"stage{s}", s if s < D else 2 * D - 1 - s, 2 * D, None)
             return self.blocks
         if stages is not None and stages != D:
             raise self.fail(shape.path + ("stages",),

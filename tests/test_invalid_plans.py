@@ -27,6 +27,8 @@ EXPECTED = {
         "10:14: error: malformed order rule: unknown name 'P' in {P-s} (hint: known: D, N, s)",
     'constraint-trailing':
         '10:34: error: malformed order rule: unexpected text \'when m > 2\' (hint: write rules like "stage0.f[m+4] < stage0.b[m]" (optionally ending with "if m >= 2"))',
+    'constraint-contradicts-dependency':
+        "13:7: error: order rule 'stage0.b[m+2] < stage1.f[m+2]' contradicts the dependencies: stage0.b depends on stage1 within a micro-batch (hint: swap the two sides or change a shift)",
     'constraint-unknown-block':
         "12:24: error: order rule 'stage0.f[m+1] < stage9.b[m]' names unknown block 'stage9.b' (hint: did you mean 'stage1.b'?)",
     'cycle':
@@ -82,7 +84,7 @@ EXPECTED = {
     'unknown-key-top':
         "4:1: error: unknown key 'micro_batchs' (hint: did you mean 'micro_batches'?)",
     'unknown-shape':
-        "6:15: error: shape.kind must be one of vshape, interleaved, xshape, mshape, nnshape, kshape; got 'wshape' (hint: did you mean 'xshape'?)",
+        "6:15: error: shape.kind must be one of vshape, interleaved, xshape, mshape, nnshape, kshape, wave; got 'wshape' (hint: did you mean 'xshape'?)",
     'version-missing':
         "1:1: error: missing the format version 'pyplan: 1' (hint: add `pyplan: 1` as the first line)",
     'version-unsupported':

@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from conftest import PLANS, spec_plans
+from conftest import PLANS, example_plans, spec_plans
 from pyplan.problem import load_problem
 from pyplan.spec import spec_from_text
 from pyplan.problem import build_problem
@@ -25,6 +25,18 @@ def test_example_plan_validates(plan, cli):
     code, out, err = cli("validate", plan)
     assert (code, err) == (0, "")
     assert out.startswith(f"{plan}: ok: ")
+
+
+def test_validate_every_file_in_plans_including_resolved_ones(cli, tmp_path):
+    code, out, err = cli("validate", *example_plans())
+    assert (code, err) == (0, "")
+    assert out.count("verified and fresh") == len(example_plans()) - len(spec_plans())
+    # An edited resolved plan fails as a resolved plan, at its own line.
+    edited = tmp_path / "v.resolved.yaml"
+    text = (PLANS / "tessel-vshape.resolved.yaml").read_text()
+    edited.write_text(text.replace("makespan: 76", "makespan: 75"))
+    code, out, err = cli("validate", edited)
+    assert code == 2 and err.startswith(f"{edited}:") and "makespan does not match" in err
 
 
 def test_example_plans_cover_the_papers():
@@ -98,6 +110,8 @@ def test_interleaved_round_robin_and_xshape_directions():
     x = _problem(HEAD + "training: {backward: {time_ratio: 2}}\nshape: {kind: xshape}\n")
     assert x.block("up0").devices == (3,) and x.block("down0").devices == (0,)
     assert not any(x.blocks[b].name == "up0" for _, b in x.edges)
+    w = _problem(HEAD + "training: {backward: {time_ratio: 2}}\nshape: {kind: wave}\n")
+    assert [w.block(f"stage{s}").devices[0] for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
 
 
 def test_split_backward_and_weight_memory():

@@ -46,9 +46,9 @@ def _torchrun(*args, nproc=4, timeout=90):
 
 
 def _check_line(out: str, iterations: int) -> None:
-    assert re.search(r"check: the loss and \d+ parameter gradients \(max abs diff [0-9.e-]+\) "
+    assert re.search(r"check: the loss and \d+ parameter gradients \(max abs diff [-+0-9.e]+\) "
                      rf"after iteration 0 and the losses of {iterations} iterations \(max abs "
-                     r"diff [0-9.e-]+\) match the single-process run", out), out
+                     r"diff [-+0-9.e]+\) match the single-process run", out), out
     assert len(re.findall(r"iteration \d: +[0-9.]+ ms  loss \d", out)) == iterations
 
 

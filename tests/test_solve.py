@@ -49,7 +49,7 @@ def test_fig11_zero_bubble_needs_enough_micro_batches(shape, zero_from):
 @pytest.mark.parametrize("shape", ["v", "m", "nn", "k"])
 def test_table2_tessel_finds_zero_bubble_repetends(shape):
     solution = solve(load_problem(PLANS / f"{TESSEL[shape]}.yaml"))
-    assert solution.status == "optimal"
+    assert solution.period_status == "optimal"
     assert solution.schedule.repetend.bubble_rate == 0
 
 

@@ -147,12 +147,61 @@ int64_t Graph::critical_path() const {
     return best;
 }
 
+// Least idle time of device d before it first runs a block fed from another device (a "fed"
+// block), over `pred`/`order` (the reversed graph gives the idle time after it last feeds
+// another device). Until its first fed instance, d can only run blocks whose ancestors are all
+// on d; while a chain of other devices' blocks that each conflict with all of those runs, d
+// can do nothing. Marks the fed blocks in `fed`.
+static int64_t idle_before_fed(const Graph& g, int d, const std::vector<std::vector<int>>& pred,
+                               const std::vector<int>& order, std::vector<char>& fed) {
+    const int k = g.num_blocks();
+    std::vector<char> on(k, 0), closed(k, 0), after_fed(k, 0);
+    for (int b : g.blocks_on(d)) on[b] = 1;
+    fed.assign(k, 0);
+    std::vector<int> free;
+    for (int b : order) {
+        if (on[b]) {
+            closed[b] = 1;
+            for (int p : pred[b]) {
+                closed[b] &= closed[p];
+                if (!on[p]) fed[b] = 1;
+            }
+            if (closed[b]) free.push_back(b);
+        }
+        for (int p : pred[b])
+            if (fed[p] || after_fed[p]) after_fed[b] = 1;
+    }
+    std::vector<int64_t> chain(k, 0);
+    for (int b : order) {
+        if (on[b]) continue;
+        bool waits = true;
+        for (int e : free) waits = waits && g.shares_device(b, e);
+        int64_t before = 0;
+        for (int p : pred[b])
+            if (!on[p]) before = std::max(before, chain[p]);
+        chain[b] = (waits ? g.block(b).time : 0) + before;
+    }
+    int64_t idle = INT64_MAX;
+    for (int b = 0; b < k; ++b) {
+        if (!fed[b] || after_fed[b]) continue;
+        int64_t before = 0;
+        for (int p : pred[b])
+            if (!on[p]) before = std::max(before, chain[p]);
+        idle = std::min(idle, before);
+    }
+    return idle == INT64_MAX ? 0 : idle;
+}
+
 int64_t Graph::makespan_bound(int num_micro_batches) const {
     if (num_micro_batches <= 0) return 0;
+    const int k = num_blocks();
     auto head = heads();
     auto tail = tails();
     auto load = device_loads();
+    auto order = require_order(*this);
+    std::vector<int> reversed(order.rbegin(), order.rend());
     int64_t bound = critical_path();
+    std::vector<char> fed, feeds, reach(k);
     for (int d = 0; d < num_devices_; ++d) {
         if (on_device_[d].empty()) continue;
         int64_t min_head = INT64_MAX, min_tail = INT64_MAX;
@@ -161,6 +210,18 @@ int64_t Graph::makespan_bound(int num_micro_batches) const {
             min_tail = std::min(min_tail, tail[b]);
         }
         bound = std::max(bound, min_head + num_micro_batches * load[d] + min_tail);
+        int64_t idle_head = idle_before_fed(*this, d, pred_, order, fed);
+        int64_t idle_tail = idle_before_fed(*this, d, succ_, reversed, feeds);
+        // Both idle stretches count when some fed block precedes (or is) a feeding one: then the
+        // first fed instance starts before the last feeding one ends.
+        bool disjoint = false;
+        for (int b : reversed) {
+            reach[b] = feeds[b];
+            for (int s : succ_[b]) reach[b] |= reach[s];
+            disjoint = disjoint || (fed[b] && reach[b]);
+        }
+        int64_t idle = disjoint ? idle_head + idle_tail : std::max(idle_head, idle_tail);
+        bound = std::max(bound, num_micro_batches * load[d] + idle);
     }
     return bound;
 }

@@ -62,8 +62,9 @@ class Graph {
     std::vector<int64_t> heads() const;
     // Longest path from the end of each block to the end of the micro-batch.
     std::vector<int64_t> tails() const;
-    // Makespan lower bound for n micro-batches: max(critical path,
-    // max over devices of min head + n * load + min tail).
+    // Makespan lower bound for n micro-batches: the critical path, and per device its load
+    // plus the idle time it cannot avoid before it is first fed by another device and after
+    // it last feeds one (exact for V- and M-shapes with enough memory: 4N+12, 6N+12).
     int64_t makespan_bound(int num_micro_batches) const;
     // Net memory a micro-batch leaves on each device after all its blocks ran.
     std::vector<int64_t> net_memory() const;

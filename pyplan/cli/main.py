@@ -26,7 +26,9 @@ _COMMANDS = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; with `command`, only that subcommand's module is imported (each
+    pulls in what it needs: z3, torch, the exporters), which keeps a command's start fast."""
     parser = argparse.ArgumentParser(
         prog="pyplan",
         description="Plan, solve and run pipeline-parallel schedules.")
@@ -35,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in _COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         sub_parser.set_defaults(_module=module)
-        _load(module).add_arguments(sub_parser)
+        if command in (None, name):
+            _load(module).add_arguments(sub_parser)
     return parser
 
 
@@ -45,7 +48,9 @@ def _load(module: str):
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 run failed, 2 bad input, 3 infeasible)."""
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = _parser(command if command in _COMMANDS else None).parse_args(argv)
     try:
         return _load(args._module).run(args)
     except PyplanError as exc:

@@ -67,7 +67,10 @@ def summary_json(solution: Solution, output: str | None) -> dict:
         "plan": problem.source_path,
         "output": output,
         "status": solution.status,
+        "period_status": solution.period_status,
+        "origin": solution.origin,
         "makespan": schedule.makespan,
+        "gap": solution.gap,
         "lower_bound": solution.lower_bound,
         "bubble_rate": schedule.bubble_rate,
         "repetend": repetend,
@@ -89,16 +92,26 @@ def summary_text(solution: Solution, output: str | None) -> str:
     problem = schedule.problem
     rep = schedule.repetend
     show = problem.show_memory
-    lines = [f"{problem.name}: {solution.status} schedule of {problem.num_micro_batches} "
-             f"micro-batches on {problem.num_devices} devices: makespan {schedule.makespan} "
-             f"(lower bound {solution.lower_bound}), bubble {schedule.bubble_rate:.1%}"]
+    if solution.status == "optimal":
+        proof = ("meets the lower bound" if schedule.makespan <= solution.lower_bound
+                 else f"proven by Z3; lower bound {solution.lower_bound}")
+        quality = f"optimal ({proof})"
+    else:
+        quality = (f"lower bound {solution.lower_bound}, gap {solution.gap:.1%}, not proven "
+                   "optimal" + (" (time limit)" if solution.status == "time_limit" else ""))
+    origin = "" if solution.origin == "search" else f" (the {solution.origin} template)"
+    lines = [f"{problem.name}: {problem.num_micro_batches} micro-batches on "
+             f"{problem.num_devices} devices: makespan {schedule.makespan}{origin}, {quality}; "
+             f"bubble {schedule.bubble_rate:.1%}"]
     if rep is not None:
         start, end = schedule.repetend_window()
+        period = ("proven minimal" if solution.period_status == "optimal"
+                  else "not proven minimal")
         lines.append(f"  repetend: {rep.num_micro_batches} micro-batches, period {rep.period} "
-                     f"(bound {solution.period_bound}), bubble {rep.bubble_rate:.1%}, "
+                     f"(bound {solution.period_bound}, {period}), bubble {rep.bubble_rate:.1%}, "
                      f"repeated {schedule.repetend_count}x from t={start} to t={end}")
-    else:
-        lines.append("  no repetend: fewer micro-batches than a steady state needs")
+    elif solution.origin == "search":
+        lines.append("  no repetend: the whole schedule was searched at once")
     lines.append("  peak memory: " + " ".join(show(x) for x in schedule.peak_memory)
                  + f" (capacity {show(problem.memory_capacity)})")
     for note in solution.stats.notes:

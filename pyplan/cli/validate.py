@@ -1,4 +1,5 @@
-"""`pyplan validate PLAN...`: check plans; one summary line per valid plan, errors on stderr."""
+"""`pyplan validate PLAN...`: check plans and resolved plans; one summary line per valid file,
+errors on stderr. A resolved plan is re-evaluated in the core and checked against its plan."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import argparse
 import sys
 
 from pyplan.errors import EXIT_BAD_INPUT, PlanError
+from pyplan.cli._schedule import is_resolved
 from pyplan.problem import load_problem, Problem
+from pyplan.resolved import load_resolved
 
 __all__ = ["add_arguments", "run", "summary"]
 
@@ -33,10 +36,16 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     for path in args.plans:
         try:
-            problem = load_problem(path)
+            if is_resolved(path):
+                resolved = load_resolved(path)
+                resolved.check_fresh()
+                line = (f"resolved plan of {resolved.problem.name}, makespan "
+                        f"{resolved.schedule.makespan} ({resolved.status}), verified and fresh")
+            else:
+                line = summary(load_problem(path))
         except PlanError as exc:
             print(exc, file=sys.stderr)
             status = EXIT_BAD_INPUT
             continue
-        print(f"{path}: ok: {summary(problem)}")
+        print(f"{path}: ok: {line}")
     return status

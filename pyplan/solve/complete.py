@@ -89,8 +89,10 @@ def _phase_effort(effort: Effort) -> Effort:
 
 
 def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, deadline: float | None,
-             effort: Effort, notes: list[str]) -> tuple[Schedule, bool]:
-    """The best completion found, and whether Z3 stopped before proving its phases optimal."""
+             effort: Effort, notes: list[str], target: int = 0) -> tuple[Schedule, bool]:
+    """The best completion found, and whether Z3 stopped before proving its phases optimal.
+    A periodic completion that already takes no more than `target` (the lower bound) is kept
+    without asking Z3."""
     n = problem.num_micro_batches
     if n < rep.num_micro_batches:
         schedule = build_schedule(problem, _core.periodic_orders(problem.graph, rep, n), None, ())
@@ -102,6 +104,10 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, deadline: fl
     warm = _core.warmup_blocks(list(rep.indices))
     last = n - rep.num_micro_batches
     cool = [(b, m + last) for b, m in _core.cooldown_blocks(list(rep.indices))]
+    if periodic.makespan <= target:
+        notes.append(f"completion: periodic warmup ({len(warm)} blocks) and cooldown "
+                     f"({len(cool)} blocks) meet the lower bound")
+        return periodic, False
     if not exact or max(len(warm), len(cool)) > EXACT_LIMIT or effort.spent:
         reason = "" if not exact else (f", above the exact limit of {EXACT_LIMIT}"
                                        if not effort.spent else ", exact effort used up")
@@ -142,18 +148,23 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, deadline: fl
 
 
 def complete_whole(problem: Problem, best: Schedule, *, deadline: float | None,
-                   effort: Effort, notes: list[str]) -> Schedule:
-    """For small problems: the whole schedule time-optimal, if that beats `best`."""
+                   effort: Effort, notes: list[str]) -> tuple[Schedule, bool]:
+    """For small problems: the whole schedule time-optimal, if that beats `best`; and whether
+    the schedule returned is proven optimal (Z3 found none shorter)."""
     n = problem.num_micro_batches
     everything = [(b.index, m) for m in range(n) for b in problem.blocks]
     if len(everything) > WHOLE_LIMIT or effort.spent:
-        return best
+        return best, False
+    # Ordering each block's instances by micro-batch loses no schedule without order rules
+    # (relabel the k-th instance in time as micro-batch k); a rule with a shift can need others.
     result = time_optimal(problem, everything, upper_bound=best.makespan,
                           lower_bound=problem.graph.makespan_bound(n), deadline=deadline,
-                          effort=effort)
+                          effort=effort, symmetry=not problem.rules)
     if not result.orders:
-        return best
-    notes[:] = ["completion: whole schedule time-optimal (Z3), better than any repetend here"
+        if result.status == "none":
+            notes.append("completion: Z3 proved that no shorter schedule exists")
+        return best, result.status == "none"
+    notes[:] = ["completion: whole schedule time-optimal (Z3), shorter than any repetend or template"
                 if result.status == "optimal" else
                 "completion: whole schedule improved by Z3, not proven optimal"]
-    return build_schedule(problem, result.orders, None, ())
+    return build_schedule(problem, result.orders, None, ()), result.status == "optimal"

@@ -15,13 +15,26 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
-import z3
+from typing import TYPE_CHECKING
 
 from pyplan.problem import Problem
 
-__all__ = ["Anchor", "Effort", "ModuloResult", "TimeOptimal", "modulo_repetend",
-           "time_optimal"]
+if TYPE_CHECKING:
+    import z3
+else:
+    class _Z3:
+        """z3, imported on first use: most solves never reach an exact subproblem, and the
+        import costs a noticeable part of a small plan's solve."""
+
+        def __getattr__(self, name: str):
+            import z3 as module
+            globals()["z3"] = module
+            return getattr(module, name)
+
+    z3 = _Z3()
+
+__all__ = ["Anchor", "Effort", "ModuloResult", "TimeOptimal", "infeasibility_core",
+           "modulo_repetend", "time_optimal"]
 
 
 def _solver(deadline: float | None, ctx: z3.Context) -> z3.Solver:
@@ -145,6 +158,120 @@ class Anchor:
     floor: int = 0
 
 
+class _TimeModel:
+    """Start-time variables of a set of instances and the constraint families over them. Each
+    family can go under a label (a Z3 assumption literal) so an unsat core can name it."""
+
+    def __init__(self, problem: Problem, instances) -> None:
+        self.problem = problem
+        self.inst = sorted(set(map(tuple, instances)), key=lambda x: (x[1], x[0]))
+        self.index = {x: i for i, x in enumerate(self.inst)}
+        self.time = [problem.blocks[b].time for b, _ in self.inst]
+        self.ctx = z3.Context()  # a fresh context per model keeps Z3's choices repeatable
+        self.start = [z3.Int(f"s_{problem.blocks[b].name}@{m}", self.ctx) for b, m in self.inst]
+        self.objective = None
+        self.cons: list = [v >= 0 for v in self.start]
+        self.labels: dict[str, z3.BoolRef] = {}
+        self.before: dict[tuple[int, int], z3.BoolRef] = {}
+        self.on_device = [[i for i, (b, _) in enumerate(self.inst)
+                           if d in problem.blocks[b].devices]
+                          for d in range(problem.num_devices)]
+
+    def _add(self, constraint, label: str | None) -> None:
+        if label is None:
+            self.cons.append(constraint)
+            return
+        if label not in self.labels:
+            self.labels[label] = z3.Bool(f"label_{len(self.labels)}", self.ctx)
+        self.cons.append(z3.Implies(self.labels[label], constraint))
+
+    def add_dependencies(self) -> None:
+        s, index = self.start, self.index
+        micro_batches = sorted({m for _, m in self.inst})
+        for a, c in self.problem.edges:
+            for m in micro_batches:
+                if (a, m) in index and (c, m) in index:
+                    self.cons.append(s[index[(c, m)]] >= s[index[(a, m)]] +
+                                     self.problem.blocks[a].time)
+
+    def add_rules(self, labelled: bool = False) -> None:
+        """Order rules between the instances present (a rule naming a micro-batch outside the
+        set holds vacuously); labelled by rule position when asked."""
+        s, index = self.start, self.index
+        for k, r in enumerate(self.problem.rules):
+            for (b, m) in self.inst:
+                if b != r.before:
+                    continue
+                var = m - r.before_shift
+                other = (r.after, var + r.after_shift)
+                if var >= r.min_m and other in index and other != (b, m):
+                    self._add(s[index[other]] >= s[index[(b, m)]] + self.time[index[(b, m)]],
+                              f"rule {k}" if labelled else None)
+
+    def add_symmetry(self) -> None:
+        """Instances of one block run in micro-batch order (Tessel Property 4.1)."""
+        previous: dict[int, int] = {}
+        for b, m in self.inst:
+            if b in previous:
+                self.cons.append(self.start[self.index[(b, previous[b])]] <
+                                 self.start[self.index[(b, m)]])
+            previous[b] = m
+
+    def add_devices(self) -> None:
+        """Instances sharing a device do not overlap; one Boolean per pair fixes their order."""
+        s, t = self.start, self.time
+        for on in self.on_device:
+            for x in range(len(on)):
+                for y in range(x + 1, len(on)):
+                    i, j = on[x], on[y]
+                    if (i, j) in self.before:
+                        continue
+                    p = z3.Bool(f"p_{i}_{j}", self.ctx)
+                    self.before[(i, j)] = p
+                    self.cons.append(z3.If(p, s[i] + t[i] <= s[j], s[j] + t[j] <= s[i]))
+
+    def _precedes(self, i: int, j: int):
+        return self.before[(i, j)] if (i, j) in self.before else z3.Not(self.before[(j, i)])
+
+    def add_memory(self, initial: list[int] | None = None, labelled: bool = False) -> None:
+        """Memory at every block start (deltas of the instances ordered before it)."""
+        problem = self.problem
+        if problem.memory_capacity is None:
+            return
+        blocks, inst = problem.blocks, self.inst
+        init = initial or [0] * problem.num_devices
+        for d, on in enumerate(self.on_device):
+            positive = sum(max(0, blocks[inst[i][0]].memory) for i in on)
+            if init[d] + positive <= problem.memory_capacity:
+                continue  # cannot overflow whatever the order
+            for j in on:
+                earlier = [z3.If(self._precedes(i, j), blocks[inst[i][0]].memory, 0) for i in on
+                           if i != j and blocks[inst[i][0]].memory != 0]
+                if earlier:
+                    self._add(init[d] + blocks[inst[j][0]].memory + z3.Sum(earlier)
+                              <= problem.memory_capacity, "memory" if labelled else None)
+
+    def add_objective(self, anchor: Anchor | None) -> None:
+        self.objective = objective = z3.Int("objective", self.ctx)
+        s, t = self.start, self.time
+        blocks = self.problem.blocks
+        if anchor is None or anchor.kind == "cooldown":
+            self.cons += [objective >= s[i] + t[i] for i in range(len(self.inst))]
+        if anchor is None:
+            return
+        self.cons.append(objective >= anchor.floor)
+        for i, (b, _) in enumerate(self.inst):
+            for d in blocks[b].devices:
+                if d in anchor.device_time:
+                    self.cons.append(s[i] + t[i] <= objective + anchor.device_time[d]
+                                     if anchor.kind == "warmup" else
+                                     s[i] >= anchor.device_time[d])
+        for x, c in anchor.external.items():
+            i = self.index[x]
+            self.cons.append(s[i] + t[i] <= objective + c if anchor.kind == "warmup"
+                             else s[i] >= c)
+
+
 def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
                  initial_memory: list[int] | None = None, lower_bound: int = 0,
                  upper_bound: int | None = None, deadline: float | None = None,
@@ -155,85 +282,23 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
 
     Dependencies to instances outside the set count as already done (or are given by the
     anchor); memory starts at `initial_memory` per device; `symmetry` orders instances of one
-    block by micro-batch (Tessel Property 4.1). Blocks sharing a device get one Boolean per
-    pair that fixes both their order and which of them counts in the other's memory.
+    block by micro-batch (Tessel Property 4.1). status "none" means proven: no schedule below
+    `upper_bound`.
     """
-    blocks = problem.blocks
-    inst = sorted(set(map(tuple, instances)), key=lambda x: (x[1], x[0]))
-    index = {x: i for i, x in enumerate(inst)}
-    time_of = [blocks[b].time for b, _ in inst]
-    ctx = z3.Context()  # a fresh context per model keeps Z3's choices, and so results, repeatable
-    s = [z3.Int(f"s_{blocks[b].name}@{m}", ctx) for b, m in inst]
-    cons = [v >= 0 for v in s]
-    for a, c in problem.edges:
-        for m in sorted({m for _, m in inst}):
-            if (a, m) in index and (c, m) in index:
-                cons.append(s[index[(c, m)]] >= s[index[(a, m)]] + blocks[a].time)
-    for r in problem.rules:
-        for (b, m) in inst:
-            if b != r.before:
-                continue
-            var = m - r.before_shift
-            other = (r.after, var + r.after_shift)
-            if var >= r.min_m and other in index and other != (b, m):
-                cons.append(s[index[other]] >= s[index[(b, m)]] + blocks[b].time)
-    previous: dict[int, int] = {}  # block -> its last micro-batch seen, for symmetry
+    model = _TimeModel(problem, instances)
+    model.add_dependencies()
+    model.add_rules()
     if symmetry:
-        for b, m in inst:
-            if b in previous:
-                cons.append(s[index[(b, previous[b])]] < s[index[(b, m)]])
-            previous[b] = m
-    before: dict[tuple[int, int], z3.BoolRef] = {}
-    on_device = [[i for i, (b, _) in enumerate(inst) if d in blocks[b].devices]
-                 for d in range(problem.num_devices)]
-    for on in on_device:
-        for x in range(len(on)):
-            for y in range(x + 1, len(on)):
-                i, j = on[x], on[y]
-                if (i, j) in before:
-                    continue
-                p = z3.Bool(f"p_{i}_{j}", ctx)
-                before[(i, j)] = p
-                cons.append(z3.If(p, s[i] + time_of[i] <= s[j], s[j] + time_of[j] <= s[i]))
-
-    def precedes(i: int, j: int):
-        return before[(i, j)] if (i, j) in before else z3.Not(before[(j, i)])
-
-    if problem.memory_capacity is not None:
-        init = initial_memory or [0] * problem.num_devices
-        for d, on in enumerate(on_device):
-            positive = sum(max(0, blocks[inst[i][0]].memory) for i in on)
-            if init[d] + positive <= problem.memory_capacity:
-                continue  # cannot overflow whatever the order
-            for j in on:
-                earlier = [z3.If(precedes(i, j), blocks[inst[i][0]].memory, 0) for i in on
-                           if i != j and blocks[inst[i][0]].memory != 0]
-                if earlier:
-                    cons.append(init[d] + blocks[inst[j][0]].memory + z3.Sum(earlier)
-                                <= problem.memory_capacity)
-    objective = z3.Int("objective", ctx)
-    if anchor is None or anchor.kind == "cooldown":
-        cons += [objective >= s[i] + time_of[i] for i in range(len(inst))]
-    if anchor is not None and anchor.kind == "warmup":
-        cons.append(objective >= anchor.floor)
-        for i, (b, _) in enumerate(inst):
-            for d in blocks[b].devices:
-                if d in anchor.device_time:
-                    cons.append(s[i] + time_of[i] <= objective + anchor.device_time[d])
-        for x, c in anchor.external.items():
-            cons.append(s[index[x]] + time_of[index[x]] <= objective + c)
-    if anchor is not None and anchor.kind == "cooldown":
-        cons.append(objective >= anchor.floor)
-        for i, (b, _) in enumerate(inst):
-            for d in blocks[b].devices:
-                if d in anchor.device_time:
-                    cons.append(s[i] >= anchor.device_time[d])
-        for x, c in anchor.external.items():
-            cons.append(s[index[x]] >= c)
+        model.add_symmetry()
+    model.add_devices()
+    model.add_memory(initial_memory)
+    model.add_objective(anchor)
+    inst, s, objective, cons, ctx = model.inst, model.start, model.objective, model.cons, \
+        model.ctx
     lo = max(lower_bound, anchor.floor if anchor is not None else 0)
     hi = (upper_bound - 1) if upper_bound is not None else \
-        sum(time_of) + max([0, anchor.floor if anchor else 0] +
-                           list(anchor.device_time.values() if anchor else []))
+        sum(model.time) + max([0, anchor.floor if anchor else 0] +
+                              list(anchor.device_time.values() if anchor else []))
     if lo > hi:
         return TimeOptimal("none")
     if method == "optimize":
@@ -244,9 +309,9 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
         handle = opt.minimize(objective)
         if opt.check() != z3.sat:
             return TimeOptimal("none")
-        model = opt.model()
-        exact = opt.lower(handle).as_long() == model.eval(objective).as_long()
-        return _result(problem, inst, s, model, objective, "optimal" if exact else "feasible")
+        found = opt.model()
+        exact = opt.lower(handle).as_long() == found.eval(objective).as_long()
+        return _result(problem, inst, s, found, objective, "optimal" if exact else "feasible")
     solver = _solver(deadline, ctx)
     solver.add(*cons)
     best_model, proven = None, True
@@ -274,6 +339,33 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
     if best_model is None:
         return TimeOptimal("none" if proven else "unknown")
     return _result(problem, inst, s, best_model, objective, "optimal" if proven else "feasible")
+
+
+def infeasibility_core(problem: Problem, *, deadline: float | None = None,
+                       effort: Effort | None = None) -> list[str] | None:
+    """Why no schedule of the problem's micro-batches exists: the labels ("rule K", "memory")
+    of a minimal unsat core, or None when a schedule exists or Z3 could not tell in time."""
+    everything = [(b.index, m) for m in range(problem.num_micro_batches) for b in problem.blocks]
+    model = _TimeModel(problem, everything)
+    model.add_dependencies()
+    model.add_rules(labelled=True)
+    model.add_devices()
+    model.add_memory(labelled=True)
+    solver = _solver(deadline, model.ctx)
+    solver.add(*model.cons)
+    literals = list(model.labels.values())
+    if effort is not None:
+        solver.set("rlimit", max(1, effort.left))
+    if solver.check(*literals) != z3.unsat:
+        return None
+    core = [lit for lit in literals if any(lit.eq(c) for c in solver.unsat_core())]
+    if solver.check(*core) != z3.unsat:
+        core = literals
+    for lit in list(core):  # deletion pass: keep only what the contradiction needs
+        rest = [c for c in core if not c.eq(lit)]
+        if solver.check(*rest) == z3.unsat:
+            core = rest
+    return [label for label, lit in model.labels.items() if any(lit.eq(c) for c in core)]
 
 
 def _result(problem, inst, s, model, objective, status) -> TimeOptimal:

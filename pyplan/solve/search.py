@@ -68,7 +68,7 @@ class _Clock:
 def max_repetend_micro_batches(problem: Problem) -> int:
     """How many micro-batches a repetend may span: the plan's limit, else a little more than the
     number of micro-batches whose forward memory fits on every device (Tessel's
-    CalMaxInflight), never more than the plan's micro-batches."""
+    CalMaxInflight), not more than the plan's micro-batches or the span of an order rule."""
     limit = problem.search.max_repetend_micro_batches
     if limit is None:
         limit = 2 * problem.num_devices + 2
@@ -82,7 +82,10 @@ def max_repetend_micro_batches(problem: Problem) -> int:
                 # A repetend spans a little more than what is in flight on the busiest device
                 # (a deferred weight-gradient block, say), hence the margin.
                 limit = max(1, min(fits)) + 2
-    return max(1, min(limit, problem.num_micro_batches))
+    # More than the plan's micro-batches only where an order rule links micro-batches that far
+    # apart: the periodic order, cut to the micro-batches that exist, still keeps it.
+    span = max((abs(r.before_shift - r.after_shift) + 1 for r in problem.rules), default=1)
+    return max(1, min(limit, max(problem.num_micro_batches, span)))
 
 
 def _better(a: _core.Repetend | None, b: _core.Repetend) -> bool:
@@ -95,7 +98,9 @@ def _better(a: _core.Repetend | None, b: _core.Repetend) -> bool:
 
 
 def search_repetend(problem: Problem, *, time_limit: float | None, exact: bool,
-                    stats: SearchStats, progress=None) -> RepetendSearch:
+                    stats: SearchStats, progress=None, thorough: bool = True) -> RepetendSearch:
+    """The repetend with the least period found; `thorough=False` stops after the fast path
+    when it finds any (the caller already holds an optimal schedule)."""
     graph = problem.graph
     capacity = problem.capacity
     bound = graph.load_bound()
@@ -123,7 +128,7 @@ def search_repetend(problem: Problem, *, time_limit: float | None, exact: bool,
             best = rep
             break
     timed_out = False
-    if best is None or best.period > bound:
+    if best is None or (best.period > bound and thorough):
         for nr in range(1, max_nr + 1):
             if clock.expired():
                 timed_out = True
@@ -180,10 +185,11 @@ def _exact_period(problem, best, bound, max_nr, clock, stats, report):
 
 
 def candidate_pool(problem: Problem, best: _core.Repetend, *, time_limit: float | None,
-                   stats: SearchStats, keep: int = POOL_SIZE) -> list[_core.Repetend]:
+                   stats: SearchStats, keep: int = POOL_SIZE,
+                   thorough: bool = True) -> list[_core.Repetend]:
     """Repetends with the best period, ranked by the makespan of their periodic schedule for the
-    plan's micro-batches (then fewer micro-batches): modulo schedules with every N_R limit and
-    the best Tessel candidates of each N_R. Completion picks among them."""
+    plan's micro-batches (then fewer micro-batches): modulo schedules with every N_R limit and,
+    when `thorough`, the best Tessel candidates of each N_R. Completion picks among them."""
     graph, capacity = problem.graph, problem.capacity
     n = problem.num_micro_batches
     clock = _Clock(time_limit)
@@ -199,8 +205,8 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, time_limit: float 
             pool.setdefault(_key(rep), rep)
     # Ranking evaluates each candidate's whole periodic schedule: a fixed amount of work shared
     # by the N_R values keeps the pool (and so the result) the same on every run.
-    limits = range(1, min(max_nr, n) + 1)
-    per_limit = max(20, POOL_WORK // (len(problem.blocks) * n * len(limits)))
+    limits = range(1, min(max_nr, n) + 1) if thorough else range(0)
+    per_limit = max(20, POOL_WORK // (len(problem.blocks) * n * max(1, len(limits))))
     for nr in limits:
         if clock.expired():
             break

@@ -9,14 +9,15 @@ of an X-shape. A template that does not fit the placement says why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pyplan import _core
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT, Problem
 
 __all__ = ["TEMPLATES", "Baseline", "baselines", "template_orders"]
 
-TEMPLATES = ("gpipe", "1f1b", "interleaved-1f1b", "chimera", "zb-h1", "3f1b")
+TEMPLATES = ("gpipe", "1f1b", "interleaved-1f1b", "chimera", "zb-h1", "zb-h2", "zb-v",
+             "dualpipev", "3f1b")
 
 
 class NotApplicable(Exception):
@@ -31,6 +32,8 @@ class Baseline:
     peak_memory: tuple[int, ...] = ()
     fits_memory: bool = True
     reason: str | None = None  # why it does not apply
+    orders: tuple = field(default=(), compare=False, repr=False)
+    """Per-device (block, micro-batch) orders, for templates that apply."""
 
     @property
     def applicable(self) -> bool:
@@ -362,8 +365,179 @@ def _3f1b(problem: Problem):
     return orders
 
 
+# ---------------------------------------------------------------- device-level programs
+
+def _stage_ops(problem: Problem, stage: list[int], op: str) -> list[int]:
+    """The blocks one op of a stage runs: F its forwards, B its (input-)gradient blocks in
+    reverse, W its weight-gradient blocks (none without a split backward)."""
+    if op == "F":
+        return list(stage)
+    kind = BACKWARD if op == "B" else WEIGHT
+    return [x for x in (_backward_of(problem, b, kind) for b in reversed(stage)) if x is not None]
+
+
+def _device_orders(problem: Problem, stages: list[list[int]], programs) -> list[list]:
+    """Per-device instance orders from per-device programs of (op, stage, micro-batch)."""
+    orders: list[list[tuple[int, int]]] = [[] for _ in range(problem.num_devices)]
+    for d, program in enumerate(programs):
+        for op, s, m in program:
+            orders[d] += [(b, m) for b in _stage_ops(problem, stages[s], op)]
+    return orders
+
+
+def _greedy(stage_device: list[int], n: int, split: bool, in_flight: list[int]):
+    """Unit-time list scheduling of a chain of stages (F down, B back up, W after B) on
+    devices: each step a device runs a ready B (latest stage first), else a ready F while it
+    holds fewer than in_flight[d] stage activations (latest stage first), else a deferred W
+    (oldest first). Deferred W passes fill what would be bubbles (zero bubble, Qi et al.)."""
+    S, D = len(stage_device), max(stage_device) + 1
+    done: set[tuple[str, int, int]] = set()
+    nxt = {(op, s): 0 for op in "FBW" for s in range(S)}
+    held = [0] * D
+    programs: list[list[tuple[str, int, int]]] = [[] for _ in range(D)]
+    total = S * n * (3 if split else 2)
+    on = [sorted((s for s in range(S) if stage_device[s] == d), reverse=True) for d in range(D)]
+    for _ in range(4 * total + 10):
+        if len(done) == total:
+            return programs
+        chosen = []
+        for d in range(D):
+            for op in "BFW":
+                ready = []
+                for s in on[d]:
+                    m = nxt[(op, s)]
+                    if m >= n:
+                        continue
+                    if op == "F" and (s == 0 or ("F", s - 1, m) in done) and \
+                            held[d] < in_flight[d]:
+                        ready.append(s)
+                    if op == "B" and ("F", s, m) in done and \
+                            (s == S - 1 or ("B", s + 1, m) in done):
+                        ready.append(s)
+                    if op == "W" and split and ("B", s, m) in done:
+                        ready.append(s)
+                if ready:
+                    s = min(ready, key=lambda x: nxt[("W", x)]) if op == "W" else ready[0]
+                    chosen.append((d, op, s, nxt[(op, s)]))
+                    break
+        if not chosen:
+            break
+        for d, op, s, m in chosen:
+            done.add((op, s, m))
+            nxt[(op, s)] += 1
+            held[d] += {"F": 1, "B": -1, "W": 0}[op]
+            programs[d].append((op, s, m))
+    raise NotApplicable("the template does not make progress")
+
+
+def _wave_stages(problem: Problem) -> list[list[int]]:
+    """Stages of a wave placement: 2D stages, stage s on device s, then back up."""
+    D = problem.num_devices
+    stages = _single_chain_stages(problem, one_per_device=False)
+    devices = [_stage_device(problem, st) for st in stages]
+    if devices != list(range(D)) + list(range(D - 1, -1, -1)):
+        raise NotApplicable("needs a wave placement: 2 x devices stages, down the devices and "
+                            "back up (shape: {kind: wave})")
+    return stages
+
+
+def _zb_h2(problem: Problem):
+    _require_training(problem)
+    if not any(b.kind == WEIGHT for b in problem.blocks):
+        raise NotApplicable("needs a split backward (training.backward.weight_time_ratio)")
+    stages = _single_chain_stages(problem)
+    p = len(stages)
+    # ZB-H2: about twice 1F1B's warmup forwards (2(p - s) - 1 in flight on stage s), so the
+    # warmup has no bubble; deferred W passes fill the cooldown.
+    programs = _greedy(list(range(p)), problem.num_micro_batches, True,
+                       [2 * (p - s) - 1 for s in range(p)])
+    device_of = [_stage_device(problem, st) for st in stages]
+    return _device_orders(problem, stages, [programs[device_of.index(d)] if d in device_of
+                                            else [] for d in range(problem.num_devices)])
+
+
+def _zb_v(problem: Problem):
+    _require_training(problem)
+    if not any(b.kind == WEIGHT for b in problem.blocks):
+        raise NotApplicable("needs a split backward (training.backward.weight_time_ratio)")
+    stages = _wave_stages(problem)
+    D = problem.num_devices
+    # ZB-V: 1F1B's activation memory (D micro-batches of the whole model, 2D stage
+    # activations per device), the V placement making every device's first B come early.
+    programs = _greedy([_stage_device(problem, st) for st in stages],
+                       problem.num_micro_batches, True, [2 * D] * D)
+    return _device_orders(problem, stages, programs)
+
+
+def _dualpipe_v(problem: Problem):
+    """DualPipeV (DeepSeek-V3's DualPipe cut in half, on the wave placement): device r feeds
+    chunk 0 (stage r) and chunk 1 (stage 2D-1-r) in eight phases; the steady state pairs a
+    forward of one chunk with a backward of the other, which a runtime can overlap to hide
+    communication. Backward passes are split into B and W where the plan splits them."""
+    _require_training(problem)
+    stages = _wave_stages(problem)
+    D, n = problem.num_devices, problem.num_micro_batches
+    if n < 2 * D:
+        raise NotApplicable(f"needs at least {2 * D} micro-batches (2 x devices)")
+    split = any(b.kind == WEIGHT for b in problem.blocks)
+    programs = []
+    for r in range(D):
+        chunk = (r, 2 * D - 1 - r)
+        count = {(op, c): 0 for op in "FBW" for c in (0, 1)}
+        deferred: list[tuple[int, int]] = []
+        program: list[tuple[str, int, int]] = []
+
+        def run(op: str, c: int, defer_w: bool = False) -> None:
+            m = count[(op, c)]
+            count[(op, c)] += 1
+            program.append((op, chunk[c], m))
+            if op == "B" and split:
+                if defer_w:
+                    deferred.append((c, m))
+                else:
+                    program.append(("W", chunk[c], m))
+
+        def weight() -> None:
+            c, m = deferred.pop(0)
+            program.append(("W", chunk[c], m))
+
+        for _ in range((D - r - 1) * 2):       # 1: forwards of chunk 0
+            run("F", 0)
+        for _ in range(r + 1):                 # 2: both chunks' forwards
+            run("F", 0)
+            run("F", 1)
+        for _ in range(D - r - 1):             # 3: chunk 1's first backwards, zero bubble
+            run("B", 1)
+            run("F", 1)
+        for i in range(n - 2 * D + r + 1):     # 4: steady state, F of one chunk with B of
+            if i == 0 and r == D - 1:          #    the other (the last device's first pair
+                run("F", 0)                    #    stays apart: its B waits for that F)
+                run("B", 1)
+            else:
+                run("F", 0)
+                run("B", 1)
+            run("F", 1)
+            run("B", 0)
+        for _ in range(D - r - 1):             # 5: chunk 0's forwards are done
+            run("B", 1)
+            run("F", 1)
+            run("B", 0)
+        for _ in range(r + 1):                 # 6: backwards, chunk 0's W deferred
+            run("B", 1)
+            run("B", 0, defer_w=True)
+        for _ in range(D - r - 1):             # 7: a deferred W, then a backward
+            if deferred:
+                weight()
+            run("B", 0, defer_w=True)
+        while deferred:                        # 8: the remaining W passes
+            weight()
+        programs.append(program)
+    return _device_orders(problem, stages, programs)
+
+
 _BUILDERS = {"gpipe": _gpipe, "1f1b": _1f1b, "interleaved-1f1b": _interleaved,
-             "chimera": _chimera, "zb-h1": _zb_h1, "3f1b": _3f1b}
+             "chimera": _chimera, "zb-h1": _zb_h1, "zb-h2": _zb_h2, "zb-v": _zb_v,
+             "dualpipev": _dualpipe_v, "3f1b": _3f1b}
 
 
 def template_orders(problem: Problem, name: str) -> list[list[tuple[int, int]]]:
@@ -387,5 +561,6 @@ def baselines(problem: Problem) -> dict[str, Baseline]:
             out[name] = Baseline(name, reason=f"does not run on this placement ({ev.reason})")
             continue
         fits = problem.memory_capacity is None or max(ev.peak_memory) <= problem.memory_capacity
-        out[name] = Baseline(name, ev.makespan, ev.bubble_rate, tuple(ev.peak_memory), fits)
+        out[name] = Baseline(name, ev.makespan, ev.bubble_rate, tuple(ev.peak_memory), fits,
+                             orders=tuple(tuple(map(tuple, o)) for o in orders))
     return out

@@ -1,0 +1,199 @@
+"""The solver's promises: never worse than a template that fits, a lower bound that is a bound
+(and tight where the optimum is known), `optimal` only when proven, order rules at small N,
+the same bytes under any hash seed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import PLANS
+from pyplan import _core
+from pyplan.errors import InfeasibleError
+from pyplan.problem import build_problem, load_problem
+from pyplan.solve import incumbents, min_memory, solve
+from pyplan.solve.exact import time_optimal
+from pyplan.solve.templates import baselines as baselines_of
+from pyplan.solve.templates import template_orders
+from pyplan.spec import spec_from_text
+
+
+def exact_optimum(problem) -> int | None:
+    """Z3's optimum of the whole problem (instances of a block in micro-batch order, which
+    loses nothing without order rules), or None if it takes more than 20 seconds."""
+    assert not problem.rules
+    everything = [(b.index, m) for m in range(problem.num_micro_batches) for b in problem.blocks]
+    result = time_optimal(problem, everything, symmetry=True, deadline=time.monotonic() + 20)
+    return result.value if result.status == "optimal" else None
+
+
+@st.composite
+def placements(draw):
+    """Small random training plans: a chain of forward blocks with branches (a block may
+    depend on any earlier one), some blocks on several devices, random costs and memory."""
+    devices = draw(st.integers(1, 3))
+    count = draw(st.integers(1, 4))
+    lines = []
+    for i in range(count):
+        where = draw(st.lists(st.integers(0, devices - 1), min_size=1, max_size=devices,
+                              unique=True))
+        after = ""
+        if i > 0 and draw(st.booleans()):
+            parents = draw(st.lists(st.integers(0, i - 1), min_size=0, max_size=2, unique=True))
+            after = f", after: [{', '.join(f'b{p}' for p in sorted(parents))}]"
+        lines.append(f"  - {{name: b{i}, devices: {sorted(where)}, "
+                     f"time: {draw(st.integers(1, 3))}, memory: {draw(st.integers(0, 2))}"
+                     f"{after}}}")
+    ratio = draw(st.sampled_from([1, 2]))
+    text = (f"pyplan: 1\nname: random\ndevices: {devices}\nmemory: {draw(st.integers(2, 6))}\n"
+            f"micro_batches: {draw(st.integers(1, 3))}\n"
+            f"training: {{backward: {{time_ratio: {ratio}}}}}\nblocks:\n" + "\n".join(lines)
+            + "\nsearch: {time_limit: 30}\n")
+    return build_problem(spec_from_text(text))
+
+
+@settings(max_examples=25, deadline=None)
+@given(placements())
+def test_never_worse_than_a_template_and_optimal_only_when_proven(problem):
+    try:
+        solution = solve(problem)
+    except InfeasibleError:
+        assert max(min_memory(problem)) > problem.memory_capacity
+        return
+    made = solution.schedule.makespan
+    for name, schedule in incumbents(problem, solution.baselines).items():
+        assert made <= schedule.makespan, name
+    assert made >= solution.lower_bound
+    exact = exact_optimum(problem) if len(problem.blocks) * problem.num_micro_batches <= 16 \
+        else None
+    if exact is not None:
+        assert solution.lower_bound <= exact <= made
+        if solution.status == "optimal":
+            assert made == exact
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 9, 24, 100])
+def test_bound_meets_the_known_optima(n):
+    # V-shape 4N+12 and M-shape 6N+12 (4 devices, f=1, b=3; enough memory).
+    assert load_problem(PLANS / "tessel-vshape.yaml").graph.makespan_bound(n) == 4 * n + 12
+    assert load_problem(PLANS / "tessel-mshape.yaml").graph.makespan_bound(n) == 6 * n + 12
+
+
+def test_m_shape_reaches_its_optimum_and_says_so():
+    problem = load_problem(PLANS / "tessel-mshape.yaml").with_overrides(micro_batches=24,
+                                                                       memory=32)
+    solution = solve(problem)
+    assert solution.schedule.makespan == solution.lower_bound == 6 * 24 + 12
+    assert solution.status == "optimal" and solution.gap == 0
+
+
+@pytest.mark.parametrize("plan, counts", [("1f1b-4stage", (1, 2, 3)),
+                                          ("transformer-vshape", (1, 2)),
+                                          ("alphafold2-3f1b", (1, 2, 4))])
+def test_order_rules_beyond_the_micro_batches_hold_vacuously(plan, counts):
+    for n in counts:
+        problem = load_problem(PLANS / f"{plan}.yaml").with_overrides(micro_batches=n)
+        solution = solve(problem)
+        schedule = solution.schedule
+        assert schedule.makespan >= solution.lower_bound
+        # Every rule pair that exists is kept.
+        for rule in problem.rules:
+            for m in range(rule.min_m, n):
+                a, b = m + rule.before_shift, m + rule.after_shift
+                if 0 <= a < n and 0 <= b < n and (rule.before, a) != (rule.after, b):
+                    assert schedule.end_of(rule.before, a) <= schedule.start_of(rule.after, b)
+
+
+def test_same_bytes_under_any_hash_seed(tmp_path):
+    outputs = []
+    for seed in ("0", "12345"):
+        out = tmp_path / f"x{seed}.resolved.yaml"
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        subprocess.run([sys.executable, "-m", "pyplan", "solve", str(PLANS / "tessel-xshape.yaml"),
+                        "-o", str(out), "--quiet"], check=True, env=env, cwd=tmp_path)
+        text = out.read_text()
+        outputs.append(text[text.index("\nname:"):])  # the plan path differs by location only
+    assert outputs[0] == outputs[1]
+
+
+# ---------------------------------------------------------------- the newer templates
+
+def wave_plan(devices: int, micro_batches: int, memory: int) -> str:
+    return (f"pyplan: 1\nname: wave\ndevices: {devices}\nmemory: {memory}\n"
+            f"micro_batches: {micro_batches}\n"
+            "training: {backward: {time_ratio: 1, weight_time_ratio: 1}}\n"
+            "shape: {kind: wave, stage: {time: 1, memory: 1}}\n")
+
+
+@pytest.mark.parametrize("devices, n", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_zb_v_fills_the_pipeline_at_1f1b_memory(devices, n):
+    # Qi et al. Section 6: with T_F = T_B = T_W, ZB-V has no bubble beyond the unavoidable fill
+    # (the lower bound) while holding what 1F1B holds on its first device: `devices`
+    # micro-batches of two chunks each.
+    problem = build_problem(spec_from_text(wave_plan(devices, n, 2 * devices)))
+    zbv = baselines_of(problem)["zb-v"]
+    assert zbv.fits_memory and max(zbv.peak_memory) <= 2 * devices
+    assert zbv.makespan == problem.graph.makespan_bound(n)
+
+
+@pytest.mark.parametrize("devices, n", [(2, 4), (4, 8), (4, 20)])
+def test_dualpipe_v_follows_its_eight_phases(devices, n):
+    problem = build_problem(spec_from_text(wave_plan(devices, n, 4 * devices)))
+    orders = template_orders(problem, "dualpipev")
+    name = [[problem.blocks[b].name for b, _ in order] for order in orders]
+    for r in range(devices):
+        chunk0, chunk1 = f"stage{r}", f"stage{2 * devices - 1 - r}"
+        # Phases 1-2: 2(D - r - 1) + 1 forwards of chunk 0 come first, then chunk 1's first.
+        lead = 2 * (devices - r - 1) + 1
+        assert name[r][:lead] == [chunk0] * lead and name[r][lead] == chunk1
+        # Every device ends on weight-gradient passes (phase 8) of chunk 0.
+        assert name[r][-1] == f"{chunk0}.w"
+    dual = baselines_of(problem)["dualpipev"]
+    assert dual.makespan == problem.graph.makespan_bound(n)  # F = B = W: no bubble left
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_zb_h2_holds_twice_the_warmup_and_never_loses_to_zb_h1(ratio):
+    text = ("pyplan: 1\nname: zb\ndevices: 4\nmicro_batches: 12\n"
+            f"training: {{backward: {{time_ratio: {ratio}, weight_time_ratio: 1}}}}\n"
+            "shape: {kind: vshape, stage: {time: 1, memory: 1}}\n")
+    problem = build_problem(spec_from_text(text))
+    found = baselines_of(problem)
+    # 2(p - s) - 1 micro-batches in flight on stage s (ZB-H2's doubled warmup) vs 1F1B's p - s.
+    assert found["zb-h2"].peak_memory == (7, 5, 3, 1)
+    assert found["zb-h1"].peak_memory == (4, 3, 2, 1)
+    assert found["zb-h2"].makespan <= found["zb-h1"].makespan
+
+
+def test_zero_bubble_v_and_dualpipe_v_cost_what_torchs_do(tmp_path):
+    # torch.distributed.pipelining implements both (ScheduleZBVZeroBubble, ScheduleDualPipeV):
+    # their orders, costed by the core, take as long and hold as much as ours.
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    torch = pytest.importorskip("torch")
+    from pyplan.export.torch_csv import read_torch_csv
+    devices, n = 4, 8
+    problem = build_problem(spec_from_text(wave_plan(devices, n, 64)))
+
+    class Stage:
+        def __init__(self, index: int) -> None:
+            self.num_stages, self.group_size = 2 * devices, devices
+            self.group_rank, self.stage_index = 0, index
+            self.submod = torch.nn.Module()
+
+    ours = baselines_of(problem)
+    for cls, name in (("ScheduleZBVZeroBubble", "zb-v"), ("ScheduleDualPipeV", "dualpipev")):
+        theirs = getattr(schedules, cls)([Stage(0), Stage(2 * devices - 1)], n)
+        path = tmp_path / f"{name}.csv"
+        theirs._dump_csv(str(path), format="compute_only")
+        orders, _ = read_torch_csv(path, problem)
+        ev = _core.evaluate(problem.graph, [list(o) for o in orders],
+                            complete_micro_batches=n, enforce_rules=False)
+        assert ev.ok
+        assert (ours[name].makespan, ours[name].peak_memory) == \
+            (ev.makespan, tuple(ev.peak_memory)), name
