@@ -32,7 +32,7 @@ def exact_optimum(problem, limit: float) -> int | None:
     if len(everything) > EXACT_INSTANCES:
         return None
     result = time_optimal(problem, everything, symmetry=False,
-                          lower_bound=problem.graph.makespan_bound(problem.num_micro_batches),
+                          lower_bound=problem.makespan_bound(),
                           deadline=time.monotonic() + limit)
     return result.value if result.status == "optimal" else None
 

@@ -58,6 +58,7 @@ void register_graph(py::module_& m) {
         .def("critical_path", &Graph::critical_path)
         .def("heads", &Graph::heads)
         .def("tails", &Graph::tails)
-        .def("makespan_bound", &Graph::makespan_bound, py::arg("num_micro_batches"))
+        .def("makespan_bound", &Graph::makespan_bound, py::arg("num_micro_batches"),
+             py::arg("capacity") = -1)
         .def("net_memory", &Graph::net_memory);
 }

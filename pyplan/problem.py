@@ -100,6 +100,10 @@ class Problem:
     def load_bound(self) -> int:
         return self.graph.load_bound()
 
+    def makespan_bound(self) -> int:
+        """No schedule of the plan's micro-batches within its memory is shorter than this."""
+        return self.graph.makespan_bound(self.num_micro_batches, self.capacity)
+
     def show_memory(self, amount: int | None) -> str:
         return format_memory(amount, self.memory_is_size)
 

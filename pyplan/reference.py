@@ -125,7 +125,34 @@ def _idle_before_fed(blocks, edges, d):
     return idle, fed
 
 
-def makespan_bound(num_devices, blocks, edges, n):
+def _memory_bound(blocks, edges, d, n, capacity, head, tail):
+    """When every freeing block on d depends on every allocating one, each micro-batch holds
+    all it allocates for at least the shortest allocation-to-free path, and only
+    capacity // that many micro-batches can at once."""
+    on = [b for b in range(len(blocks)) if d in blocks[b][2]]
+    alloc = [b for b in on if blocks[b][1] > 0]
+    frees = [b for b in on if blocks[b][1] < 0]
+    held = sum(blocks[b][1] for b in alloc)
+    if held <= 0 or not frees or capacity < held:
+        return 0
+    order = topological_order(len(blocks), edges)
+    shortest = math.inf
+    for a in alloc:
+        dist = {a: 0}
+        for b in order:
+            if b in dist:
+                for x, c in edges:
+                    if x == b:
+                        dist[c] = max(dist.get(c, 0), dist[b] + blocks[b][0])
+        if any(f not in dist for f in frees):
+            return 0
+        shortest = min(shortest, min(dist[f] for f in frees))
+    lanes = capacity // held
+    return -(-n * shortest // lanes) + min(head[a] for a in alloc) + \
+        min(blocks[f][0] + tail[f] for f in frees)
+
+
+def makespan_bound(num_devices, blocks, edges, n, capacity=-1):
     if n <= 0:
         return 0
     k = len(blocks)
@@ -147,6 +174,8 @@ def makespan_bound(num_devices, blocks, edges, n):
         disjoint = any(fed[b] and reach[b] for b in range(k))
         idle = idle_head + idle_tail if disjoint else max(idle_head, idle_tail)
         bound = max(bound, n * loads[d] + idle)
+        if capacity >= 0:
+            bound = max(bound, _memory_bound(blocks, edges, d, n, capacity, head, tail))
     return bound
 
 

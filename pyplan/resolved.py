@@ -186,7 +186,7 @@ def write_resolved(solution, out_path: str | Path) -> Path:
     out = Path(out_path)
     source = solution.schedule.problem.source_path
     plan_rel = None
-    if source:
+    if source and Path(source).is_file():  # a plan given as text has no file to point at
         try:
             plan_rel = Path(os.path.relpath(Path(source).resolve(),
                                             out.resolve().parent)).as_posix()

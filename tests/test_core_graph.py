@@ -25,6 +25,9 @@ def test_topological_order_and_bounds_match_reference(problem):
     assert g.tails() == ref.tails(blocks, edges)
     for n in (1, 2, 7):
         assert g.makespan_bound(n) == ref.makespan_bound(num_devices, blocks, edges, n)
+        for capacity in (0, 1, 3, 8):
+            assert g.makespan_bound(n, capacity) == \
+                ref.makespan_bound(num_devices, blocks, edges, n, capacity)
 
 
 @settings(max_examples=300, deadline=None)

@@ -192,7 +192,42 @@ static int64_t idle_before_fed(const Graph& g, int d, const std::vector<std::vec
     return idle == INT64_MAX ? 0 : idle;
 }
 
-int64_t Graph::makespan_bound(int num_micro_batches) const {
+// What memory forces on device d: when every block on d that frees memory depends on every block
+// on d that allocates (a stage's backward on its forwards), a micro-batch holds all it allocates,
+// X, from its last allocation until its first free, at least L (the shortest longest path
+// between the two); at most capacity / X micro-batches do so at once, so N * L time must fit in
+// that many lanes of the window between the earliest allocation and the latest free.
+static int64_t memory_bound(const Graph& g, int d, int n, int64_t capacity,
+                            const std::vector<int>& order, const std::vector<int64_t>& head,
+                            const std::vector<int64_t>& tail) {
+    std::vector<int> alloc, frees;
+    int64_t held = 0;
+    for (int b : g.blocks_on(d)) {
+        if (g.block(b).memory > 0) alloc.push_back(b), held += g.block(b).memory;
+        if (g.block(b).memory < 0) frees.push_back(b);
+    }
+    if (held <= 0 || frees.empty() || capacity < held) return 0;
+    const int k = g.num_blocks();
+    int64_t shortest = INT64_MAX, first = INT64_MAX, last = INT64_MAX;
+    for (int a : alloc) {
+        std::vector<int64_t> dist(k, -1);  // longest path from a's start to each block's start
+        dist[a] = 0;
+        for (int b : order) {
+            if (dist[b] < 0) continue;
+            for (int s : g.successors(b)) dist[s] = std::max(dist[s], dist[b] + g.block(b).time);
+        }
+        for (int f : frees) {
+            if (dist[f] < 0) return 0;  // a free that need not wait for this allocation
+            shortest = std::min(shortest, dist[f]);
+        }
+        first = std::min(first, head[a]);
+    }
+    for (int f : frees) last = std::min(last, g.block(f).time + tail[f]);
+    int64_t lanes = capacity / held;
+    return (n * shortest + lanes - 1) / lanes + first + last;
+}
+
+int64_t Graph::makespan_bound(int num_micro_batches, int64_t capacity) const {
     if (num_micro_batches <= 0) return 0;
     const int k = num_blocks();
     auto head = heads();
@@ -222,6 +257,9 @@ int64_t Graph::makespan_bound(int num_micro_batches) const {
         }
         int64_t idle = disjoint ? idle_head + idle_tail : std::max(idle_head, idle_tail);
         bound = std::max(bound, num_micro_batches * load[d] + idle);
+        if (capacity >= 0)
+            bound = std::max(bound, memory_bound(*this, d, num_micro_batches, capacity, order,
+                                                 head, tail));
     }
     return bound;
 }

@@ -64,8 +64,9 @@ class Graph {
     std::vector<int64_t> tails() const;
     // Makespan lower bound for n micro-batches: the critical path, and per device its load
     // plus the idle time it cannot avoid before it is first fed by another device and after
-    // it last feeds one (exact for V- and M-shapes with enough memory: 4N+12, 6N+12).
-    int64_t makespan_bound(int num_micro_batches) const;
+    // it last feeds one (exact for V- and M-shapes with enough memory: 4N+12, 6N+12), and with
+    // a capacity (>= 0) what it forces on how many micro-batches are in flight.
+    int64_t makespan_bound(int num_micro_batches, int64_t capacity = -1) const;
     // Net memory a micro-batch leaves on each device after all its blocks ran.
     std::vector<int64_t> net_memory() const;
 

@@ -5,14 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from pyplan.api import Solution, load_plan, solve
 from pyplan.cli._progress import live_progress
-from pyplan.errors import PlanError
-from pyplan.problem import load_problem
-from pyplan.resolved import resolved_path, write_resolved
-from pyplan.solve import Solution, solve
-from pyplan.spec import parse_memory
+from pyplan.resolved import resolved_path
 
-__all__ = ["add_arguments", "run", "summary_json", "summary_text"]
+__all__ = ["add_arguments", "run", "summary_text"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,61 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override search.time_limit (seconds)")
 
 
-def _overrides(args: argparse.Namespace, problem):
-    memory = None
-    if args.memory is not None:
-        try:
-            memory, is_size = parse_memory(int(args.memory) if args.memory.lstrip("-").isdigit()
-                                           else args.memory)
-        except ValueError:
-            raise PlanError(f"--memory {args.memory!r} is not an amount",
-                            hint="write an integer or a size like 32GiB") from None
-        if memory <= 0:
-            raise PlanError("--memory must be positive")
-        if problem.memory_is_size != is_size and any(b.memory for b in problem.blocks):
-            unit = "sizes like 32GiB" if problem.memory_is_size else "plain integers"
-            raise PlanError(f"--memory must use the plan's unit: {unit}")
-    if args.micro_batches is not None and args.micro_batches < 1:
-        raise PlanError("--micro-batches must be at least 1")
-    if args.time_limit is not None and args.time_limit <= 0:
-        raise PlanError("--time-limit must be positive")
-    return problem.with_overrides(micro_batches=args.micro_batches, memory=memory,
-                                  time_limit=args.time_limit)
-
-
-def summary_json(solution: Solution, output: str | None) -> dict:
-    schedule = solution.schedule
-    problem = schedule.problem
-    rep = schedule.repetend
-    repetend = None
-    if rep is not None:
-        start, end = schedule.repetend_window()
-        repetend = {"micro_batches": rep.num_micro_batches, "period": rep.period,
-                    "period_lower_bound": solution.period_bound,
-                    "bubble_rate": rep.bubble_rate, "count": schedule.repetend_count,
-                    "start": start, "end": end}
-    return {
-        "plan": problem.source_path,
-        "output": output,
-        "status": solution.status,
-        "period_status": solution.period_status,
-        "origin": solution.origin,
-        "makespan": schedule.makespan,
-        "gap": solution.gap,
-        "lower_bound": solution.lower_bound,
-        "bubble_rate": schedule.bubble_rate,
-        "repetend": repetend,
-        "peak_memory": list(schedule.peak_memory),
-        "memory_capacity": problem.memory_capacity,
-        "devices": problem.num_devices,
-        "micro_batches": problem.num_micro_batches,
-        "search_seconds": solution.search_seconds,
-        "baselines": {name: ({"makespan": b.makespan, "bubble_rate": b.bubble_rate,
-                              "fits_memory": b.fits_memory} if b.applicable
-                             else "not applicable")
-                      for name, b in solution.baselines.items()},
-        "notes": list(solution.stats.notes),
-    }
+def _memory_argument(text: str | None) -> int | str | None:
+    """--memory as the API takes it: an integer, or a size string."""
+    if text is not None and text.lstrip("-").isdigit():
+        return int(text)
+    return text
 
 
 def summary_text(solution: Solution, output: str | None) -> str:
@@ -131,13 +78,15 @@ def summary_text(solution: Solution, output: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = _overrides(args, load_problem(args.plan))
+    plan = load_plan(args.plan)
     with live_progress(not (args.quiet or args.json)) as progress:
-        solution = solve(problem, progress=progress)
+        solution = solve(plan, micro_batches=args.micro_batches,
+                         memory=_memory_argument(args.memory), time_limit=args.time_limit,
+                         progress=progress)
     output = args.output or str(resolved_path(args.plan))
-    write_resolved(solution, output)
+    solution.write(output)
     if args.json:
-        print(json.dumps(summary_json(solution, output), sort_keys=True))
+        print(json.dumps(solution.to_json(output), sort_keys=True))
     elif not args.quiet:
         print(summary_text(solution, output))
     return 0

@@ -94,7 +94,7 @@ def solve(problem: Problem, *, progress=None) -> Solution:
     limit = problem.search.time_limit
     limit = DEFAULT_TIME_LIMIT if limit is None else limit
     deadline = started + limit
-    lower_bound = problem.graph.makespan_bound(problem.num_micro_batches)
+    lower_bound = problem.makespan_bound()
     templates = baselines(problem)
     held = incumbents(problem, templates)
     incumbent = min(held.items(), key=lambda item: item[1].makespan, default=None)

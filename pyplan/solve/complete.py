@@ -158,7 +158,7 @@ def complete_whole(problem: Problem, best: Schedule, *, deadline: float | None,
     # Ordering each block's instances by micro-batch loses no schedule without order rules
     # (relabel the k-th instance in time as micro-batch k); a rule with a shift can need others.
     result = time_optimal(problem, everything, upper_bound=best.makespan,
-                          lower_bound=problem.graph.makespan_bound(n), deadline=deadline,
+                          lower_bound=problem.makespan_bound(), deadline=deadline,
                           effort=effort, symmetry=not problem.rules)
     if not result.orders:
         if result.status == "none":

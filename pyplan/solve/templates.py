@@ -1,10 +1,12 @@
 """Hand-written schedules as baselines on the plan's own placement, evaluated by the core.
 
-GPipe applies to any placement. 1F1B, ZB-H1 and 3F1B need the forward blocks to form one chain
-whose single-device blocks are the pipeline stages; blocks spanning several devices (a sharded
-embedding, say) are glued to their neighbouring stage, which is Tessel's "1F1B+". Interleaved
-1F1B needs stage s on device s mod D with several chunks per device, and Chimera the two chains
-of an X-shape. A template that does not fit the placement says why.
+GPipe applies to any placement. 1F1B (with fewer warmup forwards where the memory capacity
+cannot hold p - s micro-batches on stage s), ZB-H1/H2 and 3F1B need the forward blocks to form
+one chain whose single-device blocks are the pipeline stages; blocks spanning several devices
+(a sharded embedding, say) are glued to their neighbouring stage, which is Tessel's "1F1B+".
+Interleaved 1F1B needs stage s on device s mod D with several chunks per device, Chimera the two
+chains of an X-shape, ZB-V and DualPipeV the wave placement. A template that does not fit the
+placement says why.
 """
 
 from __future__ import annotations
@@ -135,16 +137,31 @@ def _simulate(num_stages: int, n: int, pick) -> list[list[tuple[str, int]]]:
     return orders
 
 
-def _one_f_one_b(num_stages: int):
+def _one_f_one_b(num_stages: int, limits: list[int] | None = None):
     """1F1B: a backward as soon as one is ready, otherwise a forward while stage s has fewer
-    than num_stages - s micro-batches in flight."""
+    than num_stages - s micro-batches in flight (or limits[s], if fewer)."""
     def pick(s, counts, ready):
         if "B" in ready:
             return "B"
-        if "F" in ready and counts["F"] - counts["B"] < num_stages - s:
+        cap = num_stages - s if limits is None else min(num_stages - s, limits[s])
+        if "F" in ready and counts["F"] - counts["B"] < cap:
             return "F"
         return None
     return pick
+
+
+def _in_flight_limits(problem: Problem, stages: list[list[int]]) -> list[int] | None:
+    """How many micro-batches each stage may hold within the memory capacity: 1F1B with
+    fewer warmup forwards where its usual p - s do not fit (at least one)."""
+    if problem.memory_capacity is None:
+        return None
+    limits = []
+    for stage in stages:
+        device = _stage_device(problem, stage)
+        held = sum(max(0, problem.blocks[b].memory) for st in stages
+                   if _stage_device(problem, st) == device for b in st)
+        limits.append(max(1, problem.memory_capacity // held) if held > 0 else len(stages))
+    return limits
 
 
 def _chain_template(problem: Problem, stage_orders, stages: list[list[int]],
@@ -239,7 +256,8 @@ def _1f1b(problem: Problem):
     _require_training(problem)
     stages = _single_chain_stages(problem)
     split = any(b.kind == WEIGHT for b in problem.blocks)
-    order = _simulate(len(stages), problem.num_micro_batches, _one_f_one_b(len(stages)))
+    order = _simulate(len(stages), problem.num_micro_batches,
+                      _one_f_one_b(len(stages), _in_flight_limits(problem, stages)))
     keyed = _chain_template(problem, order, stages)
     if split:  # 1F1B runs a split backward's two halves back to back
         keyed = _glue_weights(problem, keyed)

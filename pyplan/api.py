@@ -1,0 +1,148 @@
+"""pyplan's Python API: load a plan, solve it, read resolved plans, compare templates.
+
+    import pyplan
+    plan = pyplan.load_plan("plans/gpt-mshape.yaml")          # or YAML text
+    solution = pyplan.solve(plan, micro_batches=32, memory=6)
+    print(solution.makespan, solution.status, solution.lower_bound)
+    solution.write("gpt-mshape.resolved.yaml")
+
+Errors are the CLI's: `pyplan.PlanError` (bad input, with file:line:col) and
+`pyplan.InfeasibleError` (no schedule fits); both print as one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from pyplan.errors import PlanError
+from pyplan.problem import Problem, build_problem, load_problem
+from pyplan.resolved import ResolvedPlan, write_resolved
+from pyplan.resolved import load_resolved as _load_resolved
+from pyplan.solve import Solution as _Solved
+from pyplan.solve import solve as _solve
+from pyplan.solve.templates import Baseline, baselines
+from pyplan.spec import parse_memory, spec_from_text
+
+__all__ = ["Baseline", "Plan", "ResolvedPlan", "Solution", "load_plan", "load_resolved",
+           "solve", "templates", "with_overrides"]
+
+Plan = Problem
+"""A validated plan: blocks of one micro-batch with shapes expanded and backward blocks
+derived, their dependencies, devices, memory capacity, micro-batches and order rules."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution(_Solved):
+    """A solved plan: the schedule and what is proven about it."""
+
+    @property
+    def makespan(self) -> int:
+        return self.schedule.makespan
+
+    @property
+    def peak_memory(self) -> tuple[int, ...]:
+        """Per device, in the plan's memory unit (bytes for size plans)."""
+        return self.schedule.peak_memory
+
+    def write(self, path: str | os.PathLike) -> Path:
+        """Write the resolved plan atomically (its `plan:` points at the plan file, relative to
+        `path`, or is null for a plan given as text)."""
+        return write_resolved(self, path)
+
+    def to_json(self, output: str | None = None) -> dict:
+        """The summary `pyplan solve --json` prints, as a dict."""
+        schedule = self.schedule
+        problem = schedule.problem
+        rep = schedule.repetend
+        repetend = None
+        if rep is not None:
+            start, end = schedule.repetend_window()
+            repetend = {"micro_batches": rep.num_micro_batches, "period": rep.period,
+                        "period_lower_bound": self.period_bound,
+                        "bubble_rate": rep.bubble_rate, "count": schedule.repetend_count,
+                        "start": start, "end": end}
+        return {
+            "plan": problem.source_path,
+            "output": output,
+            "status": self.status,
+            "period_status": self.period_status,
+            "origin": self.origin,
+            "makespan": schedule.makespan,
+            "gap": self.gap,
+            "lower_bound": self.lower_bound,
+            "bubble_rate": schedule.bubble_rate,
+            "repetend": repetend,
+            "peak_memory": list(schedule.peak_memory),
+            "memory_capacity": problem.memory_capacity,
+            "devices": problem.num_devices,
+            "micro_batches": problem.num_micro_batches,
+            "search_seconds": self.search_seconds,
+            "baselines": {name: ({"makespan": b.makespan, "bubble_rate": b.bubble_rate,
+                                  "fits_memory": b.fits_memory} if b.applicable
+                                 else "not applicable")
+                          for name, b in self.baselines.items()},
+            "notes": list(self.stats.notes),
+        }
+
+
+def load_plan(source: str | os.PathLike) -> Plan:
+    """A plan from a file, or from YAML text (a string with a newline in it)."""
+    if isinstance(source, str) and "\n" in source:
+        return build_problem(spec_from_text(source))
+    return load_problem(source)
+
+
+def _plan(plan: Plan | str | os.PathLike) -> Plan:
+    return plan if isinstance(plan, Problem) else load_plan(plan)
+
+
+def with_overrides(plan: Plan, *, micro_batches: int | None = None,
+                   memory: int | str | None = None, time_limit: float | None = None) -> Plan:
+    """The plan with another number of micro-batches, memory capacity (in the plan's unit, or
+    a size like "24GiB" for size plans) or time limit; PlanError for values that make no
+    sense."""
+    if micro_batches is not None and (isinstance(micro_batches, bool) or
+                                      not isinstance(micro_batches, int) or micro_batches < 1):
+        raise PlanError(f"micro-batches must be a positive integer, got {micro_batches!r}")
+    capacity = None
+    if memory is not None:
+        try:
+            capacity, is_size = parse_memory(memory)
+        except (TypeError, ValueError, OverflowError):
+            raise PlanError(f"memory {memory!r} is not an amount",
+                            hint="write an integer or a size like 32GiB") from None
+        if capacity <= 0:
+            raise PlanError("memory must be positive")
+        if plan.memory_is_size != is_size and any(b.memory for b in plan.blocks):
+            unit = "sizes like 32GiB" if plan.memory_is_size else "plain integers"
+            raise PlanError(f"memory must use the plan's unit: {unit}")
+    if time_limit is not None and not time_limit > 0:
+        raise PlanError("the time limit must be positive (seconds)")
+    return plan.with_overrides(micro_batches=micro_batches, memory=capacity,
+                               time_limit=time_limit)
+
+
+def solve(plan: Plan | str | os.PathLike, *, micro_batches: int | None = None,
+          memory: int | str | None = None, time_limit: float | None = None,
+          progress=None) -> Solution:
+    """Search a schedule: never longer than a template that fits, `status == "optimal"` only
+    when proven. Overrides as in `with_overrides`. Raises PlanError for bad input and
+    InfeasibleError when nothing fits."""
+    problem = with_overrides(_plan(plan), micro_batches=micro_batches, memory=memory,
+                             time_limit=time_limit)
+    found = _solve(problem, progress=progress)
+    return Solution(**{f.name: getattr(found, f.name) for f in dataclasses.fields(found)})
+
+
+def load_resolved(path: str | os.PathLike) -> ResolvedPlan:
+    """Read a resolved plan; its schedule is re-evaluated in the core and checked against the
+    recorded times (PlanError if the file was edited or does not run)."""
+    return _load_resolved(path)
+
+
+def templates(plan: Plan | str | os.PathLike) -> dict[str, Baseline]:
+    """Every hand-written schedule on the plan's placement, evaluated: makespan, bubble rate,
+    peak memory and whether it fits, or why it does not apply."""
+    return baselines(_plan(plan))
