@@ -19,8 +19,8 @@ from pathlib import Path
 
 from pyplan.errors import InfeasibleError
 from pyplan.problem import load_problem
-from pyplan.solve import incumbents, solve
-from pyplan.solve.exact import time_optimal
+from pyplan.solver import incumbents, solve
+from pyplan.solver.exact import time_optimal
 
 PLANS = Path(__file__).resolve().parent.parent / "plans"
 COUNTS = (1, 2, 3, 4, 8, 24, 64)

@@ -53,7 +53,7 @@ def prepare(directory: Path) -> dict[str, Path]:
     """Solve every plan the benchmark runs; returns name -> resolved plan."""
     from pyplan.problem import load_problem
     from pyplan.resolved import resolved_path, write_resolved
-    from pyplan.solve import solve
+    from pyplan.solver import solve
 
     paths = {}
     for name in ("transformer-vshape", "gpt-mshape"):

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from pyplan import _core
 from pyplan.problem import build_problem, load_problem
-from pyplan.solve import incumbents, solve
-from pyplan.solve.exact import modulo_repetend, time_optimal
+from pyplan.solver import incumbents, solve
+from pyplan.solver.exact import modulo_repetend, time_optimal
 from pyplan.spec import spec_from_text
 
 PLANS = Path(__file__).resolve().parent.parent / "plans"

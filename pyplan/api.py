@@ -2,7 +2,7 @@
 
     import pyplan
     plan = pyplan.load_plan("plans/gpt-mshape.yaml")          # or YAML text
-    solution = pyplan.solve(plan, micro_batches=32, memory=6)
+    solution = pyplan.solver(plan, micro_batches=32, memory=6)
     print(solution.makespan, solution.status, solution.lower_bound)
     solution.write("gpt-mshape.resolved.yaml")
 
@@ -20,9 +20,9 @@ from pyplan.errors import PlanError
 from pyplan.problem import Problem, build_problem, load_problem
 from pyplan.resolved import ResolvedPlan, write_resolved
 from pyplan.resolved import load_resolved as _load_resolved
-from pyplan.solve import Solution as _Solved
-from pyplan.solve import solve as _solve
-from pyplan.solve.templates import Baseline, baselines
+from pyplan.solver import Solution as _Solved
+from pyplan.solver import solve as _solve
+from pyplan.solver.templates import Baseline, baselines
 from pyplan.spec import parse_memory, spec_from_text
 
 __all__ = ["Baseline", "Plan", "ResolvedPlan", "Solution", "load_plan", "load_resolved",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 from conftest import PLANS
@@ -39,3 +40,15 @@ def test_closed_pipe_stops_quietly(tmp_path, monkeypatch, capsys):
     assert main(["validate", str(PLANS / "tessel-vshape.yaml")]) == 141
     spare.close()
     assert capsys.readouterr().err == ""
+
+
+def test_missing_compiled_core_is_one_line(tmp_path):
+    # As in a source tree without a build: pyplan._core cannot be imported.
+    code = ("import sys; sys.modules['pyplan._core'] = None; from pyplan.cli.main import main; "
+            "sys.exit(main(['validate', 'x.yaml']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: pyplan's compiled core (pyplan._core) cannot be "
+                                    "imported from ")
+    assert result.stderr.count("\n") == 1 and "hint: in a source tree" in result.stderr

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from dags import core_graph, problems
 from pyplan import _core
 from pyplan.problem import Block, Problem
-from pyplan.solve.exact import modulo_repetend
+from pyplan.solver.exact import modulo_repetend
 
 
 def as_problem(num_devices, blocks, edges, capacity):

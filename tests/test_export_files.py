@@ -12,7 +12,7 @@ import pytest
 from conftest import PLANS
 from pyplan.export._layout import memory_steps
 from pyplan.problem import load_problem
-from pyplan.solve import solve
+from pyplan.solver import solve
 
 SVG = "{http://www.w3.org/2000/svg}"
 NAMES = ["1f1b-4stage", "zero-bubble", "interleaved-1f1b", "tessel-mshape", "tessel-kshape"]

@@ -11,7 +11,7 @@ import pytest
 from conftest import PLANS
 from pyplan.export.timeline import render_plain, timeline
 from pyplan.problem import load_problem
-from pyplan.solve import solve
+from pyplan.solver import solve
 
 GOLDEN = PLANS.parent / "tests" / "golden"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -13,8 +13,8 @@ import pytest
 from conftest import PLANS
 from pyplan.export.torch_csv import read_torch_csv, torch_stages
 from pyplan.problem import load_problem
-from pyplan.solve import solve
-from pyplan.solve.templates import baselines
+from pyplan.solver import solve
+from pyplan.solver.templates import baselines
 
 SEARCHED = ["1f1b-4stage", "1f1b-8stage", "interleaved-1f1b", "zero-bubble"]
 TEMPLATES = [("1f1b-4stage", "gpipe"), ("1f1b-4stage", "1f1b"), ("1f1b-8stage", "1f1b"),

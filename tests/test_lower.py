@@ -18,7 +18,7 @@ from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, SEND, WAIT, check
 from pyplan.problem import FORWARD, Block, Problem, load_problem
 from pyplan.resolved import load_resolved
 from pyplan.schedule import build_schedule
-from pyplan.solve import solve
+from pyplan.solver import solve
 from pyplan.spec import spec_from_text
 from pyplan.problem import build_problem
 from pyplan.verify import verify

@@ -37,7 +37,7 @@ def test_outside_torchrun_says_how_to_launch(cli, outside_torchrun):
     code, out, err = cli("run", VSHAPE)
     assert (code, out) == (1, "")
     assert err == ("error: pyplan run runs one process per device under torchrun (hint: "
-                   f"launch it with: torchrun --nproc-per-node 4 -m pyplan run {VSHAPE})\n")
+                   f"launch it with: pyplan run {VSHAPE} --nproc-per-node 4)\n")
 
 
 def test_python_dash_m_outside_torchrun_does_not_crash(outside_torchrun, tmp_path):
@@ -46,7 +46,7 @@ def test_python_dash_m_outside_torchrun_does_not_crash(outside_torchrun, tmp_pat
                             capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.count("\n") == 1
-    assert "torchrun --nproc-per-node 4 -m pyplan run" in result.stderr
+    assert f"pyplan run {VSHAPE} --nproc-per-node 4" in result.stderr
 
 
 def test_plan_without_model_is_refused(cli, outside_torchrun):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -160,6 +161,28 @@ def test_gpt_mshape_matches_single_process_training_and_traces(tmp_path):
     assert ran == planned
     assert {e["cat"] for e in events if e.get("ph") == "X"} >= {"send", "recv", "wait",
                                                                "reduce"}
+
+
+ROOT = PLANS.parent
+PYPLAN = str(Path(sys.executable).with_name("pyplan"))  # the installed console script
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("launch", ["pyplan", "torchrun"])
+def test_run_from_the_repository_root(launch):
+    # In the checkout, `pyplan/` is the source tree; the installed package must run anyway.
+    plan = "plans/transformer-vshape.resolved.yaml"
+    if launch == "pyplan":
+        command = [PYPLAN, "run", plan, "--nproc-per-node", "4", "--check", "--json"]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "4", "--no-python", PYPLAN, "run", plan, "--check",
+                   "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["ranks"] == 4 and report["check"]["ok"], report
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.torchrun

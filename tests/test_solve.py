@@ -16,10 +16,10 @@ from pyplan.spec import spec_from_text
 from pyplan import _core
 from pyplan.problem import load_problem
 from pyplan.resolved import load_resolved, render_resolved, resolved_path, write_resolved
-from pyplan.solve import min_memory, solve
-from pyplan.solve.exact import time_optimal
-from pyplan.solve.search import SearchStats, search_repetend
-from pyplan.solve.templates import baselines
+from pyplan.solver import min_memory, solve
+from pyplan.solver.exact import time_optimal
+from pyplan.solver.search import SearchStats, search_repetend
+from pyplan.solver.templates import baselines
 
 TESSEL = {"v": "tessel-vshape", "x": "tessel-xshape", "m": "tessel-mshape",
           "nn": "tessel-nnshape", "k": "tessel-kshape"}

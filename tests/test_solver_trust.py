@@ -17,10 +17,10 @@ from conftest import PLANS
 from pyplan import _core
 from pyplan.errors import InfeasibleError
 from pyplan.problem import build_problem, load_problem
-from pyplan.solve import incumbents, min_memory, solve
-from pyplan.solve.exact import time_optimal
-from pyplan.solve.templates import baselines as baselines_of
-from pyplan.solve.templates import template_orders
+from pyplan.solver import incumbents, min_memory, solve
+from pyplan.solver.exact import time_optimal
+from pyplan.solver.templates import baselines as baselines_of
+from pyplan.solver.templates import template_orders
 from pyplan.spec import spec_from_text
 
 

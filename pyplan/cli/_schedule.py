@@ -14,8 +14,8 @@ from pyplan.errors import PlanError
 from pyplan.problem import Problem, load_problem
 from pyplan.resolved import ResolvedPlan, load_resolved
 from pyplan.schedule import Schedule
-from pyplan.solve import TEMPLATES, solve
-from pyplan.solve.templates import NotApplicable, template_orders
+from pyplan.solver import TEMPLATES, solve
+from pyplan.solver.templates import NotApplicable, template_orders
 from pyplan.spec.schema import did_you_mean
 
 __all__ = ["Evaluated", "is_resolved", "load_plan", "load_schedule", "pick_schedule",

@@ -46,10 +46,28 @@ def _load(module: str):
     return importlib.import_module(f"pyplan.cli.{module}")
 
 
+def _core_problem() -> PyplanError | None:
+    """Why the compiled core cannot be imported, as one line (a source tree without a build
+    shadows the installed package when Python starts in it with -m)."""
+    try:
+        from pyplan import _core  # noqa: F401
+    except ImportError as exc:
+        where = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return PyplanError(
+            f"pyplan's compiled core (pyplan._core) cannot be imported from {where}: {exc}",
+            hint="in a source tree, run the installed `pyplan` command (not python -m pyplan) "
+                 "or start from another folder; or build it here: pip install -e .")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 run failed, 2 bad input, 3 infeasible)."""
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
+    problem = _core_problem()
+    if problem is not None:
+        sys.stderr.write(f"{problem}\n")
+        return problem.exit_code
     args = _parser(command if command in _COMMANDS else None).parse_args(argv)
     try:
         return _load(args._module).run(args)

@@ -1,9 +1,12 @@
 """`pyplan run PLAN.resolved.yaml`: execute a resolved plan, one process per device:
 
-    torchrun --nproc-per-node D -m pyplan run PLAN.resolved.yaml [--check] [--blocking] [--trace F]
+    pyplan run PLAN.resolved.yaml --nproc-per-node D [--check] [--blocking] [--trace F]
+    torchrun --nproc-per-node D -m pyplan run PLAN.resolved.yaml [...]     (multi-node too)
 
-Every rank loads the plan, lowers it to per-rank programs and verifies them before anything
-runs; then init -> build -> run -> close.
+With --nproc-per-node and not under torchrun, pyplan starts the workers itself through torch's
+launcher (torch.distributed.run: the same rendezvous, log prefixes and exit codes). Every rank
+loads the plan, lowers it to per-rank programs and verifies them before anything runs; then
+init -> build -> run -> close.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 from pathlib import Path
 
 from pyplan.errors import EXIT_RUN_FAILED, PlanError, RunError
@@ -47,6 +52,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fail-at", metavar="RANK:INDEX[:kill]",
                         help="testing aid: RANK raises (or kills itself) at instruction INDEX "
                         "of iteration 0")
+    launch = parser.add_argument_group(
+        "launching (torchrun's options; used when pyplan run starts the workers itself)")
+    launch.add_argument("--nproc-per-node", type=int, metavar="D",
+                        help="start D worker processes on this machine through torch's launcher")
+    for option in _LAUNCH_OPTIONS:
+        launch.add_argument(f"--{option}", metavar="VALUE", help=argparse.SUPPRESS)
+
+
+# torchrun options passed through by `pyplan run --nproc-per-node` (multi-node rendezvous).
+_LAUNCH_OPTIONS = ("nnodes", "node-rank", "rdzv-backend", "rdzv-endpoint", "rdzv-id",
+                   "master-addr", "master-port", "max-restarts", "log-dir")
+
+# What each launched worker runs: pyplan's CLI, with the working directory off sys.path so a
+# source tree without a build cannot shadow the installed package.
+_WORKER = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+           "from pyplan.cli.main import main; sys.exit(main(sys.argv[1:]))")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         _print_programs(lowered)
         return 0
     devices = problem.num_devices
-    command = f"torchrun --nproc-per-node {devices} -m pyplan run {args.plan}"
+    command = f"pyplan run {args.plan} --nproc-per-node {devices}"
+    if args.nproc_per_node is not None and "RANK" not in os.environ:
+        return _launch(args)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RunError("pyplan run runs one process per device under torchrun",
                        hint=f"launch it with: {command}")
@@ -83,6 +106,54 @@ def run(args: argparse.Namespace) -> int:
 
     model = load_model(problem, (plan.plan_path or Path(plan.path)).parent)
     return record(_session)(args, lowered, output, model, fail_at)
+
+
+def _worker_arguments(args: argparse.Namespace) -> list[str]:
+    """The command line of one worker: this run's options, without the launcher's."""
+    out = ["run", args.plan, "--iterations", str(args.iterations), "--seed", str(args.seed),
+           "--lr", repr(args.lr), "--tolerance", repr(args.tolerance),
+           "--fault-timeout", repr(args.fault_timeout)]
+    for flag in ("check", "blocking", "json"):
+        if getattr(args, flag):
+            out.append(f"--{flag}")
+    for option in ("trace", "fail_at"):
+        if getattr(args, option) is not None:
+            out += [f"--{option.replace('_', '-')}", getattr(args, option)]
+    return out
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """Start the workers through torch's launcher, as torchrun would, and wait for them."""
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import get_args_parser
+        from torch.distributed.run import run as torchrun
+    except ImportError as exc:
+        raise RunError(f"pyplan run needs torch ({exc})",
+                       hint="pip install 'pyplan[run]'") from None
+    if args.nproc_per_node < 1:
+        raise PlanError("--nproc-per-node must be at least 1")
+    options = ["--nproc-per-node", str(args.nproc_per_node)]
+    given = {o: getattr(args, o.replace("-", "_")) for o in _LAUNCH_OPTIONS}
+    for option, value in given.items():
+        if value is not None:
+            options += [f"--{option}", value]
+    if all(given[o] is None for o in ("nnodes", "rdzv-endpoint", "master-port", "master-addr")):
+        options.append("--standalone")  # one machine: a free port, no fixed 29500
+    launcher = get_args_parser().parse_args(
+        [*options, "--no-python", sys.executable, "-c", _WORKER, *_worker_arguments(args)])
+    try:
+        torchrun(launcher)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        raise RunError(f"{len(exc.failures)} worker(s) failed; the first, rank {rank}, exited "
+                       f"with {failure.exitcode}", hint="its own message is above") from None
+    except SignalException as exc:
+        if exc.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise RunError(f"the launcher got signal {exc.sigval.name}") from None
+    return 0
 
 
 def _session(args, lowered, output: int, model, fail_at) -> int:

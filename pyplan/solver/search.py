@@ -11,7 +11,7 @@
    proves the best optimal among repetends of at most max N_R micro-batches.
 5. A pool of repetends with that period (modulo schedules for every N_R limit, the best Tessel
    candidates of each N_R) is ranked by the makespan of its periodic schedule; completion
-   (pyplan.solve.complete) picks among the best of them.
+   (pyplan.solver.complete) picks among the best of them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pyplan import _core
 from pyplan.errors import InfeasibleError
 from pyplan.problem import Problem
-from pyplan.solve.exact import modulo_repetend
+from pyplan.solver.exact import modulo_repetend
 
 __all__ = ["RepetendSearch", "SearchStats", "candidate_pool", "max_repetend_micro_batches",
            "search_repetend"]

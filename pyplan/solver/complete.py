@@ -14,7 +14,7 @@ from __future__ import annotations
 from pyplan import _core
 from pyplan.problem import Problem
 from pyplan.schedule import Schedule, build_schedule, repetend_from_core
-from pyplan.solve.exact import Anchor, Effort, time_optimal
+from pyplan.solver.exact import Anchor, Effort, time_optimal
 
 __all__ = ["EXACT_LIMIT", "PHASE_EFFORT", "WHOLE_LIMIT", "complete", "complete_whole"]
 

@@ -10,10 +10,10 @@ from pyplan import _core
 from pyplan.errors import InfeasibleError
 from pyplan.problem import Problem
 from pyplan.schedule import Schedule, build_schedule
-from pyplan.solve.complete import complete, complete_whole
-from pyplan.solve.exact import Effort, infeasibility_core
-from pyplan.solve.search import SearchStats, candidate_pool, search_repetend
-from pyplan.solve.templates import TEMPLATES, Baseline, baselines
+from pyplan.solver.complete import complete, complete_whole
+from pyplan.solver.exact import Effort, infeasibility_core
+from pyplan.solver.search import SearchStats, candidate_pool, search_repetend
+from pyplan.solver.templates import TEMPLATES, Baseline, baselines
 
 __all__ = ["DEFAULT_TIME_LIMIT", "TEMPLATES", "Baseline", "Solution", "incumbents", "min_memory",
            "solve"]
