@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
 
 from conftest import PLANS
 from pyplan import __version__
@@ -52,3 +56,20 @@ def test_missing_compiled_core_is_one_line(tmp_path):
     assert result.stderr.startswith("error: pyplan's compiled core (pyplan._core) cannot be "
                                     "imported from ")
     assert result.stderr.count("\n") == 1 and "hint: in a source tree" in result.stderr
+
+
+@pytest.mark.parametrize("delay", [0.3, 2.0])
+def test_ctrl_c_during_a_solve_exits_130_and_writes_nothing(tmp_path, delay):
+    # NN-shape, 6 micro-batches, memory 3: seconds of Z3 work (enumeration, then exact phases).
+    out = tmp_path / "nn.resolved.yaml"
+    process = subprocess.Popen([sys.executable, "-m", "pyplan", "solve",
+                                str(PLANS / "tessel-nnshape.yaml"), "--micro-batches", "6",
+                                "--memory", "3", "-o", str(out), "--quiet"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=tmp_path)
+    time.sleep(delay)
+    assert process.poll() is None, "the solve ended before the interrupt"
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=30)
+    assert (process.returncode, stdout, stderr) == (130, "", "interrupted\n")
+    assert not out.exists()

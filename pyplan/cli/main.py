@@ -64,12 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 run failed, 2 bad input, 3 infeasible)."""
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    problem = _core_problem()
-    if problem is not None:
-        sys.stderr.write(f"{problem}\n")
-        return problem.exit_code
-    args = _parser(command if command in _COMMANDS else None).parse_args(argv)
     try:
+        problem = _core_problem()
+        if problem is not None:
+            raise problem
+        args = _parser(command if command in _COMMANDS else None).parse_args(argv)
         return _load(args._module).run(args)
     except PyplanError as exc:
         # One write: under torchrun every rank shares stderr, and print() writes the newline

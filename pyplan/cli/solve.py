@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
+import sys
 
 from pyplan.api import Solution, load_plan, solve
 from pyplan.cli._progress import live_progress
@@ -77,9 +80,34 @@ def summary_text(solution: Solution, output: str | None) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _interruptible():
+    """Ctrl-C ends the solve even where it lands inside Z3's object finalisers (which would
+    swallow the KeyboardInterrupt and let the solve finish): it is remembered and re-raised."""
+    interrupted = []
+
+    def on_interrupt(signum, frame):
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    def unraisable(info):
+        if not isinstance(info.exc_value, KeyboardInterrupt):
+            default(info)
+
+    default, sys.unraisablehook = sys.unraisablehook, unraisable
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = default
+    if interrupted:
+        raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
-    with live_progress(not (args.quiet or args.json)) as progress:
+    with _interruptible(), live_progress(not (args.quiet or args.json)) as progress:
         solution = solve(plan, micro_batches=args.micro_batches,
                          memory=_memory_argument(args.memory), time_limit=args.time_limit,
                          progress=progress)

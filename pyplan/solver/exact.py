@@ -64,9 +64,18 @@ class Effort:
     def check(self, solver: z3.Solver) -> z3.CheckSatResult:
         before = _rlimit_count(solver)
         solver.set("rlimit", max(1, self.left))
-        outcome = solver.check()
+        outcome = _check(solver)
         self.left -= _rlimit_count(solver) - before
         return outcome
+
+
+def _check(solver, *assumptions):
+    """solver.check, except that Ctrl-C stays an interrupt: Z3 catches SIGINT during a check
+    and answers "unknown" ("interrupted from keyboard"; limits say "canceled")."""
+    outcome = solver.check(*assumptions)
+    if outcome == z3.unknown and "interrupted" in solver.reason_unknown():
+        raise KeyboardInterrupt
+    return outcome
 
 
 def _rlimit_count(solver: z3.Solver) -> int:
@@ -125,7 +134,7 @@ def modulo_repetend(problem: Problem, period: int, max_micro_batches: int, *,
     solver.add(z3.Or([k == 0 for k in lag]), z3.Or([o == 0 for o in off]))
     for a, c in problem.edges:  # implied (a_c > a_a), stated to help propagation
         solver.add(lag[c] >= lag[a])
-    outcome = solver.check()
+    outcome = _check(solver)
     if outcome == z3.sat:
         model = solver.model()
         return ModuloResult("sat", tuple(model.eval(s, model_completion=True).as_long()
@@ -307,7 +316,7 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
             opt.set("timeout", _remaining_ms(deadline))
         opt.add(*cons, objective <= hi)
         handle = opt.minimize(objective)
-        if opt.check() != z3.sat:
+        if _check(opt) != z3.sat:
             return TimeOptimal("none")
         found = opt.model()
         exact = opt.lower(handle).as_long() == found.eval(objective).as_long()
@@ -325,7 +334,7 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
         ms = _remaining_ms(deadline)
         if ms is not None:
             solver.set("timeout", ms)
-        outcome = effort.check(solver) if effort is not None else solver.check()
+        outcome = effort.check(solver) if effort is not None else _check(solver)
         if outcome == z3.sat:
             best_model = solver.model()
             hi = best_model.eval(objective).as_long() - 1
@@ -356,14 +365,14 @@ def infeasibility_core(problem: Problem, *, deadline: float | None = None,
     literals = list(model.labels.values())
     if effort is not None:
         solver.set("rlimit", max(1, effort.left))
-    if solver.check(*literals) != z3.unsat:
+    if _check(solver, *literals) != z3.unsat:
         return None
     core = [lit for lit in literals if any(lit.eq(c) for c in solver.unsat_core())]
-    if solver.check(*core) != z3.unsat:
+    if _check(solver, *core) != z3.unsat:
         core = literals
     for lit in list(core):  # deletion pass: keep only what the contradiction needs
         rest = [c for c in core if not c.eq(lit)]
-        if solver.check(*rest) == z3.unsat:
+        if _check(solver, *rest) == z3.unsat:
             core = rest
     return [label for label, lit in model.labels.items() if any(lit.eq(c) for c in core)]
 
