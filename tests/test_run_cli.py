@@ -68,6 +68,33 @@ def test_dry_run_prints_verified_programs(cli, outside_torchrun):
     assert "     8 wait for stage3@0 output from rank 3 before head@0" in lines
 
 
+def test_dry_run_builds_the_model_and_names_a_broken_block(cli, outside_torchrun, tmp_path):
+    pytest.importorskip("torch")
+    code, out, _ = cli("run", PLANS / "gpt-mshape.resolved.yaml", "--dry-run")
+    assert code == 0 and out.splitlines()[-1].startswith(
+        "model: pyplan.examples.gpt:build built all 6 declared blocks")
+    # A model module beside the plan (found through the plan's folder) whose build cannot
+    # make one of the blocks: the dry run says which, before any process starts.
+    (tmp_path / "tiny.py").write_text(
+        "import torch\n"
+        "def build(name, group):\n"
+        "    return {'a': torch.nn.Linear(4, 4)}[name]\n"
+        "def batch(step):\n    return torch.ones(4, 4), torch.ones(4, 4)\n"
+        "def loss(out, target):\n    return ((out - target) ** 2).mean()\n")
+    plan = tmp_path / "tiny.yaml"
+    plan.write_text("pyplan: 1\nname: tiny\ndevices: 2\nmicro_batches: 2\n"
+                    "training: {backward: {time_ratio: 2}}\n"
+                    "blocks:\n  - {name: a, devices: [0], time: 1, memory: 1}\n"
+                    "  - {name: b, devices: [1], time: 1, memory: 1}\n"
+                    "model: {blocks: 'tiny:build', data: 'tiny:batch', loss: 'tiny:loss'}\n")
+    assert cli("solve", plan, "--quiet")[0] == 0
+    code, out, err = cli("run", tmp_path / "tiny.resolved.yaml", "--dry-run")
+    assert code == 1
+    assert err == ("error: model.blocks failed to build block 'b': KeyError: 'b' (hint: "
+                   "build(block_name, group) must return an nn.Module for every declared "
+                   "block)\n")
+
+
 @pytest.mark.parametrize("value", ["2", "a:1", "1:2:explode"])
 def test_bad_fail_at_is_refused(cli, value):
     code, _, err = cli("run", VSHAPE, "--fail-at", value)
@@ -84,11 +111,15 @@ from pyplan.cli import main
 assert main(["validate", {str(plan)!r}]) == 0
 assert main(["solve", {str(plan)!r}, "-o", {str(out)!r}, "--quiet"]) == 0
 assert main(["run", {str(out)!r}, "--dry-run"]) == 0
+assert main(["profile", {str(plan)!r}]) == 1
+assert main(["run", {str(out)!r}, "--nproc-per-node", "4"]) == 1
 os.environ.update(RANK="0", WORLD_SIZE="4")
 assert main(["run", {str(out)!r}]) == 1
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=60, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stderr == ("error: pyplan run needs torch (import of torch halted; None in "
-                             "sys.modules) (hint: pip install 'pyplan[run]')\n")
+    hint = "(hint: install a pinned torch: pip install \"torch==2.13.0\" \".[run]\")"
+    assert result.stderr.splitlines() == [
+        f"error: pyplan {command} needs torch (import of torch halted; None in sys.modules) "
+        f"{hint}" for command in ("profile", "run", "run")]

@@ -7,6 +7,7 @@ import json
 import statistics
 from pathlib import Path
 
+from pyplan.cli._torch import require_torch
 from pyplan.errors import PlanError
 from pyplan.problem import BACKWARD, WEIGHT, load_problem
 from pyplan.spec import format_memory
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError("the plan has no model: section, so there is nothing to measure",
                         hint="add model: {blocks: ..., data: ..., loss: ...}",
                         file=problem.source_path)
+    require_torch("profile")
     from pyplan.runtime.binding import load_model  # torch only from here on
     from pyplan.runtime.profile import profile_blocks
 

@@ -18,6 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
+from pyplan.cli._torch import require_torch
 from pyplan.errors import EXIT_RUN_FAILED, PlanError, RunError
 from pyplan.lower import COMPUTE, RECV, SEND, WAIT, check_runnable, describe, lower
 from pyplan.resolved import load_resolved
@@ -83,8 +84,10 @@ def run(args: argparse.Namespace) -> int:
     lowered = lower(problem, plan.schedule)
     verify(lowered)
     verify(lowered, blocking=True)
+    plan_dir = (plan.plan_path or Path(plan.path)).parent
     if args.dry_run:
         _print_programs(lowered)
+        print(_model_check(problem, plan_dir))
         return 0
     devices = problem.num_devices
     command = f"pyplan run {args.plan} --nproc-per-node {devices}"
@@ -96,16 +99,25 @@ def run(args: argparse.Namespace) -> int:
     if int(os.environ["WORLD_SIZE"]) != devices:
         raise RunError(f"the plan needs {devices} processes (devices: {devices}) but torchrun "
                        f"started {os.environ['WORLD_SIZE']}", hint=f"launch it with: {command}")
-    try:
-        import pyplan.runtime  # noqa: F401
-        from torch.distributed.elastic.multiprocessing.errors import record
-    except ImportError as exc:
-        raise RunError(f"pyplan run needs torch ({exc})",
-                       hint="pip install 'pyplan[run]'") from None
+    require_torch("run")
+    from torch.distributed.elastic.multiprocessing.errors import record
     from pyplan.runtime.binding import load_model
 
-    model = load_model(problem, (plan.plan_path or Path(plan.path)).parent)
+    model = load_model(problem, plan_dir)
     return record(_session)(args, lowered, output, model, fail_at)
+
+
+def _model_check(problem, plan_dir: Path) -> str:
+    """Build the model's blocks on the meta device when torch is there; say so either way."""
+    try:
+        require_torch("run --dry-run")
+    except RunError:
+        return "model: not imported (torch is not installed)"
+    from pyplan.runtime.binding import check_model
+
+    count = check_model(problem, plan_dir)
+    return (f"model: {problem.model.blocks} built all {count} declared blocks (on the meta "
+            "device); data and loss import")
 
 
 def _worker_arguments(args: argparse.Namespace) -> list[str]:
@@ -124,14 +136,11 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
 
 def _launch(args: argparse.Namespace) -> int:
     """Start the workers through torch's launcher, as torchrun would, and wait for them."""
-    try:
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.run import get_args_parser
-        from torch.distributed.run import run as torchrun
-    except ImportError as exc:
-        raise RunError(f"pyplan run needs torch ({exc})",
-                       hint="pip install 'pyplan[run]'") from None
+    require_torch("run")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
     if args.nproc_per_node < 1:
         raise PlanError("--nproc-per-node must be at least 1")
     options = ["--nproc-per-node", str(args.nproc_per_node)]

@@ -20,7 +20,8 @@ import torch
 from pyplan.errors import PlanError, RunError
 from pyplan.problem import BACKWARD, WEIGHT, Problem
 
-__all__ = ["SHARD_DIM", "Model", "block_inputs", "build_modules", "forward_blocks", "load_model", "make_batch",
+__all__ = ["SHARD_DIM", "Model", "block_inputs", "build_modules", "check_model", "forward_blocks",
+           "load_model", "make_batch",
            "named_parameters", "shard", "shard_dim", "split_batch", "seed_everything"]
 
 SHARD_DIM = "pyplan_shard_dim"
@@ -59,15 +60,39 @@ def _function(text: str, what: str, file: str) -> Callable:
 
 
 def load_model(problem: Problem, plan_dir: Path) -> Model:
-    """Import the plan's model functions (model.path is relative to the plan file)."""
+    """Import the plan's model functions, with the plan's folder and model.path (relative to
+    it) on sys.path, however the process was started (python -m, a console script, torchrun
+    --no-python)."""
     spec = problem.model
     file = problem.source_path
-    if spec.path:
-        path = str((plan_dir / spec.path).resolve())
+    for folder in ([spec.path] if spec.path else []) + ["."]:
+        path = str((plan_dir / folder).resolve())
         if path not in sys.path:
             sys.path.insert(0, path)
     return Model(_function(spec.blocks, "blocks", file), _function(spec.data, "data", file),
                  _function(spec.loss, "loss", file))
+
+
+def check_model(problem: Problem, plan_dir: Path) -> int:
+    """Import the model functions and build every declared block whole on the meta device (no
+    memory, no compute), so a wrong name in `model:` or a failing build shows before any
+    process starts. Returns how many blocks were built."""
+    model = load_model(problem, plan_dir)
+    blocks = forward_blocks(problem)
+    with torch.device("meta"):
+        for b in blocks:
+            name = problem.blocks[b].name
+            try:
+                module = model.build(name, None)
+            except Exception as exc:  # the user's code: any failure is theirs to see
+                raise RunError(f"model.blocks failed to build block '{name}': "
+                               f"{type(exc).__name__}: {exc}",
+                               hint="build(block_name, group) must return an nn.Module for "
+                                    "every declared block") from None
+            if not isinstance(module, torch.nn.Module):
+                raise RunError(f"model.blocks returned {type(module).__name__} for block "
+                               f"'{name}', not a torch.nn.Module")
+    return len(blocks)
 
 
 def seed_everything(seed: int, *parts: object) -> None:
