@@ -12,7 +12,8 @@
 
 The script solves the plans it needs into a temporary directory and re-launches itself under
 torchrun; the workers run every case in turn, `rounds` times, in the same processes, and rank 0
-prints each case's median iteration time and the ratios. The example models are enlarged here
+prints each case's median iteration time and each ratio's median, minimum and maximum over the
+rounds (a ratio is taken within a round). The example models are enlarged here
 (their size constants) so that blocks, not Python overhead, dominate.
 """
 
@@ -179,23 +180,29 @@ def worker(directory: Path, rounds: int) -> None:
         TorchCase("torch GPT Schedule1F1B", "Schedule1F1B", "gpt", gpt_vshape),
         TorchCase("torch GPT ScheduleGPipe", "ScheduleGPipe", "gpt", gpt_vshape),
     ]
-    times: dict[str, list[float]] = {case.name: [] for case in cases}
+    # Per round, each case's median iteration: a ratio is taken within a round (the same
+    # machine load for both cases) and reported as its spread over the rounds.
+    rounds_of: dict[str, list[float]] = {case.name: [] for case in cases}
     for _ in range(rounds):
         for case in cases:
-            times[case.name] += case.run()[WARMUP:]
+            rounds_of[case.name].append(statistics.median(case.run()[WARMUP:]))
     if dist.get_rank() == 0:
-        report({name: statistics.median(t) for name, t in times.items()})
+        report(rounds_of)
     dist.destroy_process_group()
 
 
-def report(median: dict[str, float]) -> None:
-    print(f"median iteration time over {ITERATIONS - WARMUP} iterations x rounds "
-          "(4 gloo ranks on this machine's CPU):")
+def report(rounds_of: dict[str, list[float]]) -> None:
+    count = len(next(iter(rounds_of.values())))
+    median = {name: statistics.median(t) for name, t in rounds_of.items()}
+    print(f"median iteration time, {ITERATIONS - WARMUP} iterations x {count} rounds "
+          f"(4 gloo ranks, {os.cpu_count()} CPU cores):")
     for name, seconds in median.items():
         print(f"  {name:34} {seconds * 1e3:8.1f} ms")
 
     def ratio(label: str, slow: str, fast: str) -> None:
-        print(f"{label:62} {median[slow] / median[fast]:.2f}x")
+        values = sorted(a / b for a, b in zip(rounds_of[slow], rounds_of[fast]))
+        print(f"{label:62} {statistics.median(values):.2f}x  (min {values[0]:.2f}, max "
+              f"{values[-1]:.2f} over {count} rounds)")
 
     print("ratios (> 1: the first named is faster):")
     ratio("non-blocking vs blocking, V-shape 1F1B", "pyplan 1F1B, blocking",

@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include "core/evaluate.hpp"
+#include "core/repetend.hpp"
 
 namespace py = pybind11;
 
@@ -13,6 +14,10 @@ namespace py = pybind11;
 PYBIND11_MAKE_OPAQUE(pyplan::DeviceOrders)
 
 using PyOrders = std::vector<std::vector<std::pair<int, int>>>;
+
+// Argument checks shared by the bindings (the core assumes valid input): ValueError otherwise.
+void check_count(int64_t n, int64_t limit, const char* what);
+void check_repetend(const pyplan::Graph& g, const pyplan::Repetend& r);
 pyplan::DeviceOrders to_orders(const PyOrders& orders);
 PyOrders from_orders(const pyplan::DeviceOrders& orders);
 

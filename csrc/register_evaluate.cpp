@@ -3,11 +3,28 @@
 
 using namespace pyplan;
 
+void check_count(int64_t n, int64_t limit, const char* what) {
+    if (n < 0 || n > limit)
+        throw std::invalid_argument(std::string(what) + " must lie in 0 .. " +
+                                    std::to_string(limit) + ", got " + std::to_string(n));
+}
+
+void check_repetend(const Graph& g, const Repetend& r) {
+    if (static_cast<int>(r.indices.size()) != g.num_blocks() ||
+        static_cast<int>(r.orders.size()) != g.num_devices())
+        throw std::invalid_argument("the repetend belongs to another graph");
+}
+
 DeviceOrders to_orders(const PyOrders& orders) {
     DeviceOrders out(orders.size());
     for (size_t d = 0; d < orders.size(); ++d) {
         out[d].reserve(orders[d].size());
-        for (auto [b, m] : orders[d]) out[d].push_back({b, m});
+        for (auto [b, m] : orders[d]) {
+            if (m > kMaxMicroBatches)
+                throw std::invalid_argument("micro-batch index " + std::to_string(m) +
+                                            " beyond 10^7");
+            out[d].push_back({b, m});
+        }
     }
     return out;
 }
@@ -42,6 +59,7 @@ void register_evaluate(py::module_& m) {
     auto run = [](const Graph& g, const DeviceOrders& orders, int64_t memory_capacity,
                   std::vector<int64_t> initial_memory, int complete_micro_batches,
                   bool enforce_rules) {
+        check_count(complete_micro_batches, kMaxMicroBatches, "complete_micro_batches");
         EvalOptions opt{memory_capacity, std::move(initial_memory), complete_micro_batches,
                         enforce_rules};
         py::gil_scoped_release release;

@@ -13,6 +13,8 @@ void register_modulo(py::module_& m) {
         "modulo_schedule",
         [](const Graph& g, int64_t period, int max_micro_batches, int64_t capacity,
            int64_t budget) {
+            check_count(max_micro_batches, kMaxRepetendMicroBatches, "max_micro_batches");
+            check_count(period, kMaxTime, "period");
             ModuloStats stats;
             Repetend r;
             {
@@ -27,6 +29,7 @@ void register_modulo(py::module_& m) {
         "modulo_search",
         [](const Graph& g, int max_micro_batches, int64_t capacity, int64_t max_period,
            int64_t budget) {
+            check_count(max_micro_batches, kMaxRepetendMicroBatches, "max_micro_batches");
             ModuloStats stats;
             Repetend r;
             {

@@ -61,21 +61,39 @@ void register_repetend(py::module_& m) {
     m.def("list_schedule_repetend", &list_schedule_repetend, py::arg("graph"),
           py::arg("indices"), py::call_guard<py::gil_scoped_release>());
     m.def("memory_fits", &memory_fits, py::arg("repetend"), py::arg("capacity"));
+    auto check_indices = [](const std::vector<int>& n) {
+        for (int i : n) check_count(i, kMaxRepetendMicroBatches, "a repetend index");
+    };
     m.def(
-        "warmup_blocks", [](const std::vector<int>& n) { return instances_to_py(warmup_blocks(n))[0]; },
+        "warmup_blocks",
+        [check_indices](const std::vector<int>& n) {
+            check_indices(n);
+            return instances_to_py(warmup_blocks(n))[0];
+        },
         py::arg("indices"));
     m.def(
         "cooldown_blocks",
-        [](const std::vector<int>& n) { return instances_to_py(cooldown_blocks(n))[0]; },
+        [check_indices](const std::vector<int>& n) {
+            check_indices(n);
+            return instances_to_py(cooldown_blocks(n))[0];
+        },
         py::arg("indices"));
     m.def(
         "periodic_orders",
-        [](const Graph& g, const Repetend& r, int n) { return from_orders(periodic_orders(g, r, n)); },
+        [](const Graph& g, const Repetend& r, int n) {
+            check_repetend(g, r);
+            check_count(n, kMaxMicroBatches, "num_micro_batches");
+            return from_orders(periodic_orders(g, r, n));
+        },
         py::arg("graph"), py::arg("repetend"), py::arg("num_micro_batches"));
     m.def(
         "extend",
         [](const Graph& g, const PyOrders& warmup, const Repetend& r, const PyOrders& cooldown,
-           int n) { return from_orders(extend(g, to_orders(warmup), r, to_orders(cooldown), n)); },
+           int n) {
+            check_repetend(g, r);
+            check_count(n, kMaxMicroBatches, "num_micro_batches");
+            return from_orders(extend(g, to_orders(warmup), r, to_orders(cooldown), n));
+        },
         py::arg("graph"), py::arg("warmup"), py::arg("repetend"), py::arg("cooldown"),
         py::arg("num_micro_batches"));
 
@@ -90,6 +108,7 @@ void register_repetend(py::module_& m) {
         "search_repetends",
         [](const Graph& g, int num_mb, int64_t capacity, int64_t best_period, int64_t target,
            int64_t max_candidates, double seconds) {
+            check_count(num_mb, kMaxRepetendMicroBatches, "num_micro_batches");
             RepetendSearchStats stats;
             Repetend best;
             {
@@ -102,13 +121,22 @@ void register_repetend(py::module_& m) {
         py::arg("graph"), py::arg("num_micro_batches"), py::arg("memory_capacity") = -1,
         py::arg("best_period") = 0, py::arg("target") = 0, py::arg("max_candidates") = 0,
         py::arg("seconds") = 0.0);
-    m.def("periodic_makespan", &periodic_makespan, py::arg("graph"), py::arg("repetend"),
-          py::arg("num_micro_batches"), py::arg("memory_capacity") = -1,
-          py::call_guard<py::gil_scoped_release>());
+    m.def(
+        "periodic_makespan",
+        [](const Graph& g, const Repetend& r, int n, int64_t capacity) {
+            check_repetend(g, r);
+            check_count(n, kMaxMicroBatches, "num_micro_batches");
+            py::gil_scoped_release release;
+            return periodic_makespan(g, r, n, capacity);
+        },
+        py::arg("graph"), py::arg("repetend"), py::arg("num_micro_batches"),
+        py::arg("memory_capacity") = -1);
     m.def(
         "rank_repetends",
         [](const Graph& g, int num_mb, int64_t capacity, int64_t period, int n, int keep,
            int64_t max_candidates, double seconds) {
+            check_count(num_mb, kMaxRepetendMicroBatches, "num_micro_batches_in_repetend");
+            check_count(n, kMaxMicroBatches, "num_micro_batches");
             RepetendSearchStats stats;
             std::vector<Repetend> out;
             {

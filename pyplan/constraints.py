@@ -20,6 +20,7 @@ __all__ = ["ParsedRule", "RuleSyntaxError", "expand_template", "parse_rule"]
 _REF = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_-]*(?:\.[A-Za-z_][A-Za-z0-9_-]*)?)\s*"
                   r"\[\s*m\s*(?:([+-])\s*(\d+)\s*)?\]\s*")
 _COND = re.compile(r"\s*if\s+m\s*(>=|>)\s*(-?\d+)\s*$")
+MAX_SHIFT = 10**6
 _FORM = "write rules like \"stage0.f[m+4] < stage0.b[m]\" (optionally ending with \"if m >= 2\")"
 
 
@@ -51,6 +52,9 @@ def _ref(text: str, pos: int) -> tuple[str, int, int, int]:
         raise RuleSyntaxError(f"expected a block reference like name[m+1] at {text[pos:]!r}",
                               pos)
     name, sign, number = match.groups()
+    if number is not None and len(number.lstrip("0")) > 6:
+        raise RuleSyntaxError(f"the shift {sign}{number} is beyond {MAX_SHIFT:,}",
+                              match.start(3), "shifts reach at most a million micro-batches")
     shift = int(number or 0) * (-1 if sign == "-" else 1)
     return name, shift, match.start(1), match.end()
 
@@ -68,6 +72,9 @@ def parse_rule(text: str) -> ParsedRule:
         if not cond:
             raise RuleSyntaxError(f"unexpected text {rest.strip()!r}", pos)
         op, bound = cond.groups()
+        if len(bound.lstrip("-0")) > 6:
+            raise RuleSyntaxError(f"the condition's bound {bound} is beyond {MAX_SHIFT:,}",
+                                  pos + rest.index(bound))
         min_m = int(bound) + (1 if op == ">" else 0)
     return ParsedRule(before, before_shift, after, after_shift, min_m, before_at, after_at)
 

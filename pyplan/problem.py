@@ -16,7 +16,8 @@ from pyplan import _core
 from pyplan.constraints import RuleSyntaxError, expand_template, parse_rule
 from pyplan.errors import PlanError
 from pyplan.shapes import expand_blocks
-from pyplan.spec import BlockSpec, ModelSpec, PlanSpec, SearchSpec, format_memory, load_spec
+from pyplan.spec import (BackwardSpec, BlockSpec, ModelSpec, PlanSpec, SearchSpec, format_memory,
+                         load_spec)
 from pyplan.spec.schema import did_you_mean
 
 __all__ = ["FORWARD", "BACKWARD", "WEIGHT", "OTHER", "Block", "OrderRule", "Problem",
@@ -210,11 +211,9 @@ class _Builder:
         rule = self.spec.backward
         forwards = [s for s in specs if s.kind == FORWARD and s.backward.enabled]
         if rule is None:
-            if self.spec.training and not any(s.kind == BACKWARD for s in specs):
-                raise self.fail((), "this training plan has no backward blocks",
-                                "add training: {backward: {time_ratio: 2}} to derive them, "
-                                "list blocks of kind backward, or set task: inference")
-            return
+            if not self.spec.training or any(s.kind == BACKWARD for s in specs):
+                return  # inference, or backward blocks listed by hand
+            rule = BackwardSpec()  # the schema's defaults: a backward twice the forward
         derived = {s.name: None for s in forwards}  # ordered: the same edges under any hash seed
         for spec in forwards:
             fwd = self.blocks[self.by_name[spec.name]]

@@ -114,6 +114,13 @@ def test_interleaved_round_robin_and_xshape_directions():
     assert [w.block(f"stage{s}").devices[0] for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
 
 
+def test_training_without_options_takes_the_schemas_defaults():
+    # No training: section: a backward per forward block, twice its time (time_ratio 2).
+    p = _problem(HEAD + "shape: {kind: vshape, stage: {time: 3, memory: 1}}\n")
+    assert [(b.name, b.time, b.memory) for b in p.blocks if b.kind == "backward"] == \
+        [(f"stage{s}.b", 6, -1) for s in range(4)]
+
+
 def test_split_backward_and_weight_memory():
     p = _problem(HEAD + "training: {backward: {time_ratio: 1, weight_time_ratio: 2, "
                  "weight_memory_ratio: 0.5}}\nshape: {kind: vshape, stage: {time: 2, memory: 4}}\n")

@@ -242,5 +242,5 @@ def test_world_size_must_match_the_plan():
     result, _ = _torchrun(PLANS / "transformer-vshape.resolved.yaml", nproc=2)
     assert result.returncode != 0
     assert ("error: the plan needs 4 processes (devices: 4) but torchrun started 2 (hint: "
-            "launch it with: torchrun --nproc-per-node 4 -m pyplan run "
-            f"{PLANS / 'transformer-vshape.resolved.yaml'})\n") in result.stderr
+            f"launch it with: pyplan run {PLANS / 'transformer-vshape.resolved.yaml'} "
+            "--nproc-per-node 4)\n") in result.stderr

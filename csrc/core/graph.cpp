@@ -11,13 +11,16 @@ Graph::Graph(int num_devices, std::vector<Block> blocks, std::vector<Edge> edges
              std::vector<OrderRule> rules)
     : num_devices_(num_devices), blocks_(std::move(blocks)), edges_(std::move(edges)),
       rules_(std::move(rules)) {
-    if (num_devices_ <= 0) throw std::invalid_argument("num_devices must be positive");
+    if (num_devices_ <= 0 || num_devices_ > kMaxDevices)
+        throw std::invalid_argument("num_devices must lie in 1 .. " + std::to_string(kMaxDevices));
     const int k = num_blocks();
     on_device_.assign(num_devices_, {});
     for (int b = 0; b < k; ++b) {
         Block& blk = blocks_[b];
-        if (blk.time <= 0)
-            throw std::invalid_argument("block '" + blk.name + "' has non-positive time");
+        if (blk.time <= 0 || blk.time > kMaxTime)
+            throw std::invalid_argument("block '" + blk.name + "' has time outside 1 .. 2^40");
+        if (blk.memory > kMaxMemory || blk.memory < -kMaxMemory)
+            throw std::invalid_argument("block '" + blk.name + "' has memory beyond +-2^60");
         if (blk.devices.empty())
             throw std::invalid_argument("block '" + blk.name + "' has no devices");
         std::sort(blk.devices.begin(), blk.devices.end());
@@ -44,6 +47,9 @@ Graph::Graph(int num_devices, std::vector<Block> blocks, std::vector<Edge> edges
     for (const OrderRule& r : rules_) {
         if (r.before < 0 || r.before >= k || r.after < 0 || r.after >= k)
             throw std::out_of_range("order rule refers to a block index out of range");
+        for (int v : {r.before_shift, r.after_shift, r.min_m})
+            if (v > kMaxShift || v < -kMaxShift)
+                throw std::invalid_argument("order rule shifts and min_m must lie within +-10^7");
     }
     shares_.assign(k, std::vector<char>(k, 0));
     for (int d = 0; d < num_devices_; ++d)

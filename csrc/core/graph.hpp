@@ -8,6 +8,14 @@
 
 namespace pyplan {
 
+// What the core accepts: sums of times over all instances and devices stay far inside int64.
+constexpr int kMaxDevices = 1 << 16;
+constexpr int64_t kMaxTime = int64_t{1} << 40;
+constexpr int64_t kMaxMemory = int64_t{1} << 60;
+constexpr int kMaxMicroBatches = 10'000'000;  // micro-batch indices and counts
+constexpr int kMaxShift = 10'000'000;         // order rule shifts and min_m
+constexpr int kMaxRepetendMicroBatches = 4096;  // micro-batches one repetend may span
+
 struct Block {
     std::string name;
     int64_t time = 1;          // execution time, > 0

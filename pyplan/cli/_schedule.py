@@ -27,8 +27,9 @@ _RESOLVED = re.compile(rb"^pyplan_resolved:", re.MULTILINE)
 def is_resolved(path: str | Path) -> bool:
     """Whether the file is a resolved plan (unreadable files are left to the plan loader)."""
     try:
-        return _RESOLVED.search(Path(path).read_bytes()) is not None
-    except OSError:
+        with open(path, "rb") as handle:  # the marker is near the top; never read a whole file
+            return _RESOLVED.search(handle.read(4096)) is not None
+    except (OSError, ValueError):
         return False
 
 

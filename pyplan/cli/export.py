@@ -14,6 +14,7 @@ from pyplan.export.svg import render_svg
 from pyplan.export.torch_csv import render_torch_csv, torch_stages
 from pyplan.fileio import write_atomic
 from pyplan.spec.schema import did_you_mean
+from pyplan.spec.units import count
 
 __all__ = ["FORMATS", "add_arguments", "run"]
 
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     write_atomic(args.output, text)
     problem = schedule.problem
-    what = f"{problem.num_micro_batches} micro-batches on {problem.num_devices} devices"
+    what = (f"{count(problem.num_micro_batches, 'micro-batch')} on "
+            f"{count(problem.num_devices, 'device')}")
     if args.format == "torch-csv":
         what += f" as {len(torch_stages(problem))} torch stages"
     print(f"wrote {args.output}: {args.format}, {what}, makespan {schedule.makespan}")

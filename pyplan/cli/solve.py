@@ -11,6 +11,7 @@ import sys
 from pyplan.api import Solution, load_plan, solve
 from pyplan.cli._progress import live_progress
 from pyplan.resolved import resolved_path
+from pyplan.spec.units import count
 
 __all__ = ["add_arguments", "run", "summary_text"]
 
@@ -50,14 +51,14 @@ def summary_text(solution: Solution, output: str | None) -> str:
         quality = (f"lower bound {solution.lower_bound}, gap {solution.gap:.1%}, not proven "
                    "optimal" + (" (time limit)" if solution.status == "time_limit" else ""))
     origin = "" if solution.origin == "search" else f" (the {solution.origin} template)"
-    lines = [f"{problem.name}: {problem.num_micro_batches} micro-batches on "
-             f"{problem.num_devices} devices: makespan {schedule.makespan}{origin}, {quality}; "
+    lines = [f"{problem.name}: {count(problem.num_micro_batches, 'micro-batch')} on "
+             f"{count(problem.num_devices, 'device')}: makespan {schedule.makespan}{origin}, {quality}; "
              f"bubble {schedule.bubble_rate:.1%}"]
     if rep is not None:
         start, end = schedule.repetend_window()
         period = ("proven minimal" if solution.period_status == "optimal"
                   else "not proven minimal")
-        lines.append(f"  repetend: {rep.num_micro_batches} micro-batches, period {rep.period} "
+        lines.append(f"  repetend: {count(rep.num_micro_batches, 'micro-batch')}, period {rep.period} "
                      f"(bound {solution.period_bound}, {period}), bubble {rep.bubble_rate:.1%}, "
                      f"repeated {schedule.repetend_count}x from t={start} to t={end}")
     elif solution.origin == "search":

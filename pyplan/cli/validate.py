@@ -10,6 +10,7 @@ from pyplan.errors import EXIT_BAD_INPUT, PlanError
 from pyplan.cli._schedule import is_resolved
 from pyplan.problem import load_problem, Problem
 from pyplan.resolved import load_resolved
+from pyplan.spec.units import count
 
 __all__ = ["add_arguments", "run", "summary"]
 
@@ -26,8 +27,9 @@ def summary(problem: Problem) -> str:
     loads = " ".join(str(x) for x in problem.device_loads())
     task = "training" if problem.training else "inference"
     rules = f", {len(problem.rules)} order rules" if problem.rules else ""
-    return (f"{problem.name}: {task}, {len(problem.blocks)} blocks ({parts}) on "
-            f"{problem.num_devices} devices, {problem.num_micro_batches} micro-batches, "
+    return (f"{problem.name}: {task}, {count(len(problem.blocks), 'block')} ({parts}) on "
+            f"{count(problem.num_devices, 'device')}, "
+            f"{count(problem.num_micro_batches, 'micro-batch')}, "
             f"memory {problem.show_memory(problem.memory_capacity)}{rules}; "
             f"load per device [{loads}], repetend period >= {problem.load_bound()}")
 

@@ -11,6 +11,7 @@ from pyplan.export._layout import device_chunks, memory_steps, repetitions
 from pyplan.fileio import write_atomic
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT
 from pyplan.schedule import Schedule
+from pyplan.spec.units import count
 
 __all__ = ["render_svg", "write_svg"]
 
@@ -47,8 +48,8 @@ def render_svg(schedule: Schedule) -> str:
     problem = schedule.problem
     scale = _scale(schedule.makespan)
     out = [f'<text x="{_LEFT}" y="18" font-size="14" font-weight="bold" {_FONT}>'
-           f"{escape(problem.name)}: {problem.num_micro_batches} micro-batches on "
-           f"{problem.num_devices} devices, makespan {schedule.makespan}, bubble "
+           f"{escape(problem.name)}: {count(problem.num_micro_batches, 'micro-batch')} on "
+           f"{count(problem.num_devices, 'device')}, makespan {schedule.makespan}, bubble "
            f"{schedule.bubble_rate:.1%}</text>"]
     y: float = 30
     for section in (_repetitions, _devices, _axis, _memory):

@@ -18,6 +18,7 @@ import textwrap
 from pyplan.export._layout import device_chunks, repetitions, time_step
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT
 from pyplan.schedule import Schedule
+from pyplan.spec.units import count
 
 __all__ = ["STYLES", "Line", "render_plain", "render_rich", "timeline"]
 
@@ -137,8 +138,8 @@ def timeline(schedule: Schedule, *, width: int = 100, compress: bool = True) -> 
         bands[-1].append(col)
         used += w
 
-    title = (f"{problem.name}: {problem.num_micro_batches} micro-batches on "
-             f"{problem.num_devices} devices")
+    title = (f"{problem.name}: {count(problem.num_micro_batches, 'micro-batch')} on "
+             f"{count(problem.num_devices, 'device')}")
     lines: list[Line] = [[(part, "")] for part in textwrap.wrap(title, width)] + [[]]
     for i, band in enumerate(bands):
         if i:
@@ -214,7 +215,7 @@ def _legend(schedule: Schedule, grid: _Grid, cut: tuple | None) -> list[str]:
     rep = schedule.repetend
     if rep is not None:
         start, end = schedule.repetend_window()
-        lines.append(f"rep: repetend of {rep.num_micro_batches} micro-batches, period "
+        lines.append(f"rep: repetend of {count(rep.num_micro_batches, 'micro-batch')}, period "
                      f"{rep.period}, {schedule.repetend_count} repetitions from t={start} to "
                      f"t={end} ([ | mark their starts)")
     if cut is not None:

@@ -14,6 +14,7 @@ from pyplan.solver.complete import complete, complete_whole
 from pyplan.solver.exact import Effort, infeasibility_core
 from pyplan.solver.search import SearchStats, candidate_pool, search_repetend
 from pyplan.solver.templates import TEMPLATES, Baseline, baselines
+from pyplan.spec.units import count
 
 __all__ = ["DEFAULT_TIME_LIMIT", "TEMPLATES", "Baseline", "Solution", "incumbents", "min_memory",
            "solve"]
@@ -175,7 +176,7 @@ def _explain(problem: Problem, deadline: float) -> InfeasibleError:
         need = _least_memory(small, deadline)
         return InfeasibleError(
             f"the order rules need more memory than the capacity "
-            f"{problem.show_memory(problem.memory_capacity)} for {n} micro-batches",
+            f"{problem.show_memory(problem.memory_capacity)} for {count(n, 'micro-batch')}",
             hint=(f"raise memory: to at least {problem.show_memory(need)}" if need else
                   "raise memory: or relax constraints:"))
     where = ", ".join(f"line {r.line} '{r.text}'" for r in rules)
@@ -183,7 +184,7 @@ def _explain(problem: Problem, deadline: float) -> InfeasibleError:
               if "memory" in core else "")
     first = rules[0]
     return InfeasibleError(
-        f"no schedule of {n} micro-batches keeps these order rules together{memory}: {where}",
+        f"no schedule of {count(n, 'micro-batch')} keeps these order rules together{memory}: {where}",
         hint="relax or remove one of them" + (" or raise memory:" if memory else ""),
         file=file, line=first.line or 1, column=first.column or 1)
 

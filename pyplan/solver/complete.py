@@ -15,6 +15,7 @@ from pyplan import _core
 from pyplan.problem import Problem
 from pyplan.schedule import Schedule, build_schedule, repetend_from_core
 from pyplan.solver.exact import Anchor, Effort, time_optimal
+from pyplan.spec.units import count
 
 __all__ = ["EXACT_LIMIT", "PHASE_EFFORT", "WHOLE_LIMIT", "complete", "complete_whole"]
 
@@ -96,7 +97,7 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, deadline: fl
     n = problem.num_micro_batches
     if n < rep.num_micro_batches:
         schedule = build_schedule(problem, _core.periodic_orders(problem.graph, rep, n), None, ())
-        notes.append(f"completion: periodic order (no full repetend fits in {n} micro-batches)")
+        notes.append(f"completion: periodic order (no full repetend fits in {count(n, 'micro-batch')})")
         return schedule, False
     repetend = repetend_from_core(problem, rep)
     warmup, cooldown = _split_periodic(problem, rep)
@@ -105,14 +106,14 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, deadline: fl
     last = n - rep.num_micro_batches
     cool = [(b, m + last) for b, m in _core.cooldown_blocks(list(rep.indices))]
     if periodic.makespan <= target:
-        notes.append(f"completion: periodic warmup ({len(warm)} blocks) and cooldown "
-                     f"({len(cool)} blocks) meet the lower bound")
+        notes.append(f"completion: periodic warmup ({count(len(warm), 'block')}) and cooldown "
+                     f"({count(len(cool), 'block')}) meet the lower bound")
         return periodic, False
     if not exact or max(len(warm), len(cool)) > EXACT_LIMIT or effort.spent:
         reason = "" if not exact else (f", above the exact limit of {EXACT_LIMIT}"
                                        if not effort.spent else ", exact effort used up")
-        notes.append(f"completion: periodic warmup ({len(warm)} blocks) and cooldown "
-                     f"({len(cool)} blocks){reason}")
+        notes.append(f"completion: periodic warmup ({count(len(warm), 'block')}) and cooldown "
+                     f"({count(len(cool), 'block')}){reason}")
         return periodic, False
     w = c = None
     cut = False
@@ -141,7 +142,8 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, deadline: fl
                 best = candidate
         except RuntimeError:
             pass  # an order rule ties a phase to the repetend: the periodic phases stay
-    notes.append(f"completion: warmup ({len(warm)} blocks) and cooldown ({len(cool)} blocks) "
+    notes.append(f"completion: warmup ({count(len(warm), 'block')}) and cooldown "
+                 f"({count(len(cool), 'block')}) "
                  + ("improved by Z3 within its effort, not proven optimal" if cut
                     else "time-optimal (Z3)"))
     return best, cut

@@ -105,36 +105,37 @@ def _require_training(problem: Problem, every_forward: bool = True) -> None:
 
 # ---------------------------------------------------------------- stage-level simulation
 
-def _simulate(num_stages: int, n: int, pick) -> list[list[tuple[str, int]]]:
+def _simulate(num_stages: int, n: int, pick) -> tuple[list[list[tuple[str, int]]], dict]:
     """Unit-time pipeline of `num_stages` stages: F flows down, B flows back up.
-    `pick(stage, counts, ready)` chooses the op each stage runs at each step."""
-    done: set[tuple[str, int, int]] = set()
-    next_mb = {(op, s): 0 for op in "FBW" for s in range(num_stages)}
+    `pick(stage, counts, ready)` chooses the op each stage runs at each step. Each stage runs
+    each op's micro-batches in order, so counts say what is done. Returns each stage's ops and
+    the step of each (op, stage, micro-batch): a stage runs its next op as soon as it is
+    ready, so these are the ops' unit times."""
+    count = {op: [0] * num_stages for op in "FBW"}
+    f, b = count["F"], count["B"]
+    last = num_stages - 1
     orders: list[list[tuple[str, int]]] = [[] for _ in range(num_stages)]
-    total = num_stages * n * 2
-    step = 0
-    while len(done) < total:
+    steps = {}
+    remaining = num_stages * n * 2
+    for step in range(4 * remaining + 10):
+        if not remaining:
+            return orders, steps
         chosen = []
         for s in range(num_stages):
             ready = {}
-            m = next_mb[("F", s)]
-            if m < n and (s == 0 or ("F", s - 1, m) in done):
-                ready["F"] = m
-            m = next_mb[("B", s)]
-            if m < n and ("F", s, m) in done and (s == num_stages - 1 or ("B", s + 1, m) in done):
-                ready["B"] = m
-            counts = {op: next_mb[(op, s)] for op in "FBW"}
-            op = pick(s, counts, ready)
+            if f[s] < n and (s == 0 or f[s - 1] > f[s]):
+                ready["F"] = f[s]
+            if b[s] < n and f[s] > b[s] and (s == last or b[s + 1] > b[s]):
+                ready["B"] = b[s]
+            op = pick(s, {"F": f[s], "B": b[s], "W": count["W"][s]}, ready)
             if op is not None:
                 chosen.append((op, s, ready[op]))
         for op, s, m in chosen:
-            done.add((op, s, m))
-            next_mb[(op, s)] += 1
+            count[op][s] += 1
             orders[s].append((op, m))
-        step += 1
-        if step > 4 * total + 10:
-            raise NotApplicable("the template does not make progress")
-    return orders
+            steps[(op, s, m)] = step
+        remaining -= len(chosen)
+    raise NotApplicable("the template does not make progress")
 
 
 def _one_f_one_b(num_stages: int, limits: list[int] | None = None):
@@ -164,21 +165,17 @@ def _in_flight_limits(problem: Problem, stages: list[list[int]]) -> list[int] | 
     return limits
 
 
-def _chain_template(problem: Problem, stage_orders, stages: list[list[int]],
-                    tag: int = 0) -> list[tuple[tuple, tuple[int, int]]]:
+def _chain_template(problem: Problem, stage_orders, stages: list[list[int]], tag: int = 0,
+                    times: dict | None = None) -> list[tuple[tuple, tuple[int, int]]]:
     """Real instances keyed by the unit-time step of their stage op (then chain, then position
     inside the stage), so sorting all keys gives one global order every device agrees with."""
-    times = _unit_times(stage_orders)
+    times = times or _unit_times(stage_orders)
     keyed = []
     for s, order in enumerate(stage_orders):
+        members = {op: list(enumerate(_stage_ops(problem, stages[s], op))) for op in "FBW"}
         for op, m in order:
-            if op == "F":
-                members = stages[s]
-            else:
-                kind = BACKWARD if op == "B" else WEIGHT
-                members = [_backward_of(problem, b, kind) for b in reversed(stages[s])]
-            for pos, b in enumerate(x for x in members if x is not None):
-                keyed.append(((times[(op, s, m)], tag, pos), (b, m)))
+            step = times[(op, s, m)]
+            keyed += [((step, tag, pos), (b, m)) for pos, b in members[op]]
     return keyed
 
 
@@ -186,32 +183,29 @@ def _unit_times(stage_orders) -> dict:
     """Start step of each (op, stage, mb) when every op takes one step."""
     num = len(stage_orders)
     pos = [0] * num
-    end: dict = {}
     free = [0] * num
+    end = {op: [{} for _ in range(num)] for op in "FBW"}  # op -> stage -> mb -> end step
     progress = True
     while progress:
         progress = False
         for s in range(num):
-            if pos[s] >= len(stage_orders[s]):
-                continue
-            op, m = stage_orders[s][pos[s]]
-            deps = []
-            if op == "F" and s > 0:
-                deps.append(("F", s - 1, m))
-            if op == "B":
-                deps.append(("F", s, m))
-                if s < num - 1:
-                    deps.append(("B", s + 1, m))
-            if op == "W":
-                deps.append(("B", s, m))
-            if any(d not in end for d in deps):
-                continue
-            start = max([free[s]] + [end[d] for d in deps])
-            end[(op, s, m)] = start + 1
-            free[s] = start + 1
-            pos[s] += 1
-            progress = True
-    return {key: value - 1 for key, value in end.items()}
+            order = stage_orders[s]
+            while pos[s] < len(order):  # as far as this stage's inputs allow
+                op, m = order[pos[s]]
+                if op == "F":
+                    deps = (end["F"][s - 1],) if s > 0 else ()
+                elif op == "B":
+                    deps = (end["F"][s], end["B"][s + 1]) if s < num - 1 else (end["F"][s],)
+                else:
+                    deps = (end["B"][s],)
+                if any(m not in d for d in deps):
+                    break
+                start = max([free[s]] + [d[m] for d in deps])
+                end[op][s][m] = free[s] = start + 1
+                pos[s] += 1
+                progress = True
+    return {(op, s, m): e - 1 for op, stages in end.items()
+            for s, ends in enumerate(stages) for m, e in ends.items()}
 
 
 def _orders_from_keys(problem: Problem, keyed) -> list[list[tuple[int, int]]]:
@@ -256,9 +250,9 @@ def _1f1b(problem: Problem):
     _require_training(problem)
     stages = _single_chain_stages(problem)
     split = any(b.kind == WEIGHT for b in problem.blocks)
-    order = _simulate(len(stages), problem.num_micro_batches,
-                      _one_f_one_b(len(stages), _in_flight_limits(problem, stages)))
-    keyed = _chain_template(problem, order, stages)
+    order, steps = _simulate(len(stages), problem.num_micro_batches,
+                             _one_f_one_b(len(stages), _in_flight_limits(problem, stages)))
+    keyed = _chain_template(problem, order, stages, times=steps)
     if split:  # 1F1B runs a split backward's two halves back to back
         keyed = _glue_weights(problem, keyed)
     return _orders_from_keys(problem, keyed)
@@ -281,7 +275,7 @@ def _zb_h1(problem: Problem):
         raise NotApplicable("needs a split backward (training.backward.weight_time_ratio)")
     stages = _single_chain_stages(problem)
     n = problem.num_micro_batches
-    one_f_one_b = _simulate(len(stages), n, _one_f_one_b(len(stages)))
+    one_f_one_b, _ = _simulate(len(stages), n, _one_f_one_b(len(stages)))
     # ZB-H1: 1F1B's F/B order, with stage s running W(m) right after B(m + s); the W passes
     # deferred this way fill the cooldown bubbles at 1F1B's activation memory.
     order = []
@@ -307,9 +301,9 @@ def _chimera(problem: Problem):
         devices = [_stage_device(problem, s) for s in stages]
         if sorted(devices) != list(range(problem.num_devices)):
             raise NotApplicable("each chain must visit every device once")
-        order = _simulate(len(stages), problem.num_micro_batches,
-                          _one_f_one_b(len(stages)))
-        keyed += _chain_template(problem, order, stages, tag)
+        order, steps = _simulate(len(stages), problem.num_micro_batches,
+                                 _one_f_one_b(len(stages)))
+        keyed += _chain_template(problem, order, stages, tag, times=steps)
     if any(b.kind == WEIGHT for b in problem.blocks):
         keyed = _glue_weights(problem, keyed)
     return _orders_from_keys(problem, keyed)

@@ -16,7 +16,7 @@ from pyplan.spec.plan import (
     spec_from_text,
 )
 from pyplan.spec.source import Source, load_yaml, parse_yaml
-from pyplan.spec.units import format_memory, parse_memory
+from pyplan.spec.units import count, format_memory, parse_memory
 
 __all__ = [
     "FORMAT_VERSION",
@@ -30,6 +30,7 @@ __all__ = [
     "SearchSpec",
     "ShapeSpec",
     "Source",
+    "count",
     "format_memory",
     "load_spec",
     "load_yaml",

@@ -7,6 +7,8 @@ blocks (names, dependencies, devices, cycles, memory) belong to pyplan.problem.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,7 +164,10 @@ class _Memory:
         self.first: tuple[tuple, bool] | None = None
 
     def __call__(self, value: Any, path: tuple) -> int:
-        amount, is_size = parse_memory(value)
+        try:
+            amount, is_size = parse_memory(value)
+        except ValueError as exc:  # the schema admits the form; the amount is too large
+            raise self.source.error(path, str(exc), "sizes go up to 2^60 bytes") from None
         if amount != 0:
             if self.first is None:
                 self.first = (path, is_size)
@@ -205,13 +210,23 @@ def _cost(raw: dict | None, memory: _Memory, path: tuple) -> CostSpec:
                     path=path)
 
 
+MAX_RULES = 100_000  # order rules a plan may expand to (templated rules included)
+
+
 def _loop_values(source: Source, raw: Any, path: tuple) -> tuple[int, ...]:
     if isinstance(raw, list):
-        return tuple(raw)
-    lo, hi = (int(x) for x in raw.split(".."))
-    if hi < lo:
-        raise source.error(path, f"empty range {raw!r}", "write low..high with low <= high")
-    return tuple(range(lo, hi + 1))
+        values = tuple(raw)
+    else:
+        lo, hi = (int(x) for x in raw.split(".."))
+        if hi < lo:
+            raise source.error(path, f"empty range {raw!r}", "write low..high with low <= high")
+        if hi - lo >= MAX_RULES:
+            raise source.error(path, f"the range {raw!r} has more than {MAX_RULES:,} values",
+                               "a loop gives one rule per value")
+        values = tuple(range(lo, hi + 1))
+    if any(abs(v) > 10**6 for v in values):
+        raise source.error(path, "loop values must lie within -1000000 .. 1000000")
+    return values
 
 
 def _build(source: Source) -> PlanSpec:
@@ -230,6 +245,10 @@ def _build(source: Source) -> PlanSpec:
     backward = None
     if "training" in doc and "backward" in doc["training"]:
         raw = doc["training"]["backward"]
+        for key, value in raw.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise source.error(("training", "backward", key),
+                                   f"{key} must be a finite number, got {value}")
         backward = BackwardSpec(time_ratio=float(raw.get("time_ratio", 2.0)),
                                 weight_time_ratio=raw.get("weight_time_ratio"),
                                 weight_memory_ratio=float(raw.get("weight_memory_ratio", 0.0)))
@@ -262,13 +281,19 @@ def _build(source: Source) -> PlanSpec:
                           stage=_cost(raw.get("stage"), memory, ("shape", "stage")),
                           shared=_cost(raw.get("shared"), memory, ("shape", "shared")))
     order = []
+    rules = 0
     for i, raw in enumerate(doc.get("constraints", {}).get("order", [])):
         path = ("constraints", "order", i)
         if isinstance(raw, str):
             order.append(OrderSpec(text=raw, path=path, text_path=path))
+            rules += 1
         else:
             loop = {name: _loop_values(source, values, path + ("for", name))
                     for name, values in raw["for"].items()}
+            rules += math.prod(len(values) for values in loop.values())
+            if rules > MAX_RULES:
+                raise source.error(path + ("for",), f"the order rules expand to more than "
+                                   f"{MAX_RULES:,} rules", "loop over fewer values")
             order.append(OrderSpec(text=raw["rule"], loop=loop, path=path,
                                    text_path=path + ("rule",)))
     search_raw = doc.get("search", {})

@@ -8,6 +8,7 @@ document, duplicate keys are caught, and no tag can construct arbitrary objects.
 from __future__ import annotations
 
 import hashlib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,11 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in
                ("str", "int", "float", "bool", "null", "map", "seq", "merge", "timestamp")}
 DocPath = tuple  # keys (str) and list indices (int) from the document root
+
+_MERGE = "tag:yaml.org,2002:merge"
+MAX_FILE_BYTES = 8 * 2**20  # larger plan or resolved files are refused before parsing
+MAX_NODES = 1_000_000       # values a document may expand to, aliases included
+MAX_DEPTH = 64              # nesting levels
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,8 @@ class _Builder:
         self.marks: dict = {}
         self.key_marks: dict = {}
         self.quoted: set = set()
+        self.nodes = 0
+        self.open: set[int] = set()  # nodes being built (an alias to one of them is a cycle)
 
     def fail(self, node: yaml.Node, message: str, hint: str | None = None) -> PlanError:
         mark = node.start_mark
@@ -69,17 +77,58 @@ class _Builder:
                          column=mark.column + 1)
 
     def build(self, node: yaml.Node, path: DocPath) -> Any:
+        # Aliases make the node graph a DAG (or a cycle): bound what it expands to, so a
+        # "billion laughs" file or a self-referencing alias is an error, not a hang.
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise self.fail(node, f"the document expands to more than {MAX_NODES:,} values",
+                            "aliases (*name) repeat what they point at; plans are small")
+        if len(path) > MAX_DEPTH:
+            raise self.fail(node, f"nested more than {MAX_DEPTH} levels deep")
+        if id(node) in self.open:
+            raise self.fail(node, "an alias refers to a node that contains it",
+                            "a plan cannot contain itself")
         self.marks[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
         if node.tag not in _PLAIN_TAGS:
             raise self.fail(node, f"YAML tag '{node.tag}' is not allowed in a plan",
                             "plans hold plain data: remove the tag")
+        self.open.add(id(node))
+        try:
+            return self._build(node, path)
+        finally:
+            self.open.discard(id(node))
+
+    def construct(self, node: yaml.Node) -> Any:
+        """A scalar's value; a value its tag cannot hold (`!!int x`) is an error here."""
+        try:
+            return self.constructor.construct_object(node, deep=True)
+        except Exception as exc:  # PyYAML's constructors fail in many ways on odd input
+            problem = getattr(exc, "problem", None) if isinstance(exc, yaml.YAMLError) \
+                else str(exc) if isinstance(exc, (ValueError, OverflowError)) else None
+            if problem and "digits" in problem:  # Python's limit on int() of long strings
+                problem = "the number has too many digits"
+            kind = node.tag.rsplit(":", 1)[-1]
+            raise self.fail(node, f"cannot read this value as {kind}"
+                            + (f": {problem.strip()}" if problem else ""),
+                            "write a plain number, string or true/false") from None
+
+    def _build(self, node: yaml.Node, path: DocPath) -> Any:
         if isinstance(node, yaml.MappingNode):
-            self.constructor.flatten_mapping(node)  # resolve `<<` merge keys
             result: dict = {}
+            merged: dict = {}  # `<<` merge keys, built here so their expansion is counted too
             for key_node, value_node in node.value:
+                if key_node.tag == _MERGE:
+                    sources = value_node.value if isinstance(value_node, yaml.SequenceNode) \
+                        else [value_node]
+                    for source in sources:
+                        if not isinstance(source, yaml.MappingNode):
+                            raise self.fail(source, "<< merges a mapping (or a list of them)")
+                        for key, value in self.build(source, path).items():
+                            merged.setdefault(key, value)  # earlier mappings win
+                    continue
                 if not isinstance(key_node, yaml.ScalarNode):
                     raise self.fail(key_node, "mapping keys must be plain scalars")
-                key = self.constructor.construct_object(key_node, deep=True)
+                key = self.construct(key_node)
                 if not isinstance(key, (str, int, bool, float)) or key is None:
                     raise self.fail(key_node, f"unsupported mapping key {key!r}")
                 if key in result:
@@ -89,18 +138,21 @@ class _Builder:
                 self.key_marks[path + (key,)] = (key_node.start_mark.line + 1,
                                                  key_node.start_mark.column + 1)
                 result[key] = self.build(value_node, path + (key,))
-            return result
+            return {**merged, **result}  # keys written in the mapping win over merged ones
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, path + (i,)) for i, item in enumerate(node.value)]
         if node.style in ("'", '"'):
             self.quoted.add(path)
-        return self.constructor.construct_object(node, deep=True)
+        return self.construct(node)
 
 
 def parse_yaml(text: str, name: str) -> Source:
     """Parse YAML text (one document) into a Source; `name` is used in error messages."""
     try:
         documents = list(yaml.compose_all(text, Loader=_Loader))
+    except RecursionError:  # the composer recurses once per nesting level
+        raise PlanError(f"nested too deeply (more than about {sys.getrecursionlimit()} levels)",
+                        file=name) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = (exc.problem or exc.context or "invalid YAML").strip()
@@ -127,13 +179,19 @@ def load_yaml(path: str | Path) -> Source:
     """Read and parse a YAML file; unreadable or non-UTF-8 files raise PlanError."""
     name = str(path)
     try:
-        raw = Path(path).read_bytes()
+        with open(path, "rb") as handle:  # read at most the limit: /dev/zero stays harmless
+            raw = handle.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise PlanError("no such file", hint="check the path", file=name) from None
     except IsADirectoryError:
         raise PlanError("is a directory, not a plan file", file=name) from None
     except OSError as exc:
         raise PlanError(f"cannot read the file: {exc.strerror}", file=name) from None
+    except ValueError as exc:  # e.g. a NUL in the path
+        raise PlanError(f"cannot read the file: {exc}", file=name) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise PlanError(f"the file is larger than {MAX_FILE_BYTES // 2**20} MiB, the limit "
+                        "for plans and resolved plans", file=name)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -1,0 +1,100 @@
+"""Hostile and broken plans: each ends in one `FILE:LINE:COL: error:` line and exit 2, in a
+process capped at 1 GiB of memory and 10 s (a hang or a blow-up fails the test)."""
+
+from __future__ import annotations
+
+import re
+import resource
+import subprocess
+import sys
+
+import pytest
+
+HEAD = "pyplan: 1\nname: t\ndevices: 2\nmicro_batches: 4\n"
+VSHAPE = "shape: {kind: vshape}\n"
+
+
+def _laughs() -> str:
+    lines = ["pyplan: 1", "a0: &a0 [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 30)]
+    return "\n".join(lines) + "\n"
+
+
+def _merge_bomb() -> str:
+    lines = ["m0: &m0 {k0: 1}"]
+    lines += [f"m{i}: &m{i} {{<<: [*m{i - 1}, *m{i - 1}], k{i}: 1}}" for i in range(1, 40)]
+    return "\n".join(lines) + "\n"
+
+
+CASES = {
+    # YAML structure
+    "recursive-alias": ("a: &a [*a]\n", "an alias refers to a node that contains it"),
+    "deep-nesting": ("x: " + "[" * 20000 + "]" * 20000 + "\n", "nested"),
+    "billion-laughs": (_laughs(), "expands to more than 1,000,000 values"),
+    "merge-bomb": (_merge_bomb(), "expands to more than 1,000,000 values"),
+    "bad-int-tag": ("pyplan: !!int x\n", "cannot read this value as int"),
+    "bad-bool-tag": ("pyplan: !!bool x\n", "cannot read this value as bool"),
+    "bad-timestamp-tag": ("pyplan: 1\nt: !!timestamp x\n", "cannot read this value as timestamp"),
+    "merge-as-value": ("pyplan: 1\nname: <<\n", "cannot read this value as merge"),
+    "merge-of-a-number": ("pyplan: 1\n<<: 5\n", "<< merges a mapping"),
+    # numbers
+    "thousand-digit-integer": (HEAD + VSHAPE + "memory: " + "9" * 5000 + "\n",
+                               "the number has too many digits"),
+    "size-beyond-2^60": (HEAD + VSHAPE + 'memory: "999999999999GiB"\n', "2^60"),
+    "size-as-exponent": (HEAD + VSHAPE + 'memory: "1e30GiB"\n', "invalid form"),
+    "micro-batches-2^31": ("pyplan: 1\nname: t\ndevices: 2\nmicro_batches: 2147483648\n"
+                           + VSHAPE, "micro_batches must be <= 1000000"),
+    "devices-2e9": ("pyplan: 1\nname: t\ndevices: 2e9\nmicro_batches: 2\n" + VSHAPE,
+                    "devices must be an integer"),
+    "devices-10^5-with-a-shape": ("pyplan: 1\nname: t\ndevices: 100000\nmicro_batches: 2\n"
+                                  + VSHAPE, "devices must be <= 4096"),
+    "huge-time": (HEAD + "shape: {kind: vshape, stage: {time: 99999999999}}\n",
+                  "must be <= 1000000"),
+    "nan-ratio": (HEAD + "training: {backward: {time_ratio: .nan}}\n" + VSHAPE,
+                  "time_ratio must be a finite number"),
+    "inf-ratio": (HEAD + "training: {backward: {time_ratio: .inf}}\n" + VSHAPE,
+                  "must be <= 1000"),
+    "huge-shift": (HEAD + VSHAPE + 'constraints: {order: ["stage0.f[m+99999999999] < '
+                   'stage0.b[m]"]}\n', "the shift +99999999999 is beyond"),
+    "huge-loop": (HEAD + VSHAPE + 'constraints: {order: [{rule: "stage0.f[m+{s}] < '
+                  'stage0.b[m]", for: {s: "0..100000000"}}]}\n', "has more than 100,000"),
+    "loops-multiply": (HEAD + VSHAPE + 'constraints: {order: [{rule: "stage0.f[m+{s}] < '
+                       'stage0.b[m+{t}]", for: {s: "0..999", t: "0..999"}}]}\n',
+                       "expand to more than 100,000 rules"),
+}
+
+
+def _limited() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))
+
+
+def _validate(path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pyplan", "validate", str(path)],
+                          capture_output=True, text=True, timeout=10, preexec_fn=_limited,
+                          cwd=path.parent)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_hostile_plan_is_one_line_error(name, tmp_path):
+    text, expected = CASES[name]
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    result = _validate(path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr[-2000:]
+    assert re.match(rf"{re.escape(str(path))}:\d+:\d+: error: ", result.stderr), result.stderr
+    assert expected in result.stderr
+
+
+def test_files_that_never_end_or_are_too_large(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * (9 * 2**20) + "\n")
+    for path in (big, tmp_path.parent / "dev-zero-link.yaml"):
+        if path.name == "dev-zero-link.yaml":
+            path.unlink(missing_ok=True)
+            path.symlink_to("/dev/zero")
+        result = _validate(path)
+        assert result.returncode == 2
+        assert result.stderr.endswith("error: the file is larger than 8 MiB, the limit for "
+                                      "plans and resolved plans\n")
