@@ -55,15 +55,27 @@ void register_repetend(py::module_& m) {
             return repetend_bound(g, indices, longest_paths(g));
         },
         py::arg("graph"), py::arg("indices"));
-    m.def("evaluate_repetend", &evaluate_repetend, py::arg("graph"), py::arg("indices"),
-          py::arg("orders"), py::arg("min_period") = 0,
-          py::call_guard<py::gil_scoped_release>());
-    m.def("list_schedule_repetend", &list_schedule_repetend, py::arg("graph"),
-          py::arg("indices"), py::call_guard<py::gil_scoped_release>());
-    m.def("memory_fits", &memory_fits, py::arg("repetend"), py::arg("capacity"));
     auto check_indices = [](const std::vector<int>& n) {
-        for (int i : n) check_count(i, kMaxRepetendMicroBatches, "a repetend index");
+        for (int i : n) check_count(i, kMaxRepetendMicroBatches - 1, "a repetend index");
     };
+    m.def(
+        "evaluate_repetend",
+        [check_indices](const Graph& g, const std::vector<int>& indices,
+                        const std::vector<std::vector<int>>& orders, int64_t min_period) {
+            check_indices(indices);
+            py::gil_scoped_release release;
+            return evaluate_repetend(g, indices, orders, min_period);
+        },
+        py::arg("graph"), py::arg("indices"), py::arg("orders"), py::arg("min_period") = 0);
+    m.def(
+        "list_schedule_repetend",
+        [check_indices](const Graph& g, const std::vector<int>& indices) {
+            check_indices(indices);
+            py::gil_scoped_release release;
+            return list_schedule_repetend(g, indices);
+        },
+        py::arg("graph"), py::arg("indices"));
+    m.def("memory_fits", &memory_fits, py::arg("repetend"), py::arg("capacity"));
     m.def(
         "warmup_blocks",
         [check_indices](const std::vector<int>& n) {

@@ -3,6 +3,7 @@ process capped at 1 GiB of memory and 10 s (a hang or a blow-up fails the test).
 
 from __future__ import annotations
 
+import json
 import re
 import resource
 import subprocess
@@ -98,3 +99,29 @@ def test_files_that_never_end_or_are_too_large(tmp_path):
         assert result.returncode == 2
         assert result.stderr.endswith("error: the file is larger than 8 MiB, the limit for "
                                       "plans and resolved plans\n")
+
+
+def _chain(blocks: int) -> str:
+    lines = [f"  - {{name: b{i}, devices: [{i * 4 // blocks}], time: {1 + (7 * i) % 5}, "
+             "memory: 1}" for i in range(blocks)]
+    return ("pyplan: 1\nname: chain\ndevices: 4\nmicro_batches: 16\nmemory: 60\n"
+            "training: {backward: {time_ratio: 2}}\nblocks:\n" + "\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("name, text", [
+    ("chain-of-50", _chain(50)),
+    ("times-of-a-million", "pyplan: 1\nname: big\ndevices: 4\nmicro_batches: 16\nmemory: 6\n"
+     "training: {backward: {time_ratio: 2}}\nshape: {kind: nnshape, stage: {time: [1000000, "
+     "999999, 777777, 1]}, shared: {time: 654321, memory: 0}}\n"),
+])
+def test_the_time_limit_holds(name, text, tmp_path):
+    # --time-limit 1: the best schedule found by then (a hang would hit the 15 s timeout).
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    result = subprocess.run([sys.executable, "-m", "pyplan", "solve", str(path), "--time-limit",
+                             "1", "--json"], capture_output=True, text=True, timeout=15,
+                            preexec_fn=_limited, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["status"] in ("time_limit", "feasible", "optimal")
+    assert report["makespan"] >= report["lower_bound"]

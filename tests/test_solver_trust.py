@@ -197,3 +197,29 @@ def test_zero_bubble_v_and_dualpipe_v_cost_what_torchs_do(tmp_path):
         assert ev.ok
         assert (ours[name].makespan, ours[name].peak_memory) == \
             (ev.makespan, tuple(ev.peak_memory)), name
+
+
+def test_infeasible_rules_are_named_at_their_lines(cli, tmp_path):
+    # Two rules that contradict each other (no memory involved): the minimal core is both.
+    plan = tmp_path / "rules.yaml"
+    plan.write_text("pyplan: 1\nname: rules\ndevices: 2\nmicro_batches: 4\n"
+                    "training: {backward: {time_ratio: 2}}\n"
+                    "shape: {kind: vshape, stage: {time: 1, memory: 1}}\n"
+                    "constraints:\n  order:\n"
+                    "    - \"stage0.f[m+1] < stage1.f[m]\"\n"
+                    "    - \"stage1.f[m] < stage0.f[m+1]\"\n"
+                    "    - \"stage0.b[m] < stage0.b[m+1]\"\n")
+    code, out, err = cli("solve", plan, "-o", tmp_path / "out.yaml")
+    assert (code, out) == (3, "")
+    assert err == (f"{plan}:9:7: error: no schedule of 2 micro-batches keeps these order rules "
+                   "together: line 9 'stage0.f[m+1] < stage1.f[m]', line 10 'stage1.f[m] < "
+                   "stage0.f[m+1]' (hint: relax or remove one of them)\n")
+    assert not (tmp_path / "out.yaml").exists()
+
+
+def test_memory_alone_gets_the_least_capacity(cli):
+    # 1F1B's rules on 4 stages hold 4 micro-batches on stage 0: memory 3 cannot, and the
+    # message names the rules and the memory together (both are needed for the conflict).
+    code, _, err = cli("solve", PLANS / "1f1b-4stage.yaml", "--memory", "3", "-o", "/dev/null")
+    assert code == 3
+    assert "within the memory capacity 3" in err and "stage0.f[m+3] < stage0.b[m]" in err

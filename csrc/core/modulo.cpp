@@ -1,6 +1,7 @@
 #include "core/modulo.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <numeric>
 #include <stdexcept>
 
@@ -35,9 +36,12 @@ namespace {
 class ModuloSearch {
   public:
     ModuloSearch(const Graph& g, int64_t period, int max_mb, int64_t capacity, int64_t budget,
-                 ModuloStats& stats)
+                 ModuloStats& stats, double seconds)
         : g_(g), T_(period), max_lag_(max_mb - 1), capacity_(capacity), budget_(budget),
-          stats_(stats) {
+          stats_(stats), timed_(seconds > 0),
+          deadline_(std::chrono::steady_clock::now() +
+                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                        std::chrono::duration<double>(timed_ ? seconds : 0.0))) {
         const int k = g.num_blocks();
         auto topo = g.topological_order();
         std::vector<int> pos(k);
@@ -85,16 +89,20 @@ class ModuloSearch {
     }
 
     // Forward checking: the unplaced blocks of a device must still pack into its free slots.
+    // Packing is itself a search; past kPackSteps it answers "maybe" (no pruning), which only
+    // costs pruning power, never a schedule.
+    static constexpr int64_t kPackSteps = 4096;
     bool can_pack(int d) {
         std::vector<int> rest;
         for (int b : g_.blocks_on(d))
             if (offset_[b] < 0) rest.push_back(b);
         std::sort(rest.begin(), rest.end(),
                   [&](int x, int y) { return g_.block(x).time > g_.block(y).time; });
+        pack_steps_ = 0;
         return pack(rest, 0);
     }
     bool pack(const std::vector<int>& rest, size_t i) {
-        if (i == rest.size()) return true;
+        if (i == rest.size() || ++pack_steps_ > kPackSteps || over()) return true;
         const int b = rest[i];
         for (int64_t off = 0; off < T_; ++off) {
             if (!fits(b, off)) continue;
@@ -140,12 +148,18 @@ class ModuloSearch {
 
     bool lag_ok(int b) const { return start_[b] / T_ <= max_lag_; }
 
-    bool place(size_t depth) {
-        if (depth == order_.size()) return finish();
-        if (stats_.nodes >= budget_) {
+    // Out of nodes or of time (the clock is read every 64 calls): stop, as if exhausted.
+    bool over() {
+        if (!stats_.budget_exhausted &&
+            (stats_.nodes >= budget_ ||
+             (timed_ && (++ticks_ & 63) == 0 && std::chrono::steady_clock::now() >= deadline_)))
             stats_.budget_exhausted = true;
-            return false;
-        }
+        return stats_.budget_exhausted;
+    }
+
+    bool place(size_t depth) {
+        if (over()) return false;
+        if (depth == order_.size()) return finish();
         const int b = order_[depth];
         const Block& blk = g_.block(b);
         if (blk.devices.size() > 1) {
@@ -233,6 +247,10 @@ class ModuloSearch {
     int64_t capacity_;
     int64_t budget_;
     ModuloStats& stats_;
+    bool timed_;
+    std::chrono::steady_clock::time_point deadline_;
+    int64_t ticks_ = 0;
+    int64_t pack_steps_ = 0;
     std::vector<int> order_;
     std::vector<int64_t> offset_, start_;
     std::vector<int> resolved_;
@@ -243,7 +261,8 @@ class ModuloSearch {
 }  // namespace
 
 Repetend modulo_schedule(const Graph& g, int64_t period, int max_micro_batches,
-                         int64_t memory_capacity, int64_t node_budget, ModuloStats& stats) {
+                         int64_t memory_capacity, int64_t node_budget, ModuloStats& stats,
+                         double seconds) {
     if (period <= 0) throw std::invalid_argument("the period must be positive");
     if (max_micro_batches < 1) throw std::invalid_argument("need at least one micro-batch");
     if (static_cast<int>(g.topological_order().size()) != g.num_blocks())
@@ -252,7 +271,7 @@ Repetend modulo_schedule(const Graph& g, int64_t period, int max_micro_batches,
     stats.budget_exhausted = false;
     int64_t before = stats.nodes;
     ModuloSearch search(g, period, max_micro_batches, memory_capacity, before + node_budget,
-                        stats);
+                        stats, seconds);
     if (search.run()) return search.result;
     Repetend none;
     none.orders.assign(g.num_devices(), {});

@@ -20,9 +20,11 @@ struct ModuloStats {
 };
 
 // A modulo schedule with the given period whose repetend has at most max_micro_batches
-// micro-batches and fits memory, or a Repetend with feasible == false.
+// micro-batches and fits memory, or a Repetend with feasible == false (also when the node
+// budget or, if seconds > 0, the time runs out: stats.budget_exhausted).
 Repetend modulo_schedule(const Graph& g, int64_t period, int max_micro_batches,
-                         int64_t memory_capacity, int64_t node_budget, ModuloStats& stats);
+                         int64_t memory_capacity, int64_t node_budget, ModuloStats& stats,
+                         double seconds = 0);
 
 // Try periods from the load bound up to max_period (inclusive); the first that admits a modulo
 // schedule wins.

@@ -81,5 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
+        # Objects cut off mid-construction (a Z3 context, say) complain when collected at
+        # exit; after an interrupt that is noise.
+        sys.unraisablehook = lambda _: None
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -101,9 +101,9 @@ def _interruptible():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        sys.unraisablehook = default
-    if interrupted:
+    if interrupted:  # the quiet hook stays: what follows is teardown
         raise KeyboardInterrupt
+    sys.unraisablehook = default
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ __all__ = ["RepetendSearch", "SearchStats", "candidate_pool", "max_repetend_micr
            "search_repetend"]
 
 MODULO_BUDGET = 20_000        # DFS placements per period in the fast path
+MODULO_MAX_PERIOD = 65_536    # the fast path's reservation table has one cell per time step
 ENUMERATION_BUDGET = 200_000  # Tessel candidates per N_R while searching the period
 POOL_WORK = 30_000_000        # instance evaluations for ranking pool candidates (about 1 s)
 POOL_SIZE = 4                 # repetends of the best period that completion tries
@@ -119,10 +120,12 @@ def search_repetend(problem: Problem, *, time_limit: float | None, exact: bool,
         best = sequential
     report("fast path")
     max_period = best.period - 1 if best is not None else bound * 4
+    max_period = min(max_period, MODULO_MAX_PERIOD)  # long block times: enumeration instead
     for period in range(bound, max_period + 1):
         if clock.expired():
             break
-        rep, mstats = _core.modulo_schedule(graph, period, max_nr, capacity, MODULO_BUDGET)
+        rep, mstats = _core.modulo_schedule(graph, period, max_nr, capacity, MODULO_BUDGET,
+                                            clock.remaining())
         stats.modulo_nodes += mstats.nodes
         if _better(best, rep):
             best = rep
@@ -196,10 +199,11 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, time_limit: float 
     period = best.period
     max_nr = max_repetend_micro_batches(problem)
     pool = {_key(best): best}
-    for nr in range(1, max_nr + 1):
+    for nr in range(1, max_nr + 1 if period <= MODULO_MAX_PERIOD else 1):
         if clock.expired():
             break
-        rep, mstats = _core.modulo_schedule(graph, period, nr, capacity, MODULO_BUDGET)
+        rep, mstats = _core.modulo_schedule(graph, period, nr, capacity, MODULO_BUDGET,
+                                            clock.remaining())
         stats.modulo_nodes += mstats.nodes
         if rep.feasible and rep.period <= period:
             pool.setdefault(_key(rep), rep)
