@@ -94,13 +94,17 @@ def _backward_of(problem: Problem, block: int, kind: str) -> int | None:
     return problem.by_name.get(name)
 
 
-def _require_training(problem: Problem, every_forward: bool = True) -> None:
+def _require_training(problem: Problem, every_forward: bool = True,
+                      split: bool = False) -> None:
+    """Backward blocks for every forward one (or some), split into B and W when asked."""
     if not problem.training:
         raise NotApplicable("an inference plan has no backward blocks")
     for b in problem.blocks:
         if every_forward and b.kind == FORWARD and \
                 _backward_of(problem, b.index, BACKWARD) is None:
             raise NotApplicable(f"forward block '{b.name}' has no derived backward")
+    if split and not any(b.kind == WEIGHT for b in problem.blocks):
+        raise NotApplicable("needs a split backward (training.backward.weight_time_ratio)")
 
 
 # ---------------------------------------------------------------- stage-level simulation
@@ -270,9 +274,7 @@ def _glue_weights(problem: Problem, keyed):
 
 
 def _zb_h1(problem: Problem):
-    _require_training(problem)
-    if not any(b.kind == WEIGHT for b in problem.blocks):
-        raise NotApplicable("needs a split backward (training.backward.weight_time_ratio)")
+    _require_training(problem, split=True)
     stages = _single_chain_stages(problem)
     n = problem.num_micro_batches
     one_f_one_b, _ = _simulate(len(stages), n, _one_f_one_b(len(stages)))
@@ -454,9 +456,7 @@ def _wave_stages(problem: Problem) -> list[list[int]]:
 
 
 def _zb_h2(problem: Problem):
-    _require_training(problem)
-    if not any(b.kind == WEIGHT for b in problem.blocks):
-        raise NotApplicable("needs a split backward (training.backward.weight_time_ratio)")
+    _require_training(problem, split=True)
     stages = _single_chain_stages(problem)
     p = len(stages)
     # ZB-H2: about twice 1F1B's warmup forwards (2(p - s) - 1 in flight on stage s), so the
@@ -469,9 +469,7 @@ def _zb_h2(problem: Problem):
 
 
 def _zb_v(problem: Problem):
-    _require_training(problem)
-    if not any(b.kind == WEIGHT for b in problem.blocks):
-        raise NotApplicable("needs a split backward (training.backward.weight_time_ratio)")
+    _require_training(problem, split=True)
     stages = _wave_stages(problem)
     D = problem.num_devices
     # ZB-V: 1F1B's activation memory (D micro-batches of the whole model, 2D stage
