@@ -14,12 +14,12 @@ from conftest import PLANS
 VSHAPE = PLANS / "tessel-vshape.yaml"
 
 
-def test_import_pyplan_is_cheap_and_lists_the_api():
+def test_import_pyplan_is_cheap_and_lists_the_api(tmp_path):
     # The API loads on first use: a bare import pulls in neither z3 nor jsonschema nor torch.
     code = ("import sys, pyplan; print(sorted(m for m in ('z3', 'jsonschema', 'torch', "
             "'pyplan.api') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
+                         check=True, cwd=tmp_path).stdout
     assert out.strip() == "[]"
     for name in ("load_plan", "solve", "load_resolved", "templates", "PlanError",
                  "InfeasibleError"):

@@ -67,9 +67,11 @@ def _limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))
 
 
-def test_bad_arguments_raise_python_errors():
+def test_bad_arguments_raise_python_errors(tmp_path):
+    # (outside the source tree, which would shadow an installed, compiled pyplan)
     result = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(CASES)],
-                            capture_output=True, text=True, timeout=120, preexec_fn=_limited)
+                            capture_output=True, text=True, timeout=120, preexec_fn=_limited,
+                            cwd=tmp_path)
     assert result.returncode == 0, f"crashed after: {result.stderr.splitlines()[-1:]}"
     outcome = json.loads(result.stdout)
     for name, what in outcome.items():
