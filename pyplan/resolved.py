@@ -22,6 +22,7 @@ from pyplan.fileio import write_atomic
 from pyplan.problem import Block, OrderRule, Problem
 from pyplan.schedule import Schedule, build_schedule, repetend_from_core
 from pyplan.spec import ModelSpec, load_yaml
+from pyplan.spec.source import MAX_FILE_BYTES
 
 __all__ = ["FORMAT", "ResolvedPlan", "load_resolved", "render_resolved", "resolved_path",
            "write_resolved"]
@@ -59,8 +60,9 @@ class ResolvedPlan:
         if plan is None:
             return
         try:
-            digest = hashlib.sha256(plan.read_bytes()).hexdigest()
-        except OSError:
+            with open(plan, "rb") as handle:  # a plan is at most MAX_FILE_BYTES: read no more
+                digest = hashlib.sha256(handle.read(MAX_FILE_BYTES + 1)).hexdigest()
+        except (OSError, ValueError):
             raise PlanError(f"the plan it was solved from, {plan}, cannot be read",
                             hint="keep the plan beside its resolved plan", file=self.path) \
                 from None
@@ -207,16 +209,23 @@ class _Reader:
     def fail(self, where, message, hint=None) -> PlanError:
         return self.source.error(where, message, hint)
 
-    def get(self, key, kind, where=()):
+    def get(self, key, kind, where=(), low: int | None = None, high: int | None = None):
+        """doc[where...][key], of the given type (and for integers within low .. high)."""
         node = self.doc
         for part in where:
-            node = node[part]
+            node = node.get(part) if isinstance(node, dict) else None
         if not isinstance(node, dict) or key not in node:
             raise self.fail(where, f"missing '{key}'",
                             "this does not look like a resolved plan; re-run pyplan solve")
         value = node[key]
         if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
             raise self.fail(where + (key,), f"'{key}' must be an integer")
+        if kind is int and not (low if low is not None else value) <= value <= \
+                (high if high is not None else value):
+            raise self.fail(where + (key,), f"'{key}' must lie in {low} .. {high}",
+                            "the file was edited; re-run pyplan solve")
+        if kind is str and not isinstance(value, str):
+            raise self.fail(where + (key,), f"'{key}' must be a string")
         if kind is list and not isinstance(value, list):
             raise self.fail(where + (key,), f"'{key}' must be a list")
         if kind is dict and not isinstance(value, dict):
@@ -228,14 +237,17 @@ class _Reader:
             raise self.fail((), "not a resolved plan (pyplan_resolved: 1 missing)",
                             "pass the .resolved.yaml written by pyplan solve")
         blocks, by_name = [], {}
-        num_devices = self.get("devices", int)
+        num_devices = self.get("devices", int, low=1, high=4096)
         for i, raw in enumerate(self.get("blocks", list)):
             try:
                 devices = tuple(int(d) for d in raw["devices"])
                 block = Block(i, str(raw["name"]), str(raw["kind"]), int(raw["time"]),
                               int(raw["memory"]), devices, str(raw["name"]).split(".")[0])
-            except (KeyError, TypeError, ValueError):
+            except (KeyError, TypeError, ValueError, OverflowError):
                 raise self.fail(("blocks", i), "malformed block") from None
+            if not 1 <= block.time <= 10**6 or abs(block.memory) > 2**60:
+                raise self.fail(("blocks", i), f"block '{block.name}' has a time or memory "
+                                "outside the supported ranges")
             if block.time <= 0 or not devices or \
                     any(not 0 <= d < num_devices for d in devices):
                 raise self.fail(("blocks", i), f"block '{block.name}' is invalid")
@@ -258,19 +270,27 @@ class _Reader:
         model = None
         if isinstance(self.doc.get("model"), dict):
             raw = self.doc["model"]
+            path = raw.get("path")
             model = ModelSpec(blocks=str(raw.get("blocks")), data=str(raw.get("data")),
-                              loss=str(raw.get("loss")), path=raw.get("path"))
-        memory = self.doc.get("memory")
+                              loss=str(raw.get("loss")),
+                              path=path if isinstance(path, str) and "\0" not in path else None)
+        memory = None
+        if self.doc.get("memory") is not None:
+            memory = self.get("memory", int, low=1, high=2**60)
         problem = Problem(
             name=str(self.get("name", str)), description="", num_devices=num_devices,
-            memory_capacity=memory if isinstance(memory, int) else None,
+            memory_capacity=memory,
             memory_is_size=self.doc.get("memory_unit") == "bytes",
-            num_micro_batches=self.get("micro_batches", int),
+            num_micro_batches=self.get("micro_batches", int, low=1, high=10**6),
             training=self.doc.get("task") != "inference", blocks=tuple(blocks),
             edges=tuple(edges), rules=tuple(rules), model=model,
             spec_sha256=str(self.get("spec_sha256", str)), source_path=self.path,
             by_name=by_name)
-        if problem.graph.find_cycle():
+        try:
+            cycle = problem.graph.find_cycle()
+        except (ValueError, IndexError) as exc:  # e.g. a block that depends on itself
+            raise self.fail(("dependencies",), f"invalid dependencies: {exc}") from None
+        if cycle:
             raise self.fail(("dependencies",), "the dependencies form a cycle")
         return problem
 
@@ -340,7 +360,15 @@ def load_resolved(path: str | Path) -> ResolvedPlan:
     if schedule.makespan != doc.get("makespan"):
         raise reader.fail(("makespan",), "makespan does not match the schedule",
                           "the file was edited; re-run pyplan solve")
-    return ResolvedPlan(str(path), doc.get("plan"), problem.spec_sha256, problem, schedule,
-                        str(doc.get("status")), int(doc.get("lower_bound") or 0),
-                        int((rep_doc or {}).get("period_lower_bound") or 0),
-                        doc.get("baselines") or {})
+    plan = doc.get("plan")
+    if plan is not None and (not isinstance(plan, str) or "\0" in plan or not plan):
+        raise reader.fail(("plan",), "'plan' must be the plan file's path (or null)")
+    status = reader.get("status", str)
+    if status not in ("optimal", "feasible", "time_limit"):
+        raise reader.fail(("status",), f"unknown status {status!r}",
+                          "the file was edited; re-run pyplan solve")
+    lower_bound = reader.get("lower_bound", int, low=0, high=schedule.makespan)
+    period_bound = 0 if rep_doc is None else \
+        reader.get("period_lower_bound", int, ("repetend",), low=0, high=repetend.period)
+    return ResolvedPlan(str(path), plan, problem.spec_sha256, problem, schedule, status,
+                        lower_bound, period_bound, doc.get("baselines") or {})

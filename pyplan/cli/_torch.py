@@ -14,4 +14,5 @@ def require_torch(command: str) -> None:
         import torch.distributed.run  # noqa: F401
     except ImportError as exc:
         raise RunError(f"pyplan {command} needs torch ({exc})",
-                       hint='install a pinned torch: pip install "torch==2.13.0" ".[run]"') from None
+                       hint='install a pinned torch: pip install "torch==2.13.0" ".[run]"') \
+            from None

@@ -52,13 +52,15 @@ def summary_text(solution: Solution, output: str | None) -> str:
                    "optimal" + (" (time limit)" if solution.status == "time_limit" else ""))
     origin = "" if solution.origin == "search" else f" (the {solution.origin} template)"
     lines = [f"{problem.name}: {count(problem.num_micro_batches, 'micro-batch')} on "
-             f"{count(problem.num_devices, 'device')}: makespan {schedule.makespan}{origin}, {quality}; "
+             f"{count(problem.num_devices, 'device')}: makespan {schedule.makespan}{origin}, "
+             f"{quality}; "
              f"bubble {schedule.bubble_rate:.1%}"]
     if rep is not None:
         start, end = schedule.repetend_window()
         period = ("proven minimal" if solution.period_status == "optimal"
                   else "not proven minimal")
-        lines.append(f"  repetend: {count(rep.num_micro_batches, 'micro-batch')}, period {rep.period} "
+        lines.append(f"  repetend: {count(rep.num_micro_batches, 'micro-batch')}, "
+                     f"period {rep.period} "
                      f"(bound {solution.period_bound}, {period}), bubble {rep.bubble_rate:.1%}, "
                      f"repeated {schedule.repetend_count}x from t={start} to t={end}")
     elif solution.origin == "search":

@@ -164,7 +164,7 @@ def _explain(problem: Problem, deadline: float) -> InfeasibleError:
     small = problem.with_overrides(micro_batches=n)
     generic = InfeasibleError("no schedule satisfies the memory capacity and order rules",
                               hint="raise memory: or relax constraints:")
-    if len(problem.blocks) * n > EXPLAIN_LIMIT:
+    if len(problem.blocks) * n > EXPLAIN_LIMIT or time.monotonic() >= deadline:
         return generic
     core = infeasibility_core(small, deadline=deadline, effort=Effort(WHOLE_EFFORT))
     if not core:
@@ -183,7 +183,8 @@ def _explain(problem: Problem, deadline: float) -> InfeasibleError:
               if "memory" in core else "")
     first = rules[0]
     return InfeasibleError(
-        f"no schedule of {count(n, 'micro-batch')} keeps these order rules together{memory}: {where}",
+        f"no schedule of {count(n, 'micro-batch')} keeps these order rules together"
+        f"{memory}: {where}",
         hint="relax or remove one of them" + (" or raise memory:" if memory else ""),
         file=file, line=first.line or 1, column=first.column or 1)
 
@@ -195,6 +196,8 @@ def _least_memory(problem: Problem, deadline: float) -> int | None:
         problem.num_micro_batches
     found = None
     while lo <= hi:
+        if time.monotonic() >= deadline:
+            return None  # what is known so far is not a proof of the least capacity
         mid = (lo + hi) // 2
         core = infeasibility_core(problem.with_overrides(memory=mid), deadline=deadline,
                                   effort=Effort(WHOLE_EFFORT))

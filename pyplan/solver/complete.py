@@ -97,7 +97,8 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, deadline: fl
     n = problem.num_micro_batches
     if n < rep.num_micro_batches:
         schedule = build_schedule(problem, _core.periodic_orders(problem.graph, rep, n), None, ())
-        notes.append(f"completion: periodic order (no full repetend fits in {count(n, 'micro-batch')})")
+        notes.append("completion: periodic order (no full repetend fits in "
+                     f"{count(n, 'micro-batch')})")
         return schedule, False
     repetend = repetend_from_core(problem, rep)
     warmup, cooldown = _split_periodic(problem, rep)
@@ -166,7 +167,8 @@ def complete_whole(problem: Problem, best: Schedule, *, deadline: float | None,
         if result.status == "none":
             notes.append("completion: Z3 proved that no shorter schedule exists")
         return best, result.status == "none"
-    notes[:] = ["completion: whole schedule time-optimal (Z3), shorter than any repetend or template"
+    notes[:] = ["completion: whole schedule time-optimal (Z3), shorter than any repetend or "
+                "template"
                 if result.status == "optimal" else
                 "completion: whole schedule improved by Z3, not proven optimal"]
     return build_schedule(problem, result.orders, None, ()), result.status == "optimal"
