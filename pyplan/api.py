@@ -2,7 +2,7 @@
 
     import pyplan
     plan = pyplan.load_plan("plans/gpt-mshape.yaml")          # or YAML text
-    solution = pyplan.solver(plan, micro_batches=32, memory=6)
+    solution = pyplan.solve(plan, micro_batches=32, memory=6)
     print(solution.makespan, solution.status, solution.lower_bound)
     solution.write("gpt-mshape.resolved.yaml")
 
@@ -27,6 +27,8 @@ from pyplan.spec import parse_memory, spec_from_text
 
 __all__ = ["Baseline", "Plan", "ResolvedPlan", "Solution", "load_plan", "load_resolved",
            "solve", "templates", "with_overrides"]
+
+MAX_MICRO_BATCHES = 100_000  # as the schema's micro_batches
 
 Plan = Problem
 """A validated plan: blocks of one micro-batch with shapes expanded and backward blocks
@@ -104,8 +106,10 @@ def with_overrides(plan: Plan, *, micro_batches: int | None = None,
     a size like "24GiB" for size plans) or time limit; PlanError for values that make no
     sense."""
     if micro_batches is not None and (isinstance(micro_batches, bool) or
-                                      not isinstance(micro_batches, int) or micro_batches < 1):
-        raise PlanError(f"micro-batches must be a positive integer, got {micro_batches!r}")
+                                      not isinstance(micro_batches, int) or
+                                      not 1 <= micro_batches <= MAX_MICRO_BATCHES):
+        raise PlanError(f"micro-batches must be an integer in 1 .. {MAX_MICRO_BATCHES}, got "
+                        f"{micro_batches!r}")
     capacity = None
     if memory is not None:
         try:

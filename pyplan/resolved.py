@@ -281,7 +281,7 @@ class _Reader:
             name=str(self.get("name", str)), description="", num_devices=num_devices,
             memory_capacity=memory,
             memory_is_size=self.doc.get("memory_unit") == "bytes",
-            num_micro_batches=self.get("micro_batches", int, low=1, high=10**6),
+            num_micro_batches=self.get("micro_batches", int, low=1, high=10**5),
             training=self.doc.get("task") != "inference", blocks=tuple(blocks),
             edges=tuple(edges), rules=tuple(rules), model=model,
             spec_sha256=str(self.get("spec_sha256", str)), source_path=self.path,

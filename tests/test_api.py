@@ -59,7 +59,7 @@ def test_templates_and_bad_arguments():
     plan = pyplan.load_plan(VSHAPE)
     for kwargs, message in (({"memory": "lots"}, "not an amount"),
                             ({"memory": "4GiB"}, "plan's unit"),
-                            ({"micro_batches": 0}, "positive integer"),
+                            ({"micro_batches": 0}, "an integer in 1 .. 100000"),
                             ({"time_limit": -1}, "must be positive")):
         with pytest.raises(pyplan.PlanError, match=message):
             pyplan.solve(plan, **kwargs)

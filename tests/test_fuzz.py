@@ -75,13 +75,15 @@ def test_mutated_inputs_fail_cleanly(tmp_path, monkeypatch):
         for case in range(CASES):
             source = rng.choice(sources + [csv])
             text = _mutate(source.read_text(), rng)
-            path = tmp_path / source.name
+            path = tmp_path / f"mutated-{source.name}"
             path.write_text(text)
             if source == csv:
                 commands = [("import", "torch-csv", path, "--plan", PLANS / "1f1b-4stage.yaml")]
             elif source.name.endswith(".resolved.yaml"):
                 # beside its plan, so that staleness is checked as well
                 plan = PLANS / source.name.replace(".resolved", "")
+                path = tmp_path / source.name  # `plan:` names the plan beside it
+                path.write_text(text)
                 (tmp_path / plan.name).write_text(plan.read_text())
                 commands = [("validate", path), ("show", path, "--width", "80"),
                             ("export", path, "--format", "chrome", "-o", tmp_path / "t.json"),

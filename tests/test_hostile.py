@@ -44,7 +44,7 @@ CASES = {
     "size-beyond-2^60": (HEAD + VSHAPE + 'memory: "999999999999GiB"\n', "2^60"),
     "size-as-exponent": (HEAD + VSHAPE + 'memory: "1e30GiB"\n', "invalid form"),
     "micro-batches-2^31": ("pyplan: 1\nname: t\ndevices: 2\nmicro_batches: 2147483648\n"
-                           + VSHAPE, "micro_batches must be <= 1000000"),
+                           + VSHAPE, "micro_batches must be <= 100000"),
     "devices-2e9": ("pyplan: 1\nname: t\ndevices: 2e9\nmicro_batches: 2\n" + VSHAPE,
                     "devices must be an integer"),
     "devices-10^5-with-a-shape": ("pyplan: 1\nname: t\ndevices: 100000\nmicro_batches: 2\n"

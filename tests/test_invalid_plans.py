@@ -54,7 +54,7 @@ EXPECTED = {
     'missing-block-time':
         "7:5: error: missing required key 'time' in blocks[0] (hint: Execution time in integer steps (1 .. 1000000).)",
     'missing-required':
-        "1:1: error: missing required key 'micro_batches' in the plan (hint: Number of micro-batches per iteration (N), at most 1000000.)",
+        "1:1: error: missing required key 'micro_batches' in the plan (hint: Number of micro-batches per iteration (N), at most 100000.)",
     'mixed-memory-units':
         '10:32: error: memory is a plain integer here but not on line 4 (hint: use one unit per plan: all sizes like "2GiB" or all integers)',
     'negative-time':

@@ -95,7 +95,7 @@ def solve(problem: Problem, *, progress=None) -> Solution:
     limit = DEFAULT_TIME_LIMIT if limit is None else limit
     deadline = started + limit
     lower_bound = problem.makespan_bound()
-    templates = baselines(problem)
+    templates = baselines(problem, deadline)
     held = incumbents(problem, templates)
     incumbent = min(held.items(), key=lambda item: item[1].makespan, default=None)
     # A template that meets the lower bound is optimal: then look only for a repetend as good

@@ -11,6 +11,7 @@ placement says why.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from pyplan import _core
@@ -555,10 +556,14 @@ def template_orders(problem: Problem, name: str) -> list[list[tuple[int, int]]]:
     return _BUILDERS[name](problem)
 
 
-def baselines(problem: Problem) -> dict[str, Baseline]:
-    """Every template evaluated on the problem (memory reported, not enforced)."""
+def baselines(problem: Problem, deadline: float | None = None) -> dict[str, Baseline]:
+    """Every template evaluated on the problem (memory reported, not enforced); those not
+    reached by `deadline` (time.monotonic()) say so."""
     out = {}
     for name in TEMPLATES:
+        if deadline is not None and time.monotonic() >= deadline:
+            out[name] = Baseline(name, reason="not evaluated: the time limit ran out")
+            continue
         try:
             orders = template_orders(problem, name)
         except NotApplicable as exc:
