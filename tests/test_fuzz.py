@@ -16,7 +16,6 @@ import random
 import signal
 from contextlib import redirect_stderr, redirect_stdout
 
-
 from conftest import PLANS, example_plans
 from pyplan.cli import main
 
