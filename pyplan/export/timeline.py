@@ -205,7 +205,8 @@ def _legend(schedule: Schedule, grid: _Grid, cut: tuple | None) -> list[str]:
     present = [k for k in names if k in kinds] + (["other"] if kinds - set(names) else [])
     parts = [f"{_LETTER.get(k, 'O')}: {names.get(k, 'other')}" for k in present]
     parts[0] = parts[0].replace(":", "3:", 1) + " of micro-batch 3"
-    text = ", ".join(parts) + "; . idle"
+    fills = "/".join(_FILL.get(k, "+") for k in present)
+    text = ", ".join(parts) + f"; {fills} continue a block; . idle"
     if any(len(b.devices) > 1 for b in problem.blocks):
         text += "; lowercase: a block on several devices at once"
     if grid.num_chunks > 1:
