@@ -24,11 +24,10 @@ from pyplan.solver import Solution as _Solved
 from pyplan.solver import solve as _solve
 from pyplan.solver.templates import Baseline, baselines
 from pyplan.spec import parse_memory, spec_from_text
+from pyplan.spec.plan import MAX_MICRO_BATCHES
 
 __all__ = ["Baseline", "Plan", "ResolvedPlan", "Solution", "load_plan", "load_resolved",
            "solve", "templates", "with_overrides"]
-
-MAX_MICRO_BATCHES = 100_000  # as the schema's micro_batches
 
 Plan = Problem
 """A validated plan: blocks of one micro-batch with shapes expanded and backward blocks

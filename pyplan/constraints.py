@@ -15,12 +15,13 @@ import itertools
 import re
 from dataclasses import dataclass
 
+from pyplan.spec.plan import MAX_SHIFT
+
 __all__ = ["ParsedRule", "RuleSyntaxError", "expand_template", "parse_rule"]
 
 _REF = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_-]*(?:\.[A-Za-z_][A-Za-z0-9_-]*)?)\s*"
                   r"\[\s*m\s*(?:([+-])\s*(\d+)\s*)?\]\s*")
 _COND = re.compile(r"\s*if\s+m\s*(>=|>)\s*(-?\d+)\s*$")
-MAX_SHIFT = 10**6
 _FORM = "write rules like \"stage0.f[m+4] < stage0.b[m]\" (optionally ending with \"if m >= 2\")"
 
 

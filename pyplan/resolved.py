@@ -22,7 +22,9 @@ from pyplan.fileio import write_atomic
 from pyplan.problem import Block, OrderRule, Problem
 from pyplan.schedule import Schedule, build_schedule, repetend_from_core
 from pyplan.spec import ModelSpec, load_yaml
+from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_TIME
 from pyplan.spec.source import MAX_FILE_BYTES
+from pyplan.spec.units import MAX_MEMORY
 
 __all__ = ["FORMAT", "ResolvedPlan", "load_resolved", "render_resolved", "resolved_path",
            "write_resolved"]
@@ -237,7 +239,7 @@ class _Reader:
             raise self.fail((), "not a resolved plan (pyplan_resolved: 1 missing)",
                             "pass the .resolved.yaml written by pyplan solve")
         blocks, by_name = [], {}
-        num_devices = self.get("devices", int, low=1, high=4096)
+        num_devices = self.get("devices", int, low=1, high=MAX_DEVICES)
         for i, raw in enumerate(self.get("blocks", list)):
             try:
                 devices = tuple(int(d) for d in raw["devices"])
@@ -245,7 +247,7 @@ class _Reader:
                               int(raw["memory"]), devices, str(raw["name"]).split(".")[0])
             except (KeyError, TypeError, ValueError, OverflowError):
                 raise self.fail(("blocks", i), "malformed block") from None
-            if not 1 <= block.time <= 10**6 or abs(block.memory) > 2**60:
+            if not 1 <= block.time <= MAX_TIME or abs(block.memory) > MAX_MEMORY:
                 raise self.fail(("blocks", i), f"block '{block.name}' has a time or memory "
                                 "outside the supported ranges")
             if block.time <= 0 or not devices or \
@@ -276,12 +278,13 @@ class _Reader:
                               path=path if isinstance(path, str) and "\0" not in path else None)
         memory = None
         if self.doc.get("memory") is not None:
-            memory = self.get("memory", int, low=1, high=2**60)
+            memory = self.get("memory", int, low=1, high=MAX_MEMORY)
         problem = Problem(
             name=str(self.get("name", str)), description="", num_devices=num_devices,
             memory_capacity=memory,
             memory_is_size=self.doc.get("memory_unit") == "bytes",
-            num_micro_batches=self.get("micro_batches", int, low=1, high=10**5),
+            num_micro_batches=self.get("micro_batches", int, low=1,
+                                       high=MAX_MICRO_BATCHES),
             training=self.doc.get("task") != "inference", blocks=tuple(blocks),
             edges=tuple(edges), rules=tuple(rules), model=model,
             spec_sha256=str(self.get("spec_sha256", str)), source_path=self.path,

@@ -210,6 +210,11 @@ def _cost(raw: dict | None, memory: _Memory, path: tuple) -> CostSpec:
                     path=path)
 
 
+# Limits the schema states too (schemas/plan.schema.json); resolved plans and the API use these.
+MAX_DEVICES = 4096
+MAX_MICRO_BATCHES = 100_000
+MAX_TIME = 1_000_000
+MAX_SHIFT = 1_000_000  # order rule shifts, conditions and loop values
 MAX_RULES = 100_000  # order rules a plan may expand to (templated rules included)
 
 
@@ -224,8 +229,8 @@ def _loop_values(source: Source, raw: Any, path: tuple) -> tuple[int, ...]:
             raise source.error(path, f"the range {raw!r} has more than {MAX_RULES:,} values",
                                "a loop gives one rule per value")
         values = tuple(range(lo, hi + 1))
-    if any(abs(v) > 10**6 for v in values):
-        raise source.error(path, "loop values must lie within -1000000 .. 1000000")
+    if any(abs(v) > MAX_SHIFT for v in values):
+        raise source.error(path, f"loop values must lie within -{MAX_SHIFT} .. {MAX_SHIFT}")
     return values
 
 
