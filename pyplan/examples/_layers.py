@@ -20,11 +20,13 @@ __all__ = ["ColumnParallelLinear", "Layer", "RowParallelLinear", "VocabParallelE
 
 
 class Layer(nn.Module):
-    """Pre-norm transformer layer: self-attention and a 4x MLP, (B, T, D) -> (B, T, D)."""
+    """Pre-norm transformer layer: self-attention and a 4x MLP, each with residual dropout
+    (GPT-2's 0.1), (B, T, D) -> (B, T, D)."""
 
-    def __init__(self, dim: int, heads: int, causal: bool = True) -> None:
+    def __init__(self, dim: int, heads: int, causal: bool = True, dropout: float = 0.1) -> None:
         super().__init__()
         self.heads, self.causal = heads, causal
+        self.drop = nn.Dropout(dropout)
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
@@ -34,8 +36,8 @@ class Layer(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads) \
             .permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
 
 
 def _all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:

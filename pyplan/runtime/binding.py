@@ -3,7 +3,9 @@
 
 Every rank and the single-process reference build a block after seeding torch's RNG from the
 run's seed and the block's name, so a block starts with the same weights wherever it is built,
-whatever else that process built before it.
+whatever else that process built before it; and every forward of a block runs with the RNG seeded
+from the seed, the iteration, the block and the micro-batch, so dropout draws the same masks in
+any schedule, on every rank of a multi-device block and in the single-process reference.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -21,8 +24,8 @@ from pyplan.errors import PlanError, RunError
 from pyplan.problem import BACKWARD, WEIGHT, Problem
 
 __all__ = ["SHARD_DIM", "Model", "block_inputs", "build_modules", "check_model", "forward_blocks",
-           "load_model", "make_batch",
-           "named_parameters", "shard", "shard_dim", "split_batch", "seed_everything"]
+           "forward_rng", "load_model", "make_batch", "named_parameters", "shard", "shard_dim",
+           "split_batch", "seed_everything"]
 
 SHARD_DIM = "pyplan_shard_dim"
 
@@ -98,6 +101,15 @@ def check_model(problem: Problem, plan_dir: Path) -> int:
 def seed_everything(seed: int, *parts: object) -> None:
     text = ":".join(str(p) for p in (seed,) + parts)
     torch.manual_seed(int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big"))
+
+
+@contextmanager
+def forward_rng(seed: int, step: int, block: str, micro_batch: int, device):
+    """Run a block's forward of one micro-batch with its own RNG stream, leaving the caller's
+    RNG state as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        seed_everything(seed, "forward", step, block, micro_batch)
+        yield
 
 
 def forward_blocks(problem: Problem) -> list[int]:

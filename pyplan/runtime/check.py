@@ -16,8 +16,10 @@ from pyplan.runtime.binding import (
     Model,
     block_inputs,
     build_modules,
+    forward_rng,
     make_batch,
     shard_dim,
+    split_batch,
 )
 
 __all__ = ["Verdict", "compare", "full_gradients", "reference_run"]
@@ -53,14 +55,20 @@ def reference_run(model: Model, problem: Problem, output_block: int, *, seed: in
     losses, first = [], {}
     for step in range(iterations):
         inputs, targets = make_batch(model, step, seed, device)
-        outputs = {}
-        for b in order:
-            args = [outputs[p] for p in preds[b]] if preds[b] else [inputs]
-            with torch.set_grad_enabled(b in trains):
-                outputs[b] = modules[b](*args)
+        # Micro-batch by micro-batch, so that each forward draws the random numbers it draws in
+        # the pipeline; the loss sees the whole batch, as in training without a pipeline.
+        results = []
+        for m, micro in enumerate(split_batch(inputs, problem.num_micro_batches)):
+            outputs = {}
+            for b in order:
+                args = [outputs[p] for p in preds[b]] if preds[b] else [micro]
+                with torch.set_grad_enabled(b in trains), \
+                        forward_rng(seed, step, problem.blocks[b].name, m, device):
+                    outputs[b] = modules[b](*args)
+            results.append(outputs[output_block])
         with torch.set_grad_enabled(output_block in trains):
             whole = (None,) if len(problem.blocks[output_block].devices) > 1 else ()
-            loss = model.loss(outputs[output_block], targets, *whole)
+            loss = model.loss(torch.cat(results), targets, *whole)
         losses.append(float(loss.detach()))
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)

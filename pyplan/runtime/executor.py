@@ -31,7 +31,7 @@ from pyplan.export.chrome import TraceEvent
 from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, WAIT, Lowered,
                           Value, describe, is_gradient)
 from pyplan.problem import BACKWARD, WEIGHT
-from pyplan.runtime.binding import shard_dim
+from pyplan.runtime.binding import forward_rng, shard_dim
 from pyplan.runtime.comm import Comm, TransferError
 
 __all__ = ["Executor", "IterationResult"]
@@ -48,10 +48,12 @@ class IterationResult:
 
 class Executor:
     def __init__(self, lowered: Lowered, rank: int, modules: dict, groups: dict, comm: Comm,
-                 loss_fn, output_block: int, fail_at: tuple[int, int, str] | None = None):
+                 loss_fn, output_block: int, *, seed: int,
+                 fail_at: tuple[int, int, str] | None = None):
         problem = lowered.problem
         self.lowered, self.rank, self.modules, self.groups = lowered, rank, modules, groups
         self.comm, self.loss_fn, self.output = comm, loss_fn, output_block
+        self.seed = seed
         self.program = lowered.programs[rank]
         self.blocks = problem.blocks
         self.layer = [problem.by_name[b.layer] for b in problem.blocks]
@@ -141,7 +143,8 @@ class Executor:
                 args.append(x)
         else:
             args, leaves = [self.inputs[m]], []
-        with torch.set_grad_enabled(trains):
+        with torch.set_grad_enabled(trains), \
+                forward_rng(self.seed, self.iteration, self.blocks[b].name, m, self.comm.device):
             out = self.modules[b](*args)
             if not isinstance(out, torch.Tensor):
                 raise RunError(f"block '{self.blocks[b].name}' returned "

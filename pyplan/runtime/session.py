@@ -126,7 +126,7 @@ class Session:
                           if self.problem.training and params else None)
         self.executor = Executor(self.lowered, self.rank, self.modules, self.groups,
                                  Comm(self.device, blocking=opts.blocking), self.model.loss,
-                                 self.output, fail_at=opts.fail_at)
+                                 self.output, seed=opts.seed, fail_at=opts.fail_at)
 
     def train(self) -> Report:
         opts, n = self.options, self.problem.num_micro_batches
