@@ -96,7 +96,7 @@ def test_colour_is_the_plain_text_with_styles(cli):
 def test_width_option(cli):
     code, out, _ = cli("show", PLANS / "1f1b-4stage.yaml", "--width", "30")
     assert code == 0 and max(map(len, out.splitlines()[:14])) <= 30
-    assert out.count("\nt ") == 2  # two bands
+    assert out.count("\nt ") == 3  # 22 steps of 3 characters in bands of 25
 
 
 def test_narrow_width_is_an_error(cli):
@@ -113,7 +113,7 @@ def test_missing_file(cli, tmp_path):
 def test_template(cli):
     code, out, err = cli("show", PLANS / "1f1b-4stage.yaml", "--template", "gpipe")
     assert (code, err) == (0, "")
-    assert "d0   F0F1F2F3F4F5F6F7" in out and "rep" not in out
+    assert "d0   F0-F1-F2-F3-F4-F5-F6-F7-" in out and "rep" not in out
     assert out.endswith("makespan 22, bubble 27.3%, peak memory 8/4 8/4 8/4 8/4\n")
     code, _, err = cli("show", PLANS / "1f1b-4stage.yaml", "--template", "gpip")
     assert (code, err) == (2, "error: unknown template 'gpip' (hint: did you mean 'gpipe'?)\n")
@@ -131,3 +131,15 @@ def test_stale_resolved_plan_is_shown_with_a_warning(cli, tmp_path):
     assert code == 0 and out
     assert err == (f"{tmp_path / 'v.resolved.yaml'}:1:1: warning: stale: {plan} changed since "
                    f"this plan was resolved (hint: re-run pyplan solve {plan})\n")
+
+
+def test_two_digit_labels_stay_apart(cli, tmp_path):
+    resolved = tmp_path / "12.resolved.yaml"
+    assert cli("solve", PLANS / "1f1b-4stage.yaml", "--micro-batches", "12", "-o", resolved,
+               "--quiet")[0] == 0
+    code, out, _ = cli("show", resolved, "--width", "400", "--full")
+    assert code == 0
+    rows = [line for line in out.splitlines() if line.startswith("d")]
+    assert "F10-B" in rows[0]
+    for row in rows:  # every label is followed by a fill or idle character
+        assert not re.search(r"[FB]\d+[FB]", row), row

@@ -50,7 +50,9 @@ class _Grid:
                     self.cells[d][start // self.unit + k] = (b, m, k)
         self.chunk = device_chunks(problem)  # primes in labels mark chunks > 0
         self.num_chunks = 1 + max(self.chunk.values(), default=0)
-        self.width = (1 + len(str(max(problem.num_micro_batches - 1, 0)))
+        # The longest label (letter, micro-batch, primes) and one fill character, so that labels
+        # of one-step blocks never run together.
+        self.width = (2 + len(str(max(problem.num_micro_batches - 1, 0)))
                       + self.num_chunks - 1)
 
     def text(self, d: int, step: int) -> tuple[str, str]:
