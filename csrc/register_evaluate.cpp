@@ -45,14 +45,19 @@ void register_evaluate(py::module_& m) {
         .def_readonly("makespan", &Evaluation::makespan)
         .def_readonly("busy", &Evaluation::busy)
         .def_readonly("peak_memory", &Evaluation::peak_memory)
-        .def_readonly("final_memory", &Evaluation::final_memory)
         .def_readonly("bubble_rate", &Evaluation::bubble_rate)
-        .def_readonly("scheduled_blocks", &Evaluation::scheduled_blocks);
+        .def_readonly("scheduled_blocks", &Evaluation::scheduled_blocks)
+        .def_property_readonly("deadlock_holds", [](const Evaluation& ev) {
+            using Pair = std::pair<int, int>;
+            std::vector<std::pair<Pair, Pair>> out;
+            for (const auto& [holder, waiter] : ev.deadlock_holds)
+                out.push_back({{holder.block, holder.mb}, {waiter.block, waiter.mb}});
+            return out;
+        });
 
     // Orders converted once, for callers that evaluate the same schedule repeatedly.
     py::class_<DeviceOrders>(m, "Orders")
         .def(py::init([](const PyOrders& orders) { return to_orders(orders); }), py::arg("orders"))
-        .def("to_list", [](const DeviceOrders& o) { return from_orders(o); })
         .def("__len__", [](const DeviceOrders& o) { return o.size(); });
 
     // One evaluation for both forms of orders: prepared (_core.Orders) or plain lists.

@@ -28,21 +28,6 @@ void register_modulo(py::module_& m) {
         py::arg("graph"), py::arg("period"), py::arg("max_micro_batches"),
         py::arg("memory_capacity") = -1, py::arg("node_budget") = 200000,
         py::arg("seconds") = 0.0);
-    m.def(
-        "modulo_search",
-        [](const Graph& g, int max_micro_batches, int64_t capacity, int64_t max_period,
-           int64_t budget) {
-            check_count(max_micro_batches, kMaxRepetendMicroBatches, "max_micro_batches");
-            ModuloStats stats;
-            Repetend r;
-            {
-                py::gil_scoped_release release;
-                r = modulo_search(g, max_micro_batches, capacity, max_period, budget, stats);
-            }
-            return py::make_tuple(r, stats);
-        },
-        py::arg("graph"), py::arg("max_micro_batches"), py::arg("memory_capacity") = -1,
-        py::arg("max_period") = 0, py::arg("node_budget") = 200000);
     m.def("repetend_from_starts", &repetend_from_starts, py::arg("graph"), py::arg("start"),
           py::arg("period"));
 }

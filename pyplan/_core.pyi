@@ -6,7 +6,7 @@ pyplan's C++ scheduling core: graphs, schedule evaluation, repetends
 from __future__ import annotations
 import collections.abc
 import typing
-__all__: list[str] = ['Block', 'Evaluation', 'Graph', 'ModuloStats', 'OrderRule', 'Orders', 'Repetend', 'RepetendEnumerator', 'RepetendSearchStats', 'cooldown_blocks', 'evaluate', 'evaluate_repetend', 'extend', 'list_schedule_repetend', 'longest_paths', 'memory_fits', 'modulo_schedule', 'modulo_search', 'periodic_makespan', 'periodic_orders', 'rank_repetends', 'repetend_bound', 'repetend_from_starts', 'search_repetends', 'warmup_blocks']
+__all__: list[str] = ['Block', 'Evaluation', 'Graph', 'ModuloStats', 'OrderRule', 'Orders', 'Repetend', 'RepetendEnumerator', 'RepetendSearchStats', 'cooldown_blocks', 'evaluate', 'evaluate_repetend', 'extend', 'list_schedule_repetend', 'longest_paths', 'memory_fits', 'modulo_schedule', 'periodic_makespan', 'periodic_orders', 'rank_repetends', 'repetend_bound', 'repetend_from_starts', 'search_repetends', 'warmup_blocks']
 class Block:
     def __init__(self, name: str, time: typing.SupportsInt | typing.SupportsIndex, memory: typing.SupportsInt | typing.SupportsIndex, devices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None:
         ...
@@ -92,7 +92,7 @@ class Evaluation:
     def busy(self) -> list[int]:
         ...
     @property
-    def final_memory(self) -> list[int]:
+    def deadlock_holds(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
         ...
     @property
     def makespan(self) -> int:
@@ -119,8 +119,6 @@ class Orders:
     def __init__(self, orders: collections.abc.Sequence[collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]]]) -> None:
         ...
     def __len__(self) -> int:
-        ...
-    def to_list(self) -> list[list[tuple[int, int]]]:
         ...
 class Repetend:
     def bubble_rate(self, graph: Graph) -> float:
@@ -220,8 +218,6 @@ def longest_paths(graph: Graph) -> list[list[int]]:
 def memory_fits(repetend: Repetend, capacity: typing.SupportsInt | typing.SupportsIndex) -> bool:
     ...
 def modulo_schedule(graph: Graph, period: typing.SupportsInt | typing.SupportsIndex, max_micro_batches: typing.SupportsInt | typing.SupportsIndex, memory_capacity: typing.SupportsInt | typing.SupportsIndex = -1, node_budget: typing.SupportsInt | typing.SupportsIndex = 200000, seconds: typing.SupportsFloat = 0.0) -> tuple[Repetend, ModuloStats]:
-    ...
-def modulo_search(graph: Graph, max_micro_batches: typing.SupportsInt | typing.SupportsIndex, memory_capacity: typing.SupportsInt | typing.SupportsIndex = -1, max_period: typing.SupportsInt | typing.SupportsIndex = 0, node_budget: typing.SupportsInt | typing.SupportsIndex = 200000) -> tuple[Repetend, ModuloStats]:
     ...
 def periodic_makespan(graph: Graph, repetend: Repetend, num_micro_batches: typing.SupportsInt | typing.SupportsIndex, memory_capacity: typing.SupportsInt | typing.SupportsIndex = -1) -> int:
     ...

@@ -21,7 +21,7 @@ from pyplan.spec import (BackwardSpec, BlockSpec, ModelSpec, PlanSpec, SearchSpe
 from pyplan.spec.schema import did_you_mean
 
 __all__ = ["FORWARD", "BACKWARD", "WEIGHT", "OTHER", "Block", "OrderRule", "Problem",
-           "build_problem", "load_problem"]
+           "build_problem", "load_problem", "reaches"]
 
 FORWARD, BACKWARD, WEIGHT, OTHER = "forward", "backward", "weight", "other"
 
@@ -312,7 +312,7 @@ class _Builder:
                                 offset=at if not order.loop else 0)
             indices.append(self.by_name[target])
         before, after = indices
-        if parsed.before_shift == parsed.after_shift and self.reaches(after, before):
+        if parsed.before_shift == parsed.after_shift and reaches(self.edges, after, before):
             names = (self.blocks[after].name, self.blocks[before].name)
             raise self.fail(order.text_path, f"order rule '{text}' contradicts the dependencies:"
                             f" {names[1]} depends on {names[0]} within a micro-batch"
@@ -322,22 +322,6 @@ class _Builder:
         line, column = self.source.locate(order.text_path)
         return OrderRule(before, parsed.before_shift, after, parsed.after_shift,
                          parsed.min_m, text, line, column)
-
-    def reaches(self, source: int, target: int) -> bool:
-        """Whether `target` is `source` or depends on it, directly or not."""
-        successors: dict[int, list[int]] = {}
-        for a, c in self.edges:
-            successors.setdefault(a, []).append(c)
-        seen, stack = {source}, [source]
-        while stack:
-            b = stack.pop()
-            if b == target:
-                return True
-            for c in successors.get(b, ()):
-                if c not in seen:
-                    seen.add(c)
-                    stack.append(c)
-        return False
 
     def build(self) -> Problem:
         spec = self.spec
@@ -355,6 +339,23 @@ class _Builder:
                        blocks=tuple(self.blocks), edges=tuple(self.edges), rules=tuple(rules),
                        search=spec.search, model=spec.model, spec_sha256=spec.source.sha256,
                        source_path=spec.source.path, by_name=dict(self.by_name))
+
+
+def reaches(edges, source: int, target: int) -> bool:
+    """Whether `target` is `source` or depends on it, directly or not."""
+    successors: dict[int, list[int]] = {}
+    for a, c in edges:
+        successors.setdefault(a, []).append(c)
+    seen, stack = {source}, [source]
+    while stack:
+        b = stack.pop()
+        if b == target:
+            return True
+        for c in successors.get(b, ()):
+            if c not in seen:
+                seen.add(c)
+                stack.append(c)
+    return False
 
 
 def build_problem(spec: PlanSpec) -> Problem:

@@ -81,9 +81,9 @@ def test_searched_schedule_round_trip(name, cli, schedules, tmp_path):
     to_rank = torch_accepts(schedules, out, len(stages), problem.num_devices,
                             problem.num_micro_batches)
     assert to_rank == {st.index: st.rank for st in stages}
-    orders, n = read_torch_csv(out, problem)
-    assert n == problem.num_micro_batches
-    assert [tuple(o) for o in orders] == [tuple(o) for o in schedule.orders]
+    imported = read_torch_csv(out, problem)
+    assert imported.num_micro_batches == problem.num_micro_batches
+    assert [tuple(o) for o in imported.orders] == [tuple(o) for o in schedule.orders]
     result = import_json(cli, out, PLANS / f"{name}.yaml")
     assert result["makespan"] == schedule.makespan
     assert result["peak_memory"] == list(schedule.peak_memory)
@@ -239,7 +239,7 @@ V_ROWS = ["0F0,0F1,0B0,0B1", "1F0,1B0,1F1,1B1"]  # a 2-stage 1F1B; edited per ca
     ([V_ROWS[0]], "1:1: error: 1 rows, but the plan has 2 devices (hint: write one row per "
                   "rank; torch's rank r is pyplan's device r)"),
     (["0F0,0B1,0F1,0B0", V_ROWS[1]],
-     "1:1: error: the schedule cannot run: deadlock: stage0.b@1 waits for stage1.b@1 "
+     "1:5: error: the schedule cannot run: deadlock: stage0.b@1 waits for stage1.b@1 "
      "(dependency); stage1.b@1 waits for stage1@1 (ahead of it on device 1); stage1@1 waits "
      "for stage0@1 (dependency); stage0@1 waits for stage0.b@1 (ahead of it on device 0) "
      "(hint: each rank's actions must follow the dependencies)"),

@@ -178,6 +178,7 @@ Evaluation evaluate(const Graph& g, const DeviceOrders& orders, const EvalOption
             if (present[p]) for_each_successor(p, [&](int s) { pred[s].push_back(p); });
         std::vector<int> seen_at(n, -1);
         std::vector<std::string> chain;
+        std::vector<int> ahead, waiter;  // per link: who holds a device (or -1) and who waits
         int cur = -1;
         for (int d = 0; d < D && cur < 0; ++d)
             if (head[d] < orders[d].size()) cur = lay.id(orders[d][head[d]]);
@@ -201,6 +202,8 @@ Evaluation evaluate(const Graph& g, const DeviceOrders& orders, const EvalOption
                         why = " (dependency)";
                         break;
                     }
+            ahead.push_back(why == " (dependency)" || next < 0 ? -1 : next);
+            waiter.push_back(cur);
             chain.push_back(instance_name(g, inst) + " waits for " +
                             (next >= 0 ? instance_name(g, lay.inst(next)) : "?") + why);
             cur = next;
@@ -208,7 +211,11 @@ Evaluation evaluate(const Graph& g, const DeviceOrders& orders, const EvalOption
         ev.ok = false;
         std::string text = "deadlock: ";
         size_t from = cur >= 0 ? static_cast<size_t>(seen_at[cur]) : 0;
-        for (size_t i = from; i < chain.size(); ++i) text += (i > from ? "; " : "") + chain[i];
+        for (size_t i = from; i < chain.size(); ++i) {
+            text += (i > from ? "; " : "") + chain[i];
+            if (ahead[i] >= 0)
+                ev.deadlock_holds.push_back({lay.inst(ahead[i]), lay.inst(waiter[i])});
+        }
         ev.reason = text;
         return ev;
     }

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/graph.hpp"
@@ -34,6 +35,9 @@ struct Evaluation {
     std::vector<int64_t> final_memory;
     double bubble_rate = 0.0;       // idle device-time / (devices x makespan)
     int64_t scheduled_blocks = 0;   // instance count
+    // On a deadlock, in cycle order: (holder, waiter) where the holder is ahead of the waiter on
+    // a device the waiter needs (where an order breaks, so where an error should point).
+    std::vector<std::pair<Instance, Instance>> deadlock_holds;
 };
 
 // Throws std::invalid_argument / std::out_of_range when the orders are malformed (unknown block,

@@ -278,16 +278,4 @@ Repetend modulo_schedule(const Graph& g, int64_t period, int max_micro_batches,
     return none;
 }
 
-Repetend modulo_search(const Graph& g, int max_micro_batches, int64_t memory_capacity,
-                       int64_t max_period, int64_t node_budget_per_period, ModuloStats& stats) {
-    for (int64_t T = g.load_bound(); T <= max_period; ++T) {
-        Repetend r = modulo_schedule(g, T, max_micro_batches, memory_capacity,
-                                     node_budget_per_period, stats);
-        if (r.feasible) return r;
-    }
-    Repetend none;
-    none.orders.assign(g.num_devices(), {});
-    return none;
-}
-
 }  // namespace pyplan

@@ -26,11 +26,6 @@ Repetend modulo_schedule(const Graph& g, int64_t period, int max_micro_batches,
                          int64_t memory_capacity, int64_t node_budget, ModuloStats& stats,
                          double seconds = 0);
 
-// Try periods from the load bound up to max_period (inclusive); the first that admits a modulo
-// schedule wins.
-Repetend modulo_search(const Graph& g, int max_micro_batches, int64_t memory_capacity,
-                       int64_t max_period, int64_t node_budget_per_period, ModuloStats& stats);
-
 // The repetend a modulo schedule (absolute starts of micro-batch 0) stands for: indices from the
 // lags, per-device order by offset, evaluated exactly.
 Repetend repetend_from_starts(const Graph& g, const std::vector<int64_t>& start, int64_t period);

@@ -11,9 +11,9 @@ from pathlib import Path
 from pyplan import _core
 from pyplan.cli._progress import live_progress
 from pyplan.errors import PlanError
-from pyplan.problem import Problem, load_problem
+from pyplan.problem import Problem, load_problem, reaches
 from pyplan.resolved import ResolvedPlan, load_resolved
-from pyplan.schedule import Schedule
+from pyplan.schedule import Instance, Schedule
 from pyplan.solver import TEMPLATES, solve
 from pyplan.solver.templates import NotApplicable, template_orders
 from pyplan.spec.schema import did_you_mean
@@ -82,10 +82,22 @@ class Evaluated:
     """None when the plan has no order rules."""
 
 
+def _deadlock_position(problem: Problem, holds, where) -> tuple[int, int]:
+    """Where a deadlock's orders break: an action placed ahead of one it depends on (a certain
+    mistake), else the first action in the cycle that holds a device."""
+    holders = [(tuple(h), tuple(w)) for h, w in holds if tuple(h) in where]
+    for (hb, hm), (wb, wm) in holders:
+        if hm == wm and reaches(problem.edges, wb, hb):
+            return where[(hb, hm)]
+    return where[holders[0][0]] if holders else (1, 1)
+
+
 def schedule_from_orders(problem: Problem, orders, num_micro_batches: int, *,
-                         file: str | None = None) -> Evaluated:
+                         file: str | None = None,
+                         where: dict[Instance, tuple[int, int]] | None = None) -> Evaluated:
     """Every block as early as its inputs, devices and the given orders allow (the core's
-    evaluation). PlanError when the orders cannot run; memory beyond capacity is reported."""
+    evaluation). PlanError when the orders cannot run, at the (line, column) `where` gives for
+    the action out of place; memory beyond capacity is reported."""
     problem = problem.with_overrides(micro_batches=num_micro_batches)
     graph, n = problem.graph, num_micro_batches
     lists = [list(order) for order in orders]
@@ -95,8 +107,10 @@ def schedule_from_orders(problem: Problem, orders, num_micro_batches: int, *,
     if not ev.ok:  # over capacity or deadlocked: which one?
         ev = _core.evaluate(graph, lists, complete_micro_batches=n, enforce_rules=False)
         if not ev.ok:
+            at = _deadlock_position(problem, ev.deadlock_holds, where or {})
             raise PlanError(f"the schedule cannot run: {ev.reason}",
-                            hint="each rank's actions must follow the dependencies", file=file)
+                            hint="each rank's actions must follow the dependencies", file=file,
+                            line=at[0], column=at[1])
     follows = None
     if problem.rules:  # rules that hold leave every start time where it was
         ruled = _core.evaluate(graph, lists, complete_micro_batches=n)

@@ -91,9 +91,10 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError(f"unknown import format '{args.format}'",
                         hint=did_you_mean(args.format, FORMATS) or "the format is torch-csv")
     problem, resolved = load_plan(args.plan)
-    orders, n = read_torch_csv(args.file, problem)
-    result = schedule_from_orders(problem, orders, n, file=args.file)
-    searched = _compare(resolved, n)
+    imported = read_torch_csv(args.file, problem)
+    result = schedule_from_orders(problem, imported.orders, imported.num_micro_batches,
+                                  file=args.file, where=imported.where)
+    searched = _compare(resolved, imported.num_micro_batches)
     if args.json:
         print(json.dumps(summary_json(args, result, searched), sort_keys=True))
     else:

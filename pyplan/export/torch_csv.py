@@ -28,7 +28,7 @@ from pyplan.fileio import write_atomic
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT, Problem
 from pyplan.schedule import Instance, Schedule
 
-__all__ = ["TorchStage", "read_torch_csv", "render_torch_csv", "torch_csv_rows",
+__all__ = ["TorchCsv", "TorchStage", "read_torch_csv", "render_torch_csv", "torch_csv_rows",
            "torch_stages", "write_torch_csv"]
 
 _COMPUTE = re.compile(r"(\d+)(F|B|I|W)(\d+)")
@@ -161,9 +161,18 @@ def write_torch_csv(path: str | Path, schedule: Schedule) -> None:
     write_atomic(path, render_torch_csv(schedule))
 
 
-def read_torch_csv(path: str | Path, problem: Problem) -> tuple[list[list[Instance]], int]:
-    """Per-device orders of (block, micro-batch) and the number of micro-batches of a torch
-    schedule CSV, checked against the plan (PlanError pointing at the row and column)."""
+@dataclass(frozen=True)
+class TorchCsv:
+    orders: list[list[Instance]]
+    """Per device, (block, micro-batch) in the file's order."""
+    num_micro_batches: int
+    where: dict[Instance, tuple[int, int]]
+    """The line and column of every action, for errors about the schedule."""
+
+
+def read_torch_csv(path: str | Path, problem: Problem) -> TorchCsv:
+    """The orders of a torch schedule CSV, checked against the plan (PlanError pointing at the
+    row and column)."""
     stages = torch_stages(problem)
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -209,7 +218,7 @@ def read_torch_csv(path: str | Path, problem: Problem) -> tuple[list[list[Instan
                                     f"(action {stage}{letter}{m})",
                                     hint=f"every stage runs every micro-batch 0..{n - 1}",
                                     file=str(path))
-    return orders, n
+    return TorchCsv(orders, n, where)
 
 
 def _instances(text: str, stages, problem: Problem, rank: int, path, at) -> list[Instance]:
