@@ -1,7 +1,9 @@
 """Errors a user can cause, each mapped to one exit code and printed as one line.
 
 Plan errors print as ``FILE:LINE:COL: error: MESSAGE (hint: HINT)`` so editors and CI logs can jump
-to the spot. Internal bugs are not wrapped: they keep their traceback.
+to the spot; a plan with several independent mistakes (schema violations) reports up to
+MAX_REPORTED of them, one line each, in file order. Internal bugs are not wrapped: they keep
+their traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ __all__ = [
     "EXIT_INFEASIBLE",
     "EXIT_INTERRUPTED",
     "EXIT_RUN_FAILED",
+    "MAX_REPORTED",
     "InfeasibleError",
     "PlanError",
     "PyplanError",
@@ -21,6 +24,7 @@ EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INFEASIBLE = 3
 EXIT_INTERRUPTED = 130
+MAX_REPORTED = 10
 
 
 class PyplanError(Exception):
@@ -36,6 +40,12 @@ class PyplanError(Exception):
         self.file = file
         self.line = line
         self.column = column
+        self.others: list[PyplanError] = []
+        """Further independent errors of the same input, after this one (MAX_REPORTED in all)."""
+
+    def report(self) -> str:
+        """This error and the others, one line each."""
+        return "".join(f"{e}\n" for e in [self, *self.others][:MAX_REPORTED])
 
     def __str__(self) -> str:
         text = f"error: {self.message}"

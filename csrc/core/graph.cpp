@@ -14,6 +14,8 @@ Graph::Graph(int num_devices, std::vector<Block> blocks, std::vector<Edge> edges
     if (num_devices_ <= 0 || num_devices_ > kMaxDevices)
         throw std::invalid_argument("num_devices must lie in 1 .. " + std::to_string(kMaxDevices));
     const int k = num_blocks();
+    // Every search and bound assumes at least one block (a plan always has one).
+    if (k == 0) throw std::invalid_argument("a graph needs at least one block");
     on_device_.assign(num_devices_, {});
     for (int b = 0; b < k; ++b) {
         Block& blk = blocks_[b];

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except PyplanError as exc:
         # One write: under torchrun every rank shares stderr, and print() writes the newline
         # separately (stderr is unbuffered when it is a pipe), so lines would interleave.
-        sys.stderr.write(f"{exc}\n")
+        sys.stderr.write(exc.report())
         return exc.exit_code
     except BrokenPipeError:
         # `pyplan show ... | head` closed our stdout: stop quietly, like other Unix tools.

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 line = summary(load_problem(path))
         except PlanError as exc:
-            print(exc, file=sys.stderr)
+            sys.stderr.write(exc.report())
             status = EXIT_BAD_INPUT
             continue
         print(f"{path}: ok: {line}")

@@ -11,7 +11,7 @@ from typing import Any
 
 import jsonschema
 
-from pyplan.errors import PlanError
+from pyplan.errors import MAX_REPORTED, PlanError
 from pyplan.spec.source import Source
 
 __all__ = ["check_schema", "did_you_mean", "load_schema", "schema_path"]
@@ -148,9 +148,16 @@ def _to_plan_error(source: Source, error: jsonschema.ValidationError) -> PlanErr
 
 
 def check_schema(source: Source) -> None:
-    """Raise a PlanError for the first schema violation in file order."""
+    """Raise a PlanError for the first schema violation in file order, carrying the next ones
+    (each place once) for a compiler-like report."""
     errors = list(_validator().iter_errors(source.data))
     if not errors:
         return
-    plan_errors = [_to_plan_error(source, _leaf(e)) for e in errors]
-    raise min(plan_errors, key=lambda e: (e.line, e.column))
+    plan_errors = sorted((_to_plan_error(source, _leaf(e)) for e in errors),
+                         key=lambda e: (e.line, e.column, str(e)))
+    first, seen = plan_errors[0], {(plan_errors[0].line, plan_errors[0].column)}
+    for error in plan_errors[1:]:
+        if (error.line, error.column) not in seen and len(first.others) < MAX_REPORTED - 1:
+            seen.add((error.line, error.column))
+            first.others.append(error)
+    raise first
