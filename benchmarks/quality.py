@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from pyplan.errors import InfeasibleError
 from pyplan.problem import load_problem
 from pyplan.solver import incumbents, solve
+from pyplan.solver.budget import Budget
 from pyplan.solver.exact import time_optimal
 
 PLANS = Path(__file__).resolve().parent.parent / "plans"
@@ -32,8 +32,7 @@ def exact_optimum(problem, limit: float) -> int | None:
     if len(everything) > EXACT_INSTANCES:
         return None
     result = time_optimal(problem, everything, symmetry=False,
-                          lower_bound=problem.makespan_bound(),
-                          deadline=time.monotonic() + limit)
+                          lower_bound=problem.makespan_bound(), budget=Budget(limit))
     return result.value if result.status == "optimal" else None
 
 

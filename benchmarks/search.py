@@ -23,6 +23,7 @@ from pathlib import Path
 from pyplan import _core
 from pyplan.problem import build_problem, load_problem
 from pyplan.solver import incumbents, solve
+from pyplan.solver.budget import Budget
 from pyplan.solver.exact import modulo_repetend, time_optimal
 from pyplan.spec import spec_from_text
 
@@ -55,8 +56,8 @@ def bench_time_optimal(quick: bool, to_limit: float) -> None:
             problem = base.with_overrides(micro_batches=n)
             ours, t_ours = timed(lambda: solve(problem))
             everything = [(b.index, m) for m in range(n) for b in problem.blocks]
-            deadline = time.monotonic() + to_limit
-            exact, t_to = timed(lambda: time_optimal(problem, everything, deadline=deadline))
+            exact, t_to = timed(lambda: time_optimal(problem, everything,
+                                                     budget=Budget(to_limit)))
             shown = f"{exact.value}" + ("" if exact.status == "optimal" else " (limit)")
             if exact.status in ("none", "unknown"):
                 shown = "none (limit)"

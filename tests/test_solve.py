@@ -17,6 +17,7 @@ from pyplan import _core
 from pyplan.problem import load_problem
 from pyplan.resolved import load_resolved, render_resolved, resolved_path, write_resolved
 from pyplan.solver import min_memory, solve
+from pyplan.solver.budget import Budget
 from pyplan.solver.exact import time_optimal
 from pyplan.solver.search import SearchStats, search_repetend
 from pyplan.solver.templates import baselines
@@ -32,7 +33,7 @@ def unlimited(problem, max_nr):
 
 
 def best_period(problem):
-    found = search_repetend(problem, time_limit=60, exact=True, stats=SearchStats())
+    found = search_repetend(problem, budget=Budget(60), exact=True, stats=SearchStats())
     assert found.proven_optimal
     return found.repetend
 

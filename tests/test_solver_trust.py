@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +17,7 @@ from pyplan import _core
 from pyplan.errors import InfeasibleError
 from pyplan.problem import build_problem, load_problem
 from pyplan.solver import incumbents, min_memory, solve
+from pyplan.solver.budget import Budget
 from pyplan.solver.exact import time_optimal
 from pyplan.solver.templates import baselines as baselines_of
 from pyplan.solver.templates import template_orders
@@ -29,7 +29,7 @@ def exact_optimum(problem) -> int | None:
     loses nothing without order rules), or None if it takes more than 20 seconds."""
     assert not problem.rules
     everything = [(b.index, m) for m in range(problem.num_micro_batches) for b in problem.blocks]
-    result = time_optimal(problem, everything, symmetry=True, deadline=time.monotonic() + 20)
+    result = time_optimal(problem, everything, symmetry=True, budget=Budget(20))
     return result.value if result.status == "optimal" else None
 
 
@@ -191,8 +191,8 @@ def test_zero_bubble_v_and_dualpipe_v_cost_what_torchs_do(tmp_path):
         theirs = getattr(schedules, cls)([Stage(0), Stage(2 * devices - 1)], n)
         path = tmp_path / f"{name}.csv"
         theirs._dump_csv(str(path), format="compute_only")
-        orders, _ = read_torch_csv(path, problem)
-        ev = _core.evaluate(problem.graph, [list(o) for o in orders],
+        orders = read_torch_csv(path, problem).orders
+        ev = _core.evaluate(problem.graph, orders,
                             complete_micro_batches=n, enforce_rules=False)
         assert ev.ok
         assert (ours[name].makespan, ours[name].peak_memory) == \

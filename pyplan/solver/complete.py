@@ -14,7 +14,8 @@ from __future__ import annotations
 from pyplan import _core
 from pyplan.problem import Problem
 from pyplan.schedule import Schedule, build_schedule, repetend_from_core
-from pyplan.solver.exact import Anchor, Effort, time_optimal
+from pyplan.solver.budget import Budget
+from pyplan.solver.exact import Anchor, time_optimal
 from pyplan.spec.units import count
 
 __all__ = ["EXACT_LIMIT", "PHASE_EFFORT", "WHOLE_LIMIT", "complete", "complete_whole"]
@@ -26,7 +27,9 @@ PHASE_EFFORT = 6_000_000   # Z3 resource units for one phase (about 0.4 s here)
 
 def _split_periodic(problem: Problem, rep: _core.Repetend):
     """Warmup and cooldown (relative micro-batches) of the periodic schedule."""
-    n = problem.num_micro_batches
+    # The periodic order is the same in every repetition, so the phases of N micro-batches are
+    # those of 2 N_R (cooldown shifted): no need to lay out all N.
+    n = min(problem.num_micro_batches, 2 * rep.num_micro_batches)
     shift = n - rep.num_micro_batches
     full = _core.periodic_orders(problem.graph, rep, n)
     warmup = [[(b, m) for b, m in order if m < rep.indices[b]] for order in full]
@@ -85,12 +88,8 @@ def _cooldown_anchor(problem: Problem, rep: _core.Repetend, instances, last: int
     return Anchor("cooldown", end, external, floor=floor)
 
 
-def _phase_effort(effort: Effort) -> Effort:
-    return Effort(min(PHASE_EFFORT, effort.left))
-
-
-def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, deadline: float | None,
-             effort: Effort, notes: list[str], target: int = 0) -> tuple[Schedule, bool]:
+def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, budget: Budget,
+             notes: list[str], target: int = 0) -> tuple[Schedule, bool]:
     """The best completion found, and whether Z3 stopped before proving its phases optimal.
     A periodic completion that already takes no more than `target` (the lower bound) is kept
     without asking Z3."""
@@ -110,27 +109,25 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, deadline: fl
         notes.append(f"completion: periodic warmup ({count(len(warm), 'block')}) and cooldown "
                      f"({count(len(cool), 'block')}) meet the lower bound")
         return periodic, False
-    if not exact or max(len(warm), len(cool)) > EXACT_LIMIT or effort.spent:
-        reason = "" if not exact else (f", above the exact limit of {EXACT_LIMIT}"
-                                       if not effort.spent else ", exact effort used up")
+    if not exact or max(len(warm), len(cool)) > EXACT_LIMIT or budget.spent or \
+            budget.expired():
+        reason = ("" if not exact else ", exact effort used up" if budget.spent else
+                  ", the time limit ran out" if budget.expired() else
+                  f", above the exact limit of {EXACT_LIMIT}")
         notes.append(f"completion: periodic warmup ({count(len(warm), 'block')}) and cooldown "
                      f"({count(len(cool), 'block')}){reason}")
         return periodic, False
     w = c = None
     cut = False
     if warm:
-        phase = _phase_effort(effort)
         result = time_optimal(problem, warm, anchor=_warmup_anchor(problem, rep, warm),
-                              deadline=deadline, effort=phase)
-        effort.left -= min(PHASE_EFFORT, effort.left) - max(phase.left, 0)
+                              budget=budget.slice(PHASE_EFFORT))
         cut |= result.status in ("feasible", "unknown")
         w = result.orders if result.orders else None
     if cool:
-        phase = _phase_effort(effort)
         result = time_optimal(problem, cool, initial_memory=list(rep.entry_memory),
                               anchor=_cooldown_anchor(problem, rep, cool, last),
-                              deadline=deadline, effort=phase)
-        effort.left -= min(PHASE_EFFORT, effort.left) - max(phase.left, 0)
+                              budget=budget.slice(PHASE_EFFORT))
         cut |= result.status in ("feasible", "unknown")
         c = [[(b, m - last) for b, m in order] for order in result.orders] \
             if result.orders else None
@@ -150,19 +147,19 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, deadline: fl
     return best, cut
 
 
-def complete_whole(problem: Problem, best: Schedule, *, deadline: float | None,
-                   effort: Effort, notes: list[str]) -> tuple[Schedule, bool]:
+def complete_whole(problem: Problem, best: Schedule, *, budget: Budget,
+                   notes: list[str]) -> tuple[Schedule, bool]:
     """For small problems: the whole schedule time-optimal, if that beats `best`; and whether
     the schedule returned is proven optimal (Z3 found none shorter)."""
     n = problem.num_micro_batches
-    everything = [(b.index, m) for m in range(n) for b in problem.blocks]
-    if len(everything) > WHOLE_LIMIT or effort.spent:
+    if len(problem.blocks) * n > WHOLE_LIMIT or budget.spent:
         return best, False
+    everything = [(b.index, m) for m in range(n) for b in problem.blocks]
     # Ordering each block's instances by micro-batch loses no schedule without order rules
     # (relabel the k-th instance in time as micro-batch k); a rule with a shift can need others.
     result = time_optimal(problem, everything, upper_bound=best.makespan,
-                          lower_bound=problem.makespan_bound(), deadline=deadline,
-                          effort=effort, symmetry=not problem.rules)
+                          lower_bound=problem.makespan_bound(), budget=budget,
+                          symmetry=not problem.rules)
     if not result.orders:
         if result.status == "none":
             notes.append("completion: Z3 proved that no shorter schedule exists")

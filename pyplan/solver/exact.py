@@ -13,11 +13,11 @@ bisected with push/pop; `method="optimize"` runs z3.Optimize instead, for compar
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pyplan.problem import Problem
+from pyplan.solver.budget import Budget, check
 
 if TYPE_CHECKING:
     import z3
@@ -33,54 +33,12 @@ else:
 
     z3 = _Z3()
 
-__all__ = ["Anchor", "Effort", "ModuloResult", "TimeOptimal", "infeasibility_core",
+__all__ = ["Anchor", "ModuloResult", "TimeOptimal", "infeasibility_core",
            "modulo_repetend", "time_optimal"]
 
 
-def _solver(deadline: float | None, ctx: z3.Context) -> z3.Solver:
-    solver = z3.SolverFor("QF_LIA", ctx=ctx)
-    if deadline is not None:
-        solver.set("timeout", max(1, int((deadline - time.monotonic()) * 1000)))
-    return solver
-
-
-def _remaining_ms(deadline: float | None) -> int | None:
-    if deadline is None:
-        return None
-    return max(1, int((deadline - time.monotonic()) * 1000))
-
-
-class Effort:
-    """A deterministic Z3 work allowance (resource units, about 15 million a second here)
-    shared by several solves; unlike a wall-clock timeout it gives the same answer every run."""
-
-    def __init__(self, units: int) -> None:
-        self.left = units
-
-    @property
-    def spent(self) -> bool:
-        return self.left <= 0
-
-    def check(self, solver: z3.Solver) -> z3.CheckSatResult:
-        before = _rlimit_count(solver)
-        solver.set("rlimit", max(1, self.left))
-        outcome = _check(solver)
-        self.left -= _rlimit_count(solver) - before
-        return outcome
-
-
-def _check(solver, *assumptions):
-    """solver.check, except that Ctrl-C stays an interrupt: Z3 catches SIGINT during a check
-    and answers "unknown" ("interrupted from keyboard"; limits say "canceled")."""
-    outcome = solver.check(*assumptions)
-    if outcome == z3.unknown and "interrupted" in solver.reason_unknown():
-        raise KeyboardInterrupt
-    return outcome
-
-
-def _rlimit_count(solver: z3.Solver) -> int:
-    stats = solver.statistics()
-    return int(stats.get_key_value("rlimit count")) if "rlimit count" in stats.keys() else 0
+def _solver(ctx: z3.Context) -> z3.Solver:
+    return z3.SolverFor("QF_LIA", ctx=ctx)
 
 
 @dataclass(frozen=True)
@@ -90,7 +48,7 @@ class ModuloResult:
 
 
 def modulo_repetend(problem: Problem, period: int, max_micro_batches: int, *,
-                    min_lags: list[int] | None = None, deadline: float | None = None
+                    min_lags: list[int] | None = None, budget: Budget = Budget()
                     ) -> ModuloResult:
     """A repetend with this period, at most `max_micro_batches` micro-batches (lag span) and
     within memory, or unsat. `min_lags` pins Tessel index assignments: lag_b >= min_lags[b]."""
@@ -100,7 +58,7 @@ def modulo_repetend(problem: Problem, period: int, max_micro_batches: int, *,
         return ModuloResult("unsat")
     max_lag = max_micro_batches - 1
     ctx = z3.Context()  # a fresh context per model keeps Z3's choices, and so results, repeatable
-    solver = _solver(deadline, ctx)
+    solver = _solver(ctx)
     off = [z3.Int(f"o_{b.name}", ctx) for b in blocks]
     lag = [z3.Int(f"k_{b.name}", ctx) for b in blocks]
     start = [lag[i] * T + off[i] for i in range(len(blocks))]
@@ -134,7 +92,7 @@ def modulo_repetend(problem: Problem, period: int, max_micro_batches: int, *,
     solver.add(z3.Or([k == 0 for k in lag]), z3.Or([o == 0 for o in off]))
     for a, c in problem.edges:  # implied (a_c > a_a), stated to help propagation
         solver.add(lag[c] >= lag[a])
-    outcome = _check(solver)
+    outcome = budget.check(solver)
     if outcome == z3.sat:
         model = solver.model()
         return ModuloResult("sat", tuple(model.eval(s, model_completion=True).as_long()
@@ -281,11 +239,74 @@ class _TimeModel:
                              else s[i] >= c)
 
 
+    def bounds(self, lower_bound: int, upper_bound: int | None,
+               anchor: Anchor | None) -> tuple[int, int]:
+        """The objective's range to search: from the lower bound (or the anchor's floor) to
+        just below `upper_bound`, else to everything run one after another."""
+        floor = anchor.floor if anchor is not None else 0
+        lo = max(lower_bound, floor)
+        if upper_bound is not None:
+            return lo, upper_bound - 1
+        waits = list(anchor.device_time.values()) if anchor is not None else []
+        return lo, sum(self.time) + max([0, floor] + waits)
+
+    def minimise(self, lo: int, hi: int, budget: Budget) -> TimeOptimal:
+        """Bisection on the objective with push/pop; proven unless the budget cut it short."""
+        solver = _solver(self.ctx)
+        solver.add(*self.cons)
+        best, proven = None, True
+        while lo <= hi:
+            if budget.spent:
+                proven = False
+                break
+            mid = (lo + hi) // 2
+            solver.push()
+            solver.add(self.objective <= mid)
+            outcome = budget.check(solver)
+            if outcome == z3.sat:
+                best = solver.model()
+                hi = best.eval(self.objective).as_long() - 1
+            elif outcome == z3.unsat:
+                lo = mid + 1
+            else:
+                proven = False
+                solver.pop()
+                break
+            solver.pop()
+        if best is None:
+            return TimeOptimal("none" if proven else "unknown")
+        return self.result(best, "optimal" if proven else "feasible")
+
+    def optimise(self, hi: int, budget: Budget) -> TimeOptimal:
+        """z3.Optimize instead of bisection (for comparison)."""
+        opt = z3.Optimize(ctx=self.ctx)
+        ms = budget.remaining_ms()
+        if ms is not None:
+            opt.set("timeout", ms)
+        opt.add(*self.cons, self.objective <= hi)
+        handle = opt.minimize(self.objective)
+        if check(opt) != z3.sat:
+            return TimeOptimal("none")
+        found = opt.model()
+        exact = opt.lower(handle).as_long() == found.eval(self.objective).as_long()
+        return self.result(found, "optimal" if exact else "feasible")
+
+    def result(self, model, status: str) -> TimeOptimal:
+        """Start times from a Z3 model, and per device the instances in start order."""
+        blocks = self.problem.blocks
+        starts = {x: model.eval(self.start[i], model_completion=True).as_long()
+                  for i, x in enumerate(self.inst)}
+        orders = tuple(tuple(sorted((x for x in self.inst if d in blocks[x[0]].devices),
+                                    key=lambda x: (starts[x], x[1], x[0])))
+                       for d in range(self.problem.num_devices))
+        return TimeOptimal(status, model.eval(self.objective).as_long(), orders, starts)
+
+
 def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
                  initial_memory: list[int] | None = None, lower_bound: int = 0,
-                 upper_bound: int | None = None, deadline: float | None = None,
-                 anchor: Anchor | None = None, symmetry: bool = True,
-                 effort: Effort | None = None, method: str = "bisection") -> TimeOptimal:
+                 upper_bound: int | None = None, anchor: Anchor | None = None,
+                 symmetry: bool = True, budget: Budget = Budget(),
+                 method: str = "bisection") -> TimeOptimal:
     """Least makespan of `instances` (block, micro-batch), strictly below `upper_bound`; with an
     anchor, the least warmup origin or cooldown end instead.
 
@@ -302,56 +323,13 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
     model.add_devices()
     model.add_memory(initial_memory)
     model.add_objective(anchor)
-    inst, s, objective, cons, ctx = model.inst, model.start, model.objective, model.cons, \
-        model.ctx
-    lo = max(lower_bound, anchor.floor if anchor is not None else 0)
-    hi = (upper_bound - 1) if upper_bound is not None else \
-        sum(model.time) + max([0, anchor.floor if anchor else 0] +
-                              list(anchor.device_time.values() if anchor else []))
+    lo, hi = model.bounds(lower_bound, upper_bound, anchor)
     if lo > hi:
         return TimeOptimal("none")
-    if method == "optimize":
-        opt = z3.Optimize(ctx=ctx)
-        if deadline is not None:
-            opt.set("timeout", _remaining_ms(deadline))
-        opt.add(*cons, objective <= hi)
-        handle = opt.minimize(objective)
-        if _check(opt) != z3.sat:
-            return TimeOptimal("none")
-        found = opt.model()
-        exact = opt.lower(handle).as_long() == found.eval(objective).as_long()
-        return _result(problem, inst, s, found, objective, "optimal" if exact else "feasible")
-    solver = _solver(deadline, ctx)
-    solver.add(*cons)
-    best_model, proven = None, True
-    while lo <= hi:
-        if effort is not None and effort.spent:
-            proven = False
-            break
-        mid = (lo + hi) // 2
-        solver.push()
-        solver.add(objective <= mid)
-        ms = _remaining_ms(deadline)
-        if ms is not None:
-            solver.set("timeout", ms)
-        outcome = effort.check(solver) if effort is not None else _check(solver)
-        if outcome == z3.sat:
-            best_model = solver.model()
-            hi = best_model.eval(objective).as_long() - 1
-        elif outcome == z3.unsat:
-            lo = mid + 1
-        else:
-            proven = False
-            solver.pop()
-            break
-        solver.pop()
-    if best_model is None:
-        return TimeOptimal("none" if proven else "unknown")
-    return _result(problem, inst, s, best_model, objective, "optimal" if proven else "feasible")
+    return model.optimise(hi, budget) if method == "optimize" else model.minimise(lo, hi, budget)
 
 
-def infeasibility_core(problem: Problem, *, deadline: float | None = None,
-                       effort: Effort | None = None) -> list[str] | None:
+def infeasibility_core(problem: Problem, *, budget: Budget = Budget()) -> list[str] | None:
     """Why no schedule of the problem's micro-batches exists: the labels ("rule K", "memory")
     of a minimal unsat core, or None when a schedule exists or Z3 could not tell in time."""
     everything = [(b.index, m) for m in range(problem.num_micro_batches) for b in problem.blocks]
@@ -360,26 +338,17 @@ def infeasibility_core(problem: Problem, *, deadline: float | None = None,
     model.add_rules(labelled=True)
     model.add_devices()
     model.add_memory(labelled=True)
-    solver = _solver(deadline, model.ctx)
+    solver = _solver(model.ctx)
     solver.add(*model.cons)
     literals = list(model.labels.values())
-    if effort is not None:
-        solver.set("rlimit", max(1, effort.left))
-    if _check(solver, *literals) != z3.unsat:
+    # The first check sets the budget's time and unit limits; the core's checks stay under them.
+    if budget.check(solver, *literals) != z3.unsat:
         return None
     core = [lit for lit in literals if any(lit.eq(c) for c in solver.unsat_core())]
-    if _check(solver, *core) != z3.unsat:
+    if check(solver, *core) != z3.unsat:
         core = literals
     for lit in list(core):  # deletion pass: keep only what the contradiction needs
         rest = [c for c in core if not c.eq(lit)]
-        if _check(solver, *rest) == z3.unsat:
+        if check(solver, *rest) == z3.unsat:
             core = rest
     return [label for label, lit in model.labels.items() if any(lit.eq(c) for c in core)]
-
-
-def _result(problem, inst, s, model, objective, status) -> TimeOptimal:
-    starts = {x: model.eval(s[i], model_completion=True).as_long() for i, x in enumerate(inst)}
-    orders = tuple(tuple(sorted((x for x in inst if d in problem.blocks[x[0]].devices),
-                                key=lambda x: (starts[x], x[1], x[0])))
-                   for d in range(problem.num_devices))
-    return TimeOptimal(status, model.eval(objective).as_long(), orders, starts)

@@ -16,12 +16,12 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from pyplan import _core
 from pyplan.errors import InfeasibleError
 from pyplan.problem import Problem
+from pyplan.solver.budget import Budget
 from pyplan.solver.exact import modulo_repetend
 
 __all__ = ["RepetendSearch", "SearchStats", "candidate_pool", "max_repetend_micro_batches",
@@ -50,20 +50,6 @@ class RepetendSearch:
     lower_bound: int
     proven_optimal: bool
     timed_out: bool
-
-
-class _Clock:
-    def __init__(self, limit: float | None) -> None:
-        self.deadline = None if limit is None else time.monotonic() + limit
-
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
-
-    def remaining(self) -> float:
-        """Seconds left (0.0 means no limit for the core, so never return exactly 0)."""
-        if self.deadline is None:
-            return 0.0
-        return max(1e-3, self.deadline - time.monotonic())
 
 
 def max_repetend_micro_batches(problem: Problem) -> int:
@@ -98,15 +84,14 @@ def _better(a: _core.Repetend | None, b: _core.Repetend) -> bool:
     return (b.period, b.num_micro_batches) < (a.period, a.num_micro_batches)
 
 
-def search_repetend(problem: Problem, *, time_limit: float | None, exact: bool,
-                    stats: SearchStats, progress=None, thorough: bool = True) -> RepetendSearch:
+def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: SearchStats,
+                    progress=None, thorough: bool = True) -> RepetendSearch:
     """The repetend with the least period found; `thorough=False` stops after the fast path
     when it finds any (the caller already holds an optimal schedule)."""
     graph = problem.graph
     capacity = problem.capacity
     bound = graph.load_bound()
     max_nr = max_repetend_micro_batches(problem)
-    clock = _Clock(time_limit)
 
     def report(phase: str, n_r=None):
         if progress is not None:
@@ -122,10 +107,10 @@ def search_repetend(problem: Problem, *, time_limit: float | None, exact: bool,
     max_period = best.period - 1 if best is not None else bound * 4
     max_period = min(max_period, MODULO_MAX_PERIOD)  # long block times: enumeration instead
     for period in range(bound, max_period + 1):
-        if clock.expired():
+        if budget.expired():
             break
         rep, mstats = _core.modulo_schedule(graph, period, max_nr, capacity, MODULO_BUDGET,
-                                            clock.remaining())
+                                            budget.remaining())
         stats.modulo_nodes += mstats.nodes
         if _better(best, rep):
             best = rep
@@ -133,13 +118,13 @@ def search_repetend(problem: Problem, *, time_limit: float | None, exact: bool,
     timed_out = False
     if best is None or (best.period > bound and thorough):
         for nr in range(1, max_nr + 1):
-            if clock.expired():
+            if budget.expired():
                 timed_out = True
                 break
             report("enumeration", nr)
             rep, estats = _core.search_repetends(graph, nr, capacity,
                                                  best.period if best else 0, bound,
-                                                 ENUMERATION_BUDGET, clock.remaining())
+                                                 ENUMERATION_BUDGET, budget.remaining())
             stats.candidates += estats.enumerated
             if _better(best, rep):
                 best = rep
@@ -150,7 +135,7 @@ def search_repetend(problem: Problem, *, time_limit: float | None, exact: bool,
                               hint="raise memory:, relax constraints: or enable search.exact")
     proven = best is not None and best.period <= bound
     if not proven and exact and not timed_out:
-        proven, timed_out, found = _exact_period(problem, best, bound, max_nr, clock, stats,
+        proven, timed_out, found = _exact_period(problem, best, bound, max_nr, budget, stats,
                                                  report)
         if found is not None:
             best = found
@@ -160,7 +145,8 @@ def search_repetend(problem: Problem, *, time_limit: float | None, exact: bool,
     return RepetendSearch(best, bound, proven, timed_out)
 
 
-def _exact_period(problem, best, bound, max_nr, clock, stats, report):
+def _exact_period(problem: Problem, best: _core.Repetend | None, bound: int, max_nr: int,
+                  budget: Budget, stats: SearchStats, report):
     """Z3: the lower bound first, then bisection below the best period."""
     graph = problem.graph
     lo = bound
@@ -173,7 +159,7 @@ def _exact_period(problem, best, bound, max_nr, clock, stats, report):
         first = False
         report(f"exact period {period}")
         stats.z3_checks += 1
-        result = modulo_repetend(problem, period, max_nr, deadline=clock.deadline)
+        result = modulo_repetend(problem, period, max_nr, budget=budget)
         if result.status == "sat":
             rep = _core.repetend_from_starts(graph, list(result.starts), period)
             if rep.feasible and _core.memory_fits(rep, problem.capacity) and \
@@ -187,7 +173,7 @@ def _exact_period(problem, best, bound, max_nr, clock, stats, report):
     return proven, False, found
 
 
-def candidate_pool(problem: Problem, best: _core.Repetend, *, time_limit: float | None,
+def candidate_pool(problem: Problem, best: _core.Repetend, *, budget: Budget,
                    stats: SearchStats, keep: int = POOL_SIZE,
                    thorough: bool = True) -> list[_core.Repetend]:
     """Repetends with the best period, ranked by the makespan of their periodic schedule for the
@@ -195,15 +181,14 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, time_limit: float 
     when `thorough`, the best Tessel candidates of each N_R. Completion picks among them."""
     graph, capacity = problem.graph, problem.capacity
     n = problem.num_micro_batches
-    clock = _Clock(time_limit)
     period = best.period
     max_nr = max_repetend_micro_batches(problem)
     pool = {_key(best): best}
     for nr in range(1, max_nr + 1 if period <= MODULO_MAX_PERIOD else 1):
-        if clock.expired():
+        if budget.expired():
             break
         rep, mstats = _core.modulo_schedule(graph, period, nr, capacity, MODULO_BUDGET,
-                                            clock.remaining())
+                                            budget.remaining())
         stats.modulo_nodes += mstats.nodes
         if rep.feasible and rep.period <= period:
             pool.setdefault(_key(rep), rep)
@@ -212,10 +197,10 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, time_limit: float 
     limits = range(1, min(max_nr, n) + 1) if thorough else range(0)
     per_limit = max(20, POOL_WORK // (len(problem.blocks) * n * max(1, len(limits))))
     for nr in limits:
-        if clock.expired():
+        if budget.expired():
             break
         ranked, estats = _core.rank_repetends(graph, nr, capacity, period, n, keep,
-                                              per_limit, clock.remaining())
+                                              per_limit, budget.remaining())
         stats.candidates += estats.enumerated
         for rep in ranked:
             pool.setdefault(_key(rep), rep)
