@@ -8,6 +8,8 @@ their traceback.
 
 from __future__ import annotations
 
+import difflib
+
 __all__ = [
     "EXIT_BAD_INPUT",
     "EXIT_INFEASIBLE",
@@ -18,6 +20,7 @@ __all__ = [
     "PlanError",
     "PyplanError",
     "RunError",
+    "did_you_mean",
 ]
 
 EXIT_RUN_FAILED = 1
@@ -71,3 +74,9 @@ class RunError(PyplanError):
     """`pyplan run` failed: a rank died, a check failed, or the world does not fit (exit 1)."""
 
     exit_code = EXIT_RUN_FAILED
+
+
+def did_you_mean(word: str, choices) -> str | None:
+    """A "did you mean 'x'?" hint for a misspelt name, or None."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'?" if close else None

@@ -117,7 +117,7 @@ def lower(problem: Problem, schedule) -> Lowered:
         # Replicated parameters of multi-device blocks: their gradients are summed over the
         # block's ranks once all micro-batches are done, in block order on every rank.
         for block in blocks:
-            if len(block.devices) > 1 and block.kind not in (BACKWARD, WEIGHT) and \
+            if len(block.devices) > 1 and block.is_forward and \
                     f"{block.name}.b" in problem.by_name:
                 seq += 1
                 for d in block.devices:
@@ -173,8 +173,8 @@ def check_runnable(problem: Problem) -> int:
                             "pyplan run derives backward work from forward blocks",
                             hint="let training: backward: derive NAME.b (and NAME.w) blocks",
                             file=problem.source_path)
-    forward = [b for b in problem.blocks if b.kind not in (BACKWARD, WEIGHT)]
-    feeds = {a for a, c in problem.edges if problem.blocks[c].kind not in (BACKWARD, WEIGHT)}
+    forward = [b for b in problem.blocks if b.is_forward]
+    feeds = {a for a, c in problem.edges if problem.blocks[c].is_forward}
     last = [b.name for b in forward if b.index not in feeds]
     if len(last) != 1:
         raise PlanError(f"pyplan run needs exactly one last forward block (its output goes to "

@@ -14,14 +14,13 @@ from pathlib import Path
 
 from pyplan import _core
 from pyplan.constraints import RuleSyntaxError, expand_template, parse_rule
-from pyplan.errors import PlanError
+from pyplan.errors import PlanError, did_you_mean
 from pyplan.shapes import expand_blocks
 from pyplan.spec import (BackwardSpec, BlockSpec, ModelSpec, PlanSpec, SearchSpec, format_memory,
                          load_spec)
-from pyplan.spec.schema import did_you_mean
 
 __all__ = ["FORWARD", "BACKWARD", "WEIGHT", "OTHER", "Block", "OrderRule", "Problem",
-           "build_problem", "load_problem", "reaches"]
+           "build_problem", "layer_of", "load_problem", "reaches", "resolve_rule"]
 
 FORWARD, BACKWARD, WEIGHT, OTHER = "forward", "backward", "weight", "other"
 
@@ -40,6 +39,16 @@ class Block:
     devices: tuple[int, ...]
     layer: str
     """The declared block this one derives from (its own name for declared blocks)."""
+
+    @property
+    def is_forward(self) -> bool:
+        """A declared block (forward or other), not a derived backward or weight gradient."""
+        return self.kind not in (BACKWARD, WEIGHT)
+
+
+def layer_of(name: str, kind: str) -> str:
+    """The declared block a block derives from: NAME for NAME.b and NAME.w."""
+    return name.rsplit(".", 1)[0] if kind in (BACKWARD, WEIGHT) else name
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,10 @@ class Problem:
     model: ModelSpec | None = None
     spec_sha256: str = ""
     source_path: str = ""
-    by_name: dict = field(default_factory=dict, compare=False, repr=False)
+    by_name: dict[str, int] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_name", {b.name: b.index for b in self.blocks})
 
     def block(self, name: str) -> Block:
         return self.blocks[self.by_name[name]]
@@ -136,9 +148,9 @@ class _Builder:
         return self.source.error(path, message, hint, **kw)
 
     def add(self, name: str, kind: str, time: int, memory: int, devices: tuple[int, ...],
-            layer: str, path: tuple) -> int:
+            path: tuple) -> int:
         index = len(self.blocks)
-        self.blocks.append(Block(index, name, kind, time, memory, devices, layer))
+        self.blocks.append(Block(index, name, kind, time, memory, devices, layer_of(name, kind)))
         self.paths.append(path)
         self.by_name[name] = index
         return index
@@ -178,7 +190,7 @@ class _Builder:
                                 f"block '{spec.name}' alone needs {self.show(spec.memory)} per "
                                 f"device, more than the capacity {self.show(capacity)}",
                                 "split the block over more devices or raise memory:")
-            self.add(spec.name, spec.kind, spec.time, spec.memory, devices, spec.name, path)
+            self.add(spec.name, spec.kind, spec.time, spec.memory, devices, path)
 
     def show(self, amount: int) -> str:
         return format_memory(amount, self.spec.memory_is_size)
@@ -227,8 +239,7 @@ class _Builder:
             if b_time <= 0:
                 raise self.fail(spec.path + ("backward", "time"),
                                 f"backward time of '{spec.name}' must be positive")
-            b = self.add(f"{spec.name}.b", BACKWARD, b_time, b_mem, fwd.devices, spec.name,
-                         spec.path)
+            b = self.add(f"{spec.name}.b", BACKWARD, b_time, b_mem, fwd.devices, spec.path)
             if rule.weight_time_ratio is not None:
                 w_time = (over.weight_time if over.weight_time is not None
                           else max(1, round(fwd.time * rule.weight_time_ratio)))
@@ -236,8 +247,7 @@ class _Builder:
                 if w_time <= 0:
                     raise self.fail(spec.path + ("backward", "weight_time"),
                                     f"weight-gradient time of '{spec.name}' must be positive")
-                w = self.add(f"{spec.name}.w", WEIGHT, w_time, w_mem, fwd.devices, spec.name,
-                             spec.path)
+                w = self.add(f"{spec.name}.w", WEIGHT, w_time, w_mem, fwd.devices, spec.path)
                 self.edges.append((b, w))
         # Gradients flow back along the forward edges between blocks that have a backward; the
         # backward chain starts at the forward blocks none of whose successors has one.
@@ -298,30 +308,13 @@ class _Builder:
         return rules
 
     def rule(self, text: str, order) -> OrderRule:
-        parsed = parse_rule(text)
-        indices = []
-        for name, at in ((parsed.before, parsed.before_at), (parsed.after, parsed.after_at)):
-            target = name[:-2] if name.endswith(".f") else name
-            if target not in self.by_name or (name.endswith(".f") and
-                                              self.blocks[self.by_name[target]].kind != FORWARD):
-                names = list(self.by_name) + [f"{n}.f" for n, i in self.by_name.items()
-                                              if self.blocks[i].kind == FORWARD]
-                raise self.fail(order.text_path, f"order rule '{text}' names unknown block "
-                                f"'{name}'", did_you_mean(name, names) or
-                                "use a block name, NAME.f, NAME.b or NAME.w",
-                                offset=at if not order.loop else 0)
-            indices.append(self.by_name[target])
-        before, after = indices
-        if parsed.before_shift == parsed.after_shift and reaches(self.edges, after, before):
-            names = (self.blocks[after].name, self.blocks[before].name)
-            raise self.fail(order.text_path, f"order rule '{text}' contradicts the dependencies:"
-                            f" {names[1]} depends on {names[0]} within a micro-batch"
-                            if after != before else f"order rule '{text}' orders a block "
-                            "before itself", "swap the two sides or change a shift",
-                            offset=parsed.before_at if not order.loop else 0)
+        try:
+            rule = resolve_rule(text, self.blocks, self.by_name, self.edges)
+        except RuleError as exc:
+            raise self.fail(order.text_path, str(exc), exc.hint,
+                            offset=exc.offset if not order.loop else 0) from None
         line, column = self.source.locate(order.text_path)
-        return OrderRule(before, parsed.before_shift, after, parsed.after_shift,
-                         parsed.min_m, text, line, column)
+        return dataclasses.replace(rule, line=line, column=column)
 
     def build(self) -> Problem:
         spec = self.spec
@@ -338,7 +331,38 @@ class _Builder:
                        num_micro_batches=spec.num_micro_batches, training=spec.training,
                        blocks=tuple(self.blocks), edges=tuple(self.edges), rules=tuple(rules),
                        search=spec.search, model=spec.model, spec_sha256=spec.source.sha256,
-                       source_path=spec.source.path, by_name=dict(self.by_name))
+                       source_path=spec.source.path)
+
+
+class RuleError(RuleSyntaxError):
+    """A well-formed order rule that does not fit the blocks (unknown name, contradiction)."""
+
+
+def resolve_rule(text: str, blocks, by_name: dict[str, int], edges) -> OrderRule:
+    """An order rule over these blocks (for a plan and for a resolved plan alike): a
+    RuleSyntaxError when malformed, a RuleError (with the offset of the problem) for unknown
+    names and for a rule that contradicts a dependency."""
+    parsed = parse_rule(text)
+    indices = []
+    for name, at in ((parsed.before, parsed.before_at), (parsed.after, parsed.after_at)):
+        target = name[:-2] if name.endswith(".f") else name
+        if target not in by_name or (name.endswith(".f") and
+                                     blocks[by_name[target]].kind != FORWARD):
+            names = list(by_name) + [f"{n}.f" for n, i in by_name.items()
+                                     if blocks[i].kind == FORWARD]
+            raise RuleError(f"order rule '{text}' names unknown block '{name}'", at,
+                                  did_you_mean(name, names) or
+                                  "use a block name, NAME.f, NAME.b or NAME.w")
+        indices.append(by_name[target])
+    before, after = indices
+    if parsed.before_shift == parsed.after_shift and reaches(edges, after, before):
+        names = (blocks[after].name, blocks[before].name)
+        raise RuleError(
+            f"order rule '{text}' contradicts the dependencies: {names[1]} depends on "
+            f"{names[0]} within a micro-batch" if after != before else
+            f"order rule '{text}' orders a block before itself", parsed.before_at,
+            "swap the two sides or change a shift")
+    return OrderRule(before, parsed.before_shift, after, parsed.after_shift, parsed.min_m, text)
 
 
 def reaches(edges, source: int, target: int) -> bool:

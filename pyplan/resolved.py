@@ -12,24 +12,26 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pyplan import __version__, _core
-from pyplan.constraints import RuleSyntaxError, parse_rule
+from pyplan.constraints import RuleSyntaxError
 from pyplan.errors import PlanError
 from pyplan.fileio import write_atomic
-from pyplan.problem import Block, OrderRule, Problem
+from pyplan.problem import Block, Problem, layer_of, resolve_rule
 from pyplan.schedule import Schedule, build_schedule, repetend_from_core
 from pyplan.spec import ModelSpec, load_yaml
 from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_TIME
 from pyplan.spec.source import MAX_FILE_BYTES
 from pyplan.spec.units import MAX_MEMORY
 
-__all__ = ["FORMAT", "ResolvedPlan", "load_resolved", "render_resolved", "resolved_path",
-           "write_resolved"]
+__all__ = ["FORMAT", "ResolvedPlan", "is_resolved", "load_resolved", "render_resolved",
+           "resolved_path", "write_resolved"]
 
 FORMAT = 1
+_RESOLVED = re.compile(rb"^pyplan_resolved:", re.MULTILINE)
 
 
 def resolved_path(plan_path: str | Path) -> Path:
@@ -238,13 +240,14 @@ class _Reader:
         if not isinstance(self.doc, dict) or self.doc.get("pyplan_resolved") != FORMAT:
             raise self.fail((), "not a resolved plan (pyplan_resolved: 1 missing)",
                             "pass the .resolved.yaml written by pyplan solve")
-        blocks, by_name = [], {}
+        blocks, by_name = [], {}  # (indexed here for the dependencies; Problem keeps its own)
         num_devices = self.get("devices", int, low=1, high=MAX_DEVICES)
         for i, raw in enumerate(self.get("blocks", list)):
             try:
                 devices = tuple(int(d) for d in raw["devices"])
-                block = Block(i, str(raw["name"]), str(raw["kind"]), int(raw["time"]),
-                              int(raw["memory"]), devices, str(raw["name"]).split(".")[0])
+                name, kind = str(raw["name"]), str(raw["kind"])
+                block = Block(i, name, kind, int(raw["time"]), int(raw["memory"]), devices,
+                              layer_of(name, kind))
             except (KeyError, TypeError, ValueError, OverflowError):
                 raise self.fail(("blocks", i), "malformed block") from None
             if not 1 <= block.time <= MAX_TIME or abs(block.memory) > MAX_MEMORY:
@@ -263,12 +266,9 @@ class _Reader:
         rules = []
         for i, text in enumerate(self.doc.get("order_rules") or []):
             try:
-                parsed = parse_rule(str(text))
-                names = [p[:-2] if p.endswith(".f") else p for p in (parsed.before, parsed.after)]
-                rules.append(OrderRule(by_name[names[0]], parsed.before_shift, by_name[names[1]],
-                                       parsed.after_shift, parsed.min_m, str(text)))
-            except (RuleSyntaxError, KeyError):
-                raise self.fail(("order_rules", i), "malformed order rule") from None
+                rules.append(resolve_rule(str(text), blocks, by_name, edges))
+            except RuleSyntaxError as exc:
+                raise self.fail(("order_rules", i), f"malformed order rule: {exc}") from None
         model = None
         if isinstance(self.doc.get("model"), dict):
             raw = self.doc["model"]
@@ -287,8 +287,7 @@ class _Reader:
                                        high=MAX_MICRO_BATCHES),
             training=self.doc.get("task") != "inference", blocks=tuple(blocks),
             edges=tuple(edges), rules=tuple(rules), model=model,
-            spec_sha256=str(self.get("spec_sha256", str)), source_path=self.path,
-            by_name=by_name)
+            spec_sha256=str(self.get("spec_sha256", str)), source_path=self.path)
         try:
             cycle = problem.graph.find_cycle()
         except (ValueError, IndexError) as exc:  # e.g. a block that depends on itself
@@ -317,6 +316,15 @@ class _Reader:
                                     "entries read \"block@micro-batch start\"") from None
             orders.append(order)
         return orders
+
+
+def is_resolved(path: str | Path) -> bool:
+    """Whether the file is a resolved plan (unreadable files are left to the plan loader)."""
+    try:
+        with open(path, "rb") as handle:  # the marker is near the top; never read a whole file
+            return _RESOLVED.search(handle.read(4096)) is not None
+    except (OSError, ValueError):
+        return False
 
 
 def load_resolved(path: str | Path) -> ResolvedPlan:

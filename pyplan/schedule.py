@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from pyplan import _core
-from pyplan.problem import Problem
+from pyplan.errors import PlanError
+from pyplan.problem import Problem, reaches
 
-__all__ = ["Instance", "Repetend", "Schedule", "build_schedule", "repetend_from_core"]
+__all__ = ["Evaluated", "Instance", "Repetend", "Schedule", "build_schedule",
+           "repetend_from_core", "schedule_from_orders"]
 
 Instance = tuple[int, int]  # (block index, micro-batch)
 DeviceOrders = tuple[tuple[Instance, ...], ...]
@@ -129,3 +131,53 @@ def build_schedule(problem: Problem, warmup, repetend: Repetend | None, cooldown
         raise RuntimeError(f"composed schedule does not run: {ev.reason}")
     return Schedule(problem, warmup, repetend, cooldown, orders, tuple(ev.start), ev.makespan,
                     tuple(ev.busy), tuple(ev.peak_memory), ev.bubble_rate)
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A schedule evaluated as given."""
+
+    schedule: Schedule
+    fits_memory: bool
+    follows_rules: bool | None
+    """None when the plan has no order rules."""
+
+
+def _deadlock_position(problem: Problem, holds, where) -> tuple[int, int]:
+    """Where a deadlock's orders break: an action placed ahead of one it depends on (a certain
+    mistake), else the first action in the cycle that holds a device."""
+    holders = [(tuple(h), tuple(w)) for h, w in holds if tuple(h) in where]
+    for (hb, hm), (wb, wm) in holders:
+        if hm == wm and reaches(problem.edges, wb, hb):
+            return where[(hb, hm)]
+    return where[holders[0][0]] if holders else (1, 1)
+
+
+def schedule_from_orders(problem: Problem, orders, num_micro_batches: int, *,
+                         file: str | None = None,
+                         where: dict[Instance, tuple[int, int]] | None = None) -> Evaluated:
+    """Every block as early as its inputs, devices and the given orders allow (the core's
+    evaluation). PlanError when the orders cannot run, at the (line, column) `where` gives for
+    the action out of place; memory beyond capacity is reported."""
+    problem = problem.with_overrides(micro_batches=num_micro_batches)
+    graph, n = problem.graph, num_micro_batches
+    lists = [list(order) for order in orders]
+    ev = _core.evaluate(graph, lists, memory_capacity=problem.capacity,
+                        complete_micro_batches=n, enforce_rules=False)
+    fits = ev.ok
+    if not ev.ok:  # over capacity or deadlocked: which one?
+        ev = _core.evaluate(graph, lists, complete_micro_batches=n, enforce_rules=False)
+        if not ev.ok:
+            at = _deadlock_position(problem, ev.deadlock_holds, where or {})
+            raise PlanError(f"the schedule cannot run: {ev.reason}",
+                            hint="each rank's actions must follow the dependencies", file=file,
+                            line=at[0], column=at[1])
+    follows = None
+    if problem.rules:  # rules that hold leave every start time where it was
+        ruled = _core.evaluate(graph, lists, complete_micro_batches=n)
+        follows = ruled.ok and list(ruled.start) == list(ev.start)
+    frozen = tuple(tuple(tuple(inst) for inst in order) for order in orders)
+    schedule = Schedule(problem, frozen, None, tuple(() for _ in orders), frozen,
+                        tuple(ev.start), ev.makespan, tuple(ev.busy), tuple(ev.peak_memory),
+                        ev.bubble_rate)
+    return Evaluated(schedule, fits, follows)

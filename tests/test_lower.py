@@ -98,7 +98,7 @@ def scheduled_problems(draw):
                       training=False,
                       blocks=tuple(Block(i, f"b{i}", FORWARD, t, 0, tuple(d), f"b{i}")
                                    for i, (t, _, d) in enumerate(blocks)),
-                      edges=tuple(edges), by_name={f"b{i}": i for i in range(len(blocks))})
+                      edges=tuple(edges))
     rng = random.Random(draw(st.integers(0, 2**32)))
     pending = {(b, m): sum(1 for _, c in edges if c == b) for b in range(len(blocks))
                for m in range(n)}

@@ -8,12 +8,11 @@ import json
 import sys
 
 from pyplan.cli._schedule import load_plan, pick_schedule
-from pyplan.errors import PlanError
+from pyplan.errors import PlanError, did_you_mean
 from pyplan.export.chrome import schedule_trace
 from pyplan.export.svg import render_svg
 from pyplan.export.torch_csv import render_torch_csv, torch_stages
 from pyplan.fileio import write_atomic
-from pyplan.spec.schema import did_you_mean
 from pyplan.spec.units import count
 
 __all__ = ["FORMATS", "add_arguments", "run"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pyplan.cli._torch import require_torch
 from pyplan.errors import PlanError
-from pyplan.problem import BACKWARD, WEIGHT, load_problem
+from pyplan.problem import load_problem
 from pyplan.spec import format_memory
 
 __all__ = ["add_arguments", "run", "suggestions"]
@@ -35,7 +35,7 @@ def suggestions(problem, costs, unit_ms: float) -> list[str]:
         devices = "all" if len(c.devices) == problem.num_devices else \
             "[" + ", ".join(map(str, c.devices)) + "]"
         parents = [problem.blocks[a].name for a, b in problem.edges
-                   if b == index and problem.blocks[a].kind not in (BACKWARD, WEIGHT)]
+                   if b == index and problem.blocks[a].is_forward]
         after = "" if parents == ([previous] if previous else []) else \
             ", after: [" + ", ".join(parents) + "]"
         previous = c.name

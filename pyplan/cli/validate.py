@@ -7,9 +7,8 @@ import argparse
 import sys
 
 from pyplan.errors import EXIT_BAD_INPUT, PlanError
-from pyplan.cli._schedule import is_resolved
-from pyplan.problem import load_problem, Problem
-from pyplan.resolved import load_resolved
+from pyplan.problem import Problem, load_problem
+from pyplan.resolved import is_resolved, load_resolved
 from pyplan.spec.units import count
 
 __all__ = ["add_arguments", "run", "summary"]

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from pyplan.errors import PlanError, RunError
-from pyplan.problem import BACKWARD, WEIGHT, Problem
+from pyplan.problem import Problem
 
 __all__ = ["SHARD_DIM", "Model", "block_inputs", "build_modules", "check_model", "forward_blocks",
            "forward_rng", "load_model", "make_batch", "named_parameters", "shard", "shard_dim",
@@ -114,7 +114,7 @@ def forward_rng(seed: int, step: int, block: str, micro_batch: int, device):
 
 def forward_blocks(problem: Problem) -> list[int]:
     """The declared (forward or other) blocks, which own the modules, in plan order."""
-    return [b.index for b in problem.blocks if b.kind not in (BACKWARD, WEIGHT)]
+    return [b.index for b in problem.blocks if b.is_forward]
 
 
 def build_modules(model: Model, problem: Problem, *, seed: int, device, rank: int | None = None,
@@ -140,8 +140,8 @@ def block_inputs(problem: Problem, modules: dict) -> dict[int, list[int]]:
     (an empty list: it takes the micro-batch's inputs)."""
     preds: dict[int, list[int]] = {b: [] for b in modules}
     for a, c in problem.edges:
-        if c in modules and problem.blocks[c].kind not in (BACKWARD, WEIGHT) and \
-                problem.blocks[a].kind not in (BACKWARD, WEIGHT):
+        if c in modules and problem.blocks[c].is_forward and \
+                problem.blocks[a].is_forward:
             preds[c].append(a)
     return preds
 

@@ -64,7 +64,7 @@ class Executor:
         for a, c in problem.edges:
             if is_gradient(problem, a, c):
                 self.backs_to[self.layer[a]].add(self.layer[c])
-            elif problem.blocks[c].kind not in (BACKWARD, WEIGHT):
+            elif problem.blocks[c].is_forward:
                 self.preds[c].append(a)
         self.loss_owner = problem.blocks[output_block].devices[0] == rank
         self.fail_at = fail_at if fail_at and fail_at[0] == rank else None

@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pyplan import _core
+from pyplan.errors import PlanError, did_you_mean
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT, Problem
+from pyplan.schedule import Schedule, schedule_from_orders
 from pyplan.solver.budget import Budget
 
-__all__ = ["TEMPLATES", "Baseline", "baselines", "template_orders"]
+__all__ = ["TEMPLATES", "Baseline", "baselines", "template_orders", "template_schedule"]
 
 class NotApplicable(Exception):
     """The template does not fit this placement."""
@@ -235,7 +237,7 @@ def _gpipe(problem: Problem):
     """All forwards, then all backwards, each phase a wavefront: block b of micro-batch m at
     step depth(b) + m, depth counted within its phase (a plain pipeline fill and drain)."""
     topo = problem.graph.topological_order()
-    phase = {b.index: 1 if b.kind in (BACKWARD, WEIGHT) else 0 for b in problem.blocks}
+    phase = {b.index: 0 if b.is_forward else 1 for b in problem.blocks}
     depth = dict.fromkeys(topo, 0)
     for b in topo:
         for a, c in problem.edges:
@@ -558,6 +560,19 @@ TEMPLATES = tuple(_BUILDERS)  # names, in the order they are listed and tried
 def template_orders(problem: Problem, name: str) -> list[list[tuple[int, int]]]:
     """Per-device orders of a template; raises NotApplicable when it does not fit."""
     return _BUILDERS[name](problem)
+
+
+def template_schedule(problem: Problem, name: str) -> Schedule:
+    """A template by name as a schedule (PlanError for an unknown or unfitting one)."""
+    if name not in TEMPLATES:
+        raise PlanError(f"unknown template '{name}'", hint=did_you_mean(name, TEMPLATES)
+                        or f"choose one of {', '.join(TEMPLATES)}")
+    try:
+        orders = template_orders(problem, name)
+    except NotApplicable as exc:
+        raise PlanError(f"template {name} does not fit {problem.name}: {exc}") from None
+    # A template is its own order rule, and its memory is reported rather than enforced.
+    return schedule_from_orders(problem, orders, problem.num_micro_batches).schedule
 
 
 def baselines(problem: Problem, budget: Budget = Budget()) -> dict[str, Baseline]:

@@ -3,7 +3,6 @@ position in the file as one located, human-readable PlanError."""
 
 from __future__ import annotations
 
-import difflib
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -11,10 +10,10 @@ from typing import Any
 
 import jsonschema
 
-from pyplan.errors import MAX_REPORTED, PlanError
+from pyplan.errors import MAX_REPORTED, PlanError, did_you_mean
 from pyplan.spec.source import Source
 
-__all__ = ["check_schema", "did_you_mean", "load_schema", "schema_path"]
+__all__ = ["check_schema", "load_schema", "schema_path"]
 
 _TYPE_NAMES = {"integer": "an integer", "number": "a number", "string": "a string",
                "array": "a list", "object": "a mapping", "boolean": "true or false"}
@@ -50,12 +49,6 @@ def _validator():
     schema = load_schema()
     jsonschema.Draft202012Validator.check_schema(schema)
     return _PlanValidator(schema)
-
-
-def did_you_mean(word: str, choices) -> str | None:
-    """A "did you mean 'x'?" hint for a misspelt name, or None."""
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f"did you mean '{close[0]}'?" if close else None
 
 
 def _show_path(path: tuple) -> str:
