@@ -15,6 +15,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pyplan import __version__, _core
 from pyplan.constraints import RuleSyntaxError
@@ -26,6 +27,9 @@ from pyplan.spec import ModelSpec, load_yaml
 from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_TIME
 from pyplan.spec.source import MAX_FILE_BYTES
 from pyplan.spec.units import MAX_MEMORY
+
+if TYPE_CHECKING:
+    from pyplan.solver import Solution
 
 __all__ = ["FORMAT", "ResolvedPlan", "is_resolved", "load_resolved", "render_resolved",
            "resolved_path", "write_resolved"]
@@ -99,7 +103,7 @@ def _rate(x: float) -> str:
     return f"{x:.4f}"
 
 
-def render_resolved(solution, plan_rel: str | None) -> str:
+def render_resolved(solution: Solution, plan_rel: str | None) -> str:
     """The resolved plan text for a Solution (deterministic: same solution, same bytes)."""
     schedule: Schedule = solution.schedule
     problem = schedule.problem
@@ -187,7 +191,7 @@ def render_resolved(solution, plan_rel: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_resolved(solution, out_path: str | Path) -> Path:
+def write_resolved(solution: Solution, out_path: str | Path) -> Path:
     """Write atomically; the plan path inside is relative to the output file."""
     out = Path(out_path)
     source = solution.schedule.problem.source_path

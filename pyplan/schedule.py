@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Sequence
 
 from pyplan import _core
 from pyplan.errors import PlanError
@@ -19,6 +20,7 @@ __all__ = ["Evaluated", "Instance", "Repetend", "Schedule", "build_schedule",
 
 Instance = tuple[int, int]  # (block index, micro-batch)
 DeviceOrders = tuple[tuple[Instance, ...], ...]
+Orders = Sequence[Sequence[Instance]]  # per device, as given (lists or tuples)
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,8 @@ class Schedule:
                 max(self.end_of(b, m) for b, m in last))
 
 
-def build_schedule(problem: Problem, warmup, repetend: Repetend | None, cooldown) -> Schedule:
+def build_schedule(problem: Problem, warmup: Orders, repetend: Repetend | None,
+                   cooldown: Orders) -> Schedule:
     """Compose warmup + repetend x (N - N_R + 1) + cooldown, evaluate and verify it.
 
     Raises RuntimeError when the composition does not run (a bug, not a user error).
@@ -143,7 +146,8 @@ class Evaluated:
     """None when the plan has no order rules."""
 
 
-def _deadlock_position(problem: Problem, holds, where) -> tuple[int, int]:
+def _deadlock_position(problem: Problem, holds: list, where: dict[Instance, tuple[int, int]]
+                       ) -> tuple[int, int]:
     """Where a deadlock's orders break: an action placed ahead of one it depends on (a certain
     mistake), else the first action in the cycle that holds a device."""
     holders = [(tuple(h), tuple(w)) for h, w in holds if tuple(h) in where]
@@ -153,7 +157,7 @@ def _deadlock_position(problem: Problem, holds, where) -> tuple[int, int]:
     return where[holders[0][0]] if holders else (1, 1)
 
 
-def schedule_from_orders(problem: Problem, orders, num_micro_batches: int, *,
+def schedule_from_orders(problem: Problem, orders: Orders, num_micro_batches: int, *,
                          file: str | None = None,
                          where: dict[Instance, tuple[int, int]] | None = None) -> Evaluated:
     """Every block as early as its inputs, devices and the given orders allow (the core's

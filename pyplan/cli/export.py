@@ -13,12 +13,13 @@ from pyplan.export.chrome import schedule_trace
 from pyplan.export.svg import render_svg
 from pyplan.export.torch_csv import render_torch_csv, torch_stages
 from pyplan.fileio import write_atomic
+from pyplan.schedule import Schedule
 from pyplan.spec.units import count
 
 __all__ = ["FORMATS", "add_arguments", "run"]
 
 
-def _chrome(schedule) -> str:
+def _chrome(schedule: Schedule) -> str:
     return json.dumps(schedule_trace(schedule), separators=(",", ":")) + "\n"
 
 

@@ -7,50 +7,13 @@ ui.perfetto.dev or chrome://tracing.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
+from pyplan.schedule import Schedule
+from pyplan.trace import TraceEvent, chrome_trace, write_chrome_trace
 
-from pyplan.fileio import write_atomic
-
-__all__ = ["TraceEvent", "chrome_trace", "memory_counters", "schedule_events", "schedule_trace",
-           "write_chrome_trace"]
+__all__ = ["memory_counters", "schedule_events", "schedule_trace", "write_chrome_trace"]
 
 
-@dataclass(frozen=True)
-class TraceEvent:
-    """One block execution (or communication) on one device."""
-
-    device: int
-    name: str          # e.g. "stage0.b@3"
-    kind: str          # forward, backward, weight, other, send, recv, wait
-    start: float       # microseconds (or model time units)
-    duration: float
-    micro_batch: int = -1
-    phase: str = ""    # warmup, repetend, cooldown (solved schedules)
-
-
-def chrome_trace(events: list[TraceEvent], *, title: str, time_unit: str,
-                 num_devices: int) -> dict:
-    """The trace as a JSON-ready dict: complete ("X") events plus track names."""
-    trace = []
-    for d in range(num_devices):
-        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": d,
-                      "args": {"name": f"device {d}"}})
-        trace.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": d,
-                      "args": {"sort_index": d}})
-    trace.append({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": title}})
-    for e in sorted(events, key=lambda e: (e.start, e.device, e.name)):
-        args = {"micro_batch": e.micro_batch}
-        if e.phase:
-            args["phase"] = e.phase
-        trace.append({"name": e.name, "cat": e.kind, "ph": "X", "pid": 0, "tid": e.device,
-                      "ts": e.start, "dur": e.duration, "args": args})
-    return {"traceEvents": trace, "displayTimeUnit": "ms",
-            "otherData": {"producer": "pyplan", "title": title, "time_unit": time_unit}}
-
-
-def schedule_events(schedule) -> list[TraceEvent]:
+def schedule_events(schedule: Schedule) -> list[TraceEvent]:
     """Every block execution of a solved schedule, in model time units."""
     problem = schedule.problem
     phase = schedule.phase_of
@@ -63,7 +26,7 @@ def schedule_events(schedule) -> list[TraceEvent]:
     return events
 
 
-def memory_counters(schedule) -> list[dict]:
+def memory_counters(schedule: Schedule) -> list[dict]:
     """Counter ("C") events: each device's memory after every block start, where it changes
     (the running sum of block memory in the device's order)."""
     problem = schedule.problem
@@ -80,7 +43,7 @@ def memory_counters(schedule) -> list[dict]:
     return events
 
 
-def schedule_trace(schedule) -> dict:
+def schedule_trace(schedule: Schedule) -> dict:
     """A solved schedule as a trace: one track per device, one event per block execution on a
     device (a block on several devices appears on each), plus a memory counter per device."""
     problem = schedule.problem
@@ -93,7 +56,3 @@ def schedule_trace(schedule) -> dict:
                                "peak_memory": list(schedule.peak_memory),
                                "memory_capacity": problem.memory_capacity})
     return trace
-
-
-def write_chrome_trace(path: str | Path, trace: dict) -> None:
-    write_atomic(path, json.dumps(trace, separators=(",", ":")) + "\n")

@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 
 from pyplan.errors import RunError
-from pyplan.export.chrome import TraceEvent
 from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, WAIT, Lowered,
                           Value, describe, is_gradient)
 from pyplan.problem import BACKWARD, WEIGHT
 from pyplan.runtime.binding import forward_rng, shard_dim
 from pyplan.runtime.comm import Comm, TransferError
+from pyplan.trace import TraceEvent
 
 __all__ = ["Executor", "IterationResult"]
 

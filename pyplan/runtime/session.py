@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from pyplan.errors import PyplanError, RunError
-from pyplan.export.chrome import chrome_trace, write_chrome_trace
 from pyplan.lower import COMPUTE, Lowered, describe
 from pyplan.runtime.binding import Model, build_modules, make_batch, split_batch
 from pyplan.runtime.check import Verdict, compare, full_gradients, reference_run
 from pyplan.runtime.comm import Comm, TransferError, all_gather_objects
 from pyplan.runtime.executor import Executor
 from pyplan.runtime.faults import Watchdog
+from pyplan.trace import chrome_trace, write_chrome_trace
 
 __all__ = ["Options", "Report", "Session"]
 

@@ -13,7 +13,8 @@ from pyplan.solver.bounds import check_fits, min_memory
 from pyplan.solver.budget import Budget
 from pyplan.solver.complete import complete, complete_whole
 from pyplan.solver.explain import explain
-from pyplan.solver.search import RepetendSearch, SearchStats, candidate_pool, search_repetend
+from pyplan.solver.search import (Progress, RepetendSearch, SearchStats, candidate_pool,
+                                  search_repetend)
 from pyplan.solver.templates import TEMPLATES, Baseline, baselines
 
 __all__ = ["DEFAULT_TIME_LIMIT", "TEMPLATES", "Baseline", "Solution", "incumbents", "min_memory",
@@ -64,7 +65,7 @@ def incumbents(problem: Problem, templates: dict[str, Baseline]) -> dict[str, Sc
     return out
 
 
-def solve(problem: Problem, *, progress=None) -> Solution:
+def solve(problem: Problem, *, progress: Progress | None = None) -> Solution:
     """Search a schedule no longer than any template that fits. Raises InfeasibleError when
     none exists. The stages, in order: bounds, incumbents (templates), repetend, completion,
     ranking (and for tiny problems, the whole schedule with Z3)."""
@@ -115,7 +116,7 @@ def solve(problem: Problem, *, progress=None) -> Solution:
 
 def _complete_best(problem: Problem, found: RepetendSearch, budget: Budget, stats: SearchStats,
                    *, exact: bool, settled: bool, target: int,
-                   progress=None) -> tuple[Schedule, list[str]]:
+                   progress: Progress | None = None) -> tuple[Schedule, list[str]]:
     """Completion of the best repetends (ranked pool): periodic completions of every candidate
     first (cheap), Z3's warmup and cooldown only if none meets the lower bound."""
     pool = candidate_pool(problem, found.repetend, budget=budget, stats=stats,

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pyplan import _core
 from pyplan.errors import InfeasibleError
@@ -24,7 +25,7 @@ from pyplan.problem import Problem
 from pyplan.solver.budget import Budget
 from pyplan.solver.exact import modulo_repetend
 
-__all__ = ["RepetendSearch", "SearchStats", "candidate_pool", "max_repetend_micro_batches",
+__all__ = ["Progress", "RepetendSearch", "SearchStats", "candidate_pool", "max_repetend_micro_batches",
            "search_repetend"]
 
 MODULO_BUDGET = 20_000        # DFS placements per period in the fast path
@@ -32,6 +33,13 @@ MODULO_MAX_PERIOD = 65_536    # the fast path's reservation table has one cell p
 ENUMERATION_BUDGET = 200_000  # Tessel candidates per N_R while searching the period
 POOL_WORK = 30_000_000        # instance evaluations for ranking pool candidates (about 1 s)
 POOL_SIZE = 4                 # repetends of the best period that completion tries
+
+
+class Progress(Protocol):
+    """Where a long search is (the CLI draws it on the terminal)."""
+
+    def update(self, *, phase: str, n_r: int | None = None, candidates: int = 0,
+               best: int | None = None, bound: int | None = None) -> None: ...
 
 
 @dataclass
@@ -85,7 +93,7 @@ def _better(a: _core.Repetend | None, b: _core.Repetend) -> bool:
 
 
 def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: SearchStats,
-                    progress=None, thorough: bool = True) -> RepetendSearch:
+                    progress: Progress | None = None, thorough: bool = True) -> RepetendSearch:
     """The repetend with the least period found; `thorough=False` stops after the fast path
     when it finds any (the caller already holds an optimal schedule)."""
     graph = problem.graph
