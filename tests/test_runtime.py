@@ -146,38 +146,37 @@ def test_check_fails_naming_the_loss_when_it_is_not_a_mean(tmp_path, one_process
 
 # ---------------------------------------------------------------- under torchrun
 
-@pytest.mark.torchrun
-def test_gpt_mshape_matches_single_process_training_and_traces(tmp_path):
-    resolved = PLANS / "gpt-mshape.resolved.yaml"
-    trace = tmp_path / "run.json"
-    result, _ = _torchrun(resolved, "--check", "--iterations", "5", "--trace", trace)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "non-blocking communication" in result.stdout
-    _check_line(result.stdout, 5)
-    events = json.loads(trace.read_text())["traceEvents"]
-    ran = {(e["tid"], e["name"]) for e in events
-           if e.get("ph") == "X" and e["cat"] in ("forward", "backward")}
-    planned = {(e.device, e.name) for e in schedule_events(load_resolved(resolved).schedule)}
-    assert ran == planned
-    assert {e["cat"] for e in events if e.get("ph") == "X"} >= {"send", "recv", "wait",
-                                                               "reduce"}
-
-
 ROOT = PLANS.parent
 PYPLAN = str(Path(sys.executable).with_name("pyplan"))  # the installed console script
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("launch", ["pyplan", "torchrun"])
-def test_run_from_the_repository_root(launch):
+def test_gpt_mshape_under_torchrun_from_the_root_matches_single_process_training(tmp_path):
     # In the checkout, `pyplan/` is the source tree; the installed package must run anyway.
+    resolved = "plans/gpt-mshape.resolved.yaml"
+    trace = tmp_path / "run.json"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node", "4", "--no-python", PYPLAN, "run", resolved,
+                             "--check", "--iterations", "5", "--trace", str(trace)],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "non-blocking communication" in result.stdout
+    assert "Traceback" not in result.stderr
+    _check_line(result.stdout, 5)
+    events = json.loads(trace.read_text())["traceEvents"]
+    ran = {(e["tid"], e["name"]) for e in events
+           if e.get("ph") == "X" and e["cat"] in ("forward", "backward")}
+    schedule = load_resolved(ROOT / resolved).schedule
+    planned = {(e.device, e.name) for e in schedule_events(schedule)}
+    assert ran == planned
+    assert {e["cat"] for e in events if e.get("ph") == "X"} >= {"send", "recv", "wait",
+                                                               "reduce"}
+
+
+@pytest.mark.torchrun
+def test_pyplan_launches_its_workers_from_the_root():
     plan = "plans/transformer-vshape.resolved.yaml"
-    if launch == "pyplan":
-        command = [PYPLAN, "run", plan, "--nproc-per-node", "4", "--check", "--json"]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", "4", "--no-python", PYPLAN, "run", plan, "--check",
-                   "--json"]
+    command = [PYPLAN, "run", plan, "--nproc-per-node", "4", "--check", "--json"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])

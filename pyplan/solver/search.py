@@ -25,7 +25,8 @@ from pyplan.problem import Problem
 from pyplan.solver.budget import Budget
 from pyplan.solver.exact import modulo_repetend
 
-__all__ = ["Progress", "RepetendSearch", "SearchStats", "candidate_pool", "max_repetend_micro_batches",
+__all__ = ["Progress", "RepetendSearch", "SearchStats", "candidate_pool",
+           "max_repetend_micro_batches",
            "search_repetend"]
 
 MODULO_BUDGET = 20_000        # DFS placements per period in the fast path
