@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,16 @@ def example_plans() -> list[Path]:
 
 def spec_plans() -> list[Path]:
     return [p for p in example_plans() if not p.name.endswith(".resolved.yaml")]
+
+
+@functools.cache
+def solved(name: str):
+    """plans/NAME.yaml solved once per test run, shared by every test file (a Schedule is
+    immutable)."""
+    from pyplan.problem import load_problem
+    from pyplan.solver import solve
+
+    return solve(load_problem(PLANS / f"{name}.yaml")).schedule
 
 
 @pytest.fixture

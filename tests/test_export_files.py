@@ -3,24 +3,16 @@ that agree with the core, atomic writes and one-line errors."""
 
 from __future__ import annotations
 
-import functools
 import json
 import xml.etree.ElementTree as ET
 
 import pytest
 
-from conftest import PLANS
+from conftest import PLANS, solved
 from pyplan.export._layout import memory_steps
-from pyplan.problem import load_problem
-from pyplan.solver import solve
 
 SVG = "{http://www.w3.org/2000/svg}"
 NAMES = ["1f1b-4stage", "zero-bubble", "interleaved-1f1b", "tessel-mshape", "tessel-kshape"]
-
-
-@functools.cache
-def solved(name: str):
-    return solve(load_problem(PLANS / f"{name}.yaml")).schedule
 
 
 def executions(schedule) -> list[tuple[int, str, int]]:

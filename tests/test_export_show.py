@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 
 import pytest
 
-from conftest import PLANS
+from conftest import PLANS, solved
 from pyplan.export.timeline import render_plain, timeline
-from pyplan.problem import load_problem
-from pyplan.solver import solve
 
 GOLDEN = PLANS.parent / "tests" / "golden"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-@functools.cache
-def solved(name: str):
-    return solve(load_problem(PLANS / f"{name}.yaml")).schedule
 
 
 def check_golden(name: str, text: str) -> None:

@@ -4,27 +4,20 @@ pipelining runtime; importing them back (or torch's own schedules) evaluates in 
 from __future__ import annotations
 
 import csv
-import functools
 import json
 import warnings
 
 import pytest
 
-from conftest import PLANS
+from conftest import PLANS, solved
 from pyplan.export.torch_csv import read_torch_csv, torch_stages
 from pyplan.problem import load_problem
-from pyplan.solver import solve
 from pyplan.solver.templates import baselines
 
 SEARCHED = ["1f1b-4stage", "1f1b-8stage", "interleaved-1f1b", "zero-bubble"]
 TEMPLATES = [("1f1b-4stage", "gpipe"), ("1f1b-4stage", "1f1b"), ("1f1b-8stage", "1f1b"),
              ("interleaved-1f1b", "interleaved-1f1b"), ("zero-bubble", "zb-h1"),
              ("zero-bubble", "1f1b")]
-
-
-@functools.cache
-def solved(name: str):
-    return solve(load_problem(PLANS / f"{name}.yaml")).schedule
 
 
 @pytest.fixture(scope="module")
