@@ -16,8 +16,8 @@ from pyplan import _core
 from pyplan.constraints import RuleSyntaxError, expand_template, parse_rule
 from pyplan.errors import PlanError, did_you_mean
 from pyplan.shapes import expand_blocks
-from pyplan.spec import (BackwardSpec, BlockSpec, ModelSpec, PlanSpec, SearchSpec, format_memory,
-                         load_spec)
+from pyplan.spec import (BackwardSpec, BlockSpec, MeshSpec, ModelSpec, PlanSpec, SearchSpec,
+                         format_memory, load_spec)
 
 __all__ = ["FORWARD", "BACKWARD", "WEIGHT", "OTHER", "Block", "OrderRule", "Problem",
            "build_problem", "layer_of", "load_problem", "reaches", "resolve_rule"]
@@ -81,6 +81,8 @@ class Problem:
     edges: tuple[tuple[int, int], ...]
     rules: tuple[OrderRule, ...] = ()
     search: SearchSpec = SearchSpec()
+    mesh: MeshSpec = MeshSpec()
+    """Data-parallel replicas of this pipeline and their gradient synchronisation."""
     model: ModelSpec | None = None
     spec_sha256: str = ""
     source_path: str = ""
@@ -115,7 +117,17 @@ class Problem:
 
     def makespan_bound(self) -> int:
         """No schedule of the plan's micro-batches within its memory is shorter than this."""
-        return self.graph.makespan_bound(self.num_micro_batches, self.capacity)
+        bound = self.graph.makespan_bound(self.num_micro_batches, self.capacity)
+        if self.training and self.mesh.data > 1:
+            # A device's last block is a gradient block (a forward comes before its backward,
+            # on the same device); its stage's synchronisation follows it.
+            loads = self.device_loads()  # per micro-batch
+            n = self.num_micro_batches
+            bound = max([bound] + [n * loads[d] + self.mesh.sync
+                                   for d in range(self.num_devices)
+                                   if any(d in b.devices and not b.is_forward
+                                          for b in self.blocks)])
+        return bound
 
     def show_memory(self, amount: int | None) -> str:
         return format_memory(amount, self.memory_is_size)
@@ -330,7 +342,8 @@ class _Builder:
                        memory_is_size=spec.memory_is_size,
                        num_micro_batches=spec.num_micro_batches, training=spec.training,
                        blocks=tuple(self.blocks), edges=tuple(self.edges), rules=tuple(rules),
-                       search=spec.search, model=spec.model, spec_sha256=spec.source.sha256,
+                       search=spec.search, mesh=spec.mesh, model=spec.model,
+                       spec_sha256=spec.source.sha256,
                        source_path=spec.source.path)
 
 

@@ -23,7 +23,7 @@ from pyplan.errors import PlanError
 from pyplan.fileio import write_atomic
 from pyplan.problem import Block, Problem, layer_of, resolve_rule
 from pyplan.schedule import Schedule, build_schedule, repetend_from_core
-from pyplan.spec import ModelSpec, load_yaml
+from pyplan.spec import MeshSpec, ModelSpec, load_yaml
 from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_TIME
 from pyplan.spec.source import MAX_FILE_BYTES
 from pyplan.spec.units import MAX_MEMORY
@@ -139,6 +139,10 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
         m = problem.model
         lines.append(f"model: {{blocks: \"{m.blocks}\", data: \"{m.data}\", loss: \"{m.loss}\""
                      + (f", path: \"{m.path}\"" if m.path else "") + "}")
+    if problem.mesh.data > 1:
+        mesh = problem.mesh
+        lines.append(f"mesh: {{data: {mesh.data}, shard: {'true' if mesh.shard else 'false'}, "
+                     f"sync: {mesh.sync}}}")
     lines += [
         f"status: {solution.status}",
         f"origin: {solution.origin}",
@@ -180,6 +184,12 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
             for b, m in order:
                 shown = m - n + offset if title == "cooldown" else m
                 lines.append(f"      - {_entry(problem, schedule, b, m + offset, shown)}")
+    if schedule.syncs:
+        lines.append("gradient_syncs:  # \"stage start\" per device, in order")
+        for d in range(problem.num_devices):
+            lines.append(f"  {d}:")
+            lines += [f"    - {problem.blocks[x.layer].name} {x.start}"
+                      for x in schedule.syncs if x.device == d]
     lines.append("baselines:")
     for name, base in solution.baselines.items():
         if not base.applicable:
@@ -236,6 +246,8 @@ class _Reader:
             raise self.fail(where + (key,), f"'{key}' must be a string")
         if kind is list and not isinstance(value, list):
             raise self.fail(where + (key,), f"'{key}' must be a list")
+        if kind is bool and not isinstance(value, bool):
+            raise self.fail(where + (key,), f"'{key}' must be true or false")
         if kind is dict and not isinstance(value, dict):
             raise self.fail(where + (key,), f"'{key}' must be a mapping")
         return value
@@ -280,6 +292,12 @@ class _Reader:
             model = ModelSpec(blocks=str(raw.get("blocks")), data=str(raw.get("data")),
                               loss=str(raw.get("loss")),
                               path=path if isinstance(path, str) and "\0" not in path else None)
+        mesh = MeshSpec()
+        if self.doc.get("mesh") is not None:
+            mesh = MeshSpec(data=self.get("data", int, ("mesh",), low=1,
+                                          high=MAX_DEVICES // num_devices),
+                            shard=self.get("shard", bool, ("mesh",)),
+                            sync=self.get("sync", int, ("mesh",), low=0, high=MAX_TIME))
         memory = None
         if self.doc.get("memory") is not None:
             memory = self.get("memory", int, low=1, high=MAX_MEMORY)
@@ -290,7 +308,7 @@ class _Reader:
             num_micro_batches=self.get("micro_batches", int, low=1,
                                        high=MAX_MICRO_BATCHES),
             training=self.doc.get("task") != "inference", blocks=tuple(blocks),
-            edges=tuple(edges), rules=tuple(rules), model=model,
+            edges=tuple(edges), rules=tuple(rules), mesh=mesh, model=model,
             spec_sha256=str(self.get("spec_sha256", str)), source_path=self.path)
         try:
             cycle = problem.graph.find_cycle()
@@ -372,6 +390,16 @@ def load_resolved(path: str | Path) -> ResolvedPlan:
                               f"{problem.blocks[b].name}@{m} does not match its order "
                               f"({schedule.start_of(b, m)})",
                               "the file was edited; re-run pyplan solve")
+    syncs = doc.get("gradient_syncs") or {}
+    recorded_syncs = []
+    for d in range(problem.num_devices) if isinstance(syncs, dict) else ():
+        for text in syncs.get(d) or []:
+            name, _, start = str(text).partition(" ")
+            recorded_syncs.append((d, name, start))
+    computed = [(x.device, problem.blocks[x.layer].name, str(x.start)) for x in schedule.syncs]
+    if recorded_syncs != computed:
+        raise reader.fail(("gradient_syncs",), "the gradient synchronisations do not match the "
+                          "schedule", "the file was edited; re-run pyplan solve")
     if schedule.makespan != doc.get("makespan"):
         raise reader.fail(("makespan",), "makespan does not match the schedule",
                           "the file was edited; re-run pyplan solve")

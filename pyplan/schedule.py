@@ -2,7 +2,10 @@
 core computes for them, with its warmup / repetend / cooldown structure when it has one.
 
 Orders are the schedule; times follow from them (every block starts as soon as its inputs,
-its devices and the order allow), and memory on a device depends only on its order.
+its devices and the order allow), and memory on a device depends only on its order. With
+data-parallel replicas (`mesh:`), each stage's gradient synchronisation follows too: it starts
+after the stage's last gradient block on a device, beside the compute, and the makespan is
+the end of the compute or of the last synchronisation, whichever is later.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ from typing import Sequence
 
 from pyplan import _core
 from pyplan.errors import PlanError
-from pyplan.problem import Problem, reaches
+from pyplan.problem import BACKWARD, WEIGHT, Problem, reaches
 
-__all__ = ["Evaluated", "Instance", "Repetend", "Schedule", "build_schedule",
-           "repetend_from_core", "schedule_from_orders"]
+__all__ = ["Evaluated", "Instance", "Repetend", "Schedule", "Sync", "build_schedule",
+           "gradient_syncs", "repetend_from_core", "schedule_from_orders", "with_syncs"]
 
 Instance = tuple[int, int]  # (block index, micro-batch)
 DeviceOrders = tuple[tuple[Instance, ...], ...]
@@ -49,6 +52,38 @@ def repetend_from_core(problem: Problem, rep: _core.Repetend) -> Repetend:
 
 
 @dataclass(frozen=True)
+class Sync:
+    """One stage's gradient synchronisation across the data-parallel replicas, on one device."""
+
+    device: int
+    layer: int
+    """The declared block whose parameters' gradients it carries."""
+    start: int
+    end: int
+
+
+def gradient_syncs(problem: Problem, orders: Orders, start: Sequence[int]) -> tuple[Sync, ...]:
+    """The synchronisations of a training plan with data-parallel replicas: on each device, one
+    per stage, ready when the stage's last gradient block there (its weight gradient when split)
+    ends, one after another on the device's communication stream, `mesh.sync` long each."""
+    if not problem.training or problem.mesh.data <= 1:
+        return ()
+    blocks, k = problem.blocks, len(problem.blocks)
+    syncs = []
+    for d, order in enumerate(orders):
+        ready: dict[int, int] = {}
+        for b, m in order:
+            if blocks[b].kind in (BACKWARD, WEIGHT):
+                layer = problem.by_name[blocks[b].layer]
+                ready[layer] = max(ready.get(layer, 0), start[m * k + b] + blocks[b].time)
+        free = 0
+        for layer, at in sorted(ready.items(), key=lambda item: (item[1], item[0])):
+            free = max(free, at) + problem.mesh.sync
+            syncs.append(Sync(d, layer, free - problem.mesh.sync, free))
+    return tuple(syncs)
+
+
+@dataclass(frozen=True)
 class Schedule:
     """A complete, verified schedule of all micro-batches."""
 
@@ -63,6 +98,8 @@ class Schedule:
     busy: tuple[int, ...]
     peak_memory: tuple[int, ...]
     bubble_rate: float
+    syncs: tuple[Sync, ...] = ()
+    """Gradient synchronisations across data-parallel replicas (none without `mesh:`)."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -132,8 +169,25 @@ def build_schedule(problem: Problem, warmup: Orders, repetend: Repetend | None,
                         complete_micro_batches=n)
     if not ev.ok:
         raise RuntimeError(f"composed schedule does not run: {ev.reason}")
-    return Schedule(problem, warmup, repetend, cooldown, orders, tuple(ev.start), ev.makespan,
-                    tuple(ev.busy), tuple(ev.peak_memory), ev.bubble_rate)
+    return _timed(problem, warmup, repetend, cooldown, orders, ev)
+
+
+def with_syncs(problem: Problem, orders: Orders,
+               ev: _core.Evaluation) -> tuple[tuple[Sync, ...], int, float]:
+    """The gradient synchronisations of orders the core evaluated, and the makespan and bubble
+    rate with them (they may end after the compute)."""
+    syncs = gradient_syncs(problem, orders, ev.start)
+    makespan = max([ev.makespan] + [s.end for s in syncs])
+    bubble_rate = ev.bubble_rate if makespan == ev.makespan else \
+        1 - sum(ev.busy) / (problem.num_devices * makespan)
+    return syncs, makespan, bubble_rate
+
+
+def _timed(problem: Problem, warmup: DeviceOrders, repetend: Repetend | None,
+           cooldown: DeviceOrders, orders: DeviceOrders, ev: _core.Evaluation) -> Schedule:
+    syncs, makespan, bubble_rate = with_syncs(problem, orders, ev)
+    return Schedule(problem, warmup, repetend, cooldown, orders, tuple(ev.start), makespan,
+                    tuple(ev.busy), tuple(ev.peak_memory), bubble_rate, syncs)
 
 
 @dataclass(frozen=True)
@@ -181,7 +235,5 @@ def schedule_from_orders(problem: Problem, orders: Orders, num_micro_batches: in
         ruled = _core.evaluate(graph, lists, complete_micro_batches=n)
         follows = ruled.ok and list(ruled.start) == list(ev.start)
     frozen = tuple(tuple(tuple(inst) for inst in order) for order in orders)
-    schedule = Schedule(problem, frozen, None, tuple(() for _ in orders), frozen,
-                        tuple(ev.start), ev.makespan, tuple(ev.busy), tuple(ev.peak_memory),
-                        ev.bubble_rate)
+    schedule = _timed(problem, frozen, None, tuple(() for _ in orders), frozen, ev)
     return Evaluated(schedule, fits, follows)

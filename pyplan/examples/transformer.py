@@ -1,6 +1,7 @@
 """An 8-layer transformer language model for plans/transformer-vshape.yaml (the classic
 V-shape, 1F1B): `build` splits it into 4 stages of 2 layers, `build_interleaved` into 8 stages
-of 1 layer (two per device, for interleaved schedules). The first stage embeds, the last one
+of 1 layer (two per device, for interleaved schedules), `build_two` into 2 stages of 4 layers
+(a pipeline replicated for data parallelism). The first stage embeds, the last one
 normalises and predicts the next token.
 
 model: {blocks: "pyplan.examples.transformer:build",
@@ -15,7 +16,7 @@ from torch import nn
 
 from pyplan.examples._layers import Layer
 
-__all__ = ["BATCH", "LAYERS", "batch", "build", "build_interleaved", "loss"]
+__all__ = ["BATCH", "LAYERS", "batch", "build", "build_interleaved", "build_two", "loss"]
 
 VOCAB, DIM, HEADS, SEQUENCE, BATCH, LAYERS = 64, 32, 2, 8, 16, 8
 
@@ -51,6 +52,11 @@ def _stage(block: str, count: int) -> Stage:
 def build(block: str, group) -> nn.Module:
     """Four stages of two layers: stage0..stage3."""
     return _stage(block, 4)
+
+
+def build_two(block: str, group) -> nn.Module:
+    """Two stages of four layers: stage0, stage1 (plans/transformer-vshape-dp2.yaml)."""
+    return _stage(block, 2)
 
 
 def build_interleaved(block: str, group) -> nn.Module:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pyplan.schedule import Schedule
 from pyplan.trace import TraceEvent, chrome_trace, write_chrome_trace
 
-__all__ = ["memory_counters", "schedule_events", "schedule_trace", "write_chrome_trace"]
+__all__ = ["memory_counters", "schedule_events", "schedule_trace", "sync_events",
+           "write_chrome_trace"]
 
 
 def schedule_events(schedule: Schedule) -> list[TraceEvent]:
@@ -23,6 +24,24 @@ def schedule_events(schedule: Schedule) -> list[TraceEvent]:
             block = problem.blocks[b]
             events.append(TraceEvent(d, f"{block.name}@{m}", block.kind, start, end - start, m,
                                      phase.get((b, m), "")))
+    return events
+
+
+def sync_events(schedule: Schedule) -> list[dict]:
+    """Gradient synchronisations across data-parallel replicas, on a track per device beside
+    its compute track (they run on their own stream)."""
+    problem = schedule.problem
+    events = []
+    for d in sorted({x.device for x in schedule.syncs}):
+        track = problem.num_devices + d
+        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": track,
+                    "args": {"name": f"device {d} gradient sync"}},
+                   {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": track,
+                    "args": {"sort_index": d + 0.5}}]
+    for x in schedule.syncs:
+        events.append({"name": f"sync {problem.blocks[x.layer].name}", "cat": "sync", "ph": "X",
+                       "pid": 0, "tid": problem.num_devices + x.device, "ts": x.start,
+                       "dur": x.end - x.start, "args": {"replicas": problem.mesh.data}})
     return events
 
 
@@ -50,7 +69,7 @@ def schedule_trace(schedule: Schedule) -> dict:
     trace = chrome_trace(schedule_events(schedule), title=problem.name,
                          time_unit="model time units (shown as microseconds)",
                          num_devices=problem.num_devices)
-    trace["traceEvents"] += memory_counters(schedule)
+    trace["traceEvents"] += memory_counters(schedule) + sync_events(schedule)
     trace["otherData"].update({"makespan": schedule.makespan,
                                "bubble_rate": schedule.bubble_rate,
                                "peak_memory": list(schedule.peak_memory),

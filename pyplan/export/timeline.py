@@ -227,6 +227,13 @@ def _legend(schedule: Schedule, grid: _Grid, cut: tuple | None) -> list[str]:
         lines.append(f"~: {periods} periods elided (t={start * grid.unit}.."
                      f"{(start + length) * grid.unit}); they repeat the period before, each "
                      "one micro-batch later")
+    if schedule.syncs:
+        mesh = problem.mesh
+        what = "reduce-scattered" if mesh.shard else "all-reduced"
+        each = ", ".join(f"d{x.device} {problem.blocks[x.layer].name} t={x.start}..{x.end}"
+                         for x in schedule.syncs)
+        lines.append(f"dp: {mesh.data} replicas; each stage's gradients are {what} across "
+                     f"them after its last backward, beside the compute: {each}")
     show = problem.show_memory
     capacity = problem.memory_capacity
     peak = " ".join(show(x) + (f"/{show(capacity)}" if capacity is not None else "")

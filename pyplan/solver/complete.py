@@ -164,8 +164,13 @@ def complete_whole(problem: Problem, best: Schedule, *, budget: Budget,
         if result.status == "none":
             notes.append("completion: Z3 proved that no shorter schedule exists")
         return best, result.status == "none"
+    schedule = build_schedule(problem, result.orders, None, ())
+    # Z3's objective bounds the synchronisations' queueing from below: proven only if met.
+    proven = result.status == "optimal" and schedule.makespan == result.value
+    if schedule.makespan >= best.makespan:
+        return best, False
     notes[:] = ["completion: whole schedule time-optimal (Z3), shorter than any repetend or "
                 "template"
-                if result.status == "optimal" else
+                if proven else
                 "completion: whole schedule improved by Z3, not proven optimal"]
-    return build_schedule(problem, result.orders, None, ()), result.status == "optimal"
+    return schedule, proven

@@ -223,7 +223,13 @@ class _TimeModel:
         s, t = self.start, self.time
         blocks = self.problem.blocks
         if anchor is None or anchor.kind == "cooldown":
-            self.cons += [objective >= s[i] + t[i] for i in range(len(self.inst))]
+            # With data-parallel replicas a gradient block is followed by its stage's
+            # synchronisation (on each device they also queue: this bound ignores that).
+            sync = self.problem.mesh.sync if self.problem.training and \
+                self.problem.mesh.data > 1 else 0
+            self.cons += [objective >= s[i] + t[i] +
+                          (0 if blocks[b].is_forward else sync)
+                          for i, (b, _) in enumerate(self.inst)]
         if anchor is None:
             return
         self.cons.append(objective >= anchor.floor)

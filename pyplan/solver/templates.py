@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pyplan import _core
 from pyplan.errors import PlanError, did_you_mean
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT, Problem
-from pyplan.schedule import Schedule, schedule_from_orders
+from pyplan.schedule import Schedule, schedule_from_orders, with_syncs
 from pyplan.solver.budget import Budget
 
 __all__ = ["TEMPLATES", "Baseline", "baselines", "template_orders", "template_schedule"]
@@ -600,6 +600,7 @@ def baselines(problem: Problem, budget: Budget = Budget()) -> dict[str, Baseline
             out[name] = Baseline(name, reason=f"does not run on this placement ({ev.reason})")
             continue
         fits = problem.memory_capacity is None or max(ev.peak_memory) <= problem.memory_capacity
-        out[name] = Baseline(name, ev.makespan, ev.bubble_rate, tuple(ev.peak_memory), fits,
+        _, makespan, bubble_rate = with_syncs(problem, orders, ev)
+        out[name] = Baseline(name, makespan, bubble_rate, tuple(ev.peak_memory), fits,
                              orders=tuple(tuple(map(tuple, o)) for o in orders))
     return out

@@ -23,6 +23,7 @@ __all__ = [
     "BackwardSpec",
     "BlockSpec",
     "CostSpec",
+    "MeshSpec",
     "ModelSpec",
     "OrderSpec",
     "PlanSpec",
@@ -118,6 +119,18 @@ class SearchSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MeshSpec:
+    """The plan is one pipeline of a device mesh: `data` replicas of it train on slices of the
+    global batch and synchronise each stage's gradients once per iteration, `sync` time units
+    after the stage's last backward on a device (overlapped with the remaining work);
+    `shard` shards gradients and parameters over the replicas (reduce-scatter + all-gather)."""
+
+    data: int = 1
+    shard: bool = False
+    sync: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """Import paths `pyplan run` uses to build modules, data and loss."""
 
@@ -145,6 +158,7 @@ class PlanSpec:
     blocks: tuple[BlockSpec, ...] = ()
     order: tuple[OrderSpec, ...] = ()
     search: SearchSpec = SearchSpec()
+    mesh: MeshSpec = MeshSpec()
     model: ModelSpec | None = None
 
     @property
@@ -305,6 +319,12 @@ def _build(source: Source) -> PlanSpec:
     search = SearchSpec(max_repetend_micro_batches=search_raw.get("max_repetend_micro_batches"),
                         time_limit=search_raw.get("time_limit"),
                         exact=search_raw.get("exact", True))
+    mesh_raw = doc.get("mesh", {})
+    mesh = MeshSpec(data=mesh_raw.get("data", 1), shard=mesh_raw.get("shard", False),
+                    sync=mesh_raw.get("sync", 0))
+    if mesh.data * doc["devices"] > MAX_DEVICES:
+        raise source.error(("mesh", "data"), f"{mesh.data} replicas of {doc['devices']} devices "
+                           f"exceed {MAX_DEVICES} devices", "use fewer replicas")
     model = None
     if "model" in doc:
         raw = doc["model"]
@@ -314,7 +334,7 @@ def _build(source: Source) -> PlanSpec:
                     num_devices=doc["devices"], memory_capacity=capacity,
                     memory_is_size=memory.is_size, num_micro_batches=doc["micro_batches"],
                     task=task, backward=backward, shape=shape, blocks=tuple(blocks),
-                    order=tuple(order), search=search, model=model)
+                    order=tuple(order), search=search, mesh=mesh, model=model)
 
 
 def parse_spec(source: Source) -> PlanSpec:
