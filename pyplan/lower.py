@@ -1,4 +1,5 @@
-"""Lowering: a schedule -> one instruction program per rank (COMPUTE, SEND, RECV, WAIT, REDUCE).
+"""Lowering: a schedule -> one instruction program per rank (COMPUTE, SEND, RECV, WAIT, REDUCE,
+SYNC).
 
 Tessel IV-D: one global order, a topological sort of the schedule (start time, then the
 per-device orders), fixes where every rank posts its sends and receives. Each SEND/RECV pair
@@ -11,20 +12,28 @@ Routing of a tensor between a producer on devices P and a consumer on devices C:
 lowest device of P. A gradient is computed by every device of a backward block; each device's
 contribution goes back the way the activation came (to itself when it is also a device of the
 receiving block, else to that block's lowest device), where all contributions are summed.
+
+With data-parallel replicas (`mesh: {data: R}`) the world is R copies of the pipeline, rank =
+replica x devices + device, every replica running the same program (its peers and groups moved
+to its ranks). Each stage's gradients are synchronised across the replicas by a SYNC, a
+collective of the ranks holding that device in every replica, issued in the order the
+schedule's gradient synchronisations take on the device, each after the stage's last gradient
+block there and what it sends (and after its REDUCE, for a block on several devices).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pyplan.errors import PlanError
 from pyplan.problem import BACKWARD, WEIGHT, Problem
+from pyplan.schedule import Schedule
 
-__all__ = ["ACTIVATION", "COMPUTE", "GRADIENT", "RECV", "REDUCE", "SEND", "WAIT",
+__all__ = ["ACTIVATION", "COMPUTE", "GRADIENT", "RECV", "REDUCE", "SEND", "SYNC", "WAIT",
            "Instruction", "Lowered", "Value", "check_runnable", "describe", "describe_value",
            "global_order", "is_gradient", "lower"]
 
-COMPUTE, SEND, RECV, WAIT, REDUCE = "compute", "send", "recv", "wait", "reduce"
+COMPUTE, SEND, RECV, WAIT, REDUCE, SYNC = "compute", "send", "recv", "wait", "reduce", "sync"
 ACTIVATION, GRADIENT = "activation", "gradient"
 
 
@@ -47,12 +56,13 @@ class Instruction:
     seq: int
     """Position in the global order; both halves of a SEND/RECV pair share it."""
     block: int
-    """compute/reduce: the block; send/recv: the producer; wait: the block that needs it."""
+    """compute/reduce: the block; send/recv: the producer; wait: the block that needs it;
+    sync: the declared block whose gradients it synchronises."""
     micro_batch: int
     value: Value | None = None
     peer: int = -1
     group: tuple[int, ...] = ()
-    """compute/reduce: every rank that runs it (they meet in its collectives)."""
+    """compute/reduce/sync: every rank that runs it (they meet in its collectives)."""
     inputs: tuple[Value, ...] = ()
     """compute: what it consumes on this rank (forward inputs in dependency order)."""
 
@@ -73,7 +83,7 @@ def is_gradient(problem: Problem, src: int, dst: int) -> bool:
     return problem.blocks[src].kind == BACKWARD and problem.blocks[dst].kind == BACKWARD
 
 
-def global_order(problem: Problem, schedule) -> list[tuple[int, int]]:
+def global_order(problem: Problem, schedule: Schedule) -> tuple[tuple[int, int], ...]:
     """All instances sorted by start time (ties: block, micro-batch); a topological order of the
     dependencies and of every device's order, because blocks take positive time."""
     order = sorted(((b, m) for b in range(len(problem.blocks))
@@ -83,11 +93,59 @@ def global_order(problem: Problem, schedule) -> list[tuple[int, int]]:
     for device_order in schedule.orders:
         if any(where[a] > where[b] for a, b in zip(device_order, device_order[1:])):
             raise ValueError("the schedule's device orders disagree with its start times")
-    return order
+    return tuple(order)
 
 
-def lower(problem: Problem, schedule) -> Lowered:
-    """Per-rank programs for one iteration (all micro-batches) of a schedule."""
+def lower(problem: Problem, schedule: Schedule) -> Lowered:
+    """Per-rank programs for one iteration (all micro-batches) of a schedule, for every rank of
+    every data-parallel replica."""
+    pipeline = _pipeline(problem, schedule)
+    programs = [_with_syncs(problem, schedule, d, program) for d, program in enumerate(pipeline)]
+    world = [_moved(program, r * problem.num_devices)
+             for r in range(problem.mesh.data) for program in programs]
+    return Lowered(problem, global_order(problem, schedule), tuple(world))
+
+
+def _with_syncs(problem: Problem, schedule: Schedule, device: int,
+                program: list[Instruction]) -> tuple[Instruction, ...]:
+    """A device's program with its SYNCs, in the order of the schedule's synchronisations."""
+    program = list(program)
+    replicas = tuple(r * problem.num_devices + device for r in range(problem.mesh.data))
+    after = -1
+    for sync in (x for x in schedule.syncs if x.device == device):
+        layer = problem.blocks[sync.layer]
+        last = max(i for i, ins in enumerate(program)
+                   if (ins.op == COMPUTE and problem.blocks[ins.block].layer == layer.name
+                       and not problem.blocks[ins.block].is_forward)
+                   or (ins.op == REDUCE and ins.block == layer.index))
+        block, mb = program[last].block, program[last].micro_batch
+        while last + 1 < len(program) and program[last + 1].op == SEND and \
+                (program[last + 1].block, program[last + 1].micro_batch) == (block, mb):
+            last += 1  # the gradient sends go first: the pipeline waits for them
+        after = max(after, last) + 1
+        program.insert(after, Instruction(SYNC, program[last].seq, layer.index, -1,
+                                          group=replicas))
+    return tuple(program)
+
+
+def _moved(program: tuple[Instruction, ...], offset: int) -> tuple[Instruction, ...]:
+    """A replica's copy of a pipeline program: its peers, groups and gradient origins moved by
+    `offset` ranks (a SYNC's group spans the replicas already)."""
+    if offset == 0:
+        return program
+
+    def value(v: Value | None) -> Value | None:
+        return v if v is None or v.kind != GRADIENT else replace(v, origin=v.origin + offset)
+
+    return tuple(ins if ins.op == SYNC else
+                 replace(ins, peer=ins.peer + offset if ins.peer >= 0 else -1,
+                         group=tuple(g + offset for g in ins.group), value=value(ins.value),
+                         inputs=tuple(value(v) for v in ins.inputs))
+                 for ins in program)
+
+
+def _pipeline(problem: Problem, schedule: Schedule) -> list[list[Instruction]]:
+    """The programs of one pipeline (ranks 0 .. devices-1), without gradient syncs."""
     blocks = problem.blocks
     preds: list[list[int]] = [[] for _ in blocks]
     succs: list[list[int]] = [[] for _ in blocks]
@@ -123,7 +181,7 @@ def lower(problem: Problem, schedule) -> Lowered:
                 for d in block.devices:
                     programs[d].append(Instruction(REDUCE, seq, block.index, -1,
                                                    group=block.devices))
-    return Lowered(problem, tuple(order), tuple(tuple(p) for p in programs))
+    return programs
 
 
 def _route(to: int, devices: tuple[int, ...]) -> int:
@@ -192,6 +250,8 @@ def describe(lowered: Lowered, ins: Instruction) -> str:
         return f"compute {name(ins.block)}@{ins.micro_batch}{where}"
     if ins.op == REDUCE:
         return f"reduce {name(ins.block)} gradients over ranks {_ranks(ins.group)}"
+    if ins.op == SYNC:
+        return f"sync {name(ins.block)} gradients across replicas on ranks {_ranks(ins.group)}"
     what = describe_value(lowered, ins.value)
     if ins.op == SEND:
         return f"send {what} to rank {ins.peer}"

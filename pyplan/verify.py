@@ -5,15 +5,16 @@ or would use, send or receive the wrong tensor.
 Posting a send or receive never blocks (non-blocking mode) unless it is the first activation on
 its stream, whose shape the receiver learns from a header first; a WAIT blocks until the matching
 send is posted. In blocking mode a SEND and its RECV meet like a rendezvous. Blocks on several
-ranks and REDUCEs are collectives: all their ranks must reach them. Messages between two ranks
+ranks, REDUCEs and SYNCs (across data-parallel replicas) are collectives: all their ranks must
+reach them, so collectives issued in different orders by two replicas block forever. Messages between two ranks
 match in posting order (per ordered pair of ranks), as in gloo and NCCL.
 """
 
 from __future__ import annotations
 
 from pyplan.errors import PlanError
-from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, WAIT, Instruction,
-                          Lowered, Value, describe, describe_value, is_gradient)
+from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, SYNC, WAIT,
+                          Instruction, Lowered, Value, describe, describe_value, is_gradient)
 
 __all__ = ["verify"]
 
@@ -77,7 +78,7 @@ class _Machine:
 
     def step(self, r: int) -> bool:
         ins = self.at(r)
-        if ins.op in (COMPUTE, REDUCE):
+        if ins.op in (COMPUTE, REDUCE, SYNC):
             self.check_inputs(r)
             members = [m for m in ins.group if m != r]
             if any(not self.same(self.at(m), ins) for m in members):
@@ -154,7 +155,7 @@ class _Machine:
 
     def why(self, r: int) -> str:
         ins = self.at(r)
-        if ins.op in (COMPUTE, REDUCE):
+        if ins.op in (COMPUTE, REDUCE, SYNC):
             absent = [m for m in ins.group if m != r and not self.same(self.at(m), ins)]
             return f"rank {absent[0]} never joins ({self.state(absent[0])})"
         if ins.op == SEND:

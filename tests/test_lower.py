@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from conftest import PLANS
 from dags import problems
 from pyplan.errors import PlanError
-from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, SEND, WAIT, check_runnable,
+from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, SEND, SYNC, WAIT, check_runnable,
                           lower)
 from pyplan.problem import FORWARD, Block, Problem, load_problem
 from pyplan.resolved import load_resolved
@@ -205,6 +205,61 @@ def test_collectives_in_different_orders_deadlock():
                                         r"0-3\): blocks forever: rank 2 never joins \(rank 2 is "
                                         r"at instruction 0: compute embed@1 on ranks 0-3\)"):
         verify(_edit(lowered, 2, swap))
+
+
+def _replicated_stages():
+    """Two replicas of one device holding two stages (a, then b): two SYNCs per rank."""
+    problem = _problem("pyplan: 1\nname: dp\ndevices: 1\nmicro_batches: 2\n"
+                       "training:\n  backward: {time_ratio: 1}\n"
+                       "mesh: {data: 2, sync: 2}\nblocks:\n"
+                       "  - {name: a, time: 1, devices: [0]}\n"
+                       "  - {name: b, time: 1, devices: [0]}\n")
+    return lower(problem, solve(problem).schedule)
+
+
+def test_replicas_run_the_same_program_with_gradient_syncs_in_schedule_order():
+    lowered = _replicated_stages()
+    problem = lowered.problem
+    assert len(lowered.programs) == 2
+    syncs = [[(i.block, i.group) for i in p if i.op == SYNC] for p in lowered.programs]
+    # b's gradients are final first (the backward runs b.b, then a.b), then a's.
+    expected = [(problem.by_name["b"], (0, 1)), (problem.by_name["a"], (0, 1))]
+    assert syncs == [expected, expected]
+    assert [x.layer for x in solve(problem).schedule.syncs] == [b for b, _ in expected]
+    verify(lowered)
+    verify(lowered, blocking=True)
+
+
+def test_a_replica_issuing_its_syncs_in_another_order_is_refused():
+    lowered = _replicated_stages()
+
+    def swap(program):
+        a, b = _index(program, SYNC), _index(program, SYNC, nth=1)
+        program[a], program[b] = program[b], program[a]
+
+    with pytest.raises(PlanError, match=r"rank 0 instruction \d+ \(sync b gradients across "
+                                        r"replicas on ranks 0,1\): blocks forever: rank 1 "
+                                        r"never joins \(rank 1 is at instruction \d+: sync a "):
+        verify(_edit(lowered, 1, swap))
+
+
+def test_replicas_talk_within_their_own_pipeline():
+    lowered = lower(*_resolved("transformer-vshape-dp2"))
+    devices = lowered.problem.num_devices
+    for rank, program in enumerate(lowered.programs):
+        replica = rank // devices
+        for ins in program:
+            if ins.op in (SEND, RECV, WAIT):
+                assert ins.peer // devices == replica
+            if ins.op == SYNC:
+                assert ins.group == tuple(r * devices + rank % devices for r in range(2))
+    _pairs_in_order(lowered)
+    verify(lowered)
+
+
+def _resolved(name: str):
+    plan = load_resolved(PLANS / f"{name}.resolved.yaml")
+    return plan.problem, plan.schedule
 
 
 def _crossing_pair():

@@ -62,10 +62,25 @@ def test_dry_run_prints_verified_programs(cli, outside_torchrun):
     assert (code, err) == (0, "")
     lines = out.splitlines()
     assert lines[0] == ("gpt-mshape: 96 block instances on 4 ranks; verified: no send/recv pair "
-                        "can cross or block forever (non-blocking and blocking)")
+                        "can cross or block forever, and every collective is reached by all "
+                        "its ranks in the same order (non-blocking and blocking)")
     assert "rank 0: 98 instructions (48 compute, 16 send, 16 recv, 16 wait)" in lines
     assert "     0 compute embed@0 on ranks 0-3" in lines
     assert "     8 wait for stage3@0 output from rank 3 before head@0" in lines
+
+
+def test_dry_run_verifies_every_replica_and_its_gradient_syncs(cli, outside_torchrun):
+    code, out, err = cli("run", PLANS / "transformer-vshape-dp2.resolved.yaml", "--dry-run")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].startswith("transformer-vshape-dp2: 16 block instances on 2 ranks in each "
+                               "of 2 replicas; verified:")
+    assert "rank 3: 21 instructions (8 compute, 4 send, 4 recv, 4 wait, 1 sync)" in lines
+    assert lines[lines.index("rank 3: 21 instructions (8 compute, 4 send, 4 recv, 4 wait, "
+                             "1 sync)") + 20:][:2] == [
+        "    19 send gradient stage1.b->stage0.b@3 of rank 3 to rank 2",
+        "    20 sync stage1 gradients across replicas on ranks 1,3"]
+    assert "     5 send gradient stage1.b->stage0.b@0 of rank 3 to rank 2" in lines
 
 
 def test_dry_run_builds_the_model_and_names_a_broken_block(cli, outside_torchrun, tmp_path):

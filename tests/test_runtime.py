@@ -237,6 +237,35 @@ def test_a_dead_rank_stops_every_rank_within_the_timeout():
 
 
 @pytest.mark.torchrun
+@pytest.mark.parametrize("shard", [False, True])
+def test_data_parallel_replicas_match_single_process_training(shard, tmp_path):
+    resolved = PLANS / "transformer-vshape-dp2.resolved.yaml"
+    if shard:  # the same plan with sharded gradients and parameters (reduce-scatter, gather)
+        text = (PLANS / "transformer-vshape-dp2.yaml").read_text()
+        plan = tmp_path / "dp2-shard.yaml"
+        plan.write_text(text.replace("mesh: {data: 2, sync: 3}",
+                                     "mesh: {data: 2, sync: 3, shard: true}"))
+        assert main(["solve", str(plan), "--quiet"]) == 0
+        resolved = tmp_path / "dp2-shard.resolved.yaml"
+        assert "mesh: {data: 2, shard: true, sync: 3}" in resolved.read_text()
+    result, _ = _torchrun(resolved, "--check", "--iterations", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "on 4 ranks" in result.stdout
+    _check_line(result.stdout, 3)
+
+
+@pytest.mark.torchrun
+def test_a_dead_rank_in_one_replica_stops_every_rank():
+    result, seconds = _torchrun(PLANS / "transformer-vshape-dp2.resolved.yaml", "--fail-at",
+                                "3:6:kill", "--iterations", "3", "--fault-timeout", "3")
+    assert result.returncode != 0
+    for rank in (0, 1, 2):
+        assert re.search(rf"\nerror: rank {rank} stops: rank 3 stopped responding for 3 s",
+                         result.stderr), result.stderr[-3000:]
+    assert seconds < 60
+
+
+@pytest.mark.torchrun
 def test_world_size_must_match_the_plan():
     result, _ = _torchrun(PLANS / "transformer-vshape.resolved.yaml", nproc=2)
     assert result.returncode != 0

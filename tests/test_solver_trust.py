@@ -5,6 +5,7 @@ the same bytes under any hash seed."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from conftest import PLANS
 from pyplan import _core
 from pyplan.errors import InfeasibleError
 from pyplan.problem import build_problem, load_problem
+from pyplan.schedule import schedule_from_orders
 from pyplan.solver import incumbents, min_memory, solve
 from pyplan.solver.budget import Budget
 from pyplan.solver.exact import time_optimal
@@ -223,3 +225,49 @@ def test_memory_alone_gets_the_least_capacity(cli):
     code, _, err = cli("solve", PLANS / "1f1b-4stage.yaml", "--memory", "3", "-o", "/dev/null")
     assert code == 3
     assert "within the memory capacity 3" in err and "stage0.f[m+3] < stage0.b[m]" in err
+
+
+DP_PLANS = {
+    "two stages on one device": "pyplan: 1\nname: dp\ndevices: 1\nmicro_batches: 3\n"
+                                "training:\n  backward: {time_ratio: 2}\nmesh: {data: 2, sync: 2}\n"
+                                "blocks:\n  - {name: a, time: 1, devices: [0]}\n"
+                                "  - {name: b, time: 2, devices: [0]}\n",
+    "transformer-vshape-dp2": (PLANS / "transformer-vshape-dp2.yaml").read_text(),
+}
+
+
+@pytest.mark.parametrize("name", DP_PLANS)
+def test_gradient_syncs_queue_after_their_stage_and_optimal_means_no_order_is_shorter(name):
+    problem = build_problem(spec_from_text(DP_PLANS[name]))
+    solution = solve(problem)
+    schedule = solution.schedule
+    blocks = problem.blocks
+    for d in range(problem.num_devices):
+        mine = [x for x in schedule.syncs if x.device == d]
+        free = 0
+        for x in mine:  # each as soon as its stage's gradients are final and the stream is free
+            ready = max(schedule.end_of(b, m) for b, m in schedule.orders[d]
+                        if not blocks[b].is_forward and blocks[b].layer == blocks[x.layer].name)
+            assert x.start == max(ready, free) and x.end == x.start + problem.mesh.sync
+            free = x.end
+    compute_end = max(schedule.end_of(b, m) for order in schedule.orders for b, m in order)
+    assert schedule.makespan == max([compute_end] + [x.end for x in schedule.syncs])
+    assert solution.lower_bound <= schedule.makespan
+    # No random valid order that fits memory beats a schedule called optimal.
+    rng = random.Random(0)
+    n = problem.num_micro_batches
+    preds = {b: [a for a, c in problem.edges if c == b] for b in range(len(blocks))}
+    for _ in range(300):
+        done, order = set(), []
+        pending = [(b, m) for m in range(n) for b in range(len(blocks))]
+        while pending:
+            ready = [i for i in pending if all((a, i[1]) in done for a in preds[i[0]])]
+            pick = rng.choice(ready)
+            pending.remove(pick)
+            done.add(pick)
+            order.append(pick)
+        orders = [[i for i in order if d in blocks[i[0]].devices]
+                  for d in range(problem.num_devices)]
+        evaluated = schedule_from_orders(problem, orders, n)
+        if evaluated.fits_memory and solution.status == "optimal":
+            assert evaluated.schedule.makespan >= schedule.makespan

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pyplan.cli._torch import require_torch
 from pyplan.errors import EXIT_RUN_FAILED, PlanError, RunError
-from pyplan.lower import COMPUTE, RECV, SEND, WAIT, check_runnable, describe, lower
+from pyplan.lower import COMPUTE, RECV, SEND, SYNC, WAIT, check_runnable, describe, lower
 from pyplan.resolved import load_resolved
 from pyplan.verify import verify
 
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         _print_programs(lowered)
         print(_model_check(problem, plan_dir))
         return 0
-    devices = problem.num_devices
+    devices = problem.num_devices * problem.mesh.data
     command = f"pyplan run {args.plan} --nproc-per-node {devices}"
     if args.nproc_per_node is not None and "RANK" not in os.environ:
         return _launch(args)
@@ -97,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
         raise RunError("pyplan run runs one process per device under torchrun",
                        hint=f"launch it with: {command}")
     if int(os.environ["WORLD_SIZE"]) != devices:
-        raise RunError(f"the plan needs {devices} processes (devices: {devices}) but torchrun "
+        layout = (f"devices: {devices}" if problem.mesh.data == 1 else
+                  f"{problem.mesh.data} replicas of {problem.num_devices} devices")
+        raise RunError(f"the plan needs {devices} processes ({layout}) but torchrun "
                        f"started {os.environ['WORLD_SIZE']}", hint=f"launch it with: {command}")
     require_torch("run")
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -213,11 +215,15 @@ def _options(args: argparse.Namespace):
 
 def _print_programs(lowered) -> None:
     problem = lowered.problem
+    replicas = "" if problem.mesh.data == 1 else f" in each of {problem.mesh.data} replicas"
     print(f"{problem.name}: {len(lowered.order)} block instances on {problem.num_devices} "
-          "ranks; verified: no send/recv pair can cross or block forever (non-blocking and "
+          f"ranks{replicas}; verified: no send/recv pair can cross or block forever, and every "
+          "collective is reached by all its ranks in the same order (non-blocking and "
           "blocking)")
     for rank, program in enumerate(lowered.programs):
-        counts = {op: sum(1 for i in program if i.op == op) for op in (COMPUTE, SEND, RECV, WAIT)}
+        counts = {op: sum(1 for i in program if i.op == op)
+                  for op in (COMPUTE, SEND, RECV, WAIT, SYNC)}
+        counts = {op: n for op, n in counts.items() if n or op != SYNC}
         print(f"rank {rank}: {len(program)} instructions (" +
               ", ".join(f"{n} {op}" for op, n in counts.items()) + ")")
         for index, ins in enumerate(program):

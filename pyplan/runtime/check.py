@@ -44,8 +44,12 @@ def full_gradients(problem: Problem, modules: dict, groups: dict, rank: int) -> 
 
 
 def reference_run(model: Model, problem: Problem, output_block: int, *, seed: int, lr: float,
-                  iterations: int, device) -> tuple[list[float], dict]:
-    """Train the whole model in this process: (loss per iteration, gradients after the first)."""
+                  iterations: int, device, micro_batches: int | None = None
+                  ) -> tuple[list[float], dict]:
+    """Train the whole model in this process: (loss per iteration, gradients after the first).
+    The forwards run micro-batch by micro-batch (`micro_batches` over the global batch: those
+    of every data-parallel replica), the loss on the whole batch."""
+    micro_batches = micro_batches or problem.num_micro_batches
     modules = build_modules(model, problem, seed=seed, device=device)
     params = list({id(p): p for m in modules.values() for p in m.parameters()}.values())
     optimizer = torch.optim.SGD(params, lr=lr) if problem.training and params else None
@@ -58,7 +62,7 @@ def reference_run(model: Model, problem: Problem, output_block: int, *, seed: in
         # Micro-batch by micro-batch, so that each forward draws the random numbers it draws in
         # the pipeline; the loss sees the whole batch, as in training without a pipeline.
         results = []
-        for m, micro in enumerate(split_batch(inputs, problem.num_micro_batches)):
+        for m, micro in enumerate(split_batch(inputs, micro_batches)):
             outputs = {}
             for b in order:
                 args = [outputs[p] for p in preds[b]] if preds[b] else [micro]

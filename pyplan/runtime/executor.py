@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pyplan.errors import RunError
-from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, WAIT, Lowered,
+from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, SYNC, WAIT, Lowered,
                           Value, describe, is_gradient)
 from pyplan.problem import BACKWARD, WEIGHT
 from pyplan.runtime.binding import forward_rng, shard_dim
@@ -48,12 +48,16 @@ class IterationResult:
 
 class Executor:
     def __init__(self, lowered: Lowered, rank: int, modules: dict, groups: dict, comm: Comm,
-                 loss_fn, output_block: int, *, seed: int,
+                 loss_fn, output_block: int, *, seed: int, dp_group=None,
                  fail_at: tuple[int, int, str] | None = None):
         problem = lowered.problem
         self.lowered, self.rank, self.modules, self.groups = lowered, rank, modules, groups
         self.comm, self.loss_fn, self.output = comm, loss_fn, output_block
-        self.seed = seed
+        self.seed, self.dp_group = seed, dp_group
+        self.replica, device = divmod(rank, problem.num_devices)
+        # Micro-batch m of this replica is micro-batch replica x N + m of the global batch.
+        self.first_micro_batch = self.replica * problem.num_micro_batches
+        self.syncing: list = []  # gradient synchronisations started, not yet finished
         self.program = lowered.programs[rank]
         self.blocks = problem.blocks
         self.layer = [problem.by_name[b.layer] for b in problem.blocks]
@@ -66,7 +70,7 @@ class Executor:
                 self.backs_to[self.layer[a]].add(self.layer[c])
             elif problem.blocks[c].is_forward:
                 self.preds[c].append(a)
-        self.loss_owner = problem.blocks[output_block].devices[0] == rank
+        self.loss_owner = problem.blocks[output_block].devices[0] == device
         self.fail_at = fail_at if fail_at and fail_at[0] == rank else None
         self.drop = _last_uses(self.program)
         self.iteration, self.index = -1, -1  # read by the fault watchdog
@@ -100,6 +104,8 @@ class Executor:
                 self.store[ins.value] = self.comm.wait(self.received.pop(ins.value))
             elif ins.op == REDUCE:
                 self.reduce(ins.block)
+            elif ins.op == SYNC:
+                self.sync(ins.block)
             t1 = time.perf_counter()
             if ins.op == COMPUTE:
                 compute += t1 - t0
@@ -144,7 +150,8 @@ class Executor:
         else:
             args, leaves = [self.inputs[m]], []
         with torch.set_grad_enabled(trains), \
-                forward_rng(self.seed, self.iteration, self.blocks[b].name, m, self.comm.device):
+                forward_rng(self.seed, self.iteration, self.blocks[b].name,
+                            self.first_micro_batch + m, self.comm.device):
             out = self.modules[b](*args)
             if not isinstance(out, torch.Tensor):
                 raise RunError(f"block '{self.blocks[b].name}' returned "
@@ -206,6 +213,55 @@ class Executor:
         for p in params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
+
+    def sync(self, block: int) -> None:
+        """Start the synchronisation of a stage's gradients across the replicas, on its own
+        (gloo or NCCL) stream: all-reduce, or reduce-scatter when sharded (mesh.shard)."""
+        params = [p for p in self.modules[block].parameters() if p.requires_grad]
+        if not params:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        replicas = self.lowered.problem.mesh.data
+        try:
+            if self.lowered.problem.mesh.shard:
+                flat = torch.nn.functional.pad(flat, (0, -len(flat) % replicas))
+                part = flat.new_empty(len(flat) // replicas)
+                handle = dist.reduce_scatter_tensor(part, flat, group=self.dp_group,
+                                                    async_op=True)
+            else:
+                part = None
+                handle = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+        except RuntimeError as exc:
+            raise TransferError(f"{exc}".splitlines()[0]) from exc
+        self.syncing.append((block, handle, params, flat, part))
+
+    def finish_syncs(self, *, whole: bool = False) -> dict[int, torch.Tensor]:
+        """Wait for the synchronisations: all-reduced gradients, averaged, go back to the
+        parameters; sharded, this replica's averaged part of each stage's flat gradient is
+        returned (and with `whole`, the whole gradient is gathered back too, for --check)."""
+        parts = {}
+        replicas = self.lowered.problem.mesh.data
+        try:
+            for block, handle, params, flat, part in self.syncing:
+                handle.wait()
+                if part is not None:
+                    parts[block] = part.div_(replicas)
+                    if not whole:
+                        continue
+                    dist.all_gather_into_tensor(flat, part, group=self.dp_group)
+                else:
+                    flat.div_(replicas)
+                offset = 0
+                for p in params:
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        except RuntimeError as exc:
+            raise TransferError(f"{exc}".splitlines()[0]) from exc
+        self.syncing = []
+        return parts
 
     def event(self, ins, start: float, seconds: float) -> TraceEvent:
         if ins.op == COMPUTE:

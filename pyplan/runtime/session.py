@@ -2,7 +2,10 @@
 report (timings, loss, trace, --check) gathered on rank 0.
 
 NCCL on CUDA, gloo on CPU, chosen automatically. Multi-node needs nothing here: torchrun's
-rendezvous gives every process its global rank.
+rendezvous gives every process its global rank. With data-parallel replicas (`mesh:`) the ranks
+form a (dp, pp) DeviceMesh: rank = replica x devices + device; each replica trains on its slice
+of the global batch; sharded replicas (mesh.shard) each keep and update one part of every
+stage's parameters and all-gather them after the step (ZeRO).
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from pyplan.errors import PyplanError, RunError
-from pyplan.lower import COMPUTE, Lowered, describe
+from pyplan.lower import COMPUTE, SYNC, Lowered, describe
 from pyplan.runtime.binding import Model, build_modules, make_batch, split_batch
 from pyplan.runtime.check import Verdict, compare, full_gradients, reference_run
 from pyplan.runtime.comm import Comm, TransferError, all_gather_objects
@@ -73,6 +77,7 @@ class Session:
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
         self.backend = dist.get_backend()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.replica, self.device_index = divmod(self.rank, self.problem.num_devices)
         self.executor: Executor | None = None
         self.watchdog = Watchdog(self.rank, self.world, options.fault_timeout, self.position,
                                  self.where) if watch else None
@@ -113,40 +118,65 @@ class Session:
 
     def build(self) -> None:
         opts = self.options
-        # Every rank creates every group, in the same order, as new_group requires.
-        sets = sorted({b.devices for b in self.problem.blocks if len(b.devices) > 1})
-        made = {devices: dist.new_group(list(devices)) for devices in sets}
-        self.groups = {b.index: made[b.devices] for b in self.problem.blocks
+        problem = self.problem
+        replicas, devices = problem.mesh.data, problem.num_devices
+        # Every rank creates every group, in the same order, as new_group requires: the
+        # multi-device blocks' groups of every replica, then the mesh's.
+        sets = sorted({b.devices for b in problem.blocks if len(b.devices) > 1})
+        made = {(r, ds): dist.new_group([d + r * devices for d in ds])
+                for r in range(replicas) for ds in sets}
+        self.groups = {b.index: made[(self.replica, b.devices)] for b in problem.blocks
                        if len(b.devices) > 1}
-        self.modules = build_modules(self.model, self.problem, seed=opts.seed,
-                                     device=self.device, rank=self.rank, groups=self.groups)
+        dp_group = None
+        if replicas > 1:
+            mesh = init_device_mesh(self.device.type, (replicas, devices),
+                                    mesh_dim_names=("dp", "pp"))
+            dp_group = mesh.get_group("dp")
+        self.modules = build_modules(self.model, problem, seed=opts.seed, device=self.device,
+                                     rank=self.device_index, groups=self.groups)
+        synced = {id(p) for x in self.lowered.programs[self.rank] if x.op == SYNC
+                  for p in self.modules[x.block].parameters()}
+        self.shards = _Shards(self.modules, self.lowered.programs[self.rank], self.replica,
+                              replicas, dp_group, opts.lr) if problem.mesh.shard else None
         params = list({id(p): p for m in self.modules.values() for p in m.parameters()
-                       if p.requires_grad}.values())
+                       if p.requires_grad and not (self.shards and id(p) in synced)}.values())
         self.optimizer = (torch.optim.SGD(params, lr=opts.lr)
-                          if self.problem.training and params else None)
+                          if problem.training and params else None)
         self.executor = Executor(self.lowered, self.rank, self.modules, self.groups,
                                  Comm(self.device, blocking=opts.blocking), self.model.loss,
-                                 self.output, seed=opts.seed, fail_at=opts.fail_at)
+                                 self.output, seed=opts.seed, dp_group=dp_group,
+                                 fail_at=opts.fail_at)
 
     def train(self) -> Report:
         opts, n = self.options, self.problem.num_micro_batches
         records, events, grads = [], [], {}
         for step in range(opts.iterations):
             inputs, targets = make_batch(self.model, step, opts.seed, self.device)
+            replicas = self.problem.mesh.data
+            if replicas > 1:  # this replica's slice of the global batch
+                inputs = split_batch(inputs, replicas)[self.replica]
+                targets = split_batch(targets, replicas)[self.replica]
             inputs, targets = split_batch(inputs, n), split_batch(targets, n)
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
+            for module in self.modules.values() if self.shards else ():
+                module.zero_grad(set_to_none=True)
             dist.barrier()
             started = time.perf_counter()
             result = self.executor.run(inputs, targets, iteration=step,
                                        trace=opts.trace is not None and
                                        step == opts.iterations - 1)
+            checked = opts.check and step == 0
+            parts = self.executor.finish_syncs(whole=checked)
             seconds = time.perf_counter() - started
-            if opts.check and step == 0:  # before the step changes them; not timed
-                grads = full_gradients(self.problem, self.modules, self.groups, self.rank)
+            if checked and self.replica == 0:  # before the step changes them; not timed
+                grads = full_gradients(self.problem, self.modules, self.groups,
+                                       self.device_index)
             started = time.perf_counter()
             if self.optimizer is not None:
                 self.optimizer.step()
+            if self.shards is not None:
+                self.shards.step(parts)
             seconds += time.perf_counter() - started
             records.append((seconds, result.compute, result.loss))
             events = result.events or events
@@ -159,8 +189,10 @@ class Session:
         if self.rank == 0:
             by_rank = [g[0] for g in gathered]
             iterations = range(self.options.iterations)
-            losses = [next((r[i][2] for r in by_rank if r[i][2] is not None), None)
-                      for i in iterations]
+            # One loss per replica (its mean over its micro-batches): the global batch's loss
+            # is their mean.
+            owned = [[r[i][2] for r in by_rank if r[i][2] is not None] for i in iterations]
+            losses = [sum(x) / len(x) if x else None for x in owned]
             if self.options.trace:
                 trace = chrome_trace([e for g in gathered for e in g[1]],
                                      title=f"pyplan run {self.problem.name}", time_unit="us",
@@ -177,9 +209,10 @@ class Session:
 
     def check(self, losses: list[float], grads: dict) -> Verdict:
         opts = self.options
-        ref_losses, ref_grads = reference_run(self.model, self.problem, self.output,
-                                              seed=opts.seed, lr=opts.lr,
-                                              iterations=opts.iterations, device=self.device)
+        ref_losses, ref_grads = reference_run(
+            self.model, self.problem, self.output, seed=opts.seed, lr=opts.lr,
+            iterations=opts.iterations, device=self.device,
+            micro_batches=self.problem.num_micro_batches * self.problem.mesh.data)
         return compare(losses, grads, ref_losses, ref_grads, opts.tolerance)
 
     def close(self) -> None:
@@ -187,6 +220,43 @@ class Session:
             self.watchdog.close()
         if self.owns_group:
             dist.destroy_process_group()
+
+
+class _Shards:
+    """Sharded data parallelism (ZeRO): for each synchronised stage on this rank, the replica's
+    part of its flattened parameters, updated by an SGD optimizer over the parts alone (its
+    state is sharded too), then all-gathered back into the parameters."""
+
+    def __init__(self, modules: dict, program, replica: int, replicas: int, group,
+                 lr: float) -> None:
+        self.group, self.stages = group, {}
+        for ins in program:
+            if ins.op != SYNC:
+                continue
+            params = [p for p in modules[ins.block].parameters() if p.requires_grad]
+            if not params:
+                continue
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            flat = torch.nn.functional.pad(flat, (0, -len(flat) % replicas))
+            size = len(flat) // replicas
+            part = torch.nn.Parameter(flat[replica * size:(replica + 1) * size].clone())
+            self.stages[ins.block] = (params, flat, part)
+        parts = [part for _, _, part in self.stages.values()]
+        self.optimizer = torch.optim.SGD(parts, lr=lr) if parts else None
+
+    def step(self, grads: dict[int, torch.Tensor]) -> None:
+        if self.optimizer is None:
+            return
+        for block, (_, _, part) in self.stages.items():
+            part.grad = grads[block]
+        self.optimizer.step()
+        for params, flat, part in self.stages.values():
+            dist.all_gather_into_tensor(flat, part.detach(), group=self.group)
+            offset = 0
+            with torch.no_grad():
+                for p in params:
+                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
 
 
 def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
