@@ -6,8 +6,8 @@ Posting a send or receive never blocks (non-blocking mode) unless it is the firs
 its stream, whose shape the receiver learns from a header first; a WAIT blocks until the matching
 send is posted. In blocking mode a SEND and its RECV meet like a rendezvous. Blocks on several
 ranks, REDUCEs and SYNCs (across data-parallel replicas) are collectives: all their ranks must
-reach them, so collectives issued in different orders by two replicas block forever. Messages between two ranks
-match in posting order (per ordered pair of ranks), as in gloo and NCCL.
+reach them, so collectives issued in different orders by two replicas block forever. Messages
+between two ranks match in posting order (per ordered pair of ranks), as in gloo and NCCL.
 """
 
 from __future__ import annotations

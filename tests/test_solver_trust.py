@@ -229,8 +229,9 @@ def test_memory_alone_gets_the_least_capacity(cli):
 
 DP_PLANS = {
     "two stages on one device": "pyplan: 1\nname: dp\ndevices: 1\nmicro_batches: 3\n"
-                                "training:\n  backward: {time_ratio: 2}\nmesh: {data: 2, sync: 2}\n"
-                                "blocks:\n  - {name: a, time: 1, devices: [0]}\n"
+                                "training:\n  backward: {time_ratio: 2}\n"
+                                "mesh: {data: 2, sync: 2}\nblocks:\n"
+                                "  - {name: a, time: 1, devices: [0]}\n"
                                 "  - {name: b, time: 2, devices: [0]}\n",
     "transformer-vshape-dp2": (PLANS / "transformer-vshape-dp2.yaml").read_text(),
 }
