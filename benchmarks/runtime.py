@@ -6,7 +6,11 @@
      ScheduleInterleaved1F1B) on the same model, stage split and micro-batches;
   3. the GPT on the M-shape (vocabulary-parallel embedding and head on all ranks), which
      torch's runtime cannot express, vs the best torch schedule of the same model with the
-     embedding on the first and the head on the last stage.
+     embedding on the first and the head on the last stage;
+  4. data parallelism x pipeline (2 replicas of 2 stages, plans/transformer-vshape-dp2.yaml):
+     each stage's gradients all-reduced right after its last backward (overlapped) vs all at
+     the end of the iteration, and pyplan vs torch's Schedule1F1B with each stage wrapped in
+     DistributedDataParallel over the same (dp, pp) device mesh.
 
     python benchmarks/runtime.py [--rounds 5] [--iterations 6]
 
@@ -57,12 +61,12 @@ def prepare(directory: Path) -> dict[str, Path]:
     from pyplan.solver import solve
 
     paths = {}
-    for name in ("transformer-vshape", "gpt-mshape"):
+    for name in ("transformer-vshape", "gpt-mshape", "transformer-vshape-dp2"):
         (directory / f"{name}.yaml").write_text((ROOT / "plans" / f"{name}.yaml").read_text())
     for name, text in PLANS.items():
         (directory / f"{name}.yaml").write_text(text)
     for name in ("transformer-vshape", "transformer-gpipe", "transformer-interleaved",
-                 "gpt-mshape"):
+                 "gpt-mshape", "transformer-vshape-dp2"):
         plan = directory / f"{name}.yaml"
         paths[name] = write_resolved(solve(load_problem(plan)), resolved_path(plan))
     return paths
@@ -71,7 +75,8 @@ def prepare(directory: Path) -> dict[str, Path]:
 # ---------------------------------------------------------------- workers (under torchrun)
 
 class PyplanCase:
-    def __init__(self, name: str, resolved: Path, *, blocking: bool) -> None:
+    def __init__(self, name: str, resolved: Path, *, blocking: bool,
+                 sync_at_end: bool = False) -> None:
         from pyplan.lower import check_runnable, lower
         from pyplan.resolved import load_resolved
         from pyplan.runtime.binding import load_model
@@ -82,7 +87,8 @@ class PyplanCase:
         self.session = Session(lower(plan.problem, plan.schedule),
                                check_runnable(plan.problem),
                                load_model(plan.problem, resolved.parent),
-                               Options(iterations=ITERATIONS, blocking=blocking), watch=False)
+                               Options(iterations=ITERATIONS, blocking=blocking,
+                                       sync_at_end=sync_at_end), watch=False)
         self.session.build()
 
     def run(self) -> list[float]:
@@ -150,6 +156,62 @@ class TorchCase:
         return seconds
 
 
+class TorchDDPCase:
+    """Two replicas of the two-stage transformer under torch's Schedule1F1B, each stage wrapped
+    in DistributedDataParallel (gradients synchronised in the last micro-batch's backward),
+    on a (dp 2, pp 2) device mesh: rank = replica x 2 + stage, as in pyplan."""
+
+    def __init__(self, name: str) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed import pipelining
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.nn.parallel import DistributedDataParallel
+
+        import pyplan.examples.transformer as module
+        from pyplan.runtime.binding import Model, seed_everything
+
+        self.name, self.dist, self.torch = name, dist, torch
+        self.model = Model(module.build_two, module.batch, module.loss)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        self.replica, stage = divmod(dist.get_rank(), 2)
+        stages = []
+        for s in range(2):
+            seed_everything(0, "block", f"stage{s}")
+            stages.append(module.build_two(f"stage{s}", None))
+        x = module.batch(0)[0][: module.BATCH // 8]  # one micro-batch: 2 replicas x 4
+        y = stages[0](x).detach().requires_grad_(True)
+        examples = [(x, y), (y, stages[1](y).detach().requires_grad_(True))]
+        ddp = DistributedDataParallel(stages[stage], process_group=mesh.get_group("dp"))
+        pipeline_stage = pipelining.PipelineStage(ddp, stage, 2, torch.device("cpu"),
+                                                  input_args=examples[stage][0],
+                                                  output_args=examples[stage][1],
+                                                  group=mesh.get_group("pp"))
+        self.optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        self.schedule = pipelining.Schedule1F1B(pipeline_stage, n_microbatches=4,
+                                                loss_fn=module.loss)
+        self.first, self.last = stage == 0, stage == 1
+
+    def run(self) -> list[float]:
+        from pyplan.runtime.binding import make_batch, split_batch
+
+        seconds = []
+        for step in range(ITERATIONS):
+            inputs, targets = make_batch(self.model, step, 0, self.torch.device("cpu"))
+            inputs = split_batch(inputs, 2)[self.replica]
+            targets = split_batch(targets, 2)[self.replica]
+            self.optimizer.zero_grad(set_to_none=True)
+            self.dist.barrier()
+            started = time.perf_counter()
+            kwargs = {"target": targets, "losses": []} if self.last else {}
+            self.schedule.step(*([inputs] if self.first else []), **kwargs)
+            self.optimizer.step()
+            mine = self.torch.tensor([time.perf_counter() - started])
+            self.dist.all_reduce(mine, op=self.dist.ReduceOp.MAX)
+            seconds.append(float(mine))
+        return seconds
+
+
 def worker(directory: Path, rounds: int) -> None:
     import pyplan.runtime  # noqa: F401 - quiet torch import
     import torch.distributed as dist
@@ -162,7 +224,8 @@ def worker(directory: Path, rounds: int) -> None:
             setattr(module, key, value)
     dist.init_process_group("gloo")
     plan = {name: directory / f"{name}.resolved.yaml" for name in
-            ("transformer-vshape", "transformer-gpipe", "transformer-interleaved", "gpt-mshape")}
+            ("transformer-vshape", "transformer-gpipe", "transformer-interleaved", "gpt-mshape",
+             "transformer-vshape-dp2")}
     four = [[f"stage{s}"] for s in range(4)]
     gpt_vshape = [["embed", "stage0"], ["stage1"], ["stage2"], ["stage3", "head"]]
     cases = [
@@ -179,6 +242,11 @@ def worker(directory: Path, rounds: int) -> None:
         PyplanCase("pyplan GPT M-shape, blocking", plan["gpt-mshape"], blocking=True),
         TorchCase("torch GPT Schedule1F1B", "Schedule1F1B", "gpt", gpt_vshape),
         TorchCase("torch GPT ScheduleGPipe", "ScheduleGPipe", "gpt", gpt_vshape),
+        PyplanCase("pyplan DP2xPP2, overlapped sync", plan["transformer-vshape-dp2"],
+                   blocking=False),
+        PyplanCase("pyplan DP2xPP2, sync at the end", plan["transformer-vshape-dp2"],
+                   blocking=False, sync_at_end=True),
+        TorchDDPCase("torch Schedule1F1B + DDP, DP2xPP2"),
     ]
     # Per round, each case's median iteration: a ratio is taken within a round (the same
     # machine load for both cases) and reported as its spread over the rounds.
@@ -217,6 +285,10 @@ def report(rounds_of: dict[str, list[float]]) -> None:
     best = min(("torch GPT Schedule1F1B", "torch GPT ScheduleGPipe"), key=median.get)
     ratio(f"pyplan GPT M-shape vs best torch ({best.split()[-1]}, V-shape)", best,
           "pyplan GPT M-shape")
+    ratio("DP2xPP2: overlapped vs end-of-iteration gradient sync",
+          "pyplan DP2xPP2, sync at the end", "pyplan DP2xPP2, overlapped sync")
+    ratio("DP2xPP2: pyplan vs torch Schedule1F1B + DDP (same mesh)",
+          "torch Schedule1F1B + DDP, DP2xPP2", "pyplan DP2xPP2, overlapped sync")
 
 
 ITERATIONS = int(os.environ.get("PYPLAN_BENCH_ITERATIONS", "6"))

@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocking", action="store_true",
                         help="blocking sends and receives (to compare with the default, "
                         "non-blocking communication)")
+    parser.add_argument("--sync-at-end", action="store_true",
+                        help="with data-parallel replicas: synchronise all gradients after the "
+                        "last block instead of each stage's after its last backward (to "
+                        "compare)")
     parser.add_argument("--trace", metavar="FILE",
                         help="write a Chrome/Perfetto trace of the last iteration (microseconds)")
     parser.add_argument("--json", action="store_true",
@@ -127,9 +131,9 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
     out = ["run", args.plan, "--iterations", str(args.iterations), "--seed", str(args.seed),
            "--lr", repr(args.lr), "--tolerance", repr(args.tolerance),
            "--fault-timeout", repr(args.fault_timeout)]
-    for flag in ("check", "blocking", "json"):
+    for flag in ("check", "blocking", "sync_at_end", "json"):
         if getattr(args, flag):
-            out.append(f"--{flag}")
+            out.append(f"--{flag.replace('_', '-')}")
     for option in ("trace", "fail_at"):
         if getattr(args, option) is not None:
             out += [f"--{option.replace('_', '-')}", getattr(args, option)]
@@ -172,7 +176,8 @@ def _session(args, lowered, output: int, model, fail_at) -> int:
     from pyplan.runtime.session import Options, Session, summary
 
     options = Options(iterations=args.iterations, seed=args.seed, lr=args.lr,
-                      blocking=args.blocking, check=args.check, tolerance=args.tolerance,
+                      blocking=args.blocking, sync_at_end=args.sync_at_end,
+                      check=args.check, tolerance=args.tolerance,
                       trace=args.trace, fault_timeout=args.fault_timeout, fail_at=fail_at)
     session = Session(lowered, output, model, options)
     try:

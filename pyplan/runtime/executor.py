@@ -49,7 +49,7 @@ class IterationResult:
 class Executor:
     def __init__(self, lowered: Lowered, rank: int, modules: dict, groups: dict, comm: Comm,
                  loss_fn, output_block: int, *, seed: int, dp_group=None,
-                 fail_at: tuple[int, int, str] | None = None):
+                 sync_at_end: bool = False, fail_at: tuple[int, int, str] | None = None):
         problem = lowered.problem
         self.lowered, self.rank, self.modules, self.groups = lowered, rank, modules, groups
         self.comm, self.loss_fn, self.output = comm, loss_fn, output_block
@@ -58,6 +58,7 @@ class Executor:
         # Micro-batch m of this replica is micro-batch replica x N + m of the global batch.
         self.first_micro_batch = self.replica * problem.num_micro_batches
         self.syncing: list = []  # gradient synchronisations started, not yet finished
+        self.sync_at_end, self.deferred = sync_at_end, []
         self.program = lowered.programs[rank]
         self.blocks = problem.blocks
         self.layer = [problem.by_name[b.layer] for b in problem.blocks]
@@ -105,7 +106,10 @@ class Executor:
             elif ins.op == REDUCE:
                 self.reduce(ins.block)
             elif ins.op == SYNC:
-                self.sync(ins.block)
+                if self.sync_at_end:
+                    self.deferred.append(ins.block)
+                else:
+                    self.sync(ins.block)
             t1 = time.perf_counter()
             if ins.op == COMPUTE:
                 compute += t1 - t0
@@ -242,6 +246,9 @@ class Executor:
         """Wait for the synchronisations: all-reduced gradients, averaged, go back to the
         parameters; sharded, this replica's averaged part of each stage's flat gradient is
         returned (and with `whole`, the whole gradient is gathered back too, for --check)."""
+        for block in self.deferred:
+            self.sync(block)
+        self.deferred = []
         parts = {}
         replicas = self.lowered.problem.mesh.data
         try:

@@ -40,6 +40,8 @@ class Options:
     seed: int = 0
     lr: float = 0.01
     blocking: bool = False
+    sync_at_end: bool = False
+    """Start the data-parallel gradient synchronisations after the last block (to compare)."""
     check: bool = False
     tolerance: float = 1e-5
     trace: str | None = None
@@ -145,7 +147,7 @@ class Session:
         self.executor = Executor(self.lowered, self.rank, self.modules, self.groups,
                                  Comm(self.device, blocking=opts.blocking), self.model.loss,
                                  self.output, seed=opts.seed, dp_group=dp_group,
-                                 fail_at=opts.fail_at)
+                                 sync_at_end=opts.sync_at_end, fail_at=opts.fail_at)
 
     def train(self) -> Report:
         opts, n = self.options, self.problem.num_micro_batches
