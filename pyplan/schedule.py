@@ -176,6 +176,8 @@ def with_syncs(problem: Problem, orders: Orders,
                ev: _core.Evaluation) -> tuple[tuple[Sync, ...], int, float]:
     """The gradient synchronisations of orders the core evaluated, and the makespan and bubble
     rate with them (they may end after the compute)."""
+    if not problem.training or problem.mesh.data <= 1:
+        return (), ev.makespan, ev.bubble_rate  # (ev.start copies the whole vector: skip it)
     syncs = gradient_syncs(problem, orders, ev.start)
     makespan = max([ev.makespan] + [s.end for s in syncs])
     bubble_rate = ev.bubble_rate if makespan == ev.makespan else \

@@ -481,9 +481,14 @@ std::vector<Repetend> rank_repetends(const Graph& g, int num_mb, int64_t capacit
     RepetendEnumerator en(g, num_mb, capacity, period + 1);
     en.set_time_limit(seconds);
     if (max_candidates > 0) en.set_node_limit(kNodesPerCandidate * max_candidates);
+    // Each candidate's periodic makespan costs O(n x blocks): check the time per candidate too.
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(seconds > 0 ? seconds : 0));
     std::vector<int> cand;
     int64_t seen = 0;
     while ((max_candidates <= 0 || seen < max_candidates) && en.next(cand)) {
+        if (seconds > 0 && seen > 0 && std::chrono::steady_clock::now() >= deadline) break;
         ++seen;
         Repetend r = list_schedule_repetend(g, cand);
         ++stats.evaluated;

@@ -10,8 +10,8 @@ from pyplan.errors import InfeasibleError
 from pyplan.problem import Problem
 from pyplan.schedule import Schedule, build_schedule
 from pyplan.solver.bounds import check_fits, min_memory
-from pyplan.solver.budget import Budget
-from pyplan.solver.complete import complete, complete_whole
+from pyplan.solver.budget import LAYOUT_SECONDS, Budget
+from pyplan.solver.complete import complete, complete_whole, exact_applies
 from pyplan.solver.explain import explain
 from pyplan.solver.search import (Progress, RepetendSearch, SearchStats, candidate_pool,
                                   search_repetend)
@@ -83,15 +83,18 @@ def solve(problem: Problem, *, progress: Progress | None = None) -> Solution:
     exact = problem.search.exact and not settled
     stats = SearchStats()
     found = None
+    # The search leaves time for laying out the completion, which is linear in the instances.
+    instances = len(problem.blocks) * problem.num_micro_batches
+    search = budget.reserving(min(budget.seconds / 2, instances * LAYOUT_SECONDS))
     try:
-        found = search_repetend(problem, budget=budget, exact=exact, stats=stats,
+        found = search_repetend(problem, budget=search, exact=exact, stats=stats,
                                 progress=progress, thorough=not settled)
     except InfeasibleError:
         if incumbent is None:
             raise explain(problem, budget) from None
     schedule, notes = None, []
     if found is not None:
-        schedule, notes = _complete_best(problem, found, budget, stats, exact=exact,
+        schedule, notes = _complete_best(problem, found, budget, search, stats, exact=exact,
                                          settled=settled, target=lower_bound, progress=progress)
     origin = "search"
     if incumbent is not None and (schedule is None or incumbent[1].makespan < schedule.makespan):
@@ -114,26 +117,36 @@ def solve(problem: Problem, *, progress: Progress | None = None) -> Solution:
                     time.monotonic() - started, templates, stats, origin, period_status)
 
 
-def _complete_best(problem: Problem, found: RepetendSearch, budget: Budget, stats: SearchStats,
-                   *, exact: bool, settled: bool, target: int,
+def _complete_best(problem: Problem, found: RepetendSearch, budget: Budget, search: Budget,
+                   stats: SearchStats, *, exact: bool, settled: bool, target: int,
                    progress: Progress | None = None) -> tuple[Schedule, list[str]]:
-    """Completion of the best repetends (ranked pool): periodic completions of every candidate
-    first (cheap), Z3's warmup and cooldown only if none meets the lower bound."""
-    pool = candidate_pool(problem, found.repetend, budget=budget, stats=stats,
+    """Completion of the best repetends (a pool ranked within the `search` budget): periodic
+    completions of every candidate first (cheap), Z3's warmup and cooldown only if none meets
+    the lower bound."""
+    pool = candidate_pool(problem, found.repetend, budget=search, stats=stats,
                           thorough=not settled)
+    # Laying out a completion is linear in the instances: where the time limit does not allow
+    # one per candidate, the best-ranked (shortest periodic schedule) alone (decided by size).
+    if not budget.allows_template(len(problem.blocks) * problem.num_micro_batches * len(pool)):
+        pool = pool[:1]
     completion = budget.slice(COMPLETION_EFFORT)
     schedule, best_notes = None, []
+    periodic: dict[int, Schedule] = {}  # pool position -> its periodic completion
     for with_z3 in (False, True) if exact else (False,):
-        for rep in pool:
+        for k, rep in enumerate(pool):
             if schedule is not None and (schedule.makespan <= target or budget.expired()):
                 break
+            if with_z3 and not exact_applies(problem, rep, completion):
+                continue  # it would give the periodic completion again
             if progress is not None:
                 progress.update(phase="completion", n_r=rep.num_micro_batches,
                                 candidates=stats.candidates, best=rep.period,
                                 bound=found.lower_bound)
             notes: list[str] = []
             candidate, _ = complete(problem, rep, exact=with_z3, budget=completion, notes=notes,
-                                    target=target)
+                                    target=target, periodic=periodic.get(k))
+            if not with_z3:
+                periodic[k] = candidate
             if schedule is None or _rank(candidate) < _rank(schedule):
                 schedule, best_notes = candidate, notes
     return schedule, best_notes

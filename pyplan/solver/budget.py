@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import z3
 
-__all__ = ["TEMPLATE_RATE", "Budget", "check"]
+__all__ = ["LAYOUT_SECONDS", "TEMPLATE_RATE", "Budget", "check"]
 
 TEMPLATE_RATE = 100_000  # instances a template lays out per second of time limit, at most
+LAYOUT_SECONDS = 6e-7    # per instance: ranking a pool and laying out one completion (here)
 
 
 class Budget:
@@ -31,6 +32,12 @@ class Budget:
         """The same deadline with at most `z3_units` of what is left of this budget's units."""
         units = z3_units if self.z3_units is None else min(z3_units, max(0, self.z3_units))
         return Budget(self.seconds, z3_units=units, _deadline=self.deadline, _parent=self)
+
+    def reserving(self, seconds: float) -> Budget:
+        """This budget with its deadline `seconds` earlier: what a stage may use when a later
+        stage needs that long (Z3 units are shared, not reserved)."""
+        deadline = None if self.deadline is None else self.deadline - seconds
+        return Budget(self.seconds, _deadline=deadline, _parent=self)
 
     # -- wall time
 

@@ -18,7 +18,8 @@ from pyplan.solver.budget import Budget
 from pyplan.solver.exact import Anchor, time_optimal
 from pyplan.spec.units import count
 
-__all__ = ["EXACT_LIMIT", "PHASE_EFFORT", "WHOLE_LIMIT", "complete", "complete_whole"]
+__all__ = ["EXACT_LIMIT", "PHASE_EFFORT", "WHOLE_LIMIT", "complete", "complete_whole",
+           "exact_applies"]
 
 EXACT_LIMIT = 160          # instances: above this the exact warmup/cooldown solve is skipped
 WHOLE_LIMIT = 48           # instances: up to this the whole problem is also solved exactly
@@ -88,8 +89,19 @@ def _cooldown_anchor(problem: Problem, rep: _core.Repetend, instances, last: int
     return Anchor("cooldown", end, external, floor=floor)
 
 
+def exact_applies(problem: Problem, rep: _core.Repetend, budget: Budget) -> bool:
+    """Whether Z3 could still improve the periodic completion of `rep` (else `complete` with
+    exact=True gives the periodic one again)."""
+    if problem.num_micro_batches < rep.num_micro_batches or budget.spent or budget.expired():
+        return False
+    indices = list(rep.indices)
+    return max(len(_core.warmup_blocks(indices)), len(_core.cooldown_blocks(indices))) \
+        <= EXACT_LIMIT
+
+
 def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, budget: Budget,
-             notes: list[str], target: int = 0) -> tuple[Schedule, bool]:
+             notes: list[str], target: int = 0,
+             periodic: Schedule | None = None) -> tuple[Schedule, bool]:
     """The best completion found, and whether Z3 stopped before proving its phases optimal.
     A periodic completion that already takes no more than `target` (the lower bound) is kept
     without asking Z3."""
@@ -101,7 +113,8 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, budget: Budg
         return schedule, False
     repetend = repetend_from_core(problem, rep)
     warmup, cooldown = _split_periodic(problem, rep)
-    periodic = build_schedule(problem, warmup, repetend, cooldown)
+    if periodic is None:  # (the caller may have laid it out already)
+        periodic = build_schedule(problem, warmup, repetend, cooldown)
     warm = _core.warmup_blocks(list(rep.indices))
     last = n - rep.num_micro_batches
     cool = [(b, m + last) for b, m in _core.cooldown_blocks(list(rep.indices))]
