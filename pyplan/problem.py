@@ -303,6 +303,22 @@ class _Builder:
                                 "backward blocks must free what forward blocks allocate "
                                 "(for inference plans use memory 0)")
 
+    def check_model_stages(self) -> None:
+        """model.stages (a model given as one module) names exactly the declared blocks."""
+        model = self.spec.model
+        if model is None or model.module is None:
+            return
+        declared = [b.name for b in self.blocks if b.is_forward]
+        listed = [name for name, _ in model.stages]
+        for name in listed:
+            if name not in declared:
+                raise self.fail(("model", "stages", name), f"model.stages names '{name}', which "
+                                "is not a declared block", did_you_mean(name, declared))
+        missing = [name for name in declared if name not in listed]
+        if missing:
+            raise self.fail(("model", "stages"), f"model.stages lists no submodules for block "
+                            f"'{missing[0]}'", "give every declared block its submodules")
+
     def rules(self) -> list[OrderRule]:
         rules = []
         for order in self.spec.order:
@@ -336,6 +352,7 @@ class _Builder:
         self.derive_backward(specs)
         self.check_cycles()
         self.check_memory_balance()
+        self.check_model_stages()
         rules = self.rules()
         return Problem(name=spec.name, description=spec.description,
                        num_devices=spec.num_devices, memory_capacity=spec.memory_capacity,

@@ -11,6 +11,7 @@ times, so hand edits that break the schedule are caught.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -137,7 +138,11 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
             lines.append(f"  - \"{r.text}\"")
     if problem.model is not None:
         m = problem.model
-        lines.append(f"model: {{blocks: \"{m.blocks}\", data: \"{m.data}\", loss: \"{m.loss}\""
+        builder = (f"blocks: \"{m.blocks}\"" if m.blocks is not None else
+                   f"module: \"{m.module}\", stages: {{" +
+                   ", ".join(f"{name}: [{', '.join(json.dumps(u) for u in units)}]"
+                             for name, units in m.stages) + "}")
+        lines.append(f"model: {{{builder}, data: \"{m.data}\", loss: \"{m.loss}\""
                      + (f", path: \"{m.path}\"" if m.path else "") + "}")
     if problem.mesh.data > 1:
         mesh = problem.mesh
@@ -289,9 +294,17 @@ class _Reader:
         if isinstance(self.doc.get("model"), dict):
             raw = self.doc["model"]
             path = raw.get("path")
-            model = ModelSpec(blocks=str(raw.get("blocks")), data=str(raw.get("data")),
-                              loss=str(raw.get("loss")),
+            stages = raw.get("stages") if isinstance(raw.get("stages"), dict) else {}
+            if any(not isinstance(u, list) or not all(isinstance(x, str) for x in u)
+                   for u in stages.values()):
+                raise self.fail(("model", "stages"), "model stages must list submodule names")
+            model = ModelSpec(blocks=None if raw.get("blocks") is None else str(raw["blocks"]),
+                              module=None if raw.get("module") is None else str(raw["module"]),
+                              stages=tuple((str(k), tuple(v)) for k, v in stages.items()),
+                              data=str(raw.get("data")), loss=str(raw.get("loss")),
                               path=path if isinstance(path, str) and "\0" not in path else None)
+            if model.builder is None:
+                raise self.fail(("model",), "the model names neither blocks nor module")
         mesh = MeshSpec()
         if self.doc.get("mesh") is not None:
             mesh = MeshSpec(data=self.get("data", int, ("mesh",), low=1,

@@ -23,6 +23,7 @@ _COMMANDS = {
     "import": ("import_", "evaluate a torch.distributed.pipelining schedule CSV on a plan"),
     "run": ("run", "execute a resolved plan under torchrun (one process per device)"),
     "profile": ("profile", "measure block times and memory of a plan's model"),
+    "partition": ("partition", "profile a PyTorch model and cut it into pipeline stages: a plan"),
 }
 
 

@@ -122,7 +122,7 @@ def _model_check(problem, plan_dir: Path) -> str:
     from pyplan.runtime.binding import check_model
 
     count = check_model(problem, plan_dir)
-    return (f"model: {problem.model.blocks} built all {count} declared blocks (on the meta "
+    return (f"model: {problem.model.builder} built all {count} declared blocks (on the meta "
             "device); data and loss import")
 
 

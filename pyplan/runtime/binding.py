@@ -14,7 +14,7 @@ import hashlib
 import importlib
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,9 +23,9 @@ import torch
 from pyplan.errors import PlanError, RunError
 from pyplan.problem import Problem
 
-__all__ = ["SHARD_DIM", "Model", "block_inputs", "build_modules", "check_model", "forward_blocks",
-           "forward_rng", "load_model", "make_batch", "named_parameters", "shard", "shard_dim",
-           "split_batch", "seed_everything"]
+__all__ = ["SHARD_DIM", "Model", "block_inputs", "build_modules", "check_model",
+           "forward_blocks", "forward_rng", "load_model", "make_batch", "named_parameters",
+           "seed_everything", "shard", "shard_dim", "split_batch", "submodules"]
 
 SHARD_DIM = "pyplan_shard_dim"
 
@@ -44,9 +44,33 @@ def shard_dim(param: torch.Tensor) -> int | None:
 
 @dataclass(frozen=True)
 class Model:
-    build: Callable[[str, Any], torch.nn.Module]
+    build: Callable[[str, Any], torch.nn.Module] | None
+    """(block name, group) -> the block's module; None when `whole` builds the model."""
     data: Callable[[int], tuple[Any, Any]]
     loss: Callable[[torch.Tensor, Any], torch.Tensor]
+    whole: Callable[[], torch.nn.Module] | None = None
+    """() -> the whole model, whose submodules `stages` names for each block."""
+    stages: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def submodules(whole: torch.nn.Module, stages: dict[str, tuple[str, ...]],
+               blocks: list[str]) -> dict[str, torch.nn.Module]:
+    """Each block's module: its named submodules of `whole`, run one after another."""
+    out = {}
+    for name in blocks:
+        if name not in stages:
+            raise RunError(f"model.stages has no entry for block '{name}'",
+                           hint="list the submodules of every declared block")
+        parts = []
+        for unit in stages[name]:
+            try:
+                parts.append(whole.get_submodule(unit))
+            except AttributeError:
+                raise RunError(f"model.stages: the model has no submodule '{unit}' (block "
+                               f"'{name}')", hint="names are dotted paths as in "
+                               "named_modules(), e.g. layers.0") from None
+        out[name] = parts[0] if len(parts) == 1 else torch.nn.Sequential(*parts)
+    return out
 
 
 def _function(text: str, what: str, file: str) -> Callable:
@@ -72,8 +96,11 @@ def load_model(problem: Problem, plan_dir: Path) -> Model:
         path = str((plan_dir / folder).resolve())
         if path not in sys.path:
             sys.path.insert(0, path)
-    return Model(_function(spec.blocks, "blocks", file), _function(spec.data, "data", file),
-                 _function(spec.loss, "loss", file))
+    data, loss = _function(spec.data, "data", file), _function(spec.loss, "loss", file)
+    if spec.module is not None:
+        return Model(None, data, loss, whole=_function(spec.module, "module", file),
+                     stages=dict(spec.stages))
+    return Model(_function(spec.blocks, "blocks", file), data, loss)
 
 
 def check_model(problem: Problem, plan_dir: Path) -> int:
@@ -83,6 +110,14 @@ def check_model(problem: Problem, plan_dir: Path) -> int:
     model = load_model(problem, plan_dir)
     blocks = forward_blocks(problem)
     with torch.device("meta"):
+        if model.whole is not None:
+            try:
+                whole = model.whole()
+            except Exception as exc:  # the user's code: any failure is theirs to see
+                raise RunError(f"model.module failed to build the model: "
+                               f"{type(exc).__name__}: {exc}") from None
+            submodules(whole, model.stages, [problem.blocks[b].name for b in blocks])
+            return len(blocks)
         for b in blocks:
             name = problem.blocks[b].name
             try:
@@ -122,10 +157,14 @@ def build_modules(model: Model, problem: Problem, *, seed: int, device, rank: in
     """{block index: module} for the forward blocks on `rank` (every block when rank is None:
     the single-process reference, where every block is built whole)."""
     modules = {}
-    for b in forward_blocks(problem):
+    mine = [b for b in forward_blocks(problem)
+            if rank is None or rank in problem.blocks[b].devices]
+    if model.whole is not None:  # one model, the same weights on every rank (one seed)
+        seed_everything(seed, "module")
+        parts = submodules(model.whole(), model.stages, [problem.blocks[b].name for b in mine])
+        return {b: parts[problem.blocks[b].name].to(device) for b in mine}
+    for b in mine:
         block = problem.blocks[b]
-        if rank is not None and rank not in block.devices:
-            continue
         seed_everything(seed, "block", block.name)
         module = model.build(block.name, (groups or {}).get(b))
         if not isinstance(module, torch.nn.Module):

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pyplan.errors import PlanError
 from pyplan.lower import check_runnable
+from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.problem import BACKWARD, Problem
 from pyplan.runtime.binding import (
     Model,
@@ -26,7 +28,7 @@ from pyplan.runtime.binding import (
     split_batch,
 )
 
-__all__ = ["BlockCost", "profile_blocks"]
+__all__ = ["BlockCost", "chain_units", "profile_blocks", "profile_units"]
 
 
 @dataclass(frozen=True)
@@ -117,3 +119,84 @@ def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: in
         block = problem.blocks[b]
         costs[b] = BlockCost(block.name, block.devices, forward_ms, backward_ms, saved)
     return [costs[b] for b in sorted(costs)]
+
+
+def chain_units(model: torch.nn.Module, prefix: str = "") -> list[str]:
+    """The model's split units: its children in order, nn.Sequential and nn.ModuleList
+    flattened (so layers.0 .. layers.31 are units)."""
+    units = []
+    for name, child in model.named_children():
+        path = f"{prefix}{name}"
+        if isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList)):
+            units += chain_units(child, f"{path}.")
+        else:
+            units.append(path)
+    return units
+
+
+def _check_chain(model: torch.nn.Module, units: list[str], inputs) -> None:
+    """The units run one after another must compute what the model computes (in eval mode,
+    without dropout); else the model is not a chain of its children."""
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            whole = model(inputs)
+            x = inputs
+            for unit in units:
+                x = model.get_submodule(unit)(x)
+    except Exception as exc:  # the user's model: name what failed
+        raise PlanError(f"running the model's children one after another failed: "
+                        f"{type(exc).__name__}: {exc}",
+                        hint="pyplan partition needs a model whose forward is its children in "
+                             "order (nn.Sequential-like)") from None
+    finally:
+        model.train(was)
+    if not (isinstance(whole, torch.Tensor) and isinstance(x, torch.Tensor) and
+            whole.shape == x.shape and torch.allclose(whole, x, atol=1e-5)):
+        raise PlanError("the model's forward is not its children run one after another",
+                        hint="pyplan partition needs an nn.Sequential-like model; write the "
+                             "plan's blocks by hand (model.blocks) for other models")
+
+
+def profile_units(model: torch.nn.Module, inputs, targets, loss, *, optimizer: str = "sgd",
+                  repeats: int = 5, device: torch.device | None = None,
+                  progress=None) -> list[UnitCost]:
+    """Costs of each unit of a chain model on one micro-batch: median forward and backward
+    milliseconds (the backward of exactly that unit: gradients of its input and parameters;
+    the last unit's from the loss), the activation bytes autograd saves, and the weights'
+    bytes with their gradients and the optimizer's state."""
+    device = device or torch.device("cpu")
+    units = chain_units(model)
+    if not units:
+        raise PlanError("the model has no children to split into stages")
+    _check_chain(model, units, inputs)
+    costs, x = [], inputs
+    for k, unit in enumerate(units):
+        module = model.get_submodule(unit)
+        params = [p for p in module.parameters() if p.requires_grad]
+        arg = x.detach().requires_grad_(x.is_floating_point())
+        forward_ms, out = _timed(lambda: module(arg), device, repeats)
+        saved = _saved_bytes(lambda: module(arg), params)
+        wrt = ([arg] if arg.requires_grad else []) + params
+        last = k == len(units) - 1
+
+        def backward():
+            result = module(arg)
+            root = loss(result, targets) if last else result
+            seed = None if last else torch.ones_like(result)
+            start = time.perf_counter()
+            if wrt and root.requires_grad:
+                torch.autograd.grad(root, wrt, seed, allow_unused=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return (time.perf_counter() - start) * 1e3
+
+        backward_ms = statistics.median([backward() for _ in range(repeats + 1)][1:])
+        size = sum(p.numel() * p.element_size() for p in params)
+        costs.append(UnitCost(unit, forward_ms, backward_ms, saved,
+                              size * (2 + OPTIMIZER_STATE[optimizer])))
+        x = out.detach()
+        if progress is not None:
+            progress(k + 1, len(units))
+    return costs

@@ -132,12 +132,21 @@ class MeshSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """Import paths `pyplan run` uses to build modules, data and loss."""
+    """Import paths `pyplan run` uses to build modules, data and loss: a `blocks` function
+    building each block, or a `module` function building the whole model and, in `stages`, the
+    dotted submodule names each block runs."""
 
-    blocks: str
+    blocks: str | None = None
+    module: str | None = None
+    stages: tuple[tuple[str, tuple[str, ...]], ...] = ()
     data: str
     loss: str
     path: str | None = None
+
+    @property
+    def builder(self) -> str:
+        """The import path that builds the modules."""
+        return self.blocks if self.blocks is not None else self.module
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -328,7 +337,10 @@ def _build(source: Source) -> PlanSpec:
     model = None
     if "model" in doc:
         raw = doc["model"]
-        model = ModelSpec(blocks=raw["blocks"], data=raw["data"], loss=raw["loss"],
+        model = ModelSpec(blocks=raw.get("blocks"), module=raw.get("module"),
+                          stages=tuple((name, tuple(units))
+                                       for name, units in (raw.get("stages") or {}).items()),
+                          data=raw["data"], loss=raw["loss"],
                           path=raw.get("path"))
     return PlanSpec(source=source, name=doc["name"], description=doc.get("description", ""),
                     num_devices=doc["devices"], memory_capacity=capacity,

@@ -1,0 +1,180 @@
+"""`pyplan partition FACTORY --data DATA --loss LOSS --devices D -o PLAN`: from a PyTorch model
+to a solved plan. Profile the model's units on one micro-batch, cut them into stages by exact
+dynamic programming (least bottleneck within the memory), solve the best few partitions and
+write the plan of the one with the shortest makespan."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+
+from pyplan.cli._torch import require_torch
+from pyplan.errors import InfeasibleError, PlanError
+from pyplan.fileio import write_atomic
+from pyplan.partition import OPTIMIZER_STATE, UnitCost, best_partitions, plan_text
+from pyplan.problem import build_problem
+from pyplan.solver import solve
+from pyplan.spec import parse_memory, spec_from_text
+from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES
+
+__all__ = ["add_arguments", "run"]
+
+SOLVE_SECONDS = 10.0  # per candidate partition
+UNITS_PER_STAGE = 100  # the slowest stage spans about this many time units
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("factory", metavar="FACTORY",
+                        help="pkg.mod:fn returning the whole nn.Module (its children, "
+                        "nn.Sequential / nn.ModuleList flattened, are the units)")
+    parser.add_argument("--data", required=True, metavar="PKG.MOD:FN",
+                        help="fn(step) -> (inputs, targets), the global batch")
+    parser.add_argument("--loss", required=True, metavar="PKG.MOD:FN",
+                        help="fn(output, targets) -> a scalar mean loss")
+    parser.add_argument("--devices", type=int, required=True, metavar="D")
+    parser.add_argument("--shape", choices=("vshape", "interleaved"), default="vshape",
+                        help="vshape: stage s on device s; interleaved: stage s on device s "
+                        "mod D, --chunks stages per device")
+    parser.add_argument("--chunks", type=int, default=2, metavar="C",
+                        help="stages per device with --shape interleaved (default 2)")
+    parser.add_argument("--micro-batches", type=int, metavar="N",
+                        help="micro-batches per iteration (default 2 x stages)")
+    parser.add_argument("--memory", metavar="SIZE", help="memory per device, e.g. 24GiB "
+                        "(default: unlimited)")
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE), default="sgd",
+                        help="optimizer whose state counts in the weights' memory")
+    parser.add_argument("--repeats", type=int, default=5, metavar="K",
+                        help="timed runs per unit and direction; the median counts")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument("-o", "--output", required=True, metavar="PLAN",
+                        help="where to write the plan (then pyplan solve PLAN)")
+
+
+def _function(text: str, what: str):
+    module_name, _, attr = text.partition(":")
+    if not module_name or not attr:
+        raise PlanError(f"{what} {text!r} is not an import path pkg.mod:fn")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PlanError(f"{what}: cannot import {module_name}: {exc}",
+                        hint="run from the folder that holds the model's package") from None
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise PlanError(f"{what}: {module_name} has no function {attr!r}")
+    return function, module
+
+
+def _package_root(module) -> Path | None:
+    """The folder to put on sys.path to import `module` (None for an installed package)."""
+    file = getattr(module, "__file__", None)
+    if file is None or "site-packages" in file:
+        return None
+    root = Path(file).resolve().parent
+    for _ in module.__name__.split(".")[1:]:
+        root = root.parent
+    return root
+
+
+def _options(args: argparse.Namespace) -> tuple[int, int, int | None]:
+    """(stages, micro-batches, memory in bytes)."""
+    if not 1 <= args.devices <= MAX_DEVICES:
+        raise PlanError(f"--devices must lie in 1 .. {MAX_DEVICES}")
+    if args.chunks < 1 or args.repeats < 1:
+        raise PlanError("--chunks and --repeats must be at least 1")
+    stages = args.devices * (args.chunks if args.shape == "interleaved" else 1)
+    n = args.micro_batches if args.micro_batches is not None else 2 * stages
+    if not 1 <= n <= MAX_MICRO_BATCHES:
+        raise PlanError(f"--micro-batches must lie in 1 .. {MAX_MICRO_BATCHES}")
+    memory = None
+    if args.memory is not None:
+        try:
+            memory, is_size = parse_memory(args.memory)
+        except ValueError as exc:
+            raise PlanError(f"--memory: {exc}") from None
+        if not is_size or memory <= 0:
+            raise PlanError("--memory must be a positive size such as 24GiB")
+    return stages, n, memory
+
+
+def run(args: argparse.Namespace) -> int:
+    stages, n, memory = _options(args)
+    require_torch("partition")
+    import torch
+
+    from pyplan.runtime.binding import Model, make_batch, seed_everything, split_batch
+    from pyplan.runtime.profile import profile_units
+
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # FACTORY is imported like `python -c` would
+    factory, factory_module = _function(args.factory, "FACTORY")
+    data, _ = _function(args.data, "--data")
+    loss, _ = _function(args.loss, "--loss")
+    seed_everything(args.seed, "module")
+    model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise PlanError(f"FACTORY returned {type(model).__name__}, not a torch.nn.Module")
+    inputs, targets = make_batch(Model(None, data, loss), 0, args.seed, torch.device("cpu"))
+    inputs, targets = split_batch(inputs, n)[0], split_batch(targets, n)[0]
+    units = _profile(profile_units, model, inputs, targets, loss, args)
+    chunks = args.chunks if args.shape == "interleaved" else 1
+    # Interleaved: a device's memory is shared by its stages, a share each.
+    share = None if memory is None else memory // chunks
+    candidates = best_partitions(units, stages, micro_batches=n, capacity=share)
+    if not candidates:
+        raise InfeasibleError(f"no partition of {len(units)} units into {stages} stages fits "
+                              f"{args.memory} per device", hint="raise --memory, use more "
+                              "devices or fewer micro-batches")
+    out = Path(args.output)
+    root = _package_root(factory_module)
+    path = None if root is None else os.path.relpath(root, out.resolve().parent)
+    unit_ms = max(c.bottleneck_ms for c in candidates) / UNITS_PER_STAGE
+    best = None
+    print(f"{args.factory}: {len(units)} units, {stages} stages ({args.shape}), "
+          f"{n} micro-batches; the best partitions by bottleneck, solved:")
+    for p in candidates:
+        text = _plan(units, p, args, n, memory, chunks, path, unit_ms, out)
+        solution = solve(build_problem(spec_from_text(text, str(out))).with_overrides(
+            time_limit=SOLVE_SECONDS))
+        makespan_ms = solution.schedule.makespan * unit_ms
+        cut = " | ".join(f"{units[p.bounds[s]].name}..{units[p.bounds[s + 1] - 1].name}"
+                         for s in range(p.num_stages))
+        print(f"  bottleneck {p.bottleneck_ms:8.2f} ms  makespan {makespan_ms:9.2f} ms "
+              f"({solution.status})  {cut}")
+        if best is None or solution.schedule.makespan < best[0]:
+            best = (solution.schedule.makespan, text)
+    write_atomic(out, best[1])
+    print(f"wrote {out}: the partition with the shortest makespan; next: pyplan solve {out}")
+    return 0
+
+
+def _profile(profile_units, model, inputs, targets, loss, args) -> list[UnitCost]:
+    """Profile with a progress bar on a terminal (rich), quietly otherwise."""
+    if not sys.stderr.isatty():
+        return profile_units(model, inputs, targets, loss, optimizer=args.optimizer,
+                             repeats=args.repeats)
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("profiling units", total=None)
+        return profile_units(model, inputs, targets, loss, optimizer=args.optimizer,
+                             repeats=args.repeats,
+                             progress=lambda done, total: bar.update(task, completed=done,
+                                                                     total=total))
+
+
+def _plan(units: list[UnitCost], p, args, n: int, memory: int | None, chunks: int,
+          path: str | None, unit_ms: float, out: Path) -> str:
+    """The plan text of partition p: the capacity it states is what the heaviest device has
+    left for activations after its stages' weights."""
+    devices = args.devices
+    weights = [0] * devices
+    for s in range(p.num_stages):
+        weights[s % devices] += sum(units[i].weight_bytes for i in p.stage(s))
+    capacity = None if memory is None else max(1, memory - max(weights))
+    return plan_text(units, p, name=out.name.split(".")[0], devices=devices, micro_batches=n,
+                     capacity=capacity, factory=args.factory, data=args.data, loss=args.loss,
+                     path=path, time_unit_ms=unit_ms, shape=args.shape)

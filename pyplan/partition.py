@@ -1,0 +1,169 @@
+"""From measured unit costs to pipeline stages, and from stages to a plan (`pyplan partition`).
+
+A model is a chain of units (its children, nn.Sequential / nn.ModuleList flattened). A
+partition cuts the chain into contiguous stages: V-shape, stage s on device s; interleaved,
+stage s on device s mod D (C chunks per device). It is chosen by exact dynamic programming over
+the split points: the least bottleneck (the slowest stage's forward + backward time) such that
+each stage fits in memory, counting its units' weights (parameters, gradients and optimizer
+state) and the activations of the micro-batches it holds at once under 1F1B (stage s of S keeps
+min(N, S - s) micro-batches in flight; interleaved, a device's memory is shared by its C stages
+as capacity / C each, a conservative split).
+
+Nothing here needs torch: the costs come from pyplan.runtime.profile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import textwrap
+from dataclasses import dataclass
+
+__all__ = ["MAX_ENUMERATED", "Partition", "UnitCost", "best_partitions", "optimal_partition",
+           "plan_text", "stage_memory"]
+
+MAX_ENUMERATED = 20_000  # partitions: up to this many, every one is ranked (else the DP's alone)
+OPTIMIZER_STATE = {"sgd": 0, "adam": 2}  # state tensors per parameter, besides its gradient
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """What one unit (a submodule) costs for one micro-batch."""
+
+    name: str
+    forward_ms: float
+    backward_ms: float
+    activation_bytes: int
+    """Saved by autograd in the forward, held until the backward."""
+    weight_bytes: int
+    """Resident for the whole run: parameters, their gradients and the optimizer's state."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    bounds: tuple[int, ...]
+    """Stage s runs units bounds[s] .. bounds[s + 1] - 1 (bounds[0] = 0, bounds[-1] = units)."""
+    bottleneck_ms: float
+    memory: tuple[int, ...]
+    """Bytes each stage needs: its weights and its in-flight activations."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.bounds) - 1
+
+    def stage(self, s: int) -> range:
+        return range(self.bounds[s], self.bounds[s + 1])
+
+
+def _in_flight(stage: int, num_stages: int, micro_batches: int) -> int:
+    return max(1, min(micro_batches, num_stages - stage))
+
+
+def stage_memory(units: list[UnitCost], first: int, last: int, stage: int, num_stages: int,
+                 micro_batches: int) -> int:
+    """Bytes stage `stage` needs for units first .. last - 1 (weights + in-flight activations)."""
+    part = units[first:last]
+    return sum(u.weight_bytes for u in part) + \
+        _in_flight(stage, num_stages, micro_batches) * sum(u.activation_bytes for u in part)
+
+
+def _time(units: list[UnitCost], first: int, last: int) -> float:
+    return sum(u.forward_ms + u.backward_ms for u in units[first:last])
+
+
+def optimal_partition(units: list[UnitCost], num_stages: int, *, micro_batches: int,
+                      capacity: int | None) -> Partition | None:
+    """The partition with the least bottleneck whose stages fit `capacity` bytes each (None
+    when none fits): exact dynamic programming over split points, O(stages x units^2)."""
+    k = len(units)
+    if num_stages > k:
+        return None
+    prefix = [0.0]
+    for u in units:
+        prefix.append(prefix[-1] + u.forward_ms + u.backward_ms)
+    inf = math.inf
+    # best[s][j]: least bottleneck of stages 0..s-1 over units 0..j-1; cut[s][j]: where stage
+    # s-1 starts in it.
+    best = [[inf] * (k + 1) for _ in range(num_stages + 1)]
+    cut = [[-1] * (k + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for j in range(s, k - (num_stages - s) + 1):
+            for i in range(s - 1, j):
+                if best[s - 1][i] == inf:
+                    continue
+                if capacity is not None and \
+                        stage_memory(units, i, j, s - 1, num_stages, micro_batches) > capacity:
+                    continue
+                value = max(best[s - 1][i], prefix[j] - prefix[i])
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    if best[num_stages][k] == inf:
+        return None
+    bounds = [k]
+    for s in range(num_stages, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    return _partition(units, tuple(reversed(bounds)), micro_batches)
+
+
+def _partition(units: list[UnitCost], bounds: tuple[int, ...], micro_batches: int) -> Partition:
+    stages = len(bounds) - 1
+    return Partition(bounds, max(_time(units, bounds[s], bounds[s + 1]) for s in range(stages)),
+                     tuple(stage_memory(units, bounds[s], bounds[s + 1], s, stages,
+                                        micro_batches) for s in range(stages)))
+
+
+def best_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: int,
+                    capacity: int | None, keep: int = 3) -> list[Partition]:
+    """The `keep` best partitions by bottleneck (then memory), every partition ranked when
+    there are at most MAX_ENUMERATED, else the dynamic programme's optimum alone."""
+    k = len(units)
+    if num_stages > k:
+        return []
+    if math.comb(k - 1, num_stages - 1) > MAX_ENUMERATED:
+        found = optimal_partition(units, num_stages, micro_batches=micro_batches,
+                                  capacity=capacity)
+        return [found] if found else []
+    ranked = []
+    for cuts in itertools.combinations(range(1, k), num_stages - 1):
+        p = _partition(units, (0, *cuts, k), micro_batches)
+        if capacity is None or max(p.memory) <= capacity:
+            ranked.append(p)
+    ranked.sort(key=lambda p: (p.bottleneck_ms, max(p.memory), p.bounds))
+    return ranked[:keep]
+
+
+def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices: int,
+              micro_batches: int, capacity: int | None, factory: str, data: str, loss: str,
+              path: str | None, time_unit_ms: float, shape: str) -> str:
+    """A plan for `partition`: one block per stage (stage s on device s mod devices) with the
+    measured times in units of `time_unit_ms` and activation memory in bytes, and a model:
+    section naming each stage's submodules."""
+    about = (f"Written by pyplan partition from {factory}: {len(units)} units in "
+             f"{partition.num_stages} stages ({shape}); times measured on this machine, one "
+             f"time unit = {time_unit_ms:.4g} ms; block memory: the activations of one "
+             "micro-batch; memory: what a device has left after the weights, gradients and "
+             "optimizer state of its stages (the heaviest device's).")
+    lines = ["pyplan: 1", f"name: {name}", "description: >"]
+    lines += ["  " + line for line in textwrap.wrap(about, 94)]
+    lines.append(f"devices: {devices}")
+    if capacity is not None:
+        lines.append(f"memory: {capacity}B")
+    lines += [f"micro_batches: {micro_batches}",
+              "training:", "  backward: {time_ratio: 1}", "blocks:"]
+    for s in range(partition.num_stages):
+        part = [units[i] for i in partition.stage(s)]
+        forward = max(1, round(sum(u.forward_ms for u in part) / time_unit_ms))
+        backward = max(1, round(sum(u.backward_ms for u in part) / time_unit_ms))
+        activations = sum(u.activation_bytes for u in part)
+        lines.append(f"  - {{name: stage{s}, devices: [{s % devices}], time: {forward}, "
+                     f"memory: {activations}B, backward: {{time: {backward}}}}}")
+    lines += ["model:", f"  module: {factory}", "  stages:"]
+    for s in range(partition.num_stages):
+        names = ", ".join(json.dumps(units[i].name) for i in partition.stage(s))
+        lines.append(f"    stage{s}: [{names}]")
+    lines += [f"  data: {data}", f"  loss: {loss}"]
+    if path is not None:
+        lines.append(f"  path: {json.dumps(path)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,97 @@
+"""`pyplan partition`: the dynamic programme against brute force, memory capacity respected,
+and a model partitioned, solved and run (V-shape and interleaved) matching single-process
+training."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyplan.partition import UnitCost, best_partitions, optimal_partition, stage_memory
+
+MODELS = Path(__file__).resolve().parent / "models"
+PYPLAN = str(Path(sys.executable).with_name("pyplan"))
+
+
+def _units(rng: random.Random, k: int) -> list[UnitCost]:
+    return [UnitCost(f"u{i}", rng.uniform(0.1, 3), rng.uniform(0.1, 6), rng.randint(0, 50),
+                     rng.randint(0, 200)) for i in range(k)]
+
+
+def _brute(units, stages, n, capacity):
+    best = None
+    k = len(units)
+    for cuts in itertools.combinations(range(1, k), stages - 1):
+        bounds = (0, *cuts, k)
+        if capacity is not None and any(
+                stage_memory(units, bounds[s], bounds[s + 1], s, stages, n) > capacity
+                for s in range(stages)):
+            continue
+        value = max(sum(u.forward_ms + u.backward_ms for u in units[bounds[s]:bounds[s + 1]])
+                    for s in range(stages))
+        best = value if best is None else min(best, value)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dynamic_programme_equals_brute_force(seed):
+    rng = random.Random(seed)
+    units = _units(rng, rng.randint(1, 9))
+    stages = rng.randint(1, len(units))
+    n = rng.randint(1, 8)
+    capacity = rng.choice([None, 150, 300, 600])
+    found = optimal_partition(units, stages, micro_batches=n, capacity=capacity)
+    brute = _brute(units, stages, n, capacity)
+    if brute is None:
+        assert found is None and best_partitions(units, stages, micro_batches=n,
+                                                 capacity=capacity) == []
+        return
+    assert found is not None and found.bottleneck_ms == pytest.approx(brute)
+    assert capacity is None or max(found.memory) <= capacity
+    ranked = best_partitions(units, stages, micro_batches=n, capacity=capacity)
+    assert ranked[0].bottleneck_ms == pytest.approx(brute)
+    assert all(capacity is None or max(p.memory) <= capacity for p in ranked)
+
+
+def test_a_tight_capacity_forces_an_uneven_split():
+    # Four equal units (10 bytes of activations, 5 of weights each); stage 0 holds 2
+    # micro-batches' activations, stage 1 one. With room for 45 bytes the even split does not
+    # fit stage 0 (10 + 2 x 20 = 50), one unit there does (25), three on stage 1 too (45).
+    units = [UnitCost(f"u{i}", 1.0, 1.0, 10, 5) for i in range(4)]
+    even = optimal_partition(units, 2, micro_batches=4, capacity=None)
+    assert even.bounds == (0, 2, 4) and even.bottleneck_ms == 4.0
+    tight = optimal_partition(units, 2, micro_batches=4, capacity=45)
+    assert tight.bounds == (0, 1, 4) and tight.bottleneck_ms == 6.0
+    assert tight.memory == (25, 45)
+    assert optimal_partition(units, 2, micro_batches=4, capacity=10) is None
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("shape", ["vshape", "interleaved"])
+def test_a_model_partitioned_solved_and_run_matches_single_process_training(shape, tmp_path):
+    shutil.copy(MODELS / "unequal.py", tmp_path / "unequal.py")
+    (tmp_path / "plans").mkdir()
+    extra = ["--shape", "interleaved", "--chunks", "2"] if shape == "interleaved" else []
+    run = lambda *args: subprocess.run([PYPLAN, *args], capture_output=True, text=True,  # noqa
+                                       cwd=tmp_path, timeout=300)
+    made = run("partition", "unequal:model", "--data", "unequal:batch", "--loss",
+               "unequal:loss", "--devices", "4", "--memory", "2MiB", "--repeats", "2",
+               "-o", "plans/unequal.yaml", *extra)
+    assert made.returncode == 0, made.stderr
+    plan = (tmp_path / "plans" / "unequal.yaml").read_text()
+    assert "module: unequal:model" in plan and 'path: ".."' in plan
+    assert plan.count("{name: stage") == (8 if shape == "interleaved" else 4)
+    solved = run("solve", "plans/unequal.yaml", "--quiet")
+    assert solved.returncode == 0, solved.stderr
+    result = run("run", "plans/unequal.resolved.yaml", "--nproc-per-node", "4", "--check",
+                 "--iterations", "2", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["check"]["ok"], report
