@@ -95,3 +95,40 @@ def test_a_model_partitioned_solved_and_run_matches_single_process_training(shap
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["check"]["ok"], report
+
+
+def _partitioned(tmp_path, bounds, devices):
+    from pyplan.partition import Partition, plan_text
+
+    names = ["embed"] + [f"layers.{i}" for i in range(6)] + ["norm", "head"]
+    units = [UnitCost(n, 1.0, 2.0, 100, 10) for n in names]
+    p = Partition(bounds, 0.0, ())
+    path = tmp_path / "p.yaml"
+    path.write_text(plan_text(units, p, name="p", devices=devices, micro_batches=8,
+                              capacity=None, factory="m:model", data="m:batch", loss="m:loss",
+                              path=None, time_unit_ms=1.0, shape="test"))
+    return path
+
+
+def test_megatron_layout_and_torchtitan_split_points(cli, tmp_path):
+    plan = _partitioned(tmp_path, (0, 2, 4, 6, 9), 4)
+    code, out, err = cli("export", plan, "--format", "megatron-layout", "-o", "-")
+    assert (code, err) == (0, "") and out == "E,t|t*2|t*2|t,L\n"
+    code, out, _ = cli("export", plan, "--format", "torchtitan", "-o", "-")
+    assert code == 0
+    assert 'pipeline_parallel_split_points = ["layers.1", "layers.3", "layers.5"]' in out
+    assert "pipeline_parallel_degree = 4" in out and '"1F1B"' in out
+    # Interleaved, 2 chunks on 2 ranks: chunk 0 of every rank first, as Megatron lists them.
+    plan = _partitioned(tmp_path, (0, 3, 5, 7, 9), 2)
+    assert cli("export", plan, "--format", "megatron-layout", "-o", "-")[1] == \
+        "E,t*2|t*2|t*2|L\n"
+    assert '"Interleaved1F1B"' in cli("export", plan, "--format", "torchtitan", "-o", "-")[1]
+
+
+def test_layout_exports_need_a_module_cut_into_stages(cli):
+    from conftest import PLANS
+
+    code, out, err = cli("export", PLANS / "gpt-mshape.resolved.yaml", "--format",
+                         "megatron-layout", "-o", "-")
+    assert (code, out) == (2, "")
+    assert "needs a model given as one module cut into submodules" in err

@@ -12,6 +12,7 @@ from pyplan.errors import PlanError, did_you_mean
 from pyplan.export.chrome import schedule_trace
 from pyplan.export.svg import render_svg
 from pyplan.export.torch_csv import render_torch_csv, torch_stages
+from pyplan.export.trainers import megatron_layout, torchtitan_config
 from pyplan.fileio import write_atomic
 from pyplan.schedule import Schedule
 from pyplan.spec.units import count
@@ -24,14 +25,18 @@ def _chrome(schedule: Schedule) -> str:
 
 
 FORMATS = {"svg": render_svg, "chrome": _chrome, "torch-csv": render_torch_csv}
+# Formats of the plan's stages alone (no schedule needed).
+LAYOUTS = {"megatron-layout": megatron_layout, "torchtitan": torchtitan_config}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", metavar="RESOLVED",
                         help="resolved plan (a plan is solved in memory first)")
     parser.add_argument("--format", required=True, metavar="FORMAT",
-                        help="svg (timeline picture), chrome (Chrome/Perfetto trace JSON) or "
-                             "torch-csv (torch.distributed.pipelining schedule)")
+                        help="svg (timeline picture), chrome (Chrome/Perfetto trace JSON), "
+                             "torch-csv (torch.distributed.pipelining schedule), "
+                             "megatron-layout (Megatron-LM's pipeline layout string) or "
+                             "torchtitan (its [parallelism] settings)")
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
                         help="file to write, '-' for standard output")
     parser.add_argument("--template", metavar="NAME",
@@ -41,11 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     render = FORMATS.get(args.format)
-    if render is None:
+    if render is None and args.format not in LAYOUTS:
+        names = [*FORMATS, *LAYOUTS]
         raise PlanError(f"unknown export format '{args.format}'",
-                        hint=did_you_mean(args.format, FORMATS)
-                        or f"choose {', '.join(FORMATS)}")
+                        hint=did_you_mean(args.format, names) or f"choose {', '.join(names)}")
     problem, resolved = load_plan(args.plan)
+    if args.format in LAYOUTS:
+        text = LAYOUTS[args.format](problem)
+        if args.output == "-":
+            sys.stdout.write(text)
+        else:
+            write_atomic(args.output, text)
+            print(f"wrote {args.output}: {args.format}, {problem.name}")
+        return 0
     if args.format == "torch-csv":
         torch_stages(problem)  # fail before solving when torch cannot run this placement
     schedule = pick_schedule(problem, resolved, args.template)
