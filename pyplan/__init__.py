@@ -6,8 +6,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 # The Python API (pyplan/api.py), imported on first use so that `import pyplan` stays cheap.
-_API = ("Baseline", "Plan", "ResolvedPlan", "Solution", "load_plan", "load_resolved", "solve",
-        "templates", "with_overrides")
+_API = ("Baseline", "PartitionPlan", "Plan", "ResolvedPlan", "Solution", "load_plan",
+        "load_resolved", "partition_plans", "solve", "templates", "with_overrides")
 _ERRORS = ("InfeasibleError", "PlanError", "PyplanError")
 __all__ = ["__version__", *_API, *_ERRORS]
 

@@ -16,18 +16,21 @@ import dataclasses
 import os
 from pathlib import Path
 
-from pyplan.errors import PlanError
+from pyplan.errors import InfeasibleError, PlanError
+from pyplan.partition import Partition, UnitCost, best_partitions, plan_text
 from pyplan.problem import Problem, build_problem, load_problem
 from pyplan.resolved import ResolvedPlan, write_resolved
 from pyplan.resolved import load_resolved as _load_resolved
 from pyplan.solver import Solution as _Solved
 from pyplan.solver import solve as _solve
 from pyplan.solver.templates import Baseline, baselines
-from pyplan.spec import parse_memory, spec_from_text
+from pyplan.spec import format_memory, parse_memory, spec_from_text
 from pyplan.spec.plan import MAX_MICRO_BATCHES
 
-__all__ = ["Baseline", "Plan", "ResolvedPlan", "Solution", "load_plan", "load_resolved",
-           "solve", "templates", "with_overrides"]
+__all__ = ["Baseline", "PartitionPlan", "Plan", "ResolvedPlan", "Solution", "load_plan",
+           "load_resolved", "partition_plans", "solve", "templates", "with_overrides"]
+
+UNITS_PER_STAGE = 100  # a partition plan's time unit: its slowest stage spans about this many
 
 Plan = Problem
 """A validated plan: blocks of one micro-batch with shapes expanded and backward blocks
@@ -149,3 +152,46 @@ def templates(plan: Plan | str | os.PathLike) -> dict[str, Baseline]:
     """Every hand-written schedule on the plan's placement, evaluated: makespan, bubble rate,
     peak memory and whether it fits, or why it does not apply."""
     return baselines(_plan(plan))
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionPlan:
+    """A candidate partition, its plan text and its solved schedule."""
+
+    partition: Partition
+    text: str
+    solution: Solution
+    makespan_ms: float
+
+
+def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: str,
+                    data: str, loss: str, micro_batches: int, chunks: int = 1,
+                    memory: int | None = None, path: str | None = None, keep: int = 3,
+                    time_limit: float = 10.0, source: str = "<partition>"
+                    ) -> list[PartitionPlan]:
+    """Plans for the best `keep` partitions of measured units into devices x chunks stages
+    (stage s on device s mod devices; chunks > 1: interleaved), each solved, shortest makespan
+    first. `memory` is bytes per device; InfeasibleError when no partition fits it."""
+    stages = devices * chunks
+    share = None if memory is None else memory // chunks  # interleaved: a share per stage
+    candidates = best_partitions(units, stages, micro_batches=micro_batches, capacity=share,
+                                 keep=keep)
+    if not candidates:
+        raise InfeasibleError(f"no partition of {len(units)} units into {stages} stages fits "
+                              f"{format_memory(memory, True)} per device",
+                              hint="give more memory or devices, or fewer micro-batches")
+    unit_ms = max(c.bottleneck_ms for c in candidates) / UNITS_PER_STAGE
+    shape = "vshape" if chunks == 1 else f"interleaved, {chunks} chunks"
+    out = []
+    for p in candidates:
+        weights = [0] * devices
+        for s in range(p.num_stages):
+            weights[s % devices] += sum(units[i].weight_bytes for i in p.stage(s))
+        # The plan's capacity: what the heaviest device has left for activations.
+        capacity = None if memory is None else max(1, memory - max(weights))
+        text = plan_text(units, p, name=name, devices=devices, micro_batches=micro_batches,
+                         capacity=capacity, factory=factory, data=data, loss=loss, path=path,
+                         time_unit_ms=unit_ms, shape=shape)
+        solved = solve(build_problem(spec_from_text(text, source)), time_limit=time_limit)
+        out.append(PartitionPlan(p, text, solved, solved.schedule.makespan * unit_ms))
+    return sorted(out, key=lambda c: c.makespan_ms)

@@ -11,19 +11,17 @@ import os
 import sys
 from pathlib import Path
 
+from pyplan.api import partition_plans
 from pyplan.cli._torch import require_torch
-from pyplan.errors import InfeasibleError, PlanError
+from pyplan.errors import PlanError
 from pyplan.fileio import write_atomic
-from pyplan.partition import OPTIMIZER_STATE, UnitCost, best_partitions, plan_text
-from pyplan.problem import build_problem
-from pyplan.solver import solve
-from pyplan.spec import parse_memory, spec_from_text
+from pyplan.partition import OPTIMIZER_STATE, UnitCost
+from pyplan.spec import parse_memory
 from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES
 
 __all__ = ["add_arguments", "run"]
 
 SOLVE_SECONDS = 10.0  # per candidate partition
-UNITS_PER_STAGE = 100  # the slowest stage spans about this many time units
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,33 +118,24 @@ def run(args: argparse.Namespace) -> int:
     inputs, targets = make_batch(Model(None, data, loss), 0, args.seed, torch.device("cpu"))
     inputs, targets = split_batch(inputs, n)[0], split_batch(targets, n)[0]
     units = _profile(profile_units, model, inputs, targets, loss, args)
-    chunks = args.chunks if args.shape == "interleaved" else 1
-    # Interleaved: a device's memory is shared by its stages, a share each.
-    share = None if memory is None else memory // chunks
-    candidates = best_partitions(units, stages, micro_batches=n, capacity=share)
-    if not candidates:
-        raise InfeasibleError(f"no partition of {len(units)} units into {stages} stages fits "
-                              f"{args.memory} per device", hint="raise --memory, use more "
-                              "devices or fewer micro-batches")
     out = Path(args.output)
     root = _package_root(factory_module)
     path = None if root is None else os.path.relpath(root, out.resolve().parent)
-    unit_ms = max(c.bottleneck_ms for c in candidates) / UNITS_PER_STAGE
-    best = None
+    chunks = args.chunks if args.shape == "interleaved" else 1
+    plans = partition_plans(units, devices=args.devices, chunks=chunks,
+                            name=out.name.split(".")[0], factory=args.factory, data=args.data,
+                            loss=args.loss,
+                            micro_batches=n, memory=memory, path=path, time_limit=SOLVE_SECONDS,
+                            source=str(out))
     print(f"{args.factory}: {len(units)} units, {stages} stages ({args.shape}), "
           f"{n} micro-batches; the best partitions by bottleneck, solved:")
-    for p in candidates:
-        text = _plan(units, p, args, n, memory, chunks, path, unit_ms, out)
-        solution = solve(build_problem(spec_from_text(text, str(out))).with_overrides(
-            time_limit=SOLVE_SECONDS))
-        makespan_ms = solution.schedule.makespan * unit_ms
+    for plan in sorted(plans, key=lambda c: c.partition.bottleneck_ms):
+        p = plan.partition
         cut = " | ".join(f"{units[p.bounds[s]].name}..{units[p.bounds[s + 1] - 1].name}"
                          for s in range(p.num_stages))
-        print(f"  bottleneck {p.bottleneck_ms:8.2f} ms  makespan {makespan_ms:9.2f} ms "
-              f"({solution.status})  {cut}")
-        if best is None or solution.schedule.makespan < best[0]:
-            best = (solution.schedule.makespan, text)
-    write_atomic(out, best[1])
+        print(f"  bottleneck {p.bottleneck_ms:8.2f} ms  makespan {plan.makespan_ms:9.2f} ms "
+              f"({plan.solution.status})  {cut}")
+    write_atomic(out, plans[0].text)
     print(f"wrote {out}: the partition with the shortest makespan; next: pyplan solve {out}")
     return 0
 
@@ -164,17 +153,3 @@ def _profile(profile_units, model, inputs, targets, loss, args) -> list[UnitCost
                              repeats=args.repeats,
                              progress=lambda done, total: bar.update(task, completed=done,
                                                                      total=total))
-
-
-def _plan(units: list[UnitCost], p, args, n: int, memory: int | None, chunks: int,
-          path: str | None, unit_ms: float, out: Path) -> str:
-    """The plan text of partition p: the capacity it states is what the heaviest device has
-    left for activations after its stages' weights."""
-    devices = args.devices
-    weights = [0] * devices
-    for s in range(p.num_stages):
-        weights[s % devices] += sum(units[i].weight_bytes for i in p.stage(s))
-    capacity = None if memory is None else max(1, memory - max(weights))
-    return plan_text(units, p, name=out.name.split(".")[0], devices=devices, micro_batches=n,
-                     capacity=capacity, factory=args.factory, data=args.data, loss=args.loss,
-                     path=path, time_unit_ms=unit_ms, shape=args.shape)

@@ -1,0 +1,223 @@
+"""`pyplan partition` measured side by side, on the test model with unequal units
+(tests/models/unequal.py: heavy embedding and head, layers of two widths) and on a 24-layer GPT
+(pyplan.examples.gpt_chain), 4 stages, 8 micro-batches:
+
+  1. the partition `pyplan partition` picks vs an even split of the layers (Megatron-LM's
+     default: layers evenly over the stages, the embedding on the first, the head on the last),
+     both solved by pyplan: predicted makespan (from the measured unit costs) and measured
+     iteration time on 4 CPU gloo ranks;
+  2. pyplan's run of its partition vs the best of torch.distributed.pipelining's Schedule1F1B
+     and ScheduleGPipe on the same split (measured).
+
+    python benchmarks/partition.py [--rounds 5] [--iterations 6]
+
+Each round runs every case in the same processes; a ratio is taken within a round and printed
+as its median with the minimum and maximum over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests" / "models"))
+
+MODELS = {  # name -> (module with model/batch/loss, its folder for the plans' model.path)
+    "unequal": ("unequal", ROOT / "tests" / "models"),
+    "gpt24": ("pyplan.examples.gpt_chain", None),
+}
+DEVICES, MICRO_BATCHES = 4, 8
+
+
+def _even(units, stages: int):
+    """Megatron's default split: the layers evenly, the embedding first, the head last."""
+    from pyplan.partition import Partition
+
+    layers = len(units) - 2
+    bounds = [0] + [1 + layers * s // stages for s in range(1, stages)] + [len(units)]
+    return Partition(tuple(bounds), 0.0, ())
+
+
+def prepare(directory: Path) -> dict:
+    """Profile each model, write pyplan's partition and the even split as solved plans; returns
+    the predicted makespans and each plan's stages."""
+    import torch
+
+    from pyplan.api import partition_plans
+    from pyplan.partition import plan_text
+    from pyplan.problem import build_problem
+    from pyplan.resolved import write_resolved
+    from pyplan.runtime.binding import Model, make_batch, seed_everything, split_batch
+    from pyplan.runtime.profile import profile_units
+    from pyplan.solver import solve
+    from pyplan.spec import spec_from_text
+
+    info = {}
+    for name, (module_name, folder) in MODELS.items():
+        module = __import__(module_name, fromlist=["model"])
+        seed_everything(0, "module")
+        model = module.model()
+        inputs, targets = make_batch(Model(None, module.batch, module.loss), 0, 0,
+                                     torch.device("cpu"))
+        inputs = split_batch(inputs, MICRO_BATCHES)[0]
+        targets = split_batch(targets, MICRO_BATCHES)[0]
+        units = profile_units(model, inputs, targets, module.loss)
+        path = None if folder is None else os.path.relpath(folder, directory)
+        kwargs = dict(factory=f"{module_name}:model", data=f"{module_name}:batch",
+                      loss=f"{module_name}:loss", path=path)
+        best = partition_plans(units, devices=DEVICES, name=f"{name}-pyplan",
+                               micro_batches=MICRO_BATCHES, **kwargs)[0]
+        unit_ms = best.makespan_ms / best.solution.schedule.makespan
+        even_text = plan_text(units, _even(units, DEVICES), name=f"{name}-even",
+                              devices=DEVICES, micro_batches=MICRO_BATCHES, capacity=None,
+                              time_unit_ms=unit_ms, shape="vshape, even layers", **kwargs)
+        even = solve(build_problem(spec_from_text(even_text)))
+        for label, text, solution in (("pyplan", best.text, best.solution),
+                                      ("even", even_text, even)):
+            plan = directory / f"{name}-{label}.yaml"
+            plan.write_text(text)
+            write_resolved(solve(build_problem(spec_from_text(text, str(plan)))),
+                           directory / f"{name}-{label}.resolved.yaml")
+        stages = [[units[i].name for i in best.partition.stage(s)] for s in range(DEVICES)]
+        info[name] = {"predicted_pyplan": best.makespan_ms,
+                      "predicted_even": even.schedule.makespan * unit_ms,
+                      "module": module_name, "stages": stages}
+    (directory / "info.json").write_text(json.dumps(info))
+    return info
+
+
+# ---------------------------------------------------------------- workers (under torchrun)
+
+class TorchSplitCase:
+    """A torch.distributed.pipelining schedule over stages cut from one seeded model."""
+
+    def __init__(self, label: str, schedule: str, module_name: str, stages: list[list[str]]):
+        import torch
+        import torch.distributed as dist
+        from torch.distributed import pipelining
+
+        from pyplan.runtime.binding import Model, seed_everything, submodules
+
+        self.name, self.dist, self.torch = label, dist, torch
+        module = __import__(module_name, fromlist=["model"])
+        self.model = Model(None, module.batch, module.loss)
+        seed_everything(0, "module")
+        names = [f"stage{s}" for s in range(len(stages))]
+        parts = submodules(module.model(), dict(zip(names, map(tuple, stages))), names)
+        modules = [parts[n] for n in names]
+        rank = dist.get_rank()
+        x = module.batch(0)[0][: module.BATCH // MICRO_BATCHES]
+        examples = []
+        for m in modules:
+            y = m(x)
+            examples.append((x, y.detach().requires_grad_(True)))
+            x = examples[-1][1]
+        stage = pipelining.PipelineStage(modules[rank], rank, len(modules), torch.device("cpu"),
+                                         input_args=examples[rank][0],
+                                         output_args=examples[rank][1])
+        self.optimizer = torch.optim.SGD(modules[rank].parameters(), lr=0.01)
+        self.schedule = getattr(pipelining, schedule)(stage, n_microbatches=MICRO_BATCHES,
+                                                      loss_fn=module.loss)
+        self.first, self.last = rank == 0, rank == len(modules) - 1
+
+    def run(self) -> list[float]:
+        from pyplan.runtime.binding import make_batch
+
+        seconds = []
+        for step in range(ITERATIONS):
+            inputs, targets = make_batch(self.model, step, 0, self.torch.device("cpu"))
+            self.optimizer.zero_grad(set_to_none=True)
+            self.dist.barrier()
+            started = time.perf_counter()
+            kwargs = {"target": targets, "losses": []} if self.last else {}
+            self.schedule.step(*([inputs] if self.first else []), **kwargs)
+            self.optimizer.step()
+            mine = self.torch.tensor([time.perf_counter() - started])
+            self.dist.all_reduce(mine, op=self.dist.ReduceOp.MAX)
+            seconds.append(float(mine))
+        return seconds
+
+
+def worker(directory: Path, rounds: int) -> None:
+    import pyplan.runtime  # noqa: F401 - quiet torch import
+    import torch.distributed as dist
+    from runtime import PyplanCase
+
+    dist.init_process_group("gloo")
+    info = json.loads((directory / "info.json").read_text())
+    cases = []
+    for name, item in info.items():
+        for label in ("pyplan", "even"):
+            cases.append(PyplanCase(f"{name}: pyplan run, {label} split",
+                                    directory / f"{name}-{label}.resolved.yaml", blocking=False))
+        for schedule in ("Schedule1F1B", "ScheduleGPipe"):
+            cases.append(TorchSplitCase(f"{name}: torch {schedule}, pyplan split", schedule,
+                                        item["module"], item["stages"]))
+    rounds_of: dict[str, list[float]] = {case.name: [] for case in cases}
+    for _ in range(rounds):
+        for case in cases:
+            rounds_of[case.name].append(statistics.median(case.run()[1:]))
+    if dist.get_rank() == 0:
+        report(info, rounds_of)
+    dist.destroy_process_group()
+
+
+def report(info: dict, rounds_of: dict[str, list[float]]) -> None:
+    count = len(next(iter(rounds_of.values())))
+    print(f"median iteration time, {ITERATIONS - 1} iterations x {count} rounds "
+          f"(4 gloo ranks, {os.cpu_count()} CPU cores):")
+    for name, seconds in rounds_of.items():
+        print(f"  {name:42} {statistics.median(seconds) * 1e3:8.1f} ms")
+
+    def ratio(label: str, slow: str, fast: str) -> None:
+        values = sorted(a / b for a, b in zip(rounds_of[slow], rounds_of[fast]))
+        print(f"  {label:58} {statistics.median(values):.2f}x  (min {values[0]:.2f}, max "
+              f"{values[-1]:.2f})")
+
+    print("ratios (> 1: the first named is faster):")
+    for name, item in info.items():
+        print(f"  {name + ': pyplan partition vs even split, predicted':58} "
+              f"{item['predicted_even'] / item['predicted_pyplan']:.2f}x  "
+              f"({item['predicted_even']:.2f} vs {item['predicted_pyplan']:.2f} ms)")
+        ratio(f"{name}: pyplan partition vs even split, measured",
+              f"{name}: pyplan run, even split", f"{name}: pyplan run, pyplan split")
+        best = min((f"{name}: torch {s}, pyplan split" for s in ("Schedule1F1B",
+                                                                 "ScheduleGPipe")),
+                   key=lambda k: statistics.median(rounds_of[k]))
+        ratio(f"{name}: pyplan vs best torch ({best.split()[2].rstrip(',')}), same split", best,
+              f"{name}: pyplan run, pyplan split")
+        print(f"  {name}: pyplan's stages: " + " | ".join(",".join(s) for s in item["stages"]))
+
+
+ITERATIONS = int(os.environ.get("PYPLAN_BENCH_ITERATIONS", "6"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iterations", type=int, default=6,
+                        help="iterations per case and round (the first is a warm-up)")
+    parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(Path(args.worker), args.rounds)
+        return 0
+    with tempfile.TemporaryDirectory() as directory:
+        prepare(Path(directory))
+        env = dict(os.environ, PYPLAN_BENCH_ITERATIONS=str(args.iterations))
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node", "4", __file__, "--worker", directory,
+                               "--rounds", str(args.rounds)], env=env).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
