@@ -17,19 +17,17 @@ as its median with the minimum and maximum over the rounds.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "models"))
+
+from runtime import TorchScheduleCase  # noqa: E402 - the benchmarks folder is on sys.path now
 
 MODELS = {  # name -> (module with model/batch/loss, its folder for the plans' model.path)
     "unequal": ("unequal", ROOT / "tests" / "models"),
@@ -39,11 +37,12 @@ DEVICES, MICRO_BATCHES = 4, 8
 
 
 def _even(units, stages: int):
-    """Megatron's default split: the layers evenly, the embedding first, the head last."""
+    """Megatron's default split: the layers evenly, the embedding first, the head last (one of
+    the even splits pyplan partition also solves)."""
     from pyplan.partition import Partition
 
     layers = len(units) - 2
-    bounds = [0] + [1 + layers * s // stages for s in range(1, stages)] + [len(units)]
+    bounds = [0] + [1 + round(layers * s / stages) for s in range(1, stages)] + [len(units)]
     return Partition(tuple(bounds), 0.0, ())
 
 
@@ -97,7 +96,7 @@ def prepare(directory: Path) -> dict:
 
 # ---------------------------------------------------------------- workers (under torchrun)
 
-class TorchSplitCase:
+class TorchSplitCase(TorchScheduleCase):
     """A torch.distributed.pipelining schedule over stages cut from one seeded model."""
 
     def __init__(self, label: str, schedule: str, module_name: str, stages: list[list[str]]):
@@ -107,7 +106,7 @@ class TorchSplitCase:
 
         from pyplan.runtime.binding import Model, seed_everything, submodules
 
-        self.name, self.dist, self.torch = label, dist, torch
+        self.name = label
         module = __import__(module_name, fromlist=["model"])
         self.model = Model(None, module.batch, module.loss)
         seed_everything(0, "module")
@@ -129,22 +128,6 @@ class TorchSplitCase:
                                                       loss_fn=module.loss)
         self.first, self.last = rank == 0, rank == len(modules) - 1
 
-    def run(self) -> list[float]:
-        from pyplan.runtime.binding import make_batch
-
-        seconds = []
-        for step in range(ITERATIONS):
-            inputs, targets = make_batch(self.model, step, 0, self.torch.device("cpu"))
-            self.optimizer.zero_grad(set_to_none=True)
-            self.dist.barrier()
-            started = time.perf_counter()
-            kwargs = {"target": targets, "losses": []} if self.last else {}
-            self.schedule.step(*([inputs] if self.first else []), **kwargs)
-            self.optimizer.step()
-            mine = self.torch.tensor([time.perf_counter() - started])
-            self.dist.all_reduce(mine, op=self.dist.ReduceOp.MAX)
-            seconds.append(float(mine))
-        return seconds
 
 
 def worker(directory: Path, rounds: int) -> None:
@@ -202,21 +185,9 @@ ITERATIONS = int(os.environ.get("PYPLAN_BENCH_ITERATIONS", "6"))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--iterations", type=int, default=6,
-                        help="iterations per case and round (the first is a warm-up)")
-    parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(Path(args.worker), args.rounds)
-        return 0
-    with tempfile.TemporaryDirectory() as directory:
-        prepare(Path(directory))
-        env = dict(os.environ, PYPLAN_BENCH_ITERATIONS=str(args.iterations))
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc-per-node", "4", __file__, "--worker", directory,
-                               "--rounds", str(args.rounds)], env=env).returncode
+    from runtime import launch
+
+    return launch(__file__, __doc__.splitlines()[0], prepare, worker)
 
 
 if __name__ == "__main__":

@@ -95,7 +95,39 @@ class PyplanCase:
         return self.session.train().seconds
 
 
-class TorchCase:
+class TorchScheduleCase:
+    """Times a torch.distributed.pipelining schedule: subclasses set name, model, schedule,
+    optimizer, first and last (whether this rank feeds the inputs / computes the loss), and
+    `replica` with data parallelism (this rank trains on that slice of the global batch)."""
+
+    replica: tuple[int, int] | None = None  # (this replica, replicas)
+
+    def run(self) -> list[float]:
+        import torch
+        import torch.distributed as dist
+
+        from pyplan.runtime.binding import make_batch, split_batch
+
+        seconds = []
+        for step in range(ITERATIONS):
+            inputs, targets = make_batch(self.model, step, 0, torch.device("cpu"))
+            if self.replica is not None:
+                index, replicas = self.replica
+                inputs = split_batch(inputs, replicas)[index]
+                targets = split_batch(targets, replicas)[index]
+            self.optimizer.zero_grad(set_to_none=True)
+            dist.barrier()
+            started = time.perf_counter()
+            kwargs = {"target": targets, "losses": []} if self.last else {}
+            self.schedule.step(*([inputs] if self.first else []), **kwargs)
+            self.optimizer.step()
+            mine = torch.tensor([time.perf_counter() - started])
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+            seconds.append(float(mine))
+        return seconds
+
+
+class TorchCase(TorchScheduleCase):
     """The same modules under a torch.distributed.pipelining schedule."""
 
     def __init__(self, name: str, schedule: str, example: str, stages: list[list[str]]):
@@ -105,7 +137,7 @@ class TorchCase:
 
         from pyplan.runtime.binding import Model, seed_everything
 
-        self.name, self.dist, self.torch = name, dist, torch
+        self.name = name
         module = __import__(f"pyplan.examples.{example}", fromlist=["batch"])
         build = module.build_interleaved if len(stages) == 8 else module.build
         self.model = Model(build, module.batch, module.loss)
@@ -138,25 +170,9 @@ class TorchCase:
                             n_microbatches=8, loss_fn=module.loss)
         self.first, self.last = 0 in mine, len(stages) - 1 in mine
 
-    def run(self) -> list[float]:
-        from pyplan.runtime.binding import make_batch
-
-        seconds = []
-        for step in range(ITERATIONS):
-            inputs, targets = make_batch(self.model, step, 0, self.torch.device("cpu"))
-            self.optimizer.zero_grad(set_to_none=True)
-            self.dist.barrier()
-            started = time.perf_counter()
-            kwargs = {"target": targets, "losses": []} if self.last else {}
-            self.schedule.step(*([inputs] if self.first else []), **kwargs)
-            self.optimizer.step()
-            mine = self.torch.tensor([time.perf_counter() - started])
-            self.dist.all_reduce(mine, op=self.dist.ReduceOp.MAX)
-            seconds.append(float(mine))
-        return seconds
 
 
-class TorchDDPCase:
+class TorchDDPCase(TorchScheduleCase):
     """Two replicas of the two-stage transformer under torch's Schedule1F1B, each stage wrapped
     in DistributedDataParallel (gradients synchronised in the last micro-batch's backward),
     on a (dp 2, pp 2) device mesh: rank = replica x 2 + stage, as in pyplan."""
@@ -171,10 +187,11 @@ class TorchDDPCase:
         import pyplan.examples.transformer as module
         from pyplan.runtime.binding import Model, seed_everything
 
-        self.name, self.dist, self.torch = name, dist, torch
+        self.name = name
         self.model = Model(module.build_two, module.batch, module.loss)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-        self.replica, stage = divmod(dist.get_rank(), 2)
+        replica, stage = divmod(dist.get_rank(), 2)
+        self.replica = (replica, 2)
         stages = []
         for s in range(2):
             seed_everything(0, "block", f"stage{s}")
@@ -192,24 +209,6 @@ class TorchDDPCase:
                                                 loss_fn=module.loss)
         self.first, self.last = stage == 0, stage == 1
 
-    def run(self) -> list[float]:
-        from pyplan.runtime.binding import make_batch, split_batch
-
-        seconds = []
-        for step in range(ITERATIONS):
-            inputs, targets = make_batch(self.model, step, 0, self.torch.device("cpu"))
-            inputs = split_batch(inputs, 2)[self.replica]
-            targets = split_batch(targets, 2)[self.replica]
-            self.optimizer.zero_grad(set_to_none=True)
-            self.dist.barrier()
-            started = time.perf_counter()
-            kwargs = {"target": targets, "losses": []} if self.last else {}
-            self.schedule.step(*([inputs] if self.first else []), **kwargs)
-            self.optimizer.step()
-            mine = self.torch.tensor([time.perf_counter() - started])
-            self.dist.all_reduce(mine, op=self.dist.ReduceOp.MAX)
-            seconds.append(float(mine))
-        return seconds
 
 
 def worker(directory: Path, rounds: int) -> None:
@@ -295,8 +294,10 @@ ITERATIONS = int(os.environ.get("PYPLAN_BENCH_ITERATIONS", "6"))
 WARMUP = 1
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def launch(script: str, description: str, prepare, worker) -> int:
+    """The command line of a benchmark that prepares plans here, then runs `worker` under
+    torchrun on 4 ranks (this script again, with --worker)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=6,
                         help="iterations per case and round (the first is a warm-up)")
@@ -309,8 +310,12 @@ def main() -> int:
         prepare(Path(directory))
         env = dict(os.environ, PYPLAN_BENCH_ITERATIONS=str(args.iterations))
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc-per-node", "4", __file__, "--worker", directory,
+                               "--nproc-per-node", "4", script, "--worker", directory,
                                "--rounds", str(args.rounds)], env=env).returncode
+
+
+def main() -> int:
+    return launch(__file__, __doc__.splitlines()[0], prepare, worker)
 
 
 if __name__ == "__main__":

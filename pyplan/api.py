@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 
 from pyplan.errors import InfeasibleError, PlanError
-from pyplan.partition import Partition, UnitCost, best_partitions, plan_text
+from pyplan.partition import (Partition, UnitCost, best_partitions, even_partitions,
+                              plan_text)
 from pyplan.problem import Problem, build_problem, load_problem
 from pyplan.resolved import ResolvedPlan, write_resolved
 from pyplan.resolved import load_resolved as _load_resolved
@@ -170,12 +171,17 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
                     time_limit: float = 10.0, source: str = "<partition>"
                     ) -> list[PartitionPlan]:
     """Plans for the best `keep` partitions of measured units into devices x chunks stages
-    (stage s on device s mod devices; chunks > 1: interleaved), each solved, shortest makespan
-    first. `memory` is bytes per device; InfeasibleError when no partition fits it."""
+    (stage s on device s mod devices; chunks > 1: interleaved) and for the even splits, each
+    solved, shortest makespan first (ties: least bottleneck). `memory` is bytes per device;
+    InfeasibleError when no partition fits it."""
     stages = devices * chunks
     share = None if memory is None else memory // chunks  # interleaved: a share per stage
     candidates = best_partitions(units, stages, micro_batches=micro_batches, capacity=share,
                                  keep=keep)
+    # The hand-written even splits are incumbents: the result is never longer than they are.
+    candidates += [p for p in even_partitions(units, stages, micro_batches=micro_batches,
+                                              capacity=share)
+                   if p.bounds not in {c.bounds for c in candidates}]
     if not candidates:
         raise InfeasibleError(f"no partition of {len(units)} units into {stages} stages fits "
                               f"{format_memory(memory, True)} per device",
@@ -194,4 +200,5 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
                          time_unit_ms=unit_ms, shape=shape)
         solved = solve(build_problem(spec_from_text(text, source)), time_limit=time_limit)
         out.append(PartitionPlan(p, text, solved, solved.schedule.makespan * unit_ms))
-    return sorted(out, key=lambda c: c.makespan_ms)
+    return sorted(out, key=lambda c: (c.makespan_ms, c.partition.bottleneck_ms,
+                                      c.partition.bounds))

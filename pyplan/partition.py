@@ -7,7 +7,9 @@ the split points: the least bottleneck (the slowest stage's forward + backward t
 each stage fits in memory, counting its units' weights (parameters, gradients and optimizer
 state) and the activations of the micro-batches it holds at once under 1F1B (stage s of S keeps
 min(N, S - s) micro-batches in flight; interleaved, a device's memory is shared by its C stages
-as capacity / C each, a conservative split).
+as capacity / C each, a conservative split). The least bottleneck does not always give the
+shortest schedule, so the best few partitions and the even splits people write by hand are all
+solved and the shortest makespan wins.
 
 Nothing here needs torch: the costs come from pyplan.runtime.profile.
 """
@@ -20,8 +22,8 @@ import math
 import textwrap
 from dataclasses import dataclass
 
-__all__ = ["MAX_ENUMERATED", "Partition", "UnitCost", "best_partitions", "optimal_partition",
-           "plan_text", "stage_memory"]
+__all__ = ["MAX_ENUMERATED", "Partition", "UnitCost", "best_partitions", "even_partitions",
+           "optimal_partition", "plan_text", "stage_memory"]
 
 MAX_ENUMERATED = 20_000  # partitions: up to this many, every one is ranked (else the DP's alone)
 OPTIMIZER_STATE = {"sgd": 0, "adam": 2}  # state tensors per parameter, besides its gradient
@@ -132,6 +134,29 @@ def best_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: in
             ranked.append(p)
     ranked.sort(key=lambda p: (p.bottleneck_ms, max(p.memory), p.bounds))
     return ranked[:keep]
+
+
+def even_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: int,
+                    capacity: int | None) -> list[Partition]:
+    """The splits people write by hand, where they fit: the units evenly by count, and the
+    layers evenly with the first unit (an embedding) on the first stage and the last (a head)
+    on the last (Megatron-LM's default). The search's results are compared with them."""
+    k = len(units)
+    if num_stages > k:
+        return []
+    by_count = tuple(round(k * s / num_stages) for s in range(num_stages + 1))
+    splits = [by_count]
+    if k - 2 >= num_stages:
+        layers = k - 2
+        splits.append((0, *(1 + round(layers * s / num_stages) for s in range(1, num_stages)),
+                       k))
+    out = []
+    for bounds in dict.fromkeys(splits):
+        if all(bounds[s] < bounds[s + 1] for s in range(num_stages)):
+            p = _partition(units, bounds, micro_batches)
+            if capacity is None or max(p.memory) <= capacity:
+                out.append(p)
+    return out
 
 
 def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices: int,

@@ -205,18 +205,12 @@ class Executor:
                   if p.requires_grad and shard_dim(p) is None]
         if not params:
             return
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flat = flat_gradients(params)
         try:
             dist.all_reduce(flat, group=self.groups[block])
         except RuntimeError as exc:
             raise TransferError(f"{exc}".splitlines()[0]) from exc
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        set_gradients(params, flat)
 
     def sync(self, block: int) -> None:
         """Start the synchronisation of a stage's gradients across the replicas, on its own
@@ -224,10 +218,7 @@ class Executor:
         params = [p for p in self.modules[block].parameters() if p.requires_grad]
         if not params:
             return
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flat = flat_gradients(params)
         replicas = self.lowered.problem.mesh.data
         try:
             if self.lowered.problem.mesh.shard:
@@ -261,10 +252,7 @@ class Executor:
                     dist.all_gather_into_tensor(flat, part, group=self.dp_group)
                 else:
                     flat.div_(replicas)
-                offset = 0
-                for p in params:
-                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                set_gradients(params, flat)
         except RuntimeError as exc:
             raise TransferError(f"{exc}".splitlines()[0]) from exc
         self.syncing = []
@@ -277,6 +265,21 @@ class Executor:
                               start * 1e6, seconds * 1e6, ins.micro_batch)
         return TraceEvent(self.rank, describe(self.lowered, ins), ins.op, start * 1e6,
                           seconds * 1e6, ins.micro_batch)
+
+
+def flat_gradients(params: list[torch.Tensor]) -> torch.Tensor:
+    """The parameters' gradients (zeros where none) in one flat tensor: one collective each."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+def set_gradients(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
 
 
 def _last_uses(program) -> dict[int, list[Value]]:
