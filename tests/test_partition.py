@@ -132,3 +132,18 @@ def test_layout_exports_need_a_module_cut_into_stages(cli):
                          "megatron-layout", "-o", "-")
     assert (code, out) == (2, "")
     assert "needs a model given as one module cut into submodules" in err
+
+
+def test_partition_plans_include_the_even_splits_and_put_the_shortest_first():
+    import pyplan
+
+    rng = random.Random(3)
+    units = _units(rng, 9)
+    plans = pyplan.partition_plans(units, devices=3, micro_batches=6, name="p",
+                                   factory="m:model", data="m:batch", loss="m:loss")
+    bounds = [p.partition.bounds for p in plans]
+    assert (0, 3, 6, 9) in bounds  # by count
+    assert (0, 1 + round(7 / 3), 1 + round(14 / 3), 9) in bounds  # embedding first, head last
+    assert [p.makespan_ms for p in plans] == sorted(p.makespan_ms for p in plans)
+    assert plans[0].solution.status in ("optimal", "feasible")
+    assert "module: m:model" in plans[0].text
