@@ -109,7 +109,8 @@ def test_unknown_format(cli, tmp_path):
     assert err == "error: unknown export format 'svgz' (hint: did you mean 'svg'?)\n"
     code, _, err = cli("export", PLANS / "1f1b-4stage.yaml", "--format", "png",
                        "-o", tmp_path / "x")
-    assert err == "error: unknown export format 'png' (hint: choose svg, chrome, torch-csv)\n"
+    assert err == ("error: unknown export format 'png' (hint: choose svg, chrome, torch-csv, "
+                   "megatron-layout, torchtitan)\n")
     assert not (tmp_path / "x").exists()
 
 
