@@ -153,3 +153,15 @@ assert "torch" not in sys.modules, "torch was imported"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr
+
+
+def test_gradient_syncs_are_drawn_and_traced(cli, tmp_path):
+    resolved = PLANS / "transformer-vshape-dp2.resolved.yaml"
+    assert cli("export", resolved, "--format", "svg", "-o", tmp_path / "t.svg")[0] == 0
+    svg = (tmp_path / "t.svg").read_text()
+    assert svg.count('class="sync"') == 2
+    assert "stage0 gradients across 2 replicas on device 0: t=30..33" in svg
+    assert cli("export", resolved, "--format", "chrome", "-o", tmp_path / "t.json")[0] == 0
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    syncs = [(e["tid"], e["ts"], e["dur"]) for e in events if e.get("cat") == "sync"]
+    assert sorted(syncs) == [(2, 30, 3), (3, 26, 3)]

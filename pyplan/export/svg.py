@@ -52,7 +52,7 @@ def render_svg(schedule: Schedule) -> str:
            f"{count(problem.num_devices, 'device')}, makespan {schedule.makespan}, bubble "
            f"{schedule.bubble_rate:.1%}</text>"]
     y: float = 30
-    for section in (_repetitions, _devices, _axis, _memory):
+    for section in (_repetitions, _devices, _syncs, _axis, _memory):
         y = section(out, schedule, y, scale)
     y = _legend(out, problem, y) + 8
     width = _LEFT + schedule.makespan * scale + _RIGHT
@@ -111,6 +111,26 @@ def _devices(out: list[str], schedule: Schedule, y: float, scale: float) -> floa
                            f'y="{row + _ROW / 2 + 4}" font-size="11" text-anchor="middle" '
                            f'fill="{ink}" pointer-events="none" {_FONT}>{m}</text>')
     return y + problem.num_devices * (_ROW + _GAP)
+
+
+def _syncs(out: list[str], schedule: Schedule, y: float, scale: float) -> float:
+    """Gradient synchronisations across data-parallel replicas: a thin lane per device under
+    the devices (they run beside the compute, on their own stream)."""
+    if not schedule.syncs:
+        return y
+    problem = schedule.problem
+    for d in range(problem.num_devices):
+        lane = y + d * 12
+        out.append(f'<text x="{_LEFT - 6}" y="{lane + 9}" font-size="10" text-anchor="end" '
+                   f'{_FONT}>sync {d}</text>')
+        for x in (x for x in schedule.syncs if x.device == d):
+            name = problem.blocks[x.layer].name
+            out.append(f'<rect class="sync" data-device="{d}" data-block={quoteattr(name)} '
+                       f'x="{_num(_LEFT + x.start * scale)}" y="{lane}" '
+                       f'width="{_num((x.end - x.start) * scale)}" height="9" fill="#9c755f">'
+                       f"<title>{escape(name)} gradients across {problem.mesh.data} replicas "
+                       f"on device {d}: t={x.start}..{x.end}</title></rect>")
+    return y + problem.num_devices * 12 + 4
 
 
 def _axis(out: list[str], schedule: Schedule, y: float, scale: float) -> float:
