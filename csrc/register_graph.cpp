@@ -29,14 +29,18 @@ void register_graph(py::module_& m) {
     py::class_<Graph>(m, "Graph")
         .def(py::init([](int num_devices, std::vector<Block> blocks,
                          const std::vector<std::pair<int, int>>& edges,
-                         std::vector<OrderRule> rules) {
+                         std::vector<OrderRule> rules, std::vector<int64_t> static_memory) {
                  std::vector<Edge> es;
                  es.reserve(edges.size());
                  for (auto [a, b] : edges) es.push_back({a, b});
-                 return Graph(num_devices, std::move(blocks), std::move(es), std::move(rules));
+                 return Graph(num_devices, std::move(blocks), std::move(es), std::move(rules),
+                              std::move(static_memory));
              }),
              py::arg("num_devices"), py::arg("blocks"), py::arg("edges"),
-             py::arg("rules") = std::vector<OrderRule>{})
+             py::arg("rules") = std::vector<OrderRule>{},
+             py::arg("static_memory") = std::vector<int64_t>{})
+        .def_property_readonly("static_memory",
+                               [](const Graph& g) { return g.static_memory(); })
         .def_property_readonly("num_devices", &Graph::num_devices)
         .def_property_readonly("num_blocks", &Graph::num_blocks)
         .def_property_readonly("blocks", &Graph::blocks)

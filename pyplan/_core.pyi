@@ -41,7 +41,7 @@ class OrderRule:
     def min_m(self) -> int:
         ...
 class Graph:
-    def __init__(self, num_devices: typing.SupportsInt | typing.SupportsIndex, blocks: collections.abc.Sequence[Block], edges: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], rules: collections.abc.Sequence[OrderRule] = []) -> None:
+    def __init__(self, num_devices: typing.SupportsInt | typing.SupportsIndex, blocks: collections.abc.Sequence[Block], edges: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], rules: collections.abc.Sequence[OrderRule] = [], static_memory: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = []) -> None:
         ...
     def blocks_on(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> list[int]:
         ...
@@ -84,6 +84,10 @@ class Graph:
     @property
     def rules(self) -> list[OrderRule]:
         ...
+    @property
+    def static_memory(self) -> list[int]:
+        ...
+
 class Evaluation:
     @property
     def bubble_rate(self) -> float:

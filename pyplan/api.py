@@ -190,13 +190,8 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
     shape = "vshape" if chunks == 1 else f"interleaved, {chunks} chunks"
     out = []
     for p in candidates:
-        weights = [0] * devices
-        for s in range(p.num_stages):
-            weights[s % devices] += sum(units[i].weight_bytes for i in p.stage(s))
-        # The plan's capacity: what the heaviest device has left for activations.
-        capacity = None if memory is None else max(1, memory - max(weights))
         text = plan_text(units, p, name=name, devices=devices, micro_batches=micro_batches,
-                         capacity=capacity, factory=factory, data=data, loss=loss, path=path,
+                         capacity=memory, factory=factory, data=data, loss=loss, path=path,
                          time_unit_ms=unit_ms, shape=shape)
         solved = solve(build_problem(spec_from_text(text, source)), time_limit=time_limit)
         out.append(PartitionPlan(p, text, solved, solved.schedule.makespan * unit_ms))

@@ -168,8 +168,7 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
     about = (f"Written by pyplan partition from {factory}: {len(units)} units in "
              f"{partition.num_stages} stages ({shape}); times measured on this machine, one "
              f"time unit = {time_unit_ms:.4g} ms; block memory: the activations of one "
-             "micro-batch; memory: what a device has left after the weights, gradients and "
-             "optimizer state of its stages (the heaviest device's).")
+             "micro-batch; weights: parameters, gradients and optimizer state.")
     lines = ["pyplan: 1", f"name: {name}", "description: >"]
     lines += ["  " + line for line in textwrap.wrap(about, 94)]
     lines.append(f"devices: {devices}")
@@ -182,8 +181,10 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
         forward = max(1, round(sum(u.forward_ms for u in part) / time_unit_ms))
         backward = max(1, round(sum(u.backward_ms for u in part) / time_unit_ms))
         activations = sum(u.activation_bytes for u in part)
+        weights = sum(u.weight_bytes for u in part)
         lines.append(f"  - {{name: stage{s}, devices: [{s % devices}], time: {forward}, "
-                     f"memory: {activations}B, backward: {{time: {backward}}}}}")
+                     f"memory: {activations}B, weights: {weights}B, "
+                     f"backward: {{time: {backward}}}}}")
     lines += ["model:", f"  module: {factory}", "  stages:"]
     for s in range(partition.num_stages):
         names = ", ".join(json.dumps(units[i].name) for i in partition.stage(s))

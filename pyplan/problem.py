@@ -39,6 +39,8 @@ class Block:
     devices: tuple[int, ...]
     layer: str
     """The declared block this one derives from (its own name for declared blocks)."""
+    weights: int = 0
+    """Static memory on each of its devices for the whole run (declared blocks only)."""
 
     @property
     def is_forward(self) -> bool:
@@ -102,7 +104,22 @@ class Problem:
             [_core.Block(b.name, b.time, b.memory, list(b.devices)) for b in self.blocks],
             list(self.edges),
             [_core.OrderRule(r.before, r.before_shift, r.after, r.after_shift, r.min_m)
-             for r in self.rules])
+             for r in self.rules], list(self.static_memory))
+
+    @cached_property
+    def static_memory(self) -> tuple[int, ...]:
+        """Per device, the weights resident for the whole run."""
+        out = [0] * self.num_devices
+        for b in self.blocks:
+            for d in b.devices:
+                out[d] += b.weights
+        return tuple(out)
+
+    def headroom(self, device: int) -> int | None:
+        """What the capacity leaves for activations on a device after its weights."""
+        if self.memory_capacity is None:
+            return None
+        return self.memory_capacity - self.static_memory[device]
 
     @property
     def capacity(self) -> int:
@@ -160,9 +177,10 @@ class _Builder:
         return self.source.error(path, message, hint, **kw)
 
     def add(self, name: str, kind: str, time: int, memory: int, devices: tuple[int, ...],
-            path: tuple) -> int:
+            path: tuple, weights: int = 0) -> int:
         index = len(self.blocks)
-        self.blocks.append(Block(index, name, kind, time, memory, devices, layer_of(name, kind)))
+        self.blocks.append(Block(index, name, kind, time, memory, devices, layer_of(name, kind),
+                                 weights))
         self.paths.append(path)
         self.by_name[name] = index
         return index
@@ -202,7 +220,7 @@ class _Builder:
                                 f"block '{spec.name}' alone needs {self.show(spec.memory)} per "
                                 f"device, more than the capacity {self.show(capacity)}",
                                 "split the block over more devices or raise memory:")
-            self.add(spec.name, spec.kind, spec.time, spec.memory, devices, path)
+            self.add(spec.name, spec.kind, spec.time, spec.memory, devices, path, spec.weights)
 
     def show(self, amount: int) -> str:
         return format_memory(amount, self.spec.memory_is_size)

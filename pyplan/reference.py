@@ -180,12 +180,13 @@ def makespan_bound(num_devices, blocks, edges, n, capacity=-1):
 
 
 def evaluate(num_devices, blocks, edges, orders, *, capacity=-1, initial_memory=None,
-             rules=(), complete=0):
+             rules=(), complete=0, static_memory=None):
     """Run per-device orders of (block, micro-batch) as early as possible.
 
     Returns a dict with ok, makespan, start {(block, mb): time}, busy, peak_memory, bubble_rate.
     A block starts when it heads the queue of every device it uses and its dependencies (and
-    order rules) have finished; starting it adds its memory to each of its devices.
+    order rules) have finished; starting it adds its memory to each of its devices, whose
+    memory starts at its static memory (weights) plus the initial memory.
     """
     scheduled = {inst for order in orders for inst in order}
     for b in range(len(blocks)):
@@ -203,7 +204,8 @@ def evaluate(num_devices, blocks, edges, orders, *, capacity=-1, initial_memory=
                 other = (before, base + bshift)
                 if base >= min_m and other in scheduled and other != (b, m):
                     preds[(b, m)].append(other)
-    memory = list(initial_memory or [0] * num_devices)
+    memory = [a + b for a, b in zip(initial_memory or [0] * num_devices,
+                                    static_memory or [0] * num_devices)]
     peak = list(memory)
     position = [0] * num_devices
     free = [0] * num_devices

@@ -127,8 +127,9 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
         "blocks:",
     ]
     for b in problem.blocks:
+        weights = f", weights: {b.weights}" if b.weights else ""
         lines.append(f"  - {{name: {b.name}, kind: {b.kind}, time: {b.time}, "
-                     f"memory: {b.memory}, devices: {_flow(b.devices)}}}")
+                     f"memory: {b.memory}{weights}, devices: {_flow(b.devices)}}}")
     lines.append("dependencies:")
     for a, c in problem.edges:
         lines.append(f"  - [{problem.blocks[a].name}, {problem.blocks[c].name}]")
@@ -268,10 +269,11 @@ class _Reader:
                 devices = tuple(int(d) for d in raw["devices"])
                 name, kind = str(raw["name"]), str(raw["kind"])
                 block = Block(i, name, kind, int(raw["time"]), int(raw["memory"]), devices,
-                              layer_of(name, kind))
+                              layer_of(name, kind), int(raw.get("weights", 0)))
             except (KeyError, TypeError, ValueError, OverflowError):
                 raise self.fail(("blocks", i), "malformed block") from None
-            if not 1 <= block.time <= MAX_TIME or abs(block.memory) > MAX_MEMORY:
+            if not 1 <= block.time <= MAX_TIME or abs(block.memory) > MAX_MEMORY or \
+                    not 0 <= block.weights <= MAX_MEMORY:
                 raise self.fail(("blocks", i), f"block '{block.name}' has a time or memory "
                                 "outside the supported ranges")
             if block.time <= 0 or not devices or \

@@ -32,10 +32,11 @@ def random_orders(rng, num_devices, blocks, edges, n, scramble):
     return orders
 
 
-def compare(g, problem, orders, capacity, rules=()):
+def compare(g, problem, orders, capacity, rules=(), static=None):
     num_devices, blocks, edges = problem
     got = _core.evaluate(g, orders, memory_capacity=capacity)
-    want = ref.evaluate(num_devices, blocks, edges, orders, capacity=capacity, rules=rules)
+    want = ref.evaluate(num_devices, blocks, edges, orders, capacity=capacity, rules=rules,
+                        static_memory=static)
     assert got.ok == want["ok"], (got.reason, want)
     if got.ok:
         assert got.makespan == want["makespan"]
@@ -56,6 +57,18 @@ def test_evaluation_matches_reference(problem, n, rng, scramble, capacity):
     g = core_graph(*problem)
     orders = random_orders(rng, *problem, n, scramble)
     compare(g, problem, orders, capacity)
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems(max_blocks=12), st.integers(1, 3), st.randoms(use_true_random=False),
+       st.integers(-1, 8), st.data())
+def test_static_memory_counts_in_every_peak_and_capacity_check(problem, n, rng, capacity, data):
+    num_devices, blocks, edges = problem
+    static = data.draw(st.lists(st.integers(0, 4), min_size=num_devices, max_size=num_devices))
+    g = _core.Graph(num_devices, [_core.Block(f"b{i}", t, m, list(d))
+                                  for i, (t, m, d) in enumerate(blocks)],
+                    list(edges), [], static)
+    compare(g, problem, random_orders(rng, *problem, n, False), capacity, static=static)
 
 
 @settings(max_examples=150, deadline=None)

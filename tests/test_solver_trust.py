@@ -272,3 +272,49 @@ def test_gradient_syncs_queue_after_their_stage_and_optimal_means_no_order_is_sh
         evaluated = schedule_from_orders(problem, orders, n)
         if evaluated.fits_memory and solution.status == "optimal":
             assert evaluated.schedule.makespan >= schedule.makespan
+
+
+WEIGHTS_PLAN = """\
+pyplan: 1
+name: weights
+devices: 4
+memory: 6
+micro_batches: 8
+training:
+  backward: {time_ratio: 2}
+blocks:
+  - {name: s0, devices: [0], time: 1, memory: 1, weights: WEIGHTS}
+  - {name: s1, devices: [1], time: 1, memory: 1}
+  - {name: s2, devices: [2], time: 1, memory: 1}
+  - {name: s3, devices: [3], time: 1, memory: 1}
+"""
+
+
+def test_weights_are_resident_memory_in_peaks_templates_and_the_search(tmp_path):
+    plans = {w: build_problem(spec_from_text(WEIGHTS_PLAN.replace("WEIGHTS", str(w))))
+             for w in (0, 2, 4)}
+    assert plans[4].static_memory == (4, 0, 0, 0)
+    solved = {w: solve(p) for w, p in plans.items()}
+    for w, s in solved.items():
+        # Device 0 holds its weights all along: its peak counts them and stays within 6.
+        assert w + 1 <= s.schedule.peak_memory[0] <= 6
+        assert all(b.peak_memory[0] >= w for b in s.baselines.values() if b.applicable)
+        ev = _core.evaluate(plans[w].graph, [list(o) for o in s.schedule.orders],
+                            memory_capacity=6, complete_micro_batches=8)
+        assert ev.ok and list(ev.peak_memory) == list(s.schedule.peak_memory)
+    # Less room for activations on device 0 can only make the schedule longer.
+    assert solved[0].schedule.makespan <= solved[2].schedule.makespan <= \
+        solved[4].schedule.makespan
+    assert solved[4].schedule.makespan > solved[0].schedule.makespan
+    # The resolved plan records them and reads back the same schedule.
+    from pyplan.resolved import load_resolved, write_resolved
+
+    out = write_resolved(solved[4], tmp_path / "w.resolved.yaml")
+    assert "{name: s0, kind: forward, time: 1, memory: 1, weights: 4, devices: [0]}" in \
+        out.read_text()
+    assert load_resolved(out).schedule.peak_memory == solved[4].schedule.peak_memory
+
+
+def test_weights_that_leave_no_room_are_infeasible():
+    with pytest.raises(InfeasibleError, match="one micro-batch alone needs 7 on device 0"):
+        solve(build_problem(spec_from_text(WEIGHTS_PLAN.replace("WEIGHTS", "6"))))

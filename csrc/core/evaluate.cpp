@@ -121,6 +121,7 @@ Evaluation evaluate(const Graph& g, const DeviceOrders& orders, const EvalOption
     ev.busy.assign(D, 0);
     std::vector<int64_t> memory = opt.initial_memory.empty() ? std::vector<int64_t>(D, 0)
                                                              : opt.initial_memory;
+    for (int d = 0; d < D; ++d) memory[d] += g.static_memory(d);  // resident all along
     ev.peak_memory = memory;
     std::vector<int64_t> ready(n, 0), device_free(D, 0);
     std::vector<size_t> head(D, 0);

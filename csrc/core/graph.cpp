@@ -8,11 +8,17 @@
 namespace pyplan {
 
 Graph::Graph(int num_devices, std::vector<Block> blocks, std::vector<Edge> edges,
-             std::vector<OrderRule> rules)
+             std::vector<OrderRule> rules, std::vector<int64_t> static_memory)
     : num_devices_(num_devices), blocks_(std::move(blocks)), edges_(std::move(edges)),
-      rules_(std::move(rules)) {
+      rules_(std::move(rules)), static_memory_(std::move(static_memory)) {
     if (num_devices_ <= 0 || num_devices_ > kMaxDevices)
         throw std::invalid_argument("num_devices must lie in 1 .. " + std::to_string(kMaxDevices));
+    if (static_memory_.empty()) static_memory_.assign(num_devices_, 0);
+    if (static_cast<int>(static_memory_.size()) != num_devices_)
+        throw std::invalid_argument("static_memory needs one amount per device");
+    for (int64_t s : static_memory_)
+        if (s < 0 || s > kMaxMemory)
+            throw std::invalid_argument("static memory must lie in 0 .. 2^60");
     const int k = num_blocks();
     // Every search and bound assumes at least one block (a plan always has one).
     if (k == 0) throw std::invalid_argument("a graph needs at least one block");
@@ -214,6 +220,7 @@ static int64_t memory_bound(const Graph& g, int d, int n, int64_t capacity,
         if (g.block(b).memory > 0) alloc.push_back(b), held += g.block(b).memory;
         if (g.block(b).memory < 0) frees.push_back(b);
     }
+    capacity -= g.static_memory(d);  // what the weights leave for activations
     if (held <= 0 || frees.empty() || capacity < held) return 0;
     const int k = g.num_blocks();
     int64_t shortest = INT64_MAX, first = INT64_MAX, last = INT64_MAX;

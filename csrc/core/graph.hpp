@@ -40,8 +40,10 @@ struct OrderRule {
 
 class Graph {
   public:
+    // static_memory: bytes (or plan units) resident on each device for the whole run (weights,
+    // gradients, optimizer state); empty means none. Every capacity check counts it.
     Graph(int num_devices, std::vector<Block> blocks, std::vector<Edge> edges,
-          std::vector<OrderRule> rules = {});
+          std::vector<OrderRule> rules = {}, std::vector<int64_t> static_memory = {});
 
     int num_devices() const { return num_devices_; }
     int num_blocks() const { return static_cast<int>(blocks_.size()); }
@@ -53,6 +55,8 @@ class Graph {
     const std::vector<int>& predecessors(int b) const { return pred_[b]; }
     const std::vector<int>& blocks_on(int device) const { return on_device_[device]; }
     bool shares_device(int a, int b) const;
+    int64_t static_memory(int device) const { return static_memory_[device]; }
+    const std::vector<int64_t>& static_memory() const { return static_memory_; }
 
     // Kahn's algorithm, smallest index first among ready blocks; empty if there is a cycle.
     std::vector<int> topological_order() const;
@@ -83,6 +87,7 @@ class Graph {
     std::vector<Block> blocks_;
     std::vector<Edge> edges_;
     std::vector<OrderRule> rules_;
+    std::vector<int64_t> static_memory_;
     std::vector<std::vector<int>> succ_, pred_, on_device_;
     std::vector<std::vector<char>> shares_;  // block x block: share a device
 };

@@ -105,7 +105,7 @@ bool RepetendEnumerator::feasible_prefix(int depth) {
             if (device_done_depth_[d] == depth) {
                 int64_t entry = 0;
                 for (int b : g_.blocks_on(d)) entry += g_.block(b).memory * value_[b];
-                if (entry > capacity_) return false;
+                if (entry + g_.static_memory(d) > capacity_) return false;
             }
     return true;
 }
@@ -253,6 +253,7 @@ Repetend evaluate_repetend(const Graph& g, const std::vector<int>& n,
     r.peak_memory.assign(D, 0);
     for (int d = 0; d < D; ++d) {
         const auto& ord = orders[d];
+        r.peak_memory[d] = g.static_memory(d);  // peaks count what is resident all along
         if (ord.empty()) {
             r.wait[d] = r.period;
             continue;
@@ -268,7 +269,7 @@ Repetend evaluate_repetend(const Graph& g, const std::vector<int>& n,
         r.entry_memory[d] = entry;
         int64_t mem = entry, peak = entry;
         for (int b : ord) peak = std::max(peak, mem += g.block(b).memory);
-        r.peak_memory[d] = peak;
+        r.peak_memory[d] += peak;
     }
     return r;
 }

@@ -44,10 +44,12 @@ def repetitions(schedule: Schedule) -> list[tuple[int, int]]:
 
 
 def memory_steps(schedule: Schedule, device: int) -> list[tuple[int, int]]:
-    """(time, memory from then on) for a device, starting at (0, 0). Memory changes only when
-    a block starts: the running sum of block memory in the device's order."""
+    """(time, memory from then on) for a device, starting at its weights (static memory) at 0.
+    Memory changes only when a block starts: the running sum of block memory in the device's
+    order."""
     blocks = schedule.problem.blocks
-    level, steps = 0, [(0, 0)]
+    level = schedule.problem.static_memory[device]
+    steps = [(0, level)]
     for b, _, start, _ in schedule.entries(device):
         if blocks[b].memory:
             level += blocks[b].memory

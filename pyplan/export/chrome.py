@@ -51,9 +51,9 @@ def memory_counters(schedule: Schedule) -> list[dict]:
     problem = schedule.problem
     events = []
     for d in range(problem.num_devices):
-        level = 0
+        level = problem.static_memory[d]  # the weights, resident from the start
         events.append({"name": f"memory device {d}", "ph": "C", "pid": 0, "ts": 0,
-                       "args": {"memory": 0}})
+                       "args": {"memory": level}})
         for b, _, start, _ in schedule.entries(d):
             if problem.blocks[b].memory:
                 level += problem.blocks[b].memory

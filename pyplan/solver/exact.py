@@ -86,7 +86,7 @@ def modulo_repetend(problem: Problem, period: int, max_micro_batches: int, *,
                 later_ones = [z3.If(off[i] > off[j], blocks[i].memory, 0) for i in on
                               if i != j and blocks[i].memory != 0]
                 memory_at_start = base - z3.Sum(later_ones) if later_ones else base
-                solver.add(memory_at_start <= problem.memory_capacity)
+                solver.add(memory_at_start <= problem.headroom(d))
     # Symmetries: shifting a whole schedule by a period, or rotating it within the period, gives
     # an equivalent one; let some block have lag 0 and some block offset 0.
     solver.add(z3.Or([k == 0 for k in lag]), z3.Or([o == 0 for o in off]))
@@ -209,14 +209,14 @@ class _TimeModel:
         init = initial or [0] * problem.num_devices
         for d, on in enumerate(self.on_device):
             positive = sum(max(0, blocks[inst[i][0]].memory) for i in on)
-            if init[d] + positive <= problem.memory_capacity:
+            if init[d] + positive <= problem.headroom(d):
                 continue  # cannot overflow whatever the order
             for j in on:
                 earlier = [z3.If(self._precedes(i, j), blocks[inst[i][0]].memory, 0) for i in on
                            if i != j and blocks[inst[i][0]].memory != 0]
                 if earlier:
                     self._add(init[d] + blocks[inst[j][0]].memory + z3.Sum(earlier)
-                              <= problem.memory_capacity, "memory" if labelled else None)
+                              <= problem.headroom(d), "memory" if labelled else None)
 
     def add_objective(self, anchor: Anchor | None) -> None:
         self.objective = objective = z3.Int("objective", self.ctx)

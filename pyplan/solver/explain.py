@@ -55,7 +55,7 @@ def _least_memory(problem: Problem, budget: Budget) -> int | None:
     """The least capacity with a schedule (bisection with Z3), or None if Z3 cannot tell."""
     lo = problem.memory_capacity + 1
     hi = sum(max(0, b.memory) * len(b.devices) for b in problem.blocks) * \
-        problem.num_micro_batches
+        problem.num_micro_batches + max(problem.static_memory)
     found = None
     while lo <= hi:
         if budget.expired():

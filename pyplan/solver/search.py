@@ -73,7 +73,7 @@ def max_repetend_micro_batches(problem: Problem) -> int:
             for b in problem.blocks:
                 for d in b.devices:
                     held[d] += max(0, b.memory)
-            fits = [problem.memory_capacity // h for h in held if h > 0]
+            fits = [max(0, problem.headroom(d)) // h for d, h in enumerate(held) if h > 0]
             if fits:
                 # A repetend spans a little more than what is in flight on the busiest device
                 # (a deferred weight-gradient block, say), hence the margin.

@@ -164,7 +164,7 @@ def _in_flight_limits(problem: Problem, stages: list[list[int]]) -> list[int] | 
         device = _stage_device(problem, stage)
         held = sum(max(0, problem.blocks[b].memory) for st in stages
                    if _stage_device(problem, st) == device for b in st)
-        limits.append(max(1, problem.memory_capacity // held) if held > 0 else len(stages))
+        limits.append(max(1, problem.headroom(device) // held) if held > 0 else len(stages))
     return limits
 
 

@@ -68,6 +68,9 @@ class BlockSpec:
     kind: str = "forward"
     time: int
     memory: int = 0
+    weights: int = 0
+    """Static memory on each of its devices for the whole run (parameters, gradients,
+    optimizer state)."""
     devices: tuple[int, ...] | None
     """Device ids; None means all devices."""
     after: tuple[str, ...] | None = None
@@ -297,6 +300,7 @@ def _build(source: Source) -> PlanSpec:
         blocks.append(BlockSpec(
             name=raw["name"], kind=raw.get("kind", "forward"), time=raw["time"],
             memory=memory(raw.get("memory", 0), path + ("memory",)),
+            weights=memory(raw.get("weights", 0), path + ("weights",)),
             devices=None if devices == "all" else tuple(
                 [devices] if isinstance(devices, int) else devices),
             after=tuple(raw["after"]) if "after" in raw else None,
