@@ -41,19 +41,20 @@ class _Expander:
         self.stage_index += 1
         self.blocks.append(BlockSpec(
             name=name, time=self.pick(cost, "time", i, count),
-            memory=self.pick(cost, "memory", i, count), devices=(device,), after=after,
+            memory=self.pick(cost, "memory", i, count),
+            weights=self.pick(cost, "weights", i, count), devices=(device,), after=after,
             backward=cost.backward, path=cost.path or self.shape.path))
 
     def shared(self, name: str, after: tuple[str, ...] | None) -> None:
         cost = self.shared_cost
-        self.blocks.append(BlockSpec(name=name, time=cost.time, memory=cost.memory, devices=None,
-                                     after=after, backward=cost.backward,
-                                     path=cost.path or self.shape.path))
+        self.blocks.append(BlockSpec(name=name, time=cost.time, memory=cost.memory,
+                                     weights=cost.weights, devices=None, after=after,
+                                     backward=cost.backward, path=cost.path or self.shape.path))
 
     @property
     def shared_cost(self) -> CostSpec:
         cost = self.shape.shared
-        for field in ("time", "memory"):
+        for field in ("time", "memory", "weights"):
             if isinstance(getattr(cost, field), tuple):
                 raise self.fail(cost.path + (field,),
                                 f"shared {field} must be one value, not a list")

@@ -318,3 +318,13 @@ def test_weights_are_resident_memory_in_peaks_templates_and_the_search(tmp_path)
 def test_weights_that_leave_no_room_are_infeasible():
     with pytest.raises(InfeasibleError, match="one micro-batch alone needs 7 on device 0"):
         solve(build_problem(spec_from_text(WEIGHTS_PLAN.replace("WEIGHTS", "6"))))
+
+
+def test_shape_costs_carry_weights_per_stage_and_for_shared_blocks():
+    plan = build_problem(spec_from_text(
+        "pyplan: 1\nname: s\ndevices: 4\nmemory: 8\nmicro_batches: 8\n"
+        "training: {backward: {time_ratio: 2}}\nshape:\n  kind: mshape\n"
+        "  stage: {time: 1, memory: 1, weights: [3, 1, 1, 2]}\n"
+        "  shared: {time: 1, memory: 0, weights: 1}\n"))
+    assert plan.static_memory == (4, 2, 2, 3)  # a stage's weights + the shared block's
+    assert solve(plan).schedule.peak_memory[0] <= 8

@@ -86,6 +86,7 @@ class CostSpec:
 
     time: int | tuple[int, ...] = 1
     memory: int | tuple[int, ...] = 0
+    weights: int | tuple[int, ...] = 0
     backward: BackwardOverride = BackwardOverride()
     path: tuple = ()
 
@@ -225,13 +226,16 @@ def _override(raw: Any, memory: _Memory, path: tuple) -> BackwardOverride:
 
 def _cost(raw: dict | None, memory: _Memory, path: tuple) -> CostSpec:
     raw = raw or {}
-    mem = raw.get("memory", 0)
-    if isinstance(mem, list):
-        mem = tuple(memory(v, path + ("memory", i)) for i, v in enumerate(mem))
-    else:
-        mem = memory(mem, path + ("memory",))
+
+    def amounts(key: str) -> int | tuple[int, ...]:
+        value = raw.get(key, 0)
+        if isinstance(value, list):
+            return tuple(memory(v, path + (key, i)) for i, v in enumerate(value))
+        return memory(value, path + (key,))
+
     time = raw.get("time", 1)
-    return CostSpec(time=tuple(time) if isinstance(time, list) else time, memory=mem,
+    return CostSpec(time=tuple(time) if isinstance(time, list) else time,
+                    memory=amounts("memory"), weights=amounts("weights"),
                     backward=_override(raw.get("backward"), memory, path + ("backward",)),
                     path=path)
 
