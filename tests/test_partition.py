@@ -147,3 +147,48 @@ def test_partition_plans_include_the_even_splits_and_put_the_shortest_first():
     assert [p.makespan_ms for p in plans] == sorted(p.makespan_ms for p in plans)
     assert plans[0].solution.status in ("optimal", "feasible")
     assert "module: m:model" in plans[0].text
+
+
+BROKEN = """\
+import torch
+
+
+def raising():
+    raise ValueError("no such layer")
+
+
+def batch(step):
+    return torch.zeros(4, 2), torch.zeros(4, 2)
+
+
+def loss(output, target):
+    return (output - target).pow(2).mean()
+
+
+class Branches(torch.nn.Module):  # its forward is not its children one after another
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+"""
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("broken_model:raising", "error: building the model or its first batch failed: ValueError: "
+                             "no such layer\n"),
+    ("broken_model:Branches", "error: the model's forward is not its children run one after "
+                              "another (hint: pyplan partition needs an nn.Sequential-like "
+                              "model; write the plan's blocks by hand (model.blocks) for other "
+                              "models)\n"),
+    ("broken_model:nope", "error: FACTORY: broken_model has no function 'nope'\n"),
+])
+def test_partition_errors_are_one_line(factory, message, cli, tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    (tmp_path / "broken_model.py").write_text(BROKEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = cli("partition", factory, "--data", "broken_model:batch", "--loss",
+                         "broken_model:loss", "--devices", "2", "-o", tmp_path / "p.yaml")
+    assert (code, err) == (2, message)
+    assert not (tmp_path / "p.yaml").exists()

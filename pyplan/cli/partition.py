@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pyplan.api import partition_plans
 from pyplan.cli._torch import require_torch
-from pyplan.errors import PlanError
+from pyplan.errors import PlanError, PyplanError
 from pyplan.fileio import write_atomic
 from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.spec import parse_memory
@@ -112,10 +112,16 @@ def run(args: argparse.Namespace) -> int:
     data, _ = _function(args.data, "--data")
     loss, _ = _function(args.loss, "--loss")
     seed_everything(args.seed, "module")
-    model = factory()
+    try:  # the user's code: any failure is theirs to see, in one line
+        model = factory()
+        inputs, targets = make_batch(Model(None, data, loss), 0, args.seed, torch.device("cpu"))
+    except PyplanError:
+        raise
+    except Exception as exc:
+        raise PlanError(f"building the model or its first batch failed: "
+                        f"{type(exc).__name__}: {exc}") from None
     if not isinstance(model, torch.nn.Module):
         raise PlanError(f"FACTORY returned {type(model).__name__}, not a torch.nn.Module")
-    inputs, targets = make_batch(Model(None, data, loss), 0, args.seed, torch.device("cpu"))
     inputs, targets = split_batch(inputs, n)[0], split_batch(targets, n)[0]
     units = _profile(profile_units, model, inputs, targets, loss, args)
     out = Path(args.output)
