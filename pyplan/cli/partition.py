@@ -67,14 +67,15 @@ def _function(text: str, what: str):
 
 
 def _package_root(module) -> Path | None:
-    """The folder to put on sys.path to import `module` (None for an installed package)."""
+    """The folder the plan must put on sys.path to import `module`: the working directory when
+    that is where it was found (else None: it is installed or on the path anyway)."""
     file = getattr(module, "__file__", None)
-    if file is None or "site-packages" in file:
+    if file is None or module.__name__.split(".")[0] == "pyplan":  # pyplan's own examples
         return None
     root = Path(file).resolve().parent
     for _ in module.__name__.split(".")[1:]:
         root = root.parent
-    return root
+    return root if root == Path.cwd().resolve() else None
 
 
 def _options(args: argparse.Namespace) -> tuple[int, int, int | None]:
