@@ -65,7 +65,8 @@ class Sync:
 def gradient_syncs(problem: Problem, orders: Orders, start: Sequence[int]) -> tuple[Sync, ...]:
     """The synchronisations of a training plan with data-parallel replicas: on each device, one
     per stage, ready when the stage's last gradient block there (its weight gradient when split)
-    ends, one after another on the device's communication stream, `mesh.sync` long each."""
+    ends (for a block on several devices, when the device's last block does), one after
+    another on the device's communication stream, `mesh.sync` long each."""
     if not problem.training or problem.mesh.data <= 1:
         return ()
     blocks, k = problem.blocks, len(problem.blocks)
@@ -76,6 +77,12 @@ def gradient_syncs(problem: Problem, orders: Orders, start: Sequence[int]) -> tu
             if blocks[b].kind in (BACKWARD, WEIGHT):
                 layer = problem.by_name[blocks[b].layer]
                 ready[layer] = max(ready.get(layer, 0), start[m * k + b] + blocks[b].time)
+        # A block on several devices first sums its replicated gradients over them, after
+        # the device's last block (the runtime's REDUCE): its sync waits for that.
+        end = max((start[m * k + b] + blocks[b].time for b, m in order), default=0)
+        for layer in ready:
+            if len(blocks[layer].devices) > 1:
+                ready[layer] = end
         free = 0
         for layer, at in sorted(ready.items(), key=lambda item: (item[1], item[0])):
             free = max(free, at) + problem.mesh.sync
