@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from conftest import PLANS
 from dags import problems
 from pyplan.errors import PlanError
-from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, SEND, SYNC, WAIT, check_runnable,
-                          lower)
+from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, SYNC, WAIT,
+                          check_runnable, lower)
 from pyplan.problem import FORWARD, Block, Problem, load_problem
 from pyplan.resolved import load_resolved
 from pyplan.schedule import build_schedule
@@ -327,3 +327,21 @@ def test_hand_written_backward_blocks_are_refused():
                        "  - {name: a_grad, kind: backward, time: 1, devices: [0], memory: -1}\n")
     with pytest.raises(PlanError, match="'a_grad' is a hand-written backward block"):
         check_runnable(problem)
+
+
+def test_blocks_on_several_devices_sync_after_their_reduce():
+    text = (PLANS / "gpt-mshape.yaml").read_text() + "\nmesh: {data: 2, sync: 2}\n"
+    problem = build_problem(spec_from_text(text, str(PLANS / "dp.yaml")))
+    schedule = solve(problem).schedule
+    lowered = lower(problem, schedule)
+    verify(lowered)
+    program = lowered.programs[problem.num_devices + 1]  # replica 1, device 1
+    order = [(i.op, lowered.name(i.block)) for i in program if i.op in (SYNC, REDUCE)]
+    assert order == [(SYNC, "stage1"), (REDUCE, "embed"), (SYNC, "embed"), (REDUCE, "head"),
+                     (SYNC, "head")]
+    # The schedule times them in that order too: the stage's sync first, the shared blocks'
+    # when the device's last block has ended.
+    mine = [x for x in schedule.syncs if x.device == 1]
+    assert [problem.blocks[x.layer].name for x in mine][0] == "stage1"
+    last = max(schedule.end_of(b, m) for b, m in schedule.orders[1])
+    assert all(x.start >= last for x in mine[1:])
