@@ -69,7 +69,7 @@ def prepare(directory: Path) -> dict:
                                      torch.device("cpu"))
         inputs = split_batch(inputs, MICRO_BATCHES)[0]
         targets = split_batch(targets, MICRO_BATCHES)[0]
-        units = profile_units(model, inputs, targets, module.loss)
+        units, _ = profile_units(model, inputs, targets, module.loss)
         path = None if folder is None else os.path.relpath(folder, directory)
         kwargs = dict(factory=f"{module_name}:model", data=f"{module_name}:batch",
                       loss=f"{module_name}:loss", path=path)

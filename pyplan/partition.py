@@ -161,7 +161,7 @@ def even_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: in
 
 def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices: int,
               micro_batches: int, capacity: int | None, factory: str, data: str, loss: str,
-              path: str | None, time_unit_ms: float, shape: str) -> str:
+              path: str | None, time_unit_ms: float, shape: str, traced: bool = False) -> str:
     """A plan for `partition`: one block per stage (stage s on device s mod devices) with the
     measured times in units of `time_unit_ms` and activation memory in bytes, and a model:
     section naming each stage's submodules."""
@@ -189,6 +189,8 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
     for s in range(partition.num_stages):
         names = ", ".join(json.dumps(units[i].name) for i in partition.stage(s))
         lines.append(f"    stage{s}: [{names}]")
+    if traced:
+        lines.append("  traced: true")
     lines += [f"  data: {data}", f"  loss: {loss}"]
     if path is not None:
         lines.append(f"  path: {json.dumps(path)}")

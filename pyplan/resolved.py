@@ -142,7 +142,8 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
         builder = (f"blocks: \"{m.blocks}\"" if m.blocks is not None else
                    f"module: \"{m.module}\", stages: {{" +
                    ", ".join(f"{name}: [{', '.join(json.dumps(u) for u in units)}]"
-                             for name, units in m.stages) + "}")
+                             for name, units in m.stages) + "}"
+                   + (", traced: true" if m.traced else ""))
         lines.append(f"model: {{{builder}, data: \"{m.data}\", loss: \"{m.loss}\""
                      + (f", path: \"{m.path}\"" if m.path else "") + "}")
     if problem.mesh.data > 1:
@@ -303,6 +304,7 @@ class _Reader:
             model = ModelSpec(blocks=None if raw.get("blocks") is None else str(raw["blocks"]),
                               module=None if raw.get("module") is None else str(raw["module"]),
                               stages=tuple((str(k), tuple(v)) for k, v in stages.items()),
+                              traced=raw.get("traced") is True,
                               data=str(raw.get("data")), loss=str(raw.get("loss")),
                               path=path if isinstance(path, str) and "\0" not in path else None)
             if model.builder is None:

@@ -74,9 +74,11 @@ def test_a_tight_capacity_forces_an_uneven_split():
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("shape", ["vshape", "interleaved"])
+@pytest.mark.parametrize("shape", ["vshape", "interleaved", "traced"])
 def test_a_model_partitioned_solved_and_run_matches_single_process_training(shape, tmp_path):
-    shutil.copy(MODELS / "unequal.py", tmp_path / "unequal.py")
+    # traced: a model that is not a chain of its children, cut by torch's pipeline tracer
+    model = "positional" if shape == "traced" else "unequal"
+    shutil.copy(MODELS / f"{model}.py", tmp_path / "unequal.py")
     (tmp_path / "plans").mkdir()
     extra = ["--shape", "interleaved", "--chunks", "2"] if shape == "interleaved" else []
     run = lambda *args: subprocess.run([PYPLAN, *args], capture_output=True, text=True,  # noqa
@@ -88,6 +90,7 @@ def test_a_model_partitioned_solved_and_run_matches_single_process_training(shap
     plan = (tmp_path / "plans" / "unequal.yaml").read_text()
     assert "module: unequal:model" in plan and 'path: ".."' in plan
     assert plan.count("{name: stage") == (8 if shape == "interleaved" else 4)
+    assert ("traced: true" in plan) == (shape == "traced")
     solved = run("solve", "plans/unequal.yaml", "--quiet")
     assert solved.returncode == 0, solved.stderr
     result = run("run", "plans/unequal.resolved.yaml", "--nproc-per-node", "4", "--check",
@@ -178,10 +181,10 @@ class Branches(torch.nn.Module):  # its forward is not its children one after an
 @pytest.mark.parametrize("factory, message", [
     ("broken_model:raising", "error: building the model or its first batch failed: ValueError: "
                              "no such layer\n"),
-    ("broken_model:Branches", "error: the model's forward is not its children run one after "
-                              "another (hint: pyplan partition needs an nn.Sequential-like "
-                              "model; write the plan's blocks by hand (model.blocks) for other "
-                              "models)\n"),
+    ("broken_model:Branches", "error: cut before 'b', the model passes more than one tensor "
+                              "from one piece to the next (hint: pyplan runs pipelines whose "
+                              "stages hand on one tensor; write the plan's blocks by hand "
+                              "(model.blocks))\n"),
     ("broken_model:nope", "error: FACTORY: broken_model has no function 'nope'\n"),
 ])
 def test_partition_errors_are_one_line(factory, message, cli, tmp_path, monkeypatch):

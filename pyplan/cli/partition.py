@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(model, torch.nn.Module):
         raise PlanError(f"FACTORY returned {type(model).__name__}, not a torch.nn.Module")
     inputs, targets = split_batch(inputs, n)[0], split_batch(targets, n)[0]
-    units = _profile(profile_units, model, inputs, targets, loss, args)
+    units, traced = _profile(profile_units, model, inputs, targets, loss, args)
     out = Path(args.output)
     root = _package_root(factory_module)
     path = None if root is None else os.path.relpath(root, out.resolve().parent)
@@ -133,9 +133,10 @@ def run(args: argparse.Namespace) -> int:
                             name=out.name.split(".")[0], factory=args.factory, data=args.data,
                             loss=args.loss,
                             micro_batches=n, memory=memory, path=path, time_limit=SOLVE_SECONDS,
-                            source=str(out))
-    print(f"{args.factory}: {len(units)} units, {stages} stages ({args.shape}), "
-          f"{n} micro-batches; the best partitions by bottleneck, solved:")
+                            source=str(out), traced=traced)
+    how = "cut by torch's pipeline tracer, " if traced else ""
+    print(f"{args.factory}: {len(units)} units ({how}measured), {stages} stages "
+          f"({args.shape}), {n} micro-batches; the best partitions and even splits, solved:")
     for plan in sorted(plans, key=lambda c: c.partition.bottleneck_ms):
         p = plan.partition
         cut = " | ".join(f"{units[p.bounds[s]].name}..{units[p.bounds[s + 1] - 1].name}"
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _profile(profile_units, model, inputs, targets, loss, args) -> list[UnitCost]:
+def _profile(profile_units, model, inputs, targets, loss, args) -> tuple[list[UnitCost], bool]:
     """Profile with a progress bar on a terminal (rich), quietly otherwise."""
     if not sys.stderr.isatty():
         return profile_units(model, inputs, targets, loss, optimizer=args.optimizer,

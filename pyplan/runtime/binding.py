@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import sys
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,8 @@ from pyplan.problem import Problem
 
 __all__ = ["SHARD_DIM", "Model", "block_inputs", "build_modules", "check_model",
            "forward_blocks", "forward_rng", "load_model", "make_batch", "named_parameters",
-           "seed_everything", "shard", "shard_dim", "split_batch", "submodules"]
+           "seed_everything", "shard", "shard_dim", "split_batch", "submodules",
+           "traced_stages"]
 
 SHARD_DIM = "pyplan_shard_dim"
 
@@ -51,6 +53,43 @@ class Model:
     whole: Callable[[], torch.nn.Module] | None = None
     """() -> the whole model, whose submodules `stages` names for each block."""
     stages: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    traced: bool = False
+    """The whole model's forward is not its submodules one after another: each block is the
+    stage torch's tracer (torch.distributed.pipelining.pipeline) cuts at its first submodule."""
+
+
+def traced_stages(model: torch.nn.Module, starts: list[str], inputs) -> list[torch.nn.Module]:
+    """The model cut by torch.distributed.pipelining's tracer before each name in `starts`
+    (after the first): one module per stage, each taking and returning one tensor."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    try:
+        with warnings.catch_warnings():  # torch.export's own deprecation notices, not ours
+            warnings.simplefilter("ignore", FutureWarning)
+            pipe = pipeline(model, mb_args=(inputs,),
+                            split_spec={name: SplitPoint.BEGINNING for name in starts[1:]})
+    except Exception as exc:  # the tracer's limits: name them in one line
+        raise PlanError(f"torch's pipeline tracer cannot cut the model: "
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                        hint="make the model's forward its children in order") from None
+    if pipe.num_stages != len(starts):
+        raise PlanError(f"torch's pipeline tracer cut the model into {pipe.num_stages} stages, "
+                        f"not {len(starts)}", hint="split points must be submodules the "
+                        "forward runs once, in order")
+    stages = [pipe.get_stage_module(s) for s in range(pipe.num_stages)]
+    x = inputs
+    with torch.no_grad():  # a pipeline block takes one tensor and returns one
+        for s, stage in enumerate(stages):
+            try:
+                x = stage(x)
+            except TypeError:
+                x = None
+            if not isinstance(x, torch.Tensor):
+                raise PlanError(f"cut before '{starts[s]}', the model passes more than one "
+                                "tensor from one piece to the next",
+                                hint="pyplan runs pipelines whose stages hand on one tensor; "
+                                     "write the plan's blocks by hand (model.blocks)")
+    return stages
 
 
 def submodules(whole: torch.nn.Module, stages: dict[str, tuple[str, ...]],
@@ -99,7 +138,7 @@ def load_model(problem: Problem, plan_dir: Path) -> Model:
     data, loss = _function(spec.data, "data", file), _function(spec.loss, "loss", file)
     if spec.module is not None:
         return Model(None, data, loss, whole=_function(spec.module, "module", file),
-                     stages=dict(spec.stages))
+                     stages=dict(spec.stages), traced=spec.traced)
     return Model(_function(spec.blocks, "blocks", file), data, loss)
 
 
@@ -161,7 +200,15 @@ def build_modules(model: Model, problem: Problem, *, seed: int, device, rank: in
             if rank is None or rank in problem.blocks[b].devices]
     if model.whole is not None:  # one model, the same weights on every rank (one seed)
         seed_everything(seed, "module")
-        parts = submodules(model.whole(), model.stages, [problem.blocks[b].name for b in mine])
+        whole = model.whole()
+        if model.traced:  # every rank cuts the whole model the same way
+            names = [problem.blocks[b].name for b in forward_blocks(problem)]
+            inputs = split_batch(make_batch(model, 0, seed, torch.device("cpu"))[0],
+                                 problem.num_micro_batches)[0]
+            stages = traced_stages(whole, [model.stages[n][0] for n in names], inputs)
+            parts = dict(zip(names, stages))
+        else:
+            parts = submodules(whole, model.stages, [problem.blocks[b].name for b in mine])
         return {b: parts[problem.blocks[b].name].to(device) for b in mine}
     for b in mine:
         block = problem.blocks[b]

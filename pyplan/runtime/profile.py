@@ -26,6 +26,7 @@ from pyplan.runtime.binding import (
     build_modules,
     make_batch,
     split_batch,
+    traced_stages,
 )
 
 __all__ = ["BlockCost", "chain_units", "profile_blocks", "profile_units"]
@@ -134,9 +135,9 @@ def chain_units(model: torch.nn.Module, prefix: str = "") -> list[str]:
     return units
 
 
-def _check_chain(model: torch.nn.Module, units: list[str], inputs) -> None:
-    """The units run one after another must compute what the model computes (in eval mode,
-    without dropout); else the model is not a chain of its children."""
+def _is_chain(model: torch.nn.Module, units: list[str], inputs) -> bool:
+    """Whether the units run one after another compute what the model computes (in eval mode,
+    without dropout)."""
     was = model.training
     model.eval()
     try:
@@ -145,35 +146,33 @@ def _check_chain(model: torch.nn.Module, units: list[str], inputs) -> None:
             x = inputs
             for unit in units:
                 x = model.get_submodule(unit)(x)
-    except Exception as exc:  # the user's model: name what failed
-        raise PlanError(f"running the model's children one after another failed: "
-                        f"{type(exc).__name__}: {exc}",
-                        hint="pyplan partition needs a model whose forward is its children in "
-                             "order (nn.Sequential-like)") from None
+    except Exception:  # children that cannot even run in a row: not a chain
+        return False
     finally:
         model.train(was)
-    if not (isinstance(whole, torch.Tensor) and isinstance(x, torch.Tensor) and
-            whole.shape == x.shape and torch.allclose(whole, x, atol=1e-5)):
-        raise PlanError("the model's forward is not its children run one after another",
-                        hint="pyplan partition needs an nn.Sequential-like model; write the "
-                             "plan's blocks by hand (model.blocks) for other models")
+    return isinstance(whole, torch.Tensor) and isinstance(x, torch.Tensor) and \
+        whole.shape == x.shape and bool(torch.allclose(whole, x, atol=1e-5))
 
 
 def profile_units(model: torch.nn.Module, inputs, targets, loss, *, optimizer: str = "sgd",
                   repeats: int = 5, device: torch.device | None = None,
-                  progress=None) -> list[UnitCost]:
-    """Costs of each unit of a chain model on one micro-batch: median forward and backward
+                  progress=None) -> tuple[list[UnitCost], bool]:
+    """Costs of each unit of a model on one micro-batch: median forward and backward
     milliseconds (the backward of exactly that unit: gradients of its input and parameters;
     the last unit's from the loss), the activation bytes autograd saves, and the weights'
-    bytes with their gradients and the optimizer's state."""
+    bytes with their gradients and the optimizer's state; and whether the model had to be
+    traced: when its forward is not its units one after another, torch's pipeline tracer cuts
+    it before every unit and the pieces are measured instead."""
     device = device or torch.device("cpu")
     units = chain_units(model)
     if not units:
         raise PlanError("the model has no children to split into stages")
-    _check_chain(model, units, inputs)
+    traced = not _is_chain(model, units, inputs)
+    pieces = traced_stages(model, units, inputs) if traced else \
+        [model.get_submodule(unit) for unit in units]
     costs, x = [], inputs
     for k, unit in enumerate(units):
-        module = model.get_submodule(unit)
+        module = pieces[k]
         params = [p for p in module.parameters() if p.requires_grad]
         arg = x.detach().requires_grad_(x.is_floating_point())
         forward_ms, out = _timed(lambda: module(arg), device, repeats)
@@ -199,4 +198,4 @@ def profile_units(model: torch.nn.Module, inputs, targets, loss, *, optimizer: s
         x = out.detach()
         if progress is not None:
             progress(k + 1, len(units))
-    return costs
+    return costs, traced

@@ -143,6 +143,7 @@ class ModelSpec:
     blocks: str | None = None
     module: str | None = None
     stages: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    traced: bool = False
     data: str
     loss: str
     path: str | None = None
@@ -348,7 +349,7 @@ def _build(source: Source) -> PlanSpec:
         model = ModelSpec(blocks=raw.get("blocks"), module=raw.get("module"),
                           stages=tuple((name, tuple(units))
                                        for name, units in (raw.get("stages") or {}).items()),
-                          data=raw["data"], loss=raw["loss"],
+                          traced=raw.get("traced", False), data=raw["data"], loss=raw["loss"],
                           path=raw.get("path"))
     return PlanSpec(source=source, name=doc["name"], description=doc.get("description", ""),
                     num_devices=doc["devices"], memory_capacity=capacity,
