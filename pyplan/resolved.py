@@ -379,9 +379,13 @@ def load_resolved(path: str | Path) -> ResolvedPlan:
     if rep_doc is not None:
         rep_orders = reader.entries(problem, "repetend", 0)
         indices = reader.get("indices", list, ("repetend",))
-        nr = max(indices) + 1 if indices else 0
-        if len(indices) != len(problem.blocks):
-            raise reader.fail(("repetend", "indices"), "needs one index per block")
+        if len(indices) != len(problem.blocks) or any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n
+                for i in indices):
+            raise reader.fail(("repetend", "indices"), "needs one index per block, each a "
+                              f"micro-batch in 0 .. {n - 1}",
+                              "the file was edited; re-run pyplan solve")
+        nr = max(indices) + 1
         cooldown_abs = reader.entries(problem, "cooldown", n)
         cooldown = [[(b, m - (n - nr)) for b, m, _ in order] for order in cooldown_abs]
         recorded.update({(b, m): s for order in rep_orders for b, m, s in order})

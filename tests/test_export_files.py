@@ -4,6 +4,7 @@ that agree with the core, atomic writes and one-line errors."""
 from __future__ import annotations
 
 import json
+import re
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -130,6 +131,12 @@ def test_stale_or_edited_resolved_plan_is_refused(cli, tmp_path):
     code, _, err = cli("export", resolved, "--format", "svg", "-o", tmp_path / "a.svg")
     assert code == 2 and err.count("\n") == 1
     assert "makespan does not match the schedule" in err
+    # A repetend index that is not a micro-batch number (the fuzz test found it crashing).
+    for bad in ("1 5", "-1", "99"):
+        resolved.write_text(re.sub(r"indices: \[(\d+), ", f"indices: [{bad}, ", text))
+        code, _, err = cli("show", resolved)
+        assert code == 2 and err.count("\n") == 1
+        assert "needs one index per block, each a micro-batch in 0 .. 7" in err
 
 
 def test_show_and_exports_work_without_torch(tmp_path):
