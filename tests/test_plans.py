@@ -167,3 +167,11 @@ def test_readme_plan_example_validates(cli, tmp_path):
     code, out, err = cli("validate", plan)
     assert (code, err) == (0, ""), err
     assert "gpt-embedding: training, 10 blocks" in out
+
+
+def test_validate_names_replicas_and_weights(cli):
+    code, out, err = cli("validate", PLANS / "transformer-vshape-dp2.yaml", PLANS / "gpt24.yaml")
+    assert (code, err) == (0, "")
+    dp2, gpt24 = out.splitlines()
+    assert "on 2 devices x 2 data-parallel replicas," in dp2
+    assert "memory 64MiB, weights per device [" in gpt24

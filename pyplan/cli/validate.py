@@ -26,10 +26,14 @@ def summary(problem: Problem) -> str:
     loads = " ".join(str(x) for x in problem.device_loads())
     task = "training" if problem.training else "inference"
     rules = f", {len(problem.rules)} order rules" if problem.rules else ""
+    replicas = (f" x {problem.mesh.data} data-parallel replicas" if problem.mesh.data > 1
+                else "")
+    resident = " ".join(map(problem.show_memory, problem.static_memory))
+    weights = f", weights per device [{resident}]" if any(problem.static_memory) else ""
     return (f"{problem.name}: {task}, {count(len(problem.blocks), 'block')} ({parts}) on "
-            f"{count(problem.num_devices, 'device')}, "
+            f"{count(problem.num_devices, 'device')}{replicas}, "
             f"{count(problem.num_micro_batches, 'micro-batch')}, "
-            f"memory {problem.show_memory(problem.memory_capacity)}{rules}; "
+            f"memory {problem.show_memory(problem.memory_capacity)}{weights}{rules}; "
             f"load per device [{loads}], repetend period >= {problem.load_bound()}")
 
 
