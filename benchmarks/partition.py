@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "models"))
 
-from runtime import TorchScheduleCase  # noqa: E402 - the benchmarks folder is on sys.path now
+from runtime import (TorchScheduleCase, print_ratio, print_times,  # noqa: E402 - on sys.path
+                     run_rounds)
 
 MODELS = {  # name -> (module with model/batch/loss, its folder for the plans' model.path)
     "unequal": ("unequal", ROOT / "tests" / "models"),
@@ -145,26 +146,17 @@ def worker(directory: Path, rounds: int) -> None:
         for schedule in ("Schedule1F1B", "ScheduleGPipe"):
             cases.append(TorchSplitCase(f"{name}: torch {schedule}, pyplan split", schedule,
                                         item["module"], item["stages"]))
-    rounds_of: dict[str, list[float]] = {case.name: [] for case in cases}
-    for _ in range(rounds):
-        for case in cases:
-            rounds_of[case.name].append(statistics.median(case.run()[1:]))
+    rounds_of = run_rounds(cases, rounds)
     if dist.get_rank() == 0:
         report(info, rounds_of)
     dist.destroy_process_group()
 
 
 def report(info: dict, rounds_of: dict[str, list[float]]) -> None:
-    count = len(next(iter(rounds_of.values())))
-    print(f"median iteration time, {ITERATIONS - 1} iterations x {count} rounds "
-          f"(4 gloo ranks, {os.cpu_count()} CPU cores):")
-    for name, seconds in rounds_of.items():
-        print(f"  {name:42} {statistics.median(seconds) * 1e3:8.1f} ms")
+    print_times(rounds_of, 42)
 
     def ratio(label: str, slow: str, fast: str) -> None:
-        values = sorted(a / b for a, b in zip(rounds_of[slow], rounds_of[fast]))
-        print(f"  {label:58} {statistics.median(values):.2f}x  (min {values[0]:.2f}, max "
-              f"{values[-1]:.2f})")
+        print_ratio(rounds_of, f"  {label}", slow, fast, width=60)
 
     print("ratios (> 1: the first named is faster):")
     for name, item in info.items():
@@ -181,7 +173,6 @@ def report(info: dict, rounds_of: dict[str, list[float]]) -> None:
         print(f"  {name}: pyplan's stages: " + " | ".join(",".join(s) for s in item["stages"]))
 
 
-ITERATIONS = int(os.environ.get("PYPLAN_BENCH_ITERATIONS", "6"))
 
 
 def main() -> int:

@@ -247,29 +247,44 @@ def worker(directory: Path, rounds: int) -> None:
                    blocking=False, sync_at_end=True),
         TorchDDPCase("torch Schedule1F1B + DDP, DP2xPP2"),
     ]
-    # Per round, each case's median iteration: a ratio is taken within a round (the same
-    # machine load for both cases) and reported as its spread over the rounds.
-    rounds_of: dict[str, list[float]] = {case.name: [] for case in cases}
-    for _ in range(rounds):
-        for case in cases:
-            rounds_of[case.name].append(statistics.median(case.run()[WARMUP:]))
+    rounds_of = run_rounds(cases, rounds)
     if dist.get_rank() == 0:
         report(rounds_of)
     dist.destroy_process_group()
 
 
-def report(rounds_of: dict[str, list[float]]) -> None:
+def run_rounds(cases, rounds: int) -> dict[str, list[float]]:
+    """Per round, each case's median iteration: a ratio is taken within a round (the same
+    machine load for both cases) and reported as its spread over the rounds."""
+    rounds_of: dict[str, list[float]] = {case.name: [] for case in cases}
+    for _ in range(rounds):
+        for case in cases:
+            rounds_of[case.name].append(statistics.median(case.run()[WARMUP:]))
+    return rounds_of
+
+
+def print_times(rounds_of: dict[str, list[float]], width: int) -> None:
     count = len(next(iter(rounds_of.values())))
-    median = {name: statistics.median(t) for name, t in rounds_of.items()}
     print(f"median iteration time, {ITERATIONS - WARMUP} iterations x {count} rounds "
           f"(4 gloo ranks, {os.cpu_count()} CPU cores):")
-    for name, seconds in median.items():
-        print(f"  {name:34} {seconds * 1e3:8.1f} ms")
+    for name, seconds in rounds_of.items():
+        print(f"  {name:{width}} {statistics.median(seconds) * 1e3:8.1f} ms")
+
+
+def print_ratio(rounds_of: dict[str, list[float]], label: str, slow: str, fast: str,
+                width: int = 62) -> None:
+    """slow / fast within each round: the median, with the least and the largest."""
+    values = sorted(a / b for a, b in zip(rounds_of[slow], rounds_of[fast]))
+    print(f"{label:{width}} {statistics.median(values):.2f}x  (min {values[0]:.2f}, max "
+          f"{values[-1]:.2f} over {len(values)} rounds)")
+
+
+def report(rounds_of: dict[str, list[float]]) -> None:
+    median = {name: statistics.median(t) for name, t in rounds_of.items()}
+    print_times(rounds_of, 34)
 
     def ratio(label: str, slow: str, fast: str) -> None:
-        values = sorted(a / b for a, b in zip(rounds_of[slow], rounds_of[fast]))
-        print(f"{label:62} {statistics.median(values):.2f}x  (min {values[0]:.2f}, max "
-              f"{values[-1]:.2f} over {count} rounds)")
+        print_ratio(rounds_of, label, slow, fast)
 
     print("ratios (> 1: the first named is faster):")
     ratio("non-blocking vs blocking, V-shape 1F1B", "pyplan 1F1B, blocking",

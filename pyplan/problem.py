@@ -132,10 +132,21 @@ class Problem:
     def load_bound(self) -> int:
         return self.graph.load_bound()
 
+    @property
+    def sync_time(self) -> int:
+        """Time of one stage's gradient synchronisation across data-parallel replicas on a
+        device; 0 when there is nothing to synchronise (inference, or one replica)."""
+        return self.mesh.sync if self.syncs_gradients else 0
+
+    @property
+    def syncs_gradients(self) -> bool:
+        """A training plan with data-parallel replicas: each stage's gradients are synchronised."""
+        return self.training and self.mesh.data > 1
+
     def makespan_bound(self) -> int:
         """No schedule of the plan's micro-batches within its memory is shorter than this."""
         bound = self.graph.makespan_bound(self.num_micro_batches, self.capacity)
-        if self.training and self.mesh.data > 1:
+        if self.syncs_gradients:
             # A device's last block is a gradient block (a forward comes before its backward,
             # on the same device); its stage's synchronisation follows it.
             loads = self.device_loads()  # per micro-batch

@@ -67,7 +67,7 @@ def gradient_syncs(problem: Problem, orders: Orders, start: Sequence[int]) -> tu
     per stage, ready when the stage's last gradient block there (its weight gradient when split)
     ends (for a block on several devices, when the device's last block does), one after
     another on the device's communication stream, `mesh.sync` long each."""
-    if not problem.training or problem.mesh.data <= 1:
+    if not problem.syncs_gradients:
         return ()
     blocks, k = problem.blocks, len(problem.blocks)
     syncs = []
@@ -183,7 +183,7 @@ def with_syncs(problem: Problem, orders: Orders,
                ev: _core.Evaluation) -> tuple[tuple[Sync, ...], int, float]:
     """The gradient synchronisations of orders the core evaluated, and the makespan and bubble
     rate with them (they may end after the compute)."""
-    if not problem.training or problem.mesh.data <= 1:
+    if not problem.syncs_gradients:
         return (), ev.makespan, ev.bubble_rate  # (ev.start copies the whole vector: skip it)
     syncs = gradient_syncs(problem, orders, ev.start)
     makespan = max([ev.makespan] + [s.end for s in syncs])

@@ -6,7 +6,6 @@ write the plan of the one with the shortest makespan."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -51,21 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to write the plan (then pyplan solve PLAN)")
 
 
-def _function(text: str, what: str):
-    module_name, _, attr = text.partition(":")
-    if not module_name or not attr:
-        raise PlanError(f"{what} {text!r} is not an import path pkg.mod:fn")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise PlanError(f"{what}: cannot import {module_name}: {exc}",
-                        hint="run from the folder that holds the model's package") from None
-    function = getattr(module, attr, None)
-    if not callable(function):
-        raise PlanError(f"{what}: {module_name} has no function {attr!r}")
-    return function, module
-
-
 def _package_root(module) -> Path | None:
     """The folder the plan must put on sys.path to import `module`: the working directory when
     that is where it was found (else None: it is installed or on the path anyway)."""
@@ -104,14 +88,16 @@ def run(args: argparse.Namespace) -> int:
     require_torch("partition")
     import torch
 
-    from pyplan.runtime.binding import Model, make_batch, seed_everything, split_batch
+    from pyplan.runtime.binding import (Model, import_function, make_batch, seed_everything,
+                                        split_batch)
     from pyplan.runtime.profile import profile_units
 
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # FACTORY is imported like `python -c` would
-    factory, factory_module = _function(args.factory, "FACTORY")
-    data, _ = _function(args.data, "--data")
-    loss, _ = _function(args.loss, "--loss")
+    here = "run from the folder that holds the model's package"
+    factory = import_function(args.factory, "FACTORY", hint=here)
+    data = import_function(args.data, "--data", hint=here)
+    loss = import_function(args.loss, "--loss", hint=here)
     seed_everything(args.seed, "module")
     try:  # the user's code: any failure is theirs to see, in one line
         model = factory()
@@ -126,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     inputs, targets = split_batch(inputs, n)[0], split_batch(targets, n)[0]
     units, traced = _profile(profile_units, model, inputs, targets, loss, args)
     out = Path(args.output)
-    root = _package_root(factory_module)
+    root = _package_root(sys.modules[args.factory.partition(":")[0]])
     path = None if root is None else os.path.relpath(root, out.resolve().parent)
     chunks = args.chunks if args.shape == "interleaved" else 1
     plans = partition_plans(units, devices=args.devices, chunks=chunks,

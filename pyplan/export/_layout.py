@@ -14,8 +14,7 @@ __all__ = ["device_chunks", "memory_steps", "repetitions", "time_step"]
 def time_step(problem: Problem) -> int:
     """The gcd of the block times (and of the synchronisation time): every start and end is a
     multiple of it."""
-    sync = problem.mesh.sync if problem.training and problem.mesh.data > 1 else 0
-    return reduce(gcd, [b.time for b in problem.blocks] + [sync])
+    return reduce(gcd, [b.time for b in problem.blocks] + [problem.sync_time])
 
 
 def device_chunks(problem: Problem) -> dict[tuple[int, int], int]:

@@ -25,7 +25,7 @@ from pyplan.errors import PlanError, RunError
 from pyplan.problem import Problem
 
 __all__ = ["SHARD_DIM", "Model", "block_inputs", "build_modules", "check_model",
-           "forward_blocks", "forward_rng", "load_model", "make_batch", "named_parameters",
+           "forward_blocks", "forward_rng", "import_function", "load_model", "make_batch", "named_parameters",
            "seed_everything", "shard", "shard_dim", "split_batch", "submodules",
            "traced_stages"]
 
@@ -112,17 +112,25 @@ def submodules(whole: torch.nn.Module, stages: dict[str, tuple[str, ...]],
     return out
 
 
-def _function(text: str, what: str, file: str) -> Callable:
+def import_function(text: str, what: str, *, file: str | None = None,
+                    hint: str = "install the model's package or set model.path") -> Callable:
+    """The function an import path "pkg.mod:fn" names; PlanError (about `what`) otherwise."""
     module_name, _, attr = text.partition(":")
+    if not module_name or not attr:
+        raise PlanError(f"{what} {text!r} is not an import path pkg.mod:fn", file=file)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise PlanError(f"model.{what}: cannot import {module_name}: {exc}",
-                        hint="install the model's package or set model.path", file=file) from None
+        raise PlanError(f"{what}: cannot import {module_name}: {exc}", hint=hint,
+                        file=file) from None
     function = getattr(module, attr, None)
     if not callable(function):
-        raise PlanError(f"model.{what}: {module_name} has no function {attr!r}", file=file)
+        raise PlanError(f"{what}: {module_name} has no function {attr!r}", file=file)
     return function
+
+
+def _function(text: str, what: str, file: str) -> Callable:
+    return import_function(text, f"model.{what}", file=file)
 
 
 def load_model(problem: Problem, plan_dir: Path) -> Model:

@@ -222,7 +222,7 @@ class Executor:
         replicas = self.lowered.problem.mesh.data
         try:
             if self.lowered.problem.mesh.shard:
-                flat = torch.nn.functional.pad(flat, (0, -len(flat) % replicas))
+                flat = padded(flat, replicas)
                 part = flat.new_empty(len(flat) // replicas)
                 handle = dist.reduce_scatter_tensor(part, flat, group=self.dp_group,
                                                     async_op=True)
@@ -275,11 +275,22 @@ def flat_gradients(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in params])
 
 
-def set_gradients(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+def padded(flat: torch.Tensor, parts: int) -> torch.Tensor:
+    """`flat` with zeros at the end, so that it splits into `parts` equal parts."""
+    return torch.nn.functional.pad(flat, (0, -len(flat) % parts))
+
+
+def unflatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy consecutive slices of `flat` into the tensors (the inverse of flattening them)."""
     offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-        offset += p.numel()
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def set_gradients(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    unflatten_into([p.grad for p in params], flat)
 
 
 def _last_uses(program) -> dict[int, list[Value]]:

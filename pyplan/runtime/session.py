@@ -25,7 +25,7 @@ from pyplan.lower import COMPUTE, SYNC, Lowered, describe
 from pyplan.runtime.binding import Model, build_modules, make_batch, split_batch
 from pyplan.runtime.check import Verdict, compare, full_gradients, reference_run
 from pyplan.runtime.comm import Comm, TransferError, all_gather_objects
-from pyplan.runtime.executor import Executor
+from pyplan.runtime.executor import Executor, padded, unflatten_into
 from pyplan.runtime.faults import Watchdog
 from pyplan.trace import chrome_trace, write_chrome_trace
 
@@ -238,8 +238,7 @@ class _Shards:
             params = [p for p in modules[ins.block].parameters() if p.requires_grad]
             if not params:
                 continue
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
-            flat = torch.nn.functional.pad(flat, (0, -len(flat) % replicas))
+            flat = padded(torch.cat([p.detach().reshape(-1) for p in params]), replicas)
             size = len(flat) // replicas
             part = torch.nn.Parameter(flat[replica * size:(replica + 1) * size].clone())
             self.stages[ins.block] = (params, flat, part)
@@ -254,11 +253,7 @@ class _Shards:
         self.optimizer.step()
         for params, flat, part in self.stages.values():
             dist.all_gather_into_tensor(flat, part.detach(), group=self.group)
-            offset = 0
-            with torch.no_grad():
-                for p in params:
-                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+            unflatten_into(params, flat)
 
 
 def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:

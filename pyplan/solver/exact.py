@@ -225,8 +225,7 @@ class _TimeModel:
         if anchor is None or anchor.kind == "cooldown":
             # With data-parallel replicas a gradient block is followed by its stage's
             # synchronisation (on each device they also queue: this bound ignores that).
-            sync = self.problem.mesh.sync if self.problem.training and \
-                self.problem.mesh.data > 1 else 0
+            sync = self.problem.sync_time
             self.cons += [objective >= s[i] + t[i] +
                           (0 if blocks[b].is_forward else sync)
                           for i, (b, _) in enumerate(self.inst)]
