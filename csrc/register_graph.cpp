@@ -29,16 +29,22 @@ void register_graph(py::module_& m) {
     py::class_<Graph>(m, "Graph")
         .def(py::init([](int num_devices, std::vector<Block> blocks,
                          const std::vector<std::pair<int, int>>& edges,
-                         std::vector<OrderRule> rules, std::vector<int64_t> static_memory) {
+                         std::vector<OrderRule> rules, std::vector<int64_t> static_memory,
+                         const std::vector<int64_t>& delays) {
+                 if (!delays.empty() && delays.size() != edges.size())
+                     throw std::invalid_argument("delays needs one transfer time per edge");
                  std::vector<Edge> es;
                  es.reserve(edges.size());
-                 for (auto [a, b] : edges) es.push_back({a, b});
+                 for (size_t i = 0; i < edges.size(); ++i)
+                     es.push_back({edges[i].first, edges[i].second,
+                                   delays.empty() ? 0 : delays[i]});
                  return Graph(num_devices, std::move(blocks), std::move(es), std::move(rules),
                               std::move(static_memory));
              }),
              py::arg("num_devices"), py::arg("blocks"), py::arg("edges"),
              py::arg("rules") = std::vector<OrderRule>{},
-             py::arg("static_memory") = std::vector<int64_t>{})
+             py::arg("static_memory") = std::vector<int64_t>{},
+             py::arg("delays") = std::vector<int64_t>{})
         .def_property_readonly("static_memory",
                                [](const Graph& g) { return g.static_memory(); })
         .def_property_readonly("num_devices", &Graph::num_devices)
@@ -48,6 +54,12 @@ void register_graph(py::module_& m) {
                                [](const Graph& g) {
                                    std::vector<std::pair<int, int>> out;
                                    for (const Edge& e : g.edges()) out.push_back({e.from, e.to});
+                                   return out;
+                               })
+        .def_property_readonly("delays",
+                               [](const Graph& g) {
+                                   std::vector<int64_t> out;
+                                   for (const Edge& e : g.edges()) out.push_back(e.delay);
                                    return out;
                                })
         .def_property_readonly("rules", &Graph::rules)

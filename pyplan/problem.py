@@ -41,6 +41,14 @@ class Block:
     """The declared block this one derives from (its own name for declared blocks)."""
     weights: int = 0
     """Static memory on each of its devices for the whole run (declared blocks only)."""
+    recompute: str = "never"
+    """Forward blocks with a derived backward: never, always or auto (the solver chooses)."""
+    recompute_memory: int = 0
+    """What the block keeps from its forward to its backward when recomputed."""
+    recomputed: bool = False
+    """Recomputation applied: memory is recompute_memory, the backward's time includes this
+    forward's, and while the backward runs it holds `rematerialised` more."""
+    rematerialised: int = 0
 
     @property
     def is_forward(self) -> bool:
@@ -82,6 +90,8 @@ class Problem:
     blocks: tuple[Block, ...]
     edges: tuple[tuple[int, int], ...]
     rules: tuple[OrderRule, ...] = ()
+    transfers: tuple[int, ...] = ()
+    """Per edge, the time its data takes between devices (0 within one; empty: all 0)."""
     search: SearchSpec = SearchSpec()
     mesh: MeshSpec = MeshSpec()
     """Data-parallel replicas of this pipeline and their gradient synchronisation."""
@@ -104,16 +114,52 @@ class Problem:
             [_core.Block(b.name, b.time, b.memory, list(b.devices)) for b in self.blocks],
             list(self.edges),
             [_core.OrderRule(r.before, r.before_shift, r.after, r.after_shift, r.min_m)
-             for r in self.rules], list(self.static_memory))
+             for r in self.rules], list(self.static_memory), list(self.transfers))
 
     @cached_property
     def static_memory(self) -> tuple[int, ...]:
-        """Per device, the weights resident for the whole run."""
+        """Per device, the weights resident for the whole run, and room for the largest
+        activations a recomputing backward re-materialises (one block runs at a time)."""
         out = [0] * self.num_devices
+        room = [0] * self.num_devices
         for b in self.blocks:
             for d in b.devices:
                 out[d] += b.weights
-        return tuple(out)
+                room[d] = max(room[d], b.rematerialised)
+        return tuple(w + r for w, r in zip(out, room))
+
+    @cached_property
+    def transfer(self) -> dict[tuple[int, int], int]:
+        """The transfer time of each edge with one."""
+        return {e: t for e, t in zip(self.edges, self.transfers) if t}
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        """Names of the forward blocks whose activations are recomputed."""
+        return tuple(b.name for b in self.blocks if b.recomputed)
+
+    def recompute_choices(self) -> tuple[int, ...]:
+        """Forward blocks whose recomputation the solver decides (recompute: auto)."""
+        return tuple(b.index for b in self.blocks if b.recompute == "auto" and not b.recomputed)
+
+    def with_recompute(self, chosen, *, rerun: bool = True) -> Problem:
+        """The problem with these forward blocks recomputed: each keeps only its
+        recompute_memory; its backward first reruns it (the forward's time added) and
+        re-materialises the rest of its activations while it runs. rerun=False leaves out
+        those two costs: a relaxation no choice of recomputation beats (for lower bounds)."""
+        blocks = list(self.blocks)
+        for index in sorted(set(chosen)):
+            fwd = blocks[index]
+            if fwd.recomputed:
+                continue
+            extra = fwd.memory - fwd.recompute_memory
+            back = blocks[self.by_name[f"{fwd.name}.b"]]
+            blocks[index] = dataclasses.replace(fwd, memory=fwd.recompute_memory,
+                                                recomputed=rerun,
+                                                rematerialised=extra if rerun else 0)
+            blocks[back.index] = dataclasses.replace(
+                back, time=back.time + (fwd.time if rerun else 0), memory=back.memory + extra)
+        return dataclasses.replace(self, blocks=tuple(blocks))
 
     def headroom(self, device: int) -> int | None:
         """What the capacity leaves for activations on a device after its weights."""
@@ -183,15 +229,16 @@ class _Builder:
         self.edges: list[tuple[int, int]] = []
         self.paths: list[tuple] = []  # document path of the declaration behind each block
         self.by_name: dict[str, int] = {}
+        self.declared: dict[str, BlockSpec] = {}
 
     def fail(self, path, message, hint=None, **kw) -> PlanError:
         return self.source.error(path, message, hint, **kw)
 
     def add(self, name: str, kind: str, time: int, memory: int, devices: tuple[int, ...],
-            path: tuple, weights: int = 0) -> int:
+            path: tuple, **extra) -> int:
         index = len(self.blocks)
         self.blocks.append(Block(index, name, kind, time, memory, devices, layer_of(name, kind),
-                                 weights))
+                                 **extra))
         self.paths.append(path)
         self.by_name[name] = index
         return index
@@ -231,7 +278,9 @@ class _Builder:
                                 f"block '{spec.name}' alone needs {self.show(spec.memory)} per "
                                 f"device, more than the capacity {self.show(capacity)}",
                                 "split the block over more devices or raise memory:")
-            self.add(spec.name, spec.kind, spec.time, spec.memory, devices, path, spec.weights)
+            self.declared[spec.name] = spec
+            self.add(spec.name, spec.kind, spec.time, spec.memory, devices, path,
+                     weights=spec.weights, recompute_memory=spec.recompute_memory)
 
     def show(self, amount: int) -> str:
         return format_memory(amount, self.spec.memory_is_size)
@@ -301,6 +350,58 @@ class _Builder:
             index = self.by_name[name]
             if not any(self.blocks[d].name in derived for s, d in forward_edges if s == index):
                 self.edges.append((index, self.by_name[f"{name}.b"]))
+
+    # -- transfers and recomputation
+
+    def transfers(self) -> list[int]:
+        """Per edge, the time its data takes to reach the devices of the consumer that the
+        producer is not on: a forward edge carries the producer's output, a gradient edge
+        (c.b -> a.b) the gradient of a's output, the same size."""
+        topology = self.spec.topology
+        out = []
+        for x, y in self.edges:
+            src, dst = self.blocks[x], self.blocks[y]
+            owner = dst.layer if not src.is_forward and not dst.is_forward and \
+                src.layer != src.name and dst.layer != dst.name else src.layer
+            spec = self.declared.get(owner)
+            missing = [q for q in dst.devices if q not in src.devices]
+            if spec is None or not missing:
+                out.append(0)
+            elif spec.transfer is not None:
+                out.append(spec.transfer)
+            elif spec.output is not None:
+                out.append(max(min(topology.transfer_time(spec.output, p, q)
+                                   for p in src.devices) for q in missing))
+            else:
+                out.append(0)
+        return out
+
+    def recompute(self) -> list[int]:
+        """Mark each forward block with a derived backward with its recompute mode; return
+        those recomputed always."""
+        always = []
+        for name, spec in self.declared.items():
+            block = self.blocks[self.by_name[name]]
+            mode = spec.recompute or (self.spec.recompute if self.spec.training else "never")
+            derived = f"{name}.b" in self.by_name and self.blocks[
+                self.by_name[f"{name}.b"]].layer == name and block.kind == FORWARD
+            if mode == "never":
+                continue
+            if not derived:
+                if spec.recompute is None:
+                    continue  # the plan-wide default only concerns blocks it can apply to
+                raise self.fail(spec.path + ("recompute",), f"block '{name}' has no derived "
+                                "backward to recompute it in",
+                                "recompute applies to forward blocks of a training plan")
+            if not 0 <= spec.recompute_memory <= block.memory:
+                raise self.fail(spec.path + ("recompute_memory",),
+                                f"block '{name}' keeps {self.show(spec.recompute_memory)} when "
+                                f"recomputed, but holds only {self.show(block.memory)}",
+                                "recompute_memory is what it keeps (its input), at most memory")
+            self.blocks[block.index] = dataclasses.replace(block, recompute=mode)
+            if mode == "always":
+                always.append(block.index)
+        return always
 
     # -- whole-problem checks
 
@@ -383,14 +484,17 @@ class _Builder:
         self.check_memory_balance()
         self.check_model_stages()
         rules = self.rules()
+        always = self.recompute()
+        transfers = self.transfers()
         return Problem(name=spec.name, description=spec.description,
                        num_devices=spec.num_devices, memory_capacity=spec.memory_capacity,
                        memory_is_size=spec.memory_is_size,
                        num_micro_batches=spec.num_micro_batches, training=spec.training,
                        blocks=tuple(self.blocks), edges=tuple(self.edges), rules=tuple(rules),
+                       transfers=tuple(transfers) if any(transfers) else (),
                        search=spec.search, mesh=spec.mesh, model=spec.model,
                        spec_sha256=spec.source.sha256,
-                       source_path=spec.source.path)
+                       source_path=spec.source.path).with_recompute(always)
 
 
 class RuleError(RuleSyntaxError):

@@ -2,8 +2,8 @@
 
 They are the oracle of the differential tests (tests/test_core_*.py) and the baseline of
 benchmarks/core.py. Each function mirrors one in csrc/core and takes plain data:
-``blocks`` is a list of (time, memory, devices) tuples, ``edges`` a list of (from, to) pairs,
-``rules`` a list of (before, before_shift, after, after_shift, min_m) tuples.
+``blocks`` is a list of (time, memory, devices) tuples, ``edges`` a list of (from, to) pairs
+or (from, to, transfer time) triples, ``rules`` a list of (before, before_shift, after, after_shift, min_m) tuples.
 """
 
 from __future__ import annotations
@@ -20,15 +20,20 @@ __all__ = [
 
 def _succ(k, edges):
     out = [[] for _ in range(k)]
-    for a, b in edges:
+    for a, b, _ in _triples(edges):
         out[a].append(b)
     return out
+
+
+def _triples(edges):
+    """Edges as (from, to, transfer time)."""
+    return [(e[0], e[1], e[2] if len(e) > 2 else 0) for e in edges]
 
 
 def topological_order(k, edges):
     """Kahn's algorithm taking the smallest ready index first; [] when there is a cycle."""
     indegree = [0] * k
-    for _, b in edges:
+    for _, b, _ in _triples(edges):
         indegree[b] += 1
     done, order = set(), []
     while len(order) < k:
@@ -38,7 +43,7 @@ def topological_order(k, edges):
         b = min(ready)
         done.add(b)
         order.append(b)
-        for a, c in edges:
+        for a, c, _ in _triples(edges):
             if a == b:
                 indegree[c] -= 1
     return order
@@ -78,9 +83,9 @@ def heads(blocks, edges):
     k = len(blocks)
     head = [0] * k
     for b in topological_order(k, edges):
-        for a, c in edges:
+        for a, c, delay in _triples(edges):
             if a == b:
-                head[c] = max(head[c], head[b] + blocks[b][0])
+                head[c] = max(head[c], head[b] + blocks[b][0] + delay)
     return head
 
 
@@ -88,9 +93,9 @@ def tails(blocks, edges):
     k = len(blocks)
     tail = [0] * k
     for b in reversed(topological_order(k, edges)):
-        for a, c in edges:
+        for a, c, delay in _triples(edges):
             if a == b:
-                tail[b] = max(tail[b], blocks[c][0] + tail[c])
+                tail[b] = max(tail[b], delay + blocks[c][0] + tail[c])
     return tail
 
 
@@ -102,10 +107,12 @@ def critical_path(blocks, edges):
 def _idle_before_fed(blocks, edges, d):
     """Least idle time of device d before it first runs a block fed from another device, and
     which blocks on d are so fed. Until then d can only run blocks all of whose ancestors are
-    on d; while a chain of other devices' blocks that conflict with all of those runs, d waits."""
+    on d; while a chain of other devices' blocks that conflict with all of those runs, d waits,
+    and during transfers too when it has no such blocks at all."""
     k = len(blocks)
     on = [d in blocks[b][2] for b in range(k)]
-    preds = [[a for a, c in edges if c == b] for b in range(k)]
+    preds = [[a for a, c, _ in _triples(edges) if c == b] for b in range(k)]
+    delay = {(a, c): t for a, c, t in _triples(edges)}
     order = topological_order(k, edges)
     closed, fed, after_fed = [False] * k, [False] * k, [False] * k
     for b in order:
@@ -114,14 +121,18 @@ def _idle_before_fed(blocks, edges, d):
             fed[b] = any(not on[p] for p in preds[b])
         after_fed[b] = any(fed[p] or after_fed[p] for p in preds[b])
     free = [e for e in range(k) if closed[e]]
+
+    def arrival(b):
+        return max([chain[p] + (delay[(p, b)] if not free else 0)
+                    for p in preds[b] if not on[p]], default=0)
+
     chain = [0] * k
     for b in order:
         if not on[b]:
             waits = all(_shares(blocks, b, e) for e in free)
-            chain[b] = (blocks[b][0] if waits else 0) + \
-                max([chain[p] for p in preds[b] if not on[p]], default=0)
+            chain[b] = (blocks[b][0] if waits else 0) + arrival(b)
     firsts = [b for b in range(k) if fed[b] and not after_fed[b]]
-    idle = min((max(chain[p] for p in preds[b] if not on[p]) for b in firsts), default=0)
+    idle = min((arrival(b) for b in firsts), default=0)
     return idle, fed
 
 
@@ -141,9 +152,9 @@ def _memory_bound(blocks, edges, d, n, capacity, head, tail):
         dist = {a: 0}
         for b in order:
             if b in dist:
-                for x, c in edges:
+                for x, c, delay in _triples(edges):
                     if x == b:
-                        dist[c] = max(dist.get(c, 0), dist[b] + blocks[b][0])
+                        dist[c] = max(dist.get(c, 0), dist[b] + blocks[b][0] + delay)
         if any(f not in dist for f in frees):
             return 0
         shortest = min(shortest, min(dist[f] for f in frees))
@@ -159,7 +170,7 @@ def makespan_bound(num_devices, blocks, edges, n, capacity=-1):
     head, tail = heads(blocks, edges), tails(blocks, edges)
     loads = device_loads(num_devices, blocks)
     bound = critical_path(blocks, edges)
-    reverse = [(c, a) for a, c in edges]
+    reverse = [(c, a, t) for a, c, t in _triples(edges)]
     for d in range(num_devices):
         on = [b for b in range(k) if d in blocks[b][2]]
         if not on:
@@ -170,7 +181,7 @@ def makespan_bound(num_devices, blocks, edges, n, capacity=-1):
         # The two idle stretches are disjoint when some fed block precedes a feeding one.
         reach = [feeds[b] for b in range(k)]
         for b in reversed(topological_order(k, edges)):
-            reach[b] = reach[b] or any(reach[c] for a, c in edges if a == b)
+            reach[b] = reach[b] or any(reach[c] for a, c, _ in _triples(edges) if a == b)
         disjoint = any(fed[b] and reach[b] for b in range(k))
         idle = idle_head + idle_tail if disjoint else max(idle_head, idle_tail)
         bound = max(bound, n * loads[d] + idle)
@@ -193,17 +204,17 @@ def evaluate(num_devices, blocks, edges, orders, *, capacity=-1, initial_memory=
         for m in range(complete):
             if (b, m) not in scheduled:
                 raise ValueError(f"block {b} of micro-batch {m} is not scheduled")
-    preds = {inst: [] for inst in scheduled}
+    preds = {inst: [] for inst in scheduled}  # (instance, transfer time)
     for (b, m) in scheduled:
-        for a, c in edges:
+        for a, c, delay in _triples(edges):
             if c == b and (a, m) in scheduled:
-                preds[(b, m)].append((a, m))
+                preds[(b, m)].append(((a, m), delay))
         for before, bshift, after, ashift, min_m in rules:
             if after == b:
                 base = m - ashift
                 other = (before, base + bshift)
                 if base >= min_m and other in scheduled and other != (b, m):
-                    preds[(b, m)].append(other)
+                    preds[(b, m)].append((other, 0))
     memory = [a + b for a, b in zip(initial_memory or [0] * num_devices,
                                     static_memory or [0] * num_devices)]
     peak = list(memory)
@@ -221,14 +232,14 @@ def evaluate(num_devices, blocks, edges, orders, *, capacity=-1, initial_memory=
             time, mem, devices = blocks[b]
             at_head = all(position[e] < len(orders[e]) and orders[e][position[e]] == inst
                           for e in devices)
-            if not at_head or any(p not in end for p in preds[inst]):
+            if not at_head or any(p not in end for p, _ in preds[inst]):
                 continue
             for e in devices:
                 memory[e] += mem
                 if capacity >= 0 and memory[e] > capacity:
                     return {"ok": False, "reason": "memory"}
                 peak[e] = max(peak[e], memory[e])
-            s = max([free[e] for e in devices] + [end[p] for p in preds[inst]])
+            s = max([free[e] for e in devices] + [end[p] + t for p, t in preds[inst]])
             start[inst] = s
             end[inst] = s + time
             for e in devices:
@@ -256,9 +267,9 @@ def longest_paths(blocks, edges):
         for b in order:
             if dist[src][b] < 0:
                 continue
-            for a, c in edges:
+            for a, c, delay in _triples(edges):
                 if a == b:
-                    dist[src][c] = max(dist[src][c], dist[src][b] + blocks[b][0])
+                    dist[src][c] = max(dist[src][c], dist[src][b] + blocks[b][0] + delay)
     return dist
 
 
@@ -285,7 +296,7 @@ def enumerate_repetends(num_devices, blocks, edges, num_mb, *, capacity=-1, peri
     for n in itertools.product(range(num_mb), repeat=k):
         if min(n) != 0 or max(n) != num_mb - 1:
             continue
-        if any(n[b] > n[a] for a, b in edges):
+        if any(n[b] > n[a] for a, b, _ in _triples(edges)):
             continue
         if any(n[after] - n[before] > ashift - bshift
                for before, bshift, after, ashift, _ in rules):
@@ -319,7 +330,7 @@ def evaluate_repetend(num_devices, blocks, edges, indices, orders, *, rules=(), 
     upward. Returns None when the order contradicts the dependencies, else a dict."""
     k = len(blocks)
     n = indices
-    cons = [(a, b, blocks[a][0], n[a] - n[b]) for a, b in edges]
+    cons = [(a, b, blocks[a][0] + delay, n[a] - n[b]) for a, b, delay in _triples(edges)]
     for before, bshift, after, ashift, _ in rules:
         h = (ashift - bshift) - n[after] + n[before]
         if h < 0:

@@ -127,12 +127,18 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
         "blocks:",
     ]
     for b in problem.blocks:
-        weights = f", weights: {b.weights}" if b.weights else ""
+        extra = f", weights: {b.weights}" if b.weights else ""
+        if b.recompute != "never":  # times and memory below already include the choice
+            extra += (f", recompute: {b.recompute}, recompute_memory: {b.recompute_memory}, "
+                      f"recomputed: {'true' if b.recomputed else 'false'}")
+            extra += f", rematerialised: {b.rematerialised}" if b.recomputed else ""
         lines.append(f"  - {{name: {b.name}, kind: {b.kind}, time: {b.time}, "
-                     f"memory: {b.memory}{weights}, devices: {_flow(b.devices)}}}")
+                     f"memory: {b.memory}{extra}, devices: {_flow(b.devices)}}}")
     lines.append("dependencies:")
-    for a, c in problem.edges:
-        lines.append(f"  - [{problem.blocks[a].name}, {problem.blocks[c].name}]")
+    for e in problem.edges:
+        delay = problem.transfer.get(e)
+        lines.append(f"  - [{problem.blocks[e[0]].name}, {problem.blocks[e[1]].name}"
+                     + (f", {delay}]" if delay else "]"))
     if problem.rules:
         lines.append("order_rules:")
         for r in problem.rules:
@@ -270,11 +276,18 @@ class _Reader:
                 devices = tuple(int(d) for d in raw["devices"])
                 name, kind = str(raw["name"]), str(raw["kind"])
                 block = Block(i, name, kind, int(raw["time"]), int(raw["memory"]), devices,
-                              layer_of(name, kind), int(raw.get("weights", 0)))
+                              layer_of(name, kind), int(raw.get("weights", 0)),
+                              recompute=str(raw.get("recompute", "never")),
+                              recompute_memory=int(raw.get("recompute_memory", 0)),
+                              recomputed=raw.get("recomputed") is True,
+                              rematerialised=int(raw.get("rematerialised", 0)))
             except (KeyError, TypeError, ValueError, OverflowError):
                 raise self.fail(("blocks", i), "malformed block") from None
             if not 1 <= block.time <= MAX_TIME or abs(block.memory) > MAX_MEMORY or \
-                    not 0 <= block.weights <= MAX_MEMORY:
+                    not 0 <= block.weights <= MAX_MEMORY or \
+                    block.recompute not in ("never", "always", "auto") or \
+                    not 0 <= block.recompute_memory <= MAX_MEMORY or \
+                    not 0 <= block.rematerialised <= MAX_MEMORY:
                 raise self.fail(("blocks", i), f"block '{block.name}' has a time or memory "
                                 "outside the supported ranges")
             if block.time <= 0 or not devices or \
@@ -282,11 +295,15 @@ class _Reader:
                 raise self.fail(("blocks", i), f"block '{block.name}' is invalid")
             by_name[block.name] = i
             blocks.append(block)
-        edges = []
+        edges, transfers = [], []
         for i, pair in enumerate(self.get("dependencies", list)):
-            if not (isinstance(pair, list) and len(pair) == 2 and all(p in by_name for p in pair)):
-                raise self.fail(("dependencies", i), "malformed dependency")
+            if not (isinstance(pair, list) and len(pair) in (2, 3) and
+                    all(p in by_name for p in pair[:2]) and
+                    (len(pair) == 2 or type(pair[2]) is int and 0 < pair[2] <= MAX_TIME)):
+                raise self.fail(("dependencies", i), "malformed dependency",
+                                "dependencies read [from, to] or [from, to, transfer time]")
             edges.append((by_name[pair[0]], by_name[pair[1]]))
+            transfers.append(pair[2] if len(pair) == 3 else 0)
         rules = []
         for i, text in enumerate(self.doc.get("order_rules") or []):
             try:
@@ -325,7 +342,8 @@ class _Reader:
             num_micro_batches=self.get("micro_batches", int, low=1,
                                        high=MAX_MICRO_BATCHES),
             training=self.doc.get("task") != "inference", blocks=tuple(blocks),
-            edges=tuple(edges), rules=tuple(rules), mesh=mesh, model=model,
+            edges=tuple(edges), rules=tuple(rules),
+            transfers=tuple(transfers) if any(transfers) else (), mesh=mesh, model=model,
             spec_sha256=str(self.get("spec_sha256", str)), source_path=self.path)
         try:
             cycle = problem.graph.find_cycle()

@@ -42,19 +42,26 @@ class _Expander:
         self.blocks.append(BlockSpec(
             name=name, time=self.pick(cost, "time", i, count),
             memory=self.pick(cost, "memory", i, count),
-            weights=self.pick(cost, "weights", i, count), devices=(device,), after=after,
+            weights=self.pick(cost, "weights", i, count),
+            transfer=self.pick(cost, "transfer", i, count),
+            output=self.pick(cost, "output", i, count), recompute=cost.recompute,
+            recompute_memory=self.pick(cost, "recompute_memory", i, count),
+            devices=(device,), after=after,
             backward=cost.backward, path=cost.path or self.shape.path))
 
     def shared(self, name: str, after: tuple[str, ...] | None) -> None:
         cost = self.shared_cost
         self.blocks.append(BlockSpec(name=name, time=cost.time, memory=cost.memory,
-                                     weights=cost.weights, devices=None, after=after,
+                                     weights=cost.weights, transfer=cost.transfer,
+                                     output=cost.output, recompute=cost.recompute,
+                                     recompute_memory=cost.recompute_memory,
+                                     devices=None, after=after,
                                      backward=cost.backward, path=cost.path or self.shape.path))
 
     @property
     def shared_cost(self) -> CostSpec:
         cost = self.shape.shared
-        for field in ("time", "memory", "weights"):
+        for field in ("time", "memory", "weights", "transfer", "output", "recompute_memory"):
             if isinstance(getattr(cost, field), tuple):
                 raise self.fail(cost.path + (field,),
                                 f"shared {field} must be one value, not a list")

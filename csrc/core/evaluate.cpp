@@ -103,15 +103,17 @@ Evaluation evaluate(const Graph& g, const DeviceOrders& orders, const EvalOption
         }
         waiting[id] = w;
     }
+    // fn(successor, delay): the delay is the dependency's transfer time (0 for order rules).
     auto for_each_successor = [&](int id, auto&& fn) {
         Instance inst = lay.inst(id);
-        for (int s : g.successors(inst.block)) {
-            int sid = lay.id({s, inst.mb});
-            if (present[sid]) fn(sid);
+        const auto& succ = g.successors(inst.block);
+        for (size_t i = 0; i < succ.size(); ++i) {
+            int sid = lay.id({succ[i], inst.mb});
+            if (present[sid]) fn(sid, g.successor_delays(inst.block)[i]);
         }
         for (int ri : rules_from[inst.block]) {
             int peer = rule_peer(g.rules()[ri], inst.mb, true);
-            if (peer >= 0 && peer != id) fn(peer);
+            if (peer >= 0 && peer != id) fn(peer, int64_t{0});
         }
     };
 
@@ -165,8 +167,8 @@ Evaluation evaluate(const Graph& g, const DeviceOrders& orders, const EvalOption
                 if (--waiting[next] == 0) queue.push_back(next);
             }
         }
-        for_each_successor(id, [&](int s) {
-            ready[s] = std::max(ready[s], end);
+        for_each_successor(id, [&](int s, int64_t delay) {
+            ready[s] = std::max(ready[s], end + delay);
             if (--waiting[s] == 0) queue.push_back(s);
         });
     }
@@ -176,7 +178,7 @@ Evaluation evaluate(const Graph& g, const DeviceOrders& orders, const EvalOption
         // Follow "waits for" links from a stalled device head until one repeats: that is the cycle.
         std::vector<std::vector<int>> pred(n);
         for (int p = 0; p < n; ++p)
-            if (present[p]) for_each_successor(p, [&](int s) { pred[s].push_back(p); });
+            if (present[p]) for_each_successor(p, [&](int s, int64_t) { pred[s].push_back(p); });
         std::vector<int> seen_at(n, -1);
         std::vector<std::string> chain;
         std::vector<int> ahead, waiter;  // per link: who holds a device (or -1) and who waits

@@ -44,13 +44,20 @@ Graph::Graph(int num_devices, std::vector<Block> blocks, std::vector<Edge> edges
     }
     succ_.assign(k, {});
     pred_.assign(k, {});
+    succ_delay_.assign(k, {});
+    pred_delay_.assign(k, {});
     for (const Edge& e : edges_) {
         if (e.from < 0 || e.from >= k || e.to < 0 || e.to >= k)
             throw std::out_of_range("dependency refers to a block index out of range");
         if (e.from == e.to)
             throw std::invalid_argument("block '" + blocks_[e.from].name + "' depends on itself");
+        if (e.delay < 0 || e.delay > kMaxTime)
+            throw std::invalid_argument("a dependency's transfer time must lie in 0 .. 2^40");
         succ_[e.from].push_back(e.to);
         pred_[e.to].push_back(e.from);
+        succ_delay_[e.from].push_back(e.delay);
+        pred_delay_[e.to].push_back(e.delay);
+        has_delays_ = has_delays_ || e.delay > 0;
     }
     for (const OrderRule& r : rules_) {
         if (r.before < 0 || r.before >= k || r.after < 0 || r.after >= k)
@@ -142,7 +149,9 @@ std::vector<int64_t> Graph::heads() const {
     auto order = require_order(*this);
     std::vector<int64_t> head(num_blocks(), 0);
     for (int b : order)
-        for (int s : succ_[b]) head[s] = std::max(head[s], head[b] + blocks_[b].time);
+        for (size_t i = 0; i < succ_[b].size(); ++i)
+            head[succ_[b][i]] = std::max(head[succ_[b][i]],
+                                         head[b] + blocks_[b].time + succ_delay_[b][i]);
     return head;
 }
 
@@ -150,7 +159,10 @@ std::vector<int64_t> Graph::tails() const {
     auto order = require_order(*this);
     std::vector<int64_t> tail(num_blocks(), 0);
     for (auto it = order.rbegin(); it != order.rend(); ++it)
-        for (int s : succ_[*it]) tail[*it] = std::max(tail[*it], blocks_[s].time + tail[s]);
+        for (size_t i = 0; i < succ_[*it].size(); ++i) {
+            int s = succ_[*it][i];
+            tail[*it] = std::max(tail[*it], succ_delay_[*it][i] + blocks_[s].time + tail[s]);
+        }
     return tail;
 }
 
@@ -165,8 +177,10 @@ int64_t Graph::critical_path() const {
 // block), over `pred`/`order` (the reversed graph gives the idle time after it last feeds
 // another device). Until its first fed instance, d can only run blocks whose ancestors are all
 // on d; while a chain of other devices' blocks that each conflict with all of those runs, d
-// can do nothing. Marks the fed blocks in `fed`.
+// can do nothing; transfers count only when d has no such blocks at all. Marks the fed blocks in
+// `fed`.
 static int64_t idle_before_fed(const Graph& g, int d, const std::vector<std::vector<int>>& pred,
+                               const std::vector<std::vector<int64_t>>& delay,
                                const std::vector<int>& order, std::vector<char>& fed) {
     const int k = g.num_blocks();
     std::vector<char> on(k, 0), closed(k, 0), after_fed(k, 0);
@@ -185,23 +199,26 @@ static int64_t idle_before_fed(const Graph& g, int d, const std::vector<std::vec
         for (int p : pred[b])
             if (fed[p] || after_fed[p]) after_fed[b] = 1;
     }
+    const bool idle_in_transfers = free.empty();
+    auto arrival = [&](const std::vector<int64_t>& chain, int b) {
+        int64_t before = 0;
+        for (size_t i = 0; i < pred[b].size(); ++i)
+            if (!on[pred[b][i]])
+                before = std::max(before, chain[pred[b][i]] +
+                                              (idle_in_transfers ? delay[b][i] : 0));
+        return before;
+    };
     std::vector<int64_t> chain(k, 0);
     for (int b : order) {
         if (on[b]) continue;
         bool waits = true;
         for (int e : free) waits = waits && g.shares_device(b, e);
-        int64_t before = 0;
-        for (int p : pred[b])
-            if (!on[p]) before = std::max(before, chain[p]);
-        chain[b] = (waits ? g.block(b).time : 0) + before;
+        chain[b] = (waits ? g.block(b).time : 0) + arrival(chain, b);
     }
     int64_t idle = INT64_MAX;
     for (int b = 0; b < k; ++b) {
         if (!fed[b] || after_fed[b]) continue;
-        int64_t before = 0;
-        for (int p : pred[b])
-            if (!on[p]) before = std::max(before, chain[p]);
-        idle = std::min(idle, before);
+        idle = std::min(idle, arrival(chain, b));
     }
     return idle == INT64_MAX ? 0 : idle;
 }
@@ -229,7 +246,10 @@ static int64_t memory_bound(const Graph& g, int d, int n, int64_t capacity,
         dist[a] = 0;
         for (int b : order) {
             if (dist[b] < 0) continue;
-            for (int s : g.successors(b)) dist[s] = std::max(dist[s], dist[b] + g.block(b).time);
+            for (size_t i = 0; i < g.successors(b).size(); ++i) {
+                int s = g.successors(b)[i];
+                dist[s] = std::max(dist[s], dist[b] + g.block(b).time + g.successor_delays(b)[i]);
+            }
         }
         for (int f : frees) {
             if (dist[f] < 0) return 0;  // a free that need not wait for this allocation
@@ -260,8 +280,8 @@ int64_t Graph::makespan_bound(int num_micro_batches, int64_t capacity) const {
             min_tail = std::min(min_tail, tail[b]);
         }
         bound = std::max(bound, min_head + num_micro_batches * load[d] + min_tail);
-        int64_t idle_head = idle_before_fed(*this, d, pred_, order, fed);
-        int64_t idle_tail = idle_before_fed(*this, d, succ_, reversed, feeds);
+        int64_t idle_head = idle_before_fed(*this, d, pred_, pred_delay_, order, fed);
+        int64_t idle_tail = idle_before_fed(*this, d, succ_, succ_delay_, reversed, feeds);
         // Both idle stretches count when some fed block precedes (or is) a feeding one: then the
         // first fed instance starts before the last feeding one ends.
         bool disjoint = false;

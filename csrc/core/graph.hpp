@@ -23,9 +23,12 @@ struct Block {
     std::vector<int> devices;  // sorted, unique; all of them are occupied at once
 };
 
+// A dependency; `delay` is the time its data takes to reach `to` when the two run on different
+// devices (a transfer on a link: neither device is busy meanwhile).
 struct Edge {
     int from = 0;
     int to = 0;
+    int64_t delay = 0;
 };
 
 // "before@(m + before_shift) finishes before after@(m + after_shift) starts" for every
@@ -53,6 +56,10 @@ class Graph {
     const std::vector<OrderRule>& rules() const { return rules_; }
     const std::vector<int>& successors(int b) const { return succ_[b]; }
     const std::vector<int>& predecessors(int b) const { return pred_[b]; }
+    // Edge delays aligned with successors(b) / predecessors(b).
+    const std::vector<int64_t>& successor_delays(int b) const { return succ_delay_[b]; }
+    const std::vector<int64_t>& predecessor_delays(int b) const { return pred_delay_[b]; }
+    bool has_delays() const { return has_delays_; }
     const std::vector<int>& blocks_on(int device) const { return on_device_[device]; }
     bool shares_device(int a, int b) const;
     int64_t static_memory(int device) const { return static_memory_[device]; }
@@ -68,7 +75,8 @@ class Graph {
     std::vector<int64_t> device_loads() const;
     // Lower bound of a repetend period: the busiest device's load.
     int64_t load_bound() const;
-    // Longest dependency path of one micro-batch (its latency with unlimited devices).
+    // Longest dependency path of one micro-batch, transfers included (its latency with
+    // unlimited devices).
     int64_t critical_path() const;
     // Earliest start of each block with unlimited devices (longest path from the sources).
     std::vector<int64_t> heads() const;
@@ -89,6 +97,8 @@ class Graph {
     std::vector<OrderRule> rules_;
     std::vector<int64_t> static_memory_;
     std::vector<std::vector<int>> succ_, pred_, on_device_;
+    std::vector<std::vector<int64_t>> succ_delay_, pred_delay_;
+    bool has_delays_ = false;
     std::vector<std::vector<char>> shares_;  // block x block: share a device
 };
 

@@ -124,10 +124,11 @@ class ModuloSearch {
         if (start_[b] != kUnknown) return start_[b];
         if (offset_[b] < 0) return kUnknown;
         int64_t earliest = 0;
-        for (int p : g_.predecessors(b)) {
+        for (size_t i = 0; i < g_.predecessors(b).size(); ++i) {
+            int p = g_.predecessors(b)[i];
             int64_t s = resolve(p);
             if (s == kUnknown) return kUnknown;
-            earliest = std::max(earliest, s + g_.block(p).time);
+            earliest = std::max(earliest, s + g_.block(p).time + g_.predecessor_delays(b)[i]);
         }
         int64_t s = earliest + ((offset_[b] - earliest % T_) % T_ + T_) % T_;
         resolved_.push_back(b);
@@ -177,9 +178,10 @@ class ModuloSearch {
         }
         int64_t earliest = 0;
         size_t mark_resolved = resolved_.size();
-        for (int p : g_.predecessors(b)) {
+        for (size_t i = 0; i < g_.predecessors(b).size(); ++i) {
+            int p = g_.predecessors(b)[i];
             int64_t s = resolve(p);
-            earliest = std::max(earliest, s + g_.block(p).time);
+            earliest = std::max(earliest, s + g_.block(p).time + g_.predecessor_delays(b)[i]);
         }
         for (int i : rules_of_[b]) {  // placed rule partners that must finish first
             const OrderRule& r = g_.rules()[i];

@@ -29,7 +29,10 @@ std::vector<std::vector<int64_t>> longest_paths(const Graph& g) {
         d[src] = 0;
         for (int b : order) {
             if (d[b] < 0) continue;
-            for (int s : g.successors(b)) d[s] = std::max(d[s], d[b] + g.block(b).time);
+            for (size_t i = 0; i < g.successors(b).size(); ++i) {
+                int s = g.successors(b)[i];
+                d[s] = std::max(d[s], d[b] + g.block(b).time + g.successor_delays(b)[i]);
+            }
         }
     }
     return dist;
@@ -212,7 +215,7 @@ Repetend evaluate_repetend(const Graph& g, const std::vector<int>& n,
         if (n[e.to] > n[e.from])
             throw std::invalid_argument("indices must not increase along a dependency (" +
                                         g.block(e.from).name + " -> " + g.block(e.to).name + ")");
-        edges.push_back({e.from, e.to, g.block(e.from).time, n[e.from] - n[e.to]});
+        edges.push_back({e.from, e.to, g.block(e.from).time + e.delay, n[e.from] - n[e.to]});
     }
     for (const OrderRule& rule : g.rules()) {
         int64_t h = (rule.after_shift - rule.before_shift) - n[rule.after] + n[rule.before];
@@ -290,16 +293,16 @@ namespace {
 std::vector<std::vector<int>> list_order(const Graph& g, const std::vector<int>& n,
                                          const std::vector<int64_t>& release) {
     const int k = g.num_blocks();
-    std::vector<std::vector<int>> succ(k);
+    std::vector<std::vector<std::pair<int, int64_t>>> succ(k);  // (successor, transfer time)
     std::vector<int> waiting(k, 0);
     for (const Edge& e : g.edges())
         if (n[e.from] == n[e.to]) {
-            succ[e.from].push_back(e.to);
+            succ[e.from].push_back({e.to, e.delay});
             ++waiting[e.to];
         }
     for (const OrderRule& r : g.rules())
         if ((r.after_shift - r.before_shift) - n[r.after] + n[r.before] == 0 && r.before != r.after) {
-            succ[r.before].push_back(r.after);
+            succ[r.before].push_back({r.after, 0});
             ++waiting[r.after];
         }
     // Heights over same-iteration edges (a DAG: subset of the dependency DAG plus rules; rules
@@ -309,7 +312,8 @@ std::vector<std::vector<int>> list_order(const Graph& g, const std::vector<int>&
     for (auto it = topo.rbegin(); it != topo.rend(); ++it) {
         int b = *it;
         height[b] = g.block(b).time;
-        for (int s : succ[b]) height[b] = std::max(height[b], g.block(b).time + height[s]);
+        for (auto [s, delay] : succ[b])
+            height[b] = std::max(height[b], g.block(b).time + delay + height[s]);
     }
     std::vector<int64_t> ready(release), device_free(g.num_devices(), 0);
     std::vector<char> done(k, 0);
@@ -341,8 +345,8 @@ std::vector<std::vector<int>> list_order(const Graph& g, const std::vector<int>&
         }
         done[best] = 1;
         ++scheduled;
-        for (int s : succ[best]) {
-            ready[s] = std::max(ready[s], end);
+        for (auto [s, delay] : succ[best]) {
+            ready[s] = std::max(ready[s], end + delay);
             if (--waiting[s] == 0) pool.push_back(s);
         }
     }
@@ -367,8 +371,8 @@ Repetend list_schedule_repetend(const Graph& g, const std::vector<int>& n) {
         for (const Edge& e : g.edges()) {
             int64_t h = n[e.from] - n[e.to];
             if (h > 0)
-                next[e.to] = std::max(next[e.to], r.offsets[e.from] + g.block(e.from).time -
-                                                      h * r.period);
+                next[e.to] = std::max(next[e.to], r.offsets[e.from] + g.block(e.from).time +
+                                                      e.delay - h * r.period);
         }
         if (next == release) break;
         release = next;

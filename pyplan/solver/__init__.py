@@ -3,6 +3,7 @@ the hand-written templates on the same placement."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -18,11 +19,13 @@ from pyplan.solver.search import (Progress, RepetendSearch, SearchStats, candida
 from pyplan.solver.templates import TEMPLATES, Baseline, baselines
 
 __all__ = ["DEFAULT_TIME_LIMIT", "TEMPLATES", "Baseline", "Solution", "incumbents", "min_memory",
-           "solve"]
+           "recompute_ladder", "solve", "solve_recompute"]
 
 DEFAULT_TIME_LIMIT = 60.0
 COMPLETION_EFFORT = 30_000_000  # Z3 resource units for completing the pool (about 2 s here)
 WHOLE_EFFORT = 80_000_000       # and for solving a tiny problem (<= 48 blocks) whole
+RECOMPUTE_LADDER = 16           # recomputation sets scored with the templates
+RECOMPUTE_SOLVED = 2            # and of those, solved in full besides none and all
 
 
 @dataclass(frozen=True)
@@ -68,10 +71,73 @@ def incumbents(problem: Problem, templates: dict[str, Baseline]) -> dict[str, Sc
 def solve(problem: Problem, *, progress: Progress | None = None) -> Solution:
     """Search a schedule no longer than any template that fits. Raises InfeasibleError when
     none exists. The stages, in order: bounds, incumbents (templates), repetend, completion,
-    ranking (and for tiny problems, the whole schedule with Z3)."""
+    ranking (and for tiny problems, the whole schedule with Z3). With `recompute: auto`
+    blocks, which of them to recompute is decided too (see solve_recompute)."""
+    if problem.recompute_choices():
+        return solve_recompute(problem, progress=progress)
+    limit = problem.search.time_limit
+    return _solve(problem, Budget(DEFAULT_TIME_LIMIT if limit is None else limit), progress)
+
+
+def recompute_ladder(problem: Problem) -> list[tuple[int, ...]]:
+    """Sets of `auto` blocks to recompute, from none to all: each adds the block that saves the
+    most memory per unit of time added (ties: the earlier block, whose stage holds more
+    micro-batches in flight in pipelined schedules)."""
+    blocks = problem.blocks
+    ranked = sorted(problem.recompute_choices(),
+                    key=lambda i: (-(blocks[i].memory - blocks[i].recompute_memory)
+                                   / blocks[i].time, i))
+    sizes = range(len(ranked) + 1)
+    if len(ranked) > RECOMPUTE_LADDER:  # evenly spaced rungs, none and all included
+        sizes = sorted({round(k * len(ranked) / RECOMPUTE_LADDER)
+                        for k in range(RECOMPUTE_LADDER + 1)})
+    return [tuple(sorted(ranked[:k])) for k in sizes]
+
+
+def solve_recompute(problem: Problem, *, progress: Progress | None = None) -> Solution:
+    """Choose the `auto` blocks to recompute with the schedule. Every rung of the ladder is
+    scored by its best fitting template (cheap); no recomputation, full recomputation and the
+    best-scored rungs are solved in full, and the shortest makespan wins (ties: fewer blocks
+    recomputed). So the result is never longer than `never` (when it fits) or `always`. It is
+    `optimal` only when it meets a bound no choice can beat: the plan with every `auto` block's
+    memory as recomputed and none of the time it costs."""
     started = time.monotonic()
     limit = problem.search.time_limit
     budget = Budget(DEFAULT_TIME_LIMIT if limit is None else limit)
+    ladder = recompute_ladder(problem)
+    scored = []
+    for rung in ladder[1:-1]:
+        candidate = problem.with_recompute(rung)
+        fitting = [b.makespan for b in baselines(candidate, budget).values()
+                   if b.applicable and b.fits_memory]
+        if fitting:
+            scored.append((min(fitting), len(rung), rung))
+    chosen = [ladder[0], ladder[-1]] + [rung for *_, rung in sorted(scored)[:RECOMPUTE_SOLVED]]
+    chosen = list(dict.fromkeys(chosen))
+    results, failure = [], None
+    for k, rung in enumerate(chosen):
+        share = Budget(max(0.0, budget.remaining()) / (len(chosen) - k))
+        try:
+            results.append((_solve(problem.with_recompute(rung), share, progress), rung))
+        except InfeasibleError as exc:
+            failure = exc if failure is None or rung == ladder[-1] else failure
+    if not results:
+        raise failure
+    best, rung = min(results, key=lambda item: (item[0].schedule.makespan, len(item[1])))
+    bound = problem.with_recompute(problem.recompute_choices(), rerun=False).makespan_bound()
+    notes = [f"recompute: {len(rung)} of {len(ladder[-1])} auto blocks chosen"
+             + "".join(f"; {len(r)} recomputed: makespan {s.schedule.makespan}"
+                       for s, r in results if r != rung)]
+    best.stats.notes.extend(notes)
+    proven = best.schedule.makespan <= bound
+    timed_out = budget.expired() or any(s.status == "time_limit" for s, _ in results)
+    return dataclasses.replace(
+        best, status="optimal" if proven else "time_limit" if timed_out else "feasible",
+        lower_bound=bound, search_seconds=time.monotonic() - started)
+
+
+def _solve(problem: Problem, budget: Budget, progress: Progress | None) -> Solution:
+    started = time.monotonic()
     check_fits(problem)
     lower_bound = problem.makespan_bound()
     templates = baselines(problem, budget)

@@ -49,7 +49,8 @@ def _warmup_anchor(problem: Problem, rep: _core.Repetend, instances) -> Anchor:
     for p, c in problem.edges:
         for (b, m) in instances:
             if b == p and (c, m) not in members:
-                due = (m - n[c]) * T + a[c]  # (c, m) runs in repetition m - n[c] >= 0
+                # (c, m) runs in repetition m - n[c] >= 0; b's output must have arrived
+                due = (m - n[c]) * T + a[c] - problem.transfer.get((p, c), 0)
                 external[(b, m)] = min(external.get((b, m), due), due)
     # R cannot be earlier than any device's warmup work, nor than any instance's own chain.
     head = problem.graph.heads()
@@ -74,7 +75,8 @@ def _cooldown_anchor(problem: Problem, rep: _core.Repetend, instances, last: int
     for p, c in problem.edges:
         for (b, m) in instances:
             if b == c and (p, m) not in members:
-                ready = (m - n[p] - last) * T + a[p] + time_of[p]
+                ready = (m - n[p] - last) * T + a[p] + time_of[p] + \
+                    problem.transfer.get((p, c), 0)
                 external[(b, m)] = max(external.get((b, m), ready), ready)
     # The end is no earlier than any device's cooldown work after its last repetition.
     tail = problem.graph.tails()

@@ -66,7 +66,7 @@ def modulo_repetend(problem: Problem, period: int, max_micro_batches: int, *,
         solver.add(off[i] >= 0, off[i] < T, lag[i] >= (min_lags[i] if min_lags else 0),
                    lag[i] <= max_lag)
     for a, c in problem.edges:
-        solver.add(start[c] >= start[a] + blocks[a].time)
+        solver.add(start[c] >= start[a] + blocks[a].time + problem.transfer.get((a, c), 0))
     for r in problem.rules:
         solver.add(start[r.after] - start[r.before] >=
                    blocks[r.before].time + (r.before_shift - r.after_shift) * T)
@@ -159,7 +159,8 @@ class _TimeModel:
             for m in micro_batches:
                 if (a, m) in index and (c, m) in index:
                     self.cons.append(s[index[(c, m)]] >= s[index[(a, m)]] +
-                                     self.problem.blocks[a].time)
+                                     self.problem.blocks[a].time +
+                                     self.problem.transfer.get((a, c), 0))
 
     def add_rules(self, labelled: bool = False) -> None:
         """Order rules between the instances present (a rule naming a micro-batch outside the
@@ -253,7 +254,8 @@ class _TimeModel:
         if upper_bound is not None:
             return lo, upper_bound - 1
         waits = list(anchor.device_time.values()) if anchor is not None else []
-        return lo, sum(self.time) + max([0, floor] + waits)
+        transfers = sum(self.problem.transfers) * len({m for _, m in self.inst})
+        return lo, sum(self.time) + transfers + max([0, floor] + waits)
 
     def minimise(self, lo: int, hi: int, budget: Budget) -> TimeOptimal:
         """Bisection on the objective with push/pop; proven unless the budget cut it short."""

@@ -23,12 +23,14 @@ __all__ = [
     "BackwardSpec",
     "BlockSpec",
     "CostSpec",
+    "LinkSpec",
     "MeshSpec",
     "ModelSpec",
     "OrderSpec",
     "PlanSpec",
     "SearchSpec",
     "ShapeSpec",
+    "TopologySpec",
     "load_spec",
     "parse_spec",
     "spec_from_text",
@@ -71,6 +73,13 @@ class BlockSpec:
     weights: int = 0
     """Static memory on each of its devices for the whole run (parameters, gradients,
     optimizer state)."""
+    transfer: int | None = None
+    """Time its output (and that output's gradient) takes between devices."""
+    output: int | None = None
+    """Bytes of its output, timed on the topology's links when transfer is not given."""
+    recompute: str | None = None
+    """never, always or auto; None: training.recompute."""
+    recompute_memory: int = 0
     devices: tuple[int, ...] | None
     """Device ids; None means all devices."""
     after: tuple[str, ...] | None = None
@@ -87,6 +96,10 @@ class CostSpec:
     time: int | tuple[int, ...] = 1
     memory: int | tuple[int, ...] = 0
     weights: int | tuple[int, ...] = 0
+    transfer: int | tuple[int, ...] | None = None
+    output: int | tuple[int, ...] | None = None
+    recompute: str | None = None
+    recompute_memory: int | tuple[int, ...] = 0
     backward: BackwardOverride = BackwardOverride()
     path: tuple = ()
 
@@ -135,6 +148,37 @@ class MeshSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    """A link between two devices: bytes per second and a fixed latency."""
+
+    bandwidth: int
+    latency_ms: float
+
+    def milliseconds(self, size: int) -> float:
+        return self.latency_ms + 1000.0 * size / self.bandwidth
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopologySpec:
+    """Nodes of devices_per_node devices and the links within and across them; times the
+    transfers of blocks that give their output size."""
+
+    devices_per_node: int | None = None
+    """None: every device in one node."""
+    time_unit_ms: float = 1.0
+    within_node: LinkSpec = LinkSpec(bandwidth=100 * 10**9, latency_ms=0.01)
+    across_nodes: LinkSpec = LinkSpec(bandwidth=125 * 10**8, latency_ms=0.02)
+
+    def node(self, device: int) -> int:
+        return 0 if self.devices_per_node is None else device // self.devices_per_node
+
+    def transfer_time(self, size: int, source: int, target: int) -> int:
+        """Time units to move `size` bytes from one device to another, to the nearest unit."""
+        link = self.within_node if self.node(source) == self.node(target) else self.across_nodes
+        return int(link.milliseconds(size) / self.time_unit_ms + 0.5)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """Import paths `pyplan run` uses to build modules, data and loss: a `blocks` function
     building each block, or a `module` function building the whole model and, in `stages`, the
@@ -168,6 +212,9 @@ class PlanSpec:
     num_micro_batches: int
     task: str = "training"
     backward: BackwardSpec | None = None
+    recompute: str = "never"
+    """training.recompute: the default of every forward block with a derived backward."""
+    topology: TopologySpec = TopologySpec()
     shape: ShapeSpec | None = None
     blocks: tuple[BlockSpec, ...] = ()
     order: tuple[OrderSpec, ...] = ()
@@ -225,7 +272,7 @@ def _override(raw: Any, memory: _Memory, path: tuple) -> BackwardOverride:
                        if "weight_memory" in raw else None))
 
 
-def _cost(raw: dict | None, memory: _Memory, path: tuple) -> CostSpec:
+def _cost(raw: dict | None, memory: _Memory, size, path: tuple) -> CostSpec:
     raw = raw or {}
 
     def amounts(key: str) -> int | tuple[int, ...]:
@@ -235,8 +282,16 @@ def _cost(raw: dict | None, memory: _Memory, path: tuple) -> CostSpec:
         return memory(value, path + (key,))
 
     time = raw.get("time", 1)
+    transfer = raw.get("transfer")
+    output = raw.get("output")
     return CostSpec(time=tuple(time) if isinstance(time, list) else time,
                     memory=amounts("memory"), weights=amounts("weights"),
+                    transfer=tuple(transfer) if isinstance(transfer, list) else transfer,
+                    output=None if output is None else
+                    tuple(size(v, path + ("output", i)) for i, v in enumerate(output))
+                    if isinstance(output, list) else size(output, path + ("output",)),
+                    recompute=raw.get("recompute"),
+                    recompute_memory=amounts("recompute_memory"),
                     backward=_override(raw.get("backward"), memory, path + ("backward",)),
                     path=path)
 
@@ -265,9 +320,38 @@ def _loop_values(source: Source, raw: Any, path: tuple) -> tuple[int, ...]:
     return values
 
 
+def _size(source: Source):
+    """Parses sizes that are not memory (outputs, bandwidths): bytes, whatever the plan's unit."""
+    def parse(value: Any, path: tuple) -> int:
+        try:
+            return parse_memory(value)[0]
+        except ValueError as exc:
+            raise source.error(path, str(exc), "sizes go up to 2^60 bytes") from None
+    return parse
+
+
+def _topology(source: Source, raw: dict | None, size) -> TopologySpec:
+    if raw is None:
+        return TopologySpec()
+    default = TopologySpec()
+    links = {}
+    for key in ("within_node", "across_nodes"):
+        given, base = raw.get(key, {}), getattr(default, key)
+        bandwidth = size(given["bandwidth"], ("topology", key, "bandwidth")) \
+            if "bandwidth" in given else base.bandwidth
+        if bandwidth <= 0:
+            raise source.error(("topology", key, "bandwidth"), "bandwidth must be positive")
+        links[key] = LinkSpec(bandwidth=bandwidth,
+                              latency_ms=float(given.get("latency_ms", base.latency_ms)))
+    return TopologySpec(devices_per_node=raw.get("devices_per_node"),
+                        time_unit_ms=float(raw.get("time_unit_ms", default.time_unit_ms)),
+                        **links)
+
+
 def _build(source: Source) -> PlanSpec:
     doc = source.data
     memory = _Memory(source)
+    size = _size(source)
     task = doc.get("task", "training")
     if "blocks" in doc and "shape" in doc:
         raise source.error(("shape",), "a plan has either blocks or a shape, not both",
@@ -306,6 +390,10 @@ def _build(source: Source) -> PlanSpec:
             name=raw["name"], kind=raw.get("kind", "forward"), time=raw["time"],
             memory=memory(raw.get("memory", 0), path + ("memory",)),
             weights=memory(raw.get("weights", 0), path + ("weights",)),
+            transfer=raw.get("transfer"),
+            output=size(raw["output"], path + ("output",)) if "output" in raw else None,
+            recompute=raw.get("recompute"),
+            recompute_memory=memory(raw.get("recompute_memory", 0), path + ("recompute_memory",)),
             devices=None if devices == "all" else tuple(
                 [devices] if isinstance(devices, int) else devices),
             after=tuple(raw["after"]) if "after" in raw else None,
@@ -315,8 +403,8 @@ def _build(source: Source) -> PlanSpec:
     if "shape" in doc:
         raw = doc["shape"]
         shape = ShapeSpec(kind=raw["kind"], stages=raw.get("stages"), chunks=raw.get("chunks"),
-                          stage=_cost(raw.get("stage"), memory, ("shape", "stage")),
-                          shared=_cost(raw.get("shared"), memory, ("shape", "shared")))
+                          stage=_cost(raw.get("stage"), memory, size, ("shape", "stage")),
+                          shared=_cost(raw.get("shared"), memory, size, ("shape", "shared")))
     order = []
     rules = 0
     for i, raw in enumerate(doc.get("constraints", {}).get("order", [])):
@@ -354,7 +442,10 @@ def _build(source: Source) -> PlanSpec:
     return PlanSpec(source=source, name=doc["name"], description=doc.get("description", ""),
                     num_devices=doc["devices"], memory_capacity=capacity,
                     memory_is_size=memory.is_size, num_micro_batches=doc["micro_batches"],
-                    task=task, backward=backward, shape=shape, blocks=tuple(blocks),
+                    task=task, backward=backward,
+                    recompute=doc.get("training", {}).get("recompute", "never"),
+                    topology=_topology(source, doc.get("topology"), size),
+                    shape=shape, blocks=tuple(blocks),
                     order=tuple(order), search=search, mesh=mesh, model=model)
 
 
