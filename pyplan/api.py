@@ -169,11 +169,12 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
                     data: str, loss: str, micro_batches: int, chunks: int = 1,
                     memory: int | None = None, path: str | None = None, keep: int = 3,
                     time_limit: float = 10.0, source: str = "<partition>",
-                    traced: bool = False) -> list[PartitionPlan]:
+                    traced: bool = False, recompute: str = "never") -> list[PartitionPlan]:
     """Plans for the best `keep` partitions of measured units into devices x chunks stages
     (stage s on device s mod devices; chunks > 1: interleaved) and for the even splits, each
     solved, shortest makespan first (ties: least bottleneck). `memory` is bytes per device;
-    InfeasibleError when no partition fits it."""
+    InfeasibleError when no partition fits it (without recomputation). `recompute` goes to
+    the plans' training.recompute."""
     stages = devices * chunks
     share = None if memory is None else memory // chunks  # interleaved: a share per stage
     candidates = best_partitions(units, stages, micro_batches=micro_batches, capacity=share,
@@ -192,7 +193,8 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
     for p in candidates:
         text = plan_text(units, p, name=name, devices=devices, micro_batches=micro_batches,
                          capacity=memory, factory=factory, data=data, loss=loss, path=path,
-                         time_unit_ms=unit_ms, shape=shape, traced=traced)
+                         time_unit_ms=unit_ms, shape=shape, traced=traced,
+                         recompute=recompute)
         solved = solve(build_problem(spec_from_text(text, source)), time_limit=time_limit)
         out.append(PartitionPlan(p, text, solved, solved.schedule.makespan * unit_ms))
     return sorted(out, key=lambda c: (c.makespan_ms, c.partition.bottleneck_ms,

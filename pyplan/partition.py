@@ -40,6 +40,10 @@ class UnitCost:
     """Saved by autograd in the forward, held until the backward."""
     weight_bytes: int
     """Resident for the whole run: parameters, their gradients and the optimizer's state."""
+    input_bytes: int = 0
+    """Its input: what it keeps when recomputed."""
+    output_bytes: int = 0
+    """Its output: what goes to the next stage when it ends one."""
 
 
 @dataclass(frozen=True)
@@ -161,9 +165,11 @@ def even_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: in
 
 def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices: int,
               micro_batches: int, capacity: int | None, factory: str, data: str, loss: str,
-              path: str | None, time_unit_ms: float, shape: str, traced: bool = False) -> str:
+              path: str | None, time_unit_ms: float, shape: str, traced: bool = False,
+              recompute: str = "never") -> str:
     """A plan for `partition`: one block per stage (stage s on device s mod devices) with the
-    measured times in units of `time_unit_ms` and activation memory in bytes, and a model:
+    measured times in units of `time_unit_ms`, activation memory, weights, output (timed on
+    the default links) and recompute memory (the stage's input) in bytes, and a model:
     section naming each stage's submodules."""
     about = (f"Written by pyplan partition from {factory}: {len(units)} units in "
              f"{partition.num_stages} stages ({shape}); times measured on this machine, one "
@@ -175,15 +181,18 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
     if capacity is not None:
         lines.append(f"memory: {capacity}B")
     lines += [f"micro_batches: {micro_batches}",
-              "training:", "  backward: {time_ratio: 1}", "blocks:"]
+              "training:", "  backward: {time_ratio: 1}", f"  recompute: {recompute}",
+              f"topology: {{time_unit_ms: {time_unit_ms:.6g}}}", "blocks:"]
     for s in range(partition.num_stages):
         part = [units[i] for i in partition.stage(s)]
         forward = max(1, round(sum(u.forward_ms for u in part) / time_unit_ms))
         backward = max(1, round(sum(u.backward_ms for u in part) / time_unit_ms))
         activations = sum(u.activation_bytes for u in part)
         weights = sum(u.weight_bytes for u in part)
+        output = f", output: {part[-1].output_bytes}B" if s + 1 < partition.num_stages else ""
         lines.append(f"  - {{name: stage{s}, devices: [{s % devices}], time: {forward}, "
-                     f"memory: {activations}B, weights: {weights}B, "
+                     f"memory: {activations}B, weights: {weights}B{output}, "
+                     f"recompute_memory: {min(part[0].input_bytes, activations)}B, "
                      f"backward: {{time: {backward}}}}}")
     lines += ["model:", f"  module: {factory}", "  stages:"]
     for s in range(partition.num_stages):

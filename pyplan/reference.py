@@ -341,7 +341,7 @@ def evaluate_repetend(num_devices, blocks, edges, indices, orders, *, rules=(), 
             cons.append((x, y, blocks[x][0], 0))
         if order:
             cons.append((order[-1], order[0], blocks[order[-1]][0], 1))
-    total = sum(t for t, _, _ in blocks)
+    total = sum(t for t, _, _ in blocks) + sum(delay for _, _, delay in _triples(edges))
     if _no_positive_cycle(k, cons, max(total, min_period, 1)) is None:
         return None
     period = max(min_period, load_bound(num_devices, blocks), 1)

@@ -8,11 +8,13 @@ from pyplan import _core
 
 
 @st.composite
-def problems(draw, max_devices=8, max_blocks=24, multi_device=True, balanced_memory=True):
+def problems(draw, max_devices=8, max_blocks=24, multi_device=True, balanced_memory=True,
+             transfers=False):
     """(num_devices, blocks, edges): blocks are (time, memory, devices) with a random DAG.
 
     Edges go from lower to higher index, so the graph is acyclic; with balanced_memory every
-    device's memory deltas sum to zero (as pyplan requires of real plans).
+    device's memory deltas sum to zero (as pyplan requires of real plans). With transfers,
+    edges are (from, to, transfer time) triples, the time often 0.
     """
     num_devices = draw(st.integers(1, max_devices))
     k = draw(st.integers(1, max_blocks))
@@ -42,10 +44,14 @@ def problems(draw, max_devices=8, max_blocks=24, multi_device=True, balanced_mem
                     paired |= {i, j}
                     edges.add((i, j))
                     break
-    return num_devices, [tuple(b) for b in blocks], sorted(edges)
+    edges = sorted(edges)
+    if transfers:
+        edges = [(a, c, draw(st.sampled_from([0, 0, 1, 2, 5]))) for a, c in edges]
+    return num_devices, [tuple(b) for b in blocks], edges
 
 
 def core_graph(num_devices, blocks, edges, rules=()):
     return _core.Graph(num_devices,
                        [_core.Block(f"b{i}", t, m, list(d)) for i, (t, m, d) in enumerate(blocks)],
-                       list(edges), [_core.OrderRule(*r) for r in rules])
+                       [tuple(e[:2]) for e in edges], [_core.OrderRule(*r) for r in rules], [],
+                       [e[2] if len(e) > 2 else 0 for e in edges])

@@ -16,7 +16,7 @@ def random_orders(rng, num_devices, blocks, edges, n, scramble):
     """Per-device orders from a random topological order of all instances; optionally with one
     device's order shuffled (which may deadlock)."""
     k = len(blocks)
-    preds = {(b, m): [(a, m) for a, c in edges if c == b] for b in range(k) for m in range(n)}
+    preds = {(b, m): [(e[0], m) for e in edges if e[1] == b] for b in range(k) for m in range(n)}
     done, seq = set(), []
     pending = list(preds)
     while pending:
@@ -51,8 +51,8 @@ def compare(g, problem, orders, capacity, rules=(), static=None):
 
 
 @settings(max_examples=300, deadline=None)
-@given(problems(max_blocks=24), st.integers(1, 4), st.randoms(use_true_random=False),
-       st.booleans(), st.integers(-1, 6))
+@given(problems(max_blocks=24, transfers=True), st.integers(1, 4),
+       st.randoms(use_true_random=False), st.booleans(), st.integers(-1, 6))
 def test_evaluation_matches_reference(problem, n, rng, scramble, capacity):
     g = core_graph(*problem)
     orders = random_orders(rng, *problem, n, scramble)

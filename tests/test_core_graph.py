@@ -12,7 +12,7 @@ from pyplan import reference as ref
 
 
 @settings(max_examples=300, deadline=None)
-@given(problems())
+@given(problems(transfers=True))
 def test_topological_order_and_bounds_match_reference(problem):
     num_devices, blocks, edges = problem
     g = core_graph(*problem)

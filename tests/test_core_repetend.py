@@ -30,13 +30,12 @@ def test_enumeration_matches_brute_force(problem, num_mb, capacity, period_below
 
 @st.composite
 def repetend_cases(draw):
-    num_devices, blocks, edges = draw(problems(max_devices=8, max_blocks=24))
+    num_devices, blocks, edges = draw(problems(max_devices=8, max_blocks=24, transfers=True))
     k = len(blocks)
-    order = _core.Graph(num_devices, [_core.Block(str(i), *b) for i, b in enumerate(blocks)],
-                        edges).topological_order()
+    order = core_graph(num_devices, blocks, edges).topological_order()
     indices = [0] * k
     for b in order:  # monotone along dependencies: n_to <= n_from
-        limit = min([indices[a] for a, c in edges if c == b], default=3)
+        limit = min([indices[e[0]] for e in edges if e[1] == b], default=3)
         indices[b] = draw(st.integers(0, limit))
     low = min(indices)
     indices = [n - low for n in indices]

@@ -233,8 +233,9 @@ Repetend evaluate_repetend(const Graph& g, const std::vector<int>& n,
             edges.push_back({ord[i], ord[i + 1], g.block(ord[i]).time, 0});
         if (!ord.empty()) edges.push_back({ord.back(), ord.front(), g.block(ord.back()).time, 1});
     }
-    int64_t total = 0;
+    int64_t total = 0;  // one block after another, every transfer between: always feasible
     for (const Block& b : g.blocks()) total += b.time;
+    for (const Edge& e : g.edges()) total += e.delay;
     int64_t lo = std::max<int64_t>({min_period, g.load_bound(), 1});
     int64_t hi = std::max(lo, total);
     std::vector<int64_t> dist;

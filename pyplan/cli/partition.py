@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="micro-batches per iteration (default 2 x stages)")
     parser.add_argument("--memory", metavar="SIZE", help="memory per device, e.g. 24GiB "
                         "(default: unlimited)")
+    parser.add_argument("--recompute", choices=("never", "always", "auto"), default="never",
+                        help="activation recomputation written to the plan (training.recompute; "
+                        "auto: pyplan solve chooses per stage); default never")
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE), default="sgd",
                         help="optimizer whose state counts in the weights' memory")
     parser.add_argument("--repeats", type=int, default=5, metavar="K",
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                             name=out.name.split(".")[0], factory=args.factory, data=args.data,
                             loss=args.loss,
                             micro_batches=n, memory=memory, path=path, time_limit=SOLVE_SECONDS,
-                            source=str(out), traced=traced)
+                            source=str(out), traced=traced, recompute=args.recompute)
     how = "cut by torch's pipeline tracer, " if traced else ""
     print(f"{args.factory}: {len(units)} units ({how}measured), {stages} stages "
           f"({args.shape}), {n} micro-batches; the best partitions and even splits, solved:")

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "fastest forward block)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    parser.add_argument("--links", action="store_true",
+                        help="also measure the link between two processes on this machine "
+                        "(ping-pong over gloo) and suggest topology.within_node")
 
 
 def suggestions(problem, costs, unit_ms: float) -> list[str]:
@@ -41,7 +44,10 @@ def suggestions(problem, costs, unit_ms: float) -> list[str]:
         previous = c.name
         entry = (f"  - {{name: {c.name}, devices: {devices}{after}, "
                  f"time: {max(1, round(c.forward_ms / unit_ms))}, "
-                 f"memory: {format_memory(c.activation_bytes, True)}")
+                 f"memory: {format_memory(c.activation_bytes, True)}, "
+                 f"output: {format_memory(c.output_bytes, True)}, "
+                 f"recompute_memory: "
+                 f"{format_memory(min(c.input_bytes, c.activation_bytes), True)}")
         if c.backward_ms is not None:
             entry += f", backward: {{time: {max(1, round(c.backward_ms / unit_ms))}}}"
         lines.append(entry + "}")
@@ -65,10 +71,16 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(problem, Path(problem.source_path).resolve().parent)
     costs = profile_blocks(problem, model, seed=args.seed, repeats=args.repeats)
     unit = args.unit_ms or min(c.forward_ms for c in costs)
+    link = None
+    if args.links:
+        from pyplan.runtime.links import measure_link
+        link = measure_link()
     if args.json:
-        print(json.dumps({"unit_ms": unit, "blocks": [
+        extra = {} if link is None else {"link": {"bandwidth": link[0], "latency_ms": link[1]}}
+        print(json.dumps({"unit_ms": unit, **extra, "blocks": [
             {"name": c.name, "devices": list(c.devices), "forward_ms": c.forward_ms,
-             "backward_ms": c.backward_ms, "activation_bytes": c.activation_bytes}
+             "backward_ms": c.backward_ms, "activation_bytes": c.activation_bytes,
+             "input_bytes": c.input_bytes, "output_bytes": c.output_bytes}
             for c in costs]}, sort_keys=True))
         return 0
     print(f"{problem.name}: one micro-batch per block, median of {args.repeats} runs")
@@ -88,4 +100,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"suggested costs (1 time unit = {unit:.3f} ms; memory in bytes, so every memory "
           "value of the plan becomes a size):")
     print("\n".join("  " + line for line in suggestions(problem, costs, unit)))
+    print(f"  topology: {{time_unit_ms: {unit:.6g}"
+          + ("" if link is None else
+             f", within_node: {{bandwidth: {format_memory(link[0], True)}, "
+             f"latency_ms: {link[1]:.4g}}}") + "}")
     return 0

@@ -11,7 +11,7 @@ from pyplan.schedule import Schedule
 from pyplan.trace import TraceEvent, chrome_trace, write_chrome_trace
 
 __all__ = ["memory_counters", "schedule_events", "schedule_trace", "sync_events",
-           "write_chrome_trace"]
+           "transfer_events", "write_chrome_trace"]
 
 
 def schedule_events(schedule: Schedule) -> list[TraceEvent]:
@@ -45,6 +45,39 @@ def sync_events(schedule: Schedule) -> list[dict]:
     return events
 
 
+def transfer_events(schedule: Schedule) -> list[dict]:
+    """Each transfer between devices: a slice on a track per sending device (they overlap the
+    compute: a separate stream) and a flow arrow from the producing block to the consumer."""
+    problem = schedule.problem
+    k, D = len(problem.blocks), problem.num_devices
+    events, senders = [], set()
+    flow = 0
+    for m in range(problem.num_micro_batches):
+        for (a, c), delay in sorted(problem.transfer.items()):
+            if schedule.start[m * k + a] < 0 or schedule.start[m * k + c] < 0:
+                continue
+            src, dst = problem.blocks[a], problem.blocks[c]
+            sender = src.devices[0]
+            receiver = next(q for q in dst.devices if q not in src.devices)
+            end = schedule.end_of(a, m)
+            senders.add(sender)
+            name = f"{src.name}@{m} -> {dst.name}"
+            events += [
+                {"name": name, "cat": "transfer", "ph": "X", "pid": 0, "tid": 2 * D + sender,
+                 "ts": end, "dur": delay, "args": {"to_device": receiver, "micro_batch": m}},
+                {"name": "transfer", "cat": "transfer", "ph": "s", "id": flow, "pid": 0,
+                 "tid": sender, "ts": schedule.start_of(a, m)},
+                {"name": "transfer", "cat": "transfer", "ph": "f", "bp": "e", "id": flow,
+                 "pid": 0, "tid": receiver, "ts": schedule.start_of(c, m)}]
+            flow += 1
+    for d in sorted(senders):
+        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": 2 * D + d,
+                    "args": {"name": f"device {d} transfers out"}},
+                   {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": 2 * D + d,
+                    "args": {"sort_index": d + 0.75}}]
+    return events
+
+
 def memory_counters(schedule: Schedule) -> list[dict]:
     """Counter ("C") events: each device's memory after every block start, where it changes
     (the running sum of block memory in the device's order)."""
@@ -69,7 +102,8 @@ def schedule_trace(schedule: Schedule) -> dict:
     trace = chrome_trace(schedule_events(schedule), title=problem.name,
                          time_unit="model time units (shown as microseconds)",
                          num_devices=problem.num_devices)
-    trace["traceEvents"] += memory_counters(schedule) + sync_events(schedule)
+    trace["traceEvents"] += (memory_counters(schedule) + sync_events(schedule)
+                             + transfer_events(schedule))
     trace["otherData"].update({"makespan": schedule.makespan,
                                "bubble_rate": schedule.bubble_rate,
                                "peak_memory": list(schedule.peak_memory),

@@ -234,6 +234,15 @@ def _legend(schedule: Schedule, grid: _Grid, cut: tuple | None) -> list[str]:
                          for x in schedule.syncs)
         lines.append(f"dp: {mesh.data} replicas; each stage's gradients are {what} across "
                      f"them after its last backward, beside the compute: {each}")
+    if problem.transfer:
+        times = sorted(set(problem.transfer.values()))
+        span = f"{times[0]}" if len(times) == 1 else f"{times[0]}..{times[-1]}"
+        lines.append(f"transfers: data between devices takes {span} time units per "
+                     f"dependency ({len(problem.transfer)} of them; the gaps before their "
+                     "consumers, while the devices stay free)")
+    if problem.recomputed:
+        lines.append("recompute: " + ", ".join(problem.recomputed) + " keep only "
+                     "their inputs; the backward reruns the forward first (included in its length)")
     show = problem.show_memory
     capacity = problem.memory_capacity
     peak = " ".join(show(x) + (f"/{show(capacity)}" if capacity is not None else "")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from pyplan.errors import RunError
 from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, SYNC, WAIT, Lowered,
@@ -156,7 +157,11 @@ class Executor:
         with torch.set_grad_enabled(trains), \
                 forward_rng(self.seed, self.iteration, self.blocks[b].name,
                             self.first_micro_batch + m, self.comm.device):
-            out = self.modules[b](*args)
+            if trains and self.blocks[b].recomputed:
+                # Keep only the inputs; the backward reruns the forward (same RNG state).
+                out = checkpoint(self.modules[b], *args, use_reentrant=False)
+            else:
+                out = self.modules[b](*args)
             if not isinstance(out, torch.Tensor):
                 raise RunError(f"block '{self.blocks[b].name}' returned "
                                f"{type(out).__name__}; a block returns one tensor")

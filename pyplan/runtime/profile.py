@@ -40,6 +40,10 @@ class BlockCost:
     backward_ms: float | None
     """None for a block without a backward (inference, or a no-grad pass)."""
     activation_bytes: int
+    input_bytes: int = 0
+    """What it keeps when recomputed."""
+    output_bytes: int = 0
+    """What goes to its consumers on other devices (and its gradient back)."""
 
 
 def _timed(fn, device, repeats: int) -> tuple[float, object]:
@@ -55,6 +59,15 @@ def _timed(fn, device, repeats: int) -> tuple[float, object]:
             torch.cuda.synchronize(device)
         samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples), result
+
+
+def _bytes(value) -> int:
+    """Bytes of the tensors in a value (a tensor, or lists, tuples and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        value = list(value.values())
+    return sum(map(_bytes, value)) if isinstance(value, (list, tuple)) else 0
 
 
 def _saved_bytes(fn, params) -> int:
@@ -118,7 +131,8 @@ def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: in
             samples = [backward() for _ in range(repeats + 1)][1:]
             backward_ms = statistics.median(samples)
         block = problem.blocks[b]
-        costs[b] = BlockCost(block.name, block.devices, forward_ms, backward_ms, saved)
+        costs[b] = BlockCost(block.name, block.devices, forward_ms, backward_ms, saved,
+                             sum(_bytes(a) for a in args), _bytes(out))
     return [costs[b] for b in sorted(costs)]
 
 
@@ -194,7 +208,7 @@ def profile_units(model: torch.nn.Module, inputs, targets, loss, *, optimizer: s
         backward_ms = statistics.median([backward() for _ in range(repeats + 1)][1:])
         size = sum(p.numel() * p.element_size() for p in params)
         costs.append(UnitCost(unit, forward_ms, backward_ms, saved,
-                              size * (2 + OPTIMIZER_STATE[optimizer])))
+                              size * (2 + OPTIMIZER_STATE[optimizer]), _bytes(arg), _bytes(out)))
         x = out.detach()
         if progress is not None:
             progress(k + 1, len(units))

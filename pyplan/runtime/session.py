@@ -273,6 +273,9 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
         parts.append(f"{r}: {c * 1e3:.1f}/{(t - c) * 1e3:.1f}")
     lines.append(f"  median iteration {median * 1e3:.1f} ms; compute/wait per rank (ms): "
                  + "  ".join(parts))
+    if problem.recomputed:
+        lines.append("  recomputed in the backward (torch.utils.checkpoint): "
+                     + ", ".join(problem.recomputed))
     if report.verdict is not None:
         lines.append(("  check: " if report.verdict.ok else "  check FAILED: ")
                      + report.verdict.message)

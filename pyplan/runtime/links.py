@@ -1,0 +1,77 @@
+"""The link between two processes, measured: what `topology:` needs to time block outputs.
+
+Two ranks play ping-pong with tensors of growing size; half the median round trip of each size
+is one transfer; the largest sizes give the bandwidth, the smallest the latency. `measure_link` starts two local gloo processes (the
+within-node link of a CPU machine); `ping_pong` runs in any existing two-rank group, e.g. one
+rank per node under torchrun for the link across nodes.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["SIZES", "fit_link", "measure_link", "ping_pong"]
+
+SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)  # bytes
+
+
+def ping_pong(rank: int, sizes=SIZES, repeats: int = 7, group=None) -> list[float]:
+    """Milliseconds of one transfer of each size between ranks 0 and 1 of `group`."""
+    out = []
+    for size in sizes:
+        buffer = torch.zeros(size // 4, dtype=torch.float32)
+        samples = []
+        for k in range(repeats + 1):  # the first round trip warms the connection up
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1, group=group)
+                dist.recv(buffer, 1, group=group)
+            else:
+                dist.recv(buffer, 0, group=group)
+                dist.send(buffer, 0, group=group)
+            if k:
+                samples.append((time.perf_counter() - start) * 1e3 / 2)
+        out.append(statistics.median(samples))
+    return out
+
+
+def fit_link(sizes, milliseconds) -> tuple[int, float]:
+    """(bytes per second, latency in ms) for time = latency + size / bandwidth: the bandwidth
+    from the two largest sizes (where it dominates), the latency from the smallest."""
+    points = sorted(zip(sizes, milliseconds))
+    (x0, y0), (x1, y1), (x2, y2) = points[0], points[-2], points[-1]
+    slope = max((y2 - y1) / (x2 - x1), 1e-12)  # ms per byte; flat: too fast to resolve
+    return int(1e3 / slope), max(0.0, y0 - slope * x0)
+
+
+def _worker(rank: int, port: int, sizes, repeats: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                           world_size=2)
+    try:
+        times = ping_pong(rank, sizes, repeats)
+        if rank == 0:
+            results.put(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_link(sizes=SIZES, repeats: int = 7) -> tuple[int, float, list[float]]:
+    """Bandwidth (bytes per second), latency (ms) and the per-size times of the link between
+    two processes on this machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    mp.start_processes(_worker, args=(port, tuple(sizes), repeats, results), nprocs=2,
+                       start_method="spawn")
+    times = results.get()
+    bandwidth, latency = fit_link(sizes, times)
+    return bandwidth, latency, times
