@@ -79,13 +79,20 @@ def solve(problem: Problem, *, progress: Progress | None = None) -> Solution:
     return _solve(problem, Budget(DEFAULT_TIME_LIMIT if limit is None else limit), progress)
 
 
-def recompute_ladder(problem: Problem) -> list[tuple[int, ...]]:
-    """Sets of `auto` blocks to recompute, from none to all: each adds the block that saves the
-    most memory per unit of time added (ties: the earlier block, whose stage holds more
-    micro-batches in flight in pipelined schedules)."""
+def recompute_ladder(problem: Problem, budget: Budget) -> list[tuple[int, ...]]:
+    """Sets of `auto` blocks to recompute, from none to all, each adding one block: first on
+    the devices that the fastest template, run without a memory limit, overfills most, and
+    there the block that saves the most memory per unit of time it adds."""
     blocks = problem.blocks
+    free = dataclasses.replace(problem, memory_capacity=None)
+    fastest = min((b for b in baselines(free, budget).values() if b.applicable),
+                  key=lambda b: b.makespan, default=None)
+    over = [0] * problem.num_devices
+    if fastest is not None and problem.memory_capacity is not None:
+        over = [max(0, peak - problem.memory_capacity) for peak in fastest.peak_memory]
     ranked = sorted(problem.recompute_choices(),
-                    key=lambda i: (-(blocks[i].memory - blocks[i].recompute_memory)
+                    key=lambda i: (-max(over[d] for d in blocks[i].devices),
+                                   -(blocks[i].memory - blocks[i].recompute_memory)
                                    / blocks[i].time, i))
     sizes = range(len(ranked) + 1)
     if len(ranked) > RECOMPUTE_LADDER:  # evenly spaced rungs, none and all included
@@ -104,7 +111,7 @@ def solve_recompute(problem: Problem, *, progress: Progress | None = None) -> So
     started = time.monotonic()
     limit = problem.search.time_limit
     budget = Budget(DEFAULT_TIME_LIMIT if limit is None else limit)
-    ladder = recompute_ladder(problem)
+    ladder = recompute_ladder(problem, budget)
     scored = []
     for rung in ladder[1:-1]:
         candidate = problem.with_recompute(rung)
