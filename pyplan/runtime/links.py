@@ -1,7 +1,8 @@
 """The link between two processes, measured: what `topology:` needs to time block outputs.
 
 Two ranks play ping-pong with tensors of growing size; half the median round trip of each size
-is one transfer; the largest sizes give the bandwidth, the smallest the latency. `measure_link` starts two local gloo processes (the
+is one transfer (the fastest of the repeats: on a shared machine, noise only adds); the largest
+sizes give the bandwidth, the smallest the latency. `measure_link` starts two local gloo processes (the
 within-node link of a CPU machine); `ping_pong` runs in any existing two-rank group, e.g. one
 rank per node under torchrun for the link across nodes.
 """
@@ -9,7 +10,6 @@ rank per node under torchrun for the link across nodes.
 from __future__ import annotations
 
 import socket
-import statistics
 import time
 
 import torch
@@ -38,7 +38,7 @@ def ping_pong(rank: int, sizes=SIZES, repeats: int = 7, group=None) -> list[floa
                 dist.send(buffer, 0, group=group)
             if k:
                 samples.append((time.perf_counter() - start) * 1e3 / 2)
-        out.append(statistics.median(samples))
+        out.append(min(samples))
     return out
 
 
