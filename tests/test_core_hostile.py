@@ -44,6 +44,9 @@ CASES = {
  "makespan-bound-neg": "g=_core.Graph(1,[_core.Block('a',1,0,[0])],[]); print(g.makespan_bound(-5, -7))",
  "rule-bad": "g=_core.Graph(1,[_core.Block('a',1,0,[0])],[],[_core.OrderRule(0,2**31-1,0,-2**31,0)]); print(_core.evaluate(g,[[(0,0),(0,1)]]).ok)",
  "longest-paths": "g=_core.Graph(1,[_core.Block('a',1,0,[0])],[]); print(_core.longest_paths(g, [5]))",
+ "delays-length": "g=_core.Graph(1,[_core.Block('a',1,0,[0]),_core.Block('b',1,0,[0])],[(0,1)],[],[],[1,2]); print(g)",
+ "delay-negative": "g=_core.Graph(1,[_core.Block('a',1,0,[0]),_core.Block('b',1,0,[0])],[(0,1)],[],[],[-1]); print(g)",
+ "delay-huge": "g=_core.Graph(1,[_core.Block('a',1,0,[0]),_core.Block('b',1,0,[0])],[(0,1)],[],[],[2**62]); print(g.critical_path())",
 }
 
 ACCEPTED = {"memory-fits-mismatch", "makespan-bound-neg"}

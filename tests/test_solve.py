@@ -148,6 +148,7 @@ def test_every_resolved_plan_reverifies(plan, tmp_path):
     loaded = load_resolved(out)
     assert loaded.schedule.orders == solution.schedule.orders
     assert loaded.schedule.makespan == solution.schedule.makespan
+    problem = solution.schedule.problem  # with the recomputation the solver chose, if any
     ev = _core.evaluate(problem.graph, [list(o) for o in loaded.schedule.orders],
                         memory_capacity=problem.capacity,
                         complete_micro_batches=problem.num_micro_batches)

@@ -38,7 +38,8 @@ def exact_optimum(problem) -> int | None:
 @st.composite
 def placements(draw):
     """Small random training plans: a chain of forward blocks with branches (a block may
-    depend on any earlier one), some blocks on several devices, random costs and memory."""
+    depend on any earlier one), some blocks on several devices, random costs, memory and
+    transfer times."""
     devices = draw(st.integers(1, 3))
     count = draw(st.integers(1, 4))
     lines = []
@@ -49,9 +50,10 @@ def placements(draw):
         if i > 0 and draw(st.booleans()):
             parents = draw(st.lists(st.integers(0, i - 1), min_size=0, max_size=2, unique=True))
             after = f", after: [{', '.join(f'b{p}' for p in sorted(parents))}]"
+        transfer = draw(st.sampled_from(["", "", ", transfer: 1", ", transfer: 2"]))
         lines.append(f"  - {{name: b{i}, devices: {sorted(where)}, "
                      f"time: {draw(st.integers(1, 3))}, memory: {draw(st.integers(0, 2))}"
-                     f"{after}}}")
+                     f"{transfer}{after}}}")
     ratio = draw(st.sampled_from([1, 2]))
     text = (f"pyplan: 1\nname: random\ndevices: {devices}\nmemory: {draw(st.integers(2, 6))}\n"
             f"micro_batches: {draw(st.integers(1, 3))}\n"
