@@ -51,6 +51,12 @@ class Solution(_Solved):
         """Per device, in the plan's memory unit (bytes for size plans)."""
         return self.schedule.peak_memory
 
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        """The forward blocks whose activations are recomputed (`always`, and the `auto`
+        blocks the solver chose)."""
+        return self.schedule.problem.recomputed
+
     def write(self, path: str | os.PathLike) -> Path:
         """Write the resolved plan atomically (its `plan:` points at the plan file, relative to
         `path`, or is null for a plan given as text)."""
@@ -80,6 +86,7 @@ class Solution(_Solved):
             "bubble_rate": schedule.bubble_rate,
             "repetend": repetend,
             "peak_memory": list(schedule.peak_memory),
+            "recomputed": list(problem.recomputed),
             "memory_capacity": problem.memory_capacity,
             "devices": problem.num_devices,
             "micro_batches": problem.num_micro_batches,

@@ -73,6 +73,8 @@ class Lowered:
     order: tuple[tuple[int, int], ...]
     """Every (block, micro-batch) in the global order."""
     programs: tuple[tuple[Instruction, ...], ...]
+    makespan: int = 0
+    """The schedule's makespan (transfers and gradient syncs included), in plan units."""
 
     def name(self, block: int) -> str:
         return self.problem.blocks[block].name
@@ -103,7 +105,7 @@ def lower(problem: Problem, schedule: Schedule) -> Lowered:
     programs = [_with_syncs(problem, schedule, d, program) for d, program in enumerate(pipeline)]
     world = [_moved(program, r * problem.num_devices)
              for r in range(problem.mesh.data) for program in programs]
-    return Lowered(problem, global_order(problem, schedule), tuple(world))
+    return Lowered(problem, global_order(problem, schedule), tuple(world), schedule.makespan)
 
 
 def _with_syncs(problem: Problem, schedule: Schedule, device: int,

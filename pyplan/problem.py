@@ -96,6 +96,8 @@ class Problem:
     mesh: MeshSpec = MeshSpec()
     """Data-parallel replicas of this pipeline and their gradient synchronisation."""
     model: ModelSpec | None = None
+    time_unit_ms: float | None = None
+    """Milliseconds per time unit when the plan says (topology.time_unit_ms)."""
     spec_sha256: str = ""
     source_path: str = ""
     by_name: dict[str, int] = field(init=False, compare=False, repr=False)
@@ -493,6 +495,8 @@ class _Builder:
                        blocks=tuple(self.blocks), edges=tuple(self.edges), rules=tuple(rules),
                        transfers=tuple(transfers) if any(transfers) else (),
                        search=spec.search, mesh=spec.mesh, model=spec.model,
+                       time_unit_ms=None if "time_unit_ms" not in spec.source.data.get(
+                           "topology", {}) else spec.topology.time_unit_ms,
                        spec_sha256=spec.source.sha256,
                        source_path=spec.source.path).with_recompute(always)
 

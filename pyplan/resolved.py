@@ -152,6 +152,8 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
                    + (", traced: true" if m.traced else ""))
         lines.append(f"model: {{{builder}, data: \"{m.data}\", loss: \"{m.loss}\""
                      + (f", path: \"{m.path}\"" if m.path else "") + "}")
+    if problem.time_unit_ms is not None:
+        lines.append(f"time_unit_ms: {problem.time_unit_ms!r}")
     if problem.mesh.data > 1:
         mesh = problem.mesh
         lines.append(f"mesh: {{data: {mesh.data}, shard: {'true' if mesh.shard else 'false'}, "
@@ -332,6 +334,10 @@ class _Reader:
                                           high=MAX_DEVICES // num_devices),
                             shard=self.get("shard", bool, ("mesh",)),
                             sync=self.get("sync", int, ("mesh",), low=0, high=MAX_TIME))
+        unit = self.doc.get("time_unit_ms")
+        if unit is not None and (type(unit) not in (int, float) or not 0 < unit <= 1e6):
+            raise self.fail(("time_unit_ms",), "'time_unit_ms' must be a positive number",
+                            "the file was edited; re-run pyplan solve")
         memory = None
         if self.doc.get("memory") is not None:
             memory = self.get("memory", int, low=1, high=MAX_MEMORY)
@@ -344,6 +350,7 @@ class _Reader:
             training=self.doc.get("task") != "inference", blocks=tuple(blocks),
             edges=tuple(edges), rules=tuple(rules),
             transfers=tuple(transfers) if any(transfers) else (), mesh=mesh, model=model,
+            time_unit_ms=None if unit is None else float(unit),
             spec_sha256=str(self.get("spec_sha256", str)), source_path=self.path)
         try:
             cycle = problem.graph.find_cycle()

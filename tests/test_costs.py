@@ -236,6 +236,7 @@ devices: 1
 micro_batches: 4
 training:
   backward: {time_ratio: 2}
+topology: {time_unit_ms: 0.5}
 blocks:
   - {name: a, devices: [0], time: 1, memory: 2, recompute: always, recompute_memory: 1}
   - {name: b, devices: [0], time: 1, memory: 2}
@@ -263,7 +264,9 @@ def test_the_runtime_recomputes_exactly_the_recorded_blocks(tmp_path, monkeypatc
     assert main(["run", str(resolved)]) == 0
     calls = sys.modules["counting_model"].CALLS
     assert calls == {name: 4 * (2 if name in chosen else 1) for name in "abc"}
-    assert "recomputed in the backward (torch.utils.checkpoint): " + ", ".join(chosen) in \
-        capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert "recomputed in the backward (torch.utils.checkpoint): " + ", ".join(chosen) in out
+    makespan = load_resolved(resolved).schedule.makespan
+    assert f"the plan predicts {makespan * 0.5:.1f} ms (makespan {makespan} x 0.5 ms)" in out
     assert main(["run", str(resolved), "--check", "--iterations", "2"]) == 0
     assert "match the single-process run" in capfd.readouterr().out

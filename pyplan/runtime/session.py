@@ -273,6 +273,11 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
         parts.append(f"{r}: {c * 1e3:.1f}/{(t - c) * 1e3:.1f}")
     lines.append(f"  median iteration {median * 1e3:.1f} ms; compute/wait per rank (ms): "
                  + "  ".join(parts))
+    if problem.time_unit_ms is not None:  # the schedule's makespan, transfers included
+        predicted = lowered.makespan * problem.time_unit_ms
+        lines.append(f"  the plan predicts {predicted:.1f} ms (makespan {lowered.makespan} x "
+                     f"{problem.time_unit_ms:g} ms); measured / predicted "
+                     f"{median * 1e3 / predicted:.2f}")
     if problem.recomputed:
         lines.append("  recomputed in the backward (torch.utils.checkpoint): "
                      + ", ".join(problem.recomputed))
