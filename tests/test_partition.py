@@ -100,6 +100,29 @@ def test_a_model_partitioned_solved_and_run_matches_single_process_training(shap
     assert report["check"]["ok"], report
 
 
+def test_partition_regenerates_the_transformer_plans_stages(cli, tmp_path):
+    """plans/transformer-vshape.yaml's model, given whole, is cut into the plan's stages: the
+    same submodules (by name and shape) as the plan's `build` makes for each stage."""
+    from pyplan.examples import transformer
+    from pyplan.problem import load_problem
+    from pyplan.runtime.binding import submodules
+
+    out = tmp_path / "transformer.yaml"
+    code, _, err = cli("partition", "pyplan.examples.transformer:model", "--data",
+                       "pyplan.examples.transformer:batch", "--loss",
+                       "pyplan.examples.transformer:loss", "--devices", "4",
+                       "--micro-batches", "8", "--repeats", "3", "-o", out)
+    assert code == 0, err
+    stages = dict(load_problem(out).model.stages)
+    names = [f"stage{s}" for s in range(4)]
+    cut = submodules(transformer.model(), stages, names)
+    for name in names:
+        ours = {k: v.shape for k, v in cut[name].state_dict().items()}
+        theirs = {k: v.shape for k, v in transformer.build(name, None).state_dict().items()}
+        assert list(ours.values()) == list(theirs.values()), name
+    assert stages["stage0"][0] == "embed" and stages["stage3"][-1] == "head"
+
+
 def _partitioned(tmp_path, bounds, devices):
     from pyplan.partition import Partition, plan_text
 

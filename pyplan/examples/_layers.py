@@ -15,8 +15,32 @@ from torch import nn
 
 from pyplan.runtime import shard
 
-__all__ = ["ColumnParallelLinear", "Layer", "RowParallelLinear", "VocabParallelEmbedding",
-           "VocabParallelHead", "all_sum", "vocab_parallel_cross_entropy"]
+__all__ = ["ColumnParallelLinear", "Embed", "Head", "Layer", "RowParallelLinear",
+           "VocabParallelEmbedding", "VocabParallelHead", "all_sum",
+           "vocab_parallel_cross_entropy"]
+
+
+class Embed(nn.Module):
+    """Token embedding plus learned positions, (B, T) ids -> (B, T, D)."""
+
+    def __init__(self, vocab: int, dim: int, sequence: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Parameter(torch.randn(sequence, dim) * 0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions[: ids.shape[1]]
+
+
+class Head(nn.Module):
+    """Final norm and vocabulary projection, (B, T, D) -> (B, T, vocab)."""
+
+    def __init__(self, dim: int, vocab: int) -> None:
+        super().__init__()
+        self.norm, self.out = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
 
 
 class Layer(nn.Module):

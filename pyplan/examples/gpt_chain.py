@@ -14,37 +14,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyplan.examples._layers import Layer
+from pyplan.examples._layers import Embed, Head, Layer
 
 __all__ = ["BATCH", "LAYERS", "batch", "loss", "model"]
 
 VOCAB, DIM, HEADS, SEQUENCE, BATCH, LAYERS = 4096, 64, 4, 16, 16, 24
 
 
-class Embed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(VOCAB, DIM)
-        self.positions = nn.Parameter(torch.randn(SEQUENCE, DIM) * 0.02)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tokens(ids) + self.positions[: ids.shape[1]]
-
-
-class Head(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.out = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x))
-
-
 def model() -> nn.Module:
     """embed, layers.0 .. layers.23, head."""
     return nn.Sequential(OrderedDict(
-        embed=Embed(), layers=nn.Sequential(*(Layer(DIM, HEADS) for _ in range(LAYERS))),
-        head=Head()))
+        embed=Embed(VOCAB, DIM, SEQUENCE),
+        layers=nn.Sequential(*(Layer(DIM, HEADS) for _ in range(LAYERS))),
+        head=Head(DIM, VOCAB)))
 
 
 def batch(step: int):

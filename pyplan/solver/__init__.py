@@ -121,6 +121,7 @@ def solve_recompute(problem: Problem, *, progress: Progress | None = None) -> So
             scored.append((min(fitting), len(rung), rung))
     chosen = [ladder[0], ladder[-1]] + [rung for *_, rung in sorted(scored)[:RECOMPUTE_SOLVED]]
     chosen = list(dict.fromkeys(chosen))
+    bound = problem.with_recompute(problem.recompute_choices(), rerun=False).makespan_bound()
     results, failure = [], None
     for k, rung in enumerate(chosen):
         share = Budget(max(0.0, budget.remaining()) / (len(chosen) - k))
@@ -128,10 +129,12 @@ def solve_recompute(problem: Problem, *, progress: Progress | None = None) -> So
             results.append((_solve(problem.with_recompute(rung), share, progress), rung))
         except InfeasibleError as exc:
             failure = exc if failure is None or rung == ladder[-1] else failure
+            continue
+        if results[-1][0].schedule.makespan <= bound:
+            break  # no choice does better
     if not results:
         raise failure
     best, rung = min(results, key=lambda item: (item[0].schedule.makespan, len(item[1])))
-    bound = problem.with_recompute(problem.recompute_choices(), rerun=False).makespan_bound()
     notes = [f"recompute: {len(rung)} of {len(ladder[-1])} auto blocks chosen"
              + "".join(f"; {len(r)} recomputed: makespan {s.schedule.makespan}"
                        for s, r in results if r != rung)]

@@ -31,6 +31,7 @@ __all__ = ["Progress", "RepetendSearch", "SearchStats", "candidate_pool",
 
 MODULO_BUDGET = 20_000        # DFS placements per period in the fast path
 MODULO_MAX_PERIOD = 65_536    # the fast path's reservation table has one cell per time step
+MODULO_TOTAL = 500_000        # DFS placements over all periods (then enumeration takes over)
 ENUMERATION_BUDGET = 200_000  # Tessel candidates per N_R while searching the period
 POOL_WORK = 30_000_000        # instance evaluations for ranking pool candidates (about 1 s)
 POOL_SIZE = 4                 # repetends of the best period that completion tries
@@ -115,8 +116,10 @@ def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: Sea
     report("fast path")
     max_period = best.period - 1 if best is not None else bound * 4
     max_period = min(max_period, MODULO_MAX_PERIOD)  # long block times: enumeration instead
-    for period in range(bound, max_period + 1):
-        if budget.expired():
+    # Starts lie within max_nr periods, so the longest start-to-start path must fit in them.
+    first = max(bound, max(graph.heads()) // max_nr + 1)
+    for period in range(first, max_period + 1):
+        if budget.expired() or stats.modulo_nodes > MODULO_TOTAL:
             break
         rep, mstats = _core.modulo_schedule(graph, period, max_nr, capacity, MODULO_BUDGET,
                                             budget.remaining())
