@@ -30,10 +30,19 @@ def summary(problem: Problem) -> str:
                 else "")
     resident = " ".join(map(problem.show_memory, problem.static_memory))
     weights = f", weights per device [{resident}]" if any(problem.static_memory) else ""
+    costs = ""
+    if problem.transfer:
+        times = sorted(set(problem.transfer.values()))
+        costs += (f", transfers on {len(problem.transfer)} dependencies "
+                  f"({times[0]}{'' if len(times) == 1 else f'..{times[-1]}'} units)")
+    modes = [b.recompute for b in problem.blocks if b.recompute != "never"]
+    for mode in ("always", "auto"):
+        costs += f", recompute {mode} on {count(modes.count(mode), 'block')}" \
+            if mode in modes else ""
     return (f"{problem.name}: {task}, {count(len(problem.blocks), 'block')} ({parts}) on "
             f"{count(problem.num_devices, 'device')}{replicas}, "
             f"{count(problem.num_micro_batches, 'micro-batch')}, "
-            f"memory {problem.show_memory(problem.memory_capacity)}{weights}{rules}; "
+            f"memory {problem.show_memory(problem.memory_capacity)}{weights}{rules}{costs}; "
             f"load per device [{loads}], repetend period >= {problem.load_bound()}")
 
 
