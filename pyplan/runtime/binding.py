@@ -23,6 +23,7 @@ import torch
 
 from pyplan.errors import PlanError, RunError
 from pyplan.problem import Problem
+from pyplan.spec import load_yaml
 
 __all__ = ["SHARD_DIM", "Model", "block_inputs", "build_modules", "check_model",
            "forward_blocks", "forward_rng", "import_function", "load_model", "make_batch", "named_parameters",
@@ -93,21 +94,30 @@ def traced_stages(model: torch.nn.Module, starts: list[str], inputs) -> list[tor
 
 
 def submodules(whole: torch.nn.Module, stages: dict[str, tuple[str, ...]],
-               blocks: list[str]) -> dict[str, torch.nn.Module]:
-    """Each block's module: its named submodules of `whole`, run one after another."""
+               blocks: list[str], *, source: str | None = None) -> dict[str, torch.nn.Module]:
+    """Each block's module: its named submodules of `whole`, run one after another. A name the
+    model lacks is a plan error, at its place in `source` (the plan file) when given."""
+    def fail(where: tuple, message: str, hint: str) -> PlanError:
+        if source is not None and Path(source).is_file():
+            try:
+                return load_yaml(source).error(("model", "stages") + where, message, hint)
+            except PlanError:  # unreadable now: the message without a position
+                pass
+        return PlanError(message, hint=hint, file=source)
+
     out = {}
     for name in blocks:
         if name not in stages:
-            raise RunError(f"model.stages has no entry for block '{name}'",
-                           hint="list the submodules of every declared block")
+            raise fail((), f"model.stages has no entry for block '{name}'",
+                       "list the submodules of every declared block")
         parts = []
-        for unit in stages[name]:
+        for i, unit in enumerate(stages[name]):
             try:
                 parts.append(whole.get_submodule(unit))
             except AttributeError:
-                raise RunError(f"model.stages: the model has no submodule '{unit}' (block "
-                               f"'{name}')", hint="names are dotted paths as in "
-                               "named_modules(), e.g. layers.0") from None
+                raise fail((name, i), f"model.stages: the model has no submodule '{unit}' "
+                           f"(block '{name}')", "names are dotted paths as in "
+                           "named_modules(), e.g. layers.0") from None
         out[name] = parts[0] if len(parts) == 1 else torch.nn.Sequential(*parts)
     return out
 
@@ -163,7 +173,8 @@ def check_model(problem: Problem, plan_dir: Path) -> int:
             except Exception as exc:  # the user's code: any failure is theirs to see
                 raise RunError(f"model.module failed to build the model: "
                                f"{type(exc).__name__}: {exc}") from None
-            submodules(whole, model.stages, [problem.blocks[b].name for b in blocks])
+            submodules(whole, model.stages, [problem.blocks[b].name for b in blocks],
+                       source=problem.source_path)
             return len(blocks)
         for b in blocks:
             name = problem.blocks[b].name
@@ -216,7 +227,8 @@ def build_modules(model: Model, problem: Problem, *, seed: int, device, rank: in
             stages = traced_stages(whole, [model.stages[n][0] for n in names], inputs)
             parts = dict(zip(names, stages))
         else:
-            parts = submodules(whole, model.stages, [problem.blocks[b].name for b in mine])
+            parts = submodules(whole, model.stages, [problem.blocks[b].name for b in mine],
+                               source=problem.source_path)
         return {b: parts[problem.blocks[b].name].to(device) for b in mine}
     for b in mine:
         block = problem.blocks[b]

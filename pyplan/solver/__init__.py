@@ -15,7 +15,7 @@ from pyplan.solver.budget import LAYOUT_SECONDS, Budget
 from pyplan.solver.complete import complete, complete_whole, exact_applies
 from pyplan.solver.explain import explain
 from pyplan.solver.search import (Progress, RepetendSearch, SearchStats, candidate_pool,
-                                  search_repetend)
+                                  repetend_key, search_repetend)
 from pyplan.solver.templates import TEMPLATES, Baseline, baselines
 
 __all__ = ["DEFAULT_TIME_LIMIT", "TEMPLATES", "Baseline", "Solution", "incumbents", "min_memory",
@@ -196,35 +196,43 @@ def _solve(problem: Problem, budget: Budget, progress: Progress | None) -> Solut
 def _complete_best(problem: Problem, found: RepetendSearch, budget: Budget, search: Budget,
                    stats: SearchStats, *, exact: bool, settled: bool, target: int,
                    progress: Progress | None = None) -> tuple[Schedule, list[str]]:
-    """Completion of the best repetends (a pool ranked within the `search` budget): periodic
-    completions of every candidate first (cheap), Z3's warmup and cooldown only if none meets
-    the lower bound."""
-    pool = candidate_pool(problem, found.repetend, budget=search, stats=stats,
-                          thorough=not settled)
-    # Laying out a completion is linear in the instances: where the time limit does not allow
-    # one per candidate, the best-ranked (shortest periodic schedule) alone (decided by size).
-    if not budget.allows_template(len(problem.blocks) * problem.num_micro_batches * len(pool)):
-        pool = pool[:1]
+    """Completion of the best repetends: periodic completions of every candidate first (cheap),
+    Z3's warmup and cooldown only if none meets the lower bound. The pool grows in two steps
+    (ranked within the `search` budget): the modulo schedules of each N_R first, and only if
+    none of those completes to the bound, Tessel's best candidates of each N_R too."""
     completion = budget.slice(COMPLETION_EFFORT)
+    done: dict = {}  # (repetend, with Z3) -> (schedule, notes): each completion once
     schedule, best_notes = None, []
-    periodic: dict[int, Schedule] = {}  # pool position -> its periodic completion
-    for with_z3 in (False, True) if exact else (False,):
-        for k, rep in enumerate(pool):
-            if schedule is not None and (schedule.makespan <= target or budget.expired()):
-                break
-            if with_z3 and not exact_applies(problem, rep, completion):
-                continue  # it would give the periodic completion again
-            if progress is not None:
-                progress.update(phase="completion", n_r=rep.num_micro_batches,
-                                candidates=stats.candidates, best=rep.period,
-                                bound=found.lower_bound)
-            notes: list[str] = []
-            candidate, _ = complete(problem, rep, exact=with_z3, budget=completion, notes=notes,
-                                    target=target, periodic=periodic.get(k))
-            if not with_z3:
-                periodic[k] = candidate
-            if schedule is None or _rank(candidate) < _rank(schedule):
-                schedule, best_notes = candidate, notes
+    for thorough in (False,) if settled else (False, True):
+        pool = candidate_pool(problem, found.repetend, budget=search, stats=stats,
+                              thorough=thorough)
+        # Laying out a completion is linear in the instances: where the time limit does not
+        # allow one per candidate, the best-ranked (shortest periodic schedule) alone.
+        if not budget.allows_template(len(problem.blocks) * problem.num_micro_batches
+                                      * len(pool)):
+            pool = pool[:1]
+        for with_z3 in (False, True) if exact else (False,):
+            for rep in pool:
+                if schedule is not None and (schedule.makespan <= target or budget.expired()):
+                    break
+                if with_z3 and not exact_applies(problem, rep, completion):
+                    continue  # it would give the periodic completion again
+                key = (repetend_key(rep), with_z3)
+                if key not in done:
+                    if progress is not None:
+                        progress.update(phase="completion", n_r=rep.num_micro_batches,
+                                        candidates=stats.candidates, best=rep.period,
+                                        bound=found.lower_bound)
+                    notes: list[str] = []
+                    periodic = done.get((key[0], False), (None,))[0] if with_z3 else None
+                    candidate, _ = complete(problem, rep, exact=with_z3, budget=completion,
+                                            notes=notes, target=target, periodic=periodic)
+                    done[key] = candidate, notes
+                candidate, notes = done[key]
+                if schedule is None or _rank(candidate) < _rank(schedule):
+                    schedule, best_notes = candidate, notes
+        if schedule is not None and (schedule.makespan <= target or budget.expired()):
+            break
     return schedule, best_notes
 
 

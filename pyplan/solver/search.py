@@ -26,8 +26,7 @@ from pyplan.solver.budget import Budget
 from pyplan.solver.exact import modulo_repetend
 
 __all__ = ["Progress", "RepetendSearch", "SearchStats", "candidate_pool",
-           "max_repetend_micro_batches",
-           "search_repetend"]
+           "max_repetend_micro_batches", "repetend_key", "search_repetend"]
 
 MODULO_BUDGET = 20_000        # DFS placements per period in the fast path
 MODULO_MAX_PERIOD = 65_536    # the fast path's reservation table has one cell per time step
@@ -195,7 +194,7 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, budget: Budget,
     n = problem.num_micro_batches
     period = best.period
     max_nr = max_repetend_micro_batches(problem)
-    pool = {_key(best): best}
+    pool = {repetend_key(best): best}
     for nr in range(1, max_nr + 1 if period <= MODULO_MAX_PERIOD else 1):
         if budget.expired():
             break
@@ -203,7 +202,7 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, budget: Budget,
                                             budget.remaining())
         stats.modulo_nodes += mstats.nodes
         if rep.feasible and rep.period <= period:
-            pool.setdefault(_key(rep), rep)
+            pool.setdefault(repetend_key(rep), rep)
     # Ranking evaluates each candidate's whole periodic schedule: a fixed amount of work shared
     # by the N_R values keeps the pool (and so the result) the same on every run.
     limits = range(1, min(max_nr, n) + 1) if thorough else range(0)
@@ -215,7 +214,7 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, budget: Budget,
                                               per_limit, budget.remaining())
         stats.candidates += estats.enumerated
         for rep in ranked:
-            pool.setdefault(_key(rep), rep)
+            pool.setdefault(repetend_key(rep), rep)
 
     def rank(rep):
         makespan = _core.periodic_makespan(graph, rep, n, capacity)
@@ -225,5 +224,6 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, budget: Budget,
     return sorted(pool.values(), key=rank)[:keep]
 
 
-def _key(rep: _core.Repetend):
+def repetend_key(rep: _core.Repetend):
+    """What makes two repetends the same: indices and orders."""
     return tuple(rep.indices), tuple(tuple(o) for o in rep.orders)
