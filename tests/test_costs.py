@@ -126,6 +126,17 @@ def test_chrome_export_draws_each_transfer(tmp_path):
     assert sum(e["ph"] == "s" for e in events) == sum(e["ph"] == "f" for e in events) == 8
 
 
+def test_show_marks_the_idle_time_spent_waiting_for_data(cli, tmp_path):
+    source = tmp_path / "v.yaml"
+    source.write_text(vshape(2, stage="time: 2, transfer: 2"))
+    assert cli("solve", source, "--quiet")[0] == 0
+    code, out, _ = cli("show", tmp_path / "v.resolved.yaml")
+    assert code == 0
+    assert "d0   F0-............>>>B0====\n" in out   # the gradient on its way back
+    assert "d1   ...>>>F0-B0====.........\n" in out   # the activation on its way
+    assert "> idle while data is on its way: a transfer takes 2 time units" in out
+
+
 # ---------------------------------------------------------------- recomputation
 
 def test_recompute_moves_the_forward_into_the_backward():

@@ -28,7 +28,8 @@ STYLES = {  # rich styles in the 16 basic colours; two shades per kind tell chun
     "backward0": "black on green", "backward1": "black on bright_green",
     "weight0": "black on yellow", "weight1": "black on bright_yellow",
     "other0": "white on magenta", "other1": "black on bright_magenta",
-    "idle": "bright_black", "axis": "dim", "rep": "bold cyan", "elided": "bold red",
+    "idle": "bright_black", "transfer": "cyan", "axis": "dim", "rep": "bold cyan",
+    "elided": "bold red",
 }
 _LETTER = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
 _FILL = {FORWARD: "-", BACKWARD: "=", WEIGHT: "~"}
@@ -48,6 +49,17 @@ class _Grid:
             for b, m, start, end in schedule.entries(d):
                 for k in range((end - start) // self.unit):
                     self.cells[d][start // self.unit + k] = (b, m, k)
+        # Idle steps while a transfer to the device is on its way (its consumer waits for it).
+        self.arriving: set[tuple[int, int]] = set()
+        for (a, c), delay in problem.transfer.items():
+            for m in range(problem.num_micro_batches):
+                if schedule.start_of(a, m) < 0 or schedule.start_of(c, m) < 0:
+                    continue
+                sent = schedule.end_of(a, m)
+                for d in problem.blocks[c].devices:
+                    for step in range(sent // self.unit, -(-(sent + delay) // self.unit)):
+                        if self.cells[d][step] is None:
+                            self.arriving.add((d, step))
         self.chunk = device_chunks(problem)  # primes in labels mark chunks > 0
         self.num_chunks = 1 + max(self.chunk.values(), default=0)
         # The longest label (letter, micro-batch, primes) and one fill character, so that labels
@@ -58,6 +70,8 @@ class _Grid:
     def text(self, d: int, step: int) -> tuple[str, str]:
         cell = self.cells[d][step]
         if cell is None:
+            if (d, step) in self.arriving:
+                return ">" * self.width, "transfer"
             return "." * self.width, "idle"
         b, m, k = cell
         block = self.schedule.problem.blocks[b]
@@ -237,9 +251,9 @@ def _legend(schedule: Schedule, grid: _Grid, cut: tuple | None) -> list[str]:
     if problem.transfer:
         times = sorted(set(problem.transfer.values()))
         span = f"{times[0]}" if len(times) == 1 else f"{times[0]}..{times[-1]}"
-        lines.append(f"transfers: data between devices takes {span} time units per "
-                     f"dependency ({len(problem.transfer)} of them; the gaps before their "
-                     "consumers, while the devices stay free)")
+        lines.append(f"> idle while data is on its way: a transfer takes {span} time units "
+                     f"({len(problem.transfer)} dependencies between devices; the devices "
+                     "stay free to compute meanwhile)")
     if problem.recomputed:
         lines.append("recompute: " + ", ".join(problem.recomputed) + " keep only "
                      "their inputs; the backward reruns the forward first (included in its length)")
