@@ -14,8 +14,8 @@ from pyplan.solver.bounds import check_fits, min_memory
 from pyplan.solver.budget import LAYOUT_SECONDS, Budget
 from pyplan.solver.complete import complete, complete_whole, exact_applies
 from pyplan.solver.explain import explain
-from pyplan.solver.search import (Progress, RepetendSearch, SearchStats, candidate_pool,
-                                  repetend_key, search_repetend)
+from pyplan.solver.search import (POOL_STEPS, Progress, RepetendSearch, SearchStats,
+                                  candidate_pool, repetend_key, search_repetend)
 from pyplan.solver.templates import TEMPLATES, Baseline, baselines
 
 __all__ = ["DEFAULT_TIME_LIMIT", "TEMPLATES", "Baseline", "Solution", "incumbents", "min_memory",
@@ -197,15 +197,14 @@ def _complete_best(problem: Problem, found: RepetendSearch, budget: Budget, sear
                    stats: SearchStats, *, exact: bool, settled: bool, target: int,
                    progress: Progress | None = None) -> tuple[Schedule, list[str]]:
     """Completion of the best repetends: periodic completions of every candidate first (cheap),
-    Z3's warmup and cooldown only if none meets the lower bound. The pool grows in two steps
-    (ranked within the `search` budget): the modulo schedules of each N_R first, and only if
-    none of those completes to the bound, Tessel's best candidates of each N_R too."""
+    Z3's warmup and cooldown only if none meets the lower bound. The pool grows in steps
+    (ranked within the `search` budget) while no completion meets the bound: the modulo
+    schedules of each N_R, then Tessel's best candidates of each N_R for more and more work."""
     completion = budget.slice(COMPLETION_EFFORT)
     done: dict = {}  # (repetend, with Z3) -> (schedule, notes): each completion once
     schedule, best_notes = None, []
-    for thorough in (False,) if settled else (False, True):
-        pool = candidate_pool(problem, found.repetend, budget=search, stats=stats,
-                              thorough=thorough)
+    for work in POOL_STEPS[:1] if settled else POOL_STEPS:
+        pool = candidate_pool(problem, found.repetend, budget=search, stats=stats, work=work)
         # Laying out a completion is linear in the instances: where the time limit does not
         # allow one per candidate, the best-ranked (shortest periodic schedule) alone.
         if not budget.allows_template(len(problem.blocks) * problem.num_micro_batches

@@ -33,6 +33,7 @@ MODULO_MAX_PERIOD = 65_536    # the fast path's reservation table has one cell p
 MODULO_TOTAL = 500_000        # DFS placements over all periods (then enumeration takes over)
 ENUMERATION_BUDGET = 200_000  # Tessel candidates per N_R while searching the period
 POOL_WORK = 30_000_000        # instance evaluations for ranking pool candidates (about 1 s)
+POOL_STEPS = (0, POOL_WORK // 3, POOL_WORK)  # the pool grows until a completion meets the bound
 POOL_SIZE = 4                 # repetends of the best period that completion tries
 
 
@@ -186,10 +187,11 @@ def _exact_period(problem: Problem, best: _core.Repetend | None, bound: int, max
 
 def candidate_pool(problem: Problem, best: _core.Repetend, *, budget: Budget,
                    stats: SearchStats, keep: int = POOL_SIZE,
-                   thorough: bool = True) -> list[_core.Repetend]:
+                   work: int = POOL_WORK) -> list[_core.Repetend]:
     """Repetends with the best period, ranked by the makespan of their periodic schedule for the
     plan's micro-batches (then fewer micro-batches): modulo schedules with every N_R limit and,
-    when `thorough`, the best Tessel candidates of each N_R. Completion picks among them."""
+    with `work` > 0 instance evaluations to spend, the best Tessel candidates of each N_R.
+    Completion picks among them."""
     graph, capacity = problem.graph, problem.capacity
     n = problem.num_micro_batches
     period = best.period
@@ -205,8 +207,8 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, budget: Budget,
             pool.setdefault(repetend_key(rep), rep)
     # Ranking evaluates each candidate's whole periodic schedule: a fixed amount of work shared
     # by the N_R values keeps the pool (and so the result) the same on every run.
-    limits = range(1, min(max_nr, n) + 1) if thorough else range(0)
-    per_limit = max(20, POOL_WORK // (len(problem.blocks) * n * max(1, len(limits))))
+    limits = range(1, min(max_nr, n) + 1) if work > 0 else range(0)
+    per_limit = max(20, work // (len(problem.blocks) * n * max(1, len(limits))))
     for nr in limits:
         if budget.expired():
             break
