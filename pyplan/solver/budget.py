@@ -96,6 +96,10 @@ class Budget:
         finally:
             self._charge(_rlimit_count(solver) - before)
 
+    def units_left(self) -> int | None:
+        """Z3 units this budget may still spend (None: unlimited)."""
+        return self._units_left()
+
     def _units_left(self) -> int | None:
         lefts = []
         budget: Budget | None = self

@@ -258,7 +258,9 @@ class _TimeModel:
         return lo, sum(self.time) + transfers + max([0, floor] + waits)
 
     def minimise(self, lo: int, hi: int, budget: Budget) -> TimeOptimal:
-        """Bisection on the objective with push/pop; proven unless the budget cut it short."""
+        """Bisection on the objective with push/pop; proven unless the budget cut it short. A
+        probe Z3 cannot settle with half the units left gives up on that target and the ones
+        below it (no longer a proof) and tries above it with the rest."""
         solver = _solver(self.ctx)
         solver.add(*self.cons)
         best, proven = None, True
@@ -269,7 +271,9 @@ class _TimeModel:
             mid = (lo + hi) // 2
             solver.push()
             solver.add(self.objective <= mid)
-            outcome = budget.check(solver)
+            left = budget.units_left()
+            outcome = budget.check(solver) if left is None or mid == hi else \
+                budget.slice(max(1, left // 2)).check(solver)
             if outcome == z3.sat:
                 best = solver.model()
                 hi = best.eval(self.objective).as_long() - 1
@@ -277,9 +281,10 @@ class _TimeModel:
                 lo = mid + 1
             else:
                 proven = False
-                solver.pop()
-                break
+                lo = mid + 1
             solver.pop()
+            if outcome == z3.unknown and (mid == hi or budget.expired()):
+                break
         if best is None:
             return TimeOptimal("none" if proven else "unknown")
         return self.result(best, "optimal" if proven else "feasible")
