@@ -140,7 +140,8 @@ def fuzz_core(cases: int, seed: int) -> list:
         k = rng.randint(0, 5)
         blocks = [_core.Block(f"b{i}", number(), number(), devices()) for i in range(k)]
         edges = [(number(), number()) for _ in range(rng.randint(0, 5))]
-        return _core.Graph(number(), blocks, edges)
+        delays = [number() for _ in edges] if rng.random() < 0.5 else []
+        return _core.Graph(number(), blocks, edges, [], [], delays)
 
     def orders():
         return [[(number(), number()) for _ in range(rng.randint(0, 4))]

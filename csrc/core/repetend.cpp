@@ -42,6 +42,8 @@ static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int64_t repetend_bound(const Graph& g, const std::vector<int>& n,
                        const std::vector<std::vector<int64_t>>& longest) {
+    if (static_cast<int>(n.size()) != g.num_blocks())
+        throw std::invalid_argument("need one micro-batch index per block");
     // On a device running i and later j of the same micro-batch (path i ~> j of length L), the
     // next instance of i on that device comes n_i - n_j + 1 periods after i and after j ends.
     int64_t bound = g.load_bound();
@@ -359,6 +361,8 @@ std::vector<std::vector<int>> list_order(const Graph& g, const std::vector<int>&
 
 Repetend list_schedule_repetend(const Graph& g, const std::vector<int>& n) {
     const int k = g.num_blocks();
+    if (static_cast<int>(n.size()) != k)
+        throw std::invalid_argument("need one micro-batch index per block");
     std::vector<int64_t> release(k, 0);
     Repetend best;
     // Refine: cross-iteration inputs arrive at the times the previous round's steady state says.
