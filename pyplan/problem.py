@@ -104,6 +104,8 @@ class Problem:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_name", {b.name: b.index for b in self.blocks})
+        if not any(self.transfers):  # one form for "no transfers"
+            object.__setattr__(self, "transfers", ())
 
     def block(self, name: str) -> Block:
         return self.blocks[self.by_name[name]]
@@ -363,8 +365,8 @@ class _Builder:
         out = []
         for x, y in self.edges:
             src, dst = self.blocks[x], self.blocks[y]
-            owner = dst.layer if not src.is_forward and not dst.is_forward and \
-                src.layer != src.name and dst.layer != dst.name else src.layer
+            gradient = src.kind == dst.kind == BACKWARD and src.name != src.layer
+            owner = dst.layer if gradient else src.layer
             spec = self.declared.get(owner)
             missing = [q for q in dst.devices if q not in src.devices]
             if spec is None or not missing:
@@ -385,8 +387,7 @@ class _Builder:
         for name, spec in self.declared.items():
             block = self.blocks[self.by_name[name]]
             mode = spec.recompute or (self.spec.recompute if self.spec.training else "never")
-            derived = f"{name}.b" in self.by_name and self.blocks[
-                self.by_name[f"{name}.b"]].layer == name and block.kind == FORWARD
+            derived = block.kind == FORWARD and f"{name}.b" in self.by_name
             if mode == "never":
                 continue
             if not derived:
@@ -493,10 +494,9 @@ class _Builder:
                        memory_is_size=spec.memory_is_size,
                        num_micro_batches=spec.num_micro_batches, training=spec.training,
                        blocks=tuple(self.blocks), edges=tuple(self.edges), rules=tuple(rules),
-                       transfers=tuple(transfers) if any(transfers) else (),
+                       transfers=tuple(transfers),
                        search=spec.search, mesh=spec.mesh, model=spec.model,
-                       time_unit_ms=None if "time_unit_ms" not in spec.source.data.get(
-                           "topology", {}) else spec.topology.time_unit_ms,
+                       time_unit_ms=spec.topology.time_unit_ms,
                        spec_sha256=spec.source.sha256,
                        source_path=spec.source.path).with_recompute(always)
 

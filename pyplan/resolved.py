@@ -349,7 +349,7 @@ class _Reader:
                                        high=MAX_MICRO_BATCHES),
             training=self.doc.get("task") != "inference", blocks=tuple(blocks),
             edges=tuple(edges), rules=tuple(rules),
-            transfers=tuple(transfers) if any(transfers) else (), mesh=mesh, model=model,
+            transfers=tuple(transfers), mesh=mesh, model=model,
             time_unit_ms=None if unit is None else float(unit),
             spec_sha256=str(self.get("spec_sha256", str)), source_path=self.path)
         try:

@@ -75,8 +75,13 @@ def solve(problem: Problem, *, progress: Progress | None = None) -> Solution:
     blocks, which of them to recompute is decided too (see solve_recompute)."""
     if problem.recompute_choices():
         return solve_recompute(problem, progress=progress)
+    return _solve(problem, _budget(problem), progress)
+
+
+def _budget(problem: Problem) -> Budget:
+    """The whole solve's budget: the plan's time limit."""
     limit = problem.search.time_limit
-    return _solve(problem, Budget(DEFAULT_TIME_LIMIT if limit is None else limit), progress)
+    return Budget(DEFAULT_TIME_LIMIT if limit is None else limit)
 
 
 def recompute_ladder(problem: Problem, budget: Budget) -> list[tuple[int, ...]]:
@@ -109,8 +114,7 @@ def solve_recompute(problem: Problem, *, progress: Progress | None = None) -> So
     `optimal` only when it meets a bound no choice can beat: the plan with every `auto` block's
     memory as recomputed and none of the time it costs."""
     started = time.monotonic()
-    limit = problem.search.time_limit
-    budget = Budget(DEFAULT_TIME_LIMIT if limit is None else limit)
+    budget = _budget(problem)
     ladder = recompute_ladder(problem, budget)
     scored = []
     for rung in ladder[1:-1]:

@@ -165,7 +165,8 @@ class TopologySpec:
 
     devices_per_node: int | None = None
     """None: every device in one node."""
-    time_unit_ms: float = 1.0
+    time_unit_ms: float | None = None
+    """Milliseconds per time unit, when the plan says; transfers are timed with 1 otherwise."""
     within_node: LinkSpec = LinkSpec(bandwidth=100 * 10**9, latency_ms=0.01)
     across_nodes: LinkSpec = LinkSpec(bandwidth=125 * 10**8, latency_ms=0.02)
 
@@ -175,7 +176,7 @@ class TopologySpec:
     def transfer_time(self, size: int, source: int, target: int) -> int:
         """Time units to move `size` bytes from one device to another, to the nearest unit."""
         link = self.within_node if self.node(source) == self.node(target) else self.across_nodes
-        return int(link.milliseconds(size) / self.time_unit_ms + 0.5)
+        return int(link.milliseconds(size) / (self.time_unit_ms or 1.0) + 0.5)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -344,7 +345,8 @@ def _topology(source: Source, raw: dict | None, size) -> TopologySpec:
         links[key] = LinkSpec(bandwidth=bandwidth,
                               latency_ms=float(given.get("latency_ms", base.latency_ms)))
     return TopologySpec(devices_per_node=raw.get("devices_per_node"),
-                        time_unit_ms=float(raw.get("time_unit_ms", default.time_unit_ms)),
+                        time_unit_ms=float(raw["time_unit_ms"]) if "time_unit_ms" in raw
+                        else None,
                         **links)
 
 
