@@ -2,6 +2,9 @@
 
     python benchmarks/search.py [--quick] [--to-limit SECONDS]
 
+0. The plans in plans/ with 4 devices at their own settings: search_seconds (median of 5)
+   against the targets (50 ms, NN- and M-shape 0.3 s), and the wall time of a whole
+   `pyplan solve plans/tessel-vshape.yaml` process (target 0.25 s).
 1. pyplan solve vs the exact time-optimal Z3 formulation of the whole problem (Tessel's "TO")
    on the same placements for 1, 2, 4 and 6 micro-batches (Tessel Fig. 9): seconds and
    makespans side by side.
@@ -17,6 +20,10 @@
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +51,39 @@ def timed(fn):
     start = time.perf_counter()
     result = fn()
     return result, time.perf_counter() - start
+
+
+def bench_paper_plans() -> None:
+    print("0. 4-device plans at their own settings: search_seconds, median (min-max) of 5")
+    print(f"{'plan':26} {'N':>3} {'makespan':>9} {'status':>9} {'ms':>8} {'range':>15} "
+          f"{'target ms':>10}")
+    missed = 0
+    for path in sorted(PLANS.glob("*.yaml")):
+        if path.name.endswith(".resolved.yaml"):
+            continue
+        problem = load_problem(path)
+        if problem.num_devices != 4:
+            continue
+        runs = [solve(problem) for _ in range(5)]
+        ms = [1000 * r.search_seconds for r in runs]
+        target = 300 if any(k in problem.name for k in ("nnshape", "mshape")) else 50
+        missed += statistics.median(ms) > target
+        print(f"{problem.name:26} {problem.num_micro_batches:>3} {runs[0].schedule.makespan:>9} "
+              f"{runs[0].status:>9} {statistics.median(ms):>8.1f} "
+              f"{f'{min(ms):.1f}-{max(ms):.1f}':>15} {target:>10}", flush=True)
+    walls = []
+    script = Path(sys.executable).with_name("pyplan")  # the console script a user runs
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "pyplan"]
+    with tempfile.TemporaryDirectory() as scratch:
+        for _ in range(5):
+            start = time.perf_counter()
+            subprocess.run(command + ["solve", str(PLANS / "tessel-vshape.yaml"),
+                                      "-o", f"{scratch}/out.yaml"],
+                           check=True, capture_output=True)
+            walls.append(time.perf_counter() - start)
+    print(f"  over target: {missed}; `pyplan solve plans/tessel-vshape.yaml` wall time "
+          f"{statistics.median(walls):.3f} s median ({min(walls):.3f}-{max(walls):.3f}), "
+          "target 0.25 s\n")
 
 
 def bench_time_optimal(quick: bool, to_limit: float) -> None:
@@ -165,6 +205,7 @@ def main() -> None:
     parser.add_argument("--to-limit", type=float, default=120.0,
                         help="seconds allowed to each exact TO solve (default 120)")
     args = parser.parse_args()
+    bench_paper_plans()
     bench_scaling(args.quick)
     bench_constraints()
     bench_optimize(args.quick)

@@ -12,10 +12,11 @@ from pyplan.problem import Problem
 from pyplan.schedule import Schedule, build_schedule
 from pyplan.solver.bounds import check_fits, min_memory
 from pyplan.solver.budget import LAYOUT_SECONDS, Budget
-from pyplan.solver.complete import complete, complete_whole, exact_applies
+from pyplan.solver.complete import (cheap_completion, complete, complete_whole,
+                                    exact_applies)
 from pyplan.solver.explain import explain
-from pyplan.solver.search import (POOL_STEPS, Progress, RepetendSearch, SearchStats,
-                                  candidate_pool, repetend_key, search_repetend)
+from pyplan.solver.search import (POOL_SIZE, POOL_WORK, Progress, RepetendSearch, SearchStats,
+                                  candidate_pool, pool_steps, repetend_key, search_repetend)
 from pyplan.solver.templates import TEMPLATES, Baseline, baselines
 
 __all__ = ["DEFAULT_TIME_LIMIT", "TEMPLATES", "Baseline", "Solution", "incumbents", "min_memory",
@@ -200,41 +201,62 @@ def _solve(problem: Problem, budget: Budget, progress: Progress | None) -> Solut
 def _complete_best(problem: Problem, found: RepetendSearch, budget: Budget, search: Budget,
                    stats: SearchStats, *, exact: bool, settled: bool, target: int,
                    progress: Progress | None = None) -> tuple[Schedule, list[str]]:
-    """Completion of the best repetends: periodic completions of every candidate first (cheap),
-    Z3's warmup and cooldown only if none meets the lower bound. The pool grows in steps
-    (ranked within the `search` budget) while no completion meets the bound: the modulo
-    schedules of each N_R, then Tessel's best candidates of each N_R for more and more work."""
+    """Completion of the best repetends. The pool grows in steps (ranked within the `search`
+    budget) while no completion meets the lower bound: the modulo schedules of each N_R, then
+    Tessel's best candidates of each N_R for more and more work. Every candidate gets its cheap
+    completion (periodic order, phases list-scheduled); from the step with POOL_WORK // 3 on,
+    the best of all candidates seen so far also get Z3's warmup and cooldown, which cost more
+    than ranking that many candidates."""
     completion = budget.slice(COMPLETION_EFFORT)
     done: dict = {}  # (repetend, with Z3) -> (schedule, notes): each completion once
+    cheap: dict = {}  # repetend -> its cheap completion (Z3's starting point)
+    seen: dict = {}  # repetend -> (its rank by cheap completion, the repetend)
     schedule, best_notes = None, []
-    for work in POOL_STEPS[:1] if settled else POOL_STEPS:
-        pool = candidate_pool(problem, found.repetend, budget=search, stats=stats, work=work)
+
+    def finished() -> bool:
+        return schedule is not None and (schedule.makespan <= target or budget.expired())
+
+    def completed(rep, with_z3: bool):
+        key = (repetend_key(rep), with_z3)
+        if key not in done:
+            if progress is not None:
+                progress.update(phase="completion", n_r=rep.num_micro_batches,
+                                candidates=stats.candidates, best=rep.period,
+                                bound=found.lower_bound)
+            notes: list[str] = []
+            if not with_z3:
+                cheap[key[0]] = cheap_completion(problem, rep, target)
+            candidate, _ = complete(problem, rep, exact=with_z3, budget=completion,
+                                    notes=notes, target=target, cheap=cheap[key[0]])
+            done[key] = candidate, notes
+        return done[key]
+
+    steps = pool_steps(problem)
+    for work in steps[:1] if settled else steps:
+        pool = candidate_pool(problem, found.repetend, budget=search, stats=stats, work=work,
+                              modulo=work == steps[0])  # (the same at every step)
         # Laying out a completion is linear in the instances: where the time limit does not
         # allow one per candidate, the best-ranked (shortest periodic schedule) alone.
         if not budget.allows_template(len(problem.blocks) * problem.num_micro_batches
                                       * len(pool)):
             pool = pool[:1]
-        for with_z3 in (False, True) if exact else (False,):
+        z3_due = work >= POOL_WORK // 3 or work == steps[-1]
+        rounds = (False, True) if exact and z3_due else (False,)
+        for with_z3 in rounds:
+            if with_z3:  # the best candidates of every step so far
+                pool = [rep for _, rep in sorted(seen.values(), key=lambda x: x[0])]
+                pool = pool[:POOL_SIZE]
             for rep in pool:
-                if schedule is not None and (schedule.makespan <= target or budget.expired()):
+                if finished():
                     break
                 if with_z3 and not exact_applies(problem, rep, completion):
-                    continue  # it would give the periodic completion again
-                key = (repetend_key(rep), with_z3)
-                if key not in done:
-                    if progress is not None:
-                        progress.update(phase="completion", n_r=rep.num_micro_batches,
-                                        candidates=stats.candidates, best=rep.period,
-                                        bound=found.lower_bound)
-                    notes: list[str] = []
-                    periodic = done.get((key[0], False), (None,))[0] if with_z3 else None
-                    candidate, _ = complete(problem, rep, exact=with_z3, budget=completion,
-                                            notes=notes, target=target, periodic=periodic)
-                    done[key] = candidate, notes
-                candidate, notes = done[key]
+                    continue  # it would give the cheap completion again
+                candidate, notes = completed(rep, with_z3)
+                if not with_z3:
+                    seen.setdefault(repetend_key(rep), (_rank(candidate), rep))
                 if schedule is None or _rank(candidate) < _rank(schedule):
                     schedule, best_notes = candidate, notes
-        if schedule is not None and (schedule.makespan <= target or budget.expired()):
+        if finished():
             break
     return schedule, best_notes
 

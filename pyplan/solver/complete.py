@@ -11,19 +11,22 @@ time-optimally instead.
 
 from __future__ import annotations
 
+import heapq
+import sys
+
 from pyplan import _core
 from pyplan.problem import Problem
-from pyplan.schedule import Schedule, build_schedule, repetend_from_core
+from pyplan.schedule import Instance, Schedule, build_schedule, repetend_from_core
 from pyplan.solver.budget import Budget
 from pyplan.solver.exact import Anchor, time_optimal
 from pyplan.spec.units import count
 
-__all__ = ["EXACT_LIMIT", "PHASE_EFFORT", "WHOLE_LIMIT", "complete", "complete_whole",
-           "exact_applies"]
+__all__ = ["EXACT_LIMIT", "PHASE_EFFORT", "WHOLE_LIMIT", "cheap_completion", "complete",
+           "complete_whole", "exact_applies"]
 
 EXACT_LIMIT = 160          # instances: above this the exact warmup/cooldown solve is skipped
 WHOLE_LIMIT = 48           # instances: up to this the whole problem is also solved exactly
-PHASE_EFFORT = 6_000_000   # Z3 resource units for one phase (about 0.4 s here)
+PHASE_EFFORT = 2_000_000   # Z3 resource units for one phase (about 0.1 s here)
 
 
 def _split_periodic(problem: Problem, rep: _core.Repetend):
@@ -37,6 +40,90 @@ def _split_periodic(problem: Problem, rep: _core.Repetend):
     cooldown = [[(b, m - shift) for b, m in order if m > rep.indices[b] + shift]
                 for order in full]
     return warmup, cooldown
+
+
+def _firsts(problem: Problem, reverse: bool) -> list[list[tuple[int, int, int, int]]]:
+    """Per block: what must come first, as (block, micro-batch shift, delay, from which
+    micro-batch on): its predecessors and the order rules it follows (reversed: its successors
+    and the rules it leads)."""
+    firsts: list[list[tuple[int, int, int, int]]] = [[] for _ in problem.blocks]
+    for (a, c), delay in zip(problem.edges, problem.transfers or [0] * len(problem.edges)):
+        if reverse:
+            firsts[a].append((c, 0, delay, 0))
+        else:
+            firsts[c].append((a, 0, delay, 0))
+    for r in problem.rules:  # before[m + bs] < after[m + as] for m >= min_m
+        if reverse:
+            firsts[r.before].append((r.after, r.after_shift - r.before_shift, 0,
+                                     r.min_m + r.before_shift))
+        else:
+            firsts[r.after].append((r.before, r.before_shift - r.after_shift, 0,
+                                    r.min_m + r.after_shift))
+    return firsts
+
+
+def _list_scheduled(problem: Problem, around: Schedule, phase: list[Instance], *,
+                    reverse: bool) -> list[list[Instance]]:
+    """Per-device orders of a phase by non-delay list scheduling against the rest of `around`
+    (held fixed): the instance that can start earliest runs next, ties to the longest path
+    still ahead of it. The cooldown is scheduled forward from the repetend's end; the warmup
+    backward from its start (reverse=True: time runs backward, the path behind counts). A
+    heuristic that Z3 only has to improve on; orders it gets wrong fail evaluation and are
+    dropped by the caller."""
+    blocks, n = problem.blocks, problem.num_micro_batches
+    inside = set(phase)
+    firsts = _firsts(problem, reverse)
+    ahead = problem.graph.heads() if reverse else problem.graph.tails()
+    # In reversed time an instance "ends" at minus its start.
+    done = (lambda b, m: -around.start_of(b, m)) if reverse else around.end_of
+    # A device is free once the last instance outside the phase is done (the last in its
+    # order; the first, reversed).
+    free = [next((done(*x) for x in (order if reverse else reversed(order)) if x not in inside),
+                 -sys.maxsize) for order in around.orders]
+    needs = {(b, m): [((other, m + shift), delay) for other, shift, delay, since in firsts[b]
+                      if m >= since and 0 <= m + shift < n and (other, m + shift) != (b, m)]
+             for b, m in phase}
+    devices = [block.devices for block in blocks]
+    waiting = dict.fromkeys(phase, 0)
+    ready = dict.fromkeys(phase, -sys.maxsize)
+    released: dict[Instance, list[tuple[Instance, int]]] = {}
+    for x, deps in needs.items():
+        for y, delay in deps:
+            if y in inside:
+                waiting[x] += 1
+                released.setdefault(y, []).append((x, delay))
+            else:
+                ready[x] = max(ready[x], done(*y) + delay)
+
+    def earliest(x: Instance) -> int:
+        return max(ready[x], max(free[d] for d in devices[x[0]]))
+
+    heap = [(earliest(x), -ahead[x[0]], -x[1] if reverse else x[1], x[0], x)
+            for x in phase if waiting[x] == 0]
+    heapq.heapify(heap)
+    starts: dict[Instance, int] = {}
+    while heap:
+        start, key, order, b, x = heapq.heappop(heap)
+        # Starts only grow as devices fill up: a stale entry goes back with its new start.
+        now = earliest(x)
+        if now != start:
+            heapq.heappush(heap, (now, key, order, b, x))
+            continue
+        starts[x] = start
+        end = start + blocks[b].time
+        for d in devices[b]:
+            free[d] = end
+        for y, delay in released.get(x, ()):
+            ready[y] = max(ready[y], end + delay)
+            waiting[y] -= 1
+            if waiting[y] == 0:
+                heapq.heappush(heap, (earliest(y), -ahead[y[0]], -y[1] if reverse else y[1],
+                                      y[0], y))
+    orders: list[list[Instance]] = [[] for _ in range(problem.num_devices)]
+    for x in sorted(starts, key=lambda x: (starts[x], x[1], x[0]), reverse=reverse):
+        for d in devices[x[0]]:
+            orders[d].append(x)
+    return orders
 
 
 def _warmup_anchor(problem: Problem, rep: _core.Repetend, instances) -> Anchor:
@@ -101,37 +188,71 @@ def exact_applies(problem: Problem, rep: _core.Repetend, budget: Budget) -> bool
         <= EXACT_LIMIT
 
 
+def _relative(orders, last: int) -> list[list[Instance]]:
+    return [[(b, m - last) for b, m in order] for order in orders]
+
+
+def cheap_completion(problem: Problem, rep: _core.Repetend,
+                     target: int = 0) -> tuple[Schedule, str] | None:
+    """The periodic completion, or if it is longer than `target` and list-scheduling its
+    warmup, then its cooldown, shortens it, that; and which it is ("periodic" or
+    "list-scheduled"). None when no full repetend fits in the plan's micro-batches."""
+    n = problem.num_micro_batches
+    if n < rep.num_micro_batches:
+        return None
+    last = n - rep.num_micro_batches
+    warmup, cooldown = _split_periodic(problem, rep)
+    best = periodic = build_schedule(problem, warmup, repetend_from_core(problem, rep), cooldown)
+    warm = [tuple(x) for x in _core.warmup_blocks(list(rep.indices))]
+    cool = [(b, m + last) for b, m in _core.cooldown_blocks(list(rep.indices))]
+    for phase, reverse in ((warm, True), (cool, False)):
+        if not phase or best.makespan <= target:
+            continue
+        orders = _list_scheduled(problem, best, phase, reverse=reverse)
+        warmup, cooldown = (orders, best.cooldown) if reverse else \
+            (best.warmup, _relative(orders, last))
+        if (warmup if reverse else cooldown) == \
+                [list(o) for o in (best.warmup if reverse else best.cooldown)]:
+            continue  # the same orders again
+        try:
+            candidate = build_schedule(problem, warmup, best.repetend, cooldown)
+        except RuntimeError:
+            continue  # memory or an order rule the heuristic does not see
+        if candidate.makespan <= best.makespan:
+            best = candidate
+    if best.makespan == periodic.makespan:
+        return periodic, "periodic"
+    return best, "list-scheduled"
+
+
 def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, budget: Budget,
              notes: list[str], target: int = 0,
-             periodic: Schedule | None = None) -> tuple[Schedule, bool]:
+             cheap: tuple[Schedule, str] | None = None) -> tuple[Schedule, bool]:
     """The best completion found, and whether Z3 stopped before proving its phases optimal.
-    A periodic completion that already takes no more than `target` (the lower bound) is kept
-    without asking Z3."""
+    First the cheap ones: the periodic order, and its phases list-scheduled (`cheap`, when the
+    caller laid them out already); one that takes no more than `target` (the lower bound) is
+    kept without asking Z3."""
     n = problem.num_micro_batches
     if n < rep.num_micro_batches:
         schedule = build_schedule(problem, _core.periodic_orders(problem.graph, rep, n), None, ())
         notes.append("completion: periodic order (no full repetend fits in "
                      f"{count(n, 'micro-batch')})")
         return schedule, False
-    repetend = repetend_from_core(problem, rep)
-    warmup, cooldown = _split_periodic(problem, rep)
-    if periodic is None:  # (the caller may have laid it out already)
-        periodic = build_schedule(problem, warmup, repetend, cooldown)
     warm = _core.warmup_blocks(list(rep.indices))
     last = n - rep.num_micro_batches
     cool = [(b, m + last) for b, m in _core.cooldown_blocks(list(rep.indices))]
-    if periodic.makespan <= target:
-        notes.append(f"completion: periodic warmup ({count(len(warm), 'block')}) and cooldown "
-                     f"({count(len(cool), 'block')}) meet the lower bound")
-        return periodic, False
+    cheap, how = cheap or cheap_completion(problem, rep, target)
+    phases = f"warmup ({count(len(warm), 'block')}) and cooldown ({count(len(cool), 'block')})"
+    if cheap.makespan <= target:
+        notes.append(f"completion: {how} {phases} meet the lower bound")
+        return cheap, False
     if not exact or max(len(warm), len(cool)) > EXACT_LIMIT or budget.spent or \
             budget.expired():
         reason = ("" if not exact else ", exact effort used up" if budget.spent else
                   ", the time limit ran out" if budget.expired() else
                   f", above the exact limit of {EXACT_LIMIT}")
-        notes.append(f"completion: periodic warmup ({count(len(warm), 'block')}) and cooldown "
-                     f"({count(len(cool), 'block')}){reason}")
-        return periodic, False
+        notes.append(f"completion: {how} {phases}{reason}")
+        return cheap, False
     w = c = None
     cut = False
     if warm:
@@ -144,21 +265,23 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, budget: Budg
                               anchor=_cooldown_anchor(problem, rep, cool, last),
                               budget=budget.slice(PHASE_EFFORT))
         cut |= result.status in ("feasible", "unknown")
-        c = [[(b, m - last) for b, m in order] for order in result.orders] \
-            if result.orders else None
-    best = periodic
+        c = _relative(result.orders, last) if result.orders else None
+    best = cheap
     if w is not None or c is not None:
         try:
-            candidate = build_schedule(problem, w if w is not None else warmup, repetend,
-                                       c if c is not None else cooldown)
+            candidate = build_schedule(problem, w if w is not None else cheap.warmup,
+                                       cheap.repetend, c if c is not None else cheap.cooldown)
             if candidate.makespan < best.makespan:
                 best = candidate
         except RuntimeError:
-            pass  # an order rule ties a phase to the repetend: the periodic phases stay
-    notes.append(f"completion: warmup ({count(len(warm), 'block')}) and cooldown "
-                 f"({count(len(cool), 'block')}) "
-                 + ("improved by Z3 within its effort, not proven optimal" if cut
-                    else "time-optimal (Z3)"))
+            pass  # an order rule ties a phase to the repetend: the cheap phases stay
+    if best is cheap:
+        notes.append(f"completion: {how} {phases}; Z3's phases "
+                     + ("within its effort " if cut else "") + "are no shorter")
+    else:
+        notes.append(f"completion: {phases} "
+                     + ("improved by Z3 within its effort, not proven optimal" if cut
+                        else "time-optimal (Z3)"))
     return best, cut
 
 

@@ -41,6 +41,36 @@ def _solver(ctx: z3.Context) -> z3.Solver:
     return z3.SolverFor("QF_LIA", ctx=ctx)
 
 
+# The models are written as SMT-LIB text and parsed by Z3 in one call: building them term by term
+# through the Python API costs more than Z3 then takes to solve a phase.
+
+def _int(value: int) -> str:
+    return str(value) if value >= 0 else f"(- {-value})"
+
+
+def _sum(terms: list[str]) -> str:
+    return terms[0] if len(terms) == 1 else f"(+ {' '.join(terms)})"
+
+
+def _at_least(x: str, y: str, *gaps: int) -> str:
+    """x >= y + sum(gaps)."""
+    return f"(>= {x} {_sum([y] + [_int(g) for g in gaps])})"
+
+
+def _symbol(prefix: str, name: str, fallback: str) -> str:
+    """A quoted SMT-LIB symbol named after a block (names that cannot be quoted: `fallback`)."""
+    return f"|{prefix}{name}|" if "|" not in name and "\\" not in name else fallback
+
+
+def _variable(symbol: str, ctx: z3.Context) -> z3.ArithRef:
+    """The integer constant an SMT-LIB symbol (quoted or not) declares."""
+    return z3.Int(symbol[1:-1] if symbol.startswith("|") else symbol, ctx)
+
+
+def _text(decls: list[str], cons: list[str]) -> str:
+    return "\n".join(decls + [f"(assert {c})" for c in cons])
+
+
 @dataclass(frozen=True)
 class ModuloResult:
     status: str  # "sat", "unsat" or "unknown" (timeout)
@@ -57,46 +87,59 @@ def modulo_repetend(problem: Problem, period: int, max_micro_batches: int, *,
     if any(b.time > T for b in blocks):
         return ModuloResult("unsat")
     max_lag = max_micro_batches - 1
-    ctx = z3.Context()  # a fresh context per model keeps Z3's choices, and so results, repeatable
-    solver = _solver(ctx)
-    off = [z3.Int(f"o_{b.name}", ctx) for b in blocks]
-    lag = [z3.Int(f"k_{b.name}", ctx) for b in blocks]
-    start = [lag[i] * T + off[i] for i in range(len(blocks))]
-    for i in range(len(blocks)):
-        solver.add(off[i] >= 0, off[i] < T, lag[i] >= (min_lags[i] if min_lags else 0),
-                   lag[i] <= max_lag)
+    k = len(blocks)
+    off = [_symbol("o_", b.name, f"o{i}") for i, b in enumerate(blocks)]
+    lag = [_symbol("k_", b.name, f"k{i}") for i, b in enumerate(blocks)]
+    start = [f"(+ (* {lag[i]} {T}) {off[i]})" for i in range(k)]
+    decls = [f"(declare-const {v} Int)" for v in off + lag]
+    cons = []
+    for i in range(k):
+        cons += [f"(>= {off[i]} 0)", f"(< {off[i]} {T})",
+                 f"(>= {lag[i]} {min_lags[i] if min_lags else 0})", f"(<= {lag[i]} {max_lag})"]
     for a, c in problem.edges:
-        solver.add(start[c] >= start[a] + blocks[a].time + problem.transfer.get((a, c), 0))
+        cons.append(_at_least(start[c], start[a], blocks[a].time,
+                              problem.transfer.get((a, c), 0)))
     for r in problem.rules:
-        solver.add(start[r.after] - start[r.before] >=
-                   blocks[r.before].time + (r.before_shift - r.after_shift) * T)
-    for i in range(len(blocks)):
-        for j in range(i + 1, len(blocks)):
+        cons.append(_at_least(start[r.after], start[r.before],
+                              blocks[r.before].time + (r.before_shift - r.after_shift) * T))
+    for i in range(k):
+        for j in range(i + 1, k):
             if set(blocks[i].devices) & set(blocks[j].devices):
                 ti, tj = blocks[i].time, blocks[j].time
-                solver.add(z3.Or(z3.And(off[i] + ti <= off[j], off[j] + tj <= off[i] + T),
-                                 z3.And(off[j] + tj <= off[i], off[i] + ti <= off[j] + T)))
+                cons.append(f"(or (and (<= (+ {off[i]} {ti}) {off[j]}) "
+                            f"(<= (+ {off[j]} {tj}) (+ {off[i]} {T}))) "
+                            f"(and (<= (+ {off[j]} {tj}) {off[i]}) "
+                            f"(<= (+ {off[i]} {ti}) (+ {off[j]} {T}))))")
     if problem.memory_capacity is not None:
         for d in range(problem.num_devices):
             on = [i for i, b in enumerate(blocks) if d in b.devices]
-            if all(blocks[i].memory == 0 for i in on):
+            holding = [i for i in on if blocks[i].memory != 0]
+            if not holding:
                 continue
-            base = -z3.Sum([blocks[i].memory * lag[i] for i in on])
+            # Memory at block j's start: -sum(m_i k_i) - sum(m_i for o_i > o_j) <= headroom.
+            base = f"(- {_sum([f'(* {_int(blocks[i].memory)} {lag[i]})' for i in holding])})"
             for j in on:
-                later_ones = [z3.If(off[i] > off[j], blocks[i].memory, 0) for i in on
-                              if i != j and blocks[i].memory != 0]
-                memory_at_start = base - z3.Sum(later_ones) if later_ones else base
-                solver.add(memory_at_start <= problem.headroom(d))
+                later = [f"(ite (> {off[i]} {off[j]}) {_int(blocks[i].memory)} 0)"
+                         for i in holding if i != j]
+                at_start = f"(- {base} {_sum(later)})" if later else base
+                cons.append(f"(<= {at_start} {_int(problem.headroom(d))})")
     # Symmetries: shifting a whole schedule by a period, or rotating it within the period, gives
     # an equivalent one; let some block have lag 0 and some block offset 0.
-    solver.add(z3.Or([k == 0 for k in lag]), z3.Or([o == 0 for o in off]))
+    cons.append(f"(or {' '.join(f'(= {v} 0)' for v in lag)})" if k > 1 else f"(= {lag[0]} 0)")
+    cons.append(f"(or {' '.join(f'(= {v} 0)' for v in off)})" if k > 1 else f"(= {off[0]} 0)")
     for a, c in problem.edges:  # implied (a_c > a_a), stated to help propagation
-        solver.add(lag[c] >= lag[a])
+        cons.append(f"(>= {lag[c]} {lag[a]})")
+    ctx = z3.Context()  # a fresh context per model keeps Z3's choices, and so results, repeatable
+    solver = _solver(ctx)
+    solver.from_string(_text(decls, cons))
     outcome = budget.check(solver)
     if outcome == z3.sat:
         model = solver.model()
-        return ModuloResult("sat", tuple(model.eval(s, model_completion=True).as_long()
-                                         for s in start))
+
+        def value(symbol: str) -> int:
+            return model.eval(_variable(symbol, ctx), model_completion=True).as_long()
+
+        return ModuloResult("sat", tuple(value(lag[i]) * T + value(off[i]) for i in range(k)))
     return ModuloResult("unsat" if outcome == z3.unsat else "unknown")
 
 
@@ -126,41 +169,57 @@ class Anchor:
 
 
 class _TimeModel:
-    """Start-time variables of a set of instances and the constraint families over them. Each
-    family can go under a label (a Z3 assumption literal) so an unsat core can name it."""
+    """Start-time variables of a set of instances and the constraint families over them, as
+    SMT-LIB text. Each family can go under a label (a Boolean assumption) so an unsat core can
+    name it."""
+
+    OBJECTIVE = "objective"
 
     def __init__(self, problem: Problem, instances) -> None:
         self.problem = problem
         self.inst = sorted(set(map(tuple, instances)), key=lambda x: (x[1], x[0]))
         self.index = {x: i for i, x in enumerate(self.inst)}
         self.time = [problem.blocks[b].time for b, _ in self.inst]
-        self.ctx = z3.Context()  # a fresh context per model keeps Z3's choices repeatable
-        self.start = [z3.Int(f"s_{problem.blocks[b].name}@{m}", self.ctx) for b, m in self.inst]
-        self.objective = None
-        self.cons: list = [v >= 0 for v in self.start]
-        self.labels: dict[str, z3.BoolRef] = {}
-        self.before: dict[tuple[int, int], z3.BoolRef] = {}
+        self.start = [_symbol("s_", f"{problem.blocks[b].name}@{m}", f"s{i}")
+                      for i, (b, m) in enumerate(self.inst)]
+        self.decls = [f"(declare-const {s} Int)" for s in self.start]
+        self.cons: list[str] = [f"(>= {s} 0)" for s in self.start]
+        self.labels: dict[str, str] = {}
+        self.before: dict[tuple[int, int], str] = {}
         self.on_device = [[i for i, (b, _) in enumerate(self.inst)
                            if d in problem.blocks[b].devices]
                           for d in range(problem.num_devices)]
+        self.ctx = z3.Context()  # a fresh context per model keeps Z3's choices repeatable
 
-    def _add(self, constraint, label: str | None) -> None:
+    def _add(self, constraint: str, label: str | None) -> None:
         if label is None:
             self.cons.append(constraint)
             return
         if label not in self.labels:
-            self.labels[label] = z3.Bool(f"label_{len(self.labels)}", self.ctx)
-        self.cons.append(z3.Implies(self.labels[label], constraint))
+            self.labels[label] = name = f"label_{len(self.labels)}"
+            self.decls.append(f"(declare-const {name} Bool)")
+        self.cons.append(f"(=> {self.labels[label]} {constraint})")
+
+    def solver(self, solver=None):
+        """A Z3 solver (or `solver`) holding the model."""
+        solver = _solver(self.ctx) if solver is None else solver
+        solver.from_string(_text(self.decls, self.cons))
+        return solver
+
+    def variable(self, symbol: str):
+        return _variable(symbol, self.ctx)
+
+    def literals(self) -> dict[str, z3.BoolRef]:
+        return {label: z3.Bool(name, self.ctx) for label, name in self.labels.items()}
 
     def add_dependencies(self) -> None:
         s, index = self.start, self.index
         micro_batches = sorted({m for _, m in self.inst})
         for a, c in self.problem.edges:
+            gaps = (self.problem.blocks[a].time, self.problem.transfer.get((a, c), 0))
             for m in micro_batches:
                 if (a, m) in index and (c, m) in index:
-                    self.cons.append(s[index[(c, m)]] >= s[index[(a, m)]] +
-                                     self.problem.blocks[a].time +
-                                     self.problem.transfer.get((a, c), 0))
+                    self.cons.append(_at_least(s[index[(c, m)]], s[index[(a, m)]], *gaps))
 
     def add_rules(self, labelled: bool = False) -> None:
         """Order rules between the instances present (a rule naming a micro-batch outside the
@@ -173,7 +232,8 @@ class _TimeModel:
                 var = m - r.before_shift
                 other = (r.after, var + r.after_shift)
                 if var >= r.min_m and other in index and other != (b, m):
-                    self._add(s[index[other]] >= s[index[(b, m)]] + self.time[index[(b, m)]],
+                    self._add(_at_least(s[index[other]], s[index[(b, m)]],
+                                        self.time[index[(b, m)]]),
                               f"rule {k}" if labelled else None)
 
     def add_symmetry(self) -> None:
@@ -181,8 +241,8 @@ class _TimeModel:
         previous: dict[int, int] = {}
         for b, m in self.inst:
             if b in previous:
-                self.cons.append(self.start[self.index[(b, previous[b])]] <
-                                 self.start[self.index[(b, m)]])
+                self.cons.append(f"(< {self.start[self.index[(b, previous[b])]]} "
+                                 f"{self.start[self.index[(b, m)]]})")
             previous[b] = m
 
     def add_devices(self) -> None:
@@ -194,12 +254,13 @@ class _TimeModel:
                     i, j = on[x], on[y]
                     if (i, j) in self.before:
                         continue
-                    p = z3.Bool(f"p_{i}_{j}", self.ctx)
-                    self.before[(i, j)] = p
-                    self.cons.append(z3.If(p, s[i] + t[i] <= s[j], s[j] + t[j] <= s[i]))
+                    self.before[(i, j)] = p = f"p_{i}_{j}"
+                    self.decls.append(f"(declare-const {p} Bool)")
+                    self.cons.append(f"(ite {p} (<= (+ {s[i]} {t[i]}) {s[j]}) "
+                                     f"(<= (+ {s[j]} {t[j]}) {s[i]}))")
 
-    def _precedes(self, i: int, j: int):
-        return self.before[(i, j)] if (i, j) in self.before else z3.Not(self.before[(j, i)])
+    def _precedes(self, i: int, j: int) -> str:
+        return self.before[(i, j)] if (i, j) in self.before else f"(not {self.before[(j, i)]})"
 
     def add_memory(self, initial: list[int] | None = None, labelled: bool = False) -> None:
         """Memory at every block start (deltas of the instances ordered before it)."""
@@ -213,37 +274,38 @@ class _TimeModel:
             if init[d] + positive <= problem.headroom(d):
                 continue  # cannot overflow whatever the order
             for j in on:
-                earlier = [z3.If(self._precedes(i, j), blocks[inst[i][0]].memory, 0) for i in on
-                           if i != j and blocks[inst[i][0]].memory != 0]
+                earlier = [f"(ite {self._precedes(i, j)} {_int(blocks[inst[i][0]].memory)} 0)"
+                           for i in on if i != j and blocks[inst[i][0]].memory != 0]
                 if earlier:
-                    self._add(init[d] + blocks[inst[j][0]].memory + z3.Sum(earlier)
-                              <= problem.headroom(d), "memory" if labelled else None)
+                    own = init[d] + blocks[inst[j][0]].memory
+                    self._add(f"(<= (+ {_int(own)} {_sum(earlier)}) "
+                              f"{_int(problem.headroom(d))})", "memory" if labelled else None)
 
     def add_objective(self, anchor: Anchor | None) -> None:
-        self.objective = objective = z3.Int("objective", self.ctx)
+        objective = self.OBJECTIVE
+        self.decls.append(f"(declare-const {objective} Int)")
         s, t = self.start, self.time
         blocks = self.problem.blocks
         if anchor is None or anchor.kind == "cooldown":
             # With data-parallel replicas a gradient block is followed by its stage's
             # synchronisation (on each device they also queue: this bound ignores that).
             sync = self.problem.sync_time
-            self.cons += [objective >= s[i] + t[i] +
-                          (0 if blocks[b].is_forward else sync)
+            self.cons += [_at_least(objective, s[i], t[i], 0 if blocks[b].is_forward else sync)
                           for i, (b, _) in enumerate(self.inst)]
         if anchor is None:
             return
-        self.cons.append(objective >= anchor.floor)
+        self.cons.append(f"(>= {objective} {_int(anchor.floor)})")
+        warmup = anchor.kind == "warmup"
         for i, (b, _) in enumerate(self.inst):
             for d in blocks[b].devices:
                 if d in anchor.device_time:
-                    self.cons.append(s[i] + t[i] <= objective + anchor.device_time[d]
-                                     if anchor.kind == "warmup" else
-                                     s[i] >= anchor.device_time[d])
+                    due = anchor.device_time[d]
+                    self.cons.append(f"(<= (+ {s[i]} {t[i]}) (+ {objective} {_int(due)}))"
+                                     if warmup else f"(>= {s[i]} {_int(due)})")
         for x, c in anchor.external.items():
             i = self.index[x]
-            self.cons.append(s[i] + t[i] <= objective + c if anchor.kind == "warmup"
-                             else s[i] >= c)
-
+            self.cons.append(f"(<= (+ {s[i]} {t[i]}) (+ {objective} {_int(c)}))" if warmup
+                             else f"(>= {s[i]} {_int(c)})")
 
     def bounds(self, lower_bound: int, upper_bound: int | None,
                anchor: Anchor | None) -> tuple[int, int]:
@@ -261,8 +323,8 @@ class _TimeModel:
         """Bisection on the objective with push/pop; proven unless the budget cut it short. A
         probe Z3 cannot settle with half the units left gives up on that target and the ones
         below it (no longer a proof) and tries above it with the rest."""
-        solver = _solver(self.ctx)
-        solver.add(*self.cons)
+        solver = self.solver()
+        objective = self.variable(self.OBJECTIVE)
         best, proven = None, True
         while lo <= hi:
             if budget.spent:
@@ -270,13 +332,13 @@ class _TimeModel:
                 break
             mid = (lo + hi) // 2
             solver.push()
-            solver.add(self.objective <= mid)
+            solver.add(objective <= mid)
             left = budget.units_left()
             outcome = budget.check(solver) if left is None or mid == hi else \
                 budget.slice(max(1, left // 2)).check(solver)
             if outcome == z3.sat:
                 best = solver.model()
-                hi = best.eval(self.objective).as_long() - 1
+                hi = best.eval(objective).as_long() - 1
             elif outcome == z3.unsat:
                 lo = mid + 1
             else:
@@ -291,27 +353,29 @@ class _TimeModel:
 
     def optimise(self, hi: int, budget: Budget) -> TimeOptimal:
         """z3.Optimize instead of bisection (for comparison)."""
-        opt = z3.Optimize(ctx=self.ctx)
+        opt = self.solver(z3.Optimize(ctx=self.ctx))
         ms = budget.remaining_ms()
         if ms is not None:
             opt.set("timeout", ms)
-        opt.add(*self.cons, self.objective <= hi)
-        handle = opt.minimize(self.objective)
+        objective = self.variable(self.OBJECTIVE)
+        opt.add(objective <= hi)
+        handle = opt.minimize(objective)
         if check(opt) != z3.sat:
             return TimeOptimal("none")
         found = opt.model()
-        exact = opt.lower(handle).as_long() == found.eval(self.objective).as_long()
+        exact = opt.lower(handle).as_long() == found.eval(objective).as_long()
         return self.result(found, "optimal" if exact else "feasible")
 
     def result(self, model, status: str) -> TimeOptimal:
         """Start times from a Z3 model, and per device the instances in start order."""
         blocks = self.problem.blocks
-        starts = {x: model.eval(self.start[i], model_completion=True).as_long()
+        starts = {x: model.eval(self.variable(self.start[i]), model_completion=True).as_long()
                   for i, x in enumerate(self.inst)}
         orders = tuple(tuple(sorted((x for x in self.inst if d in blocks[x[0]].devices),
                                     key=lambda x: (starts[x], x[1], x[0])))
                        for d in range(self.problem.num_devices))
-        return TimeOptimal(status, model.eval(self.objective).as_long(), orders, starts)
+        return TimeOptimal(status, model.eval(self.variable(self.OBJECTIVE)).as_long(), orders,
+                           starts)
 
 
 def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
@@ -350,9 +414,9 @@ def infeasibility_core(problem: Problem, *, budget: Budget = Budget()) -> list[s
     model.add_rules(labelled=True)
     model.add_devices()
     model.add_memory(labelled=True)
-    solver = _solver(model.ctx)
-    solver.add(*model.cons)
-    literals = list(model.labels.values())
+    solver = model.solver()
+    labels = model.literals()
+    literals = list(labels.values())
     # The first check sets the budget's time and unit limits; the core's checks stay under them.
     if budget.check(solver, *literals) != z3.unsat:
         return None
@@ -363,4 +427,4 @@ def infeasibility_core(problem: Problem, *, budget: Budget = Budget()) -> list[s
         rest = [c for c in core if not c.eq(lit)]
         if check(solver, *rest) == z3.unsat:
             core = rest
-    return [label for label, lit in model.labels.items() if any(lit.eq(c) for c in core)]
+    return [label for label, lit in labels.items() if any(lit.eq(c) for c in core)]

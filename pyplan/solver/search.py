@@ -26,14 +26,14 @@ from pyplan.solver.budget import Budget
 from pyplan.solver.exact import modulo_repetend
 
 __all__ = ["Progress", "RepetendSearch", "SearchStats", "candidate_pool",
-           "max_repetend_micro_batches", "repetend_key", "search_repetend"]
+           "max_repetend_micro_batches", "pool_steps", "repetend_key", "search_repetend"]
 
 MODULO_BUDGET = 20_000        # DFS placements per period in the fast path
 MODULO_MAX_PERIOD = 65_536    # the fast path's reservation table has one cell per time step
 MODULO_TOTAL = 500_000        # DFS placements over all periods (then enumeration takes over)
 ENUMERATION_BUDGET = 200_000  # Tessel candidates per N_R while searching the period
 POOL_WORK = 30_000_000        # instance evaluations for ranking pool candidates (about 1 s)
-POOL_STEPS = (0, POOL_WORK // 3, POOL_WORK)  # the pool grows until a completion meets the bound
+POOL_STEPS = (0, POOL_WORK // 30, POOL_WORK // 3, POOL_WORK)  # grown until the bound is met
 POOL_SIZE = 4                 # repetends of the best period that completion tries
 
 
@@ -186,18 +186,18 @@ def _exact_period(problem: Problem, best: _core.Repetend | None, bound: int, max
 
 
 def candidate_pool(problem: Problem, best: _core.Repetend, *, budget: Budget,
-                   stats: SearchStats, keep: int = POOL_SIZE,
-                   work: int = POOL_WORK) -> list[_core.Repetend]:
+                   stats: SearchStats, keep: int = POOL_SIZE, work: int = POOL_WORK,
+                   modulo: bool = True) -> list[_core.Repetend]:
     """Repetends with the best period, ranked by the makespan of their periodic schedule for the
-    plan's micro-batches (then fewer micro-batches): modulo schedules with every N_R limit and,
-    with `work` > 0 instance evaluations to spend, the best Tessel candidates of each N_R.
-    Completion picks among them."""
+    plan's micro-batches (then fewer micro-batches): `best`, modulo schedules with every N_R
+    limit (unless `modulo` is False) and, with `work` > 0 instance evaluations to spend, the
+    best Tessel candidates of each N_R. Completion picks among them."""
     graph, capacity = problem.graph, problem.capacity
     n = problem.num_micro_batches
     period = best.period
     max_nr = max_repetend_micro_batches(problem)
     pool = {repetend_key(best): best}
-    for nr in range(1, max_nr + 1 if period <= MODULO_MAX_PERIOD else 1):
+    for nr in range(1, max_nr + 1 if modulo and period <= MODULO_MAX_PERIOD else 1):
         if budget.expired():
             break
         rep, mstats = _core.modulo_schedule(graph, period, nr, capacity, MODULO_BUDGET,
@@ -207,9 +207,8 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, budget: Budget,
             pool.setdefault(repetend_key(rep), rep)
     # Ranking evaluates each candidate's whole periodic schedule: a fixed amount of work shared
     # by the N_R values keeps the pool (and so the result) the same on every run.
-    limits = range(1, min(max_nr, n) + 1) if work > 0 else range(0)
-    per_limit = max(20, work // (len(problem.blocks) * n * max(1, len(limits))))
-    for nr in limits:
+    per_limit = _per_limit(problem, work)
+    for nr in range(1, min(max_nr, n) + 1) if per_limit > 0 else ():
         if budget.expired():
             break
         ranked, estats = _core.rank_repetends(graph, nr, capacity, period, n, keep,
@@ -224,6 +223,24 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, budget: Budget,
                 sum(rep.peak_memory))
 
     return sorted(pool.values(), key=rank)[:keep]
+
+
+def _per_limit(problem: Problem, work: int) -> int:
+    """Tessel candidates ranked for each N_R limit with `work` instance evaluations (each
+    candidate's periodic schedule has blocks x micro-batches instances)."""
+    limits = min(max_repetend_micro_batches(problem), problem.num_micro_batches)
+    return work // (len(problem.blocks) * problem.num_micro_batches * limits)
+
+
+def pool_steps(problem: Problem) -> list[int]:
+    """The work of each step by which the pool grows: POOL_STEPS, less those that would rank
+    no more candidates than the step before (at scale, where one periodic schedule takes
+    more than a step's work, none)."""
+    steps = [POOL_STEPS[0]]
+    for work in POOL_STEPS[1:]:
+        if _per_limit(problem, work) > _per_limit(problem, steps[-1]):
+            steps.append(work)
+    return steps
 
 
 def repetend_key(rep: _core.Repetend):

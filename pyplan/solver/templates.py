@@ -12,6 +12,7 @@ placement says why.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from pyplan import _core
 from pyplan.errors import PlanError, did_you_mean
@@ -108,50 +109,39 @@ def _require_training(problem: Problem, every_forward: bool = True,
 
 # ---------------------------------------------------------------- stage-level simulation
 
-def _simulate(num_stages: int, n: int, pick) -> tuple[list[list[tuple[str, int]]], dict]:
-    """Unit-time pipeline of `num_stages` stages: F flows down, B flows back up.
-    `pick(stage, counts, ready)` chooses the op each stage runs at each step. Each stage runs
-    each op's micro-batches in order, so counts say what is done. Returns each stage's ops and
-    the step of each (op, stage, micro-batch): a stage runs its next op as soon as it is
-    ready, so these are the ops' unit times."""
-    count = {op: [0] * num_stages for op in "FBW"}
-    f, b = count["F"], count["B"]
+def _one_f_one_b(num_stages: int, n: int, limits: list[int] | None = None
+                 ) -> tuple[list[list[tuple[str, int]]], dict]:
+    """Unit-time 1F1B of `num_stages` stages, F flowing down and B back up: at each step a
+    stage runs a backward as soon as one is ready, otherwise a forward while it holds fewer
+    than num_stages - s micro-batches (or limits[s], if fewer). Each stage runs each op's
+    micro-batches in order. Returns each stage's ops and the step of each (op, stage,
+    micro-batch): a stage runs its next op as soon as it is ready, so these are the ops'
+    unit times."""
+    caps = [num_stages - s if limits is None else min(num_stages - s, limits[s])
+            for s in range(num_stages)]
+    f, b = [0] * num_stages, [0] * num_stages
     last = num_stages - 1
     orders: list[list[tuple[str, int]]] = [[] for _ in range(num_stages)]
     steps = {}
     remaining = num_stages * n * 2
-    for step in range(4 * remaining + 10):
-        if not remaining:
-            return orders, steps
+    step = 0
+    while remaining:
         chosen = []
-        for s in range(num_stages):
-            ready = {}
-            if f[s] < n and (s == 0 or f[s - 1] > f[s]):
-                ready["F"] = f[s]
-            if b[s] < n and f[s] > b[s] and (s == last or b[s + 1] > b[s]):
-                ready["B"] = b[s]
-            op = pick(s, {"F": f[s], "B": b[s], "W": count["W"][s]}, ready)
-            if op is not None:
-                chosen.append((op, s, ready[op]))
+        for s in range(num_stages):  # what each stage runs, from the counts before the step
+            fs, bs = f[s], b[s]
+            if bs < n and fs > bs and (s == last or b[s + 1] > bs):
+                chosen.append(("B", s, bs))
+            elif fs < n and (s == 0 or f[s - 1] > fs) and fs - bs < caps[s]:
+                chosen.append(("F", s, fs))
+        if not chosen:  # nothing can run now, so nothing ever will
+            raise NotApplicable("the template does not make progress")
         for op, s, m in chosen:
-            count[op][s] += 1
+            (f if op == "F" else b)[s] += 1
             orders[s].append((op, m))
             steps[(op, s, m)] = step
         remaining -= len(chosen)
-    raise NotApplicable("the template does not make progress")
-
-
-def _one_f_one_b(num_stages: int, limits: list[int] | None = None):
-    """1F1B: a backward as soon as one is ready, otherwise a forward while stage s has fewer
-    than num_stages - s micro-batches in flight (or limits[s], if fewer)."""
-    def pick(s, counts, ready):
-        if "B" in ready:
-            return "B"
-        cap = num_stages - s if limits is None else min(num_stages - s, limits[s])
-        if "F" in ready and counts["F"] - counts["B"] < cap:
-            return "F"
-        return None
-    return pick
+        step += 1
+    return orders, steps
 
 
 def _in_flight_limits(problem: Problem, stages: list[list[int]]) -> list[int] | None:
@@ -174,11 +164,13 @@ def _chain_template(problem: Problem, stage_orders, stages: list[list[int]], tag
     inside the stage), so sorting all keys gives one global order every device agrees with."""
     times = times or _unit_times(stage_orders)
     keyed = []
+    append = keyed.append
     for s, order in enumerate(stage_orders):
         members = {op: list(enumerate(_stage_ops(problem, stages[s], op))) for op in "FBW"}
         for op, m in order:
             step = times[(op, s, m)]
-            keyed += [((step, tag, pos), (b, m)) for pos, b in members[op]]
+            for pos, b in members[op]:
+                append(((step, tag, pos), (b, m)))
     return keyed
 
 
@@ -212,11 +204,12 @@ def _unit_times(stage_orders) -> dict:
 
 
 def _orders_from_keys(problem: Problem, keyed) -> list[list[tuple[int, int]]]:
-    keyed.sort(key=lambda x: x[0])
+    keyed.sort(key=itemgetter(0))
     orders: list[list[tuple[int, int]]] = [[] for _ in range(problem.num_devices)]
-    for _, (b, m) in keyed:
-        for d in problem.blocks[b].devices:
-            orders[d].append((b, m))
+    appends = [[orders[d].append for d in b.devices] for b in problem.blocks]
+    for _, instance in keyed:
+        for append in appends[instance[0]]:
+            append(instance)
     return orders
 
 
@@ -260,8 +253,8 @@ def _1f1b(problem: Problem):
     _require_training(problem)
     stages = _single_chain_stages(problem)
     split = any(b.kind == WEIGHT for b in problem.blocks)
-    order, steps = _simulate(len(stages), problem.num_micro_batches,
-                             _one_f_one_b(len(stages), _in_flight_limits(problem, stages)))
+    order, steps = _one_f_one_b(len(stages), problem.num_micro_batches,
+                                _in_flight_limits(problem, stages))
     keyed = _chain_template(problem, order, stages, times=steps)
     if split:  # 1F1B runs a split backward's two halves back to back
         keyed = _glue_weights(problem, keyed)
@@ -283,7 +276,7 @@ def _zb_h1(problem: Problem):
     _require_training(problem, split=True)
     stages = _single_chain_stages(problem)
     n = problem.num_micro_batches
-    one_f_one_b, _ = _simulate(len(stages), n, _one_f_one_b(len(stages)))
+    one_f_one_b, _ = _one_f_one_b(len(stages), n)
     # ZB-H1: 1F1B's F/B order, with stage s running W(m) right after B(m + s); the W passes
     # deferred this way fill the cooldown bubbles at 1F1B's activation memory.
     order = []
@@ -304,13 +297,15 @@ def _chimera(problem: Problem):
     if len(chains) != 2:
         raise NotApplicable("needs two chains of stages in opposite directions (an X-shape)")
     keyed = []
+    simulated: dict = {}  # by number of stages (both chains usually have the same)
     for tag, chain in enumerate(chains):
         stages = _stages(problem, chain)
         devices = [_stage_device(problem, s) for s in stages]
         if sorted(devices) != list(range(problem.num_devices)):
             raise NotApplicable("each chain must visit every device once")
-        order, steps = _simulate(len(stages), problem.num_micro_batches,
-                                 _one_f_one_b(len(stages)))
+        if len(stages) not in simulated:
+            simulated[len(stages)] = _one_f_one_b(len(stages), problem.num_micro_batches)
+        order, steps = simulated[len(stages)]
         keyed += _chain_template(problem, order, stages, tag, times=steps)
     if any(b.kind == WEIGHT for b in problem.blocks):
         keyed = _glue_weights(problem, keyed)
