@@ -4,6 +4,7 @@ the same bytes under any hash seed."""
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import subprocess
@@ -20,7 +21,9 @@ from pyplan.problem import build_problem, load_problem
 from pyplan.schedule import schedule_from_orders
 from pyplan.solver import incumbents, min_memory, solve
 from pyplan.solver.budget import Budget
+from pyplan.solver.complete import cheap_completion, climb
 from pyplan.solver.exact import time_optimal
+from pyplan.solver.search import SearchStats, candidate_pool, search_repetend
 from pyplan.solver.templates import baselines as baselines_of
 from pyplan.solver.templates import template_orders
 from pyplan.spec import spec_from_text
@@ -330,3 +333,63 @@ def test_shape_costs_carry_weights_per_stage_and_for_shared_blocks():
         "  shared: {time: 1, memory: 0, weights: 1}\n"))
     assert plan.static_memory == (4, 2, 2, 3)  # a stage's weights + the shared block's
     assert solve(plan).schedule.peak_memory[0] <= 8
+
+
+SHORTENED = ["tessel-xshape", "alphafold2-3f1b", "tessel-nnshape", "zero-bubble", "zb-v",
+             "gpt24", "interleaved-1f1b", "1f1b-8stage"]
+
+
+@pytest.mark.parametrize("n", [4, 9])
+def test_cheap_completion_and_local_search_only_shorten(n):
+    # List-scheduled phases are kept only where they run and are shorter than the periodic
+    # order; every local-search step keeps the period, a monotone index assignment and memory,
+    # and is strictly shorter than the one before.
+    kinds = collections.Counter()
+    for name in SHORTENED:
+        problem = load_problem(PLANS / f"{name}.yaml").with_overrides(micro_batches=n)
+        try:
+            found = search_repetend(problem, budget=Budget(30), exact=False,
+                                    stats=SearchStats())
+        except InfeasibleError:  # (no repetend without Z3: the whole problem is solved)
+            continue
+        for rep in candidate_pool(problem, found.repetend, budget=Budget(30),
+                                  stats=SearchStats(), work=0):
+            start = cheap_completion(problem, rep)
+            if start is None:
+                assert n < rep.num_micro_batches
+                continue
+            periodic = _core.periodic_makespan(problem.graph, rep, n, problem.capacity)
+            assert start[0].makespan <= periodic
+            assert start[1] == ("periodic" if start[0].makespan == periodic
+                                else "list-scheduled")
+            kinds[start[1]] += 1
+            made = start[0].makespan
+            for step, (schedule, _) in climb(problem, rep, start, target=0,
+                                             max_micro_batches=n, work=10**6,
+                                             budget=Budget(30)):
+                kinds["climbed"] += 1
+                assert step.period <= rep.period and step.num_micro_batches <= n
+                assert all(step.indices[c] <= step.indices[a] for a, c in problem.edges)
+                assert _core.memory_fits(step, problem.capacity)
+                assert schedule.makespan < made
+                assert max(schedule.peak_memory) <= problem.memory_capacity
+                made = schedule.makespan
+    assert kinds["list-scheduled"] >= 3 and kinds["climbed"] >= 3, kinds
+
+
+@pytest.mark.parametrize("n, optimum", [(8, 68), (16, 132), (24, 196)])
+def test_local_search_completes_the_x_shape_at_its_bound(n, optimum):
+    # The modulo repetends of the X-shape complete 6-10% above the bound; moving blocks with
+    # everything before (or after) them to other micro-batches reaches it.
+    problem = load_problem(PLANS / "tessel-xshape.yaml").with_overrides(micro_batches=n)
+    assert problem.makespan_bound() == optimum
+    stats = SearchStats()
+    found = search_repetend(problem, budget=Budget(30), exact=False, stats=stats)
+    pool = candidate_pool(problem, found.repetend, budget=Budget(30), stats=stats, work=0)
+    best = min(cheap_completion(problem, rep)[0].makespan for rep in pool)
+    assert best > optimum
+    climbed = [schedule.makespan for rep in pool
+               for _, (schedule, _) in climb(problem, rep, cheap_completion(problem, rep),
+                                             target=optimum, max_micro_batches=6,
+                                             work=10**7, budget=Budget(30))]
+    assert min(climbed) == optimum

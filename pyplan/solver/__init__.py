@@ -12,11 +12,12 @@ from pyplan.problem import Problem
 from pyplan.schedule import Schedule, build_schedule
 from pyplan.solver.bounds import check_fits, min_memory
 from pyplan.solver.budget import LAYOUT_SECONDS, Budget
-from pyplan.solver.complete import (cheap_completion, complete, complete_whole,
+from pyplan.solver.complete import (cheap_completion, climb, complete, complete_whole,
                                     exact_applies)
 from pyplan.solver.explain import explain
 from pyplan.solver.search import (POOL_SIZE, POOL_WORK, Progress, RepetendSearch, SearchStats,
-                                  candidate_pool, pool_steps, repetend_key, search_repetend)
+                                  candidate_pool, max_repetend_micro_batches, pool_steps,
+                                  repetend_key, search_repetend)
 from pyplan.solver.templates import TEMPLATES, Baseline, baselines
 
 __all__ = ["DEFAULT_TIME_LIMIT", "TEMPLATES", "Baseline", "Solution", "incumbents", "min_memory",
@@ -27,6 +28,7 @@ COMPLETION_EFFORT = 30_000_000  # Z3 resource units for completing the pool (abo
 WHOLE_EFFORT = 80_000_000       # and for solving a tiny problem (<= 48 blocks) whole
 RECOMPUTE_LADDER = 16           # recomputation sets scored with the templates
 RECOMPUTE_SOLVED = 2            # and of those, solved in full besides none and all
+CLIMB_WORK = 10_000_000         # instance evaluations for the local search (about 0.3 s)
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,7 @@ def _complete_best(problem: Problem, found: RepetendSearch, budget: Budget, sear
     done: dict = {}  # (repetend, with Z3) -> (schedule, notes): each completion once
     cheap: dict = {}  # repetend -> its cheap completion (Z3's starting point)
     seen: dict = {}  # repetend -> (its rank by cheap completion, the repetend)
+    climbed: set = set()  # repetends the local search started from
     schedule, best_notes = None, []
 
     def finished() -> bool:
@@ -224,12 +227,22 @@ def _complete_best(problem: Problem, found: RepetendSearch, budget: Budget, sear
                                 candidates=stats.candidates, best=rep.period,
                                 bound=found.lower_bound)
             notes: list[str] = []
-            if not with_z3:
+            if key[0] not in cheap:
                 cheap[key[0]] = cheap_completion(problem, rep, target)
             candidate, _ = complete(problem, rep, exact=with_z3, budget=completion,
                                     notes=notes, target=target, cheap=cheap[key[0]])
             done[key] = candidate, notes
         return done[key]
+
+    def consider(rep, with_z3: bool = False) -> None:
+        nonlocal schedule, best_notes
+        candidate, notes = completed(rep, with_z3)
+        if not with_z3:
+            seen.setdefault(repetend_key(rep), (_rank(candidate), rep))
+        if schedule is None or _rank(candidate) < _rank(schedule):
+            schedule, best_notes = candidate, notes
+
+    climbing = CLIMB_WORK  # instance evaluations left for the local search
 
     steps = pool_steps(problem)
     for work in steps[:1] if settled else steps:
@@ -251,11 +264,19 @@ def _complete_best(problem: Problem, found: RepetendSearch, budget: Budget, sear
                     break
                 if with_z3 and not exact_applies(problem, rep, completion):
                     continue  # it would give the cheap completion again
-                candidate, notes = completed(rep, with_z3)
-                if not with_z3:
-                    seen.setdefault(repetend_key(rep), (_rank(candidate), rep))
-                if schedule is None or _rank(candidate) < _rank(schedule):
-                    schedule, best_notes = candidate, notes
+                consider(rep, with_z3)
+        # Local search from the best candidates so far, before ranking more of them.
+        for _, rep in sorted(seen.values(), key=lambda x: x[0])[:POOL_SIZE]:
+            key = repetend_key(rep)
+            if finished() or climbing <= 0 or cheap[key] is None or key in climbed:
+                continue
+            climbed.add(key)
+            for step, completion_of_step in climb(
+                    problem, rep, cheap[key], target=target, budget=budget,
+                    max_micro_batches=max_repetend_micro_batches(problem), work=climbing):
+                cheap[repetend_key(step)] = completion_of_step
+                consider(step)
+            climbing -= CLIMB_WORK // POOL_SIZE
         if finished():
             break
     return schedule, best_notes
