@@ -7,4 +7,5 @@ PYBIND11_MODULE(_core, m) {
     register_evaluate(m);
     register_repetend(m);
     register_modulo(m);
+    register_phases(m);
 }

@@ -6,7 +6,7 @@ pyplan's C++ scheduling core: graphs, schedule evaluation, repetends
 from __future__ import annotations
 import collections.abc
 import typing
-__all__: list[str] = ['Block', 'Evaluation', 'Graph', 'ModuloStats', 'OrderRule', 'Orders', 'Repetend', 'RepetendEnumerator', 'RepetendSearchStats', 'cooldown_blocks', 'evaluate', 'evaluate_repetend', 'extend', 'list_schedule_repetend', 'longest_paths', 'memory_fits', 'modulo_schedule', 'periodic_makespan', 'periodic_orders', 'rank_repetends', 'repetend_bound', 'repetend_from_starts', 'search_repetends', 'warmup_blocks']
+__all__: list[str] = ['Block', 'Evaluation', 'Graph', 'ModuloStats', 'OrderRule', 'Orders', 'Repetend', 'RepetendEnumerator', 'RepetendSearchStats', 'cooldown_blocks', 'evaluate', 'evaluate_repetend', 'extend', 'list_schedule_phase', 'list_schedule_repetend', 'longest_paths', 'memory_fits', 'modulo_schedule', 'periodic_makespan', 'periodic_orders', 'rank_repetends', 'repetend_bound', 'repetend_from_starts', 'search_repetends', 'warmup_blocks']
 class Block:
     def __init__(self, name: str, time: typing.SupportsInt | typing.SupportsIndex, memory: typing.SupportsInt | typing.SupportsIndex, devices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None:
         ...
@@ -215,6 +215,10 @@ def evaluate_repetend(graph: Graph, indices: collections.abc.Sequence[typing.Sup
     ...
 def extend(graph: Graph, warmup: collections.abc.Sequence[collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]]], repetend: Repetend, cooldown: collections.abc.Sequence[collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]]], num_micro_batches: typing.SupportsInt | typing.SupportsIndex) -> list[list[tuple[int, int]]]:
     ...
+def list_schedule_phase(graph: Graph, phase: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], start: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], free: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], num_micro_batches: typing.SupportsInt | typing.SupportsIndex, reverse: bool = False) -> list[list[tuple[int, int]]]:
+    """
+    Per-device orders of a phase list-scheduled against the rest of a schedule (see csrc/core/phases.hpp).
+    """
 def list_schedule_repetend(graph: Graph, indices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> Repetend:
     ...
 def longest_paths(graph: Graph) -> list[list[int]]:

@@ -13,8 +13,8 @@ import math
 
 __all__ = [
     "critical_path", "device_loads", "enumerate_repetends", "evaluate", "evaluate_repetend",
-    "extend", "find_cycle", "heads", "load_bound", "longest_paths", "makespan_bound",
-    "periodic_orders", "repetend_bound", "tails", "topological_order",
+    "extend", "find_cycle", "heads", "list_schedule_phase", "load_bound", "longest_paths",
+    "makespan_bound", "periodic_orders", "repetend_bound", "tails", "topological_order",
 ]
 
 
@@ -375,3 +375,53 @@ def extend(warmup, indices, orders, cooldown, n):
     shift = n - nr
     return [list(warmup[d]) + [(b, j + indices[b]) for j in range(shift + 1) for b in orders[d]]
             + [(b, m + shift) for b, m in cooldown[d]] for d in range(len(orders))]
+
+
+def list_schedule_phase(num_devices, blocks, edges, phase, start, free, n, *, rules=(),
+                        reverse=False):
+    """Non-delay list scheduling of `phase` against a fixed rest (start[(block, mb)]) and
+    per-device free times: repeatedly run the instance that can start earliest (ties: longer
+    path ahead, then smaller micro-batch, then block). reverse schedules backward in time
+    (an instance must end before its successors start; free[d] is minus the time the device
+    turns busy). Returns per-device orders in forward time."""
+    inside = set(phase)
+    time = [b[0] for b in blocks]
+    ahead = heads(blocks, edges) if reverse else tails(blocks, edges)
+
+    def done(b, m):
+        return -start[(b, m)] if reverse else start[(b, m)] + time[b]
+
+    def firsts(b, m):
+        """(block, mb, delay) that must be done before (b, m) may start (reversed: after)."""
+        out = [(c if reverse else a, m, delay) for a, c, delay in _triples(edges)
+               if (a if reverse else c) == b]
+        for before, bshift, after, ashift, min_m in rules:
+            own, other = (before, after) if reverse else (after, before)
+            own_shift, other_shift = (bshift, ashift) if reverse else (ashift, bshift)
+            if own == b and m - own_shift >= min_m:
+                out.append((other, m - own_shift + other_shift, 0))
+        return [(x, y, d) for x, y, d in out if 0 <= y < n and (x, y) != (b, m)]
+
+    free = list(free)
+    begin, end = {}, {}
+    while True:
+        options = []
+        for x in phase:
+            if x in begin:
+                continue
+            needed = firsts(*x)
+            if any((y, m) in inside and (y, m) not in end for y, m, _ in needed):
+                continue
+            at = max([end[(y, m)] + d if (y, m) in inside else done(y, m) + d
+                      for y, m, d in needed] + [free[d] for d in blocks[x[0]][2]],
+                     default=-(1 << 62))
+            at = max(at, -(1 << 62))
+            options.append((at, -ahead[x[0]], -x[1] if reverse else x[1], x[0], x))
+        if not options:
+            break
+        at, _, _, b, x = min(options)
+        begin[x], end[x] = at, at + time[b]
+        for d in blocks[b][2]:
+            free[d] = end[x]
+    ordered = sorted(begin, key=lambda x: (begin[x], x[1], x[0]), reverse=reverse)
+    return [[x for x in ordered if d in blocks[x[0]][2]] for d in range(num_devices)]

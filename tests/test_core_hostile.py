@@ -47,6 +47,11 @@ CASES = {
  "delays-length": "g=_core.Graph(1,[_core.Block('a',1,0,[0]),_core.Block('b',1,0,[0])],[(0,1)],[],[],[1,2]); print(g)",
  "delay-negative": "g=_core.Graph(1,[_core.Block('a',1,0,[0]),_core.Block('b',1,0,[0])],[(0,1)],[],[],[-1]); print(g)",
  "delay-huge": "g=_core.Graph(1,[_core.Block('a',1,0,[0]),_core.Block('b',1,0,[0])],[(0,1)],[],[],[2**62]); print(g.critical_path())",
+ "phase-huge-n": "g=_core.Graph(1,[_core.Block('a',1,0,[0])],[]); print(_core.list_schedule_phase(g,[(0,0)],[0],[0],2**31-1))",
+ "phase-neg-n": "g=_core.Graph(1,[_core.Block('a',1,0,[0])],[]); print(_core.list_schedule_phase(g,[(0,0)],[],[0],-3))",
+ "phase-short-start": "g=_core.Graph(1,[_core.Block('a',1,0,[0])],[]); print(_core.list_schedule_phase(g,[(0,0)],[0],[0],10**7))",
+ "phase-bad-instance": "g=_core.Graph(1,[_core.Block('a',1,0,[0])],[]); print(_core.list_schedule_phase(g,[(0,-1)],[0],[0],1))",
+ "phase-huge-time": "g=_core.Graph(1,[_core.Block('a',1,0,[0])],[]); print(_core.list_schedule_phase(g,[(0,0)],[-2**63],[0],1))",
 }
 
 ACCEPTED = {"memory-fits-mismatch", "makespan-bound-neg"}

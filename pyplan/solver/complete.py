@@ -13,9 +13,6 @@ steady state: the whole problem is solved time-optimally instead.
 
 from __future__ import annotations
 
-import heapq
-import sys
-
 from pyplan import _core
 from pyplan.problem import Problem
 from pyplan.schedule import Instance, Schedule, build_schedule, repetend_from_core
@@ -30,6 +27,7 @@ EXACT_LIMIT = 160          # instances: above this the exact warmup/cooldown sol
 WHOLE_LIMIT = 48           # instances: up to this the whole problem is also solved exactly
 PHASE_EFFORT = 1_000_000   # Z3 resource units for one phase (about 0.05 s here)
 CLIMB_TRIED = 4            # neighbours completed per local-search step
+COMPLETION_COST = 50       # a cheap completion costs about this many periodic evaluations
 
 
 def _split_periodic(problem: Problem, rep: _core.Repetend):
@@ -39,94 +37,29 @@ def _split_periodic(problem: Problem, rep: _core.Repetend):
     n = min(problem.num_micro_batches, 2 * rep.num_micro_batches)
     shift = n - rep.num_micro_batches
     full = _core.periodic_orders(problem.graph, rep, n)
-    warmup = [[(b, m) for b, m in order if m < rep.indices[b]] for order in full]
-    cooldown = [[(b, m - shift) for b, m in order if m > rep.indices[b] + shift]
-                for order in full]
+    indices = list(rep.indices)  # (the core copies it on every access)
+    warmup = [[(b, m) for b, m in order if m < indices[b]] for order in full]
+    cooldown = [[(b, m - shift) for b, m in order if m > indices[b] + shift] for order in full]
     return warmup, cooldown
-
-
-def _firsts(problem: Problem, reverse: bool) -> list[list[tuple[int, int, int, int]]]:
-    """Per block: what must come first, as (block, micro-batch shift, delay, from which
-    micro-batch on): its predecessors and the order rules it follows (reversed: its successors
-    and the rules it leads)."""
-    firsts: list[list[tuple[int, int, int, int]]] = [[] for _ in problem.blocks]
-    for (a, c), delay in zip(problem.edges, problem.transfers or [0] * len(problem.edges)):
-        if reverse:
-            firsts[a].append((c, 0, delay, 0))
-        else:
-            firsts[c].append((a, 0, delay, 0))
-    for r in problem.rules:  # before[m + bs] < after[m + as] for m >= min_m
-        if reverse:
-            firsts[r.before].append((r.after, r.after_shift - r.before_shift, 0,
-                                     r.min_m + r.before_shift))
-        else:
-            firsts[r.after].append((r.before, r.before_shift - r.after_shift, 0,
-                                    r.min_m + r.after_shift))
-    return firsts
 
 
 def _list_scheduled(problem: Problem, around: Schedule, phase: list[Instance], *,
                     reverse: bool) -> list[list[Instance]]:
-    """Per-device orders of a phase by non-delay list scheduling against the rest of `around`
-    (held fixed): the instance that can start earliest runs next, ties to the longest path
-    still ahead of it. The cooldown is scheduled forward from the repetend's end; the warmup
-    backward from its start (reverse=True: time runs backward, the path behind counts). A
-    heuristic that Z3 only has to improve on; orders it gets wrong fail evaluation and are
-    dropped by the caller."""
-    blocks, n = problem.blocks, problem.num_micro_batches
+    """Per-device orders of a phase list-scheduled (by the core) against the rest of `around`,
+    held fixed: the cooldown forward from the repetend's end, the warmup backward from its
+    start (reverse). A heuristic that Z3 only has to improve on; orders it gets wrong fail
+    evaluation and are dropped by the caller."""
     inside = set(phase)
-    firsts = _firsts(problem, reverse)
-    ahead = problem.graph.heads() if reverse else problem.graph.tails()
-    # In reversed time an instance "ends" at minus its start.
-    done = (lambda b, m: -around.start_of(b, m)) if reverse else around.end_of
     # A device is free once the last instance outside the phase is done (the last in its
-    # order; the first, reversed).
-    free = [next((done(*x) for x in (order if reverse else reversed(order)) if x not in inside),
-                 -sys.maxsize) for order in around.orders]
-    needs = {(b, m): [((other, m + shift), delay) for other, shift, delay, since in firsts[b]
-                      if m >= since and 0 <= m + shift < n and (other, m + shift) != (b, m)]
-             for b, m in phase}
-    devices = [block.devices for block in blocks]
-    waiting = dict.fromkeys(phase, 0)
-    ready = dict.fromkeys(phase, -sys.maxsize)
-    released: dict[Instance, list[tuple[Instance, int]]] = {}
-    for x, deps in needs.items():
-        for y, delay in deps:
-            if y in inside:
-                waiting[x] += 1
-                released.setdefault(y, []).append((x, delay))
-            else:
-                ready[x] = max(ready[x], done(*y) + delay)
-
-    def earliest(x: Instance) -> int:
-        return max(ready[x], max(free[d] for d in devices[x[0]]))
-
-    heap = [(earliest(x), -ahead[x[0]], -x[1] if reverse else x[1], x[0], x)
-            for x in phase if waiting[x] == 0]
-    heapq.heapify(heap)
-    starts: dict[Instance, int] = {}
-    while heap:
-        start, key, order, b, x = heapq.heappop(heap)
-        # Starts only grow as devices fill up: a stale entry goes back with its new start.
-        now = earliest(x)
-        if now != start:
-            heapq.heappush(heap, (now, key, order, b, x))
-            continue
-        starts[x] = start
-        end = start + blocks[b].time
-        for d in devices[b]:
-            free[d] = end
-        for y, delay in released.get(x, ()):
-            ready[y] = max(ready[y], end + delay)
-            waiting[y] -= 1
-            if waiting[y] == 0:
-                heapq.heappush(heap, (earliest(y), -ahead[y[0]], -y[1] if reverse else y[1],
-                                      y[0], y))
-    orders: list[list[Instance]] = [[] for _ in range(problem.num_devices)]
-    for x in sorted(starts, key=lambda x: (starts[x], x[1], x[0]), reverse=reverse):
-        for d in devices[x[0]]:
-            orders[d].append(x)
-    return orders
+    # order; reversed, the first, at minus its start).
+    free = []
+    for order in around.orders:
+        outside = next((x for x in (order if reverse else reversed(order)) if x not in inside),
+                       None)
+        free.append(-(1 << 62) if outside is None else
+                    -around.start_of(*outside) if reverse else around.end_of(*outside))
+    return _core.list_schedule_phase(problem.graph, phase, around.start, free,
+                                     problem.num_micro_batches, reverse)
 
 
 def _closures(problem: Problem) -> tuple[list[frozenset], list[frozenset]]:
@@ -159,7 +92,12 @@ def climb(problem: Problem, rep: _core.Repetend, start: tuple[Schedule, str], *,
     neighbours: dict[tuple, tuple[int, _core.Repetend] | None] = {}
     path: list = []
     current, best = list(rep.indices), start[0].makespan
-    while best > target and not budget.expired():
+    # A step evaluates 2 k periodic schedules of k n instances and completes CLIMB_TRIED of
+    # them (laid out three times, phases list-scheduled in Python: COMPLETION_COST times one
+    # evaluation); a step that might not fit in the work left is not taken.
+    step_work = (2 * k + CLIMB_TRIED * COMPLETION_COST) * k * n
+    while best > target and work >= step_work and not budget.expired():
+        work -= step_work
         moves = []
         for b in range(k):
             for shift, group in ((1, before[b]), (-1, after[b])):
@@ -167,7 +105,6 @@ def climb(problem: Problem, rep: _core.Repetend, start: tuple[Schedule, str], *,
                 low = min(indices)
                 key = tuple(v - low for v in indices)
                 if key not in neighbours:
-                    work -= k * n
                     neighbours[key] = None
                     candidate = _core.list_schedule_repetend(graph, list(key))
                     if max(key) < max_micro_batches and candidate.feasible and \
@@ -178,11 +115,8 @@ def climb(problem: Problem, rep: _core.Repetend, start: tuple[Schedule, str], *,
                             neighbours[key] = makespan, candidate
                 if neighbours[key] is not None and list(key) != current:
                     moves.append((neighbours[key][0], key))
-        if work < 0:
-            break
         step = None
         for _, key in sorted(moves)[:CLIMB_TRIED]:
-            work -= 4 * k * n  # the periodic layout, two phases, two layouts
             candidate = neighbours[key][1]
             try:
                 completion = cheap_completion(problem, candidate, target)
