@@ -3,8 +3,9 @@
     python benchmarks/search.py [--quick] [--to-limit SECONDS]
 
 0. The plans in plans/ with 4 devices at their own settings: search_seconds (median of 5)
-   against the targets (50 ms, NN- and M-shape 0.3 s), and the wall time of a whole
-   `pyplan solve plans/tessel-vshape.yaml` process (target 0.25 s).
+   against the targets for the papers' plans (50 ms, NN- and M-shape 0.3 s; none for plans
+   written by pyplan partition from measured costs), and the wall time of a whole
+   `pyplan solve plans/tessel-vshape.yaml` process (median of 11; target 0.25 s).
 1. pyplan solve vs the exact time-optimal Z3 formulation of the whole problem (Tessel's "TO")
    on the same placements for 1, 2, 4 and 6 micro-batches (Tessel Fig. 9): seconds and
    makespans side by side.
@@ -66,16 +67,20 @@ def bench_paper_plans() -> None:
             continue
         runs = [solve(problem) for _ in range(5)]
         ms = [1000 * r.search_seconds for r in runs]
-        target = 300 if any(k in problem.name for k in ("nnshape", "mshape")) else 50
-        missed += statistics.median(ms) > target
+        # The targets are for the papers' settings; plans `pyplan partition` wrote from
+        # measured costs (hundreds of time units per block, a recomputation choice) have none.
+        measured = "written by pyplan partition" in problem.description.lower()
+        target = None if measured else \
+            300 if any(k in problem.name for k in ("nnshape", "mshape")) else 50
+        missed += target is not None and statistics.median(ms) > target
         print(f"{problem.name:26} {problem.num_micro_batches:>3} {runs[0].schedule.makespan:>9} "
               f"{runs[0].status:>9} {statistics.median(ms):>8.1f} "
-              f"{f'{min(ms):.1f}-{max(ms):.1f}':>15} {target:>10}", flush=True)
+              f"{f'{min(ms):.1f}-{max(ms):.1f}':>15} {target or '-':>10}", flush=True)
     walls = []
     script = Path(sys.executable).with_name("pyplan")  # the console script a user runs
     command = [str(script)] if script.exists() else [sys.executable, "-m", "pyplan"]
     with tempfile.TemporaryDirectory() as scratch:
-        for _ in range(5):
+        for _ in range(11):
             start = time.perf_counter()
             subprocess.run(command + ["solve", str(PLANS / "tessel-vshape.yaml"),
                                       "-o", f"{scratch}/out.yaml"],

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from pyplan.cli import main
+
+# Plans that passed the schema are remembered in a cache directory: the tests (and the
+# processes they start) use one of their own, empty at the start, not the user's.
+os.environ["PYPLAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="pyplan-test-cache-")
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"

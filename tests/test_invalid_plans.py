@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from conftest import INVALID
+from conftest import INVALID, PLANS
 
 EXPECTED = {
     'backward-in-inference':
@@ -131,3 +135,32 @@ def test_not_utf8(cli, tmp_path):
     code, _, err = cli("validate", path)
     assert code == 2
     assert err == f"{path}:2:1: error: the file is not valid UTF-8 text (hint: save it as UTF-8)\n"
+
+
+def test_a_plan_that_passed_the_schema_skips_it_next_time(tmp_path):
+    # The second load of the same text does not import jsonschema (a tenth of a second);
+    # a text that fails is never remembered, so it fails every time.
+    cache = tmp_path / "cache"
+    plan = tmp_path / "plan.yaml"
+    plan.write_text((PLANS / "tessel-vshape.yaml").read_text())
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((PLANS / "tessel-vshape.yaml").read_text() + "surprise: 1\n")
+    code = ("import sys; from pyplan.spec import load_spec\n"
+            "try:\n    load_spec(sys.argv[1]); print('ok')\n"
+            "except Exception as exc: print(type(exc).__name__)\n"
+            "print('jsonschema' in sys.modules)")
+    env = dict(os.environ, PYPLAN_CACHE_DIR=str(cache))
+
+    def load(path, environ=env):
+        out = subprocess.run([sys.executable, "-c", code, str(path)], env=environ,
+                             capture_output=True, text=True, timeout=60).stdout.split()
+        return out[0], out[1] == "True"
+
+    assert load(plan) == ("ok", True)
+    assert load(plan) == ("ok", False)
+    assert load(bad) == ("PlanError", True) and load(bad) == ("PlanError", True)
+    assert len(list((cache / "valid-plans").iterdir())) == 1
+    # Turned off, or where nothing can be written, it validates every time.
+    assert load(plan, dict(env, PYPLAN_CACHE_DIR="")) == ("ok", True)
+    (tmp_path / "file").write_text("")
+    assert load(plan, dict(env, PYPLAN_CACHE_DIR=str(tmp_path / "file"))) == ("ok", True)
