@@ -50,6 +50,13 @@ def problems(draw, max_devices=8, max_blocks=24, multi_device=True, balanced_mem
     return num_devices, [tuple(b) for b in blocks], edges
 
 
+def order_rules(k, max_size, max_min_m=2):
+    """Random order rules (before, before_shift, after, after_shift, min_m) over k blocks."""
+    return st.lists(st.tuples(st.integers(0, k - 1), st.integers(-1, 2), st.integers(0, k - 1),
+                              st.integers(-1, 2), st.integers(0, max_min_m)),
+                    max_size=max_size)
+
+
 def core_graph(num_devices, blocks, edges, rules=()):
     return _core.Graph(num_devices,
                        [_core.Block(f"b{i}", t, m, list(d)) for i, (t, m, d) in enumerate(blocks)],

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dags import core_graph, problems
+from dags import core_graph, order_rules, problems
 from pyplan import _core
 from pyplan import reference as ref
 
@@ -77,9 +77,7 @@ def test_static_memory_counts_in_every_peak_and_capacity_check(problem, n, rng, 
 def test_evaluation_with_order_rules_matches_reference(problem, n, rng, data):
     num_devices, blocks, edges = problem
     k = len(blocks)
-    rules = data.draw(st.lists(st.tuples(st.integers(0, k - 1), st.integers(-1, 2),
-                                         st.integers(0, k - 1), st.integers(-1, 2),
-                                         st.integers(0, 2)), max_size=3))
+    rules = data.draw(order_rules(k, max_size=3))
     g = core_graph(num_devices, blocks, edges, rules)
     orders = random_orders(rng, *problem, n, scramble=False)
     compare(g, problem, orders, -1, rules)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dags import core_graph, problems
+from dags import core_graph, order_rules, problems
 from pyplan import _core
 from pyplan import reference as ref
 
@@ -17,9 +17,7 @@ from pyplan import reference as ref
 def test_phase_list_scheduling_matches_reference(problem, n, rng, reverse, data):
     num_devices, blocks, edges = problem
     k = len(blocks)
-    rules = data.draw(st.lists(st.tuples(st.integers(0, k - 1), st.integers(-1, 2),
-                                         st.integers(0, k - 1), st.integers(-1, 2),
-                                         st.integers(0, 2)), max_size=2))
+    rules = data.draw(order_rules(k, max_size=2))
     g = core_graph(num_devices, blocks, edges, rules)
     # The rest of the schedule: any start times; the phase: a random subset of instances.
     start = {(b, m): rng.randrange(-5, 60) for m in range(n) for b in range(k)}

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dags import core_graph, problems
+from dags import core_graph, order_rules, problems
 from pyplan import _core
 from pyplan import reference as ref
 from test_core_evaluate import vshape
@@ -18,9 +18,7 @@ from test_core_evaluate import vshape
 def test_enumeration_matches_brute_force(problem, num_mb, capacity, period_below, data):
     num_devices, blocks, edges = problem
     k = len(blocks)
-    rules = data.draw(st.lists(st.tuples(st.integers(0, k - 1), st.integers(-1, 2),
-                                         st.integers(0, k - 1), st.integers(-1, 2),
-                                         st.just(0)), max_size=2))
+    rules = data.draw(order_rules(k, max_size=2, max_min_m=0))
     g = core_graph(num_devices, blocks, edges, rules)
     got = sorted(_core.RepetendEnumerator(g, num_mb, capacity, period_below))
     want = sorted(ref.enumerate_repetends(num_devices, blocks, edges, num_mb, capacity=capacity,
