@@ -58,7 +58,9 @@ void register_evaluate(py::module_& m) {
     // Orders converted once, for callers that evaluate the same schedule repeatedly.
     py::class_<DeviceOrders>(m, "Orders")
         .def(py::init([](const PyOrders& orders) { return to_orders(orders); }), py::arg("orders"))
-        .def("__len__", [](const DeviceOrders& o) { return o.size(); });
+        .def("__len__", [](const DeviceOrders& o) { return o.size(); })
+        .def("tolist", [](const DeviceOrders& o) { return from_orders(o); },
+             "The orders as lists of (block, micro-batch) pairs.");
 
     // One evaluation for both forms of orders: prepared (_core.Orders) or plain lists.
     auto run = [](const Graph& g, const DeviceOrders& orders, int64_t memory_capacity,

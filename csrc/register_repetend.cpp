@@ -104,10 +104,11 @@ void register_repetend(py::module_& m) {
            int n) {
             check_repetend(g, r);
             check_count(n, kMaxMicroBatches, "num_micro_batches");
-            return from_orders(extend(g, to_orders(warmup), r, to_orders(cooldown), n));
+            return extend(g, to_orders(warmup), r, to_orders(cooldown), n);
         },
         py::arg("graph"), py::arg("warmup"), py::arg("repetend"), py::arg("cooldown"),
-        py::arg("num_micro_batches"));
+        py::arg("num_micro_batches"),
+        "The full orders, prepared for evaluate (Orders.tolist() gives them as lists).");
 
     py::class_<RepetendSearchStats>(m, "RepetendSearchStats")
         .def(py::init<>())

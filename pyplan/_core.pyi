@@ -124,6 +124,10 @@ class Orders:
         ...
     def __len__(self) -> int:
         ...
+    def tolist(self) -> list[list[tuple[int, int]]]:
+        """
+        The orders as lists of (block, micro-batch) pairs.
+        """
 class Repetend:
     def bubble_rate(self, graph: Graph) -> float:
         ...
@@ -213,8 +217,10 @@ def evaluate(graph: Graph, orders: collections.abc.Sequence[collections.abc.Sequ
     """
 def evaluate_repetend(graph: Graph, indices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], orders: collections.abc.Sequence[collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]], min_period: typing.SupportsInt | typing.SupportsIndex = 0) -> Repetend:
     ...
-def extend(graph: Graph, warmup: collections.abc.Sequence[collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]]], repetend: Repetend, cooldown: collections.abc.Sequence[collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]]], num_micro_batches: typing.SupportsInt | typing.SupportsIndex) -> list[list[tuple[int, int]]]:
-    ...
+def extend(graph: Graph, warmup: collections.abc.Sequence[collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]]], repetend: Repetend, cooldown: collections.abc.Sequence[collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]]], num_micro_batches: typing.SupportsInt | typing.SupportsIndex) -> Orders:
+    """
+    The full orders, prepared for evaluate (Orders.tolist() gives them as lists).
+    """
 def list_schedule_phase(graph: Graph, phase: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], start: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], free: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], num_micro_batches: typing.SupportsInt | typing.SupportsIndex, reverse: bool = False) -> list[list[tuple[int, int]]]:
     """
     Per-device orders of a phase list-scheduled against the rest of a schedule (see csrc/core/phases.hpp).

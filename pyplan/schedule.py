@@ -167,12 +167,13 @@ def build_schedule(problem: Problem, warmup: Orders, repetend: Repetend | None,
     warmup = tuple(tuple(tuple(i) for i in o) for o in warmup)
     cooldown = tuple(tuple(tuple(i) for i in o) for o in cooldown)
     if repetend is None:
-        orders = warmup
+        orders, prepared = warmup, [list(o) for o in warmup]
     else:
-        core_rep = repetend.core(problem)
-        orders = tuple(tuple(o) for o in _core.extend(graph, [list(o) for o in warmup],
-                                                      core_rep, [list(o) for o in cooldown], n))
-    ev = _core.evaluate(graph, [list(o) for o in orders], memory_capacity=problem.capacity,
+        # (prepared: the core's copy, evaluated without converting the orders back)
+        prepared = _core.extend(graph, [list(o) for o in warmup], repetend.core(problem),
+                                [list(o) for o in cooldown], n)
+        orders = tuple(map(tuple, prepared.tolist()))
+    ev = _core.evaluate(graph, prepared, memory_capacity=problem.capacity,
                         complete_micro_batches=n)
     if not ev.ok:
         raise RuntimeError(f"composed schedule does not run: {ev.reason}")

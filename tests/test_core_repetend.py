@@ -89,7 +89,7 @@ def test_extend_matches_reference_and_periodic_orders():
     full = _core.periodic_orders(g, rep, 10)
     warmup = [[(b, m) for b, m in o if m < rep.indices[b]] for o in full]
     cooldown = [[(b, m - (10 - nr)) for b, m in o if m > rep.indices[b] + 10 - nr] for o in full]
-    got = _core.extend(g, warmup, rep, cooldown, 10)
+    got = _core.extend(g, warmup, rep, cooldown, 10).tolist()
     assert got == full
     assert got == [[tuple(x) for x in o] for o in ref.extend(warmup, rep.indices, rep.orders,
                                                              cooldown, 10)]

@@ -110,19 +110,18 @@ def _require_training(problem: Problem, every_forward: bool = True,
 # ---------------------------------------------------------------- stage-level simulation
 
 def _one_f_one_b(num_stages: int, n: int, limits: list[int] | None = None
-                 ) -> tuple[list[list[tuple[str, int]]], dict]:
+                 ) -> tuple[list[list[tuple[str, int]]], list[list[int]]]:
     """Unit-time 1F1B of `num_stages` stages, F flowing down and B back up: at each step a
     stage runs a backward as soon as one is ready, otherwise a forward while it holds fewer
     than num_stages - s micro-batches (or limits[s], if fewer). Each stage runs each op's
-    micro-batches in order. Returns each stage's ops and the step of each (op, stage,
-    micro-batch): a stage runs its next op as soon as it is ready, so these are the ops'
-    unit times."""
+    micro-batches in order. Returns each stage's ops and the step of each of them: a stage
+    runs its next op as soon as it is ready, so these are the ops' unit times."""
     caps = [num_stages - s if limits is None else min(num_stages - s, limits[s])
             for s in range(num_stages)]
     f, b = [0] * num_stages, [0] * num_stages
     last = num_stages - 1
     orders: list[list[tuple[str, int]]] = [[] for _ in range(num_stages)]
-    steps = {}
+    steps: list[list[int]] = [[] for _ in range(num_stages)]
     remaining = num_stages * n * 2
     step = 0
     while remaining:
@@ -138,7 +137,7 @@ def _one_f_one_b(num_stages: int, n: int, limits: list[int] | None = None
         for op, s, m in chosen:
             (f if op == "F" else b)[s] += 1
             orders[s].append((op, m))
-            steps[(op, s, m)] = step
+            steps[s].append(step)
         remaining -= len(chosen)
         step += 1
     return orders, steps
@@ -159,7 +158,7 @@ def _in_flight_limits(problem: Problem, stages: list[list[int]]) -> list[int] | 
 
 
 def _chain_template(problem: Problem, stage_orders, stages: list[list[int]], tag: int = 0,
-                    times: dict | None = None) -> list[tuple[int, tuple[int, int]]]:
+                    times: list[list[int]] | None = None) -> list[tuple[int, tuple[int, int]]]:
     """Real instances keyed by the unit-time step of their stage op, then chain (tag 0 or 1),
     then position inside the stage, so sorting all keys gives one global order every device
     agrees with. The key is one integer (sorting a million of them is several times faster
@@ -168,18 +167,17 @@ def _chain_template(problem: Problem, stage_orders, stages: list[list[int]], tag
     times = times or _unit_times(stage_orders)
     width = len(problem.blocks) + 1  # positions inside a stage
     keyed = []
-    append = keyed.append
     for s, order in enumerate(stage_orders):
-        members = {op: list(enumerate(_stage_ops(problem, stages[s], op))) for op in "FBW"}
-        for op, m in order:
-            base = (times[(op, s, m)] * 2 + tag) * width
-            for pos, b in members[op]:
-                append(((base + pos) * 2, (b, m)))
+        members = {op: [(2 * pos + 2 * tag * width, b)  # the key's position and chain parts
+                        for pos, b in enumerate(_stage_ops(problem, stages[s], op))]
+                   for op in "FBW"}
+        keyed += [(step * 4 * width + part, (b, m))
+                  for (op, m), step in zip(order, times[s]) for part, b in members[op]]
     return keyed
 
 
-def _unit_times(stage_orders) -> dict:
-    """Start step of each (op, stage, mb) when every op takes one step."""
+def _unit_times(stage_orders) -> list[list[int]]:
+    """Start step of each stage's ops when every op takes one step."""
     num = len(stage_orders)
     pos = [0] * num
     free = [0] * num
@@ -203,8 +201,7 @@ def _unit_times(stage_orders) -> dict:
                 end[op][s][m] = free[s] = start + 1
                 pos[s] += 1
                 progress = True
-    return {(op, s, m): e - 1 for op, stages in end.items()
-            for s, ends in enumerate(stages) for m, e in ends.items()}
+    return [[end[op][s][m] - 1 for op, m in order] for s, order in enumerate(stage_orders)]
 
 
 def _orders_from_keys(problem: Problem, keyed) -> list[list[tuple[int, int]]]:
