@@ -164,8 +164,8 @@ def build_schedule(problem: Problem, warmup: Orders, repetend: Repetend | None,
     """
     graph = problem.graph
     n = problem.num_micro_batches
-    warmup = tuple(tuple(tuple(i) for i in o) for o in warmup)
-    cooldown = tuple(tuple(tuple(i) for i in o) for o in cooldown)
+    warmup = tuple(tuple(map(tuple, o)) for o in warmup)
+    cooldown = tuple(tuple(map(tuple, o)) for o in cooldown)
     if repetend is None:
         orders, prepared = warmup, [list(o) for o in warmup]
     else:
