@@ -206,9 +206,10 @@ def _complete_best(problem: Problem, found: RepetendSearch, budget: Budget, sear
     """Completion of the best repetends. The pool grows in steps (ranked within the `search`
     budget) while no completion meets the lower bound: the modulo schedules of each N_R, then
     Tessel's best candidates of each N_R for more and more work. Every candidate gets its cheap
-    completion (periodic order, phases list-scheduled); from the step with POOL_WORK // 3 on,
-    the best of all candidates seen so far also get Z3's warmup and cooldown, which cost more
-    than ranking that many candidates."""
+    completion (periodic order, phases list-scheduled); after each step a local search starts
+    from the best candidates not searched from yet (each with a share of CLIMB_WORK); from the
+    step with POOL_WORK // 3 on, the best of all candidates seen so far also get Z3's warmup
+    and cooldown, which cost more than ranking that many candidates."""
     completion = budget.slice(COMPLETION_EFFORT)
     done: dict = {}  # (repetend, with Z3) -> (schedule, notes): each completion once
     cheap: dict = {}  # repetend -> its cheap completion (Z3's starting point)
@@ -243,6 +244,7 @@ def _complete_best(problem: Problem, found: RepetendSearch, budget: Budget, sear
             schedule, best_notes = candidate, notes
 
     climbing = CLIMB_WORK  # instance evaluations left for the local search
+    share = CLIMB_WORK // POOL_SIZE  # what one search may spend
 
     steps = pool_steps(problem)
     for work in steps[:1] if settled else steps:
@@ -268,15 +270,15 @@ def _complete_best(problem: Problem, found: RepetendSearch, budget: Budget, sear
         # Local search from the best candidates so far, before ranking more of them.
         for _, rep in sorted(seen.values(), key=lambda x: x[0])[:POOL_SIZE]:
             key = repetend_key(rep)
-            if finished() or climbing <= 0 or cheap[key] is None or key in climbed:
+            if finished() or climbing < share or cheap[key] is None or key in climbed:
                 continue
             climbed.add(key)
+            climbing -= share
             for step, completion_of_step in climb(
                     problem, rep, cheap[key], target=target, budget=budget,
-                    max_micro_batches=max_repetend_micro_batches(problem), work=climbing):
+                    max_micro_batches=max_repetend_micro_batches(problem), work=share):
                 cheap[repetend_key(step)] = completion_of_step
                 consider(step)
-            climbing -= CLIMB_WORK // POOL_SIZE
         if finished():
             break
     return schedule, best_notes
