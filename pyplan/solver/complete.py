@@ -93,8 +93,8 @@ def climb(problem: Problem, rep: _core.Repetend, start: tuple[Schedule, str], *,
     path: list = []
     current, best = list(rep.indices), start[0].makespan
     # A step evaluates 2 k periodic schedules of k n instances and completes CLIMB_TRIED of
-    # them (laid out three times, phases list-scheduled in Python: COMPLETION_COST times one
-    # evaluation); a step that might not fit in the work left is not taken.
+    # them (each laid out three times in Python, its phases list-scheduled: about
+    # COMPLETION_COST evaluations); a step that might not fit in the work left is not taken.
     step_work = (2 * k + CLIMB_TRIED * COMPLETION_COST) * k * n
     while best > target and work >= step_work and not budget.expired():
         work -= step_work
@@ -209,7 +209,7 @@ def cheap_completion(problem: Problem, rep: _core.Repetend,
     last = n - rep.num_micro_batches
     warmup, cooldown = _split_periodic(problem, rep)
     best = periodic = build_schedule(problem, warmup, repetend_from_core(problem, rep), cooldown)
-    warm = [tuple(x) for x in _core.warmup_blocks(list(rep.indices))]
+    warm = _core.warmup_blocks(list(rep.indices))
     cool = [(b, m + last) for b, m in _core.cooldown_blocks(list(rep.indices))]
     for phase, reverse in ((warm, True), (cool, False)):
         if not phase or best.makespan <= target:
