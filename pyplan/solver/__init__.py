@@ -46,7 +46,8 @@ class Solution:
     stats: SearchStats = field(default_factory=SearchStats)
     origin: str = "search"
     """Where the schedule comes from: "search", or the template that no searched schedule
-    beat (templates that fit memory and follow the order rules are the search's incumbents)."""
+    beat: none shorter, none as short in less memory (templates that fit memory and follow the
+    order rules are the search's incumbents)."""
     period_status: str | None = None
     """For a schedule with a repetend: optimal (no shorter period exists among repetends of at
     most max_repetend_micro_batches), feasible or time_limit."""
@@ -159,7 +160,7 @@ def _solve(problem: Problem, budget: Budget, progress: Progress | None) -> Solut
     lower_bound = problem.makespan_bound()
     templates = baselines(problem, budget)
     held = incumbents(problem, templates)
-    incumbent = min(held.items(), key=lambda item: item[1].makespan, default=None)
+    incumbent = min(held.items(), key=lambda item: _held(item[1]), default=None)
     # A template that meets the lower bound is optimal: then look only for a repetend as good
     # (it extends to any N), without Z3.
     settled = incumbent is not None and incumbent[1].makespan <= lower_bound
@@ -180,9 +181,11 @@ def _solve(problem: Problem, budget: Budget, progress: Progress | None) -> Solut
         schedule, notes = _complete_best(problem, found, budget, search, stats, exact=exact,
                                          settled=settled, target=lower_bound, progress=progress)
     origin = "search"
-    if incumbent is not None and (schedule is None or incumbent[1].makespan < schedule.makespan):
+    # At the same makespan the one that holds less memory wins (the search, on a tie).
+    if incumbent is not None and (schedule is None or _held(incumbent[1]) < _held(schedule)):
         origin, schedule = incumbent
-        notes = [f"completion: the {origin} template; no searched schedule is shorter"]
+        notes = [f"completion: the {origin} template; no searched schedule is shorter "
+                 "(or as short in less memory)"]
     proven = schedule.makespan <= lower_bound
     if problem.search.exact and not proven:
         whole, proven = complete_whole(problem, schedule, budget=budget.slice(WHOLE_EFFORT),
@@ -282,6 +285,11 @@ def _complete_best(problem: Problem, found: RepetendSearch, budget: Budget, sear
         if finished():
             break
     return schedule, best_notes
+
+
+def _held(schedule: Schedule):
+    """Shorter makespan, then less memory."""
+    return schedule.makespan, sum(schedule.peak_memory)
 
 
 def _rank(schedule: Schedule):
