@@ -164,3 +164,4 @@ def test_a_plan_that_passed_the_schema_skips_it_next_time(tmp_path):
     assert load(plan, dict(env, PYPLAN_CACHE_DIR="")) == ("ok", True)
     (tmp_path / "file").write_text("")
     assert load(plan, dict(env, PYPLAN_CACHE_DIR=str(tmp_path / "file"))) == ("ok", True)
+    assert load(plan, dict(env, PYPLAN_CACHE_DIR=str(tmp_path / ("x" * 300)))) == ("ok", True)

@@ -66,8 +66,11 @@ def _passed_marker(source: Source) -> Path | None:
     where = os.environ.get("PYPLAN_CACHE_DIR")
     if where == "":
         return None
-    root = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or
-                                          Path.home() / ".cache") / "pyplan"
+    try:
+        root = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or
+                                              Path.home() / ".cache") / "pyplan"
+    except (RuntimeError, KeyError):  # no home directory to be found
+        return None
     key = hashlib.sha256(schema_path().read_bytes() + b"\0" + source.sha256.encode())
     return root / "valid-plans" / key.hexdigest()
 
@@ -165,8 +168,11 @@ def check_schema(source: Source) -> None:
     """Raise a PlanError for the first schema violation in file order, carrying the next ones
     (each place once) for a compiler-like report."""
     marker = _passed_marker(source)
-    if marker is not None and marker.is_file():
-        return
+    try:
+        if marker is not None and marker.is_file():
+            return
+    except OSError:  # a path the system refuses (too long, unreadable): no cache
+        marker = None
     errors = list(_validator().iter_errors(source.data))
     if not errors:
         if marker is not None:
