@@ -137,6 +137,11 @@ class Problem:
         """The transfer time of each edge with one."""
         return {e: t for e, t in zip(self.edges, self.transfers) if t}
 
+    def show_transfers(self) -> str:
+        """The range of the transfer times in time units: "3", or "1..5"."""
+        times = sorted(set(self.transfer.values()))
+        return f"{times[0]}" if len(times) == 1 else f"{times[0]}..{times[-1]}"
+
     @property
     def recomputed(self) -> tuple[str, ...]:
         """Names of the forward blocks whose activations are recomputed."""

@@ -413,9 +413,8 @@ def list_schedule_phase(num_devices, blocks, edges, phase, start, free, n, *, ru
             if any((y, m) in inside and (y, m) not in end for y, m, _ in needed):
                 continue
             at = max([end[(y, m)] + d if (y, m) in inside else done(y, m) + d
-                      for y, m, d in needed] + [free[d] for d in blocks[x[0]][2]],
-                     default=-(1 << 62))
-            at = max(at, -(1 << 62))
+                      for y, m, d in needed] + [free[d] for d in blocks[x[0]][2]]
+                     + [-(1 << 62)])  # (the core's "no constraint")
             options.append((at, -ahead[x[0]], -x[1] if reverse else x[1], x[0], x))
         if not options:
             break

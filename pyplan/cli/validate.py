@@ -32,9 +32,8 @@ def summary(problem: Problem) -> str:
     weights = f", weights per device [{resident}]" if any(problem.static_memory) else ""
     costs = ""
     if problem.transfer:
-        times = sorted(set(problem.transfer.values()))
         costs += (f", transfers on {len(problem.transfer)} dependencies "
-                  f"({times[0]}{'' if len(times) == 1 else f'..{times[-1]}'} units)")
+                  f"({problem.show_transfers()} units)")
     modes = [b.recompute for b in problem.blocks if b.recompute != "never"]
     for mode in ("always", "auto"):
         costs += f", recompute {mode} on {count(modes.count(mode), 'block')}" \

@@ -249,9 +249,8 @@ def _legend(schedule: Schedule, grid: _Grid, cut: tuple | None) -> list[str]:
         lines.append(f"dp: {mesh.data} replicas; each stage's gradients are {what} across "
                      f"them after its last backward, beside the compute: {each}")
     if problem.transfer:
-        times = sorted(set(problem.transfer.values()))
-        span = f"{times[0]}" if len(times) == 1 else f"{times[0]}..{times[-1]}"
-        lines.append(f"> idle while data is on its way: a transfer takes {span} time units "
+        lines.append(f"> idle while data is on its way: a transfer takes "
+                     f"{problem.show_transfers()} time units "
                      f"({len(problem.transfer)} dependencies between devices; the devices "
                      "stay free to compute meanwhile)")
     if problem.recomputed:

@@ -86,7 +86,7 @@ class Budget:
         ms = self.remaining_ms()
         if ms is not None:
             solver.set("timeout", ms)
-        left = self._units_left()
+        left = self.units_left()
         if left is None:
             return check(solver, *assumptions)
         before = _rlimit_count(solver)
@@ -98,9 +98,6 @@ class Budget:
 
     def units_left(self) -> int | None:
         """Z3 units this budget may still spend (None: unlimited)."""
-        return self._units_left()
-
-    def _units_left(self) -> int | None:
         lefts = []
         budget: Budget | None = self
         while budget is not None:

@@ -185,17 +185,25 @@ def _cooldown_anchor(problem: Problem, rep: _core.Repetend, instances, last: int
 
 
 def exact_applies(problem: Problem, rep: _core.Repetend, budget: Budget) -> bool:
-    """Whether Z3 could still improve the periodic completion of `rep` (else `complete` with
-    exact=True gives the periodic one again)."""
+    """Whether Z3 could still improve the cheap completion of `rep` (else `complete` with
+    exact=True gives the cheap one again)."""
     if problem.num_micro_batches < rep.num_micro_batches or budget.spent or budget.expired():
         return False
-    indices = list(rep.indices)
-    return max(len(_core.warmup_blocks(indices)), len(_core.cooldown_blocks(indices))) \
-        <= EXACT_LIMIT
+    warm, cool, _ = _phases(problem, rep)
+    return max(len(warm), len(cool)) <= EXACT_LIMIT
 
 
 def _relative(orders, last: int) -> list[list[Instance]]:
     return [[(b, m - last) for b, m in order] for order in orders]
+
+
+def _phases(problem: Problem, rep: _core.Repetend) -> tuple[list, list, int]:
+    """The warmup and cooldown instances of a plan's micro-batches (Eq. 5-6), and the first
+    micro-batch of the last repetition."""
+    indices = list(rep.indices)
+    last = problem.num_micro_batches - rep.num_micro_batches
+    return (_core.warmup_blocks(indices),
+            [(b, m + last) for b, m in _core.cooldown_blocks(indices)], last)
 
 
 def cheap_completion(problem: Problem, rep: _core.Repetend,
@@ -203,14 +211,11 @@ def cheap_completion(problem: Problem, rep: _core.Repetend,
     """The periodic completion, or if it is longer than `target` and list-scheduling its
     warmup, then its cooldown, shortens it, that; and which it is ("periodic" or
     "list-scheduled"). None when no full repetend fits in the plan's micro-batches."""
-    n = problem.num_micro_batches
-    if n < rep.num_micro_batches:
+    if problem.num_micro_batches < rep.num_micro_batches:
         return None
-    last = n - rep.num_micro_batches
+    warm, cool, last = _phases(problem, rep)
     warmup, cooldown = _split_periodic(problem, rep)
     best = periodic = build_schedule(problem, warmup, repetend_from_core(problem, rep), cooldown)
-    warm = _core.warmup_blocks(list(rep.indices))
-    cool = [(b, m + last) for b, m in _core.cooldown_blocks(list(rep.indices))]
     for phase, reverse in ((warm, True), (cool, False)):
         if not phase or best.makespan <= target:
             continue
@@ -244,9 +249,7 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, budget: Budg
         notes.append("completion: periodic order (no full repetend fits in "
                      f"{count(n, 'micro-batch')})")
         return schedule, False
-    warm = _core.warmup_blocks(list(rep.indices))
-    last = n - rep.num_micro_batches
-    cool = [(b, m + last) for b, m in _core.cooldown_blocks(list(rep.indices))]
+    warm, cool, last = _phases(problem, rep)
     cheap, how = cheap or cheap_completion(problem, rep, target)
     phases = f"warmup ({count(len(warm), 'block')}) and cooldown ({count(len(cool), 'block')})"
     if cheap.makespan <= target:

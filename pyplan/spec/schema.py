@@ -71,8 +71,13 @@ def _passed_marker(source: Source) -> Path | None:
                                               Path.home() / ".cache") / "pyplan"
     except (RuntimeError, KeyError):  # no home directory to be found
         return None
-    key = hashlib.sha256(schema_path().read_bytes() + b"\0" + source.sha256.encode())
+    key = hashlib.sha256(f"{_schema_sha256()}:{source.sha256}".encode())
     return root / "valid-plans" / key.hexdigest()
+
+
+@lru_cache(maxsize=1)
+def _schema_sha256() -> str:
+    return hashlib.sha256(schema_path().read_bytes()).hexdigest()
 
 
 def _show_path(path: tuple) -> str:
