@@ -30,7 +30,7 @@ void register_graph(py::module_& m) {
         .def(py::init([](int num_devices, std::vector<Block> blocks,
                          const std::vector<std::pair<int, int>>& edges,
                          std::vector<OrderRule> rules, std::vector<int64_t> static_memory,
-                         const std::vector<int64_t>& delays) {
+                         const std::vector<int64_t>& delays, std::vector<int64_t> capacity) {
                  if (!delays.empty() && delays.size() != edges.size())
                      throw std::invalid_argument("delays needs one transfer time per edge");
                  std::vector<Edge> es;
@@ -39,12 +39,14 @@ void register_graph(py::module_& m) {
                      es.push_back({edges[i].first, edges[i].second,
                                    delays.empty() ? 0 : delays[i]});
                  return Graph(num_devices, std::move(blocks), std::move(es), std::move(rules),
-                              std::move(static_memory));
+                              std::move(static_memory), std::move(capacity));
              }),
              py::arg("num_devices"), py::arg("blocks"), py::arg("edges"),
              py::arg("rules") = std::vector<OrderRule>{},
              py::arg("static_memory") = std::vector<int64_t>{},
-             py::arg("delays") = std::vector<int64_t>{})
+             py::arg("delays") = std::vector<int64_t>{},
+             py::arg("capacity") = std::vector<int64_t>{})
+        .def_property_readonly("capacity", [](const Graph& g) { return g.capacity(); })
         .def_property_readonly("static_memory",
                                [](const Graph& g) { return g.static_memory(); })
         .def_property_readonly("num_devices", &Graph::num_devices)
@@ -76,5 +78,8 @@ void register_graph(py::module_& m) {
         .def("tails", &Graph::tails)
         .def("makespan_bound", &Graph::makespan_bound, py::arg("num_micro_batches"),
              py::arg("capacity") = -1)
+        .def("period_bound", &Graph::period_bound, py::arg("capacity") = -1)
+        .def("memory_time", &Graph::memory_time, py::arg("device"))
+        .def("head_idle", &Graph::head_idle, py::arg("device"))
         .def("net_memory", &Graph::net_memory);
 }

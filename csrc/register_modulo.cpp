@@ -8,7 +8,8 @@ void register_modulo(py::module_& m) {
         .def(py::init<>())
         .def_readonly("nodes", &ModuloStats::nodes)
         .def_readonly("periods_tried", &ModuloStats::periods_tried)
-        .def_readonly("budget_exhausted", &ModuloStats::budget_exhausted);
+        .def_readonly("budget_exhausted", &ModuloStats::budget_exhausted)
+        .def_readonly("work", &ModuloStats::work);
     m.def(
         "modulo_schedule",
         [](const Graph& g, int64_t period, int max_micro_batches, int64_t capacity,

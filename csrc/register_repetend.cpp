@@ -75,7 +75,15 @@ void register_repetend(py::module_& m) {
             return list_schedule_repetend(g, indices);
         },
         py::arg("graph"), py::arg("indices"));
-    m.def("memory_fits", &memory_fits, py::arg("repetend"), py::arg("capacity"));
+    m.def("memory_fits", py::overload_cast<const Repetend&, int64_t>(&memory_fits),
+          py::arg("repetend"), py::arg("capacity"));
+    m.def(
+        "memory_fits",
+        [](const Graph& g, const Repetend& r, int64_t capacity) {
+            return memory_fits(g, r, capacity);
+        },
+        py::arg("graph"), py::arg("repetend"), py::arg("capacity"),
+        "Whether the repetend's steady-state peaks fit the capacity and each device's own.");
     m.def(
         "warmup_blocks",
         [check_indices](const std::vector<int>& n) {

@@ -203,6 +203,10 @@ class ModuloStats:
     def nodes(self) -> int:
         ...
     @property
+    def work(self) -> int:
+        """Elementary steps: placements, packing steps, blocks x edges per exact evaluation."""
+        ...
+    @property
     def periods_tried(self) -> int:
         ...
 def cooldown_blocks(indices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> list[tuple[int, int]]:

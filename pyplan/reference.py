@@ -13,8 +13,9 @@ import math
 
 __all__ = [
     "critical_path", "device_loads", "enumerate_repetends", "evaluate", "evaluate_repetend",
-    "extend", "find_cycle", "heads", "list_schedule_phase", "load_bound", "longest_paths",
-    "makespan_bound", "periodic_orders", "repetend_bound", "tails", "topological_order",
+    "extend", "find_cycle", "head_idle", "heads", "list_schedule_phase", "load_bound", "longest_paths",
+    "makespan_bound", "memory_time", "period_bound", "periodic_orders", "repetend_bound", "tails",
+    "topological_order",
 ]
 
 
@@ -136,6 +137,11 @@ def _idle_before_fed(blocks, edges, d):
     return idle, fed
 
 
+def head_idle(blocks, edges, d):
+    """Idle time device d cannot avoid before it first runs a block fed by another device."""
+    return _idle_before_fed(blocks, edges, d)[0]
+
+
 def _memory_bound(blocks, edges, d, n, capacity, head, tail):
     """When every freeing block on d depends on every allocating one, each micro-batch holds
     all it allocates for at least the shortest allocation-to-free path, and only
@@ -163,10 +169,99 @@ def _memory_bound(blocks, edges, d, n, capacity, head, tail):
         min(blocks[f][0] + tail[f] for f in frees)
 
 
-def makespan_bound(num_devices, blocks, edges, n, capacity=-1):
+def _room(d, capacity, capacities):
+    """A device's capacity under one for all devices and its own (-1: unlimited)."""
+    own = capacities[d] if capacities else -1
+    limits = [c for c in (capacity, own) if c is not None and c >= 0]
+    return min(limits) if limits else -1
+
+
+def _starts_after(blocks, edges, a):
+    """Longest path from the start of block a to the start of each block it reaches."""
+    dist = {a: 0}
+    for b in topological_order(len(blocks), edges):
+        if b in dist:
+            for x, c, delay in _triples(edges):
+                if x == b:
+                    dist[c] = max(dist.get(c, 0), dist[b] + blocks[b][0] + delay)
+    return dist
+
+
+def memory_time(blocks, edges, d):
+    """Least memory x time one micro-batch holds on device d under the dependencies alone:
+    the largest sum of amount x path length over ways of sending each allocation on d to frees
+    on d that depend on it (successive longest augmenting paths over a residual network), or
+    -1 when some free cannot be so matched or the device keeps memory."""
+    on = [b for b in range(len(blocks)) if d in blocks[b][2]]
+    alloc = [b for b in on if blocks[b][1] > 0]
+    frees = [b for b in on if blocks[b][1] < 0]
+    held = sum(blocks[b][1] for b in alloc)
+    if held == 0 or held != -sum(blocks[b][1] for b in frees) or held > 2 ** 60:
+        return -1
+    gain = {}
+    for a in alloc:
+        dist = _starts_after(blocks, edges, a)
+        for f in frees:
+            if f in dist:
+                gain[(("a", a), ("f", f))] = dist[f]
+    # Residual network: source -> allocation -> free -> sink; reverse arcs give flow back.
+    cap, value = {}, {}
+    for a in alloc:
+        cap[("s", ("a", a))] = blocks[a][1]
+    for f in frees:
+        cap[(("f", f), "t")] = -blocks[f][1]
+    for (u, v), g in gain.items():
+        cap[(u, v)] = math.inf
+        value[(u, v)] = g
+    flow = {arc: 0 for arc in cap}
+    total, sent = 0, 0
+    while sent < held:
+        # Longest path from s to t in the residual network (Bellman-Ford; no positive cycles).
+        best, via = {"s": 0}, {}
+        for _ in range(len(cap) + 2):
+            for (u, v), c in cap.items():
+                g = value.get((u, v), 0)
+                if u in best and flow[(u, v)] < c and best[u] + g > best.get(v, -math.inf):
+                    best[v], via[v] = best[u] + g, (u, v, 1)
+                if v in best and flow[(u, v)] > 0 and best[v] - g > best.get(u, -math.inf):
+                    best[u], via[u] = best[v] - g, (u, v, -1)
+        if "t" not in best:
+            return -1
+        path, node = [], "t"
+        while node != "s":
+            u, v, sign = via[node]
+            path.append((u, v, sign))
+            node = u if sign == 1 else v
+        push = min([held - sent] + [cap[(u, v)] - flow[(u, v)] if sign == 1 else flow[(u, v)]
+                                    for u, v, sign in path])
+        for u, v, sign in path:
+            flow[(u, v)] += sign * push
+        total += push * best["t"]
+        sent += push
+    return total
+
+
+def period_bound(num_devices, blocks, edges, capacity=-1, static_memory=None,
+                 capacities=None):
+    """The busiest device's load, and memory-time / room on every limited device."""
+    bound = load_bound(num_devices, blocks)
+    for d in range(num_devices):
+        room = _room(d, capacity, capacities)
+        if room < 0:
+            continue
+        room -= (static_memory or [0] * num_devices)[d]
+        area = memory_time(blocks, edges, d)
+        if area > 0 and room > 0:
+            bound = max(bound, -(-area // room))
+    return bound
+
+
+def makespan_bound(num_devices, blocks, edges, n, capacity=-1, static_memory=None,
+                   capacities=None):
     if n <= 0:
         return 0
     k = len(blocks)
+    static = static_memory or [0] * num_devices
     head, tail = heads(blocks, edges), tails(blocks, edges)
     loads = device_loads(num_devices, blocks)
     bound = critical_path(blocks, edges)
@@ -176,6 +271,14 @@ def makespan_bound(num_devices, blocks, edges, n, capacity=-1):
         if not on:
             continue
         bound = max(bound, min(head[b] for b in on) + n * loads[d] + min(tail[b] for b in on))
+        if len(on) <= 512:  # every subset with heads and tails above thresholds
+            for low_head in {head[b] for b in on}:
+                for low_tail in {tail[b] for b in on}:
+                    chosen = [b for b in on if head[b] >= low_head and tail[b] >= low_tail]
+                    if chosen:
+                        bound = max(bound, min(head[b] for b in chosen)
+                                    + n * sum(blocks[b][0] for b in chosen)
+                                    + min(tail[b] for b in chosen))
         idle_head, fed = _idle_before_fed(blocks, edges, d)
         idle_tail, feeds = _idle_before_fed(blocks, reverse, d)
         # The two idle stretches are disjoint when some fed block precedes a feeding one.
@@ -185,8 +288,15 @@ def makespan_bound(num_devices, blocks, edges, n, capacity=-1):
         disjoint = any(fed[b] and reach[b] for b in range(k))
         idle = idle_head + idle_tail if disjoint else max(idle_head, idle_tail)
         bound = max(bound, n * loads[d] + idle)
-        if capacity >= 0:
-            bound = max(bound, _memory_bound(blocks, edges, d, n, capacity, head, tail))
+        room = _room(d, capacity, capacities)
+        if room < 0:
+            continue
+        bound = max(bound, _memory_bound(blocks, edges, d, n, room - static[d], head, tail))
+        area = memory_time(blocks, edges, d)
+        if area > 0 and room - static[d] > 0:
+            first = min(head[b] for b in on if blocks[b][1] > 0)
+            last = min(blocks[b][0] + tail[b] for b in on if blocks[b][1] < 0)
+            bound = max(bound, first + -(-n * area // (room - static[d])) + last)
     return bound
 
 

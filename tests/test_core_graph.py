@@ -28,6 +28,54 @@ def test_topological_order_and_bounds_match_reference(problem):
         for capacity in (0, 1, 3, 8):
             assert g.makespan_bound(n, capacity) == \
                 ref.makespan_bound(num_devices, blocks, edges, n, capacity)
+    for d in range(num_devices):
+        assert g.memory_time(d) == ref.memory_time(blocks, edges, d)
+        assert g.head_idle(d) == ref.head_idle(blocks, edges, d)
+    for capacity in (-1, 1, 3, 8):
+        assert g.period_bound(capacity) == \
+            ref.period_bound(num_devices, blocks, edges, capacity)
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems(transfers=True), st.data())
+def test_per_device_capacity_and_weights_match_reference(problem, data):
+    num_devices, blocks, edges = problem
+    capacities = data.draw(st.lists(st.integers(-1, 9), min_size=num_devices,
+                                    max_size=num_devices))
+    static = data.draw(st.lists(st.integers(0, 2), min_size=num_devices, max_size=num_devices))
+    g = _core.Graph(num_devices, core_graph(*problem).blocks, [tuple(e[:2]) for e in edges],
+                    [], static, [e[2] for e in edges], capacities)
+    assert list(g.capacity) == capacities
+    for capacity in (-1, 2, 6):
+        assert g.period_bound(capacity) == ref.period_bound(
+            num_devices, blocks, edges, capacity, static, capacities)
+        for n in (1, 3):
+            assert g.makespan_bound(n, capacity) == ref.makespan_bound(
+                num_devices, blocks, edges, n, capacity, static, capacities)
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems(max_devices=3, max_blocks=9, transfers=True))
+def test_memory_time_is_the_least_over_dependency_schedules(problem):
+    """memory_time is the optimum of min sum(-memory_b x start_b) over starts that keep the
+    dependencies (an LP Z3 solves exactly over the reals)."""
+    import z3
+
+    num_devices, blocks, edges = problem
+    g = core_graph(*problem)
+    for d in range(num_devices):
+        on = [b for b in range(len(blocks)) if d in blocks[b][2] and blocks[b][1]]
+        area = g.memory_time(d)
+        if not on or area < 0:
+            continue
+        opt = z3.Optimize()
+        start = [z3.Real(f"s{b}") for b in range(len(blocks))]
+        for a, c, delay in edges:
+            opt.add(start[c] >= start[a] + blocks[a][0] + delay)
+        handle = opt.minimize(z3.Sum([-blocks[b][1] * start[b] for b in on]))
+        assert opt.check() == z3.sat
+        value = opt.lower(handle)
+        assert z3.is_true(z3.simplify(value == z3.RealVal(area))), (value, area)
 
 
 @settings(max_examples=300, deadline=None)

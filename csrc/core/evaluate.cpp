@@ -146,12 +146,12 @@ Evaluation evaluate(const Graph& g, const DeviceOrders& orders, const EvalOption
         for (int d : blk.devices) start = std::max(start, device_free[d]);
         for (int d : blk.devices) {
             memory[d] += blk.memory;
-            if (opt.memory_capacity >= 0 && memory[d] > opt.memory_capacity) {
+            const int64_t room = g.limit(d, opt.memory_capacity);
+            if (room >= 0 && memory[d] > room) {
                 ev.ok = false;
                 ev.reason = instance_name(g, inst) + " cannot start on device " +
                             std::to_string(d) + ": memory would reach " +
-                            std::to_string(memory[d]) + " > capacity " +
-                            std::to_string(opt.memory_capacity);
+                            std::to_string(memory[d]) + " > capacity " + std::to_string(room);
                 return ev;
             }
             ev.peak_memory[d] = std::max(ev.peak_memory[d], memory[d]);

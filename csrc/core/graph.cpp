@@ -8,9 +8,11 @@
 namespace pyplan {
 
 Graph::Graph(int num_devices, std::vector<Block> blocks, std::vector<Edge> edges,
-             std::vector<OrderRule> rules, std::vector<int64_t> static_memory)
+             std::vector<OrderRule> rules, std::vector<int64_t> static_memory,
+             std::vector<int64_t> capacity)
     : num_devices_(num_devices), blocks_(std::move(blocks)), edges_(std::move(edges)),
-      rules_(std::move(rules)), static_memory_(std::move(static_memory)) {
+      rules_(std::move(rules)), static_memory_(std::move(static_memory)),
+      capacity_(std::move(capacity)) {
     if (num_devices_ <= 0 || num_devices_ > kMaxDevices)
         throw std::invalid_argument("num_devices must lie in 1 .. " + std::to_string(kMaxDevices));
     if (static_memory_.empty()) static_memory_.assign(num_devices_, 0);
@@ -19,6 +21,13 @@ Graph::Graph(int num_devices, std::vector<Block> blocks, std::vector<Edge> edges
     for (int64_t s : static_memory_)
         if (s < 0 || s > kMaxMemory)
             throw std::invalid_argument("static memory must lie in 0 .. 2^60");
+    if (capacity_.empty()) capacity_.assign(num_devices_, -1);
+    if (static_cast<int>(capacity_.size()) != num_devices_)
+        throw std::invalid_argument("capacity needs one amount per device");
+    for (int64_t& c : capacity_) {
+        if (c > kMaxMemory) throw std::invalid_argument("capacities must be at most 2^60");
+        if (c < 0) c = -1;
+    }
     const int k = num_blocks();
     // Every search and bound assumes at least one block (a plan always has one).
     if (k == 0) throw std::invalid_argument("a graph needs at least one block");
@@ -73,6 +82,12 @@ Graph::Graph(int num_devices, std::vector<Block> blocks, std::vector<Edge> edges
 }
 
 bool Graph::shares_device(int a, int b) const { return shares_[a][b] != 0; }
+
+bool Graph::limited(int64_t capacity) const {
+    for (int d = 0; d < num_devices_; ++d)
+        if (limit(d, capacity) >= 0) return true;
+    return false;
+}
 
 std::vector<int> Graph::topological_order() const {
     const int k = num_blocks();
@@ -262,9 +277,176 @@ static int64_t memory_bound(const Graph& g, int d, int n, int64_t capacity,
     return (n * shortest + lanes - 1) / lanes + first + last;
 }
 
+namespace {
+
+__extension__ typedef __int128 Wide;  // (GCC and Clang; sums of memory x time)
+constexpr int64_t kBoundCap = INT64_MAX / 4;  // bounds are clamped here (never reached in use)
+
+int64_t clamp(Wide x) { return x > kBoundCap ? kBoundCap : static_cast<int64_t>(x); }
+
+// ceil(n * num / den) for num >= 0, den > 0, without overflow for our ranges.
+Wide ceil_times(int64_t n, Wide num, int64_t den) {
+    Wide q = num / den, r = num % den;
+    return Wide{n} * q + (Wide{n} * r + den - 1) / den;
+}
+
+// Least-cost flow of a transportation problem by successive shortest paths (Bellman-Ford on
+// the residual graph): supplies to demands over the arcs with a cost; false if the demands
+// cannot all be met. Small: one device's allocating and freeing blocks.
+bool transport(const std::vector<int64_t>& supply, const std::vector<int64_t>& demand,
+               const std::vector<std::vector<int64_t>>& cost,  // < INT64_MIN / 2: no arc
+               Wide& total) {
+    const int a = static_cast<int>(supply.size()), f = static_cast<int>(demand.size());
+    const int nodes = a + f + 2, source = a + f, sink = a + f + 1;
+    struct Arc {
+        int to;
+        int64_t cap;
+        int64_t cost;
+    };
+    std::vector<Arc> arcs;
+    std::vector<std::vector<int>> out(nodes);
+    auto add = [&](int u, int v, int64_t cap, int64_t c) {
+        out[u].push_back(static_cast<int>(arcs.size()));
+        arcs.push_back({v, cap, c});
+        out[v].push_back(static_cast<int>(arcs.size()));
+        arcs.push_back({u, 0, -c});
+    };
+    int64_t need = 0;
+    for (int i = 0; i < a; ++i) add(source, i, supply[i], 0);
+    for (int j = 0; j < f; ++j) add(a + j, sink, demand[j], 0), need += demand[j];
+    for (int i = 0; i < a; ++i)
+        for (int j = 0; j < f; ++j)
+            if (cost[i][j] > INT64_MIN / 2) add(i, a + j, INT64_MAX / 4, cost[i][j]);
+    total = 0;
+    int64_t sent = 0;
+    constexpr int64_t kInf = INT64_MAX / 4;
+    while (sent < need) {
+        std::vector<int64_t> dist(nodes, kInf);
+        std::vector<int> via(nodes, -1);
+        dist[source] = 0;
+        for (int pass = 0; pass < nodes; ++pass) {  // no negative cycles: costs come from a DAG
+            bool changed = false;
+            for (int u = 0; u < nodes; ++u) {
+                if (dist[u] == kInf) continue;
+                for (int id : out[u]) {
+                    const Arc& arc = arcs[id];
+                    if (arc.cap > 0 && dist[u] + arc.cost < dist[arc.to]) {
+                        dist[arc.to] = dist[u] + arc.cost;
+                        via[arc.to] = id;
+                        changed = true;
+                    }
+                }
+            }
+            if (!changed) break;
+        }
+        if (dist[sink] == kInf) return false;
+        int64_t push = need - sent;
+        for (int v = sink; v != source; v = arcs[via[v] ^ 1].to) push = std::min(push, arcs[via[v]].cap);
+        for (int v = sink; v != source; v = arcs[via[v] ^ 1].to) {
+            arcs[via[v]].cap -= push;
+            arcs[via[v] ^ 1].cap += push;
+        }
+        total += Wide{push} * dist[sink];
+        sent += push;
+    }
+    return true;
+}
+
+// Longest path from the start of `from` to the start of every block (-1: none).
+std::vector<int64_t> starts_after(const Graph& g, int from, const std::vector<int>& order) {
+    std::vector<int64_t> dist(g.num_blocks(), -1);
+    dist[from] = 0;
+    for (int b : order) {
+        if (dist[b] < 0) continue;
+        for (size_t i = 0; i < g.successors(b).size(); ++i) {
+            int s = g.successors(b)[i];
+            dist[s] = std::max(dist[s], dist[b] + g.block(b).time + g.successor_delays(b)[i]);
+        }
+    }
+    return dist;
+}
+
+constexpr size_t kTransportPairs = 4096;  // larger devices: no memory-time bound
+
+Wide memory_time_of(const Graph& g, int d, const std::vector<int>& order) {
+    std::vector<int> alloc, frees;
+    std::vector<int64_t> supply, demand;
+    Wide held = 0, freed = 0;
+    for (int b : g.blocks_on(d)) {
+        int64_t m = g.block(b).memory;
+        if (m > 0) alloc.push_back(b), supply.push_back(m), held += m;
+        if (m < 0) frees.push_back(b), demand.push_back(-m), freed -= m;
+    }
+    if (held == 0 || held != freed || held > kMaxMemory ||
+        alloc.size() * frees.size() > kTransportPairs)
+        return -1;
+    std::vector<std::vector<int64_t>> cost(alloc.size(), std::vector<int64_t>(frees.size()));
+    for (size_t i = 0; i < alloc.size(); ++i) {
+        auto dist = starts_after(g, alloc[i], order);
+        for (size_t j = 0; j < frees.size(); ++j)
+            cost[i][j] = dist[frees[j]] < 0 ? INT64_MIN : -dist[frees[j]];  // max-cost
+    }
+    Wide total = 0;
+    if (!transport(supply, demand, cost, total)) return -1;
+    return -total;
+}
+
+// Largest (least head + n x load + least tail) over the subsets of blocks on d with heads and
+// tails above thresholds: the instances of a subset run one after another on d.
+int64_t subset_bound(const Graph& g, int d, int n, const std::vector<int64_t>& head,
+                     const std::vector<int64_t>& tail) {
+    const auto& on = g.blocks_on(d);
+    if (on.size() > 512) return 0;  // the plain bound (all blocks) still applies
+    std::vector<int> by_tail(on.begin(), on.end());
+    std::sort(by_tail.begin(), by_tail.end(), [&](int x, int y) {
+        return tail[x] != tail[y] ? tail[x] > tail[y] : x < y;
+    });
+    Wide best = 0;
+    for (int floor_block : on) {
+        const int64_t floor = head[floor_block];
+        Wide load = 0;
+        int64_t least_head = INT64_MAX;
+        for (int b : by_tail) {
+            if (head[b] < floor) continue;
+            load += g.block(b).time;
+            least_head = std::min(least_head, head[b]);
+            best = std::max(best, Wide{least_head} + Wide{n} * load + tail[b]);
+        }
+    }
+    return clamp(best);
+}
+
+}  // namespace
+
+int64_t Graph::head_idle(int device) const {
+    if (device < 0 || device >= num_devices_) throw std::out_of_range("no such device");
+    std::vector<char> fed;
+    return idle_before_fed(*this, device, pred_, pred_delay_, require_order(*this), fed);
+}
+
+int64_t Graph::memory_time(int device) const {
+    if (device < 0 || device >= num_devices_) throw std::out_of_range("no such device");
+    return clamp(memory_time_of(*this, device, require_order(*this)));
+}
+
+int64_t Graph::period_bound(int64_t capacity) const {
+    int64_t bound = load_bound();
+    auto order = require_order(*this);
+    for (int d = 0; d < num_devices_; ++d) {
+        int64_t room = limit(d, capacity);
+        if (room < 0) continue;
+        room -= static_memory_[d];
+        Wide area = memory_time_of(*this, d, order);
+        if (area <= 0 || room <= 0) continue;  // (nothing fits at all: checked elsewhere)
+        bound = std::max(bound, clamp((area + room - 1) / room));
+    }
+    return bound;
+}
+
 int64_t Graph::makespan_bound(int num_micro_batches, int64_t capacity) const {
     if (num_micro_batches <= 0) return 0;
     const int k = num_blocks();
+    const int n = num_micro_batches;
     auto head = heads();
     auto tail = tails();
     auto load = device_loads();
@@ -279,7 +461,8 @@ int64_t Graph::makespan_bound(int num_micro_batches, int64_t capacity) const {
             min_head = std::min(min_head, head[b]);
             min_tail = std::min(min_tail, tail[b]);
         }
-        bound = std::max(bound, min_head + num_micro_batches * load[d] + min_tail);
+        bound = std::max(bound, min_head + n * load[d] + min_tail);
+        bound = std::max(bound, subset_bound(*this, d, n, head, tail));
         int64_t idle_head = idle_before_fed(*this, d, pred_, pred_delay_, order, fed);
         int64_t idle_tail = idle_before_fed(*this, d, succ_, succ_delay_, reversed, feeds);
         // Both idle stretches count when some fed block precedes (or is) a feeding one: then the
@@ -291,10 +474,21 @@ int64_t Graph::makespan_bound(int num_micro_batches, int64_t capacity) const {
             disjoint = disjoint || (fed[b] && reach[b]);
         }
         int64_t idle = disjoint ? idle_head + idle_tail : std::max(idle_head, idle_tail);
-        bound = std::max(bound, num_micro_batches * load[d] + idle);
-        if (capacity >= 0)
-            bound = std::max(bound, memory_bound(*this, d, num_micro_batches, capacity, order,
-                                                 head, tail));
+        bound = std::max(bound, n * load[d] + idle);
+        int64_t room = limit(d, capacity);
+        if (room < 0) continue;
+        bound = std::max(bound, memory_bound(*this, d, n, room, order, head, tail));
+        // Memory-time: n micro-batches hold n x area between the earliest allocation and the
+        // latest free, within the room the weights leave.
+        room -= static_memory_[d];
+        Wide area = memory_time_of(*this, d, order);
+        if (area <= 0 || room <= 0) continue;
+        int64_t first = INT64_MAX, last = INT64_MAX;
+        for (int b : on_device_[d]) {
+            if (block(b).memory > 0) first = std::min(first, head[b]);
+            if (block(b).memory < 0) last = std::min(last, block(b).time + tail[b]);
+        }
+        bound = std::max(bound, clamp(ceil_times(n, area, room) + first + last));
     }
     return bound;
 }

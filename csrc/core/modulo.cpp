@@ -105,6 +105,7 @@ class ModuloSearch {
         if (i == rest.size() || ++pack_steps_ > kPackSteps || over()) return true;
         const int b = rest[i];
         for (int64_t off = 0; off < T_; ++off) {
+            ++stats_.work;
             if (!fits(b, off)) continue;
             mark(b, off, b);
             bool ok = pack(rest, i + 1);
@@ -167,6 +168,7 @@ class ModuloSearch {
             for (int64_t off = 0; off < T_; ++off) {
                 if (!fits(b, off)) continue;
                 ++stats_.nodes;
+                ++stats_.work;
                 offset_[b] = off;
                 mark(b, off, b);
                 if (devices_can_pack(b) && place(depth + 1)) return true;
@@ -197,6 +199,7 @@ class ModuloSearch {
             int64_t off = s % T_;
             if (!fits(b, off)) continue;
             ++stats_.nodes;
+            ++stats_.work;
             offset_[b] = off;
             start_[b] = s;
             if (!lag_ok(b)) {
@@ -228,6 +231,7 @@ class ModuloSearch {
 
     bool finish() {
         size_t keep = resolved_.size();
+        stats_.work += int64_t{g_.num_blocks()} * static_cast<int64_t>(g_.edges().size() + 1);
         for (int b = 0; b < g_.num_blocks(); ++b) {
             if (resolve(b) == kUnknown || !lag_ok(b) || !rules_hold(b)) {
                 unresolve(keep);
@@ -235,7 +239,7 @@ class ModuloSearch {
             }
         }
         Repetend r = repetend_from_starts(g_, start_, T_);
-        if (!r.feasible || r.period > T_ || !memory_fits(r, capacity_)) {
+        if (!r.feasible || r.period > T_ || !memory_fits(g_, r, capacity_)) {
             unresolve(keep);
             return false;
         }

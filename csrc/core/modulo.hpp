@@ -17,6 +17,9 @@ struct ModuloStats {
     int64_t nodes = 0;           // placements tried
     int64_t periods_tried = 0;
     bool budget_exhausted = false;
+    // Elementary steps: placements, forward-checking packing steps and, for each complete
+    // placement, the blocks x edges of its exact evaluation (a deterministic measure of work).
+    int64_t work = 0;
 };
 
 // A modulo schedule with the given period whose repetend has at most max_micro_batches

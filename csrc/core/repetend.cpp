@@ -61,8 +61,9 @@ int64_t repetend_bound(const Graph& g, const std::vector<int>& n,
 
 RepetendEnumerator::RepetendEnumerator(const Graph& graph, int num_mb, int64_t capacity,
                                        int64_t period_below)
-    : g_(graph), num_mb_(num_mb), capacity_(capacity), period_below_(period_below) {
+    : g_(graph), num_mb_(num_mb), period_below_(period_below) {
     if (num_mb < 1) throw std::invalid_argument("a repetend needs at least one micro-batch");
+    for (int d = 0; d < g_.num_devices(); ++d) room_.push_back(g_.limit(d, capacity));
     const int k = g_.num_blocks();
     topo_ = g_.topological_order();
     if (static_cast<int>(topo_.size()) != k)
@@ -105,13 +106,12 @@ bool RepetendEnumerator::feasible_prefix(int depth) {
         const OrderRule& r = g_.rules()[i];
         if (value_[r.after] - value_[r.before] > r.after_shift - r.before_shift) return false;
     }
-    if (capacity_ >= 0)
-        for (int d = 0; d < g_.num_devices(); ++d)
-            if (device_done_depth_[d] == depth) {
-                int64_t entry = 0;
-                for (int b : g_.blocks_on(d)) entry += g_.block(b).memory * value_[b];
-                if (entry + g_.static_memory(d) > capacity_) return false;
-            }
+    for (int d = 0; d < g_.num_devices(); ++d)
+        if (room_[d] >= 0 && device_done_depth_[d] == depth) {
+            int64_t entry = 0;
+            for (int b : g_.blocks_on(d)) entry += g_.block(b).memory * value_[b];
+            if (entry + g_.static_memory(d) > room_[d]) return false;
+        }
     return true;
 }
 
@@ -284,6 +284,14 @@ bool memory_fits(const Repetend& r, int64_t capacity) {
     if (capacity < 0) return true;
     for (int64_t p : r.peak_memory)
         if (p > capacity) return false;
+    return true;
+}
+
+bool memory_fits(const Graph& g, const Repetend& r, int64_t capacity) {
+    for (size_t d = 0; d < r.peak_memory.size() && d < static_cast<size_t>(g.num_devices()); ++d) {
+        int64_t room = g.limit(static_cast<int>(d), capacity);
+        if (room >= 0 && r.peak_memory[d] > room) return false;
+    }
     return true;
 }
 
@@ -460,7 +468,7 @@ Repetend search_repetends(const Graph& g, int num_mb, int64_t capacity, int64_t 
         Repetend r = list_schedule_repetend(g, cand);
         ++stats.evaluated;
         if (!r.feasible) continue;
-        if (!memory_fits(r, capacity)) {
+        if (!memory_fits(g, r, capacity)) {
             ++stats.pruned_memory;
             continue;
         }
@@ -503,7 +511,7 @@ std::vector<Repetend> rank_repetends(const Graph& g, int num_mb, int64_t capacit
         Repetend r = list_schedule_repetend(g, cand);
         ++stats.evaluated;
         if (!r.feasible || r.period > period) continue;
-        if (!memory_fits(r, capacity)) {
+        if (!memory_fits(g, r, capacity)) {
             ++stats.pruned_memory;
             continue;
         }

@@ -50,7 +50,7 @@ class RepetendEnumerator {
     bool feasible_prefix(int depth);
     const Graph& g_;
     int num_mb_;
-    int64_t capacity_;
+    std::vector<int64_t> room_;  // per device: the capacity (< 0: unlimited)
     int64_t period_below_;
     int64_t load_bound_ = 0;
     std::vector<int> topo_, pos_;
@@ -85,6 +85,8 @@ Repetend evaluate_repetend(const Graph& g, const std::vector<int>& indices,
 Repetend list_schedule_repetend(const Graph& g, const std::vector<int>& indices);
 
 bool memory_fits(const Repetend& r, int64_t capacity);
+// The same with each device's own capacity too (Graph::limit).
+bool memory_fits(const Graph& g, const Repetend& r, int64_t capacity);
 
 // Eq. 5: {B_b^m : m < n_b}. Eq. 6 (relative to the last repetend): {B_b^m : n_b < m < N_R}.
 std::vector<Instance> warmup_blocks(const std::vector<int>& indices);
