@@ -16,6 +16,11 @@
    (every index assignment for N_R = 1..6, list-scheduled and evaluated, then a Z3 proof) with
    and without the rules; nnScaler reports 11.7x.
 4. Z3 plain Solver with bisection vs z3.Optimize on the same time-optimal problems.
+5. Plans the search was not tuned on: V, X, M, NN, K, interleaved and wave placements at 16,
+   32 and 64 devices with other memory capacities and backward ratios (1024 micro-batches):
+   default settings (the search stops once more work stops paying) against the best template
+   that fits and against the same search with ten times the effort (--effort 10), side by
+   side. Targets: every case under 5 s by default, within 1% of the 10x result.
 """
 
 from __future__ import annotations
@@ -38,14 +43,33 @@ from pyplan.spec import spec_from_text
 PLANS = Path(__file__).resolve().parent.parent / "plans"
 
 
-def shape_problem(kind: str, devices: int, micro_batches: int, ratio: int = 3):
+def shape_problem(kind: str, devices: int, micro_batches: int, ratio: float = 3,
+                  memory: int | None = None, time: int = 1):
     shared = "shared: {time: 1, memory: 0, backward: {time: 1, memory: 0}}" \
         if kind in ("mshape", "nnshape") else ""
+    if kind == "kshape":
+        shared = "shared: {time: 1, memory: 1}"
+    chunks = ", chunks: 2" if kind == "interleaved" else ""
     text = (f"pyplan: 1\nname: {kind}-{devices}\ndevices: {devices}\n"
-            f"memory: {2 * devices + 4}\nmicro_batches: {micro_batches}\n"
+            f"memory: {memory or 2 * devices + 4}\nmicro_batches: {micro_batches}\n"
             f"training: {{backward: {{time_ratio: {ratio}}}}}\n"
-            f"shape: {{kind: {kind}, stage: {{time: 1, memory: 1}}, {shared}}}\n")
+            f"shape: {{kind: {kind}{chunks}, stage: {{time: {time}, memory: 1}}, {shared}}}\n")
     return build_problem(spec_from_text(text))
+
+
+# Section 5: (kind, devices, memory, stage time, backward ratio). Memory 16 holds fewer
+# micro-batches than 1F1B keeps in flight from 32 devices on; D and 3D/2 are at and a little
+# above what the first stage of a D-stage 1F1B holds; ratios 1.5 and 2.5 (stage time 2) give
+# backward blocks of 3 and 5.
+UNSEEN = [
+    ("mshape", 16, 16, 1, 2), ("mshape", 64, 16, 1, 2), ("xshape", 32, 16, 1, 2),
+    ("vshape", 16, 12, 2, 1.5), ("vshape", 32, 48, 1, 2), ("vshape", 64, 64, 2, 2.5),
+    ("xshape", 16, 24, 2, 2.5), ("xshape", 64, 96, 1, 2),
+    ("mshape", 32, 32, 2, 1.5), ("nnshape", 16, 16, 2, 2.5), ("nnshape", 32, 48, 1, 2),
+    ("nnshape", 64, 64, 1, 1.5), ("kshape", 16, 16, 1, 2), ("kshape", 32, 24, 2, 1.5),
+    ("interleaved", 16, 24, 1, 2), ("interleaved", 32, 32, 2, 2.5), ("wave", 16, 16, 1, 2),
+    ("wave", 32, 48, 2, 1.5),
+]
 
 
 def timed(fn):
@@ -204,17 +228,51 @@ def bench_optimize(quick: bool) -> None:
                   f"{a.value:>5} / {b.value:<5}")
 
 
+def bench_unseen(quick: bool) -> None:
+    print("\n5. Plans not tuned on (1024 micro-batches): default settings vs the best fitting "
+          "template and vs ten times the effort")
+    print(f"{'shape':11} {'D':>3} {'mem':>4} {'f/b':>7} {'seconds':>8} {'status':>9} "
+          f"{'makespan':>9} {'template':>22} {'bound':>7} {'10x s':>7} {'10x':>7} "
+          f"{'vs 10x':>7}")
+    slowest, worst, worse = 0.0, 0.0, 0
+    for kind, devices, memory, time_, ratio in (UNSEEN[:6] if quick else UNSEEN):
+        problem = shape_problem(kind, devices, 1024, ratio, memory, time_)
+        solution, seconds = timed(lambda: solve(problem))
+        more, more_seconds = timed(lambda: solve(problem.with_overrides(effort=10)))
+        made, better = solution.schedule.makespan, more.schedule.makespan
+        fitting = {name: sch.makespan for name, sch in
+                   incumbents(problem, solution.baselines).items()}
+        best = min(fitting.items(), key=lambda item: item[1], default=None)
+        worse += best is not None and made > best[1]
+        slowest = max(slowest, seconds)
+        worst = max(worst, made / better - 1)
+        shown = f"{best[0]} {best[1]}" if best else "-"
+        backward = round(time_ * ratio)
+        print(f"{kind:11} {devices:>3} {memory:>4} {f'{time_}/{backward}':>7} {seconds:>8.2f} "
+              f"{solution.status:>9} {made:>9} {shown:>22} {solution.lower_bound:>7} "
+              f"{more_seconds:>7.2f} {better:>7} {made / better - 1:>7.2%}", flush=True)
+    print(f"  slowest default solve {slowest:.2f} s (target 5 s); furthest from the 10x result "
+          f"{worst:.2%} (target 1%); worse than a fitting template: {worse}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer and smaller cases")
     parser.add_argument("--to-limit", type=float, default=120.0,
                         help="seconds allowed to each exact TO solve (default 120)")
+    parser.add_argument("--only", type=int, metavar="K", help="run section K alone")
     args = parser.parse_args()
+    if args.only is not None:
+        {0: bench_paper_plans, 1: lambda: bench_time_optimal(args.quick, args.to_limit),
+         2: lambda: bench_scaling(args.quick), 3: bench_constraints,
+         4: lambda: bench_optimize(args.quick), 5: lambda: bench_unseen(args.quick)}[args.only]()
+        return
     bench_paper_plans()
     bench_scaling(args.quick)
     bench_constraints()
     bench_optimize(args.quick)
     bench_time_optimal(args.quick, args.to_limit)
+    bench_unseen(args.quick)
 
 
 if __name__ == "__main__":

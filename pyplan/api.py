@@ -111,10 +111,11 @@ def _plan(plan: Plan | str | os.PathLike) -> Plan:
 
 
 def with_overrides(plan: Plan, *, micro_batches: int | None = None,
-                   memory: int | str | None = None, time_limit: float | None = None) -> Plan:
+                   memory: int | str | None = None, time_limit: float | None = None,
+                   effort: float | None = None) -> Plan:
     """The plan with another number of micro-batches, memory capacity (in the plan's unit, or
-    a size like "24GiB" for size plans) or time limit; PlanError for values that make no
-    sense."""
+    a size like "24GiB" for size plans; the same on every device), time limit or search effort
+    (search.effort); PlanError for values that make no sense."""
     if micro_batches is not None and (isinstance(micro_batches, bool) or
                                       not isinstance(micro_batches, int) or
                                       not 1 <= micro_batches <= MAX_MICRO_BATCHES):
@@ -134,18 +135,22 @@ def with_overrides(plan: Plan, *, micro_batches: int | None = None,
             raise PlanError(f"memory must use the plan's unit: {unit}")
     if time_limit is not None and not time_limit > 0:
         raise PlanError("the time limit must be positive (seconds)")
+    if effort is not None and (isinstance(effort, bool) or
+                               not isinstance(effort, (int, float)) or not 0 < effort <= 1000):
+        raise PlanError(f"the effort must be a number in (0, 1000], got {effort!r}",
+                        hint="1 is the default; 10 searches about ten times as long")
     return plan.with_overrides(micro_batches=micro_batches, memory=capacity,
-                               time_limit=time_limit)
+                               time_limit=time_limit, effort=effort)
 
 
 def solve(plan: Plan | str | os.PathLike, *, micro_batches: int | None = None,
           memory: int | str | None = None, time_limit: float | None = None,
-          progress=None) -> Solution:
+          effort: float | None = None, progress=None) -> Solution:
     """Search a schedule: never longer than a template that fits, `status == "optimal"` only
     when proven. Overrides as in `with_overrides`. Raises PlanError for bad input and
     InfeasibleError when nothing fits."""
     problem = with_overrides(_plan(plan), micro_batches=micro_batches, memory=memory,
-                             time_limit=time_limit)
+                             time_limit=time_limit, effort=effort)
     found = _solve(problem, progress=progress)
     return Solution(**{f.name: getattr(found, f.name) for f in dataclasses.fields(found)})
 

@@ -187,6 +187,11 @@ class Problem:
     def load_bound(self) -> int:
         return self.graph.load_bound()
 
+    def period_bound(self) -> int:
+        """No repetend within the memory has a shorter period: the busiest device's load, and
+        on each device the least memory-time of a micro-batch over its capacity."""
+        return self.graph.period_bound(self.capacity)
+
     @property
     def sync_time(self) -> int:
         """Time of one stage's gradient synchronisation across data-parallel replicas on a
@@ -202,21 +207,78 @@ class Problem:
         """No schedule of the plan's micro-batches within its memory is shorter than this."""
         bound = self.graph.makespan_bound(self.num_micro_batches, self.capacity)
         if self.syncs_gradients:
-            # A device's last block is a gradient block (a forward comes before its backward,
-            # on the same device); its stage's synchronisation follows it.
-            loads = self.device_loads()  # per micro-batch
-            n = self.num_micro_batches
-            bound = max([bound] + [n * loads[d] + self.mesh.sync
-                                   for d in range(self.num_devices)
-                                   if any(d in b.devices and not b.is_forward
-                                          for b in self.blocks)])
+            bound = max(bound, self._sync_bound())
         return bound
+
+    def _sync_bound(self) -> int:
+        """When the last gradient synchronisation can end at the earliest. On a device, a
+        stage's synchronisation waits for the stage's last gradient block there (a stage
+        spanning several devices: for the device's last block). Every block that leads to
+        those runs n times on its device, one at a time, and the longest path from its end
+        to such a gradient's end follows: per device, for each set of those blocks with heads
+        and tails above thresholds, least head + n x their time + least tail, and where they
+        are all of the device's blocks, n x its load + the idle time before it is first fed
+        + least tail. The device's synchronisations then queue one after another, `sync`
+        each."""
+        blocks, n, sync = self.blocks, self.num_micro_batches, self.mesh.sync
+        graph = self.graph
+        head, order = graph.heads(), graph.topological_order()
+        succ = [list(zip(graph.successors(b), self._delays_out(b))) for b in range(len(blocks))]
+        layers_on = []
+        for d in range(self.num_devices):
+            layers: dict[int, list[int]] = {}
+            for b in graph.blocks_on(d):
+                if blocks[b].kind in (BACKWARD, WEIGHT):
+                    layers.setdefault(self.by_name[blocks[b].layer], []).append(b)
+            layers_on.append(layers)
+        count = sum(map(len, layers_on))
+        if count == 0:
+            return 0
+        loads = self.device_loads()
+        if len(blocks) * count > 2_000_000:  # too many paths: each device's work alone
+            return max(n * loads[d] + sync * len(layers) for d, layers in enumerate(layers_on)
+                       if layers)
+        idle: dict[int, int] = {}
+        bound = 0
+        for d, layers in enumerate(layers_on):
+            on = graph.blocks_on(d)
+            ready = []
+            for layer, grads in sorted(layers.items()):
+                if len(blocks[layer].devices) > 1:
+                    grads = list(on)  # it waits for the device's last block
+                # to_end[b]: the longest path from b's end to the end of one of `grads`.
+                to_end: dict[int, int] = {g: 0 for g in grads}
+                for b in reversed(order):
+                    for c, delay in succ[b]:
+                        if c in to_end:
+                            to_end[b] = max(to_end.get(b, 0), delay + blocks[c].time + to_end[c])
+                at = 0
+                for e in range(self.num_devices):
+                    jobs = [(head[b], blocks[b].time, to_end[b]) for b in graph.blocks_on(e)
+                            if b in to_end]
+                    if not jobs:
+                        continue
+                    at = max(at, _queue_bound(jobs, n))
+                    if len(jobs) == len(graph.blocks_on(e)):
+                        if e not in idle:
+                            idle[e] = graph.head_idle(e)
+                        at = max(at, n * loads[e] + idle[e] + min(q for _, _, q in jobs))
+                ready.append(at)
+            ready.sort()
+            bound = max([bound] + [r + (len(ready) - j) * sync for j, r in enumerate(ready)])
+        return bound
+
+    def _delays_out(self, b: int) -> list[int]:
+        """Transfer times of b's outgoing edges, aligned with graph.successors(b)."""
+        transfer = self.transfer
+        return [transfer.get((b, c), 0) for c in self.graph.successors(b)]
 
     def show_memory(self, amount: int | None) -> str:
         return format_memory(amount, self.memory_is_size)
 
     def with_overrides(self, *, micro_batches: int | None = None, memory: int | None = None,
-                       time_limit: float | None = None, rules: bool = True) -> Problem:
+                       time_limit: float | None = None, effort: float | None = None,
+                       rules: bool = True) -> Problem:
         """A copy with the number of micro-batches, capacity or time limit replaced."""
         changes: dict = {}
         if micro_batches is not None:
@@ -225,9 +287,28 @@ class Problem:
             changes["memory_capacity"] = memory
         if time_limit is not None:
             changes["search"] = dataclasses.replace(self.search, time_limit=time_limit)
+        if effort is not None:
+            changes["search"] = dataclasses.replace(changes.get("search", self.search),
+                                                    effort=float(effort))
         if not rules:
             changes["rules"] = ()
         return dataclasses.replace(self, **changes) if changes else self
+
+
+def _queue_bound(jobs: list[tuple[int, int, int]], n: int) -> int:
+    """Jobs (head, time, tail), n instances each, one at a time on one machine: the latest
+    end plus tail cannot be earlier than least head + n x total time + least tail of any set
+    of them with heads and tails above thresholds."""
+    best = 0
+    by_tail = sorted(jobs, key=lambda j: -j[2])
+    for floor in {h for h, _, _ in jobs}:
+        load, least = 0, None
+        for h, t, q in by_tail:
+            if h >= floor:
+                load += t
+                least = h if least is None else min(least, h)
+                best = max(best, least + n * load + q)
+    return best
 
 
 class _Builder:

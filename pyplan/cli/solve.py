@@ -28,7 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", metavar="M",
                         help="override the plan's per-device memory (integer or size like 32GiB)")
     parser.add_argument("--time-limit", type=float, metavar="S",
-                        help="override search.time_limit (seconds)")
+                        help="override search.time_limit: a hard cap in seconds")
+    parser.add_argument("--effort", type=float, metavar="E",
+                        help="override search.effort: how long the search goes on without "
+                             "progress, relative to the work done (default 1)")
 
 
 def _memory_argument(text: str | None) -> int | str | None:
@@ -113,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     with _interruptible(), live_progress(not (args.quiet or args.json)) as progress:
         solution = solve(plan, micro_batches=args.micro_batches,
                          memory=_memory_argument(args.memory), time_limit=args.time_limit,
+                         effort=args.effort,
                          progress=progress)
     output = args.output or str(resolved_path(args.plan))
     solution.write(output)

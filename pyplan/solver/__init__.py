@@ -11,9 +11,9 @@ from pyplan.errors import InfeasibleError
 from pyplan.problem import Problem
 from pyplan.schedule import Schedule, build_schedule
 from pyplan.solver.bounds import check_fits, min_memory
-from pyplan.solver.budget import LAYOUT_SECONDS, Budget
-from pyplan.solver.complete import (cheap_completion, climb, complete, complete_whole,
-                                    exact_applies)
+from pyplan.solver.budget import LAYOUT_SECONDS, Budget, Effort
+from pyplan.solver.complete import (COMPLETION_COST, cheap_completion, climb, complete,
+                                    complete_whole, exact_applies)
 from pyplan.solver.explain import explain
 from pyplan.solver.search import (POOL_SIZE, POOL_WORK, Progress, RepetendSearch, SearchStats,
                                   candidate_pool, max_repetend_micro_batches, pool_steps,
@@ -40,7 +40,8 @@ class Solution:
     lower_bound: int
     """Makespan lower bound for the plan's micro-batches."""
     period_bound: int
-    """Lower bound of a repetend period (the busiest device's load per micro-batch)."""
+    """Lower bound of a repetend period: the busiest device's load per micro-batch, and on each
+    device a micro-batch's least memory-time over the capacity."""
     search_seconds: float
     baselines: dict[str, Baseline]
     stats: SearchStats = field(default_factory=SearchStats)
@@ -83,9 +84,10 @@ def solve(problem: Problem, *, progress: Progress | None = None) -> Solution:
 
 
 def _budget(problem: Problem) -> Budget:
-    """The whole solve's budget: the plan's time limit."""
+    """The whole solve's budget: the plan's time limit and its effort."""
     limit = problem.search.time_limit
-    return Budget(DEFAULT_TIME_LIMIT if limit is None else limit)
+    return Budget(DEFAULT_TIME_LIMIT if limit is None else limit,
+                  effort=Effort(problem.search.effort))
 
 
 def recompute_ladder(problem: Problem, budget: Budget) -> list[tuple[int, ...]]:
@@ -132,7 +134,8 @@ def solve_recompute(problem: Problem, *, progress: Progress | None = None) -> So
     bound = problem.with_recompute(problem.recompute_choices(), rerun=False).makespan_bound()
     results, failure = [], None
     for k, rung in enumerate(chosen):
-        share = Budget(max(0.0, budget.remaining()) / (len(chosen) - k))
+        share = Budget(max(0.0, budget.remaining()) / (len(chosen) - k),
+                       effort=Effort(problem.search.effort))  # each choice its own effort
         try:
             results.append((_solve(problem.with_recompute(rung), share, progress), rung))
         except InfeasibleError as exc:
@@ -170,16 +173,29 @@ def _solve(problem: Problem, budget: Budget, progress: Progress | None) -> Solut
     # The search leaves time for laying out the completion, which is linear in the instances.
     instances = len(problem.blocks) * problem.num_micro_batches
     search = budget.reserving(min(budget.seconds / 2, instances * LAYOUT_SECONDS))
+    completion = _Completion(problem, budget, search, stats, exact=exact, target=lower_bound,
+                             progress=progress,
+                             incumbent=incumbent[1].makespan if incumbent else None)
+    early = None  # the fast path's repetend completed, before a search for a shorter period
+
+    def fast(result: RepetendSearch) -> None:
+        nonlocal early
+        early = completion.run(result, first_step=True)
+
+    budget.progress()  # the templates are the first incumbents
     try:
         found = search_repetend(problem, budget=search, exact=exact, stats=stats,
-                                progress=progress, thorough=not settled)
+                                progress=progress, thorough=not settled, fast=fast)
     except InfeasibleError:
         if incumbent is None:
             raise explain(problem, budget) from None
     schedule, notes = None, []
     if found is not None:
-        schedule, notes = _complete_best(problem, found, budget, search, stats, exact=exact,
-                                         settled=settled, target=lower_bound, progress=progress)
+        schedule, notes = completion.run(found, first_step=settled)
+        # A longer period completed first stays only if it is strictly shorter.
+        if early is not None and early[0] is not None and \
+                early[0].makespan < schedule.makespan:
+            schedule, notes = early
     origin = "search"
     # At the same makespan the one that holds less memory wins (the search, on a tie).
     if incumbent is not None and (schedule is None or _held(incumbent[1]) < _held(schedule)):
@@ -188,103 +204,133 @@ def _solve(problem: Problem, budget: Budget, progress: Progress | None) -> Solut
                  "(or as short in less memory)"]
     proven = schedule.makespan <= lower_bound
     if problem.search.exact and not proven:
-        whole, proven = complete_whole(problem, schedule, budget=budget.slice(WHOLE_EFFORT),
-                                       notes=notes)
+        whole, proven = complete_whole(problem, schedule, budget=budget.slice(
+            budget.units(WHOLE_EFFORT), fixed=True), notes=notes)
         if whole is not schedule:
             schedule, origin = whole, "search"
     timed_out = budget.expired() or (found is not None and found.timed_out)
+    if found is not None and found.stalled and schedule.repetend is not None:
+        notes.append(f"search: no shorter period after {_work(found.stalled)} units of work "
+                     f"without progress (effort {budget.effort.scale:g})")
     stats.notes.extend(notes)
+    stats.work = budget.effort.work if budget.effort is not None else 0
     status = "optimal" if proven else "time_limit" if timed_out else "feasible"
     period_status = None
     if schedule.repetend is not None and found is not None:
         period_status = ("optimal" if found.proven_optimal else
                          "time_limit" if found.timed_out else "feasible")
-    return Solution(schedule, status, lower_bound, problem.graph.load_bound(),
+    return Solution(schedule, status, lower_bound, problem.period_bound(),
                     time.monotonic() - started, templates, stats, origin, period_status)
 
 
-def _complete_best(problem: Problem, found: RepetendSearch, budget: Budget, search: Budget,
-                   stats: SearchStats, *, exact: bool, settled: bool, target: int,
-                   progress: Progress | None = None) -> tuple[Schedule, list[str]]:
-    """Completion of the best repetends. The pool grows in steps (ranked within the `search`
-    budget) while no completion meets the lower bound: the modulo schedules of each N_R, then
-    Tessel's best candidates of each N_R for more and more work. Every candidate gets its cheap
-    completion (periodic order, phases list-scheduled); after each step a local search starts
-    from the best candidates not searched from yet (each with a share of CLIMB_WORK); from the
-    step with POOL_WORK // 3 on, the best of all candidates seen so far also get Z3's warmup
-    and cooldown, which cost more than ranking that many candidates."""
-    completion = budget.slice(COMPLETION_EFFORT)
-    done: dict = {}  # (repetend, with Z3) -> (schedule, notes): each completion once
-    cheap: dict = {}  # repetend -> its cheap completion (Z3's starting point)
-    seen: dict = {}  # repetend -> (its rank by cheap completion, the repetend)
-    climbed: set = set()  # repetends the local search started from
-    schedule, best_notes = None, []
+def _work(units: int) -> str:
+    """Effort units for a note: 12.3M."""
+    return f"{units / 1e6:.1f}M" if units >= 100_000 else f"{units:,}"
 
-    def finished() -> bool:
-        return schedule is not None and (schedule.makespan <= target or budget.expired())
 
-    def completed(rep, with_z3: bool):
+class _Completion:
+    """Completion of the best repetends, across the searches of one solve: the fast path's
+    repetend first (an incumbent while a shorter period is searched), then the final one.
+    Completions, ranks and local-search starts are remembered, so that a repetend completed
+    for the first is not completed again."""
+
+    def __init__(self, problem: Problem, budget: Budget, search: Budget, stats: SearchStats,
+                 *, exact: bool, target: int, progress: Progress | None,
+                 incumbent: int | None) -> None:
+        self.problem, self.budget, self.search, self.stats = problem, budget, search, stats
+        self.exact, self.target, self.progress = exact, target, progress
+        self.shortest = incumbent  # the shortest makespan seen in this solve (progress)
+        self.slice = budget.slice(budget.units(COMPLETION_EFFORT), fixed=True)
+        self.done: dict = {}  # (repetend, with Z3) -> (schedule, notes): each completion once
+        self.cheap: dict = {}  # repetend -> its cheap completion (Z3's starting point)
+        self.climbed: set = set()  # repetends the local search started from
+        self.climbing = budget.units(CLIMB_WORK)  # instance evaluations left for it
+        self.k, self.n = len(problem.blocks), problem.num_micro_batches
+
+    def completed(self, rep, with_z3: bool, bound: int):
         key = (repetend_key(rep), with_z3)
-        if key not in done:
-            if progress is not None:
-                progress.update(phase="completion", n_r=rep.num_micro_batches,
-                                candidates=stats.candidates, best=rep.period,
-                                bound=found.lower_bound)
+        if key not in self.done:
+            if self.progress is not None:
+                self.progress.update(phase="completion", n_r=rep.num_micro_batches,
+                                     candidates=self.stats.candidates, best=rep.period,
+                                     bound=bound)
             notes: list[str] = []
-            if key[0] not in cheap:
-                cheap[key[0]] = cheap_completion(problem, rep, target)
-            candidate, _ = complete(problem, rep, exact=with_z3, budget=completion,
-                                    notes=notes, target=target, cheap=cheap[key[0]])
-            done[key] = candidate, notes
-        return done[key]
+            if key[0] not in self.cheap:
+                self.cheap[key[0]] = cheap_completion(self.problem, rep, self.target)
+                self.budget.charge(COMPLETION_COST * self.k * self.n)
+            candidate, _ = complete(self.problem, rep, exact=with_z3, budget=self.slice,
+                                    notes=notes, target=self.target, cheap=self.cheap[key[0]])
+            self.done[key] = candidate, notes
+            if self.shortest is None or candidate.makespan < self.shortest:
+                self.shortest = candidate.makespan
+                self.budget.progress()
+        return self.done[key]
 
-    def consider(rep, with_z3: bool = False) -> None:
-        nonlocal schedule, best_notes
-        candidate, notes = completed(rep, with_z3)
-        if not with_z3:
-            seen.setdefault(repetend_key(rep), (_rank(candidate), rep))
-        if schedule is None or _rank(candidate) < _rank(schedule):
-            schedule, best_notes = candidate, notes
+    def run(self, found: RepetendSearch, *, first_step: bool) -> tuple[Schedule, list[str]]:
+        """The best completion of repetends with `found`'s period. The pool grows in steps
+        (ranked within the search budget) while no completion meets the lower bound and the
+        effort allows: the modulo schedules of each N_R, then Tessel's best candidates of
+        each N_R for more and more work. Every candidate gets its cheap completion (periodic
+        order, phases list-scheduled); after each step a local search starts from the best
+        candidates not searched from yet (each with a share of CLIMB_WORK); from the step with
+        POOL_WORK // 3 on, the best of all candidates seen so far also get Z3's warmup and
+        cooldown, which cost more than ranking that many candidates. `first_step`: the first
+        step only."""
+        problem, budget = self.problem, self.budget
+        seen: dict = {}  # repetend -> (its rank by cheap completion, the repetend)
+        schedule, best_notes = None, []
 
-    climbing = CLIMB_WORK  # instance evaluations left for the local search
-    share = CLIMB_WORK // POOL_SIZE  # what one search may spend
+        def finished() -> bool:
+            return schedule is not None and (schedule.makespan <= self.target or
+                                             budget.expired())
 
-    steps = pool_steps(problem)
-    for work in steps[:1] if settled else steps:
-        pool = candidate_pool(problem, found.repetend, budget=search, stats=stats, work=work,
-                              modulo=work == steps[0])  # (the same at every step)
-        # Laying out a completion is linear in the instances: where the time limit does not
-        # allow one per candidate, the best-ranked (shortest periodic schedule) alone.
-        if not budget.allows_template(len(problem.blocks) * problem.num_micro_batches
-                                      * len(pool)):
-            pool = pool[:1]
-        z3_due = work >= POOL_WORK // 3 or work == steps[-1]
-        rounds = (False, True) if exact and z3_due else (False,)
-        for with_z3 in rounds:
-            if with_z3:  # the best candidates of every step so far
-                pool = [rep for _, rep in sorted(seen.values(), key=lambda x: x[0])]
-                pool = pool[:POOL_SIZE]
-            for rep in pool:
-                if finished():
-                    break
-                if with_z3 and not exact_applies(problem, rep, completion):
-                    continue  # it would give the cheap completion again
-                consider(rep, with_z3)
-        # Local search from the best candidates so far, before ranking more of them.
-        for _, rep in sorted(seen.values(), key=lambda x: x[0])[:POOL_SIZE]:
-            key = repetend_key(rep)
-            if finished() or climbing < share or cheap[key] is None or key in climbed:
-                continue
-            climbed.add(key)
-            climbing -= share
-            for step, completion_of_step in climb(
-                    problem, rep, cheap[key], target=target, budget=budget,
-                    max_micro_batches=max_repetend_micro_batches(problem), work=share):
-                cheap[repetend_key(step)] = completion_of_step
-                consider(step)
-        if finished():
-            break
-    return schedule, best_notes
+        def consider(rep, with_z3: bool = False) -> None:
+            nonlocal schedule, best_notes
+            candidate, notes = self.completed(rep, with_z3, found.lower_bound)
+            if not with_z3:
+                seen.setdefault(repetend_key(rep), (_rank(candidate), rep))
+            if schedule is None or _rank(candidate) < _rank(schedule):
+                schedule, best_notes = candidate, notes
+
+        share = CLIMB_WORK // POOL_SIZE  # what one local search may spend (times the effort)
+        share = budget.units(share)
+        steps = pool_steps(problem)
+        for work in steps[:1] if first_step else steps:
+            pool = candidate_pool(problem, found.repetend, budget=self.search, stats=self.stats,
+                                  work=budget.units(work) if work else 0,
+                                  modulo=work == steps[0])  # (the same at every step)
+            # Laying out a completion is linear in the instances: where the time limit does not
+            # allow one per candidate, the best-ranked (shortest periodic schedule) alone.
+            if not budget.allows_template(self.k * self.n * len(pool)):
+                pool = pool[:1]
+            z3_due = work >= POOL_WORK // 3 or work == steps[-1]
+            rounds = (False, True) if self.exact and z3_due else (False,)
+            for with_z3 in rounds:
+                if with_z3:  # the best candidates of every step so far
+                    pool = [rep for _, rep in sorted(seen.values(), key=lambda x: x[0])]
+                    pool = pool[:POOL_SIZE]
+                for rep in pool:
+                    if finished() and schedule is not None:
+                        break
+                    if with_z3 and not exact_applies(problem, rep, self.slice):
+                        continue  # it would give the cheap completion again
+                    consider(rep, with_z3)
+            # Local search from the best candidates so far, before ranking more of them.
+            for _, rep in sorted(seen.values(), key=lambda x: x[0])[:POOL_SIZE]:
+                key = repetend_key(rep)
+                if finished() or self.climbing < share or self.cheap[key] is None or \
+                        key in self.climbed:
+                    continue
+                self.climbed.add(key)
+                self.climbing -= share
+                for step, completion_of_step in climb(
+                        problem, rep, self.cheap[key], target=self.target, budget=budget,
+                        max_micro_batches=max_repetend_micro_batches(problem), work=share):
+                    self.cheap[repetend_key(step)] = completion_of_step
+                    consider(step)
+            if finished():
+                break
+        return schedule, best_notes
 
 
 def _held(schedule: Schedule):

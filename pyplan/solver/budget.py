@@ -1,6 +1,7 @@
 """What a solve may spend, passed down every stage: wall time (the plan's time limit), Z3
 resource units (a deterministic allowance: the same answer on every run, unlike a timeout),
-template work (instances laid out in Python), and cancellation (Ctrl-C during a Z3 check)."""
+template work (instances laid out in Python), the effort (work counted in units, which ends
+the search once more work stops paying) and cancellation (Ctrl-C during a Z3 check)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,48 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import z3
 
-__all__ = ["LAYOUT_SECONDS", "TEMPLATE_RATE", "Budget", "check"]
+__all__ = ["EFFORT_FLOOR", "EFFORT_STRETCH", "LAYOUT_SECONDS", "TEMPLATE_RATE", "Budget",
+           "Effort", "check"]
 
 TEMPLATE_RATE = 100_000  # instances a template lays out per second of time limit, at most
 LAYOUT_SECONDS = 6e-7    # per instance: ranking a pool and laying out one completion (here)
+# The effort's unit is one instance evaluation of the core (about 50 ns here; a Z3 resource
+# unit costs about as much). A search that made progress (a shorter schedule, a shorter
+# period, a bound that moved) at work W may go on without progress for
+# effort x (EFFORT_FLOOR + EFFORT_STRETCH x W) more units.
+EFFORT_FLOOR = 10_000_000    # about 0.5 s here
+EFFORT_STRETCH = 1.0
+
+
+class Effort:
+    """Work done by one solve, in deterministic units (counts, never the clock), and when it
+    last made progress. `scale` (the plan's search.effort, --effort) multiplies how long the
+    search may go on without progress, and the fixed allowances of its stages (`units`)."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+        self.work = 0
+        self.mark = 0
+
+    def charge(self, units: float) -> None:
+        self.work += max(0, int(units))
+
+    def progress(self) -> None:
+        """The incumbent improved or a bound moved: the stretch restarts from here."""
+        self.mark = self.work
+
+    def left(self) -> int:
+        """Units the search may still spend without progress (<= 0: it has stalled)."""
+        stretch = self.scale * (EFFORT_FLOOR + EFFORT_STRETCH * self.mark)
+        return int(stretch) - (self.work - self.mark)
+
+    @property
+    def stalled(self) -> bool:
+        return self.left() <= 0
+
+    def units(self, base: int) -> int:
+        """A stage's fixed allowance at this effort."""
+        return max(1, int(base * self.scale))
 
 
 class Budget:
@@ -21,23 +60,52 @@ class Budget:
     sub-task (`slice`): what a slice spends is charged to its parents too."""
 
     def __init__(self, seconds: float | None = None, *, z3_units: int | None = None,
+                 effort: Effort | None = None, fixed: bool = False,
                  _deadline: float | None = None, _parent: Budget | None = None) -> None:
         self.seconds = seconds
         self.deadline = (_deadline if _parent is not None else
                          None if seconds is None else time.monotonic() + seconds)
         self.z3_units = z3_units
         self._parent = _parent
+        self.effort = effort if _parent is None else _parent.effort
+        """Shared by the whole solve (None: no effort limit, for exact subproblems alone)."""
+        self.fixed = fixed or (_parent is not None and _parent.fixed)
+        """A fixed allowance (a stage bounded by its own units): its work counts, but it is
+        not cut when the search stalls."""
 
-    def slice(self, z3_units: int) -> Budget:
-        """The same deadline with at most `z3_units` of what is left of this budget's units."""
+    def slice(self, z3_units: int, *, fixed: bool = False) -> Budget:
+        """The same deadline with at most `z3_units` of what is left of this budget's units;
+        `fixed`: those units are the stage's allowance, whether or not the search stalls."""
         units = z3_units if self.z3_units is None else min(z3_units, max(0, self.z3_units))
-        return Budget(self.seconds, z3_units=units, _deadline=self.deadline, _parent=self)
+        return Budget(self.seconds, z3_units=units, fixed=fixed, _deadline=self.deadline,
+                      _parent=self)
 
     def reserving(self, seconds: float) -> Budget:
         """This budget with its deadline `seconds` earlier: what a stage may use when a later
         stage needs that long (Z3 units are shared, not reserved)."""
         deadline = None if self.deadline is None else self.deadline - seconds
         return Budget(self.seconds, _deadline=deadline, _parent=self)
+
+    # -- effort
+
+    def charge(self, units: float) -> None:
+        """Count work done (without an effort, nothing to count)."""
+        if self.effort is not None:
+            self.effort.charge(units)
+
+    def progress(self) -> None:
+        if self.effort is not None:
+            self.effort.progress()
+
+    @property
+    def stalled(self) -> bool:
+        """The search has gone on without progress for as long as its effort allows (never
+        within a fixed allowance)."""
+        return self.effort is not None and not self.fixed and self.effort.stalled
+
+    def units(self, base: int) -> int:
+        """A stage's fixed allowance, scaled by the effort."""
+        return base if self.effort is None else self.effort.units(base)
 
     # -- wall time
 
@@ -65,7 +133,9 @@ class Budget:
 
     @property
     def spent(self) -> bool:
-        """No Z3 units left (here or in a parent)."""
+        """No Z3 units left (here or in a parent), or the search has stalled."""
+        if self.stalled:
+            return True
         budget: Budget | None = self
         while budget is not None:
             if budget.z3_units is not None and budget.z3_units <= 0:
@@ -81,12 +151,14 @@ class Budget:
         if self._parent is not None:
             self._parent._charge(units if before is None else min(units, max(0, before)))
 
-    def check(self, solver: z3.Solver, *assumptions) -> z3.CheckSatResult:
-        """solver.check within the deadline and the units left, charging what it used."""
+    def check(self, solver: z3.Solver, *assumptions, rate: int = 1) -> z3.CheckSatResult:
+        """solver.check within the deadline, the units left and the effort left, charging what
+        it used: each Z3 unit is `rate` effort units (1 for scheduling models, whose units
+        take about 50 ns here; a modulo model's about four times as long)."""
         ms = self.remaining_ms()
         if ms is not None:
             solver.set("timeout", ms)
-        left = self.units_left()
+        left = self.units_left(rate)
         if left is None:
             return check(solver, *assumptions)
         before = _rlimit_count(solver)
@@ -94,16 +166,22 @@ class Budget:
         try:
             return check(solver, *assumptions)
         finally:
-            self._charge(_rlimit_count(solver) - before)
+            used = _rlimit_count(solver) - before
+            self._charge(used)
+            self.charge(used * rate)
 
-    def units_left(self) -> int | None:
-        """Z3 units this budget may still spend (None: unlimited)."""
+    def units_left(self, rate: int = 1) -> int | None:
+        """Z3 units this budget may still spend (None: unlimited): its own and its parents',
+        and no more than the effort left before the search stalls (`rate` effort units
+        each)."""
         lefts = []
         budget: Budget | None = self
         while budget is not None:
             if budget.z3_units is not None:
                 lefts.append(budget.z3_units)
             budget = budget._parent
+        if self.effort is not None and not self.fixed:
+            lefts.append(self.effort.left() // rate)
         return min(lefts) if lefts else None
 
 
@@ -119,5 +197,18 @@ def check(solver, *assumptions):
 
 
 def _rlimit_count(solver) -> int:
-    stats = solver.statistics()
-    return int(stats.get_key_value("rlimit count")) if "rlimit count" in stats.keys() else 0
+    """Z3's resource count so far: one pass over the statistics through the C API (the Python
+    wrapper lists every key, then looks the key up again: most of a small check's cost)."""
+    import z3
+
+    ctx, stats = solver.ctx.ref(), z3.Z3_solver_get_statistics(solver.ctx.ref(), solver.solver)
+    z3.Z3_stats_inc_ref(ctx, stats)
+    try:
+        for i in range(z3.Z3_stats_size(ctx, stats)):
+            if z3.Z3_stats_get_key(ctx, stats, i) == "rlimit count":
+                return int(z3.Z3_stats_get_uint_value(ctx, stats, i)
+                           if z3.Z3_stats_is_uint(ctx, stats, i)
+                           else z3.Z3_stats_get_double_value(ctx, stats, i))
+        return 0
+    finally:
+        z3.Z3_stats_dec_ref(ctx, stats)

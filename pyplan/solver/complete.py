@@ -98,6 +98,7 @@ def climb(problem: Problem, rep: _core.Repetend, start: tuple[Schedule, str], *,
     step_work = (2 * k + CLIMB_TRIED * COMPLETION_COST) * k * n
     while best > target and work >= step_work and not budget.expired():
         work -= step_work
+        budget.charge(step_work)
         moves = []
         for b in range(k):
             for shift, group in ((1, before[b]), (-1, after[b])):
@@ -266,13 +267,13 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, budget: Budg
     cut = False
     if warm:
         result = time_optimal(problem, warm, anchor=_warmup_anchor(problem, rep, warm),
-                              budget=budget.slice(PHASE_EFFORT))
+                              budget=budget.slice(budget.units(PHASE_EFFORT)))
         cut |= result.status in ("feasible", "unknown")
         w = result.orders if result.orders else None
     if cool:
         result = time_optimal(problem, cool, initial_memory=list(rep.entry_memory),
                               anchor=_cooldown_anchor(problem, rep, cool, last),
-                              budget=budget.slice(PHASE_EFFORT))
+                              budget=budget.slice(budget.units(PHASE_EFFORT)))
         cut |= result.status in ("feasible", "unknown")
         c = _relative(result.orders, last) if result.orders else None
     best = cheap

@@ -37,6 +37,9 @@ __all__ = ["Anchor", "ModuloResult", "TimeOptimal", "infeasibility_core",
            "modulo_repetend", "time_optimal"]
 
 
+MODULO_Z3_RATE = 4  # effort units per Z3 unit of a modulo model (about 200 ns each here)
+
+
 def _solver(ctx: z3.Context) -> z3.Solver:
     return z3.SolverFor("QF_LIA", ctx=ctx)
 
@@ -132,7 +135,7 @@ def modulo_repetend(problem: Problem, period: int, max_micro_batches: int, *,
     ctx = z3.Context()  # a fresh context per model keeps Z3's choices, and so results, repeatable
     solver = _solver(ctx)
     solver.from_string(_text(decls, cons))
-    outcome = budget.check(solver)
+    outcome = budget.check(solver, rate=MODULO_Z3_RATE)
     if outcome == z3.sat:
         model = solver.model()
 

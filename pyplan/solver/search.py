@@ -25,7 +25,7 @@ from pyplan.problem import Problem
 from pyplan.solver.budget import Budget
 from pyplan.solver.exact import modulo_repetend
 
-__all__ = ["Progress", "RepetendSearch", "SearchStats", "candidate_pool",
+__all__ = ["Progress", "RepetendSearch", "SearchStats", "candidate_pool", "evaluation_work",
            "max_repetend_micro_batches", "pool_steps", "repetend_key", "search_repetend"]
 
 MODULO_BUDGET = 20_000        # DFS placements per period in the fast path
@@ -51,6 +51,8 @@ class SearchStats:
     modulo_nodes: int = 0
     candidates: int = 0
     z3_checks: int = 0
+    work: int = 0
+    """Effort units the solve spent (Budget.charge): the same on every machine."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -60,12 +62,17 @@ class RepetendSearch:
     lower_bound: int
     proven_optimal: bool
     timed_out: bool
+    stalled: int = 0
+    """Work units the search for a shorter period spent without progress before the effort
+    ended it (0: it was not ended so)."""
 
 
 def max_repetend_micro_batches(problem: Problem) -> int:
-    """How many micro-batches a repetend may span: the plan's limit, else a little more than the
-    number of micro-batches whose forward memory fits on every device (Tessel's
-    CalMaxInflight), not more than the plan's micro-batches or the span of an order rule."""
+    """How many micro-batches a repetend may span: the plan's limit, else a little more than
+    the most micro-batches one block's memory can keep in flight on its device while the
+    device's other blocks hold one micro-batch each (Tessel's CalMaxInflight, for devices
+    with several stages: the first stage of a wave or an X-shape holds many, the last few),
+    not more than the plan's micro-batches or the span of an order rule."""
     limit = problem.search.max_repetend_micro_batches
     if limit is None:
         limit = 2 * problem.num_devices + 2
@@ -74,11 +81,12 @@ def max_repetend_micro_batches(problem: Problem) -> int:
             for b in problem.blocks:
                 for d in b.devices:
                     held[d] += max(0, b.memory)
-            fits = [max(0, problem.headroom(d)) // h for d, h in enumerate(held) if h > 0]
+            fits = [(max(0, problem.headroom(d)) - held[d] + b.memory) // b.memory
+                    for b in problem.blocks if b.memory > 0 for d in b.devices]
             if fits:
                 # A repetend spans a little more than what is in flight on the busiest device
                 # (a deferred weight-gradient block, say), hence the margin.
-                limit = max(1, min(fits)) + 2
+                limit = max(1, max(fits)) + 2
     # More than the plan's micro-batches only where an order rule links micro-batches that far
     # apart: the periodic order, cut to the micro-batches that exist, still keeps it.
     span = max((abs(r.before_shift - r.after_shift) + 1 for r in problem.rules), default=1)
@@ -94,13 +102,39 @@ def _better(a: _core.Repetend | None, b: _core.Repetend) -> bool:
     return (b.period, b.num_micro_batches) < (a.period, a.num_micro_batches)
 
 
+# Work of the core's searches in effort units (one instance evaluation, about 50 ns here).
+MODULO_STEPS_PER_UNIT = 3     # the modulo DFS's elementary steps take 5-40 ns each here
+
+
+def modulo_work(mstats) -> int:
+    """Effort units of a modulo search: its elementary steps (placements, packing, exact
+    evaluations)."""
+    return mstats.work // MODULO_STEPS_PER_UNIT
+
+
+def evaluation_work(problem: Problem) -> int:
+    """A Tessel candidate list-scheduled and evaluated exactly: about k^2 / 2.5 units."""
+    k = len(problem.blocks)
+    return max(1, 2 * k * k // 5)
+
+
+def _visit_work(problem: Problem) -> int:
+    """A node of Tessel's enumeration: its prefix checks are about k / 8 units."""
+    return 1 + len(problem.blocks) // 8
+
+
 def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: SearchStats,
-                    progress: Progress | None = None, thorough: bool = True) -> RepetendSearch:
+                    progress: Progress | None = None, thorough: bool = True,
+                    fast=None) -> RepetendSearch:
     """The repetend with the least period found; `thorough=False` stops after the fast path
-    when it finds any (the caller already holds an optimal schedule)."""
+    when it finds any (the caller already holds an optimal schedule). `fast(search)` is told
+    what the fast path found before a longer search for a shorter period starts (the caller
+    completes it into an incumbent, so that the effort has work to compare with). Beyond the
+    fast path, the search goes on while the budget's effort allows: every shorter period, and
+    every period Z3 rules out, is progress."""
     graph = problem.graph
     capacity = problem.capacity
-    bound = graph.load_bound()
+    bound = problem.period_bound()  # the load, and memory-time over the capacity
     max_nr = max_repetend_micro_batches(problem)
 
     def report(phase: str, n_r=None):
@@ -111,6 +145,7 @@ def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: Sea
     best: _core.Repetend | None = None
     # One micro-batch at a time always works if one micro-batch fits: the fallback.
     sequential = _core.list_schedule_repetend(graph, [0] * len(problem.blocks))
+    budget.charge(evaluation_work(problem))
     if sequential.feasible and _core.memory_fits(sequential, capacity):
         best = sequential
     report("fast path")
@@ -124,29 +159,44 @@ def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: Sea
         rep, mstats = _core.modulo_schedule(graph, period, max_nr, capacity, MODULO_BUDGET,
                                             budget.remaining())
         stats.modulo_nodes += mstats.nodes
+        budget.charge(modulo_work(mstats))
         if _better(best, rep):
             best = rep
             break
     timed_out = False
+    if best is not None and best.period > bound and thorough and fast is not None:
+        fast(RepetendSearch(best, bound, False, False))
+    budget.progress()  # (what follows must pay for itself)
     if best is None or (best.period > bound and thorough):
+        work = evaluation_work(problem)
         for nr in range(1, max_nr + 1):
             if budget.expired():
                 timed_out = True
                 break
+            # Without any repetend yet the enumeration goes on: the search needs one.
+            left = budget.effort.left() if budget.effort is not None and best is not None \
+                else None
+            if left is not None and left <= 0:
+                break
             report("enumeration", nr)
+            limit = budget.units(ENUMERATION_BUDGET)
+            if left is not None:
+                limit = min(limit, max(1, left // work))
             rep, estats = _core.search_repetends(graph, nr, capacity,
                                                  best.period if best else 0, bound,
-                                                 ENUMERATION_BUDGET, budget.remaining())
+                                                 limit, budget.remaining())
             stats.candidates += estats.enumerated
+            budget.charge(estats.visited_nodes * _visit_work(problem) + estats.evaluated * work)
             if _better(best, rep):
                 best = rep
+                budget.progress()
             if best is not None and best.period <= bound:
                 break
     if best is None and not exact:
         raise InfeasibleError("no schedule satisfies the memory capacity and order rules",
                               hint="raise memory:, relax constraints: or enable search.exact")
     proven = best is not None and best.period <= bound
-    if not proven and exact and not timed_out:
+    if not proven and exact and not timed_out and (best is None or not budget.stalled):
         proven, timed_out, found = _exact_period(problem, best, bound, max_nr, budget, stats,
                                                  report)
         if found is not None:
@@ -154,12 +204,17 @@ def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: Sea
     if best is None:
         raise InfeasibleError("no schedule satisfies the memory capacity and order rules",
                               hint="raise memory: or relax constraints:")
-    return RepetendSearch(best, bound, proven, timed_out)
+    stalled = 0
+    if not proven and not timed_out and budget.stalled:
+        stalled = budget.effort.work - budget.effort.mark
+    return RepetendSearch(best, bound, proven, timed_out, stalled)
 
 
 def _exact_period(problem: Problem, best: _core.Repetend | None, bound: int, max_nr: int,
                   budget: Budget, stats: SearchStats, report):
-    """Z3: the lower bound first, then bisection below the best period."""
+    """Z3: the lower bound first, then bisection below the best period. Each answer is
+    progress (a shorter period, or a period ruled out); an answer Z3 cannot give within the
+    effort left ends the proof without a time-limit status."""
     graph = problem.graph
     lo = bound
     hi = (best.period - 1) if best is not None else bound * 4
@@ -178,10 +233,12 @@ def _exact_period(problem: Problem, best: _core.Repetend | None, bound: int, max
                     _better(found or best, rep):
                 found = rep
             hi = rep.period - 1
+            budget.progress()
         elif result.status == "unsat":
             lo = period + 1
+            budget.progress()
         else:
-            return False, True, found
+            return False, budget.expired(), found
     return proven, False, found
 
 
@@ -203,6 +260,7 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, budget: Budget,
         rep, mstats = _core.modulo_schedule(graph, period, nr, capacity, MODULO_BUDGET,
                                             budget.remaining())
         stats.modulo_nodes += mstats.nodes
+        budget.charge(modulo_work(mstats))
         if rep.feasible and rep.period <= period:
             pool.setdefault(repetend_key(rep), rep)
     # Ranking evaluates each candidate's whole periodic schedule: a fixed amount of work shared
@@ -214,11 +272,15 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, budget: Budget,
         ranked, estats = _core.rank_repetends(graph, nr, capacity, period, n, keep,
                                               per_limit, budget.remaining())
         stats.candidates += estats.enumerated
+        # (each candidate within the period is also laid out for n micro-batches)
+        budget.charge(estats.visited_nodes * _visit_work(problem) + estats.evaluated *
+                      (evaluation_work(problem) + len(problem.blocks) * n))
         for rep in ranked:
             pool.setdefault(repetend_key(rep), rep)
 
     def rank(rep):
         makespan = _core.periodic_makespan(graph, rep, n, capacity)
+        budget.charge(len(problem.blocks) * n)
         return (makespan if makespan >= 0 else float("inf"), rep.num_micro_batches,
                 sum(rep.peak_memory))
 

@@ -22,6 +22,9 @@ from pyplan.solver.budget import Budget
 
 __all__ = ["TEMPLATES", "Baseline", "baselines", "template_orders", "template_schedule"]
 
+TEMPLATE_WORK = 5  # effort units per instance a template lays out (in Python) and evaluates
+
+
 class NotApplicable(Exception):
     """The template does not fit this placement."""
 
@@ -589,6 +592,7 @@ def baselines(problem: Problem, budget: Budget = Budget()) -> dict[str, Baseline
         except NotApplicable as exc:
             out[name] = Baseline(name, reason=str(exc))
             continue
+        budget.charge(instances * TEMPLATE_WORK)
         # A template is its own order rule: the plan's order constraints do not apply to it.
         ev = _core.evaluate(problem.graph, orders, complete_micro_batches=problem.num_micro_batches,
                             enforce_rules=False)

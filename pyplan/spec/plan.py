@@ -132,7 +132,11 @@ class SearchSpec:
 
     max_repetend_micro_batches: int | None = None
     time_limit: float | None = None
+    """A hard cap on the search's wall time, in seconds (None: the solver's default)."""
     exact: bool = True
+    effort: float = 1.0
+    """How long the search may go on without progress, relative to the work it has done (and
+    how much its fixed stages may spend): 10 searches about ten times as long."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -426,7 +430,8 @@ def _build(source: Source) -> PlanSpec:
     search_raw = doc.get("search", {})
     search = SearchSpec(max_repetend_micro_batches=search_raw.get("max_repetend_micro_batches"),
                         time_limit=search_raw.get("time_limit"),
-                        exact=search_raw.get("exact", True))
+                        exact=search_raw.get("exact", True),
+                        effort=float(search_raw.get("effort", 1.0)))
     mesh_raw = doc.get("mesh", {})
     mesh = MeshSpec(data=mesh_raw.get("data", 1), shard=mesh_raw.get("shard", False),
                     sync=mesh_raw.get("sync", 0))
