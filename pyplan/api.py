@@ -88,6 +88,8 @@ class Solution(_Solved):
             "peak_memory": list(schedule.peak_memory),
             "recomputed": list(problem.recomputed),
             "memory_capacity": problem.memory_capacity,
+            "device_memory": list(problem.capacities) if problem.device_memory else None,
+            "device_speed": list(problem.device_speed) or None,
             "devices": problem.num_devices,
             "micro_batches": problem.num_micro_batches,
             "search_seconds": self.search_seconds,
@@ -179,25 +181,39 @@ class PartitionPlan:
 
 def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: str,
                     data: str, loss: str, micro_batches: int, chunks: int = 1,
-                    memory: int | None = None, path: str | None = None, keep: int = 3,
-                    time_limit: float = 10.0, source: str = "<partition>",
+                    memory: int | list[int | None] | None = None,
+                    speeds: list[float] | None = None, path: str | None = None,
+                    keep: int = 3, time_limit: float = 10.0, source: str = "<partition>",
                     traced: bool = False, recompute: str = "never") -> list[PartitionPlan]:
     """Plans for the best `keep` partitions of measured units into devices x chunks stages
     (stage s on device s mod devices; chunks > 1: interleaved) and for the even splits, each
-    solved, shortest makespan first (ties: least bottleneck). `memory` is bytes per device;
-    InfeasibleError when no partition fits it (without recomputation). `recompute` goes to
-    the plans' training.recompute."""
+    solved, shortest makespan first (ties: least bottleneck). `memory` is bytes per device,
+    or a list with each device's (mixed GPU types); `speeds` each device's speed relative to
+    the one the units were measured on (a stage's time is divided by its device's). Both go
+    into the plans (devices: [{memory, speed}, ...]). InfeasibleError when no partition fits
+    the memory (without recomputation). `recompute` goes to the plans' training.recompute."""
     stages = devices * chunks
-    share = None if memory is None else memory // chunks  # interleaved: a share per stage
+    per_device = memory if isinstance(memory, list) else [memory] * devices
+    if len(per_device) != devices or (speeds is not None and len(speeds) != devices):
+        raise PlanError(f"memory and speeds need one value per device ({devices})")
+    if speeds is not None and not all(isinstance(s, (int, float)) and 0 < s <= 1000
+                                      for s in speeds):
+        raise PlanError("device speeds must be numbers in (0, 1000]")
+    # Interleaved: a device's memory is shared by its stages, a share each.
+    share = [None if per_device[s % devices] is None else per_device[s % devices] // chunks
+             for s in range(stages)]
+    stage_speeds = None if speeds is None else [speeds[s % devices] for s in range(stages)]
     candidates = best_partitions(units, stages, micro_batches=micro_batches, capacity=share,
-                                 keep=keep)
+                                 keep=keep, speeds=stage_speeds)
     # The hand-written even splits are incumbents: the result is never longer than they are.
     candidates += [p for p in even_partitions(units, stages, micro_batches=micro_batches,
-                                              capacity=share)
+                                              capacity=share, speeds=stage_speeds)
                    if p.bounds not in {c.bounds for c in candidates}]
     if not candidates:
+        shown = " ".join(format_memory(m, True) for m in per_device) \
+            if isinstance(memory, list) else format_memory(memory, True)
         raise InfeasibleError(f"no partition of {len(units)} units into {stages} stages fits "
-                              f"{format_memory(memory, True)} per device",
+                              f"{shown} per device",
                               hint="give more memory or devices, or fewer micro-batches")
     unit_ms = max(c.bottleneck_ms for c in candidates) / UNITS_PER_STAGE
     shape = "vshape" if chunks == 1 else f"interleaved, {chunks} chunks"
@@ -206,7 +222,7 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
         text = plan_text(units, p, name=name, devices=devices, micro_batches=micro_batches,
                          capacity=memory, factory=factory, data=data, loss=loss, path=path,
                          time_unit_ms=unit_ms, shape=shape, traced=traced,
-                         recompute=recompute)
+                         recompute=recompute, speeds=speeds)
         solved = solve(build_problem(spec_from_text(text, source)), time_limit=time_limit)
         out.append(PartitionPlan(p, text, solved, solved.schedule.makespan * unit_ms))
     return sorted(out, key=lambda c: (c.makespan_ms, c.partition.bottleneck_ms,

@@ -9,7 +9,9 @@ state) and the activations of the micro-batches it holds at once under 1F1B (sta
 min(N, S - s) micro-batches in flight; interleaved, a device's memory is shared by its C stages
 as capacity / C each, a conservative split). The least bottleneck does not always give the
 shortest schedule, so the best few partitions and the even splits people write by hand are all
-solved and the shortest makespan wins.
+solved and the shortest makespan wins. Devices may differ (mixed GPU types): a stage's capacity
+is its device's, and its time is the units' time divided by its device's speed, so slower or
+smaller devices get fewer units.
 
 Nothing here needs torch: the costs come from pyplan.runtime.profile.
 """
@@ -20,6 +22,7 @@ import itertools
 import json
 import math
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["MAX_ENUMERATED", "Partition", "UnitCost", "best_partitions", "even_partitions",
@@ -74,17 +77,44 @@ def stage_memory(units: list[UnitCost], first: int, last: int, stage: int, num_s
         _in_flight(stage, num_stages, micro_batches) * sum(u.activation_bytes for u in part)
 
 
-def _time(units: list[UnitCost], first: int, last: int) -> float:
-    return sum(u.forward_ms + u.backward_ms for u in units[first:last])
+def _time(units: list[UnitCost], first: int, last: int, speed: float = 1.0) -> float:
+    return sum(u.forward_ms + u.backward_ms for u in units[first:last]) / speed
+
+
+Capacity = int | None | Sequence[int | None]
+"""Bytes per stage: one amount for every stage, or one per stage (None: unlimited)."""
+
+
+def _per_stage(capacity: Capacity, num_stages: int) -> list[int | None]:
+    if capacity is None or isinstance(capacity, int):
+        return [capacity] * num_stages
+    if len(capacity) != num_stages:
+        raise ValueError(f"need one capacity per stage ({num_stages}), got {len(capacity)}")
+    return list(capacity)
+
+
+def _speeds(speeds: Sequence[float] | None, num_stages: int) -> list[float]:
+    if speeds is None:
+        return [1.0] * num_stages
+    if len(speeds) != num_stages or not all(s > 0 for s in speeds):
+        raise ValueError(f"need one positive speed per stage ({num_stages})")
+    return [float(s) for s in speeds]
+
+
+def _fits(partition: Partition, caps: list[int | None]) -> bool:
+    return all(c is None or m <= c for m, c in zip(partition.memory, caps))
 
 
 def optimal_partition(units: list[UnitCost], num_stages: int, *, micro_batches: int,
-                      capacity: int | None) -> Partition | None:
-    """The partition with the least bottleneck whose stages fit `capacity` bytes each (None
-    when none fits): exact dynamic programming over split points, O(stages x units^2)."""
+                      capacity: Capacity, speeds: Sequence[float] | None = None
+                      ) -> Partition | None:
+    """The partition with the least bottleneck whose stages fit `capacity` bytes each (or
+    their own, per stage; None when none fits), a stage taking its units' time over its
+    speed: exact dynamic programming over split points, O(stages x units^2)."""
     k = len(units)
     if num_stages > k:
         return None
+    caps, speed = _per_stage(capacity, num_stages), _speeds(speeds, num_stages)
     prefix = [0.0]
     for u in units:
         prefix.append(prefix[-1] + u.forward_ms + u.backward_ms)
@@ -99,10 +129,10 @@ def optimal_partition(units: list[UnitCost], num_stages: int, *, micro_batches: 
             for i in range(s - 1, j):
                 if best[s - 1][i] == inf:
                     continue
-                if capacity is not None and \
-                        stage_memory(units, i, j, s - 1, num_stages, micro_batches) > capacity:
+                if caps[s - 1] is not None and \
+                        stage_memory(units, i, j, s - 1, num_stages, micro_batches) > caps[s - 1]:
                     continue
-                value = max(best[s - 1][i], prefix[j] - prefix[i])
+                value = max(best[s - 1][i], (prefix[j] - prefix[i]) / speed[s - 1])
                 if value < best[s][j]:
                     best[s][j], cut[s][j] = value, i
     if best[num_stages][k] == inf:
@@ -110,18 +140,22 @@ def optimal_partition(units: list[UnitCost], num_stages: int, *, micro_batches: 
     bounds = [k]
     for s in range(num_stages, 0, -1):
         bounds.append(cut[s][bounds[-1]])
-    return _partition(units, tuple(reversed(bounds)), micro_batches)
+    return _partition(units, tuple(reversed(bounds)), micro_batches, speed)
 
 
-def _partition(units: list[UnitCost], bounds: tuple[int, ...], micro_batches: int) -> Partition:
+def _partition(units: list[UnitCost], bounds: tuple[int, ...], micro_batches: int,
+               speeds: Sequence[float] | None = None) -> Partition:
     stages = len(bounds) - 1
-    return Partition(bounds, max(_time(units, bounds[s], bounds[s + 1]) for s in range(stages)),
+    speed = _speeds(speeds, stages)
+    return Partition(bounds, max(_time(units, bounds[s], bounds[s + 1], speed[s])
+                                 for s in range(stages)),
                      tuple(stage_memory(units, bounds[s], bounds[s + 1], s, stages,
                                         micro_batches) for s in range(stages)))
 
 
 def best_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: int,
-                    capacity: int | None, keep: int = 3) -> list[Partition]:
+                    capacity: Capacity, keep: int = 3,
+                    speeds: Sequence[float] | None = None) -> list[Partition]:
     """The `keep` best partitions by bottleneck (then memory), every partition ranked when
     there are at most MAX_ENUMERATED, else the dynamic programme's optimum alone."""
     k = len(units)
@@ -129,19 +163,21 @@ def best_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: in
         return []
     if math.comb(k - 1, num_stages - 1) > MAX_ENUMERATED:
         found = optimal_partition(units, num_stages, micro_batches=micro_batches,
-                                  capacity=capacity)
+                                  capacity=capacity, speeds=speeds)
         return [found] if found else []
+    caps = _per_stage(capacity, num_stages)
     ranked = []
     for cuts in itertools.combinations(range(1, k), num_stages - 1):
-        p = _partition(units, (0, *cuts, k), micro_batches)
-        if capacity is None or max(p.memory) <= capacity:
+        p = _partition(units, (0, *cuts, k), micro_batches, speeds)
+        if _fits(p, caps):
             ranked.append(p)
     ranked.sort(key=lambda p: (p.bottleneck_ms, max(p.memory), p.bounds))
     return ranked[:keep]
 
 
 def even_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: int,
-                    capacity: int | None) -> list[Partition]:
+                    capacity: Capacity, speeds: Sequence[float] | None = None
+                    ) -> list[Partition]:
     """The splits people write by hand, where they fit: the units evenly by count, and the
     layers evenly with the first unit (an embedding) on the first stage and the last (a head)
     on the last (Megatron-LM's default). The search's results are compared with them."""
@@ -154,32 +190,45 @@ def even_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: in
         layers = k - 2
         splits.append((0, *(1 + round(layers * s / num_stages) for s in range(1, num_stages)),
                        k))
+    caps = _per_stage(capacity, num_stages)
     out = []
     for bounds in dict.fromkeys(splits):
         if all(bounds[s] < bounds[s + 1] for s in range(num_stages)):
-            p = _partition(units, bounds, micro_batches)
-            if capacity is None or max(p.memory) <= capacity:
+            p = _partition(units, bounds, micro_batches, speeds)
+            if _fits(p, caps):
                 out.append(p)
     return out
 
 
 def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices: int,
-              micro_batches: int, capacity: int | None, factory: str, data: str, loss: str,
-              path: str | None, time_unit_ms: float, shape: str, traced: bool = False,
-              recompute: str = "never") -> str:
+              micro_batches: int, capacity: int | None | Sequence[int | None], factory: str,
+              data: str, loss: str, path: str | None, time_unit_ms: float, shape: str,
+              traced: bool = False, recompute: str = "never",
+              speeds: Sequence[float] | None = None) -> str:
     """A plan for `partition`: one block per stage (stage s on device s mod devices) with the
     measured times in units of `time_unit_ms`, activation memory, weights, output (timed on
     the default links) and recompute memory (the stage's input) in bytes, and a model:
-    section naming each stage's submodules."""
+    section naming each stage's submodules. `capacity` per device (a list) or `speeds` write
+    the devices one by one (devices: [{memory, speed}, ...])."""
     about = (f"Written by pyplan partition from {factory}: {len(units)} units in "
              f"{partition.num_stages} stages ({shape}); times measured on this machine, one "
              f"time unit = {time_unit_ms:.4g} ms; block memory: the activations of one "
              "micro-batch; weights: parameters, gradients and optimizer state.")
     lines = ["pyplan: 1", f"name: {name}", "description: >"]
     lines += ["  " + line for line in textwrap.wrap(about, 94)]
-    lines.append(f"devices: {devices}")
-    if capacity is not None:
-        lines.append(f"memory: {capacity}B")
+    if capacity is None or isinstance(capacity, int):
+        capacity = [capacity] * devices
+    speeds = list(speeds) if speeds is not None else [1.0] * devices
+    if len(set(capacity)) == 1 and all(s == 1 for s in speeds):
+        lines.append(f"devices: {devices}")
+        if capacity[0] is not None:
+            lines.append(f"memory: {capacity[0]}B")
+    else:  # devices that differ: one entry each
+        lines.append("devices:")
+        for c, s in zip(capacity, speeds):
+            fields = ([] if c is None else [f"memory: {c}B"]) + \
+                ([] if s == 1 else [f"speed: {s:.6g}"])
+            lines.append(f"  - {{{', '.join(fields)}}}")
     lines += [f"micro_batches: {micro_batches}",
               "training:", "  backward: {time_ratio: 1}", f"  recompute: {recompute}",
               f"topology: {{time_unit_ms: {time_unit_ms:.6g}}}", "blocks:"]

@@ -18,6 +18,7 @@ from pyplan.errors import PlanError, did_you_mean
 from pyplan.shapes import expand_blocks
 from pyplan.spec import (BackwardSpec, BlockSpec, MeshSpec, ModelSpec, PlanSpec, SearchSpec,
                          format_memory, load_spec)
+from pyplan.spec.plan import MAX_TIME
 
 __all__ = ["FORWARD", "BACKWARD", "WEIGHT", "OTHER", "Block", "OrderRule", "Problem",
            "build_problem", "layer_of", "load_problem", "reaches", "resolve_rule"]
@@ -84,6 +85,8 @@ class Problem:
     description: str
     num_devices: int
     memory_capacity: int | None
+    """The capacity of every device (None: unlimited); the plan's memory: where the devices
+    differ (device_memory)."""
     memory_is_size: bool
     num_micro_batches: int
     training: bool
@@ -100,6 +103,12 @@ class Problem:
     """Milliseconds per time unit when the plan says (topology.time_unit_ms)."""
     spec_sha256: str = ""
     source_path: str = ""
+    device_memory: tuple[int | None, ...] = ()
+    """Each device's capacity where the devices differ (None: unlimited; empty: they all have
+    memory_capacity)."""
+    device_speed: tuple[float, ...] = ()
+    """Each device's speed where some differs from 1 (empty: all 1). The blocks' times already
+    include it: a block takes its time / speed on its slowest device."""
     by_name: dict[str, int] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -118,7 +127,17 @@ class Problem:
             [_core.Block(b.name, b.time, b.memory, list(b.devices)) for b in self.blocks],
             list(self.edges),
             [_core.OrderRule(r.before, r.before_shift, r.after, r.after_shift, r.min_m)
-             for r in self.rules], list(self.static_memory), list(self.transfers))
+             for r in self.rules], list(self.static_memory), list(self.transfers),
+            [-1 if c is None else c for c in self.device_memory])
+
+    @cached_property
+    def free_graph(self) -> _core.Graph:
+        """The graph without the devices' own capacities: for evaluations that report memory
+        rather than enforce it (templates, a schedule given by hand). The same graph when the
+        devices have one capacity (it goes to each evaluation, not into the graph)."""
+        if not self.device_memory:
+            return self.graph
+        return dataclasses.replace(self, device_memory=()).graph
 
     @cached_property
     def static_memory(self) -> tuple[int, ...]:
@@ -170,16 +189,47 @@ class Problem:
                 back, time=back.time + (fwd.time if rerun else 0), memory=back.memory + extra)
         return dataclasses.replace(self, blocks=tuple(blocks))
 
+    def capacity_of(self, device: int) -> int | None:
+        """A device's memory capacity (None: unlimited)."""
+        return self.device_memory[device] if self.device_memory else self.memory_capacity
+
+    @property
+    def capacities(self) -> tuple[int | None, ...]:
+        return tuple(self.capacity_of(d) for d in range(self.num_devices))
+
+    @property
+    def limited(self) -> bool:
+        """Whether any device's memory is limited."""
+        return any(c is not None for c in self.capacities)
+
+    def fits(self, peaks) -> bool:
+        """Whether per-device peaks stay within each device's capacity."""
+        return all(c is None or p <= c for p, c in zip(peaks, self.capacities))
+
     def headroom(self, device: int) -> int | None:
         """What the capacity leaves for activations on a device after its weights."""
-        if self.memory_capacity is None:
+        capacity = self.capacity_of(device)
+        if capacity is None:
             return None
-        return self.memory_capacity - self.static_memory[device]
+        return capacity - self.static_memory[device]
 
     @property
     def capacity(self) -> int:
-        """Memory capacity for the core: -1 when unlimited."""
-        return -1 if self.memory_capacity is None else self.memory_capacity
+        """Memory capacity of every device for the core: -1 when unlimited, or when the devices
+        differ (the core's graph holds each device's own)."""
+        if self.device_memory or self.memory_capacity is None:
+            return -1
+        return self.memory_capacity
+
+    def show_capacity(self) -> str:
+        """The capacity for a summary: "8", "unlimited", or one per device "80GiB 40GiB"."""
+        if not self.device_memory:
+            return self.show_memory(self.memory_capacity)
+        return " ".join(self.show_memory(c) for c in self.device_memory)
+
+    def show_speeds(self) -> str | None:
+        """Per-device speeds where they differ ("1 1 0.5 0.5"), else None."""
+        return " ".join(f"{s:g}" for s in self.device_speed) if self.device_speed else None
 
     def device_loads(self) -> list[int]:
         return list(self.graph.device_loads())
@@ -283,8 +333,9 @@ class Problem:
         changes: dict = {}
         if micro_batches is not None:
             changes["num_micro_batches"] = micro_batches
-        if memory is not None:
+        if memory is not None:  # the same on every device
             changes["memory_capacity"] = memory
+            changes["device_memory"] = ()
         if time_limit is not None:
             changes["search"] = dataclasses.replace(self.search, time_limit=time_limit)
         if effort is not None:
@@ -362,11 +413,13 @@ class _Builder:
             if spec.kind == BACKWARD and not self.spec.training:
                 raise self.fail(path + ("kind",), f"block '{spec.name}' is a backward block in "
                                 "an inference plan", "set task: training or remove the block")
-            capacity = self.spec.memory_capacity
-            if capacity is not None and spec.memory > capacity:
+            capacities = [self.spec.device_memory[d] if self.spec.device_memory
+                          else self.spec.memory_capacity for d in devices]
+            least = min((c for c in capacities if c is not None), default=None)
+            if least is not None and spec.memory > least:
                 raise self.fail(path + ("memory",),
                                 f"block '{spec.name}' alone needs {self.show(spec.memory)} per "
-                                f"device, more than the capacity {self.show(capacity)}",
+                                f"device, more than the capacity {self.show(least)}",
                                 "split the block over more devices or raise memory:")
             self.declared[spec.name] = spec
             self.add(spec.name, spec.kind, spec.time, spec.memory, devices, path,
@@ -563,12 +616,27 @@ class _Builder:
         line, column = self.source.locate(order.text_path)
         return dataclasses.replace(rule, line=line, column=column)
 
+    def apply_speeds(self) -> None:
+        """A block's time on devices that differ in speed: its time / speed, to the nearest
+        step and at least 1, on the slowest of its devices (they run it together)."""
+        speeds = self.spec.device_speed
+        if not speeds:
+            return
+        for i, b in enumerate(self.blocks):
+            time = max(max(1, round(b.time / speeds[d])) for d in b.devices)
+            if time > MAX_TIME:
+                raise self.fail(self.paths[i] + ("time",), f"block '{b.name}' takes {time} "
+                                f"steps on its slowest device, more than {MAX_TIME:,}",
+                                "a device's speed divides the times of its blocks")
+            self.blocks[i] = dataclasses.replace(b, time=time)
+
     def build(self) -> Problem:
         spec = self.spec
         specs = expand_blocks(spec)
         self.declare(specs)
         self.depend(specs)
         self.derive_backward(specs)
+        self.apply_speeds()
         self.check_cycles()
         self.check_memory_balance()
         self.check_model_stages()
@@ -577,6 +645,7 @@ class _Builder:
         transfers = self.transfers()
         return Problem(name=spec.name, description=spec.description,
                        num_devices=spec.num_devices, memory_capacity=spec.memory_capacity,
+                       device_memory=spec.device_memory, device_speed=spec.device_speed,
                        memory_is_size=spec.memory_is_size,
                        num_micro_batches=spec.num_micro_batches, training=spec.training,
                        blocks=tuple(self.blocks), edges=tuple(self.edges), rules=tuple(rules),

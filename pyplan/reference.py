@@ -301,13 +301,14 @@ def makespan_bound(num_devices, blocks, edges, n, capacity=-1, static_memory=Non
 
 
 def evaluate(num_devices, blocks, edges, orders, *, capacity=-1, initial_memory=None,
-             rules=(), complete=0, static_memory=None):
+             rules=(), complete=0, static_memory=None, capacities=None):
     """Run per-device orders of (block, micro-batch) as early as possible.
 
     Returns a dict with ok, makespan, start {(block, mb): time}, busy, peak_memory, bubble_rate.
     A block starts when it heads the queue of every device it uses and its dependencies (and
     order rules) have finished; starting it adds its memory to each of its devices, whose
-    memory starts at its static memory (weights) plus the initial memory.
+    memory starts at its static memory (weights) plus the initial memory; it may not exceed
+    `capacity`, nor the device's own in `capacities` (-1 or None: unlimited).
     """
     scheduled = {inst for order in orders for inst in order}
     for b in range(len(blocks)):
@@ -346,7 +347,8 @@ def evaluate(num_devices, blocks, edges, orders, *, capacity=-1, initial_memory=
                 continue
             for e in devices:
                 memory[e] += mem
-                if capacity >= 0 and memory[e] > capacity:
+                room = _room(e, capacity, capacities)
+                if room >= 0 and memory[e] > room:
                     return {"ok": False, "reason": "memory"}
                 peak[e] = max(peak[e], memory[e])
             s = max([free[e] for e in devices] + [end[p] + t for p, t in preds[inst]])

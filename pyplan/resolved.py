@@ -124,6 +124,13 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
         f"micro_batches: {n}",
         f"memory: {'null' if problem.memory_capacity is None else problem.memory_capacity}",
         f"memory_unit: {'bytes' if problem.memory_is_size else 'plan'}",
+    ]
+    if problem.device_memory:  # devices that differ (the block times include their speeds)
+        lines.append("device_memory: [" + ", ".join("null" if c is None else str(c)
+                                                    for c in problem.device_memory) + "]")
+    if problem.device_speed:
+        lines.append("device_speed: [" + ", ".join(repr(s) for s in problem.device_speed) + "]")
+    lines += [
         "blocks:",
     ]
     for b in problem.blocks:
@@ -341,6 +348,7 @@ class _Reader:
         memory = None
         if self.doc.get("memory") is not None:
             memory = self.get("memory", int, low=1, high=MAX_MEMORY)
+        device_memory, device_speed = self.devices(num_devices)
         problem = Problem(
             name=str(self.get("name", str)), description="", num_devices=num_devices,
             memory_capacity=memory,
@@ -351,7 +359,8 @@ class _Reader:
             edges=tuple(edges), rules=tuple(rules),
             transfers=tuple(transfers), mesh=mesh, model=model,
             time_unit_ms=None if unit is None else float(unit),
-            spec_sha256=str(self.get("spec_sha256", str)), source_path=self.path)
+            spec_sha256=str(self.get("spec_sha256", str)), source_path=self.path,
+            device_memory=device_memory, device_speed=device_speed)
         try:
             cycle = problem.graph.find_cycle()
         except (ValueError, IndexError) as exc:  # e.g. a block that depends on itself
@@ -359,6 +368,22 @@ class _Reader:
         if cycle:
             raise self.fail(("dependencies",), "the dependencies form a cycle")
         return problem
+
+    def devices(self, num_devices: int) -> tuple[tuple, tuple]:
+        """device_memory and device_speed, when the devices differ: one capacity (or null)
+        and one positive speed per device."""
+        memory, speed = self.doc.get("device_memory"), self.doc.get("device_speed")
+        if memory is not None and not (
+                isinstance(memory, list) and len(memory) == num_devices and
+                all(c is None or type(c) is int and 1 <= c <= MAX_MEMORY for c in memory)):
+            raise self.fail(("device_memory",), "'device_memory' needs one capacity (or null) "
+                            "per device", "the file was edited; re-run pyplan solve")
+        if speed is not None and not (
+                isinstance(speed, list) and len(speed) == num_devices and
+                all(type(s) in (int, float) and 0 < s <= 1000 for s in speed)):
+            raise self.fail(("device_speed",), "'device_speed' needs one speed in (0, 1000] "
+                            "per device", "the file was edited; re-run pyplan solve")
+        return tuple(memory or ()), tuple(float(s) for s in speed or ())
 
     def entries(self, problem: Problem, part: str, relative_to: int):
         """Per-device [(block, mb, start)] of a schedule part; cooldown mbs count from the end."""

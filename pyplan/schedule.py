@@ -234,7 +234,8 @@ def schedule_from_orders(problem: Problem, orders: Orders, num_micro_batches: in
                         complete_micro_batches=n, enforce_rules=False)
     fits = ev.ok
     if not ev.ok:  # over capacity or deadlocked: which one?
-        ev = _core.evaluate(graph, lists, complete_micro_batches=n, enforce_rules=False)
+        ev = _core.evaluate(problem.free_graph, lists, complete_micro_batches=n,
+                            enforce_rules=False)
         if not ev.ok:
             at = _deadlock_position(problem, ev.deadlock_holds, where or {})
             raise PlanError(f"the schedule cannot run: {ev.reason}",
@@ -242,7 +243,7 @@ def schedule_from_orders(problem: Problem, orders: Orders, num_micro_batches: in
                             line=at[0], column=at[1])
     follows = None
     if problem.rules:  # rules that hold leave every start time where it was
-        ruled = _core.evaluate(graph, lists, complete_micro_batches=n)
+        ruled = _core.evaluate(problem.free_graph, lists, complete_micro_batches=n)
         follows = ruled.ok and list(ruled.start) == list(ev.start)
     frozen = tuple(tuple(tuple(inst) for inst in order) for order in orders)
     schedule = _timed(problem, frozen, None, tuple(() for _ in orders), frozen, ev)

@@ -59,6 +59,27 @@ def test_evaluation_matches_reference(problem, n, rng, scramble, capacity):
     compare(g, problem, orders, capacity)
 
 
+@settings(max_examples=200, deadline=None)
+@given(problems(max_blocks=16, transfers=True), st.integers(1, 4),
+       st.randoms(use_true_random=False), st.integers(-1, 6), st.data())
+def test_each_devices_own_capacity_matches_reference(problem, n, rng, capacity, data):
+    num_devices, blocks, edges = problem
+    capacities = data.draw(st.lists(st.integers(-1, 6), min_size=num_devices,
+                                    max_size=num_devices))
+    g = _core.Graph(num_devices, core_graph(*problem).blocks, [tuple(e[:2]) for e in edges],
+                    [], [], [e[2] for e in edges], capacities)
+    orders = random_orders(rng, *problem, n, False)
+    got = _core.evaluate(g, orders, memory_capacity=capacity)
+    want = ref.evaluate(num_devices, blocks, edges, orders, capacity=capacity,
+                        capacities=capacities)
+    assert got.ok == want["ok"], (got.reason, want)
+    if got.ok:
+        assert list(got.peak_memory) == want["peak_memory"]
+        limits = [min([c for c in (capacity, own) if c >= 0], default=None)
+                  for own in capacities]
+        assert all(c is None or p <= c for p, c in zip(got.peak_memory, limits))
+
+
 @settings(max_examples=150, deadline=None)
 @given(problems(max_blocks=12), st.integers(1, 3), st.randoms(use_true_random=False),
        st.integers(-1, 8), st.data())

@@ -94,7 +94,7 @@ EXPECTED = {
     'wrong-block-devices':
         "7:33: error: blocks[0].devices has the wrong form: 'everywhere' (hint: write a device id, a list like [0, 1], or all)",
     'wrong-type-devices':
-        "3:10: error: devices must be an integer, got 'four'",
+        "3:10: error: devices must be an integer or a list, got 'four'",
     'wrong-type-time':
         "7:21: error: blocks[0].time must be an integer, got 'fast'",
     'yaml-syntax':

@@ -66,8 +66,7 @@ def summary_text(args, result: Evaluated, searched, resolved) -> str:
     lines = [f"{args.file}: {problem.num_micro_batches} micro-batches on {problem.num_devices} "
              f"devices as {len(torch_stages(problem))} torch stages, costs from {problem.name}: "
              f"makespan {schedule.makespan}, bubble {schedule.bubble_rate:.1%}"]
-    capacity = "" if problem.memory_capacity is None else \
-        f" (capacity {show(problem.memory_capacity)})"
+    capacity = "" if not problem.limited else f" (capacity {problem.show_capacity()})"
     lines.append("  peak memory: " + " ".join(show(x) for x in schedule.peak_memory) + capacity)
     if not result.fits_memory:
         worst = max(range(problem.num_devices), key=lambda d: schedule.peak_memory[d])

@@ -69,7 +69,9 @@ def summary_text(solution: Solution, output: str | None) -> str:
     elif solution.origin == "search":
         lines.append("  no repetend: the whole schedule was searched at once")
     lines.append("  peak memory: " + " ".join(show(x) for x in schedule.peak_memory)
-                 + f" (capacity {show(problem.memory_capacity)})")
+                 + f" (capacity {problem.show_capacity()})")
+    if problem.show_speeds():
+        lines.append(f"  device speeds: {problem.show_speeds()} (block times divided by them)")
     for note in solution.stats.notes:
         lines.append(f"  {note}")
     lines.append(f"  searched in {solution.search_seconds:.2f} s"

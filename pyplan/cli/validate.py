@@ -28,6 +28,7 @@ def summary(problem: Problem) -> str:
     rules = f", {len(problem.rules)} order rules" if problem.rules else ""
     replicas = (f" x {problem.mesh.data} data-parallel replicas" if problem.mesh.data > 1
                 else "")
+    speeds = f", speeds [{problem.show_speeds()}]" if problem.show_speeds() else ""
     resident = " ".join(map(problem.show_memory, problem.static_memory))
     weights = f", weights per device [{resident}]" if any(problem.static_memory) else ""
     costs = ""
@@ -41,7 +42,7 @@ def summary(problem: Problem) -> str:
     return (f"{problem.name}: {task}, {count(len(problem.blocks), 'block')} ({parts}) on "
             f"{count(problem.num_devices, 'device')}{replicas}, "
             f"{count(problem.num_micro_batches, 'micro-batch')}, "
-            f"memory {problem.show_memory(problem.memory_capacity)}{weights}{rules}{costs}; "
+            f"memory {problem.show_capacity()}{speeds}{weights}{rules}{costs}; "
             f"load per device [{loads}], repetend period >= {problem.load_bound()}")
 
 

@@ -108,4 +108,8 @@ def schedule_trace(schedule: Schedule) -> dict:
                                "bubble_rate": schedule.bubble_rate,
                                "peak_memory": list(schedule.peak_memory),
                                "memory_capacity": problem.memory_capacity})
+    if problem.device_memory:
+        trace["otherData"]["device_memory"] = list(problem.device_memory)
+    if problem.device_speed:
+        trace["otherData"]["device_speed"] = list(problem.device_speed)
     return trace

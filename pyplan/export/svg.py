@@ -151,14 +151,16 @@ def _memory(out: list[str], schedule: Schedule, y: float, scale: float) -> float
     """One step curve per device, on a shared scale, with the capacity as a dashed line."""
     problem = schedule.problem
     show = problem.show_memory
-    capacity = problem.memory_capacity
     curves = [memory_steps(schedule, d) for d in range(problem.num_devices)]
     low = min(min(level for _, level in c) for c in curves)
-    high = max([max(level for _, level in c) for c in curves] + [capacity or 0, 1])
+    high = max([max(level for _, level in c) for c in curves] +
+               [c or 0 for c in problem.capacities] + [1])
     span = max(high - min(low, 0), 1)
+    shown = escape(problem.show_capacity()) if problem.limited else ""
+    speeds = f", speeds {escape(problem.show_speeds())}" if problem.show_speeds() else ""
     out.append(f'<text x="{_LEFT}" y="{y}" font-size="12" font-weight="bold" {_FONT}>memory '
-               f"per device" + (f" (capacity {escape(show(capacity))})" if capacity else "")
-               + "</text>")
+               f"per device" + (f" (capacity {shown}{speeds})" if shown else
+                                f" ({speeds[2:]})" if speeds else "") + "</text>")
     y += 8
     for d, steps in enumerate(curves):
         base = y + _MEM
@@ -172,7 +174,7 @@ def _memory(out: list[str], schedule: Schedule, y: float, scale: float) -> float
                 points.append(f"{_num(_LEFT + t * scale)},{level_y(steps[i - 1][1])}")
             points.append(f"{_num(_LEFT + t * scale)},{level_y(level)}")
         points.append(f"{_num(_LEFT + schedule.makespan * scale)},{level_y(steps[-1][1])}")
-        peak = schedule.peak_memory[d]
+        peak, capacity = schedule.peak_memory[d], problem.capacity_of(d)
         out.append(f'<text x="{_LEFT - 6}" y="{base - _MEM / 2 + 4}" font-size="11" '
                    f'text-anchor="end" {_FONT}>device {d}</text>')
         out.append(f'<rect x="{_LEFT}" y="{y}" width="{_num(schedule.makespan * scale)}" '

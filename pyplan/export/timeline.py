@@ -257,11 +257,14 @@ def _legend(schedule: Schedule, grid: _Grid, cut: tuple | None) -> list[str]:
         lines.append("recompute: " + ", ".join(problem.recomputed) + " keep only "
                      "their inputs; the backward reruns the forward first (included in its length)")
     show = problem.show_memory
-    capacity = problem.memory_capacity
-    peak = " ".join(show(x) + (f"/{show(capacity)}" if capacity is not None else "")
-                    for x in schedule.peak_memory)
+    capacities = problem.capacities
+    peak = " ".join(show(x) + (f"/{show(c)}" if c is not None else "")
+                    for x, c in zip(schedule.peak_memory, capacities))
+    if problem.show_speeds():
+        lines.append(f"device speeds {problem.show_speeds()} (block times on a device are "
+                     "divided by its speed)")
     lines.append(f"makespan {schedule.makespan}, bubble {schedule.bubble_rate:.1%}, "
-                 f"peak memory {peak}" + ("" if capacity is not None else " (no capacity)"))
+                 f"peak memory {peak}" + ("" if problem.limited else " (no capacity)"))
     return lines
 
 

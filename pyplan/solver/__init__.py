@@ -13,7 +13,7 @@ from pyplan.schedule import Schedule, build_schedule
 from pyplan.solver.bounds import check_fits, min_memory
 from pyplan.solver.budget import LAYOUT_SECONDS, Budget, Effort
 from pyplan.solver.complete import (COMPLETION_COST, cheap_completion, climb, complete,
-                                    complete_whole, exact_applies)
+                                    complete_whole, exact_applies, improve_in_windows)
 from pyplan.solver.explain import explain
 from pyplan.solver.search import (POOL_SIZE, POOL_WORK, Progress, RepetendSearch, SearchStats,
                                   candidate_pool, max_repetend_micro_batches, pool_steps,
@@ -26,6 +26,7 @@ __all__ = ["DEFAULT_TIME_LIMIT", "TEMPLATES", "Baseline", "Solution", "incumbent
 DEFAULT_TIME_LIMIT = 60.0
 COMPLETION_EFFORT = 30_000_000  # Z3 resource units for completing the pool (about 2 s here)
 WHOLE_EFFORT = 80_000_000       # and for solving a tiny problem (<= 48 blocks) whole
+WINDOWS_EFFORT = 20_000_000     # and for reordering windows of a small one (<= 160 instances)
 RECOMPUTE_LADDER = 16           # recomputation sets scored with the templates
 RECOMPUTE_SOLVED = 2            # and of those, solved in full besides none and all
 CLIMB_WORK = 10_000_000         # instance evaluations for the local search (about 0.3 s)
@@ -95,12 +96,13 @@ def recompute_ladder(problem: Problem, budget: Budget) -> list[tuple[int, ...]]:
     the devices that the fastest template, run without a memory limit, overfills most, and
     there the block that saves the most memory per unit of time it adds."""
     blocks = problem.blocks
-    free = dataclasses.replace(problem, memory_capacity=None)
+    free = dataclasses.replace(problem, memory_capacity=None, device_memory=())
     fastest = min((b for b in baselines(free, budget).values() if b.applicable),
                   key=lambda b: b.makespan, default=None)
     over = [0] * problem.num_devices
-    if fastest is not None and problem.memory_capacity is not None:
-        over = [max(0, peak - problem.memory_capacity) for peak in fastest.peak_memory]
+    if fastest is not None and problem.limited:
+        over = [0 if c is None else max(0, peak - c)
+                for peak, c in zip(fastest.peak_memory, problem.capacities)]
     ranked = sorted(problem.recompute_choices(),
                     key=lambda i: (-max(over[d] for d in blocks[i].devices),
                                    -(blocks[i].memory - blocks[i].recompute_memory)
@@ -203,6 +205,12 @@ def _solve(problem: Problem, budget: Budget, progress: Progress | None) -> Solut
         notes = [f"completion: the {origin} template; no searched schedule is shorter "
                  "(or as short in less memory)"]
     proven = schedule.makespan <= lower_bound
+    if problem.search.exact and not proven:
+        shorter = improve_in_windows(problem, schedule, budget=budget.slice(
+            budget.units(WINDOWS_EFFORT), fixed=True), target=lower_bound, notes=notes)
+        if shorter is not schedule:
+            schedule, origin = shorter, "search"
+            proven = schedule.makespan <= lower_bound
     if problem.search.exact and not proven:
         whole, proven = complete_whole(problem, schedule, budget=budget.slice(
             budget.units(WHOLE_EFFORT), fixed=True), notes=notes)

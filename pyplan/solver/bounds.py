@@ -16,18 +16,25 @@ def min_memory(problem: Problem) -> list[int]:
     order = problem.graph.topological_order()
     orders = [[(b, 0) for b in order if d in problem.blocks[b].devices]
               for d in range(problem.num_devices)]
-    return list(_core.evaluate(problem.graph, orders).peak_memory)
+    return list(_core.evaluate(problem.free_graph, orders).peak_memory)
 
 
 def check_fits(problem: Problem) -> None:
-    """InfeasibleError when one micro-batch alone exceeds the memory capacity."""
-    if problem.memory_capacity is None:
+    """InfeasibleError when one micro-batch alone exceeds a device's memory capacity."""
+    if not problem.limited:
         return
     need = min_memory(problem)
-    worst = max(range(problem.num_devices), key=lambda d: need[d])
-    if need[worst] > problem.memory_capacity:
-        raise InfeasibleError(
-            f"one micro-batch alone needs {problem.show_memory(need[worst])} on device {worst}, "
-            f"more than the capacity {problem.show_memory(problem.memory_capacity)}",
-            hint=f"the smallest memory that admits one micro-batch is "
-                 f"{problem.show_memory(max(need))}; raise memory: or split blocks")
+    over = [d for d in range(problem.num_devices)
+            if problem.capacity_of(d) is not None and need[d] > problem.capacity_of(d)]
+    if not over:
+        return
+    worst = max(over, key=lambda d: need[d] - problem.capacity_of(d))
+    if problem.device_memory:
+        hint = (f"device {worst} needs at least {problem.show_memory(need[worst])}; raise its "
+                "memory or split blocks")
+    else:
+        hint = (f"the smallest memory that admits one micro-batch is "
+                f"{problem.show_memory(max(need))}; raise memory: or split blocks")
+    raise InfeasibleError(
+        f"one micro-batch alone needs {problem.show_memory(need[worst])} on device {worst}, "
+        f"more than the capacity {problem.show_memory(problem.capacity_of(worst))}", hint=hint)

@@ -17,16 +17,19 @@ from pyplan import _core
 from pyplan.problem import Problem
 from pyplan.schedule import Instance, Schedule, build_schedule, repetend_from_core
 from pyplan.solver.budget import Budget
-from pyplan.solver.exact import Anchor, time_optimal
+from pyplan.solver.exact import Anchor, reoptimise, time_optimal
 from pyplan.spec.units import count
 
-__all__ = ["EXACT_LIMIT", "PHASE_EFFORT", "WHOLE_LIMIT", "cheap_completion", "climb",
-           "complete", "complete_whole", "exact_applies"]
+__all__ = ["EXACT_LIMIT", "PHASE_EFFORT", "WHOLE_LIMIT", "WINDOW_LIMIT", "cheap_completion",
+           "climb", "complete", "complete_whole", "exact_applies", "improve_in_windows"]
 
 EXACT_LIMIT = 160          # instances: above this the exact warmup/cooldown solve is skipped
 WHOLE_LIMIT = 48           # instances: up to this the whole problem is also solved exactly
 PHASE_EFFORT = 1_000_000   # Z3 resource units for one phase (about 0.05 s here)
 CLIMB_TRIED = 4            # neighbours completed per local-search step
+WINDOW_LIMIT = 160         # instances: up to this many, Z3 reorders windows of the schedule
+WINDOW = 24                # instances Z3 may reorder at once
+WINDOW_EFFORT = 2_000_000  # Z3 resource units for one window
 COMPLETION_COST = 50       # a cheap completion costs about this many periodic evaluations
 
 
@@ -322,3 +325,41 @@ def complete_whole(problem: Problem, best: Schedule, *, budget: Budget,
                 if proven else
                 "completion: whole schedule improved by Z3, not proven optimal"]
     return schedule, proven
+
+
+def improve_in_windows(problem: Problem, best: Schedule, *, budget: Budget, target: int,
+                       notes: list[str]) -> Schedule:
+    """Large-neighbourhood search with Z3 for schedules of a few hundred instances: a window
+    of WINDOW instances consecutive in start time may be reordered among themselves while
+    every other pair keeps its order (all may move in time); a window that gives a shorter
+    schedule is taken and the pass starts again, until a pass gives nothing, the schedule
+    meets `target` or the budget's units run out. Windows overlap by half. The result has no
+    repetend (its orders are the schedule)."""
+    count_ = len(problem.blocks) * problem.num_micro_batches
+    if count_ > WINDOW_LIMIT or best.makespan <= target or budget.spent:
+        return best
+    schedule, size = best, min(WINDOW, count_)
+    while schedule.makespan > target and not budget.spent and not budget.expired():
+        instances = sorted({(schedule.start_of(b, m), m, b)
+                            for order in schedule.orders for b, m in order})
+        improved = False
+        for low in range(0, max(1, count_ - size // 2), max(1, size // 2)):
+            free = [(b, m) for _, m, b in instances[low:low + size]]
+            result = reoptimise(problem, schedule.orders, free, upper_bound=schedule.makespan,
+                                budget=budget.slice(budget.units(WINDOW_EFFORT)))
+            if result.orders:
+                try:
+                    candidate = build_schedule(problem, result.orders, None, ())
+                except RuntimeError:  # an order rule the window's orders do not keep
+                    candidate = None
+                if candidate is not None and candidate.makespan < schedule.makespan:
+                    schedule, improved = candidate, True
+                    break
+            if budget.spent or budget.expired():
+                break
+        if not improved:
+            break
+    if schedule is not best:
+        notes.append(f"completion: Z3 reordered windows of {count(size, 'instance')} "
+                     f"(makespan {best.makespan} -> {schedule.makespan})")
+    return schedule

@@ -34,7 +34,7 @@ else:
     z3 = _Z3()
 
 __all__ = ["Anchor", "ModuloResult", "TimeOptimal", "infeasibility_core",
-           "modulo_repetend", "time_optimal"]
+           "modulo_repetend", "reoptimise", "time_optimal"]
 
 
 MODULO_Z3_RATE = 4  # effort units per Z3 unit of a modulo model (about 200 ns each here)
@@ -113,11 +113,11 @@ def modulo_repetend(problem: Problem, period: int, max_micro_batches: int, *,
                             f"(<= (+ {off[j]} {tj}) (+ {off[i]} {T}))) "
                             f"(and (<= (+ {off[j]} {tj}) {off[i]}) "
                             f"(<= (+ {off[i]} {ti}) (+ {off[j]} {T}))))")
-    if problem.memory_capacity is not None:
+    if problem.limited:
         for d in range(problem.num_devices):
             on = [i for i, b in enumerate(blocks) if d in b.devices]
             holding = [i for i in on if blocks[i].memory != 0]
-            if not holding:
+            if not holding or problem.headroom(d) is None:
                 continue
             # Memory at block j's start: -sum(m_i k_i) - sum(m_i for o_i > o_j) <= headroom.
             base = f"(- {_sum([f'(* {_int(blocks[i].memory)} {lag[i]})' for i in holding])})"
@@ -248,14 +248,30 @@ class _TimeModel:
                                  f"{self.start[self.index[(b, m)]]})")
             previous[b] = m
 
-    def add_devices(self) -> None:
-        """Instances sharing a device do not overlap; one Boolean per pair fixes their order."""
+    def add_devices(self, keep=None, free=frozenset()) -> None:
+        """Instances sharing a device do not overlap; one Boolean per pair fixes their order.
+        `keep`: per device, an order of the instances (a schedule's) that every pair keeps
+        unless both are in `free` (a neighbourhood): such pairs get no Boolean, and only
+        consecutive kept instances and the pairs of a free one need a constraint."""
         s, t = self.start, self.time
-        for on in self.on_device:
+        for d, on in enumerate(self.on_device):
+            position = None
+            if keep is not None:
+                position = {x: p for p, x in enumerate(map(tuple, keep[d]))}
+                on = sorted(on, key=lambda i: position[self.inst[i]])
+                kept = [i for i in on if self.inst[i] not in free]
+                for i, j in zip(kept, kept[1:]):
+                    self.cons.append(f"(<= (+ {s[i]} {t[i]}) {s[j]})")
             for x in range(len(on)):
                 for y in range(x + 1, len(on)):
                     i, j = on[x], on[y]
-                    if (i, j) in self.before:
+                    if (i, j) in self.before or (j, i) in self.before:
+                        continue
+                    if position is not None and not (self.inst[i] in free and
+                                                     self.inst[j] in free):
+                        self.before[(i, j)] = "true"  # (on is in the kept order)
+                        if self.inst[i] in free or self.inst[j] in free:
+                            self.cons.append(f"(<= (+ {s[i]} {t[i]}) {s[j]})")
                         continue
                     self.before[(i, j)] = p = f"p_{i}_{j}"
                     self.decls.append(f"(declare-const {p} Bool)")
@@ -263,26 +279,36 @@ class _TimeModel:
                                      f"(<= (+ {s[j]} {t[j]}) {s[i]}))")
 
     def _precedes(self, i: int, j: int) -> str:
-        return self.before[(i, j)] if (i, j) in self.before else f"(not {self.before[(j, i)]})"
+        if (i, j) in self.before:
+            return self.before[(i, j)]
+        other = self.before[(j, i)]
+        return "false" if other == "true" else f"(not {other})"
 
     def add_memory(self, initial: list[int] | None = None, labelled: bool = False) -> None:
         """Memory at every block start (deltas of the instances ordered before it)."""
         problem = self.problem
-        if problem.memory_capacity is None:
-            return
         blocks, inst = problem.blocks, self.inst
         init = initial or [0] * problem.num_devices
         for d, on in enumerate(self.on_device):
             positive = sum(max(0, blocks[inst[i][0]].memory) for i in on)
-            if init[d] + positive <= problem.headroom(d):
-                continue  # cannot overflow whatever the order
+            if problem.headroom(d) is None or init[d] + positive <= problem.headroom(d):
+                continue  # unlimited, or cannot overflow whatever the order
             for j in on:
-                earlier = [f"(ite {self._precedes(i, j)} {_int(blocks[inst[i][0]].memory)} 0)"
-                           for i in on if i != j and blocks[inst[i][0]].memory != 0]
+                own = init[d] + blocks[inst[j][0]].memory
+                earlier = []
+                for i in on:
+                    if i == j or blocks[inst[i][0]].memory == 0:
+                        continue
+                    first = self._precedes(i, j)
+                    if first in ("true", "false"):  # a kept order: a constant
+                        own += blocks[inst[i][0]].memory if first == "true" else 0
+                    else:
+                        earlier.append(f"(ite {first} {_int(blocks[inst[i][0]].memory)} 0)")
                 if earlier:
-                    own = init[d] + blocks[inst[j][0]].memory
                     self._add(f"(<= (+ {_int(own)} {_sum(earlier)}) "
                               f"{_int(problem.headroom(d))})", "memory" if labelled else None)
+                elif own > problem.headroom(d):
+                    self._add("false", "memory" if labelled else None)
 
     def add_objective(self, anchor: Anchor | None) -> None:
         objective = self.OBJECTIVE
@@ -406,6 +432,27 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
     if lo > hi:
         return TimeOptimal("none")
     return model.optimise(hi, budget) if method == "optimize" else model.minimise(lo, hi, budget)
+
+
+def reoptimise(problem: Problem, orders, free, *, upper_bound: int,
+               budget: Budget = Budget()) -> TimeOptimal:
+    """A schedule of all the plan's instances shorter than `upper_bound` (one Z3 check: any
+    that is shorter, status "optimal" meaning only that one was found) when every device keeps
+    `orders` (a schedule's) except among the instances in `free`, which Z3 may reorder and
+    which, with everything else, may move in time: a large-neighbourhood step. "none": there
+    is none in this neighbourhood."""
+    everything = [(b.index, m) for m in range(problem.num_micro_batches) for b in problem.blocks]
+    model = _TimeModel(problem, everything)
+    model.add_dependencies()
+    model.add_rules()
+    if not problem.rules:  # a block's micro-batches stay in order (the runtime's, torch's)
+        model.add_symmetry()
+    model.add_devices(keep=orders, free=frozenset(map(tuple, free)))
+    model.add_memory()
+    model.add_objective(None)
+    if upper_bound - 1 < problem.makespan_bound():
+        return TimeOptimal("none")
+    return model.minimise(upper_bound - 1, upper_bound - 1, budget)
 
 
 def infeasibility_core(problem: Problem, *, budget: Budget = Budget()) -> list[str] | None:

@@ -34,6 +34,11 @@ def explain(problem: Problem, budget: Budget) -> InfeasibleError:
     rules = [problem.rules[int(label.split()[1])] for label in core if label != "memory"]
     file = problem.source_path or None
     if not rules:
+        if problem.device_memory:  # no one capacity to raise
+            return InfeasibleError(
+                f"the order rules need more memory than the capacities "
+                f"{problem.show_capacity()} for {count(n, 'micro-batch')}",
+                hint="raise the devices' memory or relax constraints:")
         need = _least_memory(small, budget)
         return InfeasibleError(
             f"the order rules need more memory than the capacity "
@@ -41,7 +46,7 @@ def explain(problem: Problem, budget: Budget) -> InfeasibleError:
             hint=(f"raise memory: to at least {problem.show_memory(need)}" if need else
                   "raise memory: or relax constraints:"))
     where = ", ".join(f"line {r.line} '{r.text}'" for r in rules)
-    memory = (f" within the memory capacity {problem.show_memory(problem.memory_capacity)}"
+    memory = (f" within the memory capacity {problem.show_capacity()}"
               if "memory" in core else "")
     first = rules[0]
     return InfeasibleError(

@@ -76,13 +76,14 @@ def max_repetend_micro_batches(problem: Problem) -> int:
     limit = problem.search.max_repetend_micro_batches
     if limit is None:
         limit = 2 * problem.num_devices + 2
-        if problem.memory_capacity is not None:
+        if problem.limited:
             held = [0] * problem.num_devices
             for b in problem.blocks:
                 for d in b.devices:
                     held[d] += max(0, b.memory)
             fits = [(max(0, problem.headroom(d)) - held[d] + b.memory) // b.memory
-                    for b in problem.blocks if b.memory > 0 for d in b.devices]
+                    for b in problem.blocks if b.memory > 0 for d in b.devices
+                    if problem.headroom(d) is not None]
             if fits:
                 # A repetend spans a little more than what is in flight on the busiest device
                 # (a deferred weight-gradient block, say), hence the margin.

@@ -149,14 +149,15 @@ def _one_f_one_b(num_stages: int, n: int, limits: list[int] | None = None
 def _in_flight_limits(problem: Problem, stages: list[list[int]]) -> list[int] | None:
     """How many micro-batches each stage may hold within the memory capacity: 1F1B with
     fewer warmup forwards where its usual p - s do not fit (at least one)."""
-    if problem.memory_capacity is None:
+    if not problem.limited:
         return None
     limits = []
     for stage in stages:
         device = _stage_device(problem, stage)
         held = sum(max(0, problem.blocks[b].memory) for st in stages
                    if _stage_device(problem, st) == device for b in st)
-        limits.append(max(1, problem.headroom(device) // held) if held > 0 else len(stages))
+        room = problem.headroom(device)
+        limits.append(max(1, room // held) if held > 0 and room is not None else len(stages))
     return limits
 
 
@@ -594,12 +595,13 @@ def baselines(problem: Problem, budget: Budget = Budget()) -> dict[str, Baseline
             continue
         budget.charge(instances * TEMPLATE_WORK)
         # A template is its own order rule: the plan's order constraints do not apply to it.
-        ev = _core.evaluate(problem.graph, orders, complete_micro_batches=problem.num_micro_batches,
+        ev = _core.evaluate(problem.free_graph, orders,
+                            complete_micro_batches=problem.num_micro_batches,
                             enforce_rules=False)
         if not ev.ok:
             out[name] = Baseline(name, reason=f"does not run on this placement ({ev.reason})")
             continue
-        fits = problem.memory_capacity is None or max(ev.peak_memory) <= problem.memory_capacity
+        fits = problem.fits(ev.peak_memory)
         _, makespan, bubble_rate = with_syncs(problem, orders, ev)
         out[name] = Baseline(name, makespan, bubble_rate, tuple(ev.peak_memory), fits,
                              orders=tuple(tuple(map(tuple, o)) for o in orders))

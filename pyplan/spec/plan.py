@@ -213,6 +213,12 @@ class PlanSpec:
     num_devices: int
     memory_capacity: int | None = None
     """Per-device capacity in the plan's unit (bytes when sizes are used); None = unlimited."""
+    device_memory: tuple[int | None, ...] = ()
+    """Each device's capacity where the devices differ (None: unlimited); empty when they all
+    have memory_capacity."""
+    device_speed: tuple[float, ...] = ()
+    """Each device's speed relative to the one block times were measured on, where some
+    differs from 1 (empty: all 1)."""
     memory_is_size: bool = False
     num_micro_batches: int
     task: str = "training"
@@ -354,6 +360,50 @@ def _topology(source: Source, raw: dict | None, size) -> TopologySpec:
                         **links)
 
 
+def _devices(source: Source, doc: dict, memory: _Memory):
+    """devices: and memory: as (capacity, number of devices, per-device capacities, speeds).
+    Per-device values come from a devices: list ({memory, speed} each; a missing memory is
+    memory:'s) or a memory: list; where every device has the same capacity or speed they
+    collapse to the plain form, so equal devices written either way are the same plan."""
+    raw = doc["devices"]
+    entries = raw if isinstance(raw, list) else None
+    num_devices = len(entries) if entries is not None else raw
+    capacity, capacities = None, None
+    given = doc.get("memory")
+    if isinstance(given, list):
+        if len(given) != num_devices:
+            raise source.error(("memory",), f"memory lists {len(given)} capacities for "
+                               f"{num_devices} devices", "give one capacity per device")
+        if entries is not None and any("memory" in e for e in entries):
+            first = next(i for i, e in enumerate(entries) if "memory" in e)
+            raise source.error(("devices", first, "memory"), "memory is given both here and "
+                               "as a memory: list", "give each device's memory in one place")
+        capacities = [memory(v, ("memory", i)) for i, v in enumerate(given)]
+        where = [("memory", i) for i in range(num_devices)]
+    else:
+        if given is not None:
+            capacity = memory(given, ("memory",))
+        capacities = [capacity] * num_devices
+        where = [("memory",)] * num_devices
+        for i, entry in enumerate(entries or []):
+            if "memory" in entry:
+                capacities[i] = memory(entry["memory"], ("devices", i, "memory"))
+                where[i] = ("devices", i, "memory")
+    for amount, path in zip(capacities, where):
+        if amount is not None and amount <= 0:
+            raise source.error(path, f"memory capacity must be positive, got {amount}",
+                               "omit memory: for unlimited memory")
+    speeds = [float(e.get("speed", 1.0)) for e in entries or []]
+    for i, speed in enumerate(speeds):
+        if not math.isfinite(speed):
+            raise source.error(("devices", i, "speed"), f"speed must be a finite number, got "
+                               f"{speed}", "1 is the device block times were measured on")
+    if len(set(capacities)) == 1:
+        capacity, capacities = capacities[0], []
+    return (capacity, num_devices, tuple(capacities),
+            tuple(speeds) if any(s != 1.0 for s in speeds) else ())
+
+
 def _build(source: Source) -> PlanSpec:
     doc = source.data
     memory = _Memory(source)
@@ -382,12 +432,7 @@ def _build(source: Source) -> PlanSpec:
             raise source.error(("training", "backward", "weight_memory_ratio"),
                                "weight_memory_ratio needs a split backward",
                                "set weight_time_ratio too", key=True)
-    capacity = None
-    if "memory" in doc:
-        capacity = memory(doc["memory"], ("memory",))
-        if capacity <= 0:
-            raise source.error(("memory",), f"memory capacity must be positive, got {capacity}",
-                               "omit memory: for unlimited memory")
+    capacity, num_devices, device_memory, device_speed = _devices(source, doc, memory)
     blocks = []
     for i, raw in enumerate(doc.get("blocks", [])):
         path = ("blocks", i)
@@ -435,8 +480,8 @@ def _build(source: Source) -> PlanSpec:
     mesh_raw = doc.get("mesh", {})
     mesh = MeshSpec(data=mesh_raw.get("data", 1), shard=mesh_raw.get("shard", False),
                     sync=mesh_raw.get("sync", 0))
-    if mesh.data * doc["devices"] > MAX_DEVICES:
-        raise source.error(("mesh", "data"), f"{mesh.data} replicas of {doc['devices']} devices "
+    if mesh.data * num_devices > MAX_DEVICES:
+        raise source.error(("mesh", "data"), f"{mesh.data} replicas of {num_devices} devices "
                            f"exceed {MAX_DEVICES} devices", "use fewer replicas")
     model = None
     if "model" in doc:
@@ -447,7 +492,8 @@ def _build(source: Source) -> PlanSpec:
                           traced=raw.get("traced", False), data=raw["data"], loss=raw["loss"],
                           path=raw.get("path"))
     return PlanSpec(source=source, name=doc["name"], description=doc.get("description", ""),
-                    num_devices=doc["devices"], memory_capacity=capacity,
+                    num_devices=num_devices, memory_capacity=capacity,
+                    device_memory=device_memory, device_speed=device_speed,
                     memory_is_size=memory.is_size, num_micro_batches=doc["micro_batches"],
                     task=task, backward=backward,
                     recompute=doc.get("training", {}).get("recompute", "never"),
