@@ -13,7 +13,7 @@ void register_modulo(py::module_& m) {
     m.def(
         "modulo_schedule",
         [](const Graph& g, int64_t period, int max_micro_batches, int64_t capacity,
-           int64_t budget, double seconds) {
+           int64_t budget, double seconds, int64_t work_budget) {
             check_count(max_micro_batches, kMaxRepetendMicroBatches, "max_micro_batches");
             check_count(period, (int64_t{1} << 28) / g.num_devices(),
                         "period (its reservation table has devices x period cells)");
@@ -22,13 +22,13 @@ void register_modulo(py::module_& m) {
             {
                 py::gil_scoped_release release;
                 r = modulo_schedule(g, period, max_micro_batches, capacity, budget, stats,
-                                    seconds);
+                                    seconds, work_budget);
             }
             return py::make_tuple(r, stats);
         },
         py::arg("graph"), py::arg("period"), py::arg("max_micro_batches"),
         py::arg("memory_capacity") = -1, py::arg("node_budget") = 200000,
-        py::arg("seconds") = 0.0);
+        py::arg("seconds") = 0.0, py::arg("work_budget") = 0);
     m.def("repetend_from_starts", &repetend_from_starts, py::arg("graph"), py::arg("start"),
           py::arg("period"));
 }

@@ -36,9 +36,9 @@ namespace {
 class ModuloSearch {
   public:
     ModuloSearch(const Graph& g, int64_t period, int max_mb, int64_t capacity, int64_t budget,
-                 ModuloStats& stats, double seconds)
+                 ModuloStats& stats, double seconds, int64_t work_budget)
         : g_(g), T_(period), max_lag_(max_mb - 1), capacity_(capacity), budget_(budget),
-          stats_(stats), timed_(seconds > 0),
+          work_budget_(work_budget), stats_(stats), timed_(seconds > 0),
           deadline_(std::chrono::steady_clock::now() +
                     std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                         std::chrono::duration<double>(timed_ ? seconds : 0.0))) {
@@ -153,7 +153,7 @@ class ModuloSearch {
     // Out of nodes or of time (the clock is read every 64 calls): stop, as if exhausted.
     bool over() {
         if (!stats_.budget_exhausted &&
-            (stats_.nodes >= budget_ ||
+            (stats_.nodes >= budget_ || (work_budget_ > 0 && stats_.work >= work_budget_) ||
              (timed_ && (++ticks_ & 63) == 0 && std::chrono::steady_clock::now() >= deadline_)))
             stats_.budget_exhausted = true;
         return stats_.budget_exhausted;
@@ -252,6 +252,7 @@ class ModuloSearch {
     int64_t max_lag_;
     int64_t capacity_;
     int64_t budget_;
+    int64_t work_budget_;
     ModuloStats& stats_;
     bool timed_;
     std::chrono::steady_clock::time_point deadline_;
@@ -268,7 +269,7 @@ class ModuloSearch {
 
 Repetend modulo_schedule(const Graph& g, int64_t period, int max_micro_batches,
                          int64_t memory_capacity, int64_t node_budget, ModuloStats& stats,
-                         double seconds) {
+                         double seconds, int64_t work_budget) {
     if (period <= 0) throw std::invalid_argument("the period must be positive");
     if (max_micro_batches < 1) throw std::invalid_argument("need at least one micro-batch");
     if (static_cast<int>(g.topological_order().size()) != g.num_blocks())
@@ -277,7 +278,7 @@ Repetend modulo_schedule(const Graph& g, int64_t period, int max_micro_batches,
     stats.budget_exhausted = false;
     int64_t before = stats.nodes;
     ModuloSearch search(g, period, max_micro_batches, memory_capacity, before + node_budget,
-                        stats, seconds);
+                        stats, seconds, work_budget > 0 ? stats.work + work_budget : 0);
     if (search.run()) return search.result;
     Repetend none;
     none.orders.assign(g.num_devices(), {});

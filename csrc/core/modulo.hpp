@@ -24,10 +24,11 @@ struct ModuloStats {
 
 // A modulo schedule with the given period whose repetend has at most max_micro_batches
 // micro-batches and fits memory, or a Repetend with feasible == false (also when the node
-// budget or, if seconds > 0, the time runs out: stats.budget_exhausted).
+// budget, the work budget (elementary steps, ModuloStats::work; <= 0: none) or, if
+// seconds > 0, the time runs out: stats.budget_exhausted).
 Repetend modulo_schedule(const Graph& g, int64_t period, int max_micro_batches,
                          int64_t memory_capacity, int64_t node_budget, ModuloStats& stats,
-                         double seconds = 0);
+                         double seconds = 0, int64_t work_budget = 0);
 
 // The repetend a modulo schedule (absolute starts of micro-batch 0) stands for: indices from the
 // lags, per-device order by offset, evaluated exactly.

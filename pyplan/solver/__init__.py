@@ -12,8 +12,9 @@ from pyplan.problem import Problem
 from pyplan.schedule import Schedule, build_schedule
 from pyplan.solver.bounds import check_fits, min_memory
 from pyplan.solver.budget import LAYOUT_SECONDS, Budget, Effort
-from pyplan.solver.complete import (COMPLETION_COST, cheap_completion, climb, complete,
-                                    complete_whole, exact_applies, improve_in_windows)
+from pyplan.solver.complete import (COMPLETION_COST, cheap_completion, climb, climb_step_work,
+                                    complete, complete_whole, exact_applies,
+                                    improve_in_windows)
 from pyplan.solver.explain import explain
 from pyplan.solver.search import (POOL_SIZE, POOL_WORK, Progress, RepetendSearch, SearchStats,
                                   candidate_pool, max_repetend_micro_batches, pool_steps,
@@ -300,8 +301,11 @@ class _Completion:
             if schedule is None or _rank(candidate) < _rank(schedule):
                 schedule, best_notes = candidate, notes
 
-        share = CLIMB_WORK // POOL_SIZE  # what one local search may spend (times the effort)
-        share = budget.units(share)
+        # What one local search may spend: a share of CLIMB_WORK (times the effort), or where
+        # two steps cost more (large plans), two steps of what is left: the best candidates
+        # are searched from first.
+        share = max(budget.units(CLIMB_WORK // POOL_SIZE),
+                    2 * climb_step_work(problem, max_repetend_micro_batches(problem)))
         steps = pool_steps(problem)
         for work in steps[:1] if first_step else steps:
             pool = candidate_pool(problem, found.repetend, budget=self.search, stats=self.stats,
@@ -326,14 +330,15 @@ class _Completion:
             # Local search from the best candidates so far, before ranking more of them.
             for _, rep in sorted(seen.values(), key=lambda x: x[0])[:POOL_SIZE]:
                 key = repetend_key(rep)
-                if finished() or self.climbing < share or self.cheap[key] is None or \
-                        key in self.climbed:
+                work = min(share, self.climbing)
+                if finished() or work < climb_step_work(problem, max_repetend_micro_batches(
+                        problem)) or self.cheap[key] is None or key in self.climbed:
                     continue
                 self.climbed.add(key)
-                self.climbing -= share
+                self.climbing -= work
                 for step, completion_of_step in climb(
                         problem, rep, self.cheap[key], target=self.target, budget=budget,
-                        max_micro_batches=max_repetend_micro_batches(problem), work=share):
+                        max_micro_batches=max_repetend_micro_batches(problem), work=work):
                     self.cheap[repetend_key(step)] = completion_of_step
                     consider(step)
             if finished():

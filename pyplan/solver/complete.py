@@ -21,7 +21,8 @@ from pyplan.solver.exact import Anchor, reoptimise, time_optimal
 from pyplan.spec.units import count
 
 __all__ = ["EXACT_LIMIT", "PHASE_EFFORT", "WHOLE_LIMIT", "WINDOW_LIMIT", "cheap_completion",
-           "climb", "complete", "complete_whole", "exact_applies", "improve_in_windows"]
+           "climb", "climb_step_work", "complete", "complete_whole", "exact_applies",
+           "improve_in_windows"]
 
 EXACT_LIMIT = 160          # instances: above this the exact warmup/cooldown solve is skipped
 WHOLE_LIMIT = 48           # instances: up to this the whole problem is also solved exactly
@@ -30,7 +31,8 @@ CLIMB_TRIED = 4            # neighbours completed per local-search step
 WINDOW_LIMIT = 160         # instances: up to this many, Z3 reorders windows of the schedule
 WINDOW = 24                # instances Z3 may reorder at once
 WINDOW_EFFORT = 2_000_000  # Z3 resource units for one window
-COMPLETION_COST = 50       # a cheap completion costs about this many periodic evaluations
+COMPLETION_COST = 20       # a cheap completion costs about this many periodic evaluations
+CLIMB_FULL = 16_384        # instances: above this, neighbours are ranked on fewer micro-batches
 
 
 def _split_periodic(problem: Problem, rep: _core.Repetend):
@@ -91,14 +93,12 @@ def climb(problem: Problem, rep: _core.Repetend, start: tuple[Schedule, str], *,
     the repetends it moved to, each with its completion."""
     graph, capacity = problem.graph, problem.capacity
     n, k = problem.num_micro_batches, len(problem.blocks)
+    ranked_n = _ranked_micro_batches(problem, max_micro_batches)
     before, after = _closures(problem)
     neighbours: dict[tuple, tuple[int, _core.Repetend] | None] = {}
     path: list = []
     current, best = list(rep.indices), start[0].makespan
-    # A step evaluates 2 k periodic schedules of k n instances and completes CLIMB_TRIED of
-    # them (each laid out three times in Python, its phases list-scheduled: about
-    # COMPLETION_COST evaluations); a step that might not fit in the work left is not taken.
-    step_work = (2 * k + CLIMB_TRIED * COMPLETION_COST) * k * n
+    step_work = climb_step_work(problem, max_micro_batches)
     while best > target and work >= step_work and not budget.expired():
         work -= step_work
         budget.charge(step_work)
@@ -113,8 +113,9 @@ def climb(problem: Problem, rep: _core.Repetend, start: tuple[Schedule, str], *,
                     candidate = _core.list_schedule_repetend(graph, list(key))
                     if max(key) < max_micro_batches and candidate.feasible and \
                             candidate.period <= rep.period and \
-                            _core.memory_fits(candidate, capacity):
-                        makespan = _core.periodic_makespan(graph, candidate, n, capacity)
+                            _core.memory_fits(graph, candidate, capacity):
+                        makespan = _core.periodic_makespan(graph, candidate, ranked_n,
+                                                           capacity)
                         if makespan >= 0:
                             neighbours[key] = makespan, candidate
                 if neighbours[key] is not None and list(key) != current:
@@ -134,6 +135,26 @@ def climb(problem: Problem, rep: _core.Repetend, start: tuple[Schedule, str], *,
         path.append(step)
         current, best = list(step[0].indices), step[1][0].makespan
     return path
+
+
+def _ranked_micro_batches(problem: Problem, max_micro_batches: int) -> int:
+    """Micro-batches over which the local search ranks its neighbours by their periodic
+    schedule: all of them, except for large plans, where a few repetends' worth tell the
+    warmups and cooldowns apart (every neighbour has the same period, so the steady state in
+    between adds the same to each)."""
+    n = problem.num_micro_batches
+    if len(problem.blocks) * n <= CLIMB_FULL:
+        return n
+    return min(n, 2 * max_micro_batches + 2)
+
+
+def climb_step_work(problem: Problem, max_micro_batches: int) -> int:
+    """What one step of the local search costs: 2 k neighbours' periodic schedules of k
+    instances per micro-batch ranked, and CLIMB_TRIED of them completed (laid out in Python,
+    phases list-scheduled: about COMPLETION_COST evaluations per instance)."""
+    n, k = problem.num_micro_batches, len(problem.blocks)
+    return (2 * k * _ranked_micro_batches(problem, max_micro_batches)
+            + CLIMB_TRIED * COMPLETION_COST * n) * k
 
 
 def _warmup_anchor(problem: Problem, rep: _core.Repetend, instances) -> Anchor:

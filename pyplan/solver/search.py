@@ -29,6 +29,7 @@ __all__ = ["Progress", "RepetendSearch", "SearchStats", "candidate_pool", "evalu
            "max_repetend_micro_batches", "pool_steps", "repetend_key", "search_repetend"]
 
 MODULO_BUDGET = 20_000        # DFS placements per period in the fast path
+MODULO_WORK = 4_000_000       # and elementary steps (packing checks): about 40 ms here
 MODULO_MAX_PERIOD = 65_536    # the fast path's reservation table has one cell per time step
 MODULO_TOTAL = 500_000        # DFS placements over all periods (then enumeration takes over)
 ENUMERATION_BUDGET = 200_000  # Tessel candidates per N_R while searching the period
@@ -147,7 +148,7 @@ def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: Sea
     # One micro-batch at a time always works if one micro-batch fits: the fallback.
     sequential = _core.list_schedule_repetend(graph, [0] * len(problem.blocks))
     budget.charge(evaluation_work(problem))
-    if sequential.feasible and _core.memory_fits(sequential, capacity):
+    if sequential.feasible and _core.memory_fits(graph, sequential, capacity):
         best = sequential
     report("fast path")
     max_period = best.period - 1 if best is not None else bound * 4
@@ -158,7 +159,7 @@ def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: Sea
         if budget.expired() or stats.modulo_nodes > MODULO_TOTAL:
             break
         rep, mstats = _core.modulo_schedule(graph, period, max_nr, capacity, MODULO_BUDGET,
-                                            budget.remaining())
+                                            budget.remaining(), budget.units(MODULO_WORK))
         stats.modulo_nodes += mstats.nodes
         budget.charge(modulo_work(mstats))
         if _better(best, rep):
@@ -230,7 +231,7 @@ def _exact_period(problem: Problem, best: _core.Repetend | None, bound: int, max
         result = modulo_repetend(problem, period, max_nr, budget=budget)
         if result.status == "sat":
             rep = _core.repetend_from_starts(graph, list(result.starts), period)
-            if rep.feasible and _core.memory_fits(rep, problem.capacity) and \
+            if rep.feasible and _core.memory_fits(graph, rep, problem.capacity) and \
                     _better(found or best, rep):
                 found = rep
             hi = rep.period - 1
@@ -259,7 +260,7 @@ def candidate_pool(problem: Problem, best: _core.Repetend, *, budget: Budget,
         if budget.expired():
             break
         rep, mstats = _core.modulo_schedule(graph, period, nr, capacity, MODULO_BUDGET,
-                                            budget.remaining())
+                                            budget.remaining(), budget.units(MODULO_WORK))
         stats.modulo_nodes += mstats.nodes
         budget.charge(modulo_work(mstats))
         if rep.feasible and rep.period <= period:
