@@ -60,11 +60,12 @@ def test_missing_compiled_core_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("delay", [0.3, 2.0])
 def test_ctrl_c_during_a_solve_exits_130_and_writes_nothing(tmp_path, delay):
-    # NN-shape, 6 micro-batches, memory 3: seconds of Z3 work (enumeration, then exact phases).
+    # NN-shape, 6 micro-batches, memory 3, twenty times the default effort: many seconds of
+    # Z3 work (enumeration, exact phases, windows, then the whole problem).
     out = tmp_path / "nn.resolved.yaml"
     process = subprocess.Popen([sys.executable, "-m", "pyplan", "solve",
                                 str(PLANS / "tessel-nnshape.yaml"), "--micro-batches", "6",
-                                "--memory", "3", "-o", str(out), "--quiet"],
+                                "--memory", "3", "--effort", "20", "-o", str(out), "--quiet"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                cwd=tmp_path)
     time.sleep(delay)
