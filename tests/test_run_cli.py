@@ -104,10 +104,11 @@ def test_dry_run_builds_the_model_and_names_a_broken_block(cli, outside_torchrun
                     "model: {blocks: 'tiny:build', data: 'tiny:batch', loss: 'tiny:loss'}\n")
     assert cli("solve", plan, "--quiet")[0] == 0
     code, out, err = cli("run", tmp_path / "tiny.resolved.yaml", "--dry-run")
-    assert code == 1
-    assert err == ("error: model.blocks failed to build block 'b': KeyError: 'b' (hint: "
-                   "build(block_name, group) must return an nn.Module for every declared "
-                   "block)\n")
+    assert code == 2
+    # The user's code failed: one line at the plan's line that names the function.
+    assert err == (f"{plan}:9:17: error: model.blocks (tiny:build) raised KeyError: 'b' "
+                   "building block 'b' (hint: build(block_name, group) must return an "
+                   "nn.Module for every declared block)\n")
 
 
 @pytest.mark.parametrize("value", ["2", "a:1", "1:2:explode"])

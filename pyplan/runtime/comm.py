@@ -89,9 +89,13 @@ def join_world(request: str = "auto", *, timeout: float = 600.0) -> tuple[torch.
             torch.cuda.set_device(device)
         return device, False
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.PrefixStore("pyplan/devices/", dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=timedelta(seconds=timeout)))
+    # torchrun's store, as init_process_group("env://") would open it: its agent hosts it, or
+    # (started without torchrun's agent) rank 0 does.
+    hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    root = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=rank == 0 and not hosted, timeout=timedelta(seconds=timeout),
+                         wait_for_workers=False)
+    store = dist.PrefixStore("pyplan/devices/", root)
     store.set(str(rank), "1" if _has_gpu(local) else "0")
     without = [r for r in range(world) if store.get(str(r)) == b"0"]
     if request == "cuda" and without:
@@ -103,10 +107,10 @@ def join_world(request: str = "auto", *, timeout: float = 600.0) -> tuple[torch.
     if cuda:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-        dist.init_process_group(CUDA_BACKEND, timeout=timedelta(seconds=timeout))
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    dist.init_process_group(CUDA_BACKEND if cuda else "gloo", store=root, rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout))
     return device, True
 
 

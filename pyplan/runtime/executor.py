@@ -148,8 +148,11 @@ class Executor:
                 else:
                     steps.append((_FORWARD, b, m, [slot(v) for v in ins.inputs],
                                   slot(Value(ACTIVATION, b, m))))
+                # A backward keeps its forward's graph itself: only what it receives is an
+                # input here (its forward's output is not held for it).
                 for v in ins.inputs:
-                    last[slots[v]] = index
+                    if kind not in (BACKWARD, WEIGHT) or v.kind == GRADIENT:
+                        last[slots[v]] = index
             elif ins.op == SEND:
                 code = _SEND_ACT if ins.value.kind == ACTIVATION else _SEND_GRAD
                 steps.append((code, slot(ins.value), ins.peer, ins.value.block))

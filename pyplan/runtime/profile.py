@@ -54,9 +54,27 @@ class BlockCost:
 
 @dataclass
 class Measured:
-    """What the measurements noticed besides the figures: each a line for the user."""
+    """What the measurements noticed besides the figures."""
 
-    warnings: list[str] = field(default_factory=list)
+    spread: dict[str, float] = field(default_factory=dict)
+    """What was timed -> the spread of its times, where they stayed over SPREAD."""
+    load: float | None = None
+    """The highest load average seen above the cores, if any."""
+
+    @property
+    def warnings(self) -> list[str]:
+        """Lines for the user."""
+        lines = []
+        if self.spread:
+            worst = max(self.spread, key=self.spread.get)
+            lines.append(f"the times of {len(self.spread)} measurements spread more than "
+                         f"{SPREAD:.0%} around their medians however often repeated (worst: "
+                         f"{worst}, {self.spread[worst]:.0%}); the medians count")
+        if self.load is not None:
+            lines.append(f"the machine looks busy (load average {self.load:.1f} on "
+                         f"{os.cpu_count() or 1} cores): other work competing for the cores "
+                         "makes every time too long; measure again when it is idle")
+        return lines
 
 
 def _spread(samples: list[float]) -> float:
@@ -93,9 +111,7 @@ class _Timer:
             samples.append(sample())
         spread = _spread(samples)
         if spread > SPREAD:
-            self.measured.warnings.append(
-                f"{what}: its times spread {spread:.0%} around their median over "
-                f"{len(samples)} runs (the median counts)")
+            self.measured.spread[what] = spread
         return statistics.median(samples)
 
     def call(self, fn, what: str) -> tuple[float, object]:
@@ -115,12 +131,8 @@ def _busy(measured: Measured) -> None:
         load = os.getloadavg()[0]
     except OSError:
         return
-    cores = os.cpu_count() or 1
-    if load > cores + 0.5:
-        measured.warnings.append(
-            f"the machine looks busy (load average {load:.1f} on {cores} cores): other work "
-            "competing for the cores makes every measured time too long; measure again when "
-            "it is idle")
+    if load > (os.cpu_count() or 1) + 0.5:
+        measured.load = max(load, measured.load or 0.0)
 
 
 def _saved_bytes(fn, params) -> int:
