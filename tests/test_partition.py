@@ -234,6 +234,7 @@ def test_partition_errors_are_one_line(factory, message, cli, tmp_path, monkeypa
     (tmp_path / "broken_model.py").write_text(BROKEN)
     monkeypatch.syspath_prepend(str(tmp_path))
     code, out, err = cli("partition", factory, "--data", "broken_model:batch", "--loss",
-                         "broken_model:loss", "--devices", "4", "-o", tmp_path / "p.yaml")
+                         "broken_model:loss", "--devices", "4", "--micro-batches", "2",
+                         "-o", tmp_path / "p.yaml")
     assert (code, err) == (2, message)
     assert not (tmp_path / "p.yaml").exists()

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, metavar="K",
                         help="timed runs per unit and direction; the median counts")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="measure the units on this device (cuda: the first GPU, timed "
+                        "with CUDA events)")
     parser.add_argument("-o", "--output", required=True, metavar="PLAN",
                         help="where to write the plan (then pyplan solve PLAN)")
 
@@ -150,14 +153,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _profile(profile_units, model, inputs, targets, loss, args, measured):
     """Profile with a progress bar on a terminal (rich), quietly otherwise."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise PlanError("--device cuda, but torch sees no GPU", hint="measure with --device cpu")
+    options = dict(optimizer=args.optimizer, repeats=args.repeats, measured=measured,
+                   device=torch.device("cuda", 0) if args.device == "cuda" else
+                   torch.device("cpu"))
     if not sys.stderr.isatty():
-        return profile_units(model, inputs, targets, loss, optimizer=args.optimizer,
-                             repeats=args.repeats, measured=measured)
+        return profile_units(model, inputs, targets, loss, **options)
     from rich.progress import Progress
 
     with Progress(transient=True) as bar:
         task = bar.add_task("profiling units", total=None)
-        return profile_units(model, inputs, targets, loss, optimizer=args.optimizer,
-                             repeats=args.repeats, measured=measured,
+        return profile_units(model, inputs, targets, loss, **options,
                              progress=lambda done, total: bar.update(task, completed=done,
                                                                      total=total))

@@ -34,7 +34,7 @@ from pyplan.spec import load_yaml
 __all__ = ["SHARD_DIM", "Built", "Model", "block_inputs", "block_seeds", "build",
            "call_user", "check_model", "forward_blocks", "forward_seed", "import_function",
            "load_model", "make_batch", "seed_everything", "seed_generators", "shard",
-           "shard_dim", "split_batch"]
+           "shard_dim", "split_batch", "to_device"]
 
 SHARD_DIM = "pyplan_shard_dim"
 
@@ -402,7 +402,7 @@ def make_batch(model: Model, step: int, seed: int, device) -> tuple[Any, Any]:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise _user_error(model, "data", f"returned {_what(batch)}, not (inputs, targets)",
                           _HINTS["data"])
-    return _to(batch[0], device), _to(batch[1], device)
+    return to_device(batch[0], device), to_device(batch[1], device)
 
 
 def _what(value) -> str:
@@ -413,13 +413,14 @@ def _what(value) -> str:
     return f"a {type(value).__name__}"
 
 
-def _to(tree, device):
+def to_device(tree, device, non_blocking: bool = False):
+    """Every tensor of a batch (a tensor, or tuples, lists and dicts of them) on `device`."""
     if isinstance(tree, torch.Tensor):
-        return tree.to(device)
+        return tree.to(device, non_blocking=non_blocking)
     if isinstance(tree, dict):
-        return {k: _to(v, device) for k, v in tree.items()}
+        return {k: to_device(v, device, non_blocking) for k, v in tree.items()}
     if isinstance(tree, (tuple, list)):
-        return type(tree)(_to(v, device) for v in tree)
+        return type(tree)(to_device(v, device, non_blocking) for v in tree)
     return tree
 
 

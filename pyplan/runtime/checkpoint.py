@@ -13,6 +13,7 @@ state dict, under the keys `model.state_dict()` has, for `load_state_dict(strict
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -86,7 +87,9 @@ def _block_of(pipe, param) -> int | None:
 
 
 def _options() -> StateDictOptions:
-    return StateDictOptions(full_state_dict=False)
+    # Optimizer state and hyperparameters keyed by parameter name: every rank writes its own
+    # keys (a list of parameter groups would be one key that DCP writes from one rank only).
+    return StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
 
 
 def save(directory: str | Path, pipe, optimizer, scheduler, step: int) -> None:
@@ -98,7 +101,7 @@ def save(directory: str | Path, pipe, optimizer, scheduler, step: int) -> None:
         meta = {"step": step, "seed": pipe.seed, "plan": pipe.problem.name,
                 "plan_sha256": pipe.resolved.spec_sha256,
                 "scheduler": scheduler.state_dict() if scheduler is not None else None}
-        dcp.save({"model": model_state, "optimizer": optim_state, "meta": meta},
+        dcp.save({"model": model_state, "optimizer": optim_state, "meta": json.dumps(meta)},
                  checkpoint_id=str(directory))
 
 
@@ -112,14 +115,12 @@ def load(directory: str | Path, pipe, optimizer, scheduler) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model_state, optim_state = get_state_dict(view, optimizer, options=_options())
-        state = {"model": model_state, "optimizer": optim_state,
-                 "meta": {"step": 0, "seed": 0, "plan": "", "plan_sha256": "",
-                          "scheduler": None}}
+        state = {"model": model_state, "optimizer": optim_state, "meta": ""}
         _check_keys(path, model_state)
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(view, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=_options())
-    meta = state["meta"]
+    meta = json.loads(state["meta"])
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
     return meta

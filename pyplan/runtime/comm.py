@@ -20,9 +20,16 @@ iteration is preceded by a header with the value's structure and each tensor's d
 so shapes may change between iterations (another sequence length). Gradients have the shapes of
 the receiver's own forward output.
 
-Lifetimes: a sent tensor is kept only until its send completes (checked at every send and
-wait, and at the end of the iteration), a received one until the executor drops it after its
-last use, so a rank holds the tensors of the micro-batches in flight, not of the iteration.
+Lifetimes: a sent tensor is kept only until its send completes, a received one until the
+executor drops it after its last use, so a rank holds the tensors of the micro-batches in
+flight, not of the iteration. gloo reports a send complete only once it is waited for, and
+waiting must not stall the sender on a receiver that is busy: sends and receives sit in one
+global order (pyplan.lower), so once a rank has received something its peer sent after one of
+its own sends in that order, the peer has posted the matching receive and waiting for that
+send costs nothing. Those sends are completed and released at every receive; at most
+`MAX_PENDING` more per channel are kept (a rank that never hears back, the first stage of a
+forward-only pipeline, waits for its oldest: the receiver's progress up to that receive depends
+only on what came earlier in the order, so this never deadlocks).
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from pyplan.errors import RunError
 from pyplan.runtime.values import flatten, rebuild, spec_text, structure
 
 __all__ = ["ACTIVATIONS", "CUDA_BACKEND", "Comm", "DEVICES", "GRADIENTS", "Pending",
-           "TransferError", "all_gather_objects", "join_world"]
+           "TransferError", "all_gather_objects", "choose_cuda", "join_world"]
 
 DEVICES = ("auto", "cpu", "cuda")
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
@@ -52,6 +59,7 @@ _MAX_DIMS = 8
 _HEADER_WORDS = 512
 _LEAF_WORDS = 2 + _MAX_DIMS
 _MAGIC = 0x7079706C616E  # "pyplan"
+MAX_PENDING = 8
 
 
 class TransferError(RuntimeError):
@@ -78,6 +86,19 @@ def _device_of_group(backend: str, local_rank: int, request: str) -> torch.devic
     return torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
 
+def choose_cuda(request: str, gpus: list[bool]) -> bool:
+    """Whether the world runs on CUDA, given whether each rank has a GPU of its own: auto takes
+    CUDA when every rank has one (one rank without would leave the others waiting for it in
+    NCCL forever), cuda insists and names a rank that cannot follow."""
+    without = [r for r, has in enumerate(gpus) if not has]
+    if request == "cuda" and without:
+        raise RunError(f"--device cuda, but rank {without[0]} has no GPU of its own "
+                       f"({len(without)} of {len(gpus)} ranks have none)",
+                       hint="start at most one process per GPU on each node, or use "
+                            "--device cpu")
+    return request == "cuda" or (request == "auto" and not without)
+
+
 def join_world(request: str = "auto", *, timeout: float = 600.0) -> tuple[torch.device, bool]:
     """(this rank's device, whether this call created the default process group)."""
     if request not in DEVICES:
@@ -97,13 +118,7 @@ def join_world(request: str = "auto", *, timeout: float = 600.0) -> tuple[torch.
                          wait_for_workers=False)
     store = dist.PrefixStore("pyplan/devices/", root)
     store.set(str(rank), "1" if _has_gpu(local) else "0")
-    without = [r for r in range(world) if store.get(str(r)) == b"0"]
-    if request == "cuda" and without:
-        raise RunError(f"--device cuda, but rank {without[0]} has no GPU of its own "
-                       f"({len(without)} of {world} ranks have none)",
-                       hint="start at most one process per GPU on each node, or use "
-                            "--device cpu")
-    cuda = request == "cuda" or (request == "auto" and not without)
+    cuda = choose_cuda(request, [store.get(str(r)) == b"1" for r in range(world)])
     if cuda:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
@@ -134,7 +149,10 @@ class Comm:
         for src, dst, kind in sorted(set(channels)):
             self.groups[(src, dst, kind)] = dist.new_group(sorted({src, dst}))
         self.rank = dist.get_rank()
-        self.sending: list[tuple[object, torch.Tensor]] = []
+        self.sending: list[tuple[object, torch.Tensor, int, int]] = []
+        """(work, tensor, peer, position in the global order) of the sends not known done."""
+        self.sending_bytes = 0
+        """Bytes of the tensors whose sends have not completed yet."""
         self.new_iteration()
 
     def new_iteration(self) -> None:
@@ -144,39 +162,55 @@ class Comm:
 
     # -- sending
 
-    def send_value(self, value, what: str, peer: int, stream: int) -> None:
-        """An activation (any value) to `peer`; `stream` is its producing block."""
+    def send_value(self, value, what: str, peer: int, stream: int, seq: int) -> None:
+        """An activation (any value) to `peer`; `stream` is its producing block, `seq` the
+        send's position in the global order."""
         leaves, spec = flatten(value, what)
         group = self.groups[(self.rank, peer, ACTIVATIONS)]
         if (peer, stream) not in self.announced:
             self.announced.add((peer, stream))
-            self._send(_header(leaves, spec, what), peer, group)
+            self._send(_header(leaves, spec, what), peer, group, seq)
         for leaf in leaves:
-            self._send(leaf.detach().contiguous(), peer, group)
+            self._send(leaf.detach().contiguous(), peer, group, seq)
 
-    def send_gradients(self, tensors: list[torch.Tensor], peer: int) -> None:
+    def send_gradients(self, tensors: list[torch.Tensor], peer: int, seq: int) -> None:
         group = self.groups[(self.rank, peer, GRADIENTS)]
         for tensor in tensors:
-            self._send(tensor.detach().contiguous(), peer, group)
+            self._send(tensor.detach().contiguous(), peer, group, seq)
 
-    def _send(self, tensor: torch.Tensor, peer: int, group) -> None:
+    def _send(self, tensor: torch.Tensor, peer: int, group, seq: int) -> None:
         work = self._post(dist.isend, tensor, peer, group)
         if self.blocking:
             self._wait(work)
-        else:
-            self.sending.append((work, tensor))  # gloo reads it until the send completes
-        self.release_sent()
+            return
+        self.sending.append((work, tensor, peer, seq))  # gloo reads it until it is sent
+        self.sending_bytes += tensor.numel() * tensor.element_size()
+        mine = [i for i, x in enumerate(self.sending) if x[2] == peer]
+        if len(mine) > MAX_PENDING:
+            self._wait(self.sending[mine[0]][0])
+        self._release(lambda work, _peer, _seq: work.is_completed())
 
-    def release_sent(self) -> None:
-        """Drop the tensors whose sends have completed."""
+    def heard_from(self, peer: int, seq: int) -> None:
+        """This rank has received what `peer` sent at position `seq`: every send to it from
+        before that position has been matched by a posted receive; complete and drop them."""
+        def matched(work, to, at):
+            if to == peer and at < seq:
+                self._wait(work)
+                return True
+            return work.is_completed()
+        self._release(matched)
+
+    def _release(self, done) -> None:
         if self.sending:
-            self.sending = [(w, t) for w, t in self.sending if not w.is_completed()]
+            self.sending = [x for x in self.sending if not done(x[0], x[2], x[3])]
+            self.sending_bytes = sum(t.numel() * t.element_size() for _, t, _, _ in self.sending)
 
     def finish(self) -> None:
         """Wait until every send of the iteration has completed."""
-        for work, _ in self.sending:
+        for work, _, _, _ in self.sending:
             self._wait(work)
         self.sending.clear()
+        self.sending_bytes = 0
 
     # -- receiving
 
@@ -202,14 +236,14 @@ class Comm:
             works = None
         return Pending(buffers, works, spec)
 
-    def wait(self, pending: Pending):
+    def wait(self, pending: Pending, peer: int, seq: int):
         """The received value (an activation rebuilt into its structure, or the list of
-        gradient tensors)."""
+        gradient tensors) that `peer` sent at position `seq` of the global order."""
         if pending.works is not None:
             for work in pending.works:
                 self._wait(work)
             pending.works = None
-        self.release_sent()
+        self.heard_from(peer, seq)
         return pending.tensors if pending.spec is None else rebuild(pending.tensors,
                                                                      pending.spec)
 

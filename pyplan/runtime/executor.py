@@ -131,6 +131,7 @@ class Executor:
             return slots.setdefault(value, len(slots))
 
         last: dict[int, int] = {}
+        sent_at: dict[Value, int] = {}  # a received value -> its send's global position
         steps = []
         by_name = self.lowered.problem.by_name
         for index, ins in enumerate(self.program):
@@ -155,16 +156,17 @@ class Executor:
                         last[slots[v]] = index
             elif ins.op == SEND:
                 code = _SEND_ACT if ins.value.kind == ACTIVATION else _SEND_GRAD
-                steps.append((code, slot(ins.value), ins.peer, ins.value.block))
+                steps.append((code, slot(ins.value), ins.peer, ins.value.block, ins.seq))
                 last[slots[ins.value]] = index
             elif ins.op == RECV:
+                sent_at[ins.value] = ins.seq
                 if ins.value.kind == ACTIVATION:
                     steps.append((_RECV_ACT, slot(ins.value), ins.peer, ins.value.block))
                 else:
                     steps.append((_RECV_GRAD, slot(ins.value), ins.peer,
                                   self.layer[ins.value.consumer], ins.value.micro_batch))
             elif ins.op == WAIT:
-                steps.append((_WAIT, slot(ins.value)))
+                steps.append((_WAIT, slot(ins.value), ins.peer, sent_at[ins.value]))
             elif ins.op == REDUCE:
                 steps.append((_REDUCE, ins.block))
             elif ins.op == SYNC:
@@ -193,6 +195,21 @@ class Executor:
         clock = _Clock(self.device)
         marks = []
         start = clock.mark()
+        with _no_host_sync(self.device):
+            self._steps(clock, marks, trace, forward_only, iteration)
+        self.index = len(self.steps)
+        self.comm.finish()
+        end = clock.mark()
+        clock.finish()
+        compute = sum(clock.seconds(a, b) for i, a, b in marks if self.steps[i][0] <= _WEIGHT)
+        events = [self.event(i, clock.seconds(start, a), clock.seconds(a, b))
+                  for i, a, b in marks] if trace else []
+        loss = torch.stack(self.losses).mean() if self.loss_owner and self.losses else None
+        return IterationResult(loss, clock.seconds(start, end), compute, self.peak,
+                               self.outputs, events)
+
+    def _steps(self, clock: _Clock, marks: list, trace: bool, forward_only: bool,
+               iteration: int) -> None:
         for index, step in enumerate(self.steps):
             self.index = index
             if self.fail_at and self.fail_at[1] == index and iteration == 0:
@@ -215,25 +232,16 @@ class Executor:
                 self.communicate(step)
             for s in self.drops[index]:
                 self.drop(s)
-        self.index = len(self.steps)
-        self.comm.finish()
-        end = clock.mark()
-        clock.finish()
-        compute = sum(clock.seconds(a, b) for i, a, b in marks if self.steps[i][0] <= _WEIGHT)
-        events = [self.event(i, clock.seconds(start, a), clock.seconds(a, b))
-                  for i, a, b in marks] if trace else []
-        loss = torch.stack(self.losses).mean() if self.loss_owner and self.losses else None
-        return IterationResult(loss, clock.seconds(start, end), compute, self.peak,
-                               self.outputs, events)
 
     def communicate(self, step) -> None:
         code = step[0]
         if code == _SEND_ACT:
-            _, s, peer, block = step
+            _, s, peer, block, seq = step
             self.comm.send_value(self.values[s], f"block '{self.blocks[block].name}'", peer,
-                                 block)
+                                 block, seq)
         elif code == _SEND_GRAD:
-            self.comm.send_gradients(self.values[step[1]], step[2])
+            _, s, peer, _, seq = step
+            self.comm.send_gradients(self.values[s], peer, seq)
         elif code == _RECV_ACT:
             self.pending[step[1]] = self.comm.recv_value(step[2], step[3])
         elif code == _RECV_GRAD:
@@ -243,8 +251,8 @@ class Executor:
             self.pending[s] = self.comm.recv_gradients(
                 peer, [leaves[i] for i in differentiable(leaves)])
         elif code == _WAIT:
-            s = step[1]
-            self.keep(s, self.comm.wait(self.pending[s]))
+            _, s, peer, seq = step
+            self.keep(s, self.comm.wait(self.pending[s], peer, seq))
             self.pending[s] = None
         elif code == _REDUCE:
             self.reduce(step[1])
@@ -258,7 +266,7 @@ class Executor:
     def keep(self, s: int, value) -> None:
         self.values[s] = value
         self.held += nbytes(value)
-        self.peak = max(self.peak, self.held)
+        self.peak = max(self.peak, self.held + self.comm.sending_bytes)
 
     def drop(self, s: int) -> None:
         value = self.values[s]
@@ -320,7 +328,7 @@ class Executor:
         if trains:
             held = 0 if recomputed else self.saved_bytes[b]
             self.held += held
-            self.peak = max(self.peak, self.held)
+            self.peak = max(self.peak, self.held + self.comm.sending_bytes)
             self.saved[(b, m)] = _Forward(out, loss, leaves, args if recomputed else None, held)
 
     def backward(self, b: int, m: int, grad_slots: list[int], targets: dict[int, int],
@@ -421,6 +429,20 @@ class Executor:
                               start * 1e6, seconds * 1e6, ins.micro_batch)
         return TraceEvent(self.rank, describe(self.lowered, ins), ins.op, start * 1e6,
                           seconds * 1e6, ins.micro_batch)
+
+
+@contextlib.contextmanager
+def _no_host_sync(device: torch.device):
+    """With PYPLAN_CHECK_SYNC=1 on CUDA, any synchronisation of the host with the GPU inside the
+    iteration's steps raises (torch.cuda.set_sync_debug_mode): the GPU tests run so."""
+    if device.type != "cuda" or os.environ.get("PYPLAN_CHECK_SYNC") != "1":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 class _Clock:

@@ -33,7 +33,7 @@ from pyplan.errors import PlanError, RunError
 from pyplan.lower import SYNC, Lowered, channels, check_runnable, forward_only, lower
 from pyplan.resolved import ResolvedPlan, load_resolved
 from pyplan.runtime.binding import (Built, Model, build, kept_rng, load_model, shard_dim,
-                                    shared_across_devices, split_batch)
+                                    shared_across_devices, split_batch, to_device)
 from pyplan.runtime.comm import Comm, TransferError, join_world
 from pyplan.runtime.executor import Executor, IterationResult, padded, unflatten_into
 from pyplan.verify import verify
@@ -47,10 +47,11 @@ class Pipeline:
     def __init__(self, plan: str | Path | ResolvedPlan, *, device: str = "auto",
                  seed: int = 0, dtype: str = "fp32", blocking: bool = False,
                  sync_at_end: bool = False, model: Model | None = None,
-                 fail_at: tuple[int, int, str] | None = None) -> None:
+                 fail_at: tuple[int, int, str] | None = None, timeout: float = 600.0) -> None:
         """Load, lower and verify the plan, join the default process group (creating it from
         torchrun's environment unless the caller did; its backend decides the device, else
-        `device`: auto = CUDA when every rank has a GPU), and build this rank's modules."""
+        `device`: auto = CUDA when every rank has a GPU; collectives time out after `timeout`
+        seconds), and build this rank's modules."""
         resolved = plan if isinstance(plan, ResolvedPlan) else load_resolved(plan)
         resolved.check_fresh()
         problem = resolved.problem
@@ -75,7 +76,7 @@ class Pipeline:
         if "RANK" not in os.environ and not dist.is_initialized():
             raise RunError("a Pipeline runs in one process per device, under torchrun",
                            hint=f"torchrun --nproc-per-node {world} your_script.py")
-        self.device, self.owns_group = join_world(device)
+        self.device, self.owns_group = join_world(device, timeout=timeout)
         self.backend = dist.get_backend()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world != world:
@@ -165,10 +166,14 @@ class Pipeline:
             out += self.shards.named_parts(self.problem)
         return out
 
-    def step(self, inputs, targets, *, trace: bool = False) -> torch.Tensor:
+    def step(self, inputs, targets, *, trace: bool = False,
+             whole_gradients: bool = False) -> torch.Tensor:
         """One iteration of the schedule on the global batch: forward and backward of every
-        micro-batch; gradients accumulate into .grad (zero them between steps, as usual)."""
-        result = self._run(self.executor, inputs, targets, trace=trace)
+        micro-batch; gradients accumulate into .grad (zero them between steps, as usual).
+        With mesh.shard, `whole_gradients` also gathers each parameter's whole averaged
+        gradient into its .grad (to inspect it; the optimizer uses the shards)."""
+        result = self._run(self.executor, inputs, targets, trace=trace,
+                           whole_gradients=whole_gradients)
         self.last = result
         return self._global_loss(result.loss)
 
@@ -185,15 +190,16 @@ class Pipeline:
             return torch.cat(outputs)
         return outputs
 
-    def _run(self, executor: Executor, inputs, targets, **kwargs) -> IterationResult:
+    def _run(self, executor: Executor, inputs, targets, *, whole_gradients: bool = False,
+             **kwargs) -> IterationResult:
         problem = self.problem
         replicas, n = problem.mesh.data, problem.num_micro_batches
-        inputs = _to(inputs, self.device)
+        inputs = to_device(inputs, self.device, non_blocking=True)
         if replicas > 1:  # this replica's slice of the global batch
             inputs = split_batch(inputs, replicas)[self.replica]
         inputs = split_batch(inputs, n)
         if targets is not None:
-            targets = _to(targets, self.device)
+            targets = to_device(targets, self.device, non_blocking=True)
             if replicas > 1:
                 targets = split_batch(targets, replicas)[self.replica]
             targets = split_batch(targets, n)
@@ -203,7 +209,7 @@ class Pipeline:
         with kept_rng(self.device):
             result = executor.run(inputs, targets, iteration=self.iteration, **kwargs)
         if targets is not None:
-            self.parts = executor.finish_syncs()
+            self.parts = executor.finish_syncs(whole=whole_gradients)
             if self.shards is not None:
                 self.shards.take(self.parts)
             self._sum_ties()
@@ -276,19 +282,18 @@ class Pipeline:
                 out.append(p.grad)
         return out
 
+    def train(self, mode: bool = True) -> "Pipeline":
+        """Training mode for every module of this rank (dropout on), as nn.Module.train."""
+        for module in self.modules.values():
+            module.train(mode)
+        return self
+
+    def eval(self) -> "Pipeline":
+        return self.train(False)
+
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _to(tree, device):
-    if isinstance(tree, torch.Tensor):
-        return tree.to(device, non_blocking=True)
-    if isinstance(tree, dict):
-        return {k: _to(v, device) for k, v in tree.items()}
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_to(v, device) for v in tree)
-    return tree
 
 
 class _Shards:
@@ -325,6 +330,10 @@ class _Shards:
                 part.grad += grads[block]
 
     def gather(self) -> None:
+        """The updated parts back into the parameters, whose own gradients start afresh (the
+        user's optimizer zeroes only the parts)."""
         for params, flat, part in self.stages.values():
             dist.all_gather_into_tensor(flat, part.detach(), group=self.group)
             unflatten_into(params, flat)
+            for p in params:
+                p.grad = None

@@ -29,7 +29,7 @@ from pyplan.models import CHAIN, FORWARD, Cut, Unit, find_units, stage_modules
 from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.problem import BACKWARD, Problem
 from pyplan.runtime.binding import (Model, block_inputs, build, call_user, make_batch,
-                                    split_batch)
+                                    split_batch, to_device)
 from pyplan.runtime.values import flatten, nbytes, rebuild
 
 __all__ = ["BlockCost", "Measured", "profile_blocks", "profile_units"]
@@ -246,6 +246,7 @@ def profile_units(model: torch.nn.Module, inputs, targets, loss, *, optimizer: s
     timer = _Timer(device, repeats, measured)
     _busy(measured)
     cut, units = find_units(model, inputs)
+    inputs, targets = to_device(inputs, device), to_device(targets, device)
     names = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
     own = [tuple(dict.fromkeys(names[id(p)] for p in _unit_parameters(model, unit)))
            for unit in units]

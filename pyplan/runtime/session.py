@@ -157,7 +157,8 @@ class Session:
             dist.barrier()
             started = time.perf_counter()
             loss = pipe.step(inputs, targets, trace=opts.trace is not None and
-                             step == first + opts.iterations - 1)
+                             step == first + opts.iterations - 1,
+                             whole_gradients=opts.check and step == first)
             if opts.check and step == first:  # before the step changes them; not timed
                 self._sync_device()
                 seconds = time.perf_counter() - started
@@ -323,7 +324,8 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
         lines.append("  tied parameters (gradients summed over their copies): "
                      + ", ".join(report.ties))
     if problem.recomputed:
-        lines.append("  recomputed in the backward: " + ", ".join(problem.recomputed))
+        lines.append("  recomputed in the backward (its forward rerun first): "
+                     + ", ".join(problem.recomputed))
     if report.verdict is not None:
         lines.append(("  check: " if report.verdict.ok else "  check FAILED: ")
                      + report.verdict.message)

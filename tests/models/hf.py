@@ -7,8 +7,10 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 VOCAB, SEQUENCE, BATCH = 128, 16, 8
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "opt",
-            "gpt_neox", "falcon", "olmo2", "starcoder2", "gpt_neo")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+            "phi3", "phi", "opt", "gpt_neox", "falcon", "bloom", "gptj", "gpt_neo",
+            "gpt_bigcode", "olmo2", "starcoder2", "granite", "cohere", "mixtral", "qwen3_moe",
+            "smollm3", "mamba")
 
 
 def config(family: str, **changes):
