@@ -169,7 +169,32 @@ def test_megatron_layout_and_torchtitan_split_points(cli, tmp_path):
     plan = _partitioned(tmp_path, (0, 3, 5, 7, 9), 2)
     assert cli("export", plan, "--format", "megatron-layout", "-o", "-")[1] == \
         "E,t*2|t*2|t*2|L\n"
-    assert '"Interleaved1F1B"' in cli("export", plan, "--format", "torchtitan", "-o", "-")[1]
+    out = cli("export", plan, "--format", "torchtitan", "-o", "-")[1]
+    assert '"Interleaved1F1B"' in out and 'pipeline_parallel_schedule_csv = "p.csv"' in out
+
+
+def test_torchtitan_settings_for_the_v_and_what_it_cannot_run(cli, tmp_path):
+    from pyplan.partition import Partition, plan_text
+
+    units = [UnitCost(n, 1.0, 2.0, 100, 10) for n in ["embed", "l0", "l1", "head"]]
+    text = plan_text(units, Partition((0, 1, 2, 3, 4), 0.0, ()), name="v", devices=2,
+                     micro_batches=4, capacity=None, factory="m:model", data="m:batch",
+                     loss="m:loss", path=None, time_unit_ms=1.0, shape="test")
+    # ZB-V's placement: stages 0 and 3 on rank 0, 1 and 2 on rank 1, a split backward.
+    v = text.replace("stage2, devices: [0]", "stage2, devices: [1]").replace(
+        "stage3, devices: [1]", "stage3, devices: [0]")
+    (tmp_path / "v.yaml").write_text(v.replace("{time_ratio: 1}",
+                                               "{time_ratio: 1, weight_time_ratio: 1}"))
+    code, out, err = cli("export", tmp_path / "v.yaml", "--format", "torchtitan", "-o", "-")
+    assert code == 0, err
+    assert '"ZBVZeroBubble"' in out and 'pipeline_parallel_schedule_csv = "v.csv"' in out
+    (tmp_path / "v2.yaml").write_text(v.replace("name: v\n", "name: v2\n"))
+    assert '"DualPipeV"' in cli("export", tmp_path / "v2.yaml", "--format", "torchtitan",
+                               "-o", "-")[1]
+    # Megatron-LM has no V: refused with the stage that does not fit.
+    code, out, err = cli("export", tmp_path / "v.yaml", "--format", "megatron-layout", "-o", "-")
+    assert code == 2 and "stage 2 ('stage2') runs on devices [1], but Megatron-LM places " \
+        "stage s on rank s mod the pipeline size" in err
 
 
 def test_layout_exports_need_a_module_cut_into_stages(cli):
