@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from pyplan.cli import main
 from pyplan.errors import RunError
 from pyplan.runtime import torch  # noqa: F401  (torch without its numpy warning)
 from pyplan.runtime.comm import choose_cuda

@@ -230,7 +230,9 @@ def _session(args, plan, model, fail_at) -> int:
     except Exception as exc:  # every rank agrees on the first failure, then exits
         if session is None:
             raise
-        raise session.failed(exc) from None
+        error = session.failed(exc)
+        session.close()
+        raise error from None
     session.close()
     ok = report.verdict is None or report.verdict.ok
     if session.rank != 0:

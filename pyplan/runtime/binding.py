@@ -32,7 +32,7 @@ from pyplan.problem import Problem
 from pyplan.spec import load_yaml
 
 __all__ = ["SHARD_DIM", "Built", "Model", "block_inputs", "block_seeds", "build",
-           "call_user", "check_model", "forward_blocks", "forward_seed", "import_function",
+           "call_user", "check_model", "loss_function", "forward_blocks", "forward_seed", "import_function",
            "load_model", "make_batch", "seed_everything", "seed_generators", "shard",
            "shard_dim", "split_batch", "to_device"]
 
@@ -98,11 +98,35 @@ def call_user(model: Model | None, what: str, fn: Callable, *args, context: str 
                           + (f" {context}" if context else ""), _HINTS.get(what)) from None
 
 
+def loss_function(model: Model) -> Callable:
+    """The model's loss, called as the user's code (failures named at its plan line) and
+    checked to return a scalar tensor."""
+    def loss(output, targets, *group):
+        value = call_user(model, "loss", model.loss, output, targets, *group)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            raise _user_error(model, "loss", f"returned {_what(value)}, not a scalar tensor",
+                              _HINTS["loss"])
+        return value
+    return loss
+
+
 def _describe_exception(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
         return f"SystemExit({exc.code!r}) (it called sys.exit)"
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def located(source: str | None, keys: tuple, message: str, hint: str | None = None,
+            error=PlanError) -> PlanError:
+    """An error at the position of `keys` (e.g. ("model", "data")) in the plan file `source`,
+    or without a position when the file cannot say."""
+    if source is not None and Path(source).is_file():
+        try:
+            return load_yaml(source).error(keys, message, hint)
+        except PlanError:  # the plan is unreadable now: the message without a position
+            pass
+    return error(message, hint=hint, file=source)
 
 
 def _user_error(model: Model | None, what: str, message: str, hint: str | None = None):
@@ -113,14 +137,10 @@ def _user_error(model: Model | None, what: str, message: str, hint: str | None =
     label = getattr(function, "__qualname__", None)
     module = getattr(function, "__module__", None)
     who = f"{path} ({module}:{label})" if label and module else path
-    error = UserCodeError(f"{who} {message}", hint=hint)
-    source = model.source if model is not None else None
-    if source is not None and Path(source).is_file():
-        try:
-            return load_yaml(source).error(tuple(path.split(".")), error.message, hint)
-        except PlanError:  # the plan is unreadable now: the message without a position
-            pass
-    return error
+    if model is None or model.source is None:
+        return UserCodeError(f"{who} {message}", hint=hint)
+    return located(model.source, tuple(path.split(".")), f"{who} {message}", hint,
+                   UserCodeError)
 
 
 def import_function(text: str, what: str, *, file: str | None = None,
@@ -161,7 +181,10 @@ def load_model(problem: Problem, plan_dir: Path, source: str | None = None) -> M
             sys.path.insert(0, path)
 
     def function(text: str, what: str) -> Callable:
-        return import_function(text, f"model.{what}", file=file)
+        try:
+            return import_function(text, f"model.{what}")
+        except PlanError as exc:  # at the line that names the function
+            raise located(file, ("model", what), exc.message, exc.hint) from None
 
     data, loss = function(spec.data, "data"), function(spec.loss, "loss")
     names = {k: f"model.{k}" for k in ("data", "loss", "module", "blocks")}
@@ -258,13 +281,7 @@ def _check_stage_names(whole: torch.nn.Module, model: Model, problem: Problem) -
     """Every block has an entry in model.stages naming submodules the model has; PlanError
     at the entry's position otherwise."""
     def fail(where: tuple, message: str, hint: str) -> PlanError:
-        source = problem.source_path
-        if source is not None and Path(source).is_file():
-            try:
-                return load_yaml(source).error(("model", "stages") + where, message, hint)
-            except PlanError:  # unreadable now: the message without a position
-                pass
-        return PlanError(message, hint=hint, file=source)
+        return located(problem.source_path, ("model", "stages") + where, message, hint)
 
     for b in forward_blocks(problem):
         name = problem.blocks[b].name

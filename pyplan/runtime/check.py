@@ -21,7 +21,7 @@ from pyplan.models import FORWARD, TRACED
 from pyplan.models.forward import logits, whole_forward
 from pyplan.problem import BACKWARD, Problem
 from pyplan.runtime.binding import (Model, block_inputs, block_seeds, build, build_whole,
-                                    call_user, forward_seed, make_batch, seed_generators,
+                                    forward_seed, loss_function, make_batch, seed_generators,
                                     shard_dim, split_batch)
 from pyplan.runtime.training import Training
 
@@ -71,7 +71,7 @@ def reference_run(model: Model, problem: Problem, output_block: int, *, seed: in
                        for m, micro in enumerate(split_batch(inputs, micro_batches))]
             whole = (None,) if len(problem.blocks[output_block].devices) > 1 else ()
             with torch.set_grad_enabled(optimizer is not None):
-                loss = call_user(model, "loss", model.loss, _cat(results), targets, *whole)
+                loss = loss_function(model)(_cat(results), targets, *whole)
         if step in steps:
             losses.append(float(loss.detach()))
         if optimizer is None:

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pyplan.errors import RunError
 from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, SYNC, WAIT, Lowered,
                           Value, describe, is_gradient)
 from pyplan.problem import BACKWARD, WEIGHT
@@ -295,9 +294,6 @@ class Executor:
             if b == self.output and self.targets is not None:
                 group = self.groups.get(b)
                 loss = self.loss_fn(out, self.targets[m], *(() if group is None else (group,)))
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    raise RunError(f"the loss function returned {_what(loss)}, not a scalar "
-                                   "tensor")
         return out, loss
 
     def forward(self, b: int, m: int, inputs: list[int], out_slot: int, keep: bool) -> None:
@@ -498,12 +494,6 @@ def _summed(contributions: list[list[torch.Tensor]], roots: list[torch.Tensor]):
     if len(contributions) == 1:
         return contributions[0]
     return [sum(parts) for parts in zip(*contributions)]
-
-
-def _what(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
 
 
 def flat_gradients(params: list[torch.Tensor]) -> torch.Tensor:

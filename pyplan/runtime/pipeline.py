@@ -32,8 +32,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from pyplan.errors import PlanError, RunError
 from pyplan.lower import SYNC, Lowered, channels, check_runnable, forward_only, lower
 from pyplan.resolved import ResolvedPlan, load_resolved
-from pyplan.runtime.binding import (Built, Model, build, kept_rng, load_model, shard_dim,
-                                    shared_across_devices, split_batch, to_device)
+from pyplan.runtime.binding import (Built, Model, build, kept_rng, load_model, loss_function,
+                                    shard_dim, shared_across_devices, split_batch, to_device)
 from pyplan.runtime.comm import Comm, TransferError, join_world
 from pyplan.runtime.executor import Executor, IterationResult, padded, unflatten_into
 from pyplan.verify import verify
@@ -80,6 +80,7 @@ class Pipeline:
         self.backend = dist.get_backend()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world != world:
+            self.close()
             layout = (f"devices: {world}" if problem.mesh.data == 1 else
                       f"{problem.mesh.data} replicas of {problem.num_devices} devices")
             raise RunError(f"the plan needs {world} processes ({layout}) but the world has "
@@ -88,7 +89,11 @@ class Pipeline:
         self.autocast = DTYPES[dtype]
         self.dtype = dtype
         self.executor: Executor | None = None
-        self._build(blocking, sync_at_end, fail_at)
+        try:
+            self._build(blocking, sync_at_end, fail_at)
+        except BaseException:
+            self.close()  # a group this call created does not outlive it
+            raise
 
     # -- building
 
@@ -124,11 +129,12 @@ class Pipeline:
                              if p.requires_grad and not (self.shards and id(p) in synced)
                              }.values())
         options = dict(seed=self.seed, wants_inputs=built.wants_inputs, autocast=self.autocast)
+        loss = loss_function(self.model)
         self.executor = Executor(self.lowered, self.rank, self.modules, self.groups, self.comm,
-                                 self.model.loss, self.output, dp_group=self.dp_group,
+                                 loss, self.output, dp_group=self.dp_group,
                                  sync_at_end=sync_at_end, fail_at=fail_at, **options)
         self.evaluator = Executor(self.evaluation, self.rank, self.modules, self.groups,
-                                  self.comm, self.model.loss, self.output, **options)
+                                  self.comm, loss, self.output, **options)
 
     def _tie_groups(self, built: Built) -> list[tuple[str, torch.Tensor, object]]:
         """(name, parameter, group of the ranks holding a copy) for each tie this rank holds
@@ -294,6 +300,7 @@ class Pipeline:
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        self.owns_group = False
 
 
 class _Shards:

@@ -28,7 +28,7 @@ from pyplan.lower import check_runnable
 from pyplan.models import CHAIN, FORWARD, Cut, Unit, find_units, stage_modules
 from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.problem import BACKWARD, Problem
-from pyplan.runtime.binding import (Model, block_inputs, build, call_user, make_batch,
+from pyplan.runtime.binding import (Model, block_inputs, build, loss_function, make_batch,
                                     split_batch, to_device)
 from pyplan.runtime.values import flatten, nbytes, rebuild
 
@@ -221,7 +221,7 @@ def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: in
         if not preds[b] or b in built.wants_inputs:
             args.insert(0, inputs)
         whole = (None,) if len(problem.blocks[b].devices) > 1 else ()
-        loss_fn = (lambda out: call_user(model, "loss", model.loss, out, targets, *whole)) \
+        loss_fn = (lambda out: loss_function(model)(out, targets, *whole)) \
             if b == output_block else None
         block = problem.blocks[b]
         forward_ms, backward_ms, saved, out = _measure(timer, module, args, wrt, params,

@@ -102,6 +102,8 @@ class Session:
         executor = self.pipe.executor if self.pipe is not None else None
         if executor is None or self.step_index < 0:
             return (self.step_index, 0)
+        if executor.iteration != self.step_index:  # the step has not reached the schedule yet
+            return (self.step_index, -1)
         return (executor.iteration, executor.index)
 
     def where(self, rank: int, iteration: int, index: int) -> str:
@@ -125,12 +127,11 @@ class Session:
         # A failed transfer or collective is most likely the echo of another rank's failure.
         echo = isinstance(exc, (TransferError, dist.DistError)) or \
             (ins is not None and ins.op == COMPUTE and len(ins.group) > 1)
-        code = exc.exit_code if isinstance(exc, PyplanError) else RunError.exit_code
         if self.watchdog is None:
-            return _error(own, code)
+            return _error(own, exc)
         message = self.watchdog.fail(own, wait_for_cause=echo)
-        return _error(message if message == own else f"rank {self.rank} stops: {message}",
-                      code if message == own else RunError.exit_code)
+        return _error(own, exc) if message == own else \
+            RunError(f"rank {self.rank} stops: {message}")
 
     # -- the training loop
 
@@ -237,9 +238,14 @@ class Session:
             self.pipe.close()
 
 
-def _error(message: str, code: int) -> PyplanError:
-    error = RunError(message)
-    error.exit_code = code
+def _error(message: str, cause: BaseException) -> PyplanError:
+    """This rank's failure: the cause's exit code, position and hint when it has them (the
+    user's code failing is a plan error at the line that names it, exit 2)."""
+    if not isinstance(cause, PyplanError):
+        return RunError(message)
+    error = type(cause)(message, hint=cause.hint, file=cause.file, line=cause.line,
+                        column=cause.column)
+    error.exit_code = cause.exit_code
     return error
 
 

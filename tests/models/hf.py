@@ -19,6 +19,7 @@ def config(family: str, **changes):
                  num_key_value_heads=1, intermediate_size=64, vocab_size=VOCAB, head_dim=16,
                  n_layer=4, n_embd=32, n_head=2, ffn_dim=64, word_embed_proj_dim=32,
                  num_layers=4, attention_types=[[["global", "local"], 2]], window_size=8,
+                 rotary_dim=8,
                  pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64,
                  n_positions=64)
     cfg = AutoConfig.for_model(family)
