@@ -103,3 +103,33 @@ def test_b_and_w_each_do_half_of_an_mlps_backward():
     matmul = 2 * 16 * 64 * 64
     assert full == 8 * matmul  # 4 input-gradient and 4 weight-gradient matmuls
     assert b == 4 * matmul and w == 4 * matmul
+
+
+class _Collective(torch.autograd.Function):
+    """Stands for a tensor-parallel collective in the backward (Megatron's f: identity forward,
+    all-reduce backward); counts how often its backward runs."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Collective.calls += 1
+        return grad
+
+
+def test_a_collective_in_the_backward_runs_once_with_the_split():
+    torch.manual_seed(0)
+    column, row = nn.Linear(16, 32), nn.Linear(32, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    out = row(torch.relu(column(_Collective.apply(x)))) + _Collective.apply(row.bias)
+    params = [column.weight, column.bias, row.weight, row.bias]
+    _Collective.calls = 0
+    _, work = backward_input([out], [torch.ones_like(out)], [x], params)
+    after_b = _Collective.calls
+    backward_weight(work)
+    # The one on the input path runs in B, the one on a parameter's path in W: each once.
+    assert (after_b, _Collective.calls) == (1, 2)

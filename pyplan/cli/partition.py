@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pyplan.models import Unit, everywhere
-    from pyplan.runtime.binding import (Model, build_whole, call_user, import_function,
+    from pyplan.runtime.binding import (Model, build_whole, import_function, loss_function,
                                         make_batch, split_batch)
     from pyplan.runtime.profile import Measured, profile_units
 
@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     inputs, targets = make_batch(user, 0, args.seed, torch.device("cpu"))
     inputs, targets = split_batch(inputs, n)[0], split_batch(targets, n)[0]
     measured = Measured()
-    units, cut = _profile(profile_units, model, inputs, targets,
-                          lambda out, t: call_user(user, "loss", loss, out, t), args, measured)
+    units, cut = _profile(profile_units, model, inputs, targets, loss_function(user), args,
+                          measured)
     if len(units) < stages:
         raise PlanError(f"{args.factory} has {len(units)} units "
                         f"({', '.join(u.name for u in units)}), fewer than the {stages} stages "

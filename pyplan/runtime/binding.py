@@ -419,12 +419,20 @@ def make_batch(model: Model, step: int, seed: int, device) -> tuple[Any, Any]:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise _user_error(model, "data", f"returned {_what(batch)}, not (inputs, targets)",
                           _HINTS["data"])
+    for part, what in zip(batch, ("inputs", "targets")):
+        leaves = torch.utils._pytree.tree_leaves(part)
+        bad = next((x for x in leaves if not isinstance(x, torch.Tensor) or x.dim() == 0), None)
+        if not leaves or bad is not None:
+            raise _user_error(model, "data", f"returned {what} that hold "
+                              f"{_what(bad) if leaves else 'no tensor'}",
+                              "inputs and targets are tensors (or tuples, lists or dicts of "
+                              "them) with the batch along dim 0")
     return to_device(batch[0], device), to_device(batch[1], device)
 
 
 def _what(value) -> str:
     if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
+        return f"a tensor of shape {tuple(value.shape)}" if value.dim() else "a 0-dim tensor"
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}"
     return f"a {type(value).__name__}"
