@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         link = measure_link(args.device)
     if args.json:
         extra = {} if link is None else {"link": {"bandwidth": link[0], "latency_ms": link[1]}}
-        print(json.dumps({"unit_ms": unit, **extra, "blocks": [
+        print(json.dumps({"unit_ms": unit, **extra, "warnings": measured.warnings, "blocks": [
             {"name": c.name, "devices": list(c.devices), "forward_ms": c.forward_ms,
              "backward_ms": c.backward_ms, "activation_bytes": c.activation_bytes,
              "input_bytes": c.input_bytes, "output_bytes": c.output_bytes}
