@@ -81,3 +81,33 @@ def test_shapes_may_change_between_iterations(tmp_path):
                   "--iterations", 3, "--device", "cpu")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "match the single-process run" in result.stdout
+
+
+TWO_STAGES = """\
+pyplan: 1
+name: two
+devices: 2
+memory: 4
+micro_batches: 4
+training:
+  backward: {time_ratio: 2}
+shape: {kind: vshape, stage: {time: 2, memory: 1}}
+model:
+  blocks: pyplan.examples.transformer:build_two
+  data: pyplan.examples.transformer:batch
+  loss: pyplan.examples.transformer:loss
+"""
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_reduced_precision_trains_as_one_process_does_within_its_tolerance(tmp_path, dtype):
+    """Autocast on every block (and in the reference), activations sent in the reduced dtype;
+    fp16 with dynamic loss scaling."""
+    (tmp_path / "two.yaml").write_text(TWO_STAGES)
+    assert _run(tmp_path, "solve", "two.yaml", "--quiet").returncode == 0
+    result = _run(tmp_path, "run", "two.resolved.yaml", "--nproc-per-node", 2, "--check",
+                  "--iterations", 2, "--dtype", dtype, "--json", "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["dtype"] == dtype and report["check"]["ok"], report

@@ -116,6 +116,8 @@ class Executor:
         self.seeds = block_seeds(seed, [b.name for b in problem.blocks])
         self.loss_owner = problem.blocks[output_block].devices[0] == device
         self.scale = 1 / problem.num_micro_batches if self.loss_owner else 0.0
+        self.loss_scale = 1.0
+        """fp16: the loss is multiplied by this before its backward (the caller unscales)."""
         self.fail_at = fail_at if fail_at and fail_at[0] == rank else None
         self.saved_bytes: dict[int, int] = {}
         self.iteration, self.index = -1, -1  # read by the fault watchdog
@@ -335,7 +337,8 @@ class Executor:
             out, loss = self._call(b, m, state.rerun, True)
         if loss is not None:  # the loss counts once, on the first rank of the last block
             roots = [loss]
-            grads = [torch.full((), self.scale, dtype=loss.dtype, device=loss.device)]
+            grads = [torch.full((), self.scale * self.loss_scale, dtype=loss.dtype,
+                                device=loss.device)]
         else:
             leaves, _ = flatten(out, f"block '{self.blocks[b].name}'")
             positions = differentiable(leaves)

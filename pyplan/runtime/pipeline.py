@@ -88,6 +88,13 @@ class Pipeline:
         self.replica, self.device_index = divmod(self.rank, problem.num_devices)
         self.autocast = DTYPES[dtype]
         self.dtype = dtype
+        # fp16 (dynamic loss scaling, as torch.amp.GradScaler): the loss is scaled up before
+        # the backward so small gradients do not underflow, the gradients scaled back down;
+        # a step whose gradients overflowed anywhere sets `overflow` (skip the optimizer's step)
+        # and halves the scale, 2000 clean steps double it.
+        self.loss_scale = 2.0 ** 16 if dtype == "fp16" else 1.0
+        self.overflow = False
+        self._clean_steps = 0
         self.executor: Executor | None = None
         try:
             self._build(blocking, sync_at_end, fail_at)
@@ -178,10 +185,32 @@ class Pipeline:
         micro-batch; gradients accumulate into .grad (zero them between steps, as usual).
         With mesh.shard, `whole_gradients` also gathers each parameter's whole averaged
         gradient into its .grad (to inspect it; the optimizer uses the shards)."""
+        self.executor.loss_scale = self.loss_scale
         result = self._run(self.executor, inputs, targets, trace=trace,
                            whole_gradients=whole_gradients)
         self.last = result
+        if self.dtype == "fp16":
+            self._unscale()
         return self._global_loss(result.loss)
+
+    def _unscale(self) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        found = torch.zeros((), device=self.device)
+        for g in grads:
+            g.div_(self.loss_scale)
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        self.overflow = bool(found)  # one synchronisation, after the iteration
+        if self.overflow:
+            self.loss_scale /= 2
+            self._clean_steps = 0
+            for g in grads:
+                g.zero_()
+        else:
+            self._clean_steps += 1
+            if self._clean_steps == 2000:
+                self.loss_scale *= 2
+                self._clean_steps = 0
 
     def eval_step(self, inputs):
         """Forward only (no gradients, no dropout randomness beyond the plan's seeding): the

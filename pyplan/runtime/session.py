@@ -169,7 +169,7 @@ class Session:
                 started = time.perf_counter() - seconds
             if opts.training.clip_grad_norm is not None and optimizer is not None:
                 pipe.clip_grad_norm_(opts.training.clip_grad_norm)
-            if optimizer is not None:
+            if optimizer is not None and not pipe.overflow:  # fp16: skip an overflowed step
                 optimizer.step()
                 scheduler.step()
             self._sync_device()
