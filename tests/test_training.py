@@ -106,3 +106,21 @@ def test_the_readmes_training_loop_runs(tmp_path):
     # Random tokens of a 4096-word vocabulary: losses near ln(4096) = 8.3, once per step.
     losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", result.stdout)]
     assert len(losses) == 10 and all(7.5 < x < 9.5 for x in losses), result.stdout
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_clipping_on_blocks_that_span_devices(optimizer):
+    """The GPT M-shape: a vocabulary-parallel embedding and head on all 4 ranks. The global
+    gradient norm counts each sharded chunk once and each replicated parameter once, so the
+    clipped steps are those of the model in one process. (SGD's step is proportional to the
+    clipped gradient, so a wrong norm would show in the losses; AdamW's hardly depends on it.)"""
+    result = subprocess.run([PYPLAN, "run", str(ROOT / "plans" / "gpt-mshape.resolved.yaml"),
+                             "--nproc-per-node", "4", "--device", "cpu", "--optimizer",
+                             optimizer, "--lr", "0.5" if optimizer == "sgd" else "0.003",
+                             "--clip-grad-norm", "0.5", "--iterations", "4", "--check",
+                             "--json"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["check"]["ok"], report["check"]
+    assert all(norm > 0.5 for norm in report["grad_norms"]), report  # clipping did act

@@ -313,6 +313,7 @@ def _json(report, lowered, options) -> dict:
         "first_iteration": report.first_step,
         "iteration_seconds": report.seconds,
         "losses": report.losses,
+        "grad_norms": report.grad_norms,
         "samples_per_second": [report.samples / s for s in report.seconds]
         if report.samples else None,
         "tokens_per_second": [report.tokens / s for s in report.seconds]

@@ -75,6 +75,8 @@ class Report:
     predicted_activation_bytes: list[int] | None = None
     """The plan's peak of activation memory per device (its peak minus the static memory),
     when the plan counts memory in bytes."""
+    grad_norms: list[float] | None = None
+    """With clipping: the global gradient norm of each iteration, before clipping."""
     ties: list[str] = field(default_factory=list)
 
 
@@ -167,8 +169,9 @@ class Session:
                                        pipe.device_index, pipe.built.names) \
                     if pipe.replica == 0 else {}
                 started = time.perf_counter() - seconds
+            norm = None
             if opts.training.clip_grad_norm is not None and optimizer is not None:
-                pipe.clip_grad_norm_(opts.training.clip_grad_norm)
+                norm = float(pipe.clip_grad_norm_(opts.training.clip_grad_norm))
             if optimizer is not None and not pipe.overflow:  # fp16: skip an overflowed step
                 optimizer.step()
                 scheduler.step()
@@ -176,7 +179,7 @@ class Session:
             seconds = time.perf_counter() - started
             value = float(loss)
             result = pipe.last
-            records.append((seconds, result.compute, value, result.peak_activation_bytes))
+            records.append((seconds, result.compute, value, result.peak_activation_bytes, norm))
             bar.advance(step, value, seconds)
             if opts.save and ((opts.save_every and (step + 1 - first) % opts.save_every == 0)
                               or step == first + opts.iterations - 1):
@@ -209,6 +212,7 @@ class Session:
             if self.options.check:
                 verdict = self.check(first, losses,
                                      {k: v for g in gathered for k, v in g[2].items()})
+            norms = [by_rank[0][i][4] for i in iterations]
             result = Report(first_step=first,
                             seconds=[max(r[i][0] for r in by_rank) for i in iterations],
                             losses=losses, compute=[[x[1] for x in r] for r in by_rank],
@@ -218,6 +222,7 @@ class Session:
                             samples=samples, tokens=tokens, verdict=verdict,
                             backend=pipe.backend, device=pipe.device.type,
                             predicted_activation_bytes=_activation_peaks(pipe),
+                            grad_norms=None if norms[0] is None else norms,
                             ties=[name for name, _, _ in pipe.ties])
         return all_gather_objects(result)[0]
 
@@ -305,6 +310,8 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
         rate = f"  {report.samples / seconds:8.1f} samples/s" if report.samples else ""
         if report.tokens:
             rate += f"  {report.tokens / seconds:9.0f} tokens/s"
+        if report.grad_norms is not None:
+            rate += f"  grad norm {report.grad_norms[i]:.4g}"
         lines.append(f"  iteration {report.first_step + i}: {seconds * 1e3:8.1f} ms  "
                      f"loss {loss:.6f}{rate}")
     median = statistics.median(report.seconds)
