@@ -139,3 +139,13 @@ assert main(["run", {str(out)!r}]) == 1
     assert result.stderr.splitlines() == [
         f"error: pyplan {command} needs torch (import of torch halted; None in sys.modules) "
         f"{hint}" for command in ("profile", "run", "run")]
+
+
+def test_the_clis_choices_are_the_runtimes():
+    pytest.importorskip("torch")
+    from pyplan.cli import run
+    from pyplan.runtime.comm import DEVICES
+    from pyplan.runtime.pipeline import DTYPES
+    from pyplan.runtime.training import OPTIMIZERS
+
+    assert (run.DEVICES, run.DTYPES, run.OPTIMIZERS) == (DEVICES, tuple(DTYPES), OPTIMIZERS)

@@ -68,9 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", metavar="DIR",
                         help="continue from the checkpoint in DIR (its step, model and optimizer "
                         "state; any plan of the same model)")
-    parser.add_argument("--device", choices=DEVICES, default="auto",
-                        help="cpu or cuda for every rank (default auto: cuda when every rank has "
-                        "a GPU)")
+    parser.add_argument("--device", choices=DEVICES,
+                        help="cpu or cuda for every rank (default: $PYPLAN_DEVICE, else auto: "
+                        "cuda when every rank has a GPU)")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32",
                         help="compute dtype under autocast (weights and gradients stay fp32)")
     parser.add_argument("--tolerance", type=float, metavar="T",
@@ -164,14 +164,14 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
     """The command line of one worker: this run's options, without the launcher's."""
     out = ["run", args.plan]
     for option in ("iterations", "seed", "lr", "weight_decay", "lr_warmup", "fault_timeout",
-                   "optimizer", "device", "dtype"):
+                   "optimizer", "dtype"):
         out += [f"--{option.replace('_', '-')}", repr(getattr(args, option))
                 if isinstance(getattr(args, option), float) else str(getattr(args, option))]
     for flag in ("check", "blocking", "sync_at_end", "json"):
         if getattr(args, flag):
             out.append(f"--{flag.replace('_', '-')}")
     for option in ("trace", "fail_at", "tolerance", "clip_grad_norm", "save", "save_every",
-                   "resume"):
+                   "resume", "device"):
         value = getattr(args, option)
         if value is not None:
             out += [f"--{option.replace('_', '-')}",

@@ -102,7 +102,8 @@ def choose_cuda(request: str, gpus: list[bool]) -> bool:
 def join_world(request: str = "auto", *, timeout: float = 600.0) -> tuple[torch.device, bool]:
     """(this rank's device, whether this call created the default process group)."""
     if request not in DEVICES:
-        raise RunError(f"--device {request!r} is not one of {', '.join(DEVICES)}")
+        raise RunError(f"device {request!r} (--device or $PYPLAN_DEVICE) is not one of "
+                       f"{', '.join(DEVICES)}")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if dist.is_initialized():
         device = _device_of_group(dist.get_backend(), local, request)

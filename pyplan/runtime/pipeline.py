@@ -44,14 +44,14 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Pipeline:
-    def __init__(self, plan: str | Path | ResolvedPlan, *, device: str = "auto",
+    def __init__(self, plan: str | Path | ResolvedPlan, *, device: str | None = None,
                  seed: int = 0, dtype: str = "fp32", blocking: bool = False,
                  sync_at_end: bool = False, model: Model | None = None,
                  fail_at: tuple[int, int, str] | None = None, timeout: float = 600.0) -> None:
         """Load, lower and verify the plan, join the default process group (creating it from
         torchrun's environment unless the caller did; its backend decides the device, else
-        `device`: auto = CUDA when every rank has a GPU; collectives time out after `timeout`
-        seconds), and build this rank's modules."""
+        `device` (None: $PYPLAN_DEVICE, else auto = CUDA when every rank has a GPU);
+        collectives time out after `timeout` seconds), and build this rank's modules."""
         resolved = plan if isinstance(plan, ResolvedPlan) else load_resolved(plan)
         resolved.check_fresh()
         problem = resolved.problem
@@ -76,7 +76,8 @@ class Pipeline:
         if "RANK" not in os.environ and not dist.is_initialized():
             raise RunError("a Pipeline runs in one process per device, under torchrun",
                            hint=f"torchrun --nproc-per-node {world} your_script.py")
-        self.device, self.owns_group = join_world(device, timeout=timeout)
+        self.device, self.owns_group = join_world(
+            device or os.environ.get("PYPLAN_DEVICE") or "auto", timeout=timeout)
         self.backend = dist.get_backend()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world != world:

@@ -44,7 +44,8 @@ class Options:
     trace: str | None = None
     fault_timeout: float = 10.0
     fail_at: tuple[int, int, str] | None = None
-    device: str = "auto"
+    device: str | None = None
+    """cpu, cuda or auto; None: $PYPLAN_DEVICE, else auto."""
     dtype: str = "fp32"
     save: str | None = None
     save_every: int | None = None
