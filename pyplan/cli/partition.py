@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pyplan.api import partition_plans
 from pyplan.cli._torch import require_torch
+from pyplan.cli.profile import MAX_REPEATS
 from pyplan.errors import PlanError
 from pyplan.fileio import write_atomic
 from pyplan.partition import OPTIMIZER_STATE, ties
@@ -72,8 +73,8 @@ def _options(args: argparse.Namespace) -> tuple[int, int, int | None]:
     """(stages, micro-batches, memory in bytes)."""
     if not 1 <= args.devices <= MAX_DEVICES:
         raise PlanError(f"--devices must lie in 1 .. {MAX_DEVICES}")
-    if args.chunks < 1 or args.repeats < 1:
-        raise PlanError("--chunks and --repeats must be at least 1")
+    if args.chunks < 1 or not 1 <= args.repeats <= MAX_REPEATS:
+        raise PlanError(f"--chunks must be at least 1 and --repeats lie in 1 .. {MAX_REPEATS}")
     stages = args.devices * (args.chunks if args.shape == "interleaved" else 1)
     n = args.micro_batches if args.micro_batches is not None else 2 * stages
     if not 1 <= n <= MAX_MICRO_BATCHES:

@@ -12,7 +12,9 @@ from pyplan.errors import PlanError
 from pyplan.problem import load_problem
 from pyplan.spec import format_memory
 
-__all__ = ["add_arguments", "run", "suggestions"]
+__all__ = ["MAX_REPEATS", "add_arguments", "run", "suggestions"]
+
+MAX_REPEATS = 1000  # timed runs per measurement (8x that when they spread): bounded time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,10 +67,10 @@ def _device(torch, name: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.repeats < 1:
-        raise PlanError("--repeats must be at least 1")
-    if args.unit_ms is not None and args.unit_ms <= 0:
-        raise PlanError("--unit-ms must be positive")
+    if not 1 <= args.repeats <= MAX_REPEATS:
+        raise PlanError(f"--repeats must lie in 1 .. {MAX_REPEATS}")
+    if args.unit_ms is not None and not 0 < args.unit_ms < float("inf"):
+        raise PlanError("--unit-ms must be a positive, finite number of milliseconds")
     problem = load_problem(args.plan)
     if problem.model is None:
         raise PlanError("the plan has no model: section, so there is nothing to measure",
