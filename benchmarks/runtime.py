@@ -10,7 +10,10 @@
   4. data parallelism x pipeline (2 replicas of 2 stages, plans/transformer-vshape-dp2.yaml):
      each stage's gradients all-reduced right after its last backward (overlapped) vs all at
      the end of the iteration, and pyplan vs torch's Schedule1F1B with each stage wrapped in
-     DistributedDataParallel over the same (dp, pp) device mesh.
+     DistributedDataParallel over the same (dp, pp) device mesh;
+  5. the zero-bubble split backward on one stage of equal matmuls (in this process, before the
+     workers start): B (input gradients), W (weight gradients) and one full backward, timed
+     alike; W/B should be about 1 and (B + W) / full about 1 (they share the work).
 
     python benchmarks/runtime.py [--rounds 5] [--iterations 6]
 
@@ -77,19 +80,12 @@ def prepare(directory: Path) -> dict[str, Path]:
 class PyplanCase:
     def __init__(self, name: str, resolved: Path, *, blocking: bool,
                  sync_at_end: bool = False) -> None:
-        from pyplan.lower import check_runnable, lower
-        from pyplan.resolved import load_resolved
-        from pyplan.runtime.binding import load_model
         from pyplan.runtime.session import Options, Session
 
-        plan = load_resolved(resolved)
         self.name = name
-        self.session = Session(lower(plan.problem, plan.schedule),
-                               check_runnable(plan.problem),
-                               load_model(plan.problem, resolved.parent),
-                               Options(iterations=ITERATIONS, blocking=blocking,
-                                       sync_at_end=sync_at_end), watch=False)
-        self.session.build()
+        self.session = Session(resolved, None, Options(iterations=ITERATIONS,
+                                                       blocking=blocking,
+                                                       sync_at_end=sync_at_end), watch=False)
 
     def run(self) -> list[float]:
         return self.session.train().seconds
@@ -329,7 +325,59 @@ def launch(script: str, description: str, prepare, worker) -> int:
                                "--rounds", str(args.rounds)], env=env).returncode
 
 
+def split_backward(rounds: int = 5, repeats: int = 20) -> None:
+    """B, W and a full backward of one stage of 8 equal linear layers (width 512, 256 rows),
+    timed alike; medians over rounds of `repeats` runs each."""
+    import torch
+
+    from pyplan.runtime.backward import backward_input, backward_weight
+
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(8)))
+    params = list(stage.parameters())
+    x, grad = torch.randn(256, 512), torch.randn(256, 512)
+
+    def timed(fn) -> float:
+        samples = []
+        for _ in range(repeats):
+            leaf = x.clone().requires_grad_()
+            out = stage(leaf)
+            state = {}
+            start = time.perf_counter()
+            fn(out, leaf, state)
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    def b_only(out, leaf, state):
+        state["work"] = backward_input([out], [grad], [leaf], params)[1]
+
+    def b_then_w(out, leaf, state):
+        work = backward_input([out], [grad], [leaf], params)[1]
+        start = time.perf_counter()
+        backward_weight(work)
+        state["w"] = time.perf_counter() - start
+
+    full, b, w = [], [], []
+    for _ in range(rounds):
+        full.append(timed(lambda out, leaf, state: out.backward(grad)))
+        b.append(timed(b_only))
+        samples = []
+        for _ in range(repeats):
+            leaf = x.clone().requires_grad_()
+            state = {}
+            b_then_w(stage(leaf), leaf, state)
+            samples.append(state["w"])
+        w.append(statistics.median(samples))
+    full_ms, b_ms, w_ms = (statistics.median(v) * 1e3 for v in (full, b, w))
+    print(f"zero-bubble split backward, one stage of 8 linear layers (512 wide, 256 rows), "
+          f"median of {rounds} rounds: B {b_ms:.2f} ms, W {w_ms:.2f} ms, full backward "
+          f"{full_ms:.2f} ms; W/B {w_ms / b_ms:.2f}, (B + W) / full "
+          f"{(b_ms + w_ms) / full_ms:.2f}")
+
+
 def main() -> int:
+    if "--worker" not in sys.argv:
+        split_backward()
     return launch(__file__, __doc__.splitlines()[0], prepare, worker)
 
 

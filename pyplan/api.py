@@ -184,7 +184,9 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
                     memory: int | list[int | None] | None = None,
                     speeds: list[float] | None = None, path: str | None = None,
                     keep: int = 3, time_limit: float = 10.0, source: str = "<partition>",
-                    traced: bool = False, recompute: str = "never") -> list[PartitionPlan]:
+                    cut: str = "chain", layer_returns: str = "tensor",
+                    everywhere: tuple[str, ...] = (),
+                    recompute: str = "never") -> list[PartitionPlan]:
     """Plans for the best `keep` partitions of measured units into devices x chunks stages
     (stage s on device s mod devices; chunks > 1: interleaved) and for the even splits, each
     solved, shortest makespan first (ties: least bottleneck). `memory` is bytes per device,
@@ -221,7 +223,8 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
     for p in candidates:
         text = plan_text(units, p, name=name, devices=devices, micro_batches=micro_batches,
                          capacity=memory, factory=factory, data=data, loss=loss, path=path,
-                         time_unit_ms=unit_ms, shape=shape, traced=traced,
+                         time_unit_ms=unit_ms, shape=shape, cut=cut,
+                         layer_returns=layer_returns, everywhere=everywhere,
                          recompute=recompute, speeds=speeds)
         solved = solve(build_problem(spec_from_text(text, source)), time_limit=time_limit)
         out.append(PartitionPlan(p, text, solved, solved.schedule.makespan * unit_ms))

@@ -30,8 +30,8 @@ from pyplan.problem import BACKWARD, WEIGHT, Problem
 from pyplan.schedule import Schedule
 
 __all__ = ["ACTIVATION", "COMPUTE", "GRADIENT", "RECV", "REDUCE", "SEND", "SYNC", "WAIT",
-           "Instruction", "Lowered", "Value", "check_runnable", "describe", "describe_value",
-           "global_order", "is_gradient", "lower"]
+           "Instruction", "Lowered", "Value", "channels", "check_runnable", "describe",
+           "describe_value", "forward_only", "global_order", "is_gradient", "lower"]
 
 COMPUTE, SEND, RECV, WAIT, REDUCE, SYNC = "compute", "send", "recv", "wait", "reduce", "sync"
 ACTIVATION, GRADIENT = "activation", "gradient"
@@ -184,6 +184,30 @@ def _pipeline(problem: Problem, schedule: Schedule) -> list[list[Instruction]]:
                     programs[d].append(Instruction(REDUCE, seq, block.index, -1,
                                                    group=block.devices))
     return programs
+
+
+def forward_only(lowered: Lowered) -> Lowered:
+    """The programs of a forward pass alone (evaluation): every instruction that computes or
+    moves an activation, in the same places. A subsequence of verified programs that drops only
+    gradient work, which no forward waits for."""
+    blocks = lowered.problem.blocks
+
+    def keeps(ins: Instruction) -> bool:
+        if ins.op in (COMPUTE,):
+            return blocks[ins.block].is_forward
+        if ins.op in (SEND, RECV, WAIT):
+            return ins.value.kind == ACTIVATION
+        return False
+
+    return replace(lowered, programs=tuple(tuple(ins for ins in program if keeps(ins))
+                                           for program in lowered.programs))
+
+
+def channels(lowered: Lowered) -> list[tuple[int, int, str]]:
+    """Every (source rank, destination rank, kind) a transfer uses: the communicators the
+    runtime opens, the same list on every rank."""
+    return sorted({(r, ins.peer, ins.value.kind) for r, program in enumerate(lowered.programs)
+                   for ins in program if ins.op == SEND})
 
 
 def _route(to: int, devices: tuple[int, ...]) -> int:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["MAX_ENUMERATED", "Partition", "UnitCost", "best_partitions", "even_partitions",
-           "optimal_partition", "plan_text", "stage_memory"]
+           "optimal_partition", "plan_text", "stage_memory", "ties"]
 
 MAX_ENUMERATED = 20_000  # partitions: up to this many, every one is ranked (else the DP's alone)
 OPTIMIZER_STATE = {"sgd": 0, "adam": 2}  # state tensors per parameter, besides its gradient
@@ -47,6 +47,15 @@ class UnitCost:
     """Its input: what it keeps when recomputed."""
     output_bytes: int = 0
     """Its output: what goes to the next stage when it ends one."""
+    modules: tuple[str, ...] = ()
+    """The model's modules it holds (default: the one its name names)."""
+    parameters: tuple[str, ...] = ()
+    """The names of its parameters in the model (a parameter two units share, under one
+    name): where stages share one, the plan records a tie."""
+
+    @property
+    def module_names(self) -> tuple[str, ...]:
+        return self.modules or (self.name,)
 
 
 @dataclass(frozen=True)
@@ -200,10 +209,27 @@ def even_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: in
     return out
 
 
+def ties(units: list[UnitCost], partition: Partition,
+         everywhere: tuple[str, ...] = ()) -> list[tuple[str, tuple[str, ...]]]:
+    """(parameter, the stages holding it) for every parameter more than one stage holds: one
+    used by units of two stages, or one every stage keeps (`everywhere`)."""
+    holders: dict[str, list[str]] = {name: [] for name in everywhere}
+    for s in range(partition.num_stages):
+        for i in partition.stage(s):
+            for name in units[i].parameters:
+                stages = holders.setdefault(name, [])
+                if f"stage{s}" not in stages:
+                    stages.append(f"stage{s}")
+    for name in everywhere:
+        holders[name] = [f"stage{s}" for s in range(partition.num_stages)]
+    return sorted((name, tuple(stages)) for name, stages in holders.items() if len(stages) > 1)
+
+
 def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices: int,
               micro_batches: int, capacity: int | None | Sequence[int | None], factory: str,
               data: str, loss: str, path: str | None, time_unit_ms: float, shape: str,
-              traced: bool = False, recompute: str = "never",
+              cut: str = "chain", layer_returns: str = "tensor",
+              everywhere: tuple[str, ...] = (), recompute: str = "never",
               speeds: Sequence[float] | None = None) -> str:
     """A plan for `partition`: one block per stage (stage s on device s mod devices) with the
     measured times in units of `time_unit_ms`, activation memory, weights, output (timed on
@@ -245,10 +271,18 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
                      f"backward: {{time: {backward}}}}}")
     lines += ["model:", f"  module: {factory}", "  stages:"]
     for s in range(partition.num_stages):
-        names = ", ".join(json.dumps(units[i].name) for i in partition.stage(s))
+        names = ", ".join(json.dumps(m) for i in partition.stage(s)
+                          for m in units[i].module_names)
         lines.append(f"    stage{s}: [{names}]")
-    if traced:
-        lines.append("  traced: true")
+    if cut != "chain":
+        lines.append(f"  cut: {cut}")
+    if layer_returns != "tensor":
+        lines.append(f"  layer_returns: {layer_returns}")
+    found = ties(units, partition, everywhere)
+    if found:
+        lines.append("  ties:")
+        lines += [f"    - {{parameter: {json.dumps(p)}, stages: [{', '.join(st)}]}}"
+                  for p, st in found]
     lines += [f"  data: {data}", f"  loss: {loss}"]
     if path is not None:
         lines.append(f"  path: {json.dumps(path)}")

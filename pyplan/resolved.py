@@ -156,7 +156,11 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
                    f"module: \"{m.module}\", stages: {{" +
                    ", ".join(f"{name}: [{', '.join(json.dumps(u) for u in units)}]"
                              for name, units in m.stages) + "}"
-                   + (", traced: true" if m.traced else ""))
+                   + (f", cut: {m.cut}" if m.cut != "chain" else "")
+                   + (f", layer_returns: {m.layer_returns}" if m.layer_returns != "tensor" else "")
+                   + ("" if m.ties is None else ", ties: [" + ", ".join(
+                       f"{{parameter: {json.dumps(p)}, stages: [{', '.join(s)}]}}"
+                       for p, s in m.ties) + "]"))
         lines.append(f"model: {{{builder}, data: \"{m.data}\", loss: \"{m.loss}\""
                      + (f", path: \"{m.path}\"" if m.path else "") + "}")
     if problem.time_unit_ms is not None:
@@ -330,7 +334,10 @@ class _Reader:
             model = ModelSpec(blocks=None if raw.get("blocks") is None else str(raw["blocks"]),
                               module=None if raw.get("module") is None else str(raw["module"]),
                               stages=tuple((str(k), tuple(v)) for k, v in stages.items()),
-                              traced=raw.get("traced") is True,
+                              cut="traced" if raw.get("traced") is True else
+                              str(raw.get("cut", "chain")),
+                              layer_returns=str(raw.get("layer_returns", "tensor")),
+                              ties=_ties(raw.get("ties"), self),
                               data=str(raw.get("data")), loss=str(raw.get("loss")),
                               path=path if isinstance(path, str) and "\0" not in path else None)
             if model.builder is None:
@@ -405,6 +412,18 @@ class _Reader:
                                     "entries read \"block@micro-batch start\"") from None
             orders.append(order)
         return orders
+
+
+def _ties(raw, reader: _Reader):
+    """model.ties of a resolved plan: [{parameter, stages}] as render_resolved writes it."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("parameter"), str) and
+            isinstance(t.get("stages"), list) and all(isinstance(x, str) for x in t["stages"])
+            for t in raw):
+        raise reader.fail(("model", "ties"), "model ties must list {parameter, stages}")
+    return tuple((t["parameter"], tuple(t["stages"])) for t in raw)
 
 
 def is_resolved(path: str | Path) -> bool:

@@ -15,6 +15,10 @@ from pyplan.cli import main
 # processes they start) use one of their own, empty at the start, not the user's.
 os.environ["PYPLAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="pyplan-test-cache-")
 
+# The CPU tests run on the CPU on a GPU machine too (every `pyplan run` and Pipeline they
+# start); tests/test_gpu.py asks for CUDA explicitly.
+os.environ["PYPLAN_DEVICE"] = "cpu"
+
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"
 INVALID = Path(__file__).resolve().parent / "plans" / "invalid"

@@ -257,7 +257,11 @@ model: {blocks: "counting_model:build", data: "counting_model:batch",
 """
 
 
-def test_the_runtime_recomputes_exactly_the_recorded_blocks(tmp_path, monkeypatch, capfd):
+@pytest.mark.parametrize("split", [False, True], ids=["whole-backward", "zero-bubble"])
+def test_the_runtime_recomputes_exactly_the_recorded_blocks(tmp_path, monkeypatch, capfd,
+                                                            split):
+    """A recomputed block's forward runs twice per micro-batch: once without autograd, once
+    when its backward starts; with the backward split into B and W, W reuses B's rerun."""
     from test_runtime import _free_port
 
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
@@ -265,7 +269,8 @@ def test_the_runtime_recomputes_exactly_the_recorded_blocks(tmp_path, monkeypatc
         monkeypatch.setenv(key, value)
     (tmp_path / "counting_model.py").write_text(COUNTING)
     plan = tmp_path / "counted.yaml"
-    plan.write_text(RECOMPUTED)
+    plan.write_text(RECOMPUTED.replace("{time_ratio: 2}", "{time_ratio: 2, weight_time_ratio: 1}")
+                    if split else RECOMPUTED)
     assert main(["solve", str(plan), "--quiet"]) == 0
     resolved = tmp_path / "counted.resolved.yaml"
     chosen = load_resolved(resolved).problem.recomputed
@@ -276,7 +281,7 @@ def test_the_runtime_recomputes_exactly_the_recorded_blocks(tmp_path, monkeypatc
     calls = sys.modules["counting_model"].CALLS
     assert calls == {name: 4 * (2 if name in chosen else 1) for name in "abc"}
     out = capfd.readouterr().out
-    assert "recomputed in the backward (torch.utils.checkpoint): " + ", ".join(chosen) in out
+    assert "recomputed in the backward (its forward rerun first): " + ", ".join(chosen) in out
     makespan = load_resolved(resolved).schedule.makespan
     assert f"the plan predicts {makespan * 0.5:.1f} ms (makespan {makespan} x 0.5 ms)" in out
     assert main(["run", str(resolved), "--check", "--iterations", "2"]) == 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -258,3 +260,74 @@ def test_import_unknown_format_and_missing_file(cli, tmp_path):
                        PLANS / "1f1b-4stage.yaml")
     assert (code, err) == (2, f"error: cannot read {tmp_path / 'x.csv'}: No such file or "
                               "directory\n")
+
+
+# ---------------------------------------------------------------- in torch's own runtime
+
+_PLAIN = """\
+pyplan: 1
+name: {name}
+devices: {devices}
+micro_batches: {n}
+training: {{backward: {{time_ratio: 2{split}}}}}
+blocks:
+{blocks}
+model:
+  module: plain:model
+  stages:
+{stages}
+  data: plain:batch
+  loss: plain:loss
+"""
+
+
+def _plain_plan(name: str, devices: list[int], units: list[list[str]], n: int, split: str):
+    blocks = "\n".join(f"  - {{name: stage{s}, devices: [{d}], time: 2, memory: 1}}"
+                       for s, d in enumerate(devices))
+    stages = "\n".join(f"    stage{s}: {json.dumps(u)}" for s, u in enumerate(units))
+    return _PLAIN.format(name=name, devices=max(devices) + 1, n=n, split=split, blocks=blocks,
+                         stages=stages)
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("placement", ["interleaved", "zb-v"])
+def test_an_exported_schedule_trains_the_same_losses_in_torchs_runtime(tmp_path, placement):
+    """torch-csv of an interleaved plan (8 stages on 4 ranks) and of a ZB-V plan (the wave
+    placement with a split backward: 4 stages on 2 ranks, I and W actions) runs in
+    torch.distributed.pipelining's _PipelineScheduleRuntime, which torchtitan uses for
+    `pipeline_parallel_schedule_csv`, with the same modules, batches and SGD: the same losses
+    as `pyplan run`."""
+    import shutil
+    import subprocess
+    import sys
+
+    models = Path(__file__).resolve().parent / "models"
+    for name in ("plain.py", "torch_runtime.py"):
+        shutil.copy(models / name, tmp_path / name)
+    layers = [f"layers.{i}" for i in range(8)]
+    if placement == "interleaved":
+        units = [["embed", layers[0]]] + [[x] for x in layers[1:7]] + [[layers[7], "head"]]
+        text = _plain_plan(placement, [s % 4 for s in range(8)], units, 8, "")
+    else:
+        units = [["embed"] + layers[:2], layers[2:4], layers[4:6], layers[6:] + ["head"]]
+        text = _plain_plan(placement, [0, 1, 1, 0], units, 4, ", weight_time_ratio: 1")
+    (tmp_path / f"{placement}.yaml").write_text(text)
+    ranks = 4 if placement == "interleaved" else 2
+    pyplan = str(Path(sys.executable).with_name("pyplan"))
+
+    def run(*args, command=(pyplan,)):
+        result = subprocess.run([*command, *map(str, args)], capture_output=True, text=True,
+                                cwd=tmp_path, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    run("solve", f"{placement}.yaml", "--quiet")
+    resolved = f"{placement}.resolved.yaml"
+    run("export", resolved, "--format", "torch-csv", "-o", "schedule.csv")
+    ours = json.loads(run("run", resolved, "--nproc-per-node", ranks, "--iterations", 3,
+                          "--json", "--device", "cpu").splitlines()[-1])["losses"]
+    theirs = [float(x) for x in re.findall(r"loss ([0-9.]+)", run(
+        "--standalone", "--nproc-per-node", ranks, "torch_runtime.py", resolved,
+        "schedule.csv", 3, command=(sys.executable, "-m", "torch.distributed.run")))]
+    assert len(theirs) == 3
+    assert theirs == pytest.approx(ours, abs=1e-5)

@@ -74,10 +74,14 @@ def test_a_tight_capacity_forces_an_uneven_split():
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("shape", ["vshape", "interleaved", "traced"])
-def test_a_model_partitioned_solved_and_run_matches_single_process_training(shape, tmp_path):
-    # traced: a model that is not a chain of its children, cut by torch's pipeline tracer
-    model = "positional" if shape == "traced" else "unequal"
+@pytest.mark.parametrize("shape, model, cut", [
+    ("vshape", "unequal", "chain"), ("interleaved", "unequal", "chain"),
+    # not a chain of its children: learned positions added in forward, a list of layers
+    ("vshape", "positional", "forward"),
+    # neither: a long skip connection, so the traced pieces hand on two tensors
+    ("vshape", "skip", "traced")])
+def test_a_model_partitioned_solved_and_run_matches_single_process_training(shape, model, cut,
+                                                                            tmp_path):
     shutil.copy(MODELS / f"{model}.py", tmp_path / "unequal.py")
     (tmp_path / "plans").mkdir()
     extra = ["--shape", "interleaved", "--chunks", "2"] if shape == "interleaved" else []
@@ -90,11 +94,13 @@ def test_a_model_partitioned_solved_and_run_matches_single_process_training(shap
     plan = (tmp_path / "plans" / "unequal.yaml").read_text()
     assert "module: unequal:model" in plan and 'path: ".."' in plan
     assert plan.count("{name: stage") == (8 if shape == "interleaved" else 4)
-    assert ("traced: true" in plan) == (shape == "traced")
+    assert (f"cut: {cut}" in plan) == (cut != "chain")
+    if model == "positional":  # a parameter of the model itself: every stage holds it
+        assert '- {parameter: "positions", stages: [stage0, stage1, stage2, stage3]}' in plan
     solved = run("solve", "plans/unequal.yaml", "--quiet")
     assert solved.returncode == 0, solved.stderr
     result = run("run", "plans/unequal.resolved.yaml", "--nproc-per-node", "4", "--check",
-                 "--iterations", "2", "--json")
+                 "--iterations", "2", "--json", "--device", "cpu")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["check"]["ok"], report
@@ -108,7 +114,7 @@ def test_partition_regenerates_the_transformer_plans_stages(cli, tmp_path):
     from pyplan.examples import transformer
     from pyplan.partition import Partition, plan_text
     from pyplan.problem import load_problem
-    from pyplan.runtime.binding import submodules
+    from pyplan.models.chain import stage
 
     out = tmp_path / "transformer.yaml"
     code, _, err = cli("partition", "pyplan.examples.transformer:model", "--data",
@@ -131,9 +137,9 @@ def test_partition_regenerates_the_transformer_plans_stages(cli, tmp_path):
                               time_unit_ms=1.0, shape="vshape"))
     stages = dict(load_problem(path).model.stages)
     names = [f"stage{s}" for s in range(4)]
-    cut = submodules(transformer.model(), stages, names)
+    whole = transformer.model()
     for name in names:
-        ours = {k: v.shape for k, v in cut[name].state_dict().items()}
+        ours = {k: v.shape for k, v in stage(whole, stages[name]).state_dict().items()}
         theirs = {k: v.shape for k, v in transformer.build(name, None).state_dict().items()}
         assert list(ours.values()) == list(theirs.values()), name
 
@@ -163,7 +169,32 @@ def test_megatron_layout_and_torchtitan_split_points(cli, tmp_path):
     plan = _partitioned(tmp_path, (0, 3, 5, 7, 9), 2)
     assert cli("export", plan, "--format", "megatron-layout", "-o", "-")[1] == \
         "E,t*2|t*2|t*2|L\n"
-    assert '"Interleaved1F1B"' in cli("export", plan, "--format", "torchtitan", "-o", "-")[1]
+    out = cli("export", plan, "--format", "torchtitan", "-o", "-")[1]
+    assert '"Interleaved1F1B"' in out and 'pipeline_parallel_schedule_csv = "p.csv"' in out
+
+
+def test_torchtitan_settings_for_the_v_and_what_it_cannot_run(cli, tmp_path):
+    from pyplan.partition import Partition, plan_text
+
+    units = [UnitCost(n, 1.0, 2.0, 100, 10) for n in ["embed", "l0", "l1", "head"]]
+    text = plan_text(units, Partition((0, 1, 2, 3, 4), 0.0, ()), name="v", devices=2,
+                     micro_batches=4, capacity=None, factory="m:model", data="m:batch",
+                     loss="m:loss", path=None, time_unit_ms=1.0, shape="test")
+    # ZB-V's placement: stages 0 and 3 on rank 0, 1 and 2 on rank 1, a split backward.
+    v = text.replace("stage2, devices: [0]", "stage2, devices: [1]").replace(
+        "stage3, devices: [1]", "stage3, devices: [0]")
+    (tmp_path / "v.yaml").write_text(v.replace("{time_ratio: 1}",
+                                               "{time_ratio: 1, weight_time_ratio: 1}"))
+    code, out, err = cli("export", tmp_path / "v.yaml", "--format", "torchtitan", "-o", "-")
+    assert code == 0, err
+    assert '"ZBVZeroBubble"' in out and 'pipeline_parallel_schedule_csv = "v.csv"' in out
+    (tmp_path / "v2.yaml").write_text(v.replace("name: v\n", "name: v2\n"))
+    assert '"DualPipeV"' in cli("export", tmp_path / "v2.yaml", "--format", "torchtitan",
+                               "-o", "-")[1]
+    # Megatron-LM has no V: refused with the stage that does not fit.
+    code, out, err = cli("export", tmp_path / "v.yaml", "--format", "megatron-layout", "-o", "-")
+    assert code == 2 and "stage 2 ('stage2') runs on devices [1], but Megatron-LM places " \
+        "stage s on rank s mod the pipeline size" in err
 
 
 def test_layout_exports_need_a_module_cut_into_stages(cli):
@@ -217,12 +248,10 @@ class Branches(torch.nn.Module):  # its forward is not its children one after an
 
 
 @pytest.mark.parametrize("factory, message", [
-    ("broken_model:raising", "error: building the model or its first batch failed: ValueError: "
-                             "no such layer\n"),
-    ("broken_model:Branches", "error: cut before 'b', the model passes more than one tensor "
-                              "from one piece to the next (hint: pyplan runs pipelines whose "
-                              "stages hand on one tensor; write the plan's blocks by hand "
-                              "(model.blocks))\n"),
+    ("broken_model:raising", "error: FACTORY (broken_model:raising) raised ValueError: no such "
+                             "layer (hint: the factory returns the whole model, an nn.Module)\n"),
+    ("broken_model:Branches", "error: broken_model:Branches has 2 units (a, b), fewer than the 4 "
+                              "stages asked for (hint: use fewer --devices (or --chunks))\n"),
     ("broken_model:nope", "error: FACTORY: broken_model has no function 'nope'\n"),
 ])
 def test_partition_errors_are_one_line(factory, message, cli, tmp_path, monkeypatch):
@@ -230,6 +259,7 @@ def test_partition_errors_are_one_line(factory, message, cli, tmp_path, monkeypa
     (tmp_path / "broken_model.py").write_text(BROKEN)
     monkeypatch.syspath_prepend(str(tmp_path))
     code, out, err = cli("partition", factory, "--data", "broken_model:batch", "--loss",
-                         "broken_model:loss", "--devices", "2", "-o", tmp_path / "p.yaml")
+                         "broken_model:loss", "--devices", "4", "--micro-batches", "2",
+                         "-o", tmp_path / "p.yaml")
     assert (code, err) == (2, message)
     assert not (tmp_path / "p.yaml").exists()

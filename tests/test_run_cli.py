@@ -104,10 +104,11 @@ def test_dry_run_builds_the_model_and_names_a_broken_block(cli, outside_torchrun
                     "model: {blocks: 'tiny:build', data: 'tiny:batch', loss: 'tiny:loss'}\n")
     assert cli("solve", plan, "--quiet")[0] == 0
     code, out, err = cli("run", tmp_path / "tiny.resolved.yaml", "--dry-run")
-    assert code == 1
-    assert err == ("error: model.blocks failed to build block 'b': KeyError: 'b' (hint: "
-                   "build(block_name, group) must return an nn.Module for every declared "
-                   "block)\n")
+    assert code == 2
+    # The user's code failed: one line at the plan's line that names the function.
+    assert err == (f"{plan}:9:17: error: model.blocks (tiny:build) raised KeyError: 'b' "
+                   "building block 'b' (hint: build(block_name, group) must return an "
+                   "nn.Module for every declared block)\n")
 
 
 @pytest.mark.parametrize("value", ["2", "a:1", "1:2:explode"])
@@ -138,3 +139,13 @@ assert main(["run", {str(out)!r}]) == 1
     assert result.stderr.splitlines() == [
         f"error: pyplan {command} needs torch (import of torch halted; None in sys.modules) "
         f"{hint}" for command in ("profile", "run", "run")]
+
+
+def test_the_clis_choices_are_the_runtimes():
+    pytest.importorskip("torch")
+    from pyplan.cli import run
+    from pyplan.runtime.comm import DEVICES
+    from pyplan.runtime.pipeline import DTYPES
+    from pyplan.runtime.training import OPTIMIZERS
+
+    assert (run.DEVICES, run.DTYPES, run.OPTIMIZERS) == (DEVICES, tuple(DTYPES), OPTIMIZERS)

@@ -21,7 +21,7 @@ from pyplan.cli import main
 from pyplan.export.chrome import schedule_events
 from pyplan.resolved import load_resolved
 
-from pyplan.errors import RunError
+from pyplan.errors import PlanError
 from pyplan.runtime import torch  # imports torch without its numpy warning
 from pyplan.runtime.binding import split_batch
 from pyplan.runtime.check import compare
@@ -58,13 +58,17 @@ def _check_line(out: str, iterations: int) -> None:
 def test_compare_names_the_first_difference():
     t = torch.tensor
     ref = {"a.w": t([1.0, 2.0]), "b.w": t([3.0])}
-    assert compare([1.0, 0.5], {"a.w": t([1.0, 2.0]), "b.w": t([3.0])}, [1.0, 0.5], ref,
-                   1e-5).ok
-    verdict = compare([1.0, 0.5], {"a.w": t([1.0, 2.0]), "b.w": t([3.1])}, [1.0, 0.5], ref, 1e-5)
+    good = {("a.w", "s0"): t([1.0, 2.0]), ("b.w", "s1"): t([3.0])}
+    assert compare([1.0, 0.5], good, [1.0, 0.5], ref, 1e-5).ok
+    verdict = compare([1.0, 0.5], {**good, ("b.w", "s1"): t([3.1])}, [1.0, 0.5], ref, 1e-5)
     assert not verdict.ok
     assert verdict.message.startswith("the gradient of b.w differs from the single-process "
                                       "run's by 0.1")
-    verdict = compare([1.0, 0.6], {"a.w": t([1.0, 2.0]), "b.w": t([3.0])}, [1.0, 0.5], ref, 1e-5)
+    # A tied parameter: each copy is compared, and a wrong one is named with its block.
+    tied = {**good, ("b.w", "s3"): t([2.0])}
+    verdict = compare([1.0, 0.5], tied, [1.0, 0.5], ref, 1e-5)
+    assert verdict.message.startswith("the gradient of b.w (the copy in block s3) differs")
+    verdict = compare([1.0, 0.6], good, [1.0, 0.5], ref, 1e-5)
     assert verdict.message.startswith("the loss of iteration 1 is 0.6, the single-process "
                                       "run's 0.5")
     assert "missing" in compare([1.0], {}, [1.0], ref, 1e-5).message
@@ -73,7 +77,7 @@ def test_compare_names_the_first_difference():
 def test_batches_must_split_evenly():
     parts = split_batch({"x": torch.arange(8), "y": (torch.ones(8, 2),)}, 4)
     assert [p["x"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    with pytest.raises(RunError, match=r"shape \(6,\) does not split into 4 equal"):
+    with pytest.raises(PlanError, match=r"shape \(6,\) does not split into 4 equal"):
         split_batch(torch.arange(6), 4)
 
 

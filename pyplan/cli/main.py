@@ -24,6 +24,8 @@ _COMMANDS = {
     "run": ("run", "execute a resolved plan under torchrun (one process per device)"),
     "profile": ("profile", "measure block times and memory of a plan's model"),
     "partition": ("partition", "profile a PyTorch model and cut it into pipeline stages: a plan"),
+    "consolidate": ("consolidate", "write a checkpoint of pyplan run as the whole model's state "
+                                   "dict"),
 }
 
 

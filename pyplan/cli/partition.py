@@ -12,9 +12,10 @@ from pathlib import Path
 
 from pyplan.api import partition_plans
 from pyplan.cli._torch import require_torch
-from pyplan.errors import PlanError, PyplanError
+from pyplan.cli.profile import MAX_REPEATS
+from pyplan.errors import PlanError
 from pyplan.fileio import write_atomic
-from pyplan.partition import OPTIMIZER_STATE, UnitCost
+from pyplan.partition import OPTIMIZER_STATE, ties
 from pyplan.spec import parse_memory
 from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES
 
@@ -49,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, metavar="K",
                         help="timed runs per unit and direction; the median counts")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="measure the units on this device (cuda: the first GPU, timed "
+                        "with CUDA events)")
     parser.add_argument("-o", "--output", required=True, metavar="PLAN",
                         help="where to write the plan (then pyplan solve PLAN)")
 
@@ -69,8 +73,8 @@ def _options(args: argparse.Namespace) -> tuple[int, int, int | None]:
     """(stages, micro-batches, memory in bytes)."""
     if not 1 <= args.devices <= MAX_DEVICES:
         raise PlanError(f"--devices must lie in 1 .. {MAX_DEVICES}")
-    if args.chunks < 1 or args.repeats < 1:
-        raise PlanError("--chunks and --repeats must be at least 1")
+    if args.chunks < 1 or not 1 <= args.repeats <= MAX_REPEATS:
+        raise PlanError(f"--chunks must be at least 1 and --repeats lie in 1 .. {MAX_REPEATS}")
     stages = args.devices * (args.chunks if args.shape == "interleaved" else 1)
     n = args.micro_batches if args.micro_batches is not None else 2 * stages
     if not 1 <= n <= MAX_MICRO_BATCHES:
@@ -91,9 +95,10 @@ def run(args: argparse.Namespace) -> int:
     require_torch("partition")
     import torch
 
-    from pyplan.runtime.binding import (Model, import_function, make_batch, seed_everything,
-                                        split_batch)
-    from pyplan.runtime.profile import profile_units
+    from pyplan.models import Unit, everywhere
+    from pyplan.runtime.binding import (Model, build_whole, import_function, loss_function,
+                                        make_batch, split_batch)
+    from pyplan.runtime.profile import Measured, profile_units
 
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # FACTORY is imported like `python -c` would
@@ -101,52 +106,67 @@ def run(args: argparse.Namespace) -> int:
     factory = import_function(args.factory, "FACTORY", hint=here)
     data = import_function(args.data, "--data", hint=here)
     loss = import_function(args.loss, "--loss", hint=here)
-    seed_everything(args.seed, "module")
-    try:  # the user's code: any failure is theirs to see, in one line
-        model = factory()
-        inputs, targets = make_batch(Model(None, data, loss), 0, args.seed, torch.device("cpu"))
-    except PyplanError:
-        raise
-    except Exception as exc:
-        raise PlanError(f"building the model or its first batch failed: "
-                        f"{type(exc).__name__}: {exc}") from None
-    if not isinstance(model, torch.nn.Module):
-        raise PlanError(f"FACTORY returned {type(model).__name__}, not a torch.nn.Module")
+    user = Model(None, data, loss, whole=factory,
+                 names={"module": "FACTORY", "data": "--data", "loss": "--loss"})
+    model = build_whole(user, args.seed)
+    inputs, targets = make_batch(user, 0, args.seed, torch.device("cpu"))
     inputs, targets = split_batch(inputs, n)[0], split_batch(targets, n)[0]
-    units, traced = _profile(profile_units, model, inputs, targets, loss, args)
+    measured = Measured()
+    units, cut = _profile(profile_units, model, inputs, targets, loss_function(user), args,
+                          measured)
+    if len(units) < stages:
+        raise PlanError(f"{args.factory} has {len(units)} units "
+                        f"({', '.join(u.name for u in units)}), fewer than the {stages} stages "
+                        "asked for", hint="use fewer --devices (or --chunks)")
     out = Path(args.output)
     root = _package_root(sys.modules[args.factory.partition(":")[0]])
     path = None if root is None else os.path.relpath(root, out.resolve().parent)
     chunks = args.chunks if args.shape == "interleaved" else 1
+    shared = everywhere(model, [Unit(u.name, u.module_names) for u in units]) \
+        if cut.kind == "forward" else ()
     plans = partition_plans(units, devices=args.devices, chunks=chunks,
                             name=out.name.split(".")[0], factory=args.factory, data=args.data,
                             loss=args.loss,
                             micro_batches=n, memory=memory, path=path, time_limit=SOLVE_SECONDS,
-                            source=str(out), traced=traced, recompute=args.recompute)
-    how = "cut by torch's pipeline tracer, " if traced else ""
+                            source=str(out), cut=cut.kind,
+                            layer_returns="tuple" if cut.tuples else "tensor",
+                            everywhere=shared,
+                            recompute=args.recompute)
+    how = {"chain": "", "traced": "cut by torch's pipeline tracer, ",
+           "forward": "cut in the model's own forward, "}[cut.kind]
     print(f"{args.factory}: {len(units)} units ({how}measured), {stages} stages "
           f"({args.shape}), {n} micro-batches; the best partitions and even splits, solved:")
     for plan in sorted(plans, key=lambda c: c.partition.bottleneck_ms):
         p = plan.partition
-        cut = " | ".join(f"{units[p.bounds[s]].name}..{units[p.bounds[s + 1] - 1].name}"
-                         for s in range(p.num_stages))
+        cut_text = " | ".join(f"{units[p.bounds[s]].name}..{units[p.bounds[s + 1] - 1].name}"
+                              for s in range(p.num_stages))
         print(f"  bottleneck {p.bottleneck_ms:8.2f} ms  makespan {plan.makespan_ms:9.2f} ms "
-              f"({plan.solution.status})  {cut}")
+              f"({plan.solution.status})  {cut_text}")
+    for line in measured.warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    for parameter, holders in ties(units, plans[0].partition, shared):
+        print(f"  tied: {parameter} is held by {', '.join(holders)}; pyplan run sums its "
+              "gradients over the copies")
     write_atomic(out, plans[0].text)
     print(f"wrote {out}: the partition with the shortest makespan; next: pyplan solve {out}")
     return 0
 
 
-def _profile(profile_units, model, inputs, targets, loss, args) -> tuple[list[UnitCost], bool]:
+def _profile(profile_units, model, inputs, targets, loss, args, measured):
     """Profile with a progress bar on a terminal (rich), quietly otherwise."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise PlanError("--device cuda, but torch sees no GPU", hint="measure with --device cpu")
+    options = dict(optimizer=args.optimizer, repeats=args.repeats, measured=measured,
+                   device=torch.device("cuda", 0) if args.device == "cuda" else
+                   torch.device("cpu"))
     if not sys.stderr.isatty():
-        return profile_units(model, inputs, targets, loss, optimizer=args.optimizer,
-                             repeats=args.repeats)
+        return profile_units(model, inputs, targets, loss, **options)
     from rich.progress import Progress
 
     with Progress(transient=True) as bar:
         task = bar.add_task("profiling units", total=None)
-        return profile_units(model, inputs, targets, loss, optimizer=args.optimizer,
-                             repeats=args.repeats,
+        return profile_units(model, inputs, targets, loss, **options,
                              progress=lambda done, total: bar.update(task, completed=done,
                                                                      total=total))

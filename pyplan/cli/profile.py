@@ -12,7 +12,9 @@ from pyplan.errors import PlanError
 from pyplan.problem import load_problem
 from pyplan.spec import format_memory
 
-__all__ = ["add_arguments", "run", "suggestions"]
+__all__ = ["MAX_REPEATS", "add_arguments", "run", "suggestions"]
+
+MAX_REPEATS = 1000  # timed runs per measurement (8x that when they spread): bounded time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="milliseconds per time unit of the suggested costs (default: the "
                         "fastest forward block)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="measure on this device (cuda: the first GPU, timed with CUDA "
+                        "events)")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
     parser.add_argument("--links", action="store_true",
                         help="also measure the link between two processes on this machine "
@@ -54,11 +59,18 @@ def suggestions(problem, costs, unit_ms: float) -> list[str]:
     return lines
 
 
+def _device(torch, name: str):
+    """The device to measure on; PlanError when CUDA is asked for and there is none."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise PlanError("--device cuda, but torch sees no GPU", hint="measure with --device cpu")
+    return torch.device("cuda", 0) if name == "cuda" else torch.device("cpu")
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.repeats < 1:
-        raise PlanError("--repeats must be at least 1")
-    if args.unit_ms is not None and args.unit_ms <= 0:
-        raise PlanError("--unit-ms must be positive")
+    if not 1 <= args.repeats <= MAX_REPEATS:
+        raise PlanError(f"--repeats must lie in 1 .. {MAX_REPEATS}")
+    if args.unit_ms is not None and not 0 < args.unit_ms < float("inf"):
+        raise PlanError("--unit-ms must be a positive, finite number of milliseconds")
     problem = load_problem(args.plan)
     if problem.model is None:
         raise PlanError("the plan has no model: section, so there is nothing to measure",
@@ -66,18 +78,23 @@ def run(args: argparse.Namespace) -> int:
                         file=problem.source_path)
     require_torch("profile")
     from pyplan.runtime.binding import load_model  # torch only from here on
-    from pyplan.runtime.profile import profile_blocks
+    from pyplan.runtime.profile import Measured, profile_blocks
 
+    import torch
+
+    device = _device(torch, args.device)
     model = load_model(problem, Path(problem.source_path).resolve().parent)
-    costs = profile_blocks(problem, model, seed=args.seed, repeats=args.repeats)
+    measured = Measured()
+    costs = profile_blocks(problem, model, seed=args.seed, repeats=args.repeats,
+                           device=device, measured=measured)
     unit = args.unit_ms or min(c.forward_ms for c in costs)
     link = None
     if args.links:
         from pyplan.runtime.links import measure_link
-        link = measure_link()
+        link = measure_link(args.device)
     if args.json:
         extra = {} if link is None else {"link": {"bandwidth": link[0], "latency_ms": link[1]}}
-        print(json.dumps({"unit_ms": unit, **extra, "blocks": [
+        print(json.dumps({"unit_ms": unit, **extra, "warnings": measured.warnings, "blocks": [
             {"name": c.name, "devices": list(c.devices), "forward_ms": c.forward_ms,
              "backward_ms": c.backward_ms, "activation_bytes": c.activation_bytes,
              "input_bytes": c.input_bytes, "output_bytes": c.output_bytes}
@@ -97,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     if any(len(c.devices) > 1 for c in costs):
         print("  blocks on several devices are measured whole on one device; spread over their "
               "devices they take less time and memory each, plus communication")
+    for line in measured.warnings:
+        print(f"  warning: {line}")
     print(f"suggested costs (1 time unit = {unit:.3f} ms; memory in bytes, so every memory "
           "value of the plan becomes a size):")
     print("\n".join("  " + line for line in suggestions(problem, costs, unit)))

@@ -1,12 +1,12 @@
 """`pyplan run PLAN.resolved.yaml`: execute a resolved plan, one process per device:
 
-    pyplan run PLAN.resolved.yaml --nproc-per-node D [--check] [--blocking] [--trace F]
+    pyplan run PLAN.resolved.yaml --nproc-per-node D [--check] [--optimizer adamw] ...
     torchrun --nproc-per-node D -m pyplan run PLAN.resolved.yaml [...]     (multi-node too)
 
 With --nproc-per-node and not under torchrun, pyplan starts the workers itself through torch's
 launcher (torch.distributed.run: the same rendezvous, log prefixes and exit codes). Every rank
 loads the plan, lowers it to per-rank programs and verifies them before anything runs; then
-init -> build -> run -> close.
+init -> build -> train (pyplan.runtime.session over pyplan.runtime.Pipeline) -> close.
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ from pyplan.lower import COMPUTE, RECV, SEND, SYNC, WAIT, check_runnable, descri
 from pyplan.resolved import load_resolved
 from pyplan.verify import verify
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["DEVICES", "DTYPES", "OPTIMIZERS", "add_arguments", "run"]
+
+# The runtime's choices (pyplan.runtime.comm, .pipeline, .training), spelled here so that the
+# CLI parses without importing torch (tests/test_run_cli.py checks they agree).
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("sgd", "adamw")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,9 +52,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with the results instead of the summary")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
-    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
-    parser.add_argument("--tolerance", type=float, default=1e-5, metavar="T",
-                        help="--check: largest allowed absolute difference (default 1e-5)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help="torch.optim optimizer (default sgd)")
+    parser.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    parser.add_argument("--weight-decay", type=float, default=0.0, metavar="W",
+                        help="weight decay (default 0)")
+    parser.add_argument("--clip-grad-norm", type=float, metavar="N",
+                        help="clip gradients to this global norm (over all stages and replicas)")
+    parser.add_argument("--lr-warmup", type=int, default=0, metavar="K",
+                        help="linear learning-rate warmup over K steps, then constant")
+    parser.add_argument("--save", metavar="DIR",
+                        help="write a checkpoint (torch.distributed.checkpoint) to DIR at the end")
+    parser.add_argument("--save-every", type=int, metavar="K",
+                        help="with --save: also every K iterations")
+    parser.add_argument("--resume", metavar="DIR",
+                        help="continue from the checkpoint in DIR (its step, model and optimizer "
+                        "state; any plan of the same model)")
+    parser.add_argument("--device", choices=DEVICES,
+                        help="cpu or cuda for every rank (default: $PYPLAN_DEVICE, else auto: "
+                        "cuda when every rank has a GPU)")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32",
+                        help="compute dtype under autocast (weights and gradients stay fp32)")
+    parser.add_argument("--tolerance", type=float, metavar="T",
+                        help="--check: largest allowed absolute difference (default 1e-5 in "
+                        "fp32, 5e-2 in bf16, 1e-2 in fp16)")
     parser.add_argument("--fault-timeout", type=float, default=10.0, metavar="S",
                         help="a rank silent for S seconds counts as dead (default 10)")
     parser.add_argument("--dry-run", action="store_true",
@@ -84,14 +111,14 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError("the plan has no model: section, so there is nothing to run",
                         hint="add model: {blocks: ..., data: ..., loss: ...} and re-run "
                         "pyplan solve", file=plan.plan_path and str(plan.plan_path))
-    output = check_runnable(problem)
+    check_runnable(problem)
     lowered = lower(problem, plan.schedule)
     verify(lowered)
     verify(lowered, blocking=True)
     plan_dir = (plan.plan_path or Path(plan.path)).parent
     if args.dry_run:
         _print_programs(lowered)
-        print(_model_check(problem, plan_dir))
+        print(_model_check(problem, plan_dir, _source(plan)))
         return 0
     devices = problem.num_devices * problem.mesh.data
     command = f"pyplan run {args.plan} --nproc-per-node {devices}"
@@ -109,11 +136,18 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
     from pyplan.runtime.binding import load_model
 
-    model = load_model(problem, plan_dir)
-    return record(_session)(args, lowered, output, model, fail_at)
+    model = load_model(problem, plan_dir, _source(plan))
+    return record(_session)(args, plan, model, fail_at)
 
 
-def _model_check(problem, plan_dir: Path) -> str:
+def _source(plan) -> str:
+    """The file messages about the model point into: the plan where it is, else the resolved
+    plan (whose model: section is a copy)."""
+    return str(plan.plan_path) if plan.plan_path is not None and plan.plan_path.is_file() \
+        else plan.path
+
+
+def _model_check(problem, plan_dir: Path, source: str) -> str:
     """Build the model's blocks on the meta device when torch is there; say so either way."""
     try:
         require_torch("run --dry-run")
@@ -121,22 +155,27 @@ def _model_check(problem, plan_dir: Path) -> str:
         return "model: not imported (torch is not installed)"
     from pyplan.runtime.binding import check_model
 
-    count = check_model(problem, plan_dir)
+    count = check_model(problem, plan_dir, source)
     return (f"model: {problem.model.builder} built all {count} declared blocks (on the meta "
             "device); data and loss import")
 
 
 def _worker_arguments(args: argparse.Namespace) -> list[str]:
     """The command line of one worker: this run's options, without the launcher's."""
-    out = ["run", args.plan, "--iterations", str(args.iterations), "--seed", str(args.seed),
-           "--lr", repr(args.lr), "--tolerance", repr(args.tolerance),
-           "--fault-timeout", repr(args.fault_timeout)]
+    out = ["run", args.plan]
+    for option in ("iterations", "seed", "lr", "weight_decay", "lr_warmup", "fault_timeout",
+                   "optimizer", "dtype"):
+        out += [f"--{option.replace('_', '-')}", repr(getattr(args, option))
+                if isinstance(getattr(args, option), float) else str(getattr(args, option))]
     for flag in ("check", "blocking", "sync_at_end", "json"):
         if getattr(args, flag):
             out.append(f"--{flag.replace('_', '-')}")
-    for option in ("trace", "fail_at"):
-        if getattr(args, option) is not None:
-            out += [f"--{option.replace('_', '-')}", getattr(args, option)]
+    for option in ("trace", "fail_at", "tolerance", "clip_grad_norm", "save", "save_every",
+                   "resume", "device"):
+        value = getattr(args, option)
+        if value is not None:
+            out += [f"--{option.replace('_', '-')}",
+                    repr(value) if isinstance(value, float) else str(value)]
     return out
 
 
@@ -171,24 +210,34 @@ def _launch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _session(args, lowered, output: int, model, fail_at) -> int:
-    """What torchrun runs on every rank: init -> build -> run -> close."""
+def _session(args, plan, model, fail_at) -> int:
+    """What torchrun runs on every rank: init -> build -> train -> close."""
     from pyplan.runtime.session import Options, Session, summary
+    from pyplan.runtime.training import Training
 
-    options = Options(iterations=args.iterations, seed=args.seed, lr=args.lr,
+    training = Training(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+                        clip_grad_norm=args.clip_grad_norm, lr_warmup=args.lr_warmup)
+    options = Options(iterations=args.iterations, seed=args.seed, training=training,
                       blocking=args.blocking, sync_at_end=args.sync_at_end,
-                      check=args.check, tolerance=args.tolerance,
-                      trace=args.trace, fault_timeout=args.fault_timeout, fail_at=fail_at)
-    session = Session(lowered, output, model, options)
+                      check=args.check, tolerance=args.tolerance, trace=args.trace,
+                      fault_timeout=args.fault_timeout, fail_at=fail_at, device=args.device,
+                      dtype=args.dtype, save=args.save, save_every=args.save_every,
+                      resume=args.resume, progress=not args.json)
+    session = None
     try:
-        session.build()
+        session = Session(plan, model, options)
         report = session.train()
     except Exception as exc:  # every rank agrees on the first failure, then exits
-        raise session.failed(exc) from None
+        if session is None:
+            raise
+        error = session.failed(exc)
+        session.close()
+        raise error from None
     session.close()
     ok = report.verdict is None or report.verdict.ok
     if session.rank != 0:
         return 0 if ok else EXIT_RUN_FAILED
+    lowered = session.lowered
     if args.json:
         print(json.dumps(_json(report, lowered, options), sort_keys=True))
     else:
@@ -202,10 +251,23 @@ def _session(args, lowered, output: int, model, fail_at) -> int:
 def _options(args: argparse.Namespace):
     if args.iterations < 1:
         raise PlanError("--iterations must be at least 1")
-    if args.fault_timeout <= 0 or args.tolerance < 0:
+    if args.fault_timeout <= 0 or (args.tolerance is not None and args.tolerance < 0):
         raise PlanError("--fault-timeout must be positive and --tolerance not negative")
+    if not (args.lr > 0 and args.lr < float("inf")) or not 0 <= args.weight_decay < float("inf"):
+        raise PlanError("--lr must be positive and --weight-decay not negative (both finite)")
+    if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < float("inf"):
+        raise PlanError("--clip-grad-norm must be positive and finite")
+    if args.lr_warmup < 0 or (args.save_every is not None and args.save_every < 1):
+        raise PlanError("--lr-warmup must not be negative and --save-every at least 1")
+    if args.save_every is not None and args.save is None:
+        raise PlanError("--save-every needs --save DIR")
     if args.trace is not None and not Path(args.trace).resolve().parent.is_dir():
         raise PlanError(f"--trace {args.trace}: its directory does not exist")
+    if args.resume is not None and not (Path(args.resume) / ".metadata").is_file():
+        raise PlanError(f"--resume {args.resume}: not a checkpoint written by pyplan run --save",
+                        hint="give the directory --save wrote")
+    if args.save is not None and Path(args.save).exists() and not Path(args.save).is_dir():
+        raise PlanError(f"--save {args.save}: exists and is not a directory")
     if args.fail_at is None:
         return None
     parts = args.fail_at.split(":")
@@ -236,16 +298,33 @@ def _print_programs(lowered) -> None:
 
 
 def _json(report, lowered, options) -> dict:
+    problem = lowered.problem
+    predicted = lowered.makespan * problem.time_unit_ms / 1e3 \
+        if problem.time_unit_ms is not None else None
     return {
-        "plan": lowered.problem.name,
+        "plan": problem.name,
         "ranks": len(lowered.programs),
         "backend": report.backend,
+        "device": report.device,
+        "dtype": options.dtype,
         "blocking": options.blocking,
-        "micro_batches": lowered.problem.num_micro_batches,
+        "micro_batches": problem.num_micro_batches,
+        "optimizer": options.training.optimizer,
+        "first_iteration": report.first_step,
         "iteration_seconds": report.seconds,
         "losses": report.losses,
+        "grad_norms": report.grad_norms,
+        "samples_per_second": [report.samples / s for s in report.seconds]
+        if report.samples else None,
+        "tokens_per_second": [report.tokens / s for s in report.seconds]
+        if report.tokens else None,
+        "predicted_seconds": predicted,
         "compute_seconds": report.compute,
         "rank_iteration_seconds": report.iteration_seconds,
+        "peak_activation_bytes": report.peak_activation_bytes,
+        "predicted_activation_bytes": report.predicted_activation_bytes,
+        "cuda_max_allocated": report.cuda_max_allocated,
+        "ties": report.ties,
         "check": None if report.verdict is None else {"ok": report.verdict.ok,
                                                       "message": report.verdict.message},
     }

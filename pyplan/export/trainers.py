@@ -1,8 +1,10 @@
 """A plan's stages in the formats other trainers read, so that a partition found by pyplan can
 drive them: Megatron-LM's `--pipeline-model-parallel-layout` string and torchtitan's
 `[parallelism]` settings. Both need a plan whose model is one module cut into named
-submodules (`model: {module, stages}`, as `pyplan partition` writes) with stage s on device
-s mod devices (V-shape or interleaved: the placements those trainers have)."""
+submodules (`model: {module, stages}`, as `pyplan partition` writes), each stage on one device.
+Megatron-LM places stage s on rank s mod the pipeline size (loop); torchtitan also runs the V
+(stage s and 2D-1-s on rank s: ZB-V, DualPipeV), and runs pyplan's own order from its
+torch-csv export in torch's _PipelineScheduleRuntime."""
 
 from __future__ import annotations
 
@@ -18,6 +20,31 @@ _EMBEDDING = re.compile(r"(^|\.)(embed\w*|wte|tok_embeddings|word_embeddings)$",
 _OUTPUT = re.compile(r"(^|\.)(head|lm_head|output\w*|norm|final\w*|ln_f)$", re.IGNORECASE)
 
 
+LOOP, V = "loop", "v"
+
+
+def _placement(problem: Problem, allowed: tuple[str, ...], trainer: str) -> str:
+    """How the plan places its stages on ranks (loop: stage s on s mod D; v: s and 2D-1-s on
+    rank s); PlanError naming the first stage that fits none of `allowed`."""
+    declared = [b for b in problem.blocks if b.is_forward]
+    d = problem.num_devices
+
+    def rank(style: str, s: int) -> int:
+        return s % d if style == LOOP else (s % (2 * d) if s % (2 * d) < d
+                                            else 2 * d - 1 - s % (2 * d))
+    for style in allowed:
+        if all(b.devices == (rank(style, s),) for s, b in enumerate(declared)):
+            return style
+    style = allowed[0]
+    s, block = next((s, b) for s, b in enumerate(declared) if b.devices != (rank(style, s),))
+    where = " or ".join({LOOP: "s mod the pipeline size", V: "s and 2D-1-s on rank s (V)"}[a]
+                        for a in allowed)
+    raise PlanError(f"stage {s} ('{block.name}') runs on devices {list(block.devices)}, but "
+                    f"{trainer} places stage s on rank {where}",
+                    hint="partition with --shape vshape or interleaved",
+                    file=problem.source_path or None)
+
+
 def _stages(problem: Problem) -> list[tuple[str, ...]]:
     """Each stage's submodule names, in forward order; PlanError when the plan cannot say."""
     model = problem.model
@@ -27,14 +54,7 @@ def _stages(problem: Problem) -> list[tuple[str, ...]]:
                         hint="partition the model with pyplan partition",
                         file=problem.source_path or None)
     stages = dict(model.stages)
-    declared = [b for b in problem.blocks if b.is_forward]
-    for s, block in enumerate(declared):
-        if block.devices != (s % problem.num_devices,):
-            raise PlanError(f"stage {s} ('{block.name}') runs on devices {list(block.devices)}, "
-                            f"not on device {s % problem.num_devices}: Megatron-LM and "
-                            "torchtitan place stage s on rank s mod the pipeline size",
-                            file=problem.source_path or None)
-    return [stages[b.name] for b in declared]
+    return [stages[b.name] for b in problem.blocks if b.is_forward]
 
 
 def megatron_layout(problem: Problem) -> str:
@@ -42,6 +62,7 @@ def megatron_layout(problem: Problem) -> str:
     output units at the end (head, final norm: Megatron's loss stage), t for every other unit
     (a decoder layer), repeats written x*N."""
     stages = _stages(problem)
+    _placement(problem, (LOOP,), "Megatron-LM")
     last = [u for s in stages for u in s]
     tail = len(last)
     while tail > 0 and _OUTPUT.search(last[tail - 1]):
@@ -71,18 +92,34 @@ def _runs(symbols: list[str]) -> str:
 
 def torchtitan_config(problem: Problem) -> str:
     """torchtitan's `[parallelism]` TOML: the pipeline degree, the split points (the first
-    submodule of every stage but the first) and the matching torch schedule."""
+    submodule of every stage but the first), a torch schedule of the plan's placement (it
+    tells torchtitan which stages each rank builds: loop or V) and the CSV of pyplan's own order,
+    which torchtitan then runs in torch's _PipelineScheduleRuntime instead of the named one."""
     stages = _stages(problem)
-    looped = len(stages) > problem.num_devices
+    split = any(b.kind == "weight" for b in problem.blocks)
+    style = _placement(problem, (LOOP, V) if len(stages) == 2 * problem.num_devices
+                       else (LOOP,), "torchtitan")
+    if style == V:
+        schedule = "ZBVZeroBubble" if split else "DualPipeV"
+    elif len(stages) > problem.num_devices:
+        schedule = "InterleavedZeroBubble" if split else "Interleaved1F1B"
+    else:
+        schedule = "1F1B"
+        if split:
+            raise PlanError("a split backward with one stage per rank has no torchtitan "
+                            "schedule (its zero-bubble schedules run several stages per rank)",
+                            hint="partition with --shape interleaved",
+                            file=problem.source_path or None)
+    csv = f"{problem.name}.csv"
     return "\n".join([
         f"# {problem.name}: {len(stages)} stages on {problem.num_devices} pipeline ranks "
         "(written by pyplan export --format torchtitan).",
-        "# To run pyplan's own schedule instead of the named one: pyplan export PLAN "
-        "--format torch-csv -o schedule.csv",
-        "# and set pipeline_parallel_schedule_csv = \"schedule.csv\".",
+        f"# The schedule pyplan found: pyplan export PLAN --format torch-csv -o {csv}",
+        "# (drop pipeline_parallel_schedule_csv to run the named schedule instead).",
         "[parallelism]",
         f"pipeline_parallel_degree = {problem.num_devices}",
         "pipeline_parallel_split_points = ["
         + ", ".join(json.dumps(units[0]) for units in stages[1:]) + "]",
-        f"pipeline_parallel_schedule = \"{'Interleaved1F1B' if looped else '1F1B'}\"",
+        f"pipeline_parallel_schedule = \"{schedule}\"",
+        f"pipeline_parallel_schedule_csv = \"{csv}\"",
     ]) + "\n"

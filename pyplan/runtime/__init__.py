@@ -1,4 +1,5 @@
-"""`pyplan run`: execute lowered plans on real torch.distributed process groups.
+"""Running resolved plans on real torch.distributed process groups: `Pipeline` is the engine
+(a user's training loop drives it; `pyplan run` is a small trainer over it).
 
 Everything under pyplan.runtime needs torch; the CLI imports it only when `pyplan run` runs, so
 validate/solve/show/export work without torch. Model code marks sharded parameters of
@@ -15,5 +16,6 @@ with warnings.catch_warnings():
     import torch  # noqa: F401
 
 from pyplan.runtime.binding import shard  # noqa: E402
+from pyplan.runtime.pipeline import Pipeline  # noqa: E402
 
-__all__ = ["shard"]
+__all__ = ["Pipeline", "shard"]

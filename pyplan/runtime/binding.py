@@ -1,19 +1,24 @@
 """Binding a plan's `model:` section to nn.Modules, batches and a loss (the contract is in the
 `model:` descriptions of schemas/plan.schema.json).
 
-Every rank and the single-process reference build a block after seeding torch's RNG from the
-run's seed and the block's name, so a block starts with the same weights wherever it is built,
-whatever else that process built before it; and every forward of a block runs with the RNG seeded
-from the seed, the iteration, the block and the micro-batch, so dropout draws the same masks in
-any schedule, on every rank of a multi-device block and in the single-process reference.
+Every rank and the single-process reference build a block (or the whole model) after seeding
+torch's RNG from the run's seed and the block's name, so a block starts with the same weights
+wherever it is built, whatever else that process built before it; and every forward of a block
+runs with the RNG seeded from the seed, the iteration, the block and the micro-batch, so dropout
+draws the same masks in any schedule, on every rank of a multi-device block and in the
+single-process reference.
+
+User code (the factory, blocks, data and loss) fails in one line that names the function, what
+it did and the plan line that names it (`UserCodeError`), never with a traceback from inside
+pyplan.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import sys
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +27,14 @@ from typing import Any, Callable
 import torch
 
 from pyplan.errors import PlanError, RunError
+from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Tie, stage_modules, ties
 from pyplan.problem import Problem
 from pyplan.spec import load_yaml
 
-__all__ = ["SHARD_DIM", "Model", "block_inputs", "build_modules", "check_model",
-           "forward_blocks", "forward_rng", "import_function", "load_model", "make_batch", "named_parameters",
-           "seed_everything", "shard", "shard_dim", "split_batch", "submodules",
-           "traced_stages"]
+__all__ = ["SHARD_DIM", "Built", "Model", "block_inputs", "block_seeds", "build",
+           "call_user", "check_model", "loss_function", "forward_blocks", "forward_seed", "import_function",
+           "load_model", "make_batch", "seed_everything", "seed_generators", "shard",
+           "shard_dim", "split_batch", "to_device"]
 
 SHARD_DIM = "pyplan_shard_dim"
 
@@ -45,86 +51,102 @@ def shard_dim(param: torch.Tensor) -> int | None:
     return getattr(param, SHARD_DIM, None)
 
 
+# ---------------------------------------------------------------- the model's functions
+
 @dataclass(frozen=True)
 class Model:
     build: Callable[[str, Any], torch.nn.Module] | None
     """(block name, group) -> the block's module; None when `whole` builds the model."""
     data: Callable[[int], tuple[Any, Any]]
-    loss: Callable[[torch.Tensor, Any], torch.Tensor]
+    loss: Callable[..., torch.Tensor]
     whole: Callable[[], torch.nn.Module] | None = None
     """() -> the whole model, whose submodules `stages` names for each block."""
     stages: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    traced: bool = False
-    """The whole model's forward is not its submodules one after another: each block is the
-    stage torch's tracer (torch.distributed.pipelining.pipeline) cuts at its first submodule."""
+    cut: Cut = Cut()
+    ties: tuple[tuple[str, tuple[str, ...]], ...] | None = None
+    """The ties the plan records (parameter, stages), None when it records none."""
+    names: dict[str, str] = field(default_factory=dict)
+    """Which plan key names each function ('model.data'), for messages."""
+    source: str | None = None
 
 
-def traced_stages(model: torch.nn.Module, starts: list[str], inputs) -> list[torch.nn.Module]:
-    """The model cut by torch.distributed.pipelining's tracer before each name in `starts`
-    (after the first): one module per stage, each taking and returning one tensor."""
-    from torch.distributed.pipelining import SplitPoint, pipeline
+class UserCodeError(RunError):
+    """The model's own code failed (exit 2): named with the plan line that names it."""
 
+    exit_code = 2
+
+
+_HINTS = {"blocks": "build(block_name, group) must return an nn.Module for every declared "
+                     "block",
+          "data": "batch(step) returns (inputs, targets) for the global batch",
+          "loss": "loss(output, targets) returns a scalar tensor, the mean over the micro-batch",
+          "module": "the factory returns the whole model, an nn.Module"}
+
+
+def call_user(model: Model | None, what: str, fn: Callable, *args, context: str = ""):
+    """Call the user's function `what` ('data', 'loss', 'module', 'blocks'); any exception,
+    SystemExit included, becomes one UserCodeError naming it (and `context`, e.g. which
+    block it was building)."""
     try:
-        with warnings.catch_warnings():  # torch.export's own deprecation notices, not ours
-            warnings.simplefilter("ignore", FutureWarning)
-            pipe = pipeline(model, mb_args=(inputs,),
-                            split_spec={name: SplitPoint.BEGINNING for name in starts[1:]})
-    except Exception as exc:  # the tracer's limits: name them in one line
-        raise PlanError(f"torch's pipeline tracer cannot cut the model: "
-                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                        hint="make the model's forward its children in order") from None
-    if pipe.num_stages != len(starts):
-        raise PlanError(f"torch's pipeline tracer cut the model into {pipe.num_stages} stages, "
-                        f"not {len(starts)}", hint="split points must be submodules the "
-                        "forward runs once, in order")
-    stages = [pipe.get_stage_module(s) for s in range(pipe.num_stages)]
-    x = inputs
-    with torch.no_grad():  # a pipeline block takes one tensor and returns one
-        for s, stage in enumerate(stages):
-            try:
-                x = stage(x)
-            except TypeError:
-                x = None
-            if not isinstance(x, torch.Tensor):
-                raise PlanError(f"cut before '{starts[s]}', the model passes more than one "
-                                "tensor from one piece to the next",
-                                hint="pyplan runs pipelines whose stages hand on one tensor; "
-                                     "write the plan's blocks by hand (model.blocks)")
-    return stages
+        return fn(*args)
+    except (PlanError, RunError):
+        raise
+    except BaseException as exc:  # SystemExit too: the user's code must not end the run
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise _user_error(model, what, f"raised {_describe_exception(exc)}"
+                          + (f" {context}" if context else ""), _HINTS.get(what)) from None
 
 
-def submodules(whole: torch.nn.Module, stages: dict[str, tuple[str, ...]],
-               blocks: list[str], *, source: str | None = None) -> dict[str, torch.nn.Module]:
-    """Each block's module: its named submodules of `whole`, run one after another. A name the
-    model lacks is a plan error, at its place in `source` (the plan file) when given."""
-    def fail(where: tuple, message: str, hint: str) -> PlanError:
-        if source is not None and Path(source).is_file():
-            try:
-                return load_yaml(source).error(("model", "stages") + where, message, hint)
-            except PlanError:  # unreadable now: the message without a position
-                pass
-        return PlanError(message, hint=hint, file=source)
+def loss_function(model: Model) -> Callable:
+    """The model's loss, called as the user's code (failures named at its plan line) and
+    checked to return a scalar tensor."""
+    def loss(output, targets, *group):
+        value = call_user(model, "loss", model.loss, output, targets, *group)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            raise _user_error(model, "loss", f"returned {_what(value)}, not a scalar tensor",
+                              _HINTS["loss"])
+        return value
+    return loss
 
-    out = {}
-    for name in blocks:
-        if name not in stages:
-            raise fail((), f"model.stages has no entry for block '{name}'",
-                       "list the submodules of every declared block")
-        parts = []
-        for i, unit in enumerate(stages[name]):
-            try:
-                parts.append(whole.get_submodule(unit))
-            except AttributeError:
-                raise fail((name, i), f"model.stages: the model has no submodule '{unit}' "
-                           f"(block '{name}')", "names are dotted paths as in "
-                           "named_modules(), e.g. layers.0") from None
-        out[name] = parts[0] if len(parts) == 1 else torch.nn.Sequential(*parts)
-    return out
+
+def _describe_exception(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"SystemExit({exc.code!r}) (it called sys.exit)"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def located(source: str | None, keys: tuple, message: str, hint: str | None = None,
+            error=PlanError) -> PlanError:
+    """An error at the position of `keys` (e.g. ("model", "data")) in the plan file `source`,
+    or without a position when the file cannot say."""
+    if source is not None and Path(source).is_file():
+        try:
+            return load_yaml(source).error(keys, message, hint)
+        except PlanError:  # the plan is unreadable now: the message without a position
+            pass
+    return error(message, hint=hint, file=source)
+
+
+def _user_error(model: Model | None, what: str, message: str, hint: str | None = None):
+    names = model.names if model is not None else {}
+    path = names.get(what, f"model.{what}")
+    function = getattr(model, {"module": "whole", "blocks": "build"}.get(what, what), None) \
+        if model is not None else None
+    label = getattr(function, "__qualname__", None)
+    module = getattr(function, "__module__", None)
+    who = f"{path} ({module}:{label})" if label and module else path
+    if model is None or model.source is None:
+        return UserCodeError(f"{who} {message}", hint=hint)
+    return located(model.source, tuple(path.split(".")), f"{who} {message}", hint,
+                   UserCodeError)
 
 
 def import_function(text: str, what: str, *, file: str | None = None,
                     hint: str = "install the model's package or set model.path") -> Callable:
-    """The function an import path "pkg.mod:fn" names; PlanError (about `what`) otherwise."""
+    """The function an import path "pkg.mod:fn" names; PlanError (about `what`) otherwise.
+    Importing runs the user's module: whatever it raises (or a SyntaxError) is one line."""
     module_name, _, attr = text.partition(":")
     if not module_name or not attr:
         raise PlanError(f"{what} {text!r} is not an import path pkg.mod:fn", file=file)
@@ -133,148 +155,297 @@ def import_function(text: str, what: str, *, file: str | None = None,
     except ImportError as exc:
         raise PlanError(f"{what}: cannot import {module_name}: {exc}", hint=hint,
                         file=file) from None
+    except BaseException as exc:  # noqa: BLE001 - the user's module failed while importing
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        where = ""
+        if isinstance(exc, SyntaxError) and exc.filename:
+            where = f" ({exc.filename}:{exc.lineno})"
+        raise PlanError(f"{what}: importing {module_name} raised "
+                        f"{_describe_exception(exc)}{where}", file=file) from None
     function = getattr(module, attr, None)
     if not callable(function):
         raise PlanError(f"{what}: {module_name} has no function {attr!r}", file=file)
     return function
 
 
-def _function(text: str, what: str, file: str) -> Callable:
-    return import_function(text, f"model.{what}", file=file)
-
-
-def load_model(problem: Problem, plan_dir: Path) -> Model:
+def load_model(problem: Problem, plan_dir: Path, source: str | None = None) -> Model:
     """Import the plan's model functions, with the plan's folder and model.path (relative to
     it) on sys.path, however the process was started (python -m, a console script, torchrun
-    --no-python)."""
+    --no-python). Messages point into `source` (the plan file), else the problem's file."""
     spec = problem.model
-    file = problem.source_path
+    file = source or problem.source_path
     for folder in ([spec.path] if spec.path else []) + ["."]:
         path = str((plan_dir / folder).resolve())
         if path not in sys.path:
             sys.path.insert(0, path)
-    data, loss = _function(spec.data, "data", file), _function(spec.loss, "loss", file)
+
+    def function(text: str, what: str) -> Callable:
+        try:
+            return import_function(text, f"model.{what}")
+        except PlanError as exc:  # at the line that names the function
+            raise located(file, ("model", what), exc.message, exc.hint) from None
+
+    data, loss = function(spec.data, "data"), function(spec.loss, "loss")
+    names = {k: f"model.{k}" for k in ("data", "loss", "module", "blocks")}
     if spec.module is not None:
-        return Model(None, data, loss, whole=_function(spec.module, "module", file),
-                     stages=dict(spec.stages), traced=spec.traced)
-    return Model(_function(spec.blocks, "blocks", file), data, loss)
+        return Model(None, data, loss, whole=function(spec.module, "module"),
+                     stages=dict(spec.stages), cut=Cut(spec.cut, spec.layer_returns == "tuple"),
+                     ties=spec.ties, names=names, source=file)
+    return Model(function(spec.blocks, "blocks"), data, loss, names=names, source=file)
 
 
-def check_model(problem: Problem, plan_dir: Path) -> int:
-    """Import the model functions and build every declared block whole on the meta device (no
-    memory, no compute), so a wrong name in `model:` or a failing build shows before any
-    process starts. Returns how many blocks were built."""
-    model = load_model(problem, plan_dir)
-    blocks = forward_blocks(problem)
-    with torch.device("meta"):
-        if model.whole is not None:
-            try:
-                whole = model.whole()
-            except Exception as exc:  # the user's code: any failure is theirs to see
-                raise RunError(f"model.module failed to build the model: "
-                               f"{type(exc).__name__}: {exc}") from None
-            submodules(whole, model.stages, [problem.blocks[b].name for b in blocks],
-                       source=problem.source_path)
-            return len(blocks)
-        for b in blocks:
-            name = problem.blocks[b].name
-            try:
-                module = model.build(name, None)
-            except Exception as exc:  # the user's code: any failure is theirs to see
-                raise RunError(f"model.blocks failed to build block '{name}': "
-                               f"{type(exc).__name__}: {exc}",
-                               hint="build(block_name, group) must return an nn.Module for "
-                                    "every declared block") from None
-            if not isinstance(module, torch.nn.Module):
-                raise RunError(f"model.blocks returned {type(module).__name__} for block "
-                               f"'{name}', not a torch.nn.Module")
-    return len(blocks)
-
+# ---------------------------------------------------------------- random numbers
 
 def seed_everything(seed: int, *parts: object) -> None:
     text = ":".join(str(p) for p in (seed,) + parts)
     torch.manual_seed(int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big"))
 
 
-@contextmanager
-def forward_rng(seed: int, step: int, block: str, micro_batch: int, device):
-    """Run a block's forward of one micro-batch with its own RNG stream, leaving the caller's
-    RNG state as it was."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        seed_everything(seed, "forward", step, block, micro_batch)
-        yield
+@functools.lru_cache(maxsize=None)
+def _name_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:forward:{name}".encode()).digest()[:7], "big")
 
+
+def block_seeds(seed: int, names: list[str]) -> list[int]:
+    """Per block, the base of its forwards' random numbers (hashed once, not per forward)."""
+    return [_name_seed(seed, name) for name in names]
+
+
+def forward_seed(base: int, iteration: int, micro_batch: int) -> int:
+    """The seed of one forward: its block's base mixed with the iteration and the global
+    micro-batch (splitmix64's finaliser: cheap, and far apart for neighbouring inputs)."""
+    z = (base + 0x9E3779B97F4A7C15 * (iteration * 1_000_003 + micro_batch + 1)) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) >> 1
+
+
+def seed_generators(seed: int, device: torch.device) -> None:
+    """Seed the CPU generator and, on CUDA, this device's (not every device's)."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+
+
+@contextmanager
+def kept_rng(device: torch.device):
+    """Leave the caller's random number state as it was after the body (which reseeds)."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+
+
+# ---------------------------------------------------------------- building the modules
 
 def forward_blocks(problem: Problem) -> list[int]:
     """The declared (forward or other) blocks, which own the modules, in plan order."""
     return [b.index for b in problem.blocks if b.is_forward]
 
 
-def build_modules(model: Model, problem: Problem, *, seed: int, device, rank: int | None = None,
-                  groups: dict[int, Any] | None = None) -> dict[int, torch.nn.Module]:
-    """{block index: module} for the forward blocks on `rank` (every block when rank is None:
-    the single-process reference, where every block is built whole)."""
-    modules = {}
-    mine = [b for b in forward_blocks(problem)
-            if rank is None or rank in problem.blocks[b].devices]
-    if model.whole is not None:  # one model, the same weights on every rank (one seed)
-        seed_everything(seed, "module")
-        whole = model.whole()
-        if model.traced:  # every rank cuts the whole model the same way
-            names = [problem.blocks[b].name for b in forward_blocks(problem)]
-            inputs = split_batch(make_batch(model, 0, seed, torch.device("cpu"))[0],
-                                 problem.num_micro_batches)[0]
-            stages = traced_stages(whole, [model.stages[n][0] for n in names], inputs)
-            parts = dict(zip(names, stages))
-        else:
-            parts = submodules(whole, model.stages, [problem.blocks[b].name for b in mine],
-                               source=problem.source_path)
-        return {b: parts[problem.blocks[b].name].to(device) for b in mine}
-    for b in mine:
-        block = problem.blocks[b]
-        seed_everything(seed, "block", block.name)
-        module = model.build(block.name, (groups or {}).get(b))
-        if not isinstance(module, torch.nn.Module):
-            raise RunError(f"model.blocks returned {type(module).__name__} for block "
-                           f"'{block.name}', not a torch.nn.Module")
-        modules[b] = module.to(device)
-    return modules
-
-
-def block_inputs(problem: Problem, modules: dict) -> dict[int, list[int]]:
-    """For each built forward block, the blocks whose outputs it takes, in `after:` order
-    (an empty list: it takes the micro-batch's inputs)."""
-    preds: dict[int, list[int]] = {b: [] for b in modules}
+def block_inputs(problem: Problem, blocks) -> dict[int, list[int]]:
+    """For each forward block, the blocks whose outputs it takes, in `after:` order (an empty
+    list: it takes the micro-batch's inputs)."""
+    preds: dict[int, list[int]] = {b: [] for b in blocks}
     for a, c in problem.edges:
-        if c in modules and problem.blocks[c].is_forward and \
-                problem.blocks[a].is_forward:
+        if c in preds and problem.blocks[c].is_forward and problem.blocks[a].is_forward:
             preds[c].append(a)
     return preds
 
 
-def named_parameters(problem: Problem, modules: dict[int, torch.nn.Module]):
-    """("block.parameter", parameter) of every module, in plan order."""
+@dataclass
+class Built:
+    """A rank's modules: one per forward block it runs, and the model they come from."""
+
+    modules: dict[int, torch.nn.Module]
+    names: dict[int, str]
+    """id(parameter) -> its name in the model (the first of its names)."""
+    whole: torch.nn.Module | None
+    """The (pruned) whole model the modules belong to, when the plan builds one."""
+    ties: list[Tie]
+    wants_inputs: frozenset[int]
+    """Blocks that also take the micro-batch's inputs (forward-cut stages)."""
+
+
+def _stages_in_order(problem: Problem, model: Model) -> list[tuple[str, tuple[str, ...]]]:
+    return [(problem.blocks[b].name, model.stages[problem.blocks[b].name])
+            for b in forward_blocks(problem)]
+
+
+def _check_stage_names(whole: torch.nn.Module, model: Model, problem: Problem) -> None:
+    """Every block has an entry in model.stages naming submodules the model has; PlanError
+    at the entry's position otherwise."""
+    def fail(where: tuple, message: str, hint: str) -> PlanError:
+        return located(problem.source_path, ("model", "stages") + where, message, hint)
+
+    for b in forward_blocks(problem):
+        name = problem.blocks[b].name
+        if name not in model.stages:
+            raise fail((), f"model.stages has no entry for block '{name}'",
+                       "list the submodules of every declared block")
+        for i, unit in enumerate(model.stages[name]):
+            try:
+                whole.get_submodule(unit)
+            except AttributeError:
+                raise fail((name, i), f"model.stages: the model has no submodule '{unit}' "
+                           f"(block '{name}')", "names are dotted paths as in "
+                           "named_modules(), e.g. layers.0") from None
+
+
+def build_whole(model: Model, seed: int) -> torch.nn.Module:
+    """The user's whole model, built under the run's seed (the same weights everywhere)."""
+    seed_everything(seed, "module")
+    whole = call_user(model, "module", model.whole)
+    if not isinstance(whole, torch.nn.Module):
+        raise _user_error(model, "module", f"returned {type(whole).__name__}, not a "
+                          "torch.nn.Module", _HINTS["module"])
+    return whole
+
+
+def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None = None,
+          groups: dict[int, Any] | None = None) -> Built:
+    """The modules of the forward blocks on `rank` (every block when rank is None: the
+    single-process reference, where every block is built whole)."""
+    blocks = forward_blocks(problem)
+    mine = [b for b in blocks if rank is None or rank in problem.blocks[b].devices]
+    if model.whole is None:
+        modules = {}
+        for b in mine:
+            block = problem.blocks[b]
+            seed_everything(seed, "block", block.name)
+            module = call_user(model, "blocks", model.build, block.name,
+                               (groups or {}).get(b), context=f"building block '{block.name}'")
+            if not isinstance(module, torch.nn.Module):
+                raise _user_error(model, "blocks", f"returned {type(module).__name__} for "
+                                  f"block '{block.name}', not a torch.nn.Module",
+                                  _HINTS["blocks"])
+            modules[b] = module.to(device)
+        names = {id(p): f"{problem.blocks[b].name}.{n}" for b, m in modules.items()
+                 for n, p in reversed(list(m.named_parameters()))}
+        return Built(modules, names, None, [], frozenset())
+    whole = build_whole(model, seed)
+    _check_stage_names(whole, model, problem)
+    stages = _stages_in_order(problem, model)
+    found = ties(whole, stages)
+    _check_ties(model, found, problem)
+    names = {id(p): n for n, p in reversed(list(whole.named_parameters(remove_duplicate=False)))}
+    index = {problem.blocks[b].name: s for s, b in enumerate(blocks)}
+    inputs = None
+    if model.cut.kind == TRACED:  # every rank traces the same micro-batch
+        batch = make_batch(model, 0, seed, torch.device("cpu"))[0]
+        inputs = split_batch(batch, problem.num_micro_batches)[0]
+    if model.cut.kind == CHAIN:
+        _drop_others(whole, [u for b in mine for u in model.stages[problem.blocks[b].name]])
+    by_stage = stage_modules(whole, model.cut, stages,
+                             [index[problem.blocks[b].name] for b in mine], device, inputs)
+    modules = {b: by_stage[index[problem.blocks[b].name]] for b in mine}
+    wants = frozenset(b for b in mine if model.cut.kind == FORWARD and index[
+        problem.blocks[b].name] > 0)
+    return Built(modules, names, whole if model.cut.kind != TRACED else None, found, wants)
+
+
+def _drop_others(whole: torch.nn.Module, kept: list[str]) -> None:
+    """A chain model without the units this rank does not run (their memory is freed)."""
+    keep = set(kept)
+    from pyplan.models.chain import units
+
+    for unit in units(whole):
+        if unit not in keep and not any(k.startswith(f"{unit}.") for k in keep):
+            parent, _, child = unit.rpartition(".")
+            holder = whole.get_submodule(parent) if parent else whole
+            holder._modules[child] = None
+
+
+def _check_ties(model: Model, found: list[Tie], problem: Problem) -> None:
+    """The ties the plan records (if any) are those the model has."""
+    if model.ties is None:
+        return
+    recorded = {p: tuple(s) for p, s in model.ties}
+    actual = {t.parameter: t.stages for t in found}
+    if recorded != actual:
+        differ = sorted(set(recorded.items()) ^ set(actual.items()))[0]
+        where = "records" if differ[0] in recorded and recorded[differ[0]] == differ[1] \
+            else "lacks"
+        raise PlanError(f"model.ties {where} the tie of {differ[0]} over stages "
+                        f"{', '.join(differ[1])}, which the model "
+                        f"{'does not have' if where == 'records' else 'has'}",
+                        hint="the plan is stale: re-run pyplan partition",
+                        file=problem.source_path)
+
+
+def check_model(problem: Problem, plan_dir: Path, source: str | None = None) -> int:
+    """Import the model functions and build every declared block whole on the meta device (no
+    memory, no compute), so a wrong name in `model:` or a failing build shows before any
+    process starts. Returns how many blocks were built."""
+    model = load_model(problem, plan_dir, source)
+    blocks = forward_blocks(problem)
+    with torch.device("meta"):
+        if model.whole is not None:
+            whole = build_whole(model, 0)
+            _check_stage_names(whole, model, problem)
+            _check_ties(model, ties(whole, _stages_in_order(problem, model)), problem)
+            return len(blocks)
+        built = build(model, problem, seed=0, device="meta")
+    shared_across_devices(problem, built.modules)
+    return len(blocks)
+
+
+def shared_across_devices(problem: Problem, modules: dict[int, torch.nn.Module]) -> None:
+    """RunError naming a parameter that blocks on different devices share: hand-written blocks
+    are built once per rank, so such a parameter would silently become two."""
+    seen: dict[int, int] = {}
     for b, module in modules.items():
         for name, param in module.named_parameters():
-            yield f"{problem.blocks[b].name}.{name}", param
+            other = seen.setdefault(id(param), b)
+            if problem.blocks[other].devices != problem.blocks[b].devices:
+                raise RunError(f"blocks '{problem.blocks[other].name}' and "
+                               f"'{problem.blocks[b].name}' share the parameter {name}, but "
+                               "run on different devices: each would train its own copy",
+                               hint="build the whole model with model: {module: ...} (pyplan "
+                                    "partition), whose ties pyplan keeps in step")
 
+
+# ---------------------------------------------------------------- batches
 
 def make_batch(model: Model, step: int, seed: int, device) -> tuple[Any, Any]:
     """The global batch of iteration `step`, the same on every rank and in the reference."""
     seed_everything(seed, "data", step)
-    batch = model.data(step)
+    batch = call_user(model, "data", model.data, step)
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise RunError("model.data must return (inputs, targets)")
-    return _to(batch[0], device), _to(batch[1], device)
+        raise _user_error(model, "data", f"returned {_what(batch)}, not (inputs, targets)",
+                          _HINTS["data"])
+    for part, what in zip(batch, ("inputs", "targets")):
+        leaves = torch.utils._pytree.tree_leaves(part)
+        bad = next((x for x in leaves if not isinstance(x, torch.Tensor) or x.dim() == 0), None)
+        if not leaves or bad is not None:
+            raise _user_error(model, "data", f"returned {what} that hold "
+                              f"{_what(bad) if leaves else 'no tensor'}",
+                              "inputs and targets are tensors (or tuples, lists or dicts of "
+                              "them) with the batch along dim 0")
+    return to_device(batch[0], device), to_device(batch[1], device)
 
 
-def _to(tree, device):
+def _what(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}" if value.dim() else "a 0-dim tensor"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+def to_device(tree, device, non_blocking: bool = False):
+    """Every tensor of a batch (a tensor, or tuples, lists and dicts of them) on `device`."""
     if isinstance(tree, torch.Tensor):
-        return tree.to(device)
+        return tree.to(device, non_blocking=non_blocking)
     if isinstance(tree, dict):
-        return {k: _to(v, device) for k, v in tree.items()}
+        return {k: to_device(v, device, non_blocking) for k, v in tree.items()}
     if isinstance(tree, (tuple, list)):
-        return type(tree)(_to(v, device) for v in tree)
+        return type(tree)(to_device(v, device, non_blocking) for v in tree)
     return tree
 
 
@@ -282,9 +453,9 @@ def split_batch(tree, n: int) -> list:
     """Split every tensor of `tree` along dim 0 into n equal micro-batches."""
     if isinstance(tree, torch.Tensor):
         if tree.dim() == 0 or tree.shape[0] % n:
-            raise RunError(f"a batch tensor of shape {tuple(tree.shape)} does not split into "
-                           f"{n} equal micro-batches along dim 0",
-                           hint="make the global batch size a multiple of micro_batches")
+            raise PlanError(f"a batch tensor of shape {tuple(tree.shape)} does not split into "
+                            f"{n} equal micro-batches along dim 0",
+                            hint="make the global batch size a multiple of micro_batches")
         return list(tree.chunk(n))
     if isinstance(tree, dict):
         parts = {k: split_batch(v, n) for k, v in tree.items()}

@@ -1,7 +1,13 @@
-"""`pyplan run --check`: the same model, seed and batches trained in one process, compared with
-the pipelined run. After one iteration the loss and every parameter's gradient must agree, and
-the losses of all iterations after that (Pfeife's equal-loss protocol; nnScaler 7.1 checks new
-plans on a model shrunk to fit one device the same way).
+"""`pyplan run --check`: the same model, seed, batches, optimizer and clipping trained in one
+process, compared with the pipelined run. After the first iteration the loss and every
+parameter's gradient must agree, and the losses of all iterations after that (Pfeife's
+equal-loss protocol; nnScaler 7.1 checks new plans on a model shrunk to fit one device the same
+way).
+
+The single-process model is the user's own: for a `module:` plan its whole forward (with the
+random numbers reseeded where each block starts, as the pipeline does), so the check covers the
+cut itself, ties included; for `blocks:` plans (no whole model exists) the blocks in
+dependency order.
 """
 
 from __future__ import annotations
@@ -11,23 +17,22 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pyplan.models import FORWARD, TRACED
+from pyplan.models.forward import logits, whole_forward
 from pyplan.problem import BACKWARD, Problem
-from pyplan.runtime.binding import (
-    Model,
-    block_inputs,
-    build_modules,
-    forward_rng,
-    make_batch,
-    shard_dim,
-    split_batch,
-)
+from pyplan.runtime.binding import (Model, block_inputs, block_seeds, build, build_whole,
+                                    forward_seed, loss_function, make_batch, seed_generators,
+                                    shard_dim, split_batch)
+from pyplan.runtime.training import Training
 
 __all__ = ["Verdict", "compare", "full_gradients", "reference_run"]
 
 
-def full_gradients(problem: Problem, modules: dict, groups: dict, rank: int) -> dict:
-    """This rank's part of the model's gradients, whole: shards are gathered over their block's
-    group; a multi-device block's gradients are kept by its first rank."""
+def full_gradients(problem: Problem, modules: dict, groups: dict, rank: int,
+                   names: dict[int, str]) -> dict:
+    """This rank's part of the model's gradients, whole and under the model's names: shards
+    are gathered over their block's group; a multi-device block's gradients are kept by its
+    first rank."""
     grads = {}
     for b, module in modules.items():
         block = problem.blocks[b]
@@ -39,50 +44,115 @@ def full_gradients(problem: Problem, modules: dict, groups: dict, rank: int) -> 
                 dist.all_gather(parts, grad.contiguous(), group=groups[b])
                 grad = torch.cat(parts, dim)
             if block.devices[0] == rank:
-                grads[f"{block.name}.{name}"] = grad.cpu().clone()
+                key = names.get(id(param), f"{block.name}.{name}")
+                grads[(key, block.name)] = grad.cpu().clone()
     return grads
 
 
-def reference_run(model: Model, problem: Problem, output_block: int, *, seed: int, lr: float,
-                  iterations: int, device, micro_batches: int | None = None
-                  ) -> tuple[list[float], dict]:
-    """Train the whole model in this process: (loss per iteration, gradients after the first).
-    The forwards run micro-batch by micro-batch (`micro_batches` over the global batch: those
-    of every data-parallel replica), the loss on the whole batch."""
-    micro_batches = micro_batches or problem.num_micro_batches
-    modules = build_modules(model, problem, seed=seed, device=device)
-    params = list({id(p): p for m in modules.values() for p in m.parameters()}.values())
-    optimizer = torch.optim.SGD(params, lr=lr) if problem.training and params else None
-    trains = {problem.by_name[b.layer] for b in problem.blocks if b.kind == BACKWARD}
-    preds = block_inputs(problem, modules)
-    order = [b for b in problem.graph.topological_order() if b in modules]
+def reference_run(model: Model, problem: Problem, output_block: int, *, seed: int,
+                  training: Training, steps: range, device, micro_batches: int,
+                  autocast: torch.dtype | None = None) -> tuple[list[float], dict]:
+    """Train the whole model in this process for steps 0 .. steps.stop - 1: (the loss of each
+    step in `steps`, the gradients of the first of them, by parameter name). The forwards run
+    micro-batch by micro-batch (`micro_batches` over the global batch: those of every
+    data-parallel replica), the loss on the whole batch."""
+    forward = _forward(model, problem, output_block, seed=seed, device=device)
+    params = forward.parameters
+    optimizer, scheduler = training.build(params) if problem.training and params \
+        else (None, None)
     losses, first = [], {}
-    for step in range(iterations):
+    for step in range(steps.stop):
         inputs, targets = make_batch(model, step, seed, device)
-        # Micro-batch by micro-batch, so that each forward draws the random numbers it draws in
-        # the pipeline; the loss sees the whole batch, as in training without a pipeline.
-        results = []
-        for m, micro in enumerate(split_batch(inputs, micro_batches)):
-            outputs = {}
-            for b in order:
-                args = [outputs[p] for p in preds[b]] if preds[b] else [micro]
-                with torch.set_grad_enabled(b in trains), \
-                        forward_rng(seed, step, problem.blocks[b].name, m, device):
-                    outputs[b] = modules[b](*args)
-            results.append(outputs[output_block])
-        with torch.set_grad_enabled(output_block in trains):
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            # Micro-batch by micro-batch, so that each forward draws the random numbers it
+            # draws in the pipeline; the loss sees the whole batch, as in training without a
+            # pipeline.
+            results = [forward(step, m, micro)
+                       for m, micro in enumerate(split_batch(inputs, micro_batches))]
             whole = (None,) if len(problem.blocks[output_block].devices) > 1 else ()
-            loss = model.loss(torch.cat(results), targets, *whole)
-        losses.append(float(loss.detach()))
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if step == 0:
-                first = {f"{problem.blocks[b].name}.{name}":
-                         (torch.zeros_like(p) if p.grad is None else p.grad).detach().cpu().clone()
-                         for b, m in modules.items() for name, p in m.named_parameters()}
-            optimizer.step()
+            with torch.set_grad_enabled(optimizer is not None):
+                loss = loss_function(model)(_cat(results), targets, *whole)
+        if step in steps:
+            losses.append(float(loss.detach()))
+        if optimizer is None:
+            continue
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if step == steps.start:
+            first = {name: (torch.zeros_like(p) if p.grad is None else p.grad).detach().cpu()
+                     .clone() for name, p in forward.named}
+        training.clip(params)
+        optimizer.step()
+        scheduler.step()
     return losses, first
+
+
+class _forward:
+    """The single-process model, one micro-batch at a time: the whole model's own forward
+    (module: plans) or the blocks in dependency order (blocks: plans, traced cuts)."""
+
+    def __init__(self, model: Model, problem: Problem, output_block: int, *, seed: int,
+                 device) -> None:
+        self.model, self.problem, self.output = model, problem, output_block
+        self.device = device
+        blocks = [b for b in problem.blocks if b.is_forward]
+        self.seeds = dict(zip((b.index for b in blocks),
+                              block_seeds(seed, [b.name for b in blocks])))
+        self.trains = {problem.by_name[b.layer] for b in problem.blocks if b.kind == BACKWARD}
+        if model.whole is not None and model.cut.kind != TRACED:
+            self.whole = build_whole(model, seed).to(device)
+            self.named = list(self.whole.named_parameters())
+            self._hooks()
+        else:
+            self.whole = None
+            built = build(model, problem, seed=seed, device=device)
+            self.modules = built.modules
+            self.preds = block_inputs(problem, self.modules)
+            self.order = [b for b in problem.graph.topological_order() if b in self.modules]
+            names = built.names
+            self.named = [(names.get(id(p), f"{problem.blocks[b].name}.{n}"), p)
+                          for b, m in self.modules.items() for n, p in m.named_parameters()]
+            self.named = list({id(p): (n, p) for n, p in self.named}.values())
+        self.parameters = [p for _, p in self.named]
+
+    def _hooks(self) -> None:
+        """Reseed where each block starts: its first module (the whole model's call for the
+        first block of a forward cut, which starts before its first module runs)."""
+        problem, model = self.problem, self.model
+        for b in [b.index for b in problem.blocks if b.is_forward]:
+            first = model.stages[problem.blocks[b].name][0]
+            target = self.whole if (model.cut.kind == FORWARD and b == min(self.seeds)) \
+                else self.whole.get_submodule(first)
+            target.register_forward_pre_hook(lambda *_, b=b: self._reseed(b))
+
+    def _reseed(self, b: int) -> None:
+        seed_generators(forward_seed(self.seeds[b], self.step, self.micro_batch), self.device)
+
+    def __call__(self, step: int, micro_batch: int, micro):
+        self.step, self.micro_batch = step, micro_batch
+        grad = bool(self.trains)
+        if self.whole is not None:
+            with torch.set_grad_enabled(grad):
+                out = whole_forward(self.whole, micro) if self.model.cut.kind == FORWARD \
+                    else self.whole(micro)
+            return logits(out)
+        outputs = {}
+        for b in self.order:
+            args = [outputs[p] for p in self.preds[b]] if self.preds[b] else [micro]
+            self._reseed(b)
+            with torch.set_grad_enabled(b in self.trains):
+                outputs[b] = self.modules[b](*args)
+        return outputs[self.output]
+
+
+def _cat(results: list):
+    if isinstance(results[0], torch.Tensor):
+        return torch.cat(results)
+    if isinstance(results[0], (tuple, list)):
+        return type(results[0])(_cat(list(parts)) for parts in zip(*results))
+    if isinstance(results[0], dict):
+        return {k: _cat([r[k] for r in results]) for k in results[0]}
+    raise TypeError(f"cannot concatenate {type(results[0]).__name__} outputs")
 
 
 @dataclass(frozen=True)
@@ -93,8 +163,9 @@ class Verdict:
 
 def compare(losses: list[float], grads: dict, ref_losses: list[float], ref_grads: dict,
             tolerance: float) -> Verdict:
-    """The loss of the first iteration, then every gradient in plan order, then the losses of
-    the later iterations: the first that differs by more than `tolerance` fails the check."""
+    """The loss of the first iteration, then every gradient in the model's order (every copy
+    of a tied parameter), then the losses of the later iterations: the first that differs by
+    more than `tolerance` fails the check."""
     def loss_differs(i: int) -> Verdict | None:
         diff = abs(losses[i] - ref_losses[i])
         if not diff <= tolerance:
@@ -106,17 +177,23 @@ def compare(losses: list[float], grads: dict, ref_losses: list[float], ref_grads
     worst = 0.0
     if (verdict := loss_differs(0)) is not None:
         return verdict
+    copies: dict[str, list] = {}
+    for (name, block), grad in grads.items():
+        copies.setdefault(name, []).append((block, grad))
     for name, want in ref_grads.items():
-        got = grads.get(name)
-        if got is None or got.shape != want.shape:
-            shape = "missing" if got is None else f"shaped {tuple(got.shape)}"
-            return Verdict(False, f"parameter {name} is {shape} in the pipelined model, "
-                           f"{tuple(want.shape)} in the single-process one")
-        diff = float((got - want).abs().max()) if want.numel() else 0.0
-        if not diff <= tolerance:
-            return Verdict(False, f"the gradient of {name} differs from the single-process "
-                           f"run's by {diff:.3g} (tolerance {tolerance:g})")
-        worst = max(worst, diff)
+        got = copies.get(name)
+        if not got:
+            return Verdict(False, f"parameter {name} is missing in the pipelined model")
+        for block, grad in got:
+            where = f"{name}" if len(got) == 1 else f"{name} (the copy in block {block})"
+            if grad.shape != want.shape:
+                return Verdict(False, f"parameter {where} is shaped {tuple(grad.shape)} in the "
+                               f"pipelined model, {tuple(want.shape)} in the single-process one")
+            diff = float((grad - want).abs().max()) if want.numel() else 0.0
+            if not diff <= tolerance:
+                return Verdict(False, f"the gradient of {where} differs from the "
+                               f"single-process run's by {diff:.3g} (tolerance {tolerance:g})")
+            worst = max(worst, diff)
     for i in range(1, len(losses)):
         if (verdict := loss_differs(i)) is not None:
             return verdict

@@ -1,12 +1,20 @@
 """One rank's program for one iteration: COMPUTE runs a block on a micro-batch, SEND/RECV post
 transfers, WAIT completes one right before the block that needs it, REDUCE sums replicated
-gradients of a multi-device block over its ranks.
+gradients of a multi-device block over its ranks, SYNC starts a stage's gradient
+synchronisation across data-parallel replicas.
+
+The program is compiled once into steps over numbered slots (one per value the rank holds at
+some point), so an iteration does list indexing, not dictionary traffic. A value is a tensor or
+a tuple, list or dict of tensors (pyplan.runtime.values); gradients travel for its floating
+tensors only.
 
 Every block's inputs are detached leaves, so a backward block runs autograd for exactly its
 block: from the saved forward output (or the loss, in the last block) back to those leaves,
 whose gradients go to the blocks that produced the inputs. With a weight block (NAME.w, the
-zero-bubble split) NAME.b computes only the input gradients and keeps the graph; NAME.w then
-computes the weight gradients from it.
+zero-bubble split) NAME.b computes only the input gradients and NAME.w the weight gradients
+from what B captured (pyplan.runtime.backward): together one backward's work. A recomputed
+block runs its forward without autograd, keeps its inputs, and reruns the forward (same random
+numbers) at the start of its backward, so B and W share one rerun.
 
 A multi-device block is one SPMD program over its process group: every rank gets the same
 inputs and returns the same output; the output gradient may be split among its ranks in any way
@@ -14,10 +22,14 @@ inputs and returns the same output; the output gradient may be split among its r
 is exactly the semantics of differentiable collectives such as an all-reduce. The last block's
 output only feeds the loss on the same ranks, so it may stay sharded: with several ranks the
 loss gets the block's group, every rank computes it, and it counts once, on the first rank.
+
+Time: the host clock on the CPU; on CUDA, events on the compute stream, read once at the end of
+the iteration (no synchronisation inside it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -25,36 +37,63 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
-from pyplan.errors import RunError
 from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, SYNC, WAIT, Lowered,
                           Value, describe, is_gradient)
 from pyplan.problem import BACKWARD, WEIGHT
-from pyplan.runtime.binding import forward_rng, shard_dim
+from pyplan.runtime.backward import backward_input, backward_weight, full_backward
+from pyplan.runtime.binding import block_seeds, forward_seed, seed_generators, shard_dim
 from pyplan.runtime.comm import Comm, TransferError
+from pyplan.runtime.values import differentiable, flatten, nbytes, rebuild
 from pyplan.trace import TraceEvent
 
-__all__ = ["Executor", "IterationResult"]
+__all__ = ["Executor", "IterationResult", "flat_gradients", "padded", "set_gradients",
+           "unflatten_into"]
+
+# Step codes.
+_FORWARD, _BACKWARD, _WEIGHT, _SEND_ACT, _SEND_GRAD, _RECV_ACT, _RECV_GRAD, _WAIT, _REDUCE, \
+    _SYNC = range(10)
 
 
 @dataclass
 class IterationResult:
-    loss: float | None
-    """Mean loss over the micro-batches (on the rank that owns the loss, else None)."""
+    loss: torch.Tensor | None
+    """Mean loss over the micro-batches, a 0-dim tensor on the rank that owns the loss (its
+    value is read only when someone asks for it), else None."""
     seconds: float
     compute: float
+    peak_activation_bytes: int
+    """The most bytes of activations this rank held at once: values kept for later blocks or
+    in flight, and what autograd saved for the backwards still to come."""
+    outputs: list = field(default_factory=list)
+    """Forward-only runs: the last block's output per micro-batch (on its ranks)."""
     events: list[TraceEvent] = field(default_factory=list)
+
+
+@dataclass
+class _Forward:
+    """What a forward keeps for its backward."""
+
+    out: object
+    loss: torch.Tensor | None
+    leaves: list[tuple[int, list[torch.Tensor]]]
+    """(producing block, the tensors of its value as this block's leaves)."""
+    rerun: list | None
+    """The arguments, when the block is recomputed in its backward."""
+    held: int
 
 
 class Executor:
     def __init__(self, lowered: Lowered, rank: int, modules: dict, groups: dict, comm: Comm,
-                 loss_fn, output_block: int, *, seed: int, dp_group=None,
-                 sync_at_end: bool = False, fail_at: tuple[int, int, str] | None = None):
+                 loss_fn, output_block: int, *, seed: int, wants_inputs=frozenset(),
+                 dp_group=None, sync_at_end: bool = False, autocast: torch.dtype | None = None,
+                 fail_at: tuple[int, int, str] | None = None):
         problem = lowered.problem
         self.lowered, self.rank, self.modules, self.groups = lowered, rank, modules, groups
         self.comm, self.loss_fn, self.output = comm, loss_fn, output_block
-        self.seed, self.dp_group = seed, dp_group
+        self.device = comm.device
+        self.seed, self.dp_group, self.autocast = seed, dp_group, autocast
+        self.wants_inputs = wants_inputs
         self.replica, device = divmod(rank, problem.num_devices)
         # Micro-batch m of this replica is micro-batch replica x N + m of the global batch.
         self.first_micro_batch = self.replica * problem.num_micro_batches
@@ -72,142 +111,260 @@ class Executor:
                 self.backs_to[self.layer[a]].add(self.layer[c])
             elif problem.blocks[c].is_forward:
                 self.preds[c].append(a)
+        self.params = {b: [p for p in m.parameters() if p.requires_grad]
+                       for b, m in modules.items()}
+        self.seeds = block_seeds(seed, [b.name for b in problem.blocks])
         self.loss_owner = problem.blocks[output_block].devices[0] == device
+        self.scale = 1 / problem.num_micro_batches if self.loss_owner else 0.0
+        self.loss_scale = 1.0
+        """fp16: the loss is multiplied by this before its backward (the caller unscales)."""
         self.fail_at = fail_at if fail_at and fail_at[0] == rank else None
-        self.drop = _last_uses(self.program)
+        self.saved_bytes: dict[int, int] = {}
         self.iteration, self.index = -1, -1  # read by the fault watchdog
+        self._compile()
 
-    def run(self, inputs: list, targets: list, *, iteration: int,
-            trace: bool = False) -> IterationResult:
+    # -- compiling the program into steps over slots
+
+    def _compile(self) -> None:
+        slots: dict[Value, int] = {}
+
+        def slot(value: Value) -> int:
+            return slots.setdefault(value, len(slots))
+
+        last: dict[int, int] = {}
+        sent_at: dict[Value, int] = {}  # a received value -> its send's global position
+        steps = []
+        by_name = self.lowered.problem.by_name
+        for index, ins in enumerate(self.program):
+            if ins.op == COMPUTE:
+                kind = self.blocks[ins.block].kind
+                b, m = self.layer[ins.block], ins.micro_batch
+                if kind == WEIGHT:
+                    steps.append((_WEIGHT, b, m))
+                elif kind == BACKWARD:
+                    grads = [slot(v) for v in ins.inputs if v.kind == GRADIENT]
+                    targets = {p: slot(Value(GRADIENT, ins.block, m,
+                                             by_name[f"{self.blocks[p].name}.b"], self.rank))
+                               for p in self.backs_to[b]}
+                    steps.append((_BACKWARD, b, m, grads, targets, ins.block))
+                else:
+                    steps.append((_FORWARD, b, m, [slot(v) for v in ins.inputs],
+                                  slot(Value(ACTIVATION, b, m))))
+                # A backward keeps its forward's graph itself: only what it receives is an
+                # input here (its forward's output is not held for it).
+                for v in ins.inputs:
+                    if kind not in (BACKWARD, WEIGHT) or v.kind == GRADIENT:
+                        last[slots[v]] = index
+            elif ins.op == SEND:
+                code = _SEND_ACT if ins.value.kind == ACTIVATION else _SEND_GRAD
+                steps.append((code, slot(ins.value), ins.peer, ins.value.block, ins.seq))
+                last[slots[ins.value]] = index
+            elif ins.op == RECV:
+                sent_at[ins.value] = ins.seq
+                if ins.value.kind == ACTIVATION:
+                    steps.append((_RECV_ACT, slot(ins.value), ins.peer, ins.value.block))
+                else:
+                    steps.append((_RECV_GRAD, slot(ins.value), ins.peer,
+                                  self.layer[ins.value.consumer], ins.value.micro_batch))
+            elif ins.op == WAIT:
+                steps.append((_WAIT, slot(ins.value), ins.peer, sent_at[ins.value]))
+            elif ins.op == REDUCE:
+                steps.append((_REDUCE, ins.block))
+            elif ins.op == SYNC:
+                steps.append((_SYNC, ins.block))
+        drops: list[list[int]] = [[] for _ in steps]
+        for s, index in last.items():
+            drops[index].append(s)
+        self.steps = steps
+        self.drops = drops
+        self.num_slots = len(slots)
+
+    # -- one iteration
+
+    def run(self, inputs: list, targets: list | None, *, iteration: int, trace: bool = False,
+            forward_only: bool = False) -> IterationResult:
         self.iteration = iteration
         self.inputs, self.targets = inputs, targets
-        self.store: dict[Value, torch.Tensor] = {}
-        self.received: dict = {}
-        self.saved: dict = {}
+        self.values: list = [None] * self.num_slots
+        self.pending: list = [None] * self.num_slots
+        self.saved: dict[tuple[int, int], _Forward] = {}
+        self.weight_work: dict = {}
         self.losses: list[torch.Tensor] = []
-        events, compute = [], 0.0
-        sync = trace and self.comm.device.type == "cuda"
-        start = time.perf_counter()
-        for index, ins in enumerate(self.program):
+        self.outputs: list = []
+        self.held = self.peak = 0
+        self.comm.new_iteration()
+        clock = _Clock(self.device)
+        marks = []
+        start = clock.mark()
+        with _no_host_sync(self.device):
+            self._steps(clock, marks, trace, forward_only, iteration)
+        self.index = len(self.steps)
+        self.comm.finish()
+        end = clock.mark()
+        clock.finish()
+        compute = sum(clock.seconds(a, b) for i, a, b in marks if self.steps[i][0] <= _WEIGHT)
+        events = [self.event(i, clock.seconds(start, a), clock.seconds(a, b))
+                  for i, a, b in marks] if trace else []
+        loss = torch.stack(self.losses).mean() if self.loss_owner and self.losses else None
+        return IterationResult(loss, clock.seconds(start, end), compute, self.peak,
+                               self.outputs, events)
+
+    def _steps(self, clock: _Clock, marks: list, trace: bool, forward_only: bool,
+               iteration: int) -> None:
+        for index, step in enumerate(self.steps):
             self.index = index
             if self.fail_at and self.fail_at[1] == index and iteration == 0:
                 _inject(self.fail_at[2])
-            t0 = time.perf_counter()
-            if ins.op == COMPUTE:
-                self.compute(ins)
-                if sync:
-                    torch.cuda.current_stream(self.comm.device).synchronize()
-            elif ins.op == SEND:
-                stream = ins.value.block if ins.value.kind == ACTIVATION else None
-                self.comm.send(self.store[ins.value], ins.peer, stream)
-            elif ins.op == RECV:
-                self.received[ins.value] = self.recv(ins.value, ins.peer)
-            elif ins.op == WAIT:
-                self.store[ins.value] = self.comm.wait(self.received.pop(ins.value))
-            elif ins.op == REDUCE:
-                self.reduce(ins.block)
-            elif ins.op == SYNC:
-                if self.sync_at_end:
-                    self.deferred.append(ins.block)
+            code = step[0]
+            if code <= _WEIGHT:
+                before = clock.mark()
+                if code == _FORWARD:
+                    self.forward(*step[1:], keep=not forward_only)
+                elif code == _BACKWARD:
+                    self.backward(*step[1:])
                 else:
-                    self.sync(ins.block)
-            t1 = time.perf_counter()
-            if ins.op == COMPUTE:
-                compute += t1 - t0
-            if trace:
-                events.append(self.event(ins, t0 - start, t1 - t0))
-            for value in self.drop.get(index, ()):
-                self.store.pop(value, None)
-        self.index = len(self.program)
-        t0 = time.perf_counter()
-        self.comm.finish()
-        if trace and time.perf_counter() - t0 > 1e-6:
-            events.append(TraceEvent(self.rank, "finish sends", "wait", (t0 - start) * 1e6,
-                                     (time.perf_counter() - t0) * 1e6))
-        loss = (float(torch.stack(self.losses).mean()) if self.loss_owner and self.losses
-                else None)
-        return IterationResult(loss, time.perf_counter() - start, compute, events)
+                    backward_weight(self.weight_work.pop((step[1], step[2])))
+                marks.append((index, before, clock.mark()))
+            elif trace:
+                before = clock.mark()
+                self.communicate(step)
+                marks.append((index, before, clock.mark()))
+            else:
+                self.communicate(step)
+            for s in self.drops[index]:
+                self.drop(s)
+
+    def communicate(self, step) -> None:
+        code = step[0]
+        if code == _SEND_ACT:
+            _, s, peer, block, seq = step
+            self.comm.send_value(self.values[s], f"block '{self.blocks[block].name}'", peer,
+                                 block, seq)
+        elif code == _SEND_GRAD:
+            _, s, peer, _, seq = step
+            self.comm.send_gradients(self.values[s], peer, seq)
+        elif code == _RECV_ACT:
+            self.pending[step[1]] = self.comm.recv_value(step[2], step[3])
+        elif code == _RECV_GRAD:
+            _, s, peer, layer, m = step
+            out = self.saved[(layer, m)].out
+            leaves, _ = flatten(out, f"block '{self.blocks[layer].name}'")
+            self.pending[s] = self.comm.recv_gradients(
+                peer, [leaves[i] for i in differentiable(leaves)])
+        elif code == _WAIT:
+            _, s, peer, seq = step
+            self.keep(s, self.comm.wait(self.pending[s], peer, seq))
+            self.pending[s] = None
+        elif code == _REDUCE:
+            self.reduce(step[1])
+        elif self.sync_at_end:
+            self.deferred.append(step[1])
+        else:
+            self.sync(step[1])
+
+    # -- what the rank holds
+
+    def keep(self, s: int, value) -> None:
+        self.values[s] = value
+        self.held += nbytes(value)
+        self.peak = max(self.peak, self.held + self.comm.sending_bytes)
+
+    def drop(self, s: int) -> None:
+        value = self.values[s]
+        if value is not None:
+            self.held -= nbytes(value)
+            self.values[s] = None
 
     # -- blocks
 
-    def compute(self, ins) -> None:
-        kind = self.blocks[ins.block].kind
-        if kind == BACKWARD:
-            self.backward(ins)
-        elif kind == WEIGHT:
-            root, grad, params = self.saved.pop(("w", self.layer[ins.block], ins.micro_batch))
-            if params and root.requires_grad:
-                torch.autograd.backward(root, grad, inputs=params)
+    @contextlib.contextmanager
+    def _numbers(self, b: int, m: int):
+        """Random numbers of block b on micro-batch m (the same in a rerun and in the
+        reference), and autocast when asked for."""
+        seed_generators(forward_seed(self.seeds[b], self.iteration, self.first_micro_batch + m),
+                        self.device)
+        if self.autocast is None:
+            yield
         else:
-            self.forward(ins)
+            with torch.autocast(self.device.type, dtype=self.autocast):
+                yield
 
-    def forward(self, ins) -> None:
-        b, m = ins.block, ins.micro_batch
-        trains = b in self.trains
-        if self.preds[b]:
-            args, leaves = [], []
-            for p, value in zip(self.preds[b], ins.inputs):
-                x = self.store[value].detach()
-                if trains and p in self.backs_to[b] and x.is_floating_point():
-                    x.requires_grad_(True)
-                    leaves.append((p, x))
-                args.append(x)
-        else:
-            args, leaves = [self.inputs[m]], []
-        with torch.set_grad_enabled(trains), \
-                forward_rng(self.seed, self.iteration, self.blocks[b].name,
-                            self.first_micro_batch + m, self.comm.device):
-            if trains and self.blocks[b].recomputed:
-                # Keep only the inputs; the backward reruns the forward (same RNG state).
-                out = checkpoint(self.modules[b], *args, use_reentrant=False)
-            else:
-                out = self.modules[b](*args)
-            if not isinstance(out, torch.Tensor):
-                raise RunError(f"block '{self.blocks[b].name}' returned "
-                               f"{type(out).__name__}; a block returns one tensor")
+    def _call(self, b: int, m: int, args: list, grad: bool):
+        with torch.set_grad_enabled(grad), self._numbers(b, m):
+            out = self.modules[b](*args)
             loss = None
-            if b == self.output:
+            if b == self.output and self.targets is not None:
                 group = self.groups.get(b)
                 loss = self.loss_fn(out, self.targets[m], *(() if group is None else (group,)))
-                self.losses.append(loss.detach())
-        self.store[Value(ACTIVATION, b, m)] = out.detach()
+        return out, loss
+
+    def forward(self, b: int, m: int, inputs: list[int], out_slot: int, keep: bool) -> None:
+        trains = keep and b in self.trains
+        args, leaves = [], []
+        for p, s in zip(self.preds[b], inputs):
+            value = self.values[s]
+            if trains and p in self.backs_to[b]:
+                tensors, spec = flatten(value, f"block '{self.blocks[p].name}'")
+                tensors = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+                leaves.append((p, tensors))
+                value = rebuild(tensors, spec)
+            args.append(value)
+        if not self.preds[b] or b in self.wants_inputs:
+            args.insert(0, self.inputs[m])
+        recomputed = trains and self.blocks[b].recomputed
+        measure = trains and not recomputed and b not in self.saved_bytes
+        with _saved_bytes_counter(self.params[b]) if measure else contextlib.nullcontext() as n:
+            out, loss = self._call(b, m, args, trains and not recomputed)
+        if measure:
+            self.saved_bytes[b] = n[0]
+        if loss is not None:
+            self.losses.append(loss.detach())
+        detached = _detach(out)
+        self.keep(out_slot, detached)
+        if b == self.output and not keep:
+            self.outputs.append(detached)
         if trains:
-            self.saved[(b, m)] = (out, loss, leaves)
+            held = 0 if recomputed else self.saved_bytes[b]
+            self.held += held
+            self.peak = max(self.peak, self.held + self.comm.sending_bytes)
+            self.saved[(b, m)] = _Forward(out, loss, leaves, args if recomputed else None, held)
 
-    def backward(self, ins) -> None:
-        b, m = self.layer[ins.block], ins.micro_batch
-        out, loss, leaves = self.saved.pop((b, m))
-        grads = [self.store[v] for v in ins.inputs if v.kind == GRADIENT]
+    def backward(self, b: int, m: int, grad_slots: list[int], targets: dict[int, int],
+                 block: int) -> None:
+        state = self.saved.pop((b, m))
+        out, loss = state.out, state.loss
+        if state.rerun is not None:
+            out, loss = self._call(b, m, state.rerun, True)
         if loss is not None:  # the loss counts once, on the first rank of the last block
-            scale = 1 / self.lowered.problem.num_micro_batches if self.loss_owner else 0.0
-            root, grad = loss, torch.tensor(scale, dtype=loss.dtype, device=loss.device)
+            roots = [loss]
+            grads = [torch.full((), self.scale * self.loss_scale, dtype=loss.dtype,
+                                device=loss.device)]
         else:
-            root, grad = out, sum(grads) if grads else torch.zeros_like(out)
-        xs = [x for _, x in leaves]
+            leaves, _ = flatten(out, f"block '{self.blocks[b].name}'")
+            positions = differentiable(leaves)
+            roots = [leaves[i] for i in positions]
+            grads = _summed([self.values[s] for s in grad_slots], roots)
+        inputs = [x for _, xs in state.leaves for x in xs if x.requires_grad]
         if b in self.split:
-            params = [p for p in self.modules[b].parameters() if p.requires_grad]
-            self.saved[("w", b, m)] = (root, grad, params)
-            gs = (torch.autograd.grad(root, xs, grad, retain_graph=True, allow_unused=True)
-                  if xs and root.requires_grad else [None] * len(xs))
+            found, work = backward_input(roots, grads, inputs, self.params[b])
+            self.weight_work[(b, m)] = work
         else:
-            if root.requires_grad:
-                torch.autograd.backward(root, grad)
-            gs = [x.grad for x in xs]
-        by_name = self.lowered.problem.by_name
-        for (p, x), g in zip(leaves, gs):
-            target = by_name[f"{self.blocks[p].name}.b"]
-            self.store[Value(GRADIENT, ins.block, m, target, self.rank)] = \
-                torch.zeros_like(x) if g is None else g
-
-    def recv(self, value: Value, peer: int):
-        if value.kind == GRADIENT:  # shaped like the local output it is the gradient of
-            like = self.saved[(self.layer[value.consumer], value.micro_batch)][0]
-            return self.comm.recv(peer, None, like)
-        return self.comm.recv(peer, value.block, None)
+            full_backward(roots, grads)
+            found = [x.grad for x in inputs]
+        self.held -= state.held
+        got = iter(found)
+        for p, xs in state.leaves:
+            if p not in targets:
+                continue
+            grads_p = []
+            for x in xs:
+                if x.requires_grad:
+                    g = next(got)
+                    grads_p.append(torch.zeros_like(x) if g is None else g)
+            self.keep(targets[p], grads_p)
 
     def reduce(self, block: int) -> None:
-        params = [p for p in self.modules[block].parameters()
-                  if p.requires_grad and shard_dim(p) is None]
+        params = [p for p in self.params[block] if shard_dim(p) is None]
         if not params:
             return
         flat = flat_gradients(params)
@@ -220,7 +377,7 @@ class Executor:
     def sync(self, block: int) -> None:
         """Start the synchronisation of a stage's gradients across the replicas, on its own
         (gloo or NCCL) stream: all-reduce, or reduce-scatter when sharded (mesh.shard)."""
-        params = [p for p in self.modules[block].parameters() if p.requires_grad]
+        params = self.params[block]
         if not params:
             return
         flat = flat_gradients(params)
@@ -241,7 +398,7 @@ class Executor:
     def finish_syncs(self, *, whole: bool = False) -> dict[int, torch.Tensor]:
         """Wait for the synchronisations: all-reduced gradients, averaged, go back to the
         parameters; sharded, this replica's averaged part of each stage's flat gradient is
-        returned (and with `whole`, the whole gradient is gathered back too, for --check)."""
+        returned (and with `whole`, the whole gradient is gathered back too)."""
         for block in self.deferred:
             self.sync(block)
         self.deferred = []
@@ -263,13 +420,83 @@ class Executor:
         self.syncing = []
         return parts
 
-    def event(self, ins, start: float, seconds: float) -> TraceEvent:
+    def event(self, index: int, start: float, seconds: float) -> TraceEvent:
+        ins = self.program[index]
         if ins.op == COMPUTE:
             block = self.blocks[ins.block]
             return TraceEvent(self.rank, f"{block.name}@{ins.micro_batch}", block.kind,
                               start * 1e6, seconds * 1e6, ins.micro_batch)
         return TraceEvent(self.rank, describe(self.lowered, ins), ins.op, start * 1e6,
                           seconds * 1e6, ins.micro_batch)
+
+
+@contextlib.contextmanager
+def _no_host_sync(device: torch.device):
+    """With PYPLAN_CHECK_SYNC=1 on CUDA, any synchronisation of the host with the GPU inside the
+    iteration's steps raises (torch.cuda.set_sync_debug_mode): the GPU tests run so."""
+    if device.type != "cuda" or os.environ.get("PYPLAN_CHECK_SYNC") != "1":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+class _Clock:
+    """Marks on the host clock, or CUDA events on the compute stream resolved at the end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def finish(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+@contextlib.contextmanager
+def _saved_bytes_counter(params: list[torch.Tensor]):
+    """Counts the bytes autograd saves while the body runs (each tensor once, parameters
+    excluded): what a forward holds until its backward."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[tuple, int] = {}
+    total = [0]
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[(t.data_ptr(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total
+    total[0] = sum(seen.values())
+
+
+def _detach(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    leaves, spec = flatten(value, "a block")
+    return rebuild([t.detach() for t in leaves], spec)
+
+
+def _summed(contributions: list[list[torch.Tensor]], roots: list[torch.Tensor]):
+    """The gradient of each root: the sum of every contribution received (zeros if none)."""
+    if not contributions:
+        return [torch.zeros_like(r) for r in roots]
+    if len(contributions) == 1:
+        return contributions[0]
+    return [sum(parts) for parts in zip(*contributions)]
 
 
 def flat_gradients(params: list[torch.Tensor]) -> torch.Tensor:
@@ -296,18 +523,6 @@ def unflatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 def set_gradients(params: list[torch.Tensor], flat: torch.Tensor) -> None:
     unflatten_into([p.grad for p in params], flat)
-
-
-def _last_uses(program) -> dict[int, list[Value]]:
-    """Instruction index -> values this rank no longer needs after it."""
-    last: dict[Value, int] = {}
-    for index, ins in enumerate(program):
-        for value in ins.inputs if ins.op == COMPUTE else (ins.value,) if ins.op == SEND else ():
-            last[value] = index
-    drop: dict[int, list[Value]] = {}
-    for value, index in last.items():
-        drop.setdefault(index, []).append(value)
-    return drop
 
 
 def _inject(mode: str) -> None:

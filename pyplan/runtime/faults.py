@@ -76,6 +76,8 @@ class Watchdog:
         return winner
 
     def close(self, state: str = DONE) -> None:
+        if self.stopping.is_set():  # closed already (after a failure)
+            return
         self.state = state
         self.stopping.set()
         self.thread.join()

@@ -2,9 +2,10 @@
 
 Two ranks play ping-pong with tensors of growing size; half the median round trip of each size
 is one transfer (the fastest of the repeats: on a shared machine, noise only adds); the largest
-sizes give the bandwidth, the smallest the latency. `measure_link` starts two local gloo processes (the
-within-node link of a CPU machine); `ping_pong` runs in any existing two-rank group, e.g. one
-rank per node under torchrun for the link across nodes.
+sizes give the bandwidth, the smallest the latency. `measure_link` starts two local processes:
+over gloo with CPU tensors (the within-node link of a CPU machine), or with `device="cuda"`
+over NCCL between the first two GPUs, timed with CUDA events; `ping_pong` runs in any existing
+two-rank group, e.g. one rank per node under torchrun for the link across nodes.
 """
 
 from __future__ import annotations
@@ -16,28 +17,44 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pyplan.errors import PlanError
+
 __all__ = ["SIZES", "fit_link", "measure_link", "ping_pong"]
 
 SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)  # bytes
 
 
-def ping_pong(rank: int, sizes=SIZES, repeats: int = 7, group=None) -> list[float]:
+def ping_pong(rank: int, sizes=SIZES, repeats: int = 7, group=None,
+              device: torch.device | None = None) -> list[float]:
     """Milliseconds of one transfer of each size between ranks 0 and 1 of `group`."""
+    device = device or torch.device("cpu")
+    cuda = device.type == "cuda"
     out = []
     for size in sizes:
-        buffer = torch.zeros(size // 4, dtype=torch.float32)
+        buffer = torch.zeros(size // 4, dtype=torch.float32, device=device)
         samples = []
         for k in range(repeats + 1):  # the first round trip warms the connection up
             dist.barrier(group=group)
-            start = time.perf_counter()
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), \
+                    torch.cuda.Event(enable_timing=True)
+                start.record()
+            else:
+                start = time.perf_counter()
             if rank == 0:
                 dist.send(buffer, 1, group=group)
                 dist.recv(buffer, 1, group=group)
             else:
                 dist.recv(buffer, 0, group=group)
                 dist.send(buffer, 0, group=group)
+            if cuda:
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1e3
+            else:
+                seconds = time.perf_counter() - start
             if k:
-                samples.append((time.perf_counter() - start) * 1e3 / 2)
+                samples.append(seconds * 1e3 / 2)
         out.append(min(samples))
     return out
 
@@ -51,26 +68,33 @@ def fit_link(sizes, milliseconds) -> tuple[int, float]:
     return int(1e3 / slope), max(0.0, y0 - slope * x0)
 
 
-def _worker(rank: int, port: int, sizes, repeats: int, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                           world_size=2)
+def _worker(rank: int, port: int, sizes, repeats: int, results, cuda: bool) -> None:
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        times = ping_pong(rank, sizes, repeats)
+        times = ping_pong(rank, sizes, repeats, device=device)
         if rank == 0:
             results.put(times)
     finally:
         dist.destroy_process_group()
 
 
-def measure_link(sizes=SIZES, repeats: int = 7) -> tuple[int, float, list[float]]:
+def measure_link(device: str = "cpu", sizes=SIZES,
+                 repeats: int = 7) -> tuple[int, float, list[float]]:
     """Bandwidth (bytes per second), latency (ms) and the per-size times of the link between
-    two processes on this machine."""
+    two processes on this machine (device cuda: between its first two GPUs, over NCCL)."""
+    cuda = device == "cuda"
+    if cuda and torch.cuda.device_count() < 2:
+        raise PlanError("--links with --device cuda needs two GPUs on this machine")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    mp.start_processes(_worker, args=(port, tuple(sizes), repeats, results), nprocs=2,
+    mp.start_processes(_worker, args=(port, tuple(sizes), repeats, results, cuda), nprocs=2,
                        start_method="spawn")
     times = results.get()
     bandwidth, latency = fit_link(sizes, times)

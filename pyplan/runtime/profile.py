@@ -1,35 +1,41 @@
-"""`pyplan profile`: measure what a plan's blocks cost on this machine, so the plan's `time:` and
-`memory:` can come from measurements instead of guesses.
+"""`pyplan profile` and `pyplan partition`'s measurements: what blocks (or a model's units)
+cost on this machine, so a plan's `time:` and `memory:` come from measurements.
 
-Every forward block is built whole in one process (as the --check reference does) and fed one
-micro-batch of the plan's data. Per block: the median forward time, the median time of its
-backward (autograd for exactly that block: gradients of its inputs and its parameters), and
-the activation memory its backward needs: the bytes autograd saves during its forward, not
-counting parameters (a plan's memory delta for the block).
+Times are medians of repeated runs after a warm-up, taken until they are stable: runs are added
+(up to 8x the asked repeats) while the spread (interquartile range over the median) exceeds 10%;
+a time still spread wider than that is flagged, and so is a machine whose load average exceeds
+its cores before or after the measurements (another process competing for the cores makes
+every time too long, evenly: a stable but wrong figure). On CUDA the times are CUDA events.
+
+Per block (or unit): the median forward time, the median time of its backward (autograd for
+exactly that block: the gradients of its inputs and parameters; the last one's from the loss),
+the bytes autograd saves during its forward, not counting parameters (a plan's memory delta),
+and its input and output bytes.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from pyplan.errors import PlanError
 from pyplan.lower import check_runnable
+from pyplan.models import CHAIN, FORWARD, Cut, Unit, find_units, stage_modules
 from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.problem import BACKWARD, Problem
-from pyplan.runtime.binding import (
-    Model,
-    block_inputs,
-    build_modules,
-    make_batch,
-    split_batch,
-    traced_stages,
-)
+from pyplan.runtime.binding import (Model, block_inputs, build, loss_function, make_batch,
+                                    split_batch, to_device)
+from pyplan.runtime.values import flatten, nbytes, rebuild
 
-__all__ = ["BlockCost", "chain_units", "profile_blocks", "profile_units"]
+__all__ = ["BlockCost", "Measured", "profile_blocks", "profile_units"]
+
+SPREAD = 0.10  # interquartile range / median above which more runs are taken
+MORE = 8       # at most this many times the asked repeats
 
 
 @dataclass(frozen=True)
@@ -46,28 +52,87 @@ class BlockCost:
     """What goes to its consumers on other devices (and its gradient back)."""
 
 
-def _timed(fn, device, repeats: int) -> tuple[float, object]:
-    """Median milliseconds of `repeats` calls after one warm-up call, and the last result."""
-    result = fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        result = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples), result
+@dataclass
+class Measured:
+    """What the measurements noticed besides the figures."""
+
+    spread: dict[str, float] = field(default_factory=dict)
+    """What was timed -> the spread of its times, where they stayed over SPREAD."""
+    load: float | None = None
+    """The highest load average seen above the cores, if any."""
+
+    @property
+    def warnings(self) -> list[str]:
+        """Lines for the user."""
+        lines = []
+        if self.spread:
+            worst = max(self.spread, key=self.spread.get)
+            lines.append(f"the times of {len(self.spread)} measurements spread more than "
+                         f"{SPREAD:.0%} around their medians however often repeated (worst: "
+                         f"{worst}, {self.spread[worst]:.0%}); the medians count")
+        if self.load is not None:
+            lines.append(f"the machine looks busy (load average {self.load:.1f} on "
+                         f"{os.cpu_count() or 1} cores): other work competing for the cores "
+                         "makes every time too long; measure again when it is idle")
+        return lines
 
 
-def _bytes(value) -> int:
-    """Bytes of the tensors in a value (a tensor, or lists, tuples and dicts of them)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        value = list(value.values())
-    return sum(map(_bytes, value)) if isinstance(value, (list, tuple)) else 0
+def _spread(samples: list[float]) -> float:
+    if len(samples) < 4:
+        return 0.0
+    q = statistics.quantiles(samples, n=4)
+    middle = statistics.median(samples)
+    return (q[2] - q[0]) / middle if middle > 0 else 0.0
+
+
+class _Timer:
+    def __init__(self, device, repeats: int, measured: Measured) -> None:
+        self.device, self.repeats, self.measured = device, repeats, measured
+
+    def now(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def ms(self, start, end) -> float:
+        if self.device.type == "cuda":
+            end.synchronize()
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+    def median(self, sample, what: str) -> float:
+        """Median milliseconds of `sample()` (which times one run and returns ms), after one
+        warm-up run, with runs added while they spread too widely."""
+        sample()
+        samples = [sample() for _ in range(self.repeats)]
+        while _spread(samples) > SPREAD and len(samples) < MORE * self.repeats:
+            samples.append(sample())
+        spread = _spread(samples)
+        if spread > SPREAD:
+            self.measured.spread[what] = spread
+        return statistics.median(samples)
+
+    def call(self, fn, what: str) -> tuple[float, object]:
+        """Median ms of fn() and its last result."""
+        box = [None]
+
+        def sample():
+            start = self.now()
+            box[0] = fn()
+            return self.ms(start, self.now())
+        return self.median(sample, what), box[0]
+
+
+def _busy(measured: Measured) -> None:
+    """Flag a machine whose load average exceeds its cores (before or after measuring)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return
+    if load > (os.cpu_count() or 1) + 0.5:
+        measured.load = max(load, measured.load or 0.0)
 
 
 def _saved_bytes(fn, params) -> int:
@@ -86,130 +151,157 @@ def _saved_bytes(fn, params) -> int:
     return sum(seen.values())
 
 
+def _leaves(value, grad: bool):
+    """A value's tensors as fresh leaves (floating ones requiring grad when `grad`)."""
+    if value is None:
+        return None, []
+    tensors, spec = flatten(value, "a block")
+    fresh = [t.detach().requires_grad_(grad and t.is_floating_point()) for t in tensors]
+    return rebuild(fresh, spec), [t for t in fresh if t.requires_grad]
+
+
+def _roots(out, loss_fn):
+    """What a backward starts from: the loss of the output, or each floating output tensor
+    (with ones as its gradient)."""
+    if loss_fn is not None:
+        return [loss_fn(out)], None
+    tensors, _ = flatten(out, "a block")
+    roots = [t for t in tensors if t.is_floating_point() and t.requires_grad]
+    return roots, [torch.ones_like(t) for t in roots]
+
+
+def _measure(timer: _Timer, module, args: list, wrt_inputs: list, params: list, loss_fn,
+             what: str, grad: bool = True) -> tuple[float, float | None, int, object]:
+    """(forward ms, backward ms, saved bytes, output) of module(*args)."""
+    with torch.set_grad_enabled(grad):
+        forward_ms, out = timer.call(lambda: module(*args), f"{what} forward")
+        saved = _saved_bytes(lambda: module(*args), params) if grad else 0
+    if not grad:
+        return forward_ms, None, saved, out
+    wrt = wrt_inputs + params
+
+    def backward():
+        with torch.enable_grad():
+            roots, seeds = _roots(module(*args), loss_fn)
+        start = timer.now()
+        if wrt and any(r.requires_grad for r in roots):
+            torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
+        return timer.ms(start, timer.now())
+
+    return forward_ms, timer.median(backward, f"{what} backward"), saved, out
+
+
 def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: int = 5,
-                   device: torch.device | None = None) -> list[BlockCost]:
+                   device: torch.device | None = None,
+                   measured: Measured | None = None) -> list[BlockCost]:
     """Costs of every forward block, in plan order."""
     device = device or torch.device("cpu")
+    measured = measured if measured is not None else Measured()
+    timer = _Timer(device, repeats, measured)
+    _busy(measured)
     output_block = check_runnable(problem)
-    modules = build_modules(model, problem, seed=seed, device=device)
+    built = build(model, problem, seed=seed, device=device)
+    modules = built.modules
     trains = {problem.by_name[b.layer] for b in problem.blocks if b.kind == BACKWARD}
     preds = block_inputs(problem, modules)
     inputs, targets = make_batch(model, 0, seed, device)
     inputs = split_batch(inputs, problem.num_micro_batches)[0]
     targets = split_batch(targets, problem.num_micro_batches)[0]
-    outputs: dict[int, torch.Tensor] = {}
+    outputs: dict[int, object] = {}
     costs = {}
     for b in (b for b in problem.graph.topological_order() if b in modules):
         module, grad = modules[b], b in trains
         params = [p for p in module.parameters() if p.requires_grad]
         # Inputs from other blocks are leaves here, so the backward stops at this block.
-        args = [outputs[p].detach().requires_grad_(grad and outputs[p].is_floating_point())
-                for p in preds[b]] if preds[b] else [inputs]
-        with torch.set_grad_enabled(grad):
-            forward_ms, out = _timed(lambda: module(*args), device, repeats)
-            saved = _saved_bytes(lambda: module(*args), params) if grad else 0
-        outputs[b] = out
-        backward_ms = None
-        if grad:
-            wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + params
-
-            def backward():
-                with torch.enable_grad():
-                    result = module(*args)
-                    if b == output_block:
-                        whole = (None,) if len(problem.blocks[b].devices) > 1 else ()
-                        result, seed_grad = model.loss(result, targets, *whole), None
-                    else:
-                        seed_grad = torch.ones_like(result)
-                # Only the backward is timed: the forward above is the same work measured before.
-                start = time.perf_counter()
-                torch.autograd.grad(result, wrt, seed_grad, allow_unused=True)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                return (time.perf_counter() - start) * 1e3
-
-            samples = [backward() for _ in range(repeats + 1)][1:]
-            backward_ms = statistics.median(samples)
+        args, wrt = [], []
+        for p in preds[b]:
+            value, leaves = _leaves(outputs[p], grad)
+            args.append(value)
+            wrt += leaves
+        if not preds[b] or b in built.wants_inputs:
+            args.insert(0, inputs)
+        whole = (None,) if len(problem.blocks[b].devices) > 1 else ()
+        loss_fn = (lambda out: loss_function(model)(out, targets, *whole)) \
+            if b == output_block else None
         block = problem.blocks[b]
+        forward_ms, backward_ms, saved, out = _measure(timer, module, args, wrt, params,
+                                                       loss_fn, f"block '{block.name}'", grad)
+        outputs[b] = out
+        sent = [a for a in args if a is not inputs] if preds[b] else [inputs]
         costs[b] = BlockCost(block.name, block.devices, forward_ms, backward_ms, saved,
-                             sum(_bytes(a) for a in args), _bytes(out))
+                             sum(nbytes(a) for a in sent), nbytes(out))
+    _busy(measured)
     return [costs[b] for b in sorted(costs)]
 
 
-def chain_units(model: torch.nn.Module, prefix: str = "") -> list[str]:
-    """The model's split units: its children in order, nn.Sequential and nn.ModuleList
-    flattened (so layers.0 .. layers.31 are units)."""
-    units = []
-    for name, child in model.named_children():
-        path = f"{prefix}{name}"
-        if isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList)):
-            units += chain_units(child, f"{path}.")
-        else:
-            units.append(path)
-    return units
-
-
-def _is_chain(model: torch.nn.Module, units: list[str], inputs) -> bool:
-    """Whether the units run one after another compute what the model computes (in eval mode,
-    without dropout)."""
-    was = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            whole = model(inputs)
-            x = inputs
-            for unit in units:
-                x = model.get_submodule(unit)(x)
-    except Exception:  # children that cannot even run in a row: not a chain
-        return False
-    finally:
-        model.train(was)
-    return isinstance(whole, torch.Tensor) and isinstance(x, torch.Tensor) and \
-        whole.shape == x.shape and bool(torch.allclose(whole, x, atol=1e-5))
-
-
 def profile_units(model: torch.nn.Module, inputs, targets, loss, *, optimizer: str = "sgd",
-                  repeats: int = 5, device: torch.device | None = None,
-                  progress=None) -> tuple[list[UnitCost], bool]:
-    """Costs of each unit of a model on one micro-batch: median forward and backward
-    milliseconds (the backward of exactly that unit: gradients of its input and parameters;
-    the last unit's from the loss), the activation bytes autograd saves, and the weights'
-    bytes with their gradients and the optimizer's state; and whether the model had to be
-    traced: when its forward is not its units one after another, torch's pipeline tracer cuts
-    it before every unit and the pieces are measured instead."""
+                  repeats: int = 5, device: torch.device | None = None, progress=None,
+                  measured: Measured | None = None) -> tuple[list[UnitCost], Cut]:
+    """Costs of each unit of a model on one micro-batch, and how the model is cut (see
+    pyplan.models): median forward and backward milliseconds (the backward of exactly that
+    unit; the last unit's from the loss), the activation bytes autograd saves, and the weights'
+    bytes with their gradients and the optimizer's state."""
     device = device or torch.device("cpu")
-    units = chain_units(model)
-    if not units:
-        raise PlanError("the model has no children to split into stages")
-    traced = not _is_chain(model, units, inputs)
-    pieces = traced_stages(model, units, inputs) if traced else \
-        [model.get_submodule(unit) for unit in units]
-    costs, x = [], inputs
+    measured = measured if measured is not None else Measured()
+    timer = _Timer(device, repeats, measured)
+    _busy(measured)
+    cut, units = find_units(model, inputs)
+    inputs, targets = to_device(inputs, device), to_device(targets, device)
+    names = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+    own = [tuple(dict.fromkeys(names[id(p)] for p in _unit_parameters(model, unit)))
+           for unit in units]
+    pieces = _pieces(model, cut, units, inputs, device)
+    costs, value = [], None
     for k, unit in enumerate(units):
         module = pieces[k]
         params = [p for p in module.parameters() if p.requires_grad]
-        arg = x.detach().requires_grad_(x.is_floating_point())
-        forward_ms, out = _timed(lambda: module(arg), device, repeats)
-        saved = _saved_bytes(lambda: module(arg), params)
-        wrt = ([arg] if arg.requires_grad else []) + params
+        if cut.kind == FORWARD:  # the stage module holds the whole model: the unit's own
+            params = _unit_parameters(module.model, unit)
+        received, wrt = _leaves(value, True)
+        if cut.kind == FORWARD:
+            args = [inputs] + ([] if received is None else [received])
+        else:
+            args = [inputs if received is None else received]
         last = k == len(units) - 1
-
-        def backward():
-            result = module(arg)
-            root = loss(result, targets) if last else result
-            seed = None if last else torch.ones_like(result)
-            start = time.perf_counter()
-            if wrt and root.requires_grad:
-                torch.autograd.grad(root, wrt, seed, allow_unused=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            return (time.perf_counter() - start) * 1e3
-
-        backward_ms = statistics.median([backward() for _ in range(repeats + 1)][1:])
+        loss_fn = (lambda out: loss(out, targets)) if last else None
+        forward_ms, backward_ms, saved, out = _measure(timer, module, args, wrt, params,
+                                                       loss_fn, f"unit {unit.name}")
         size = sum(p.numel() * p.element_size() for p in params)
-        costs.append(UnitCost(unit, forward_ms, backward_ms, saved,
-                              size * (2 + OPTIMIZER_STATE[optimizer]), _bytes(arg), _bytes(out)))
-        x = out.detach()
+        costs.append(UnitCost(unit.name, forward_ms, backward_ms, saved,
+                              size * (2 + OPTIMIZER_STATE[optimizer]),
+                              nbytes(inputs if received is None else received), nbytes(out),
+                              modules=unit.modules, parameters=own[k]))
+        value = out
         if progress is not None:
             progress(k + 1, len(units))
-    return costs, traced
+    if cut.kind == FORWARD and len(costs) > 1:
+        # Every piece runs the model's forward up to the unit: what comes before the first
+        # layer (the first unit's time) is in each; count it once, in the first unit.
+        prefix = costs[0].forward_ms
+        costs[1:] = [dataclasses.replace(c, forward_ms=max(c.forward_ms - prefix,
+                                                           0.05 * c.forward_ms))
+                     for c in costs[1:]]
+    _busy(measured)
+    return costs, cut
+
+
+def _pieces(model, cut: Cut, units: list[Unit], inputs, device) -> list[torch.nn.Module]:
+    """One module per unit: the unit (chain), torch's traced piece, or (forward) a stage of
+    one copy of the model that holds every unit."""
+    stages = [(unit.name, unit.modules) for unit in units]
+    everything = list(range(len(units)))
+    if cut.kind == CHAIN:
+        return [model.get_submodule(unit.name).to(device) for unit in units]
+    held = copy.deepcopy(model) if cut.kind == FORWARD else model
+    found = stage_modules(held, cut, stages, everything, device, inputs)
+    return [found[s] for s in everything]
+
+
+def _unit_parameters(model: torch.nn.Module, unit: Unit) -> list[torch.Tensor]:
+    """The parameters of a unit's modules (each once)."""
+    found = {}
+    for name in unit.modules:
+        for p in model.get_submodule(name).parameters():
+            if p.requires_grad:
+                found[id(p)] = p
+    return list(found.values())

@@ -1,35 +1,31 @@
-"""A `pyplan run` on one rank: process groups, modules and optimizer, the iterations, then the
-report (timings, loss, trace, --check) gathered on rank 0.
-
-NCCL on CUDA, gloo on CPU, chosen automatically. Multi-node needs nothing here: torchrun's
-rendezvous gives every process its global rank. With data-parallel replicas (`mesh:`) the ranks
-form a (dp, pp) DeviceMesh: rank = replica x devices + device; each replica trains on its slice
-of the global batch; sharded replicas (mesh.shard) each keep and update one part of every
-stage's parameters and all-gather them after the step (ZeRO).
+"""`pyplan run` on one rank: a small trainer over Pipeline. Per iteration: the global batch,
+zeroed gradients, `pipe.step`, clipping, the optimizer and the learning-rate schedule; every K
+iterations a checkpoint; at the end the report (losses, times, throughput, memory, --check)
+gathered on rank 0. A fault watchdog names the first rank that fails.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
+import sys
 import time
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from pyplan.errors import PyplanError, RunError
-from pyplan.lower import COMPUTE, SYNC, Lowered, describe
-from pyplan.runtime.binding import Model, build_modules, make_batch, split_batch
+from pyplan.lower import COMPUTE, Lowered, describe
+from pyplan.runtime import checkpoint
+from pyplan.runtime.binding import Model, make_batch
 from pyplan.runtime.check import Verdict, compare, full_gradients, reference_run
-from pyplan.runtime.comm import Comm, TransferError, all_gather_objects
-from pyplan.runtime.executor import Executor, padded, unflatten_into
+from pyplan.runtime.comm import TransferError, all_gather_objects
 from pyplan.runtime.faults import Watchdog
+from pyplan.runtime.pipeline import DTYPES, Pipeline
+from pyplan.runtime.training import Training
 from pyplan.trace import chrome_trace, write_chrome_trace
 
-__all__ = ["Options", "Report", "Session"]
+__all__ = ["Options", "Report", "Session", "summary"]
 
 SETUP, REPORT = -1, -2  # positions outside the iterations, for fault messages
 
@@ -38,15 +34,26 @@ SETUP, REPORT = -1, -2  # positions outside the iterations, for fault messages
 class Options:
     iterations: int = 1
     seed: int = 0
-    lr: float = 0.01
+    training: Training = Training()
     blocking: bool = False
     sync_at_end: bool = False
     """Start the data-parallel gradient synchronisations after the last block (to compare)."""
     check: bool = False
-    tolerance: float = 1e-5
+    tolerance: float | None = None
+    """--check's largest difference; None: the dtype's default."""
     trace: str | None = None
     fault_timeout: float = 10.0
     fail_at: tuple[int, int, str] | None = None
+    device: str | None = None
+    """cpu, cuda or auto; None: $PYPLAN_DEVICE, else auto."""
+    dtype: str = "fp32"
+    save: str | None = None
+    save_every: int | None = None
+    resume: str | None = None
+    progress: bool = False
+
+
+TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
 
 
 @dataclass(frozen=True)
@@ -54,41 +61,53 @@ class Report:
     """What rank 0 prints: per iteration the slowest rank's time and the loss; per rank and
     iteration the time spent computing blocks (the rest of the iteration is waiting)."""
 
+    first_step: int
     seconds: list[float]
-    losses: list[float | None]
+    losses: list[float]
     compute: list[list[float]]
     iteration_seconds: list[list[float]]
+    peak_activation_bytes: list[int]
+    cuda_max_allocated: list[int] | None
+    samples: int
+    tokens: int | None
     verdict: Verdict | None
     backend: str
+    device: str
+    predicted_activation_bytes: list[int] | None = None
+    """The plan's peak of activation memory per device (its peak minus the static memory),
+    when the plan counts memory in bytes."""
+    grad_norms: list[float] | None = None
+    """With clipping: the global gradient norm of each iteration, before clipping."""
+    ties: list[str] = field(default_factory=list)
 
 
 class Session:
-    def __init__(self, lowered: Lowered, output_block: int, model: Model, options: Options, *,
-                 watch: bool = True):
-        """Joins the default process group (creating it unless the caller did) and, with
+    def __init__(self, plan, model: Model | None, options: Options, *, watch: bool = True):
+        """Joins (or creates) the default process group, builds the pipeline and, with
         `watch`, starts the fault watchdog."""
-        self.lowered, self.output, self.model, self.options = lowered, output_block, model, options
-        self.problem = lowered.problem
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        cuda = torch.cuda.is_available() and local < torch.cuda.device_count()
-        self.device = torch.device("cuda", local) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(self.device)
-        self.owns_group = not dist.is_initialized()
-        if self.owns_group:
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
-        self.backend = dist.get_backend()
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.replica, self.device_index = divmod(self.rank, self.problem.num_devices)
-        self.executor: Executor | None = None
-        self.watchdog = Watchdog(self.rank, self.world, options.fault_timeout, self.position,
-                                 self.where) if watch else None
+        self.options = options
+        self.step_index = SETUP
+        self.watchdog = None
+        self.pipe = Pipeline(plan, device=options.device, seed=options.seed,
+                             dtype=options.dtype, blocking=options.blocking,
+                             sync_at_end=options.sync_at_end, model=model,
+                             fail_at=options.fail_at)
+        pipe = self.pipe
+        self.lowered: Lowered = pipe.lowered
+        self.problem, self.rank = pipe.problem, pipe.rank
+        if watch:
+            self.watchdog = Watchdog(self.rank, pipe.world, options.fault_timeout,
+                                     self.position, self.where)
 
     # -- fault reporting
 
     def position(self) -> tuple[int, int]:
-        return (SETUP, 0) if self.executor is None else \
-            (self.executor.iteration, self.executor.index)
+        executor = self.pipe.executor if self.pipe is not None else None
+        if executor is None or self.step_index < 0:
+            return (self.step_index, 0)
+        if executor.iteration != self.step_index:  # the step has not reached the schedule yet
+            return (self.step_index, -1)
+        return (executor.iteration, executor.index)
 
     def where(self, rank: int, iteration: int, index: int) -> str:
         if iteration == SETUP:
@@ -101,7 +120,7 @@ class Session:
         return (f"instruction {index} of iteration {iteration} "
                 f"({describe(self.lowered, program[index])})")
 
-    def failed(self, exc: BaseException) -> RunError:
+    def failed(self, exc: BaseException) -> PyplanError:
         """Agree with the other ranks on the first failure; the error this rank exits with."""
         iteration, index = self.position()
         text = exc.message if isinstance(exc, PyplanError) else f"{type(exc).__name__}: {exc}"
@@ -112,178 +131,230 @@ class Session:
         echo = isinstance(exc, (TransferError, dist.DistError)) or \
             (ins is not None and ins.op == COMPUTE and len(ins.group) > 1)
         if self.watchdog is None:
-            return RunError(own)
+            return _error(own, exc)
         message = self.watchdog.fail(own, wait_for_cause=echo)
-        return RunError(message if message == own else f"rank {self.rank} stops: {message}")
+        return _error(own, exc) if message == own else \
+            RunError(f"rank {self.rank} stops: {message}")
 
-    # -- build, run, report, close
-
-    def build(self) -> None:
-        opts = self.options
-        problem = self.problem
-        replicas, devices = problem.mesh.data, problem.num_devices
-        # Every rank creates every group, in the same order, as new_group requires: the
-        # multi-device blocks' groups of every replica, then the mesh's.
-        sets = sorted({b.devices for b in problem.blocks if len(b.devices) > 1})
-        made = {(r, ds): dist.new_group([d + r * devices for d in ds])
-                for r in range(replicas) for ds in sets}
-        self.groups = {b.index: made[(self.replica, b.devices)] for b in problem.blocks
-                       if len(b.devices) > 1}
-        dp_group = None
-        if replicas > 1:
-            mesh = init_device_mesh(self.device.type, (replicas, devices),
-                                    mesh_dim_names=("dp", "pp"))
-            dp_group = mesh.get_group("dp")
-        self.modules = build_modules(self.model, problem, seed=opts.seed, device=self.device,
-                                     rank=self.device_index, groups=self.groups)
-        synced = {id(p) for x in self.lowered.programs[self.rank] if x.op == SYNC
-                  for p in self.modules[x.block].parameters()}
-        self.shards = _Shards(self.modules, self.lowered.programs[self.rank], self.replica,
-                              replicas, dp_group, opts.lr) if problem.mesh.shard else None
-        params = list({id(p): p for m in self.modules.values() for p in m.parameters()
-                       if p.requires_grad and not (self.shards and id(p) in synced)}.values())
-        self.optimizer = (torch.optim.SGD(params, lr=opts.lr)
-                          if problem.training and params else None)
-        self.executor = Executor(self.lowered, self.rank, self.modules, self.groups,
-                                 Comm(self.device, blocking=opts.blocking), self.model.loss,
-                                 self.output, seed=opts.seed, dp_group=dp_group,
-                                 sync_at_end=opts.sync_at_end, fail_at=opts.fail_at)
+    # -- the training loop
 
     def train(self) -> Report:
-        opts, n = self.options, self.problem.num_micro_batches
-        records, events, grads = [], [], {}
-        for step in range(opts.iterations):
-            inputs, targets = make_batch(self.model, step, opts.seed, self.device)
-            replicas = self.problem.mesh.data
-            if replicas > 1:  # this replica's slice of the global batch
-                inputs = split_batch(inputs, replicas)[self.replica]
-                targets = split_batch(targets, replicas)[self.replica]
-            inputs, targets = split_batch(inputs, n), split_batch(targets, n)
-            if self.optimizer is not None:
-                self.optimizer.zero_grad(set_to_none=True)
-            for module in self.modules.values() if self.shards else ():
-                module.zero_grad(set_to_none=True)
+        opts, pipe = self.options, self.pipe
+        optimizer, scheduler = opts.training.build(pipe.parameters()) \
+            if self.problem.training and pipe.parameters() else (None, None)
+        first = 0
+        if opts.resume:
+            meta = checkpoint.load(opts.resume, pipe, optimizer, scheduler)
+            if meta["seed"] != opts.seed:
+                raise RunError(f"the checkpoint in {opts.resume} was trained with --seed "
+                               f"{meta['seed']}, not {opts.seed}", hint="resume with its seed")
+            first = int(meta["step"])
+        pipe.iteration = first - 1
+        records, grads, samples, tokens = [], {}, 0, None
+        bar = _Progress(opts.progress and self.rank == 0, opts.iterations)
+        for step in range(first, first + opts.iterations):
+            self.step_index = step
+            inputs, targets = make_batch(pipe.model, step, opts.seed, torch.device("cpu"))
+            samples, tokens = _sizes(inputs)
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
             dist.barrier()
             started = time.perf_counter()
-            result = self.executor.run(inputs, targets, iteration=step,
-                                       trace=opts.trace is not None and
-                                       step == opts.iterations - 1)
-            checked = opts.check and step == 0
-            parts = self.executor.finish_syncs(whole=checked)
+            loss = pipe.step(inputs, targets, trace=opts.trace is not None and
+                             step == first + opts.iterations - 1,
+                             whole_gradients=opts.check and step == first)
+            if opts.check and step == first:  # before the step changes them; not timed
+                self._sync_device()
+                seconds = time.perf_counter() - started
+                grads = full_gradients(self.problem, pipe.modules, pipe.groups,
+                                       pipe.device_index, pipe.built.names) \
+                    if pipe.replica == 0 else {}
+                started = time.perf_counter() - seconds
+            norm = None
+            if opts.training.clip_grad_norm is not None and optimizer is not None:
+                norm = float(pipe.clip_grad_norm_(opts.training.clip_grad_norm))
+            if optimizer is not None and not pipe.overflow:  # fp16: skip an overflowed step
+                optimizer.step()
+                scheduler.step()
+            self._sync_device()
             seconds = time.perf_counter() - started
-            if checked and self.replica == 0:  # before the step changes them; not timed
-                grads = full_gradients(self.problem, self.modules, self.groups,
-                                       self.device_index)
-            started = time.perf_counter()
-            if self.optimizer is not None:
-                self.optimizer.step()
-            if self.shards is not None:
-                self.shards.step(parts)
-            seconds += time.perf_counter() - started
-            records.append((seconds, result.compute, result.loss))
-            events = result.events or events
-        self.executor.iteration = REPORT
-        return self.report(records, events, grads)
+            value = float(loss)
+            result = pipe.last
+            records.append((seconds, result.compute, value, result.peak_activation_bytes, norm))
+            bar.advance(step, value, seconds)
+            if opts.save and ((opts.save_every and (step + 1 - first) % opts.save_every == 0)
+                              or step == first + opts.iterations - 1):
+                checkpoint.save(opts.save, pipe, optimizer, scheduler, step + 1)
+        bar.close()
+        self.step_index = REPORT
+        events = pipe.last.events if opts.trace else []
+        return self.report(first, records, events, grads, samples, tokens)
 
-    def report(self, records, events, grads) -> Report:
-        gathered = all_gather_objects((records, events, grads), self.device)
+    def _sync_device(self) -> None:
+        if self.pipe.device.type == "cuda":
+            torch.cuda.synchronize(self.pipe.device)
+
+    def report(self, first, records, events, grads, samples, tokens) -> Report:
+        pipe = self.pipe
+        cuda = torch.cuda.max_memory_allocated(pipe.device) \
+            if pipe.device.type == "cuda" else None
+        gathered = all_gather_objects((records, events, grads, cuda))
         result = None
         if self.rank == 0:
             by_rank = [g[0] for g in gathered]
             iterations = range(self.options.iterations)
-            # One loss per replica (its mean over its micro-batches): the global batch's loss
-            # is their mean.
-            owned = [[r[i][2] for r in by_rank if r[i][2] is not None] for i in iterations]
-            losses = [sum(x) / len(x) if x else None for x in owned]
             if self.options.trace:
                 trace = chrome_trace([e for g in gathered for e in g[1]],
                                      title=f"pyplan run {self.problem.name}", time_unit="us",
-                                     num_devices=self.world)
+                                     num_devices=pipe.world)
                 write_chrome_trace(self.options.trace, trace)
+            losses = [by_rank[0][i][2] for i in iterations]
             verdict = None
             if self.options.check:
-                verdict = self.check(losses, {k: v for g in gathered for k, v in g[2].items()})
-            result = Report(seconds=[max(r[i][0] for r in by_rank) for i in iterations],
+                verdict = self.check(first, losses,
+                                     {k: v for g in gathered for k, v in g[2].items()})
+            norms = [by_rank[0][i][4] for i in iterations]
+            result = Report(first_step=first,
+                            seconds=[max(r[i][0] for r in by_rank) for i in iterations],
                             losses=losses, compute=[[x[1] for x in r] for r in by_rank],
                             iteration_seconds=[[x[0] for x in r] for r in by_rank],
-                            verdict=verdict, backend=self.backend)
-        return all_gather_objects(result, self.device)[0]
+                            peak_activation_bytes=[max(x[3] for x in r) for r in by_rank],
+                            cuda_max_allocated=None if cuda is None else [g[3] for g in gathered],
+                            samples=samples, tokens=tokens, verdict=verdict,
+                            backend=pipe.backend, device=pipe.device.type,
+                            predicted_activation_bytes=_activation_peaks(pipe),
+                            grad_norms=None if norms[0] is None else norms,
+                            ties=[name for name, _, _ in pipe.ties])
+        return all_gather_objects(result)[0]
 
-    def check(self, losses: list[float], grads: dict) -> Verdict:
-        opts = self.options
+    def check(self, first: int, losses: list[float], grads: dict) -> Verdict:
+        opts, pipe = self.options, self.pipe
         ref_losses, ref_grads = reference_run(
-            self.model, self.problem, self.output, seed=opts.seed, lr=opts.lr,
-            iterations=opts.iterations, device=self.device,
-            micro_batches=self.problem.num_micro_batches * self.problem.mesh.data)
-        return compare(losses, grads, ref_losses, ref_grads, opts.tolerance)
+            pipe.model, self.problem, pipe.output, seed=opts.seed, training=opts.training,
+            steps=range(first, first + opts.iterations), device=pipe.device,
+            micro_batches=self.problem.num_micro_batches * self.problem.mesh.data,
+            autocast=DTYPES[opts.dtype])
+        tolerance = opts.tolerance if opts.tolerance is not None else TOLERANCE[opts.dtype]
+        return compare(losses, grads, ref_losses, ref_grads, tolerance)
 
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.close()
-        if self.owns_group:
-            dist.destroy_process_group()
+        if self.pipe is not None:
+            self.pipe.close()
 
 
-class _Shards:
-    """Sharded data parallelism (ZeRO): for each synchronised stage on this rank, the replica's
-    part of its flattened parameters, updated by an SGD optimizer over the parts alone (its
-    state is sharded too), then all-gathered back into the parameters."""
+def _error(message: str, cause: BaseException) -> PyplanError:
+    """This rank's failure: the cause's exit code, position and hint when it has them (the
+    user's code failing is a plan error at the line that names it, exit 2)."""
+    if not isinstance(cause, PyplanError):
+        return RunError(message)
+    error = type(cause)(message, hint=cause.hint, file=cause.file, line=cause.line,
+                        column=cause.column)
+    error.exit_code = cause.exit_code
+    return error
 
-    def __init__(self, modules: dict, program, replica: int, replicas: int, group,
-                 lr: float) -> None:
-        self.group, self.stages = group, {}
-        for ins in program:
-            if ins.op != SYNC:
-                continue
-            params = [p for p in modules[ins.block].parameters() if p.requires_grad]
-            if not params:
-                continue
-            flat = padded(torch.cat([p.detach().reshape(-1) for p in params]), replicas)
-            size = len(flat) // replicas
-            part = torch.nn.Parameter(flat[replica * size:(replica + 1) * size].clone())
-            self.stages[ins.block] = (params, flat, part)
-        parts = [part for _, _, part in self.stages.values()]
-        self.optimizer = torch.optim.SGD(parts, lr=lr) if parts else None
 
-    def step(self, grads: dict[int, torch.Tensor]) -> None:
-        if self.optimizer is None:
-            return
-        for block, (_, _, part) in self.stages.items():
-            part.grad = grads[block]
-        self.optimizer.step()
-        for params, flat, part in self.stages.values():
-            dist.all_gather_into_tensor(flat, part.detach(), group=self.group)
-            unflatten_into(params, flat)
+def _sizes(inputs) -> tuple[int, int | None]:
+    """(samples, tokens) of a global batch: its size along dim 0, and for token ids (an
+    integer tensor of two dimensions, or `input_ids` of a dict) their number."""
+    ids = inputs.get("input_ids") if isinstance(inputs, dict) else inputs
+    if isinstance(inputs, (tuple, list)) and inputs:
+        ids = inputs[0]
+    if not isinstance(ids, torch.Tensor) or ids.dim() == 0:
+        return 0, None
+    tokens = ids.numel() if ids.dim() == 2 and not ids.is_floating_point() else None
+    return ids.shape[0], tokens
+
+
+class _Progress:
+    """A progress bar on rank 0's terminal (rich), nothing otherwise."""
+
+    def __init__(self, show: bool, total: int) -> None:
+        self.bar = None
+        if show and sys.stderr.isatty():
+            from rich.progress import Progress
+
+            self.bar = Progress(transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("training", total=total)
+
+    def advance(self, step: int, loss: float, seconds: float) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1,
+                            description=f"step {step} loss {loss:.4f} {seconds * 1e3:.0f} ms")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
     """The lines rank 0 prints."""
     problem = lowered.problem
     mode = "blocking" if options.blocking else "non-blocking"
+    t = options.training
+    how = f"{t.optimizer} lr {t.lr:g}" + (f" weight decay {t.weight_decay:g}"
+                                           if t.weight_decay else "") + \
+        (f", clip {t.clip_grad_norm:g}" if t.clip_grad_norm is not None else "") + \
+        (f", warmup {t.lr_warmup}" if t.lr_warmup else "")
     lines = [f"{problem.name}: {len(report.seconds)} iterations on {len(lowered.programs)} "
-             f"ranks ({report.backend}), {mode} communication, {problem.num_micro_batches} "
-             "micro-batches"]
+             f"ranks ({report.device}, {report.backend}, {options.dtype}), {mode} "
+             f"communication, {problem.num_micro_batches} micro-batches, {how}"]
+    predicted = lowered.makespan * problem.time_unit_ms \
+        if problem.time_unit_ms is not None else None
     for i, (seconds, loss) in enumerate(zip(report.seconds, report.losses)):
-        lines.append(f"  iteration {i}: {seconds * 1e3:8.1f} ms" +
-                     ("" if loss is None else f"  loss {loss:.6f}"))
+        rate = f"  {report.samples / seconds:8.1f} samples/s" if report.samples else ""
+        if report.tokens:
+            rate += f"  {report.tokens / seconds:9.0f} tokens/s"
+        if report.grad_norms is not None:
+            rate += f"  grad norm {report.grad_norms[i]:.4g}"
+        lines.append(f"  iteration {report.first_step + i}: {seconds * 1e3:8.1f} ms  "
+                     f"loss {loss:.6f}{rate}")
     median = statistics.median(report.seconds)
     parts = []
     for r, (compute, total) in enumerate(zip(report.compute, report.iteration_seconds)):
-        c, t = statistics.median(compute), statistics.median(total)
-        parts.append(f"{r}: {c * 1e3:.1f}/{(t - c) * 1e3:.1f}")
-    lines.append(f"  median iteration {median * 1e3:.1f} ms; compute/wait per rank (ms): "
+        c, t_ = statistics.median(compute), statistics.median(total)
+        parts.append(f"{r}: {c * 1e3:.1f}/{max(t_ - c, 0.0) * 1e3:.1f}")
+    lines.append(f"  median iteration {median * 1e3:.1f} ms; compute/rest per rank (ms): "
                  + "  ".join(parts))
-    if problem.time_unit_ms is not None:  # the schedule's makespan, transfers included
-        predicted = lowered.makespan * problem.time_unit_ms
+    if predicted is not None:  # the schedule's makespan, transfers included
         lines.append(f"  the plan predicts {predicted:.1f} ms (makespan {lowered.makespan} x "
                      f"{problem.time_unit_ms:g} ms); measured / predicted "
                      f"{median * 1e3 / predicted:.2f}")
+    held = "  ".join(f"{r}: {_mib(b)}" for r, b in enumerate(report.peak_activation_bytes))
+    lines.append(f"  peak activations held per rank: {held}")
+    if report.predicted_activation_bytes is not None:
+        lines.append("  the plan's peak activations per device: " + "  ".join(
+            f"{d}: {_mib(b)}" for d, b in enumerate(report.predicted_activation_bytes)))
+    if report.cuda_max_allocated is not None:
+        lines.append("  CUDA max allocated per rank: " + "  ".join(
+            f"{r}: {_mib(b)}" for r, b in enumerate(report.cuda_max_allocated)))
+    if report.ties:
+        lines.append("  tied parameters (gradients summed over their copies): "
+                     + ", ".join(report.ties))
     if problem.recomputed:
-        lines.append("  recomputed in the backward (torch.utils.checkpoint): "
+        lines.append("  recomputed in the backward (its forward rerun first): "
                      + ", ".join(problem.recomputed))
     if report.verdict is not None:
         lines.append(("  check: " if report.verdict.ok else "  check FAILED: ")
                      + report.verdict.message)
     if options.trace:
-        lines.append(f"  trace of iteration {len(report.seconds) - 1}: {options.trace}")
+        lines.append(f"  trace of iteration {report.first_step + len(report.seconds) - 1}: "
+                     f"{options.trace}")
+    if options.save:
+        lines.append(f"  checkpoint: {options.save} (step "
+                     f"{report.first_step + len(report.seconds)})")
     return lines
+
+
+def _activation_peaks(pipe: Pipeline) -> list[int] | None:
+    problem = pipe.problem
+    if not problem.memory_is_size:
+        return None
+    static = problem.static_memory
+    return [peak - base for peak, base in zip(pipe.resolved.schedule.peak_memory, static)]

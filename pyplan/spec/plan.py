@@ -192,7 +192,15 @@ class ModelSpec:
     blocks: str | None = None
     module: str | None = None
     stages: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    traced: bool = False
+    cut: str = "chain"
+    """With module: how stages are cut out of the model: chain (its children in a row),
+    forward (the model's own forward, entered and left at each stage's first module) or
+    traced (torch's pipeline tracer). `traced: true` is the older spelling of cut: traced."""
+    layer_returns: str = "tensor"
+    """Forward cut: what the model's layers return, tensor or tuple (hidden states first)."""
+    ties: tuple[tuple[str, tuple[str, ...]], ...] | None = None
+    """Parameters several stages hold: (name in the model, the stages), as partition found
+    them; None when the plan records none."""
     data: str
     loss: str
     path: str | None = None
@@ -201,6 +209,10 @@ class ModelSpec:
     def builder(self) -> str:
         """The import path that builds the modules."""
         return self.blocks if self.blocks is not None else self.module
+
+    @property
+    def traced(self) -> bool:
+        return self.cut == "traced"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -489,7 +501,11 @@ def _build(source: Source) -> PlanSpec:
         model = ModelSpec(blocks=raw.get("blocks"), module=raw.get("module"),
                           stages=tuple((name, tuple(units))
                                        for name, units in (raw.get("stages") or {}).items()),
-                          traced=raw.get("traced", False), data=raw["data"], loss=raw["loss"],
+                          cut="traced" if raw.get("traced") else raw.get("cut", "chain"),
+                          layer_returns=raw.get("layer_returns", "tensor"),
+                          ties=None if "ties" not in raw else tuple(
+                              (t["parameter"], tuple(t["stages"])) for t in raw["ties"]),
+                          data=raw["data"], loss=raw["loss"],
                           path=raw.get("path"))
     return PlanSpec(source=source, name=doc["name"], description=doc.get("description", ""),
                     num_devices=num_devices, memory_capacity=capacity,

@@ -1,0 +1,123 @@
+"""From a user's nn.Module to pipeline stages: its units (what partition may cut between), the
+cut itself (the module each stage runs), and the parameters several stages share (ties). One
+place, so partition, profile, `pyplan run` and its --check reference all cut a model the same
+way. Needs torch.
+
+Three cuts, tried in this order by partition and recorded in the plan (`model.cut`):
+- chain: the model's forward is its children run one after another (nn.Sequential and
+  nn.ModuleList flattened); a stage is its units in a row (pyplan.models.chain).
+- forward: the model's forward calls a list of layers between embeddings and a head (every
+  Hugging Face causal LM); a stage runs the model's own forward from its first module to the
+  next stage's (pyplan.models.forward). Units: the modules with parameters called before the
+  first layer (one unit, "the embeddings"), each layer, those called after the last (the final
+  norm and the head).
+- traced: anything torch.distributed.pipelining's tracer can split (pyplan.models.traced).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pyplan.errors import PlanError
+from pyplan.models import chain, forward, traced
+
+__all__ = ["CHAIN", "CUTS", "FORWARD", "TRACED", "Cut", "Tie", "Unit", "everywhere",
+           "find_units", "stage_modules", "ties"]
+
+CHAIN, FORWARD, TRACED = "chain", "forward", "traced"
+CUTS = (CHAIN, FORWARD, TRACED)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """The smallest piece partition places: one or more modules that go together."""
+
+    name: str
+    modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A parameter several stages hold (tied embeddings, any shared module): each holds a copy
+    and their gradients are summed after every backward, so the copies stay one parameter."""
+
+    parameter: str
+    """Its name in the model (the first of its names in named_parameters order)."""
+    stages: tuple[str, ...]
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How a model is cut, as the plan records it (model.cut, model.layer_returns)."""
+
+    kind: str = CHAIN
+    tuples: bool = False
+    """Forward cut: the model's layers return tuples (hidden states first)."""
+
+
+def find_units(model: nn.Module, inputs) -> tuple[Cut, list[Unit]]:
+    """How the model can be cut, and its units in order."""
+    names = chain.units(model)
+    if names and chain.is_chain(model, names, inputs):
+        return Cut(CHAIN), [Unit(n, (n,)) for n in names]
+    if forward.decoder_layers(model) is not None:
+        found = forward.units(model, inputs)
+        if found is not None:
+            units, tuples = found
+            return Cut(FORWARD, tuples), [Unit(n, m) for n, m in units]
+    if not names:
+        raise PlanError("the model has no children to split into stages")
+    return Cut(TRACED), [Unit(n, (n,)) for n in names]
+
+
+def stage_modules(model: nn.Module, cut: Cut, stages: list[tuple[str, tuple[str, ...]]],
+                  mine: list[int], device, inputs=None) -> dict[int, nn.Module]:
+    """The modules of stages `mine` (indices into `stages`: (block name, its modules), in
+    model order), on `device`. `inputs` (a micro-batch) is needed by the traced cut."""
+    if cut.kind == FORWARD:
+        return forward.prune(model, [m for _, m in stages], mine, device, tuples=cut.tuples)
+    if cut.kind == TRACED:
+        pieces = traced.pieces(model, [m[0] for _, m in stages], inputs)
+        return {s: pieces[s].to(device) for s in mine}
+    return {s: chain.stage(model, stages[s][1]).to(device) for s in mine}
+
+
+def everywhere(model: nn.Module, units: list[Unit]) -> tuple[str, ...]:
+    """Names of the parameters of modules no unit holds (forward cut: every stage keeps them,
+    as a tie)."""
+    owners = {name: 0 for unit in units for name in unit.modules}
+    found = []
+    for name, _ in model.named_parameters():
+        module = name.rpartition(".")[0]
+        if forward._owner(module, owners) is None:
+            found.append(name)
+    return tuple(found)
+
+
+def ties(model: nn.Module, stages: list[tuple[str, tuple[str, ...]]]) -> list[Tie]:
+    """The parameters held by more than one stage, by identity: a module listed in two stages,
+    modules sharing a parameter object, or (forward cut) parameters of modules no stage lists,
+    which every stage keeps."""
+    owners: dict[str, int] = {}
+    for s, (_, names) in enumerate(stages):
+        for name in names:
+            owners[name] = s
+    holders: dict[int, set[int]] = {}
+    first: dict[int, tuple[str, torch.Tensor]] = {}
+    everywhere = set(range(len(stages)))
+    for name, param in model.named_parameters(remove_duplicate=False):
+        module = name.rpartition(".")[0]
+        owner = forward._owner(module, owners) if module else None
+        holders.setdefault(id(param), set()).update(everywhere if owner is None else {owner})
+        first.setdefault(id(param), (name, param))
+    out = []
+    for key, stage_set in holders.items():
+        if len(stage_set) > 1:
+            name, param = first[key]
+            out.append(Tie(name, tuple(stages[s][0] for s in sorted(stage_set)),
+                           param.numel() * param.element_size()))
+    return sorted(out, key=lambda t: t.parameter)

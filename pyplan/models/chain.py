@@ -1,0 +1,46 @@
+"""The chain cut: a model whose forward is its children run one after another."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["is_chain", "stage", "units"]
+
+
+def units(model: nn.Module, prefix: str = "") -> list[str]:
+    """The model's children in order, nn.Sequential and nn.ModuleList flattened (so layers.0 ..
+    layers.31 are units)."""
+    found = []
+    for name, child in model.named_children():
+        path = f"{prefix}{name}"
+        if isinstance(child, (nn.Sequential, nn.ModuleList)):
+            found += units(child, f"{path}.")
+        else:
+            found.append(path)
+    return found
+
+
+def is_chain(model: nn.Module, names: list[str], inputs) -> bool:
+    """Whether the units run one after another compute what the model computes (in eval mode,
+    without dropout)."""
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            whole = model(inputs)
+            x = inputs
+            for name in names:
+                x = model.get_submodule(name)(x)
+    except Exception:  # children that cannot even run in a row: not a chain
+        return False
+    finally:
+        model.train(was)
+    return isinstance(whole, torch.Tensor) and isinstance(x, torch.Tensor) and \
+        whole.shape == x.shape and bool(torch.allclose(whole, x, atol=1e-5))
+
+
+def stage(model: nn.Module, names: tuple[str, ...]) -> nn.Module:
+    """A stage's units of the model, run one after another."""
+    parts = [model.get_submodule(name) for name in names]
+    return parts[0] if len(parts) == 1 else nn.Sequential(*parts)

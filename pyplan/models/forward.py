@@ -1,0 +1,347 @@
+"""The forward cut: a stage of a model runs the model's own `forward`, entering at its first
+module and leaving at the next stage's, so everything the model computes around its layers
+(rotary embeddings, attention masks, position ids, embedding scales) comes out right on every
+stage without a line of per-model code. This is how Hugging Face causal LMs are cut as they
+come; it fits any model whose forward calls a list of layers (`layers`, `h`, ...) between
+modules before them (embeddings) and after them (final norm, head).
+
+On a stage, in one call of the model's forward:
+- modules before the stage's first one run as they are where this rank owns them, and with
+  zeros for parameters where it does not (an embedding it does not hold returns zeros of the
+  right shape, almost free); the layers before it pass their hidden states through;
+- at the stage's first module a forward pre-hook replaces the hidden states with those received
+  from the previous stage (a leaf, so the backward stops there), and restores the random
+  number state the stage started with, so dropout inside the stage draws what it draws in the
+  single-process model when reseeded at the same point;
+- at the next stage's first module another pre-hook ends the call, carrying out the hidden
+  states it was about to get. The last stage returns the model's logits (`.logits` of its
+  output when it has one).
+Modules of later stages are never called; this rank drops their parameters (except those it
+shares with its own modules: tied weights).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+__all__ = ["ForwardStage", "call_order", "decoder_layers", "logits", "prune", "units",
+           "whole_forward"]
+
+
+def decoder_layers(model: nn.Module) -> str | None:
+    """The dotted name of the model's list of layers: the longest nn.ModuleList whose
+    children are all of one class (None if it has none)."""
+    best, size = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > size and \
+                len({type(child) for child in module}) == 1:
+            best, size = name, len(module)
+    return best
+
+
+def call_order(model: nn.Module, inputs) -> tuple[list[str], bool]:
+    """The model's modules with parameters of their own, and its layers, in the order one
+    forward (eval mode, no gradients) first calls them; and whether its layers return tuples
+    (hidden states first) rather than the hidden states."""
+    layers_name = decoder_layers(model)
+    layers = {f"{layers_name}.{i}" for i in range(len(model.get_submodule(layers_name)))} \
+        if layers_name else set()
+    order: dict[str, None] = {}
+    # Modules holding the layers are called first and own no unit (their parameters are
+    # shared by every stage); modules inside a layer are the layer's.
+    handles = [module.register_forward_pre_hook(lambda *_, name=name: order.setdefault(name))
+               for name, module in model.named_modules()
+               if name in layers or (module._parameters and
+                                     not f"{layers_name}.".startswith(f"{name}.") and name and
+                                     not name.startswith(f"{layers_name}."))]
+    returns = []
+    if layers:
+        handles.append(model.get_submodule(f"{layers_name}.0").register_forward_hook(
+            lambda _m, _a, out: returns.append(isinstance(out, tuple))))
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            whole_forward(model, inputs)
+    finally:
+        model.train(was)
+        for handle in handles:
+            handle.remove()
+    return list(order), bool(returns and returns[0])
+
+
+def units(model: nn.Module, inputs) -> tuple[list[tuple[str, tuple[str, ...]]], bool] | None:
+    """(name, modules) of the units of a forward cut: the modules with parameters called before
+    the first layer, each layer, the ones called after the last; and whether the layers return
+    tuples. None when the model's forward does not call its layers in order between them, or
+    when the cut pieces, chained, do not compute what the whole model computes."""
+    layers_name = decoder_layers(model)
+    count = len(model.get_submodule(layers_name))
+    layers = [f"{layers_name}.{i}" for i in range(count)]
+    try:
+        order, tuples = call_order(model, inputs)
+    except Exception:  # a forward that cannot run on these inputs is not this cut's to judge
+        return None
+    called = [name for name in order if name in set(layers)]
+    if called != layers:
+        return None
+    first, last = order.index(layers[0]), order.index(layers[-1])
+    before, after = order[:first], order[last + 1:]
+    found = ([("+".join(before), tuple(before))] if before else []) + \
+        [(name, (name,)) for name in layers] + \
+        ([("+".join(after), tuple(after))] if after else [])
+    if any(name in before + after for name in layers) or \
+            not _same_as_whole(model, [m for _, m in found], inputs, tuples):
+        return None
+    return found, tuples
+
+
+def _same_as_whole(model: nn.Module, stage_modules: list[tuple[str, ...]], inputs,
+                   tuples: bool) -> bool:
+    """Every unit as a stage of one rank holding them all, chained: the whole model's logits?"""
+    import copy
+
+    whole_model = copy.deepcopy(model)
+    whole_model.eval()
+    try:
+        with torch.no_grad():
+            want = logits(whole_forward(whole_model, inputs))
+            stages = prune(whole_model, stage_modules, list(range(len(stage_modules))),
+                           torch.device("cpu"), tuples=tuples)
+            hidden = None
+            for s in range(len(stage_modules)):
+                hidden = stages[s](inputs) if s == 0 else stages[s](inputs, hidden)
+    except Exception:  # any failure of the cut pieces means: not this cut
+        return False
+    return isinstance(want, torch.Tensor) and isinstance(hidden, torch.Tensor) and \
+        want.shape == hidden.shape and bool(torch.allclose(want, hidden, atol=1e-5))
+
+
+def logits(output):
+    """What the loss gets from the last stage: the logits of a model output object, else the
+    output as it is."""
+    found = getattr(output, "logits", None)
+    return output if found is None else found
+
+
+def _hidden_position(args: tuple, kwargs: dict):
+    """Where a module call's hidden states are: its first positional tensor, else the
+    `hidden_states` keyword, else its first tensor keyword."""
+    if args and isinstance(args[0], torch.Tensor):
+        return 0
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return "hidden_states"
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            return key
+    return None
+
+
+class _Leave(Exception):
+    """Ends a stage's call of the model's forward, carrying the hidden states out."""
+
+    def __init__(self, value) -> None:
+        super().__init__("stage exit")
+        self.value = value
+
+
+def _call_kwargs(model: nn.Module) -> dict:
+    """Keywords that keep a generation model from building caches it does not need."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if "use_cache" in parameters else {}
+
+
+def whole_forward(model: nn.Module, inputs):
+    """The model's own forward on a micro-batch's inputs (a tensor or a dict of keywords)."""
+    extra = _call_kwargs(model)
+    if isinstance(inputs, dict):
+        return model(**inputs, **extra)
+    return model(inputs, **extra)
+
+
+class _Calls:
+    """Shared by the stages of one pruned model on a rank: which stage is running, and the
+    layers it passes through."""
+
+    def __init__(self) -> None:
+        self.stage: ForwardStage | None = None
+        self.through: frozenset[int] = frozenset()
+
+
+class ForwardStage(nn.Module):
+    """One stage: call with (micro-batch inputs) on the first stage, (inputs, hidden) after."""
+
+    pyplan_wants_inputs = True
+
+    def __init__(self, model: nn.Module, calls: _Calls, entry: str | None, exit: str | None,
+                 through: frozenset[int], last: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.calls, self.through, self.last = calls, through, last
+        self.entry_name, self.exit_name = entry, exit
+        self.received = None
+        self.rng: tuple | None = None
+        if entry is not None:
+            model.get_submodule(entry).register_forward_pre_hook(self._enter, with_kwargs=True)
+        if exit is not None:
+            model.get_submodule(exit).register_forward_pre_hook(self._leave, with_kwargs=True)
+
+    def _enter(self, module, args, kwargs):
+        if self.calls.stage is not self:
+            return None
+        where = _hidden_position(args, kwargs)
+        if where is None:
+            raise RuntimeError(f"the stage's first module {self.entry_name} was called without "
+                               "a tensor to replace with the received hidden states")
+        _restore_rng(self.rng)
+        if isinstance(where, int):
+            return (self.received, *args[1:]), kwargs
+        return args, {**kwargs, where: self.received}
+
+    def _leave(self, module, args, kwargs):
+        if self.calls.stage is not self:
+            return None
+        where = _hidden_position(args, kwargs)
+        if where is None:
+            raise RuntimeError(f"the next stage's first module {self.exit_name} was called "
+                               "without hidden states to hand on")
+        raise _Leave(args[where] if isinstance(where, int) else kwargs[where])
+
+    def forward(self, inputs, hidden=None):
+        self.received = hidden
+        self.rng = _rng_state() if hidden is not None else None
+        outer = (self.calls.stage, self.calls.through)
+        self.calls.stage, self.calls.through = self, self.through
+        try:
+            out = whole_forward(self.model, inputs)
+        except _Leave as leave:
+            return leave.value
+        finally:
+            self.calls.stage, self.calls.through = outer
+            self.received = self.rng = None
+        if not self.last:
+            raise RuntimeError(f"the model's forward ended before the next stage's first module "
+                               f"{self.exit_name} was called")
+        return logits(out)
+
+
+def _rng_state():
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.get_rng_state(), (torch.cuda.get_rng_state() if cuda else None)
+
+
+def _restore_rng(state) -> None:
+    if state is None:
+        return
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
+def _through(args: tuple, kwargs: dict, tuples: bool):
+    """A layer call's hidden states, handed on as the layer would return them."""
+    where = _hidden_position(args, kwargs)
+    hidden = args[where] if isinstance(where, int) else kwargs[where]
+    return (hidden,) if tuples else hidden
+
+
+class _PassThrough(nn.Module):
+    """A layer this rank does not hold: hands its hidden states on unchanged."""
+
+    def __init__(self, tuples: bool) -> None:
+        super().__init__()
+        self.tuples = tuples
+
+    def forward(self, *args, **kwargs):
+        return _through(args, kwargs, self.tuples)
+
+
+class _Elsewhere(nn.Module):
+    """A module of a later stage, held by another rank: never called on this one."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name} belongs to a later stage but was called before this "
+                           "stage ended (its modules are not called in the order of its units)")
+
+
+def _owner(name: str, owners: dict[str, int]) -> int | None:
+    """The stage that owns module `name`: the one listing it or an enclosing module."""
+    parts = name.split(".")
+    for k in range(len(parts), 0, -1):
+        found = owners.get(".".join(parts[:k]))
+        if found is not None:
+            return found
+    return None
+
+
+def prune(model: nn.Module, stage_modules: list[tuple[str, ...]], mine: list[int],
+          device, *, tuples: bool = False) -> dict[int, ForwardStage]:
+    """Keep what stages `mine` (indices into `stage_modules`, the stages in model order) need
+    of the whole model, move it to `device`, and return each stage's module. Modules no stage
+    lists are kept everywhere (their parameters are shared by all stages)."""
+    layers_name = decoder_layers(model)
+    layers = model.get_submodule(layers_name) if layers_name else nn.ModuleList()
+    owners = {name: s for s, names in enumerate(stage_modules) for name in names}
+    last = max(mine)
+    for i in range(len(layers)):
+        if _owner(f"{layers_name}.{i}", owners) not in mine:
+            layers[i] = _PassThrough(tuples)
+    zeroed = []
+    for name, module in list(model.named_modules()):
+        owner = _owner(name, owners)
+        if owner is None or owner in mine or (layers_name and name.startswith(layers_name)):
+            continue
+        if owner > last and name in owners:  # a later stage's: never called here
+            parent, _, child = name.rpartition(".")
+            model.get_submodule(parent).register_module(child, _Elsewhere(name))
+        elif owner < last:  # runs before this rank's stages start: zeros, almost free
+            for pname, param in list(module._parameters.items()):
+                if param is not None:
+                    zeroed.append((module, pname, param.dtype, tuple(param.shape)))
+                    del module._parameters[pname]
+    model.to(device)
+    for module, pname, dtype, shape in zeroed:  # after the move: views of one zero each
+        module.register_buffer(pname, torch.zeros((), dtype=dtype, device=device).expand(shape),
+                               persistent=False)
+    calls = _Calls()
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, _PassThrough):
+            layer.forward = _switched(layer.forward, calls, i, tuples)
+    stages = {}
+    for s in mine:
+        names = stage_modules[s]
+        start = _layer_index(names, layers_name)
+        through = frozenset(range(len(layers) if start is None else start))
+        stages[s] = ForwardStage(model, calls, names[0] if s > 0 else None,
+                                 stage_modules[s + 1][0] if s + 1 < len(stage_modules) else None,
+                                 through, last=s + 1 == len(stage_modules))
+    return stages
+
+
+def _layer_index(names: tuple[str, ...], layers_name: str | None) -> int | None:
+    """The index of the first layer among a stage's modules (None if it has none)."""
+    for name in names:
+        if layers_name and name.startswith(f"{layers_name}."):
+            return int(name[len(layers_name) + 1:].split(".")[0])
+    return None
+
+
+def _switched(forward, calls: _Calls, index: int, tuples: bool):
+    """A layer's (bound) forward that passes its hidden states through in the calls of the
+    stages that start after it."""
+    def switched(*args, **kwargs):
+        if index in calls.through:
+            return _through(args, kwargs, tuples)
+        return forward(*args, **kwargs)
+    return switched

@@ -1,0 +1,99 @@
+"""The traced cut: torch.distributed.pipelining's tracer (torch.export) splits the model before
+each stage's first unit, for models whose forward is not a chain of their children and has no
+list of layers.
+
+The tracer's pieces form a graph: a piece may take values from any earlier piece (a skip
+connection) and hand on several. pyplan's stages form a chain, so each stage here takes
+everything still needed after the previous stage (its values, a tuple when several) and
+hands on everything still needed after itself: its own outputs and the values it passes
+through. Those are the tensors that cross each boundary.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+
+from torch import nn
+
+from pyplan.errors import PlanError
+
+__all__ = ["pieces"]
+
+_INPUT = ("input",)
+
+
+def pieces(model: nn.Module, starts: list[str], inputs) -> list[nn.Module]:
+    """The model cut by torch's tracer before each name in `starts` (after the first): one
+    module per stage."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    try:
+        with warnings.catch_warnings():  # torch.export's own deprecation notices, not ours
+            warnings.simplefilter("ignore", FutureWarning)
+            pipe = pipeline(model, mb_args=(inputs,),
+                            split_spec={name: SplitPoint.BEGINNING for name in starts[1:]})
+    except Exception as exc:  # the tracer's limits: name them in one line
+        raise PlanError(f"torch's pipeline tracer cannot cut the model: "
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                        hint="make the model's forward its children in order, or call a list "
+                             "of layers (model.layers) between embeddings and a head") from None
+    if pipe.num_stages != len(starts):
+        raise PlanError(f"torch's pipeline tracer cut the model into {pipe.num_stages} stages, "
+                        f"not {len(starts)}", hint="split points must be submodules the "
+                        "forward runs once, in order")
+    sources, result = _wiring(pipe.split_gm.graph)
+    count = len(sources)
+    # live[k]: the values still needed after stage k, in a fixed order.
+    live = []
+    for k in range(count):
+        needed = {src for later in sources[k + 1:] for src in later} | ({result} if k < count - 1
+                                                                      else set())
+        live.append(sorted((v for v in needed if v == _INPUT or v[0] <= k), key=_order))
+    return [_Piece(pipe.get_stage_module(k), k, sources[k], [_INPUT] if k == 0 else live[k - 1],
+                   live[k] if k < count - 1 else [result]) for k in range(count)]
+
+
+def _order(value: tuple) -> tuple:
+    return (-1, 0) if value == _INPUT else (value[0], -1 if value[1] is None else value[1])
+
+
+def _wiring(graph) -> tuple[list[list[tuple]], tuple]:
+    """Per piece, where each of its arguments comes from ((piece, output index or None for the
+    whole output) or the model's input), and where the model's output comes from."""
+    names, sources, result = {}, [], None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            names[node.name] = _INPUT
+        elif node.op == "call_module":
+            sources.append([names[a.name] for a in node.args])
+            names[node.name] = (len(sources) - 1, None)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            piece, _ = names[node.args[0].name]
+            names[node.name] = (piece, node.args[1])
+        elif node.op == "output":
+            out = node.args[0]
+            out = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+            result = names[out.name]
+    return sources, result
+
+
+class _Piece(nn.Module):
+    """One traced piece as a chain stage: takes the values live before it, returns those live
+    after it (one value alone, several as a tuple)."""
+
+    def __init__(self, graph: nn.Module, index: int, sources: list[tuple], before: list[tuple],
+                 after: list[tuple]) -> None:
+        super().__init__()
+        self.graph, self.index = graph, index
+        self.sources, self.before, self.after = sources, before, after
+
+    def forward(self, value):
+        values = [value] if len(self.before) == 1 else list(value)
+        env = dict(zip(self.before, values))
+        out = self.graph(*[env[src] for src in self.sources])
+        env[(self.index, None)] = out
+        if isinstance(out, (tuple, list)):
+            env.update(((self.index, i), x) for i, x in enumerate(out))
+        found = [env[v] for v in self.after]
+        return found[0] if len(found) == 1 else tuple(found)

@@ -1,0 +1,175 @@
+"""A block's backward, whole or split into B (input gradients) and W (weight gradients), the
+zero-bubble split (Qi et al.), without doing any work twice.
+
+B runs autograd from the block's outputs (or its loss) to its inputs only. Before it does, the
+autograd graph is cut in two: the nodes that lead to an input (the input side, which B runs)
+and the rest (which lead only to parameters). The gradient arriving at each input-side node
+that also feeds the parameter side is captured while B runs; W starts from exactly those
+captured gradients (torch.autograd.graph.GradientEdge) and runs the parameter side alone. So
+B + W costs what one full backward costs: on an MLP, B and W each do half its matmuls
+(tests/test_backward.py counts them with torch.utils.flop_counter). Roots that do not depend
+on any input (a first stage, whose inputs are token ids) have no input side: W runs them
+whole.
+
+W runs one autograd call per connected piece of the parameter side, so no call walks through
+another piece's input-side nodes (which would redo input gradients); pieces that meet (a
+parameter used in two places) are one call, with the captured gradients pinned where the
+call reaches another captured node. Each node of the graph therefore runs at most once, and a
+collective inside a backward (tensor-parallel blocks) is issued once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+__all__ = ["WeightWork", "backward_input", "backward_weight", "full_backward"]
+
+
+def _node(t: torch.Tensor):
+    """The autograd node that receives t's gradient (a leaf's gradient accumulator)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if t.requires_grad:
+        return t.view_as(t).grad_fn.next_functions[0][0]
+    return None
+
+
+def _children(node) -> list:
+    return [c for c, _ in node.next_functions if c is not None]
+
+
+def _post_order(roots: list) -> list:
+    """Every node reachable from the roots, each after all of its children."""
+    order, seen = [], set()
+    for root in roots:
+        if root in seen:
+            continue
+        seen.add(root)
+        stack = [(root, iter(_children(root)))]
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                order.append(node)
+            elif child not in seen:
+                seen.add(child)
+                stack.append((child, iter(_children(child))))
+    return order
+
+
+@dataclass
+class WeightWork:
+    """What W needs after B: per piece of the parameter side, where it starts (a node and the
+    gradients B captured there, or a root and its gradient) and the parameters it reaches."""
+
+    pieces: list[tuple[list[tuple[object, tuple, bool]], list[torch.Tensor]]]
+    """(seeds, parameters); a seed is (node, gradients at its outputs, captured in B)."""
+
+
+def full_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Input and weight gradients at once (inputs are leaves: their .grad is set)."""
+    pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
+    if pairs:
+        torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+
+
+def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor],
+                   inputs: list[torch.Tensor], params: list[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor | None], WeightWork]:
+    """B: the gradients of `inputs` (None where there is none), and the work W still has."""
+    pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
+    nodes = [_node(r) for r, _ in pairs]
+    input_nodes = {_node(x) for x in inputs}
+    param_index = {_node(p): i for i, p in enumerate(params)}
+    order = _post_order(nodes)
+    to_input: dict = {}
+    for node in order:
+        to_input[node] = node in input_nodes or any(to_input[c] for c in _children(node))
+
+    # Union the parameter side into connected pieces; each starts at input-side nodes
+    # (captured in B) or at roots without an input side.
+    parent: dict = {}
+
+    def find(x):
+        while parent.setdefault(x, x) is not x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    starts = [n for n in order if to_input[n] and any(not to_input[c] for c in _children(n))]
+    starts += [n for n in dict.fromkeys(nodes) if not to_input[n]]
+    for node in order:
+        if not to_input[node] or node in starts:
+            for child in _children(node):
+                if not to_input[child]:
+                    parent[find(child)] = find(node)
+    by_piece: dict = {}
+    for node in order:
+        if node in param_index and not to_input[node]:
+            by_piece.setdefault(find(node), [[], []])[1].append(param_index[node])
+    for node in starts:
+        piece = by_piece.get(find(node))
+        if piece is not None:
+            piece[0].append(node)
+
+    captured: dict = {}
+    handles = [n.register_prehook(lambda g, n=n: captured.__setitem__(n, g))
+               for piece in by_piece.values() for n in piece[0] if to_input[n]]
+    try:
+        wanted = [x for x in inputs if _node(x) in to_input]
+        got = iter(torch.autograd.grad([r for r, _ in pairs], wanted, [g for _, g in pairs],
+                                       retain_graph=True, allow_unused=True)
+                   if wanted else ())
+        input_grads = [next(got) if _node(x) in to_input else None for x in inputs]
+    finally:
+        for handle in handles:
+            handle.remove()
+    root_grads = dict(zip(nodes, (g for _, g in pairs)))
+    root_outputs = dict(zip(nodes, (r.output_nr for r, _ in pairs)))
+    pieces = []
+    for piece_starts, piece_params in by_piece.values():
+        seeds = []
+        for node in piece_starts:
+            if to_input[node]:
+                seeds.append((node, captured.get(node, ()), True))
+            else:  # a root without an input side: seeded with its own gradient
+                grads_at = [None] * (root_outputs[node] + 1)
+                grads_at[root_outputs[node]] = root_grads[node]
+                seeds.append((node, tuple(grads_at), False))
+        pieces.append((seeds, [params[i] for i in sorted(piece_params)]))
+    return input_grads, WeightWork(pieces)
+
+
+def backward_weight(work: WeightWork) -> None:
+    """W: accumulate the weight gradients into the parameters' .grad."""
+    for seeds, params in work.pieces:
+        edges, grads = [], []
+        for node, at, _ in seeds:
+            for i, g in enumerate(at):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        if not edges:
+            continue
+        # Where this call reaches another start of the piece through the input side, that
+        # node gets exactly what B gave it (what arrives there again is already counted).
+        pins = [node.register_prehook(lambda _, at=at: at) for node, at, captured in seeds
+                if captured and at and len(seeds) > 1]
+        try:
+            found = torch.autograd.grad(edges, params, grads, retain_graph=True,
+                                        allow_unused=True)
+        finally:
+            for pin in pins:
+                pin.remove()
+        with torch.no_grad():
+            for p, g in zip(params, found):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad += g

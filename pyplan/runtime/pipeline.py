@@ -1,0 +1,376 @@
+"""`Pipeline(resolved)`: a resolved plan as a training engine inside a torchrun worker, driven
+by the user's own loop (torch.distributed.pipelining's `schedule.step`, DeepSpeed's
+`train_batch`):
+
+    pipe = Pipeline("plans/mine.resolved.yaml")          # joins the process group
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-4)
+    for step in range(steps):
+        inputs, targets = next(batches)                   # the global batch, on every rank
+        optimizer.zero_grad()
+        loss = pipe.step(inputs, targets)                 # forward + backward, every micro-batch
+        pipe.clip_grad_norm_(1.0)
+        optimizer.step()
+
+After `step`, every parameter of this rank has its gradient in `.grad`, already summed over the
+copies of tied parameters and averaged over data-parallel replicas; the returned loss is the
+global batch's (the mean over micro-batches and replicas), on every rank.
+
+Parameters are named as in the user's model (`module:` plans: the whole model's names, a tied
+parameter under the first of its names; `blocks:` plans: `block.parameter`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from pyplan.errors import PlanError, RunError
+from pyplan.lower import SYNC, Lowered, channels, check_runnable, forward_only, lower
+from pyplan.resolved import ResolvedPlan, load_resolved
+from pyplan.runtime.binding import (Built, Model, build, kept_rng, load_model, loss_function,
+                                    shard_dim, shared_across_devices, split_batch, to_device)
+from pyplan.runtime.comm import Comm, TransferError, join_world
+from pyplan.runtime.executor import Executor, IterationResult, padded, unflatten_into
+from pyplan.verify import verify
+
+__all__ = ["DTYPES", "Pipeline"]
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Pipeline:
+    def __init__(self, plan: str | Path | ResolvedPlan, *, device: str | None = None,
+                 seed: int = 0, dtype: str = "fp32", blocking: bool = False,
+                 sync_at_end: bool = False, model: Model | None = None,
+                 fail_at: tuple[int, int, str] | None = None, timeout: float = 600.0) -> None:
+        """Load, lower and verify the plan, join the default process group (creating it from
+        torchrun's environment unless the caller did; its backend decides the device, else
+        `device` (None: $PYPLAN_DEVICE, else auto = CUDA when every rank has a GPU);
+        collectives time out after `timeout` seconds), and build this rank's modules."""
+        resolved = plan if isinstance(plan, ResolvedPlan) else load_resolved(plan)
+        resolved.check_fresh()
+        problem = resolved.problem
+        if problem.model is None and model is None:
+            raise PlanError("the plan has no model: section, so there is nothing to run",
+                            hint="add model: {module: ..., data: ..., loss: ...} and re-run "
+                            "pyplan solve", file=resolved.plan_path and str(resolved.plan_path))
+        if dtype not in DTYPES:
+            raise PlanError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        self.resolved, self.problem, self.seed = resolved, problem, seed
+        self.output = check_runnable(problem)
+        self.lowered: Lowered = lower(problem, resolved.schedule)
+        verify(self.lowered)
+        verify(self.lowered, blocking=True)
+        self.evaluation = forward_only(self.lowered)
+        verify(self.evaluation)
+        plan_dir = (resolved.plan_path or Path(resolved.path)).parent
+        source = resolved.plan_path if resolved.plan_path is not None and \
+            resolved.plan_path.is_file() else resolved.path
+        self.model = model or load_model(problem, plan_dir, str(source))
+        world = problem.num_devices * problem.mesh.data
+        if "RANK" not in os.environ and not dist.is_initialized():
+            raise RunError("a Pipeline runs in one process per device, under torchrun",
+                           hint=f"torchrun --nproc-per-node {world} your_script.py")
+        self.device, self.owns_group = join_world(
+            device or os.environ.get("PYPLAN_DEVICE") or "auto", timeout=timeout)
+        self.backend = dist.get_backend()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.world != world:
+            self.close()
+            layout = (f"devices: {world}" if problem.mesh.data == 1 else
+                      f"{problem.mesh.data} replicas of {problem.num_devices} devices")
+            raise RunError(f"the plan needs {world} processes ({layout}) but the world has "
+                           f"{self.world}", hint=f"launch it with --nproc-per-node {world}")
+        self.replica, self.device_index = divmod(self.rank, problem.num_devices)
+        self.autocast = DTYPES[dtype]
+        self.dtype = dtype
+        # fp16 (dynamic loss scaling, as torch.amp.GradScaler): the loss is scaled up before
+        # the backward so small gradients do not underflow, the gradients scaled back down;
+        # a step whose gradients overflowed anywhere sets `overflow` (skip the optimizer's step)
+        # and halves the scale, 2000 clean steps double it.
+        self.loss_scale = 2.0 ** 16 if dtype == "fp16" else 1.0
+        self.overflow = False
+        self._clean_steps = 0
+        self.executor: Executor | None = None
+        try:
+            self._build(blocking, sync_at_end, fail_at)
+        except BaseException:
+            self.close()  # a group this call created does not outlive it
+            raise
+
+    # -- building
+
+    def _build(self, blocking: bool, sync_at_end: bool, fail_at) -> None:
+        problem = self.problem
+        replicas, devices = problem.mesh.data, problem.num_devices
+        # Every rank creates every group, in the same order, as new_group requires: the
+        # multi-device blocks' groups of every replica, the mesh's, the ties', the channels'.
+        sets = sorted({b.devices for b in problem.blocks if len(b.devices) > 1})
+        made = {(r, ds): dist.new_group([d + r * devices for d in ds])
+                for r in range(replicas) for ds in sets}
+        self.groups = {b.index: made[(self.replica, b.devices)] for b in problem.blocks
+                       if len(b.devices) > 1}
+        self.dp_group = None
+        if replicas > 1:
+            mesh = init_device_mesh(self.device.type, (replicas, devices),
+                                    mesh_dim_names=("dp", "pp"))
+            self.dp_group = mesh.get_group("dp")
+        built: Built = build(self.model, problem, seed=self.seed, device=self.device,
+                             rank=self.device_index, groups=self.groups)
+        self.built, self.modules = built, built.modules
+        if built.whole is None and self.model.whole is None:
+            with torch.device("meta"):
+                everything = build(self.model, problem, seed=self.seed, device="meta")
+            shared_across_devices(problem, everything.modules)
+        self.ties = self._tie_groups(built)
+        self.comm = Comm(self.device, channels(self.lowered), blocking=blocking)
+        synced = {id(p) for x in self.lowered.programs[self.rank] if x.op == SYNC
+                  for p in self.modules[x.block].parameters()}
+        self.shards = _Shards(self.modules, self.lowered.programs[self.rank], self.replica,
+                              replicas, self.dp_group) if problem.mesh.shard else None
+        self._params = list({id(p): p for m in self.modules.values() for p in m.parameters()
+                             if p.requires_grad and not (self.shards and id(p) in synced)
+                             }.values())
+        options = dict(seed=self.seed, wants_inputs=built.wants_inputs, autocast=self.autocast)
+        loss = loss_function(self.model)
+        self.executor = Executor(self.lowered, self.rank, self.modules, self.groups, self.comm,
+                                 loss, self.output, dp_group=self.dp_group,
+                                 sync_at_end=sync_at_end, fail_at=fail_at, **options)
+        self.evaluator = Executor(self.evaluation, self.rank, self.modules, self.groups,
+                                  self.comm, loss, self.output, **options)
+
+    def _tie_groups(self, built: Built) -> list[tuple[str, torch.Tensor, object]]:
+        """(name, parameter, group of the ranks holding a copy) for each tie this rank holds
+        a copy of, in the same order on every rank."""
+        problem, devices = self.problem, self.problem.num_devices
+        by_name = {name: p for b, m in self.modules.items() for p in m.parameters()
+                   for name in [built.names.get(id(p))] if name is not None}
+        mine = []
+        for tie in built.ties:
+            holders = sorted({problem.by_name[s] for s in tie.stages})
+            ranks = sorted({d + self.replica * devices for b in holders
+                            for d in problem.blocks[b].devices})
+            groups = {r: dist.new_group([d + r * devices for d in
+                                         sorted({d for b in holders
+                                                 for d in problem.blocks[b].devices})])
+                      for r in range(problem.mesh.data)} if len(ranks) > 1 else {}
+            if self.rank in ranks and len(ranks) > 1:
+                mine.append((tie.parameter, by_name[tie.parameter], groups[self.replica]))
+        if mine and problem.mesh.shard:
+            raise RunError("tied parameters with a sharded data-parallel mesh (mesh.shard) are "
+                           "not supported", hint="use mesh: {shard: false}")
+        return mine
+
+    # -- what the user's loop sees
+
+    def parameters(self) -> list[torch.Tensor]:
+        """This rank's trainable parameters (with mesh.shard: this replica's flat shards of
+        each synchronised stage's parameters, which the step gathers back)."""
+        return list(self._params) + ([] if self.shards is None else self.shards.parts())
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        names = self.built.names
+        out = [(names.get(id(p), f"parameter{i}"), p) for i, p in enumerate(self._params)]
+        if self.shards is not None:
+            out += self.shards.named_parts(self.problem)
+        return out
+
+    def step(self, inputs, targets, *, trace: bool = False,
+             whole_gradients: bool = False) -> torch.Tensor:
+        """One iteration of the schedule on the global batch: forward and backward of every
+        micro-batch; gradients accumulate into .grad (zero them between steps, as usual).
+        With mesh.shard, `whole_gradients` also gathers each parameter's whole averaged
+        gradient into its .grad (to inspect it; the optimizer uses the shards)."""
+        self.executor.loss_scale = self.loss_scale
+        result = self._run(self.executor, inputs, targets, trace=trace,
+                           whole_gradients=whole_gradients)
+        self.last = result
+        if self.dtype == "fp16":
+            self._unscale()
+        return self._global_loss(result.loss)
+
+    def _unscale(self) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        found = torch.zeros((), device=self.device)
+        for g in grads:
+            g.div_(self.loss_scale)
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        self.overflow = bool(found)  # one synchronisation, after the iteration
+        if self.overflow:
+            self.loss_scale /= 2
+            self._clean_steps = 0
+            for g in grads:
+                g.zero_()
+        else:
+            self._clean_steps += 1
+            if self._clean_steps == 2000:
+                self.loss_scale *= 2
+                self._clean_steps = 0
+
+    def eval_step(self, inputs):
+        """Forward only (no gradients, no dropout randomness beyond the plan's seeding): the
+        last block's output for the whole batch (its micro-batches concatenated) on the last
+        block's ranks, None on the others."""
+        with torch.no_grad():
+            result = self._run(self.evaluator, inputs, None, forward_only=True)
+        if not result.outputs:
+            return None
+        outputs = result.outputs
+        if isinstance(outputs[0], torch.Tensor):
+            return torch.cat(outputs)
+        return outputs
+
+    def _run(self, executor: Executor, inputs, targets, *, whole_gradients: bool = False,
+             **kwargs) -> IterationResult:
+        problem = self.problem
+        replicas, n = problem.mesh.data, problem.num_micro_batches
+        inputs = to_device(inputs, self.device, non_blocking=True)
+        if replicas > 1:  # this replica's slice of the global batch
+            inputs = split_batch(inputs, replicas)[self.replica]
+        inputs = split_batch(inputs, n)
+        if targets is not None:
+            targets = to_device(targets, self.device, non_blocking=True)
+            if replicas > 1:
+                targets = split_batch(targets, replicas)[self.replica]
+            targets = split_batch(targets, n)
+        if self.shards is not None:
+            self.shards.gather()
+        self.iteration = getattr(self, "iteration", -1) + 1
+        with kept_rng(self.device):
+            result = executor.run(inputs, targets, iteration=self.iteration, **kwargs)
+        if targets is not None:
+            self.parts = executor.finish_syncs(whole=whole_gradients)
+            if self.shards is not None:
+                self.shards.take(self.parts)
+            self._sum_ties()
+        return result
+
+    def _sum_ties(self) -> None:
+        for _, param, group in self.ties:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            try:
+                dist.all_reduce(param.grad, group=group)
+            except RuntimeError as exc:
+                raise TransferError(f"{exc}".splitlines()[0]) from exc
+
+    def _global_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The loss of the global batch on every rank: each replica's (owned by one rank)
+        summed over the world, divided by the replicas."""
+        value = torch.zeros((), dtype=torch.float32, device=self.device) if loss is None \
+            else loss.detach().float().reshape(())
+        dist.all_reduce(value)
+        return value / self.problem.mesh.data
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every gradient so that the norm over the whole model (all stages, every
+        parameter once) is at most max_norm; returns that norm before clipping, on every rank.
+        The same as torch.nn.utils.clip_grad_norm_ on the model in one process."""
+        norm_type = float(norm_type)
+        local = self._counted_gradients()
+        if norm_type == math.inf:
+            total = torch.stack([g.abs().max() for g in local]).max() if local else \
+                torch.zeros((), device=self.device)
+            total = total.float()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        else:
+            total = torch.stack([g.float().norm(norm_type) ** norm_type for g in local]).sum() \
+                if local else torch.zeros((), device=self.device)
+            dist.all_reduce(total)
+            total = total ** (1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coefficient.to(p.grad.dtype))
+        return total
+
+    def _counted_gradients(self) -> list[torch.Tensor]:
+        """Each gradient of the model once over the world: replica 0's; a tied parameter's on
+        the lowest rank holding it; a replicated parameter of a multi-device block on the
+        block's first rank; every rank's chunk of a sharded one; with mesh.shard, every
+        replica's own shard."""
+        if self.shards is not None:
+            return [p.grad for p in self.shards.parts() if p.grad is not None] + \
+                ([p.grad for p in self._params if p.grad is not None]
+                 if self.replica == 0 else [])
+        if self.replica != 0:
+            return []
+        tied_here = {id(param): group for _, param, group in self.ties}
+        seen, out = set(), []
+        for b, module in self.modules.items():
+            block = self.problem.blocks[b]
+            for p in module.parameters():
+                if id(p) in seen or p.grad is None or not p.requires_grad:
+                    continue
+                seen.add(id(p))
+                if id(p) in tied_here and dist.get_process_group_ranks(tied_here[id(p)])[0] \
+                        != self.rank:
+                    continue
+                if len(block.devices) > 1 and shard_dim(p) is None and \
+                        block.devices[0] != self.device_index:
+                    continue
+                out.append(p.grad)
+        return out
+
+    def train(self, mode: bool = True) -> "Pipeline":
+        """Training mode for every module of this rank (dropout on), as nn.Module.train."""
+        for module in self.modules.values():
+            module.train(mode)
+        return self
+
+    def eval(self) -> "Pipeline":
+        return self.train(False)
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_group = False
+
+
+class _Shards:
+    """Sharded data parallelism (mesh.shard, ZeRO): for each synchronised stage on this rank,
+    the replica's part of its flattened parameters, a Parameter the user's optimizer updates;
+    after the gradients are reduce-scattered into the parts, and before the next forward, the
+    parts are all-gathered back into the stage's parameters."""
+
+    def __init__(self, modules: dict, program, replica: int, replicas: int, group) -> None:
+        self.group, self.stages = group, {}
+        for ins in program:
+            if ins.op != SYNC:
+                continue
+            params = [p for p in modules[ins.block].parameters() if p.requires_grad]
+            if not params:
+                continue
+            flat = padded(torch.cat([p.detach().reshape(-1) for p in params]), replicas)
+            size = len(flat) // replicas
+            part = torch.nn.Parameter(flat[replica * size:(replica + 1) * size].clone())
+            self.stages[ins.block] = (params, flat, part)
+
+    def parts(self) -> list[torch.nn.Parameter]:
+        return [part for _, _, part in self.stages.values()]
+
+    def named_parts(self, problem) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(f"{problem.blocks[b].name}.flat_shard", part)
+                for b, (_, _, part) in self.stages.items()]
+
+    def take(self, grads: dict[int, torch.Tensor]) -> None:
+        for block, (_, _, part) in self.stages.items():
+            if part.grad is None:
+                part.grad = grads[block].clone()
+            else:
+                part.grad += grads[block]
+
+    def gather(self) -> None:
+        """The updated parts back into the parameters, whose own gradients start afresh (the
+        user's optimizer zeroes only the parts)."""
+        for params, flat, part in self.stages.values():
+            dist.all_gather_into_tensor(flat, part.detach(), group=self.group)
+            unflatten_into(params, flat)
+            for p in params:
+                p.grad = None

@@ -1,0 +1,57 @@
+"""Values handed from one block to the next: a tensor, or a tuple, list or dict of them
+(nested), such as hidden states with a skip connection or a mask. torch's pytree utilities
+flatten a value into its tensors (the leaves) and a structure that rebuilds it.
+
+Gradients travel for the floating-point leaves only (an integer mask or ids have none), in
+leaf order; both sides of a boundary know which leaves those are from the value itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from pyplan.errors import RunError
+
+__all__ = ["Value", "differentiable", "flatten", "nbytes", "rebuild", "spec_text",
+           "structure"]
+
+Value = Any  # a tensor or a (nested) tuple, list or dict of tensors
+
+
+def flatten(value: Value, what: str) -> tuple[list[torch.Tensor], pytree.TreeSpec]:
+    """The tensors of a value and its structure; RunError naming `what` (the block that made
+    it) when a leaf is not a tensor."""
+    leaves, spec = pytree.tree_flatten(value)
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise RunError(f"{what} returned a {type(leaf).__name__} inside its output; a "
+                           "block returns a tensor or a tuple, list or dict of tensors")
+    if not leaves:
+        raise RunError(f"{what} returned no tensor")
+    return leaves, spec
+
+
+def rebuild(leaves: list[torch.Tensor], spec: pytree.TreeSpec) -> Value:
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def structure(text: str) -> pytree.TreeSpec:
+    return pytree.treespec_loads(text)
+
+
+def spec_text(spec: pytree.TreeSpec) -> str:
+    return pytree.treespec_dumps(spec)
+
+
+def differentiable(leaves: list[torch.Tensor]) -> list[int]:
+    """Positions of the leaves that carry a gradient across a boundary."""
+    return [i for i, t in enumerate(leaves) if t.is_floating_point()]
+
+
+def nbytes(value: Value) -> int:
+    """Bytes of the tensors in a value (anything else counts nothing)."""
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value)
+               if isinstance(t, torch.Tensor))

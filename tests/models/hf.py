@@ -1,0 +1,66 @@
+"""Hugging Face causal LMs as users build them (from a config, nothing downloaded), tiny, for
+`pyplan partition`: a factory per family, the batch and the loss. The factories are the only
+model code: no per-model adapter."""
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB, SEQUENCE, BATCH = 128, 16, 8
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+            "phi3", "phi", "opt", "gpt_neox", "falcon", "bloom", "gptj", "gpt_neo",
+            "gpt_bigcode", "olmo2", "starcoder2", "granite", "cohere", "mixtral", "qwen3_moe",
+            "smollm3", "mamba")
+
+
+def config(family: str, **changes):
+    """A tiny config of `family` (4 layers, width 32)."""
+    small = dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=2,
+                 num_key_value_heads=1, intermediate_size=64, vocab_size=VOCAB, head_dim=16,
+                 n_layer=4, n_embd=32, n_head=2, ffn_dim=64, word_embed_proj_dim=32,
+                 num_layers=4, attention_types=[[["global", "local"], 2]], window_size=8,
+                 rotary_dim=8,
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64,
+                 n_positions=64)
+    cfg = AutoConfig.for_model(family)
+    for key, value in {**small, **changes}.items():
+        if hasattr(cfg, key):
+            try:
+                setattr(cfg, key, value)
+            except AttributeError:  # derived from the others in this family (head_dim)
+                pass
+    return cfg
+
+
+def build(family: str, **changes):
+    return AutoModelForCausalLM.from_config(config(family, **changes))
+
+
+def gpt2():
+    """GPT-2 ties its input and output embeddings (by default, as here)."""
+    return build("gpt2")
+
+
+def gpt2_untied():
+    return build("gpt2", tie_word_embeddings=False)
+
+
+def llama():
+    return build("llama")
+
+
+def qwen3():
+    return build("qwen3")
+
+
+def gemma():
+    return build("gemma")
+
+
+def batch(step: int):
+    tokens = torch.randint(3, VOCAB, (BATCH, SEQUENCE + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))

@@ -1,0 +1,113 @@
+"""The runtime on CPU, for what can be checked without a GPU: device and backend chosen once
+for the world, memory that follows the schedule (a rank holds the micro-batches in flight,
+not the iteration's), shapes sent with every iteration, the Pipeline API in a user's loop."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyplan.errors import RunError
+from pyplan.runtime import torch  # noqa: F401  (torch without its numpy warning)
+from pyplan.runtime.comm import choose_cuda
+
+MODELS = Path(__file__).resolve().parent / "models"
+ROOT = Path(__file__).resolve().parent.parent
+PYPLAN = str(Path(sys.executable).with_name("pyplan"))
+
+
+def test_the_world_runs_on_cuda_only_when_every_rank_has_a_gpu():
+    assert choose_cuda("auto", [True, True, True, True])
+    assert not choose_cuda("auto", [True, True, True, False])  # no NCCL hang: all on CPU
+    assert not choose_cuda("cpu", [True, True])
+    assert choose_cuda("cuda", [True, True])
+    with pytest.raises(RunError, match=r"--device cuda, but rank 2 has no GPU of its own "
+                                       r"\(2 of 4 ranks have none\)"):
+        choose_cuda("cuda", [True, True, False, False])
+
+
+def _run(tmp_path, *args, timeout=300):
+    return subprocess.run([PYPLAN, *map(str, args)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=timeout)
+
+
+WIDE_PLAN = """\
+pyplan: 1
+name: wide{n}
+devices: 2
+memory: 4
+micro_batches: {n}
+training: {{backward: {{time_ratio: 2}}}}
+blocks:
+  - {{name: a, devices: [0], time: 1, memory: 1}}
+  - {{name: b, devices: [1], time: 1, memory: 1}}
+model: {{blocks: "wide:build", data: "wide:batch{n}", loss: "wide:loss"}}
+"""
+
+
+@pytest.mark.torchrun
+def test_a_rank_holds_the_micro_batches_in_flight_not_the_iteration(tmp_path):
+    """Each micro-batch hands on 1 MiB; within 4 units of memory the schedule keeps at most 4
+    micro-batches in flight, and what the ranks hold does not grow from 4 to 16 micro-batches:
+    sent tensors are released once sent, received ones after their last use."""
+    shutil.copy(MODELS / "wide.py", tmp_path / "wide.py")
+    peaks = {}
+    for n in (4, 16):
+        (tmp_path / f"wide{n}.yaml").write_text(WIDE_PLAN.format(n=n))
+        assert _run(tmp_path, "solve", f"wide{n}.yaml", "--quiet").returncode == 0
+        result = _run(tmp_path, "run", f"wide{n}.resolved.yaml", "--nproc-per-node", 2,
+                      "--iterations", 2, "--json", "--device", "cpu")
+        assert result.returncode == 0, result.stderr[-2000:]
+        peaks[n] = json.loads(result.stdout.splitlines()[-1])["peak_activation_bytes"]
+    mib = 2 ** 20
+    assert all(peak >= mib for peak in peaks[4]), peaks
+    assert all(big <= small + mib // 4 for big, small in zip(peaks[16], peaks[4])), peaks
+    assert max(peaks[16]) < 8 * mib, peaks  # 16 micro-batches would be 16+ MiB held
+
+
+@pytest.mark.torchrun
+def test_shapes_may_change_between_iterations(tmp_path):
+    shutil.copy(MODELS / "wide.py", tmp_path / "wide.py")
+    plan = (ROOT / "plans" / "transformer-vshape.yaml").read_text()
+    plan = plan.replace("pyplan.examples.transformer:batch", "wide:growing")
+    (tmp_path / "growing.yaml").write_text(plan)
+    assert _run(tmp_path, "solve", "growing.yaml", "--quiet").returncode == 0
+    result = _run(tmp_path, "run", "growing.resolved.yaml", "--nproc-per-node", 4, "--check",
+                  "--iterations", 3, "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "match the single-process run" in result.stdout
+
+
+TWO_STAGES = """\
+pyplan: 1
+name: two
+devices: 2
+memory: 4
+micro_batches: 4
+training:
+  backward: {time_ratio: 2}
+shape: {kind: vshape, stage: {time: 2, memory: 1}}
+model:
+  blocks: pyplan.examples.transformer:build_two
+  data: pyplan.examples.transformer:batch
+  loss: pyplan.examples.transformer:loss
+"""
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_reduced_precision_trains_as_one_process_does_within_its_tolerance(tmp_path, dtype):
+    """Autocast on every block (and in the reference), activations sent in the reduced dtype;
+    fp16 with dynamic loss scaling."""
+    (tmp_path / "two.yaml").write_text(TWO_STAGES)
+    assert _run(tmp_path, "solve", "two.yaml", "--quiet").returncode == 0
+    result = _run(tmp_path, "run", "two.resolved.yaml", "--nproc-per-node", 2, "--check",
+                  "--iterations", 2, "--dtype", dtype, "--json", "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["dtype"] == dtype and report["check"]["ok"], report
