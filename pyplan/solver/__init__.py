@@ -226,7 +226,9 @@ def _solve(problem: Problem, budget: Budget, progress: Progress | None) -> Solut
     status = "optimal" if proven else "time_limit" if timed_out else "feasible"
     period_status = None
     if schedule.repetend is not None and found is not None:
-        period_status = ("optimal" if found.proven_optimal else
+        # (a longer period completed first may have won: its period is not the proven one)
+        minimal = found.proven_optimal and schedule.repetend.period <= found.repetend.period
+        period_status = ("optimal" if minimal else
                          "time_limit" if found.timed_out else "feasible")
     return Solution(schedule, status, lower_bound, problem.period_bound(),
                     time.monotonic() - started, templates, stats, origin, period_status)

@@ -28,7 +28,7 @@ def explain(problem: Problem, budget: Budget) -> InfeasibleError:
                               hint="raise memory: or relax constraints:")
     if len(problem.blocks) * n > EXPLAIN_LIMIT or budget.expired():
         return generic
-    core = infeasibility_core(small, budget=budget.slice(EXPLAIN_EFFORT))
+    core = infeasibility_core(small, budget=budget.slice(EXPLAIN_EFFORT, fixed=True))
     if not core:
         return generic
     rules = [problem.rules[int(label.split()[1])] for label in core if label != "memory"]
@@ -67,7 +67,7 @@ def _least_memory(problem: Problem, budget: Budget) -> int | None:
             return None  # what is known so far is not a proof of the least capacity
         mid = (lo + hi) // 2
         core = infeasibility_core(problem.with_overrides(memory=mid),
-                                  budget=budget.slice(EXPLAIN_EFFORT))
+                                  budget=budget.slice(EXPLAIN_EFFORT, fixed=True))
         if core is None:  # a schedule exists (or Z3 gave up: then stay on the safe side)
             found, hi = mid, mid - 1
         else:
