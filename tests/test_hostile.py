@@ -59,6 +59,36 @@ CASES = {
                    'stage0.b[m]"]}\n', "the shift +99999999999 is beyond"),
     "huge-loop": (HEAD + VSHAPE + 'constraints: {order: [{rule: "stage0.f[m+{s}] < '
                   'stage0.b[m]", for: {s: "0..100000000"}}]}\n', "has more than 100,000"),
+    # structure the loader cannot recurse into, keys that are not names
+    "nested-100000-levels": ("x: " + "[" * 100000 + "]" * 100000 + "\n",
+                             "nested more than 64 levels deep"),
+    "nested-mappings-100000-levels": ("x: " + "{a: " * 100000 + "1" + "}" * 100000 + "\n",
+                                      "nested more than 64 levels deep"),
+    "duplicate-anchor": ("pyplan: 1\na: &x 1\nb: &x 2\n", "found duplicate anchor"),
+    "loop-variable-integer-key": (HEAD + VSHAPE + 'constraints: {order: [{rule: "stage{s}.f[m] '
+                                  '< stage{s}.b[m]", for: {1: "0..1"}}]}\n',
+                                  "this key reads as 1, not as a name"),
+    "loop-variable-D": (HEAD + VSHAPE + 'constraints: {order: [{rule: "stage{D}.f[m] < '
+                        'stage0.b[m]", for: {D: "0..1"}}]}\n', "'D' cannot be a loop variable"),
+    "key-yes": (HEAD + VSHAPE + "yes: 1\n", "this key reads as true, not as a name"),
+    # model: and round-2 keys that contradict each other
+    "model-key-misspelt": (HEAD + VSHAPE + 'model: {stags: {stage0: [a]}, module: "a:b", '
+                           'data: "a:b", loss: "a:b"}\n',
+                           "unknown key 'stags' in model (hint: did you mean 'stages'?)"),
+    "model-module-without-stages": (HEAD + VSHAPE + 'model: {module: "a:b", data: "a:b", '
+                                    'loss: "a:b"}\n', "missing required key 'stages' in model"),
+    "traced-with-blocks": (HEAD + VSHAPE + 'model: {blocks: "a:b", traced: true, data: "a:b", '
+                           'loss: "a:b"}\n', "traced applies to a model given as module"),
+    "output-with-transfer": (HEAD + "blocks:\n  - {name: a, devices: [0], time: 1, transfer: 2,"
+                             ' output: "1MiB"}\n', "its transfer time or its output size, not"),
+    "shape-output-with-transfer": (HEAD + 'shape: {kind: vshape, stage: {transfer: 1, output: '
+                                   '"1MiB"}}\n', "its transfer time or its output size, not"),
+    "same-unit-in-two-stages": (HEAD + VSHAPE + 'model: {module: "a:b", stages: {stage0: [a, b],'
+                                ' stage1: [b]}, data: "a:b", loss: "a:b"}\n',
+                                "submodule 'b' is listed again"),
+    "parent-and-child-unit": (HEAD + VSHAPE + 'model: {module: "a:b", stages: {stage0: '
+                              '[layers.0], stage1: [layers]}, data: "a:b", loss: "a:b"}\n',
+                              "submodule 'layers' overlaps 'layers.0'"),
     "loops-multiply": (HEAD + VSHAPE + 'constraints: {order: [{rule: "stage0.f[m+{s}] < '
                        'stage0.b[m+{t}]", for: {s: "0..999", t: "0..999"}}]}\n',
                        "expand to more than 100,000 rules"),
