@@ -412,10 +412,6 @@ def _build(source: Source) -> PlanSpec:
     backward = None
     if "training" in doc and "backward" in doc["training"]:
         raw = doc["training"]["backward"]
-        for key, value in raw.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise source.error(("training", "backward", key),
-                                   f"{key} must be a finite number, got {value}")
         backward = BackwardSpec(time_ratio=float(raw.get("time_ratio", 2.0)),
                                 weight_time_ratio=raw.get("weight_time_ratio"),
                                 weight_memory_ratio=float(raw.get("weight_memory_ratio", 0.0)))
@@ -520,17 +516,21 @@ def parse_spec(source: Source) -> PlanSpec:
         raise source.error(("pyplan",), f"unsupported plan format version {version}",
                            f"this pyplan reads version {FORMAT_VERSION}; upgrade pyplan or "
                            "convert the plan")
-    _check_keys(source)
+    _check_document(source)
     check_schema(source)
     return _build(source)
 
 
-def _check_keys(source: Source) -> None:
-    """Every key of a plan is a name: a key YAML reads as a number, true/false or null (`1:`,
-    `yes:`) is refused where it is, before anything looks it up."""
+def _check_document(source: Source) -> None:
+    """Every key of a plan is a name and every number finite: a key YAML reads as a number,
+    true/false or null (`1:`, `yes:`), or a .nan or .inf (which JSON Schema's bounds let
+    through), is refused where it is, before anything looks it up."""
     stack = [((), source.data)]
     while stack:
         path, node = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            where = ".".join(str(p) for p in path) or "the plan"
+            raise source.error(path, f"{where} must be a finite number, got {node}")
         if isinstance(node, dict):
             for key, value in node.items():
                 if not isinstance(key, str):
