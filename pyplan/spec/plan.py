@@ -487,6 +487,9 @@ def _build(source: Source) -> PlanSpec:
             raise source.error(("model", "traced"), "traced applies to a model given as module "
                                "and stages, not to blocks", "remove traced:", key=True)
         _check_units(source, raw.get("stages") or {})
+        if "\0" in raw.get("path", ""):
+            raise source.error(("model", "path"), "model.path contains a NUL character, which "
+                               "no file name can hold")
         model = ModelSpec(blocks=raw.get("blocks"), module=raw.get("module"),
                           stages=tuple((name, tuple(units))
                                        for name, units in (raw.get("stages") or {}).items()),
