@@ -45,6 +45,8 @@ def compare_with_plan(problem: Problem, plan: Path, source: Source) -> None:
             raise fail("blocks", f"'{b.name}' is recomputed {b.recompute}")
     derived = derived.with_recompute(chosen)
     for ours, theirs in zip(problem.blocks, derived.blocks):
+        if theirs.recompute == "never":  # (what it would keep is not recorded: it never is)
+            theirs = dataclasses.replace(theirs, recompute_memory=ours.recompute_memory)
         if ours != theirs:
             field = next(f.name for f in dataclasses.fields(ours)
                          if getattr(ours, f.name) != getattr(theirs, f.name))

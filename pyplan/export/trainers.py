@@ -34,6 +34,11 @@ def _stages(problem: Problem) -> list[tuple[str, ...]]:
                             f"not on device {s % problem.num_devices}: Megatron-LM and "
                             "torchtitan place stage s on rank s mod the pipeline size",
                             file=problem.source_path or None)
+    for block in declared:
+        if not stages.get(block.name):
+            raise PlanError(f"model.stages lists no submodules for block '{block.name}'",
+                            hint="give every declared block its submodules",
+                            file=problem.source_path or None)
     return [stages[b.name] for b in declared]
 
 
@@ -72,6 +77,10 @@ def _runs(symbols: list[str]) -> str:
 def torchtitan_config(problem: Problem) -> str:
     """torchtitan's `[parallelism]` TOML: the pipeline degree, the split points (the first
     submodule of every stage but the first) and the matching torch schedule."""
+    if not problem.training:
+        raise PlanError(f"{problem.name} is an inference plan, and torchtitan's pipeline "
+                        "settings are for training", hint="export megatron-layout, svg or "
+                        "chrome instead", file=problem.source_path or None)
     stages = _stages(problem)
     looped = len(stages) > problem.num_devices
     return "\n".join([
