@@ -132,7 +132,7 @@ def _number(value, what: str, low: float, high: float, *, integer: bool = False)
 
 
 def _show(x: float) -> str:
-    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
+    return f"{x}" if isinstance(x, int) else f"{x:g}"
 
 
 def with_overrides(plan: Plan, *, micro_batches: int | None = None,
@@ -157,13 +157,16 @@ def with_overrides(plan: Plan, *, micro_batches: int | None = None,
         if plan.memory_is_size != is_size and any(b.memory for b in plan.blocks):
             unit = "sizes like 32GiB" if plan.memory_is_size else "plain integers"
             raise PlanError(f"memory must use the plan's unit: {unit}")
-    if time_limit is not None:
-        _number(time_limit, "the time limit (seconds)", 1e-3, 1e9)
+    if time_limit is not None and (isinstance(time_limit, bool) or
+                                   not isinstance(time_limit, (int, float)) or
+                                   not 0 < time_limit < math.inf):
+        raise PlanError(f"the time limit must be positive and finite (seconds), got "
+                        f"{time_limit!r}")
     changed = plan.with_overrides(micro_batches=micro_batches, memory=capacity,
                                   time_limit=time_limit)
-    overflow = changed.memory_overflow()
+    overflow = changed.too_large() or (changed.memory_overflow() or (0, None))[1]
     if overflow is not None:
-        raise PlanError(overflow[1], hint="fewer micro-batches")
+        raise PlanError(overflow, hint="fewer micro-batches")
     return changed
 
 

@@ -18,7 +18,7 @@ from pyplan.errors import PlanError, did_you_mean
 from pyplan.shapes import expand_blocks
 from pyplan.spec import (BackwardSpec, BlockSpec, MeshSpec, ModelSpec, PlanSpec, SearchSpec,
                          format_memory, load_spec)
-from pyplan.spec.plan import MAX_TIME
+from pyplan.spec.plan import MAX_INSTANCES, MAX_TIME
 from pyplan.spec.units import MAX_MEMORY
 
 __all__ = ["FORWARD", "BACKWARD", "WEIGHT", "OTHER", "Block", "OrderRule", "Problem",
@@ -171,6 +171,16 @@ class Problem:
             blocks[back.index] = dataclasses.replace(
                 back, time=back.time + (fwd.time if rerun else 0), memory=back.memory + extra)
         return dataclasses.replace(self, blocks=tuple(blocks))
+
+    def too_large(self) -> str | None:
+        """Why the schedule would be too large to lay out (every block of every micro-batch
+        has a start time: time and memory grow with their number), or None."""
+        instances = len(self.blocks) * self.num_micro_batches
+        if instances > MAX_INSTANCES:
+            return (f"{len(self.blocks):,} blocks x {self.num_micro_batches:,} micro-batches "
+                    f"make {instances:,} block instances, more than the supported "
+                    f"{MAX_INSTANCES:,}")
+        return None
 
     def memory_overflow(self) -> tuple[int, str] | None:
         """(device, why) when a device's memory could sum beyond what the core counts in
@@ -579,8 +589,11 @@ class _Builder:
         return problem
 
     def check_sums(self, problem: Problem) -> None:
-        """Memory that could sum beyond int64, at the first block on the device that adds to
-        it."""
+        """A schedule too large to lay out (at micro_batches), memory that could sum beyond
+        int64 (at the first block on the device that adds to it)."""
+        why = problem.too_large()
+        if why is not None:
+            raise self.fail(("micro_batches",), why, "fewer micro-batches or blocks")
         overflow = problem.memory_overflow()
         if overflow is not None:
             device, why = overflow

@@ -433,9 +433,9 @@ class _Reader:
                 raise self.fail(("blocks",), f"memory does not balance on device {d}: one "
                                 f"micro-batch leaves {problem.show_memory(net)} allocated",
                                 "the file was edited; re-run pyplan solve")
-        overflow = problem.memory_overflow()
+        overflow = problem.too_large() or (problem.memory_overflow() or (0, None))[1]
         if overflow is not None:
-            raise self.fail(("blocks",), overflow[1])
+            raise self.fail(("blocks",), overflow)
         return problem
 
     def typed(self, raw, where: tuple, fields: dict, required: set) -> None:

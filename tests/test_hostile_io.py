@@ -115,9 +115,9 @@ def test_load_plan_takes_a_file_name_or_text(source, capfd):
     ({"micro_batches": "8"}, "micro-batches must be an integer"),
     ({"memory": math.nan}, "memory nan is not an amount"),
     ({"memory": [1]}, "is not an amount"),
-    ({"time_limit": "x"}, "the time limit (seconds) must be a finite number"),
-    ({"time_limit": math.inf}, "the time limit (seconds) must be a finite number"),
-    ({"time_limit": math.nan}, "the time limit (seconds) must be a finite number"),
+    ({"time_limit": "x"}, "the time limit must be positive and finite (seconds)"),
+    ({"time_limit": math.inf}, "the time limit must be positive and finite (seconds)"),
+    ({"time_limit": math.nan}, "the time limit must be positive and finite (seconds)"),
 ])
 def test_with_overrides_refuses_what_makes_no_sense(overrides, expected):
     plan = pyplan.load_plan(PLANS / "tessel-vshape.yaml")
@@ -163,3 +163,86 @@ def test_partition_plans_checks_its_arguments(units, change, expected):
         pyplan.partition_plans(units, **{**ARGUMENTS, **change})
     assert expected in str(info.value)
     assert str(info.value).count("\n") == 0
+
+
+# ---------------------------------------------------------------- bounded time and memory
+
+def _pyplan(*args, cwd, seconds: float = 30):
+    """pyplan in a process capped at 2 GiB of address space and `seconds`."""
+    import resource
+    import subprocess
+    import sys
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+
+    return subprocess.run([sys.executable, "-m", "pyplan", *map(str, args)],
+                          capture_output=True, text=True, timeout=seconds,
+                          preexec_fn=limited, cwd=cwd)
+
+
+def test_show_of_a_hundred_thousand_micro_batches_is_quick(tmp_path):
+    plan = tmp_path / "long.yaml"
+    plan.write_text(PLAN.replace("micro_batches: 4", "micro_batches: 100000")
+                    + "shape: {kind: vshape}\n")
+    assert _pyplan("solve", plan, "--quiet", cwd=tmp_path).returncode == 0
+    shown = _pyplan("show", tmp_path / "long.resolved.yaml", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "~: 99995 periods elided" in shown.stdout
+    # 32 devices: past what show draws, refused at once; fewer micro-batches are drawn.
+    wide = tmp_path / "wide.yaml"
+    wide.write_text((PLANS / "mshape-32.yaml").read_text().replace("micro_batches: 256",
+                                                                    "micro_batches: 20000"))
+    assert _pyplan("solve", wide, "--quiet", cwd=tmp_path, seconds=60).returncode == 0
+    for args in ((), ("--full",)):
+        shown = _pyplan("show", tmp_path / "wide.resolved.yaml", *args, cwd=tmp_path)
+        assert shown.returncode == 2 and shown.stderr.count("\n") == 1
+        assert "more than show draws (2,000,000 cells)" in shown.stderr
+    shown = _pyplan("show", tmp_path / "wide.resolved.yaml", "--micro-batches", "64",
+                    cwd=tmp_path)
+    assert shown.returncode == 0 and "mshape-32: 64 micro-batches on 32 devices" in shown.stdout
+    for fmt, limit in (("svg", "more than svg draws"), ("chrome", "more than chrome exports")):
+        done = _pyplan("export", tmp_path / "wide.resolved.yaml", "--format", fmt, "-o",
+                       tmp_path / "out", cwd=tmp_path)
+        assert done.returncode == 2 and limit in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_times_without_a_common_step_are_refused_not_drawn(tmp_path):
+    plan = tmp_path / "odd.yaml"
+    plan.write_text(PLAN.replace("micro_batches: 4", "micro_batches: 1000") + "blocks:\n"
+                    "  - {name: a, devices: [0], time: 400000}\n"
+                    "  - {name: b, devices: [1], time: 399999}\n")
+    assert _pyplan("solve", plan, "--quiet", cwd=tmp_path).returncode == 0
+    for command in (("show", tmp_path / "odd.resolved.yaml"),
+                    ("export", tmp_path / "odd.resolved.yaml", "--format", "svg", "-o",
+                     tmp_path / "o.svg"),
+                    ("export", tmp_path / "odd.resolved.yaml", "--format", "torch-csv", "-o",
+                     tmp_path / "o.csv")):
+        done = _pyplan(*command, cwd=tmp_path)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_schedule_too_large_to_lay_out_is_refused_where_it_is_set(cli, tmp_path):
+    plan = tmp_path / "huge.yaml"
+    plan.write_text("pyplan: 1\nname: huge\ndevices: 64\nmicro_batches: 100000\n"
+                    "shape: {kind: interleaved, chunks: 64}\n")
+    code, _, err = cli("solve", plan)
+    assert code == 2 and err == (
+        f"{plan}:4:16: error: 8,192 blocks x 100,000 micro-batches make 819,200,000 block "
+        "instances, more than the supported 10,000,000 (hint: fewer micro-batches or blocks)\n")
+    small = tmp_path / "small.yaml"
+    small.write_text(plan.read_text().replace("100000", "8"))
+    code, _, err = cli("solve", small, "--micro-batches", "100000")
+    assert code == 2 and "more than the supported 10,000,000" in err
+
+
+def test_svg_of_long_blocks_scales_by_their_common_step(cli, tmp_path):
+    plan = tmp_path / "long.yaml"
+    plan.write_text(PLAN + "shape: {kind: vshape, stage: {time: 500000}}\n")
+    assert cli("solve", plan, "--quiet")[0] == 0
+    code, _, err = cli("export", tmp_path / "long.resolved.yaml", "--format", "svg", "-o",
+                       tmp_path / "l.svg")
+    assert code == 0, err
+    svg = (tmp_path / "l.svg").read_text()
+    assert svg.count("<line") < 200  # ticks about 40 px apart, not one per 10 units

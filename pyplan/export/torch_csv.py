@@ -38,6 +38,7 @@ _COMPUTE = re.compile(r"(\d+)(F|B|I|W)(\d+)")
 # stand for them, so reading skips them.
 _OTHER = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)(\d*)")
 _OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
+MAX_CELLS = 20_000_000  # cells (ranks x steps) a written CSV may have
 _HINT = ("torch-csv needs one chain of single-device stages, each with its backward; "
          "export svg or chrome instead")
 
@@ -142,6 +143,12 @@ def torch_csv_rows(schedule: Schedule) -> list[list[str]]:
     problem = schedule.problem
     action = _actions(torch_stages(problem))
     unit = time_step(problem)
+    cells = problem.num_devices * (schedule.makespan // unit)
+    if cells > MAX_CELLS:
+        raise PlanError(f"the schedule spans {schedule.makespan // unit:,} steps on "
+                        f"{problem.num_devices:,} ranks, {cells:,} cells, more than torch-csv "
+                        f"writes ({MAX_CELLS:,})", hint="solve fewer micro-batches with "
+                        "--micro-batches")
     rows = []
     for d in range(problem.num_devices):
         entries = schedule.entries(d)
