@@ -27,7 +27,7 @@ from pyplan.resolved import load_resolved as _load_resolved
 from pyplan.solver import Solution as _Solved
 from pyplan.solver import solve as _solve
 from pyplan.solver.templates import Baseline, baselines
-from pyplan.spec import format_memory, parse_memory, spec_from_text
+from pyplan.spec import format_memory, load_yaml, parse_memory, spec_from_text
 from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES
 from pyplan.spec.units import MAX_MEMORY
 
@@ -178,8 +178,27 @@ def solve(plan: Plan | str | os.PathLike, *, micro_batches: int | None = None,
     InfeasibleError when nothing fits."""
     problem = with_overrides(_plan(plan), micro_batches=micro_batches, memory=memory,
                              time_limit=time_limit)
-    found = _solve(problem, progress=progress)
+    try:
+        found = _solve(problem, progress=progress)
+    except InfeasibleError as exc:
+        if exc.file is None and memory is None:
+            _at_memory(exc, problem)
+        raise
     return Solution(**{f.name: getattr(found, f.name) for f in dataclasses.fields(found)})
+
+
+def _at_memory(error: InfeasibleError, problem: Problem) -> None:
+    """Point a plan's infeasibility at its memory: line (the capacity it does not fit), when
+    the plan file is there as it was read."""
+    path = problem.source_path
+    try:
+        source = load_yaml(path) if path and Path(path).is_file() else None
+    except PlanError:
+        return
+    if source is not None and source.sha256 == problem.spec_sha256 and \
+            isinstance(source.data, dict) and "memory" in source.data:
+        error.file = path
+        error.line, error.column = source.locate(("memory",))
 
 
 def load_resolved(path: str | os.PathLike) -> ResolvedPlan:

@@ -74,3 +74,21 @@ def test_the_recompute_search_solves_only_rungs_that_can_win(monkeypatch):
                 (result.makespan, len(result.recomputed))
     # the same answer every time
     assert pyplan.solve(plan).schedule.orders == result.schedule.orders
+
+
+def test_too_little_memory_gives_a_figure_with_the_weights_and_a_position_each_try(cli,
+                                                                                  tmp_path):
+    plan = tmp_path / "w.yaml"
+    text = ("pyplan: 1\nname: w\ndevices: 2\nmicro_batches: 4\nmemory: CAPACITY\nblocks:\n"
+            "  - {name: a, devices: [0], time: 1, memory: 3, weights: 2}\n"
+            "  - {name: b, devices: [0], time: 1, memory: 3}\n"
+            "  - {name: c, devices: [1], time: 1, memory: 1}\n")
+    tries = {"4": (2, "7:46: error: block 'a' alone needs 5 per device (3 and the weights on "
+                      "device 0, 2), more than the capacity 4"),
+             "5": (3, "5:9: error: one micro-batch alone needs 8 on device 0, more than the "
+                      "capacity 5 (hint: the smallest memory that admits one micro-batch is 8"),
+             "8": (0, "")}
+    for capacity, (code, expected) in tries.items():
+        plan.write_text(text.replace("CAPACITY", capacity))
+        done, _, err = cli("solve", plan, "--quiet")
+        assert done == code and err.startswith(f"{plan}:{expected}"), err
