@@ -91,4 +91,4 @@ def test_too_little_memory_gives_a_figure_with_the_weights_and_a_position_each_t
     for capacity, (code, expected) in tries.items():
         plan.write_text(text.replace("CAPACITY", capacity))
         done, _, err = cli("solve", plan, "--quiet")
-        assert done == code and err.startswith(f"{plan}:{expected}"), err
+        assert done == code and (err.startswith(f"{plan}:{expected}") if code else not err)
