@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from pyplan.errors import InfeasibleError, PlanError
+from pyplan._runnable import check_model
 from pyplan.partition import (Partition, UnitCost, best_partitions, even_partitions,
                               plan_text)
 from pyplan.problem import Problem, build_problem, load_problem
@@ -178,6 +179,7 @@ def solve(plan: Plan | str | os.PathLike, *, micro_batches: int | None = None,
     InfeasibleError when nothing fits."""
     problem = with_overrides(_plan(plan), micro_batches=micro_batches, memory=memory,
                              time_limit=time_limit)
+    check_model(problem)
     try:
         found = _solve(problem, progress=progress)
     except InfeasibleError as exc:

@@ -180,7 +180,7 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
             extra += f", rematerialised: {b.rematerialised}" if b.recomputed else ""
         lines.append(f"  - {{name: {_scalar(b.name)}, kind: {b.kind}, time: {b.time}, "
                      f"memory: {b.memory}{extra}, devices: {_flow(b.devices)}}}")
-    lines.append("dependencies:")
+    lines.append("dependencies:" if problem.edges else "dependencies: []")
     for e in problem.edges:
         delay = problem.transfer.get(e)
         lines.append(f"  - [{_scalar(problem.blocks[e[0]].name)}, "

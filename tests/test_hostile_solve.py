@@ -92,3 +92,14 @@ def test_too_little_memory_gives_a_figure_with_the_weights_and_a_position_each_t
         plan.write_text(text.replace("CAPACITY", capacity))
         done, _, err = cli("solve", plan, "--quiet")
         assert done == code and (err.startswith(f"{plan}:{expected}") if code else not err)
+
+
+def test_a_template_that_leaves_a_multi_device_block_off_a_device_does_not_apply():
+    # zb-h2 placed b1 (on both devices) on one of them only: "b1@0 is missing on some of its
+    # 2 devices" failed the solve.
+    found = pyplan.templates(
+        "pyplan: 1\nname: rt\ndevices: 2\nmicro_batches: 1\ntraining: {backward: {time_ratio: "
+        "1, weight_time_ratio: 1}}\nblocks:\n  - {name: b0, devices: [0], time: 1}\n"
+        "  - {name: b1, devices: all, time: 1}\n")
+    assert found["zb-h2"].reason == "it has no place for block 'b1'"
+    assert found["gpipe"].applicable

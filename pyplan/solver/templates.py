@@ -556,9 +556,9 @@ TEMPLATES = tuple(_BUILDERS)  # names, in the order they are listed and tried
 def template_orders(problem: Problem, name: str) -> list[list[tuple[int, int]]]:
     """Per-device orders of a template; raises NotApplicable when it does not fit."""
     orders = _BUILDERS[name](problem)
-    placed = {b for order in orders for b, _ in order}
+    placed = {(b, d) for d, order in enumerate(orders) for b, _ in order}
     for block in problem.blocks:  # (a template lays out the stages: kind: other, say, not)
-        if block.index not in placed:
+        if any((block.index, d) not in placed for d in block.devices):
             raise NotApplicable(f"it has no place for block '{block.name}'")
     return orders
 
