@@ -122,6 +122,13 @@ def _rate(x: float) -> str:
     return f"{x:.4f}"
 
 
+def _float(x: float) -> str:
+    """A float as YAML reads it back: repr, with a decimal point before an exponent (YAML 1.1
+    reads 1e-300 as a string)."""
+    text = repr(float(x))
+    return text.replace("e", ".0e", 1) if "e" in text and "." not in text else text
+
+
 _PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./@-]*")
 _STR = "tag:yaml.org,2002:str"
 
@@ -200,7 +207,7 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
         lines.append(f"model: {{{builder}, data: {_quoted(m.data)}, loss: {_quoted(m.loss)}"
                      + (f", path: {_quoted(m.path)}" if m.path else "") + "}")
     if problem.time_unit_ms is not None:
-        lines.append(f"time_unit_ms: {problem.time_unit_ms!r}")
+        lines.append(f"time_unit_ms: {_float(problem.time_unit_ms)}")
     if problem.mesh.data > 1:
         mesh = problem.mesh
         lines.append(f"mesh: {{data: {mesh.data}, shard: {'true' if mesh.shard else 'false'}, "

@@ -191,3 +191,13 @@ def test_a_nul_in_the_model_path_is_refused_in_the_plan(cli, tmp_path):
     code, _, err = cli("solve", plan)
     assert code == 2 and err.startswith(f"{plan}:7:") and "NUL" in err, err
     assert not (tmp_path / "p.resolved.yaml").exists()
+
+
+@pytest.mark.parametrize("unit", ["1.0e-300", "1.0e-7", "0.03191", "1000000"])
+def test_time_units_read_back(unit, cli, tmp_path):
+    # repr(1e-300) is "1e-300", which YAML 1.1 reads as a string: solve wrote what it refused.
+    plan = tmp_path / "t.yaml"
+    plan.write_text("pyplan: 1\nname: t\ndevices: 2\nmicro_batches: 4\nshape: {kind: vshape}\n"
+                    f"topology: {{time_unit_ms: {unit}}}\n")
+    assert cli("solve", plan, "--quiet") == (0, "", "")
+    assert load_resolved(tmp_path / "t.resolved.yaml").problem.time_unit_ms == float(unit)
