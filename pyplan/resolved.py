@@ -259,7 +259,7 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
             lines.append(f"  {d}:")
             lines += [f"    - {problem.blocks[x.layer].name} {x.start}"
                       for x in schedule.syncs if x.device == d]
-    lines.append("baselines:")
+    lines.append("baselines:" if solution.baselines else "baselines: {}")
     for name, base in solution.baselines.items():
         if not base.applicable:
             lines.append(f"  {name}: {_quoted(f'not applicable: {base.reason}')}")
@@ -393,6 +393,7 @@ class _Reader:
                                     "submodule names")
             declared = [b.name for b in blocks if b.is_forward]
             if ("blocks" in raw) == ("module" in raw) or ("module" in raw) != bool(stages) or \
+                    ("traced" in raw and "blocks" in raw) or \
                     (stages and list(stages) != declared) or "\0" in raw.get("path", ""):
                 raise self.fail(("model",), "the model must name blocks, or module and stages "
                                 "of exactly the declared blocks",
@@ -415,7 +416,8 @@ class _Reader:
         memory = None
         if self.doc.get("memory") is not None:
             memory = self.get("memory", int, low=1, high=MAX_MEMORY)
-        for key, values in (("task", ("training", "inference")), ("memory_unit", ("bytes", "plan"))):
+        for key, values in (("task", ("training", "inference")),
+                            ("memory_unit", ("bytes", "plan"))):
             if self.get(key, str) not in values:
                 raise self.fail((key,), f"'{key}' must be one of {', '.join(values)}")
         problem = Problem(
@@ -429,6 +431,9 @@ class _Reader:
             transfers=tuple(transfers), mesh=mesh, model=model,
             time_unit_ms=None if unit is None else float(unit),
             spec_sha256=str(self.get("spec_sha256", str)), source_path=self.path)
+        overflow = problem.too_large() or (problem.memory_overflow() or (0, None))[1]
+        if overflow is not None:
+            raise self.fail(("blocks",), overflow)
         try:
             cycle = problem.graph.find_cycle()
         except (ValueError, IndexError) as exc:  # e.g. a block that depends on itself
@@ -440,9 +445,6 @@ class _Reader:
                 raise self.fail(("blocks",), f"memory does not balance on device {d}: one "
                                 f"micro-batch leaves {problem.show_memory(net)} allocated",
                                 "the file was edited; re-run pyplan solve")
-        overflow = problem.too_large() or (problem.memory_overflow() or (0, None))[1]
-        if overflow is not None:
-            raise self.fail(("blocks",), overflow)
         return problem
 
     def typed(self, raw, where: tuple, fields: dict, required: set) -> None:

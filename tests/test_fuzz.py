@@ -166,6 +166,11 @@ def _hostile(rng, value):
     return rng.choice(HOSTILE) if rng.random() < 0.15 else value
 
 
+def _key(rng, value):
+    """A mapping key, now and then one YAML reads as a number, true or null."""
+    return rng.choice([1, 2.5, True, None, "", "x y"]) if rng.random() < 0.15 else value
+
+
 def feature_plan(rng) -> dict:
     """A plan of the round-2 features, each value now and then replaced by a hostile one."""
     h = lambda value: _hostile(rng, value)  # noqa: E731
@@ -228,7 +233,7 @@ def feature_plan(rng) -> dict:
             model["blocks"] = h("fzmodel:build")
         else:
             model["module"] = h("fzmodel:whole")
-            model["stages"] = {h(n): h([f"{i}"]) for i, n in enumerate(names)}
+            model["stages"] = {_key(rng, n): h([f"{i}"]) for i, n in enumerate(names)}
             if rng.random() < 0.2:
                 model["traced"] = h(True)
         if rng.random() < 0.3:

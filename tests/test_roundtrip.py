@@ -52,9 +52,10 @@ def plans(draw) -> str:
     else:
         lines.append("task: inference")
     if draw(st.booleans()):
+        time_unit = draw(st.sampled_from(["0.5", "1", "0.01", "1.0e-7", "1.0e+5"]))
+        latency = draw(st.sampled_from(["0", "0.5"]))
         lines.append(f"topology: {{devices_per_node: {draw(st.integers(1, 4))}, time_unit_ms: "
-                     f"{draw(st.sampled_from(['0.5', '1', '0.01', '1.0e-7', '1.0e+5']))}, across_nodes: "
-                     f"{{bandwidth: \"1GB\", latency_ms: {draw(st.sampled_from(['0', '0.5']))}}}}}")
+                     f"{time_unit}, across_nodes: {{bandwidth: \"1GB\", latency_ms: {latency}}}}}")
     if training and devices > 1 and draw(st.booleans()):
         lines.append(f"mesh: {{data: {draw(st.integers(1, 3))}, shard: "
                      f"{str(draw(st.booleans())).lower()}, sync: {draw(st.integers(0, 3))}}}")
