@@ -26,7 +26,7 @@ from pyplan._derived import compare_with_plan
 from pyplan._seal import check_seal, seal_lines
 from pyplan.constraints import RuleSyntaxError
 from pyplan.errors import PlanError
-from pyplan.fileio import write_atomic
+from pyplan.fileio import read_capped, write_atomic
 from pyplan.problem import Block, Problem, layer_of, resolve_rule
 from pyplan.schedule import Schedule, build_schedule, repetend_from_core
 from pyplan.spec import MeshSpec, ModelSpec, load_yaml
@@ -87,8 +87,8 @@ class ResolvedPlan:
         if plan is None:
             return
         try:
-            with open(plan, "rb") as handle:  # a plan is at most MAX_FILE_BYTES: read no more
-                digest = hashlib.sha256(handle.read(MAX_FILE_BYTES + 1)).hexdigest()
+            # (a plan is at most MAX_FILE_BYTES: read no more)
+            digest = hashlib.sha256(read_capped(plan, MAX_FILE_BYTES + 1)).hexdigest()
         except (OSError, ValueError):
             raise PlanError(f"the plan it was solved from, {plan}, cannot be read",
                             hint="keep the plan beside its resolved plan", file=self.path) \
@@ -499,8 +499,8 @@ class _Reader:
 def is_resolved(path: str | Path) -> bool:
     """Whether the file is a resolved plan (unreadable files are left to the plan loader)."""
     try:
-        with open(path, "rb") as handle:  # the marker is near the top; never read a whole file
-            return _RESOLVED.search(handle.read(4096)) is not None
+        # (the marker is near the top; never read a whole file)
+        return _RESOLVED.search(read_capped(path, 4096)) is not None
     except (OSError, ValueError):
         return False
 
@@ -551,9 +551,8 @@ def load_resolved(path: str | Path) -> ResolvedPlan:
     if plan is not None:  # the plan file present and fresh: what it determines, compared
         fresh_plan = Path(str(path)).parent / plan
         try:
-            with open(fresh_plan, "rb") as handle:
-                fresh = hashlib.sha256(handle.read(MAX_FILE_BYTES + 1)).hexdigest() == \
-                    problem.spec_sha256
+            fresh = hashlib.sha256(read_capped(fresh_plan, MAX_FILE_BYTES + 1)).hexdigest() \
+                == problem.spec_sha256
         except (OSError, ValueError):
             fresh = False  # (check_fresh says so where it matters)
         if fresh:

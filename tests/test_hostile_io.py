@@ -246,3 +246,14 @@ def test_svg_of_long_blocks_scales_by_their_common_step(cli, tmp_path):
     assert code == 0, err
     svg = (tmp_path / "l.svg").read_text()
     assert svg.count("<line") < 200  # ticks about 40 px apart, not one per 10 units
+
+
+def test_a_named_pipe_nobody_writes_to_does_not_block(tmp_path):
+    import os
+
+    pipe = tmp_path / "pipe.yaml"
+    os.mkfifo(pipe)
+    for command in (("validate", pipe), ("show", pipe),
+                    ("import", "torch-csv", pipe, "--plan", PLANS / "1f1b-4stage.yaml")):
+        done = _pyplan(*command, cwd=tmp_path, seconds=20)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pyplan.errors import PlanError
 from pyplan.export._layout import time_step
-from pyplan.fileio import write_atomic
+from pyplan.fileio import read_capped, write_atomic
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT, Problem
 from pyplan.schedule import Instance, Schedule
 from pyplan.spec.plan import MAX_MICRO_BATCHES
@@ -184,8 +184,7 @@ def read_torch_csv(path: str | Path, problem: Problem) -> TorchCsv:
     row and column)."""
     stages = torch_stages(problem)
     try:
-        with open(path, "rb") as handle:  # at most the limit: /dev/zero stays harmless
-            raw = handle.read(MAX_FILE_BYTES + 1)
+        raw = read_capped(path, MAX_FILE_BYTES + 1)  # at most the limit: /dev/zero, pipes
         lines = raw.decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise PlanError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None

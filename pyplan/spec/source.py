@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from pyplan.errors import PlanError
+from pyplan.fileio import read_capped
 
 __all__ = ["Source", "load_yaml", "parse_yaml"]
 
@@ -250,8 +251,7 @@ def load_yaml(path: str | Path) -> Source:
     """Read and parse a YAML file; unreadable or non-UTF-8 files raise PlanError."""
     name = str(path)
     try:
-        with open(path, "rb") as handle:  # read at most the limit: /dev/zero stays harmless
-            raw = handle.read(MAX_FILE_BYTES + 1)
+        raw = read_capped(path, MAX_FILE_BYTES + 1)  # at most the limit: /dev/zero, pipes
     except FileNotFoundError:
         raise PlanError("no such file", hint="check the path", file=name) from None
     except IsADirectoryError:
