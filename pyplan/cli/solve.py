@@ -10,6 +10,7 @@ import sys
 
 from pyplan.api import Solution, load_plan, solve
 from pyplan.cli._progress import live_progress
+from pyplan.fileio import check_not_input
 from pyplan.resolved import resolved_path
 from pyplan.spec.units import count
 
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
                          memory=_memory_argument(args.memory), time_limit=args.time_limit,
                          progress=progress)
     output = args.output or str(resolved_path(args.plan))
+    check_not_input(output, args.plan)
     solution.write(output)
     if args.json:
         print(json.dumps(solution.to_json(output), sort_keys=True))
