@@ -63,6 +63,33 @@ def _on_alarm(signum, frame):
     raise _Hang
 
 
+def _watchdog() -> None:
+    """A hang inside C code never returns to Python, where the alarm is raised: past twice the
+    time limit, end the worker, which the test reports (with the case it was at)."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while True:
+            time.sleep(1)
+            if _DEADLINE[0] and time.monotonic() > _DEADLINE[0]:
+                print("hang inside native code", file=sys.stderr, flush=True)
+                os._exit(99)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+_DEADLINE = [0.0]
+
+
+def _alarm(seconds: int) -> None:
+    """signal.alarm, and the watchdog's deadline (0: none)."""
+    import time
+
+    signal.alarm(seconds)
+    _DEADLINE[0] = time.monotonic() + 2 * seconds if seconds else 0.0
+
+
 def _run(*args) -> tuple[int, str]:
     err = io.StringIO()
     with redirect_stdout(io.StringIO()), redirect_stderr(err):
@@ -73,7 +100,7 @@ def _run(*args) -> tuple[int, str]:
 def _check(command: tuple, failures: list, case: int, source: str) -> int | None:
     """Run one command; record a failure (traceback, hang, odd exit, non-error output)."""
     print(case, command[0], source, file=sys.stderr, flush=True)  # where it died, if it does
-    signal.alarm(CASE_SECONDS)
+    _alarm(CASE_SECONDS)
     try:
         code, err = _run(*command)
     except _Hang:
@@ -85,7 +112,7 @@ def _check(command: tuple, failures: list, case: int, source: str) -> int | None
         failures.append((case, command[0], source, repr(exc)[:200]))
         return None
     finally:
-        signal.alarm(0)
+        _alarm(0)
     lines = err.splitlines()
     errors = [line for line in lines if "error: " in line]
     if code not in (0, 2, 3) or len(errors) > MAX_REPORTED or \
@@ -372,7 +399,7 @@ def fuzz_api(rng, failures: list, case: int) -> None:
     ]
     index = rng.randrange(len(calls))
     print(case, "api", index, file=sys.stderr, flush=True)
-    signal.alarm(CASE_SECONDS)
+    _alarm(CASE_SECONDS)
     try:
         calls[index]()
     except (pyplan.PlanError, pyplan.InfeasibleError) as exc:
@@ -383,7 +410,7 @@ def fuzz_api(rng, failures: list, case: int) -> None:
     except Exception as exc:
         failures.append((case, "api", index, repr(exc)[:200]))
     finally:
-        signal.alarm(0)
+        _alarm(0)
 
 
 GENERATORS = {"mutated": gen_mutated, "forged": gen_forged, "features": gen_features,
@@ -489,7 +516,7 @@ def fuzz_core(cases: int, seed: int) -> dict:
     for case in range(cases):
         index = rng.randrange(len(calls))
         print(case, "core", index, file=sys.stderr, flush=True)  # if it dies
-        signal.alarm(CASE_SECONDS)
+        _alarm(CASE_SECONDS)
         try:
             calls[index]()
         except (ValueError, IndexError, TypeError, StopIteration):
@@ -499,7 +526,7 @@ def fuzz_core(cases: int, seed: int) -> dict:
         except Exception as exc:
             failures.append((case, "core", index, repr(exc)[:200]))
         finally:
-            signal.alarm(0)
+            _alarm(0)
     return {"cases": {"core": cases}, "commands": cases, "failures": failures}
 
 
@@ -535,6 +562,7 @@ def test_random_core_arguments_raise_python_errors(tmp_path, capsys):
 
 if __name__ == "__main__":
     kind, cases, seed, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    _watchdog()
     found = (fuzz_inputs(cases, seed, Path(workdir)) if kind == "inputs" else
              fuzz_core(cases * 10, seed))
     print(json.dumps(found, default=str))

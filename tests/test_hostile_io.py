@@ -192,7 +192,7 @@ def test_show_of_a_hundred_thousand_micro_batches_is_quick(tmp_path):
     # 32 devices: past what show draws, refused at once; fewer micro-batches are drawn.
     wide = tmp_path / "wide.yaml"
     wide.write_text((PLANS / "mshape-32.yaml").read_text().replace("micro_batches: 256",
-                                                                    "micro_batches: 20000"))
+                                                                    "micro_batches: 15000"))
     assert _pyplan("solve", wide, "--quiet", cwd=tmp_path, seconds=60).returncode == 0
     for args in ((), ("--full",)):
         shown = _pyplan("show", tmp_path / "wide.resolved.yaml", *args, cwd=tmp_path)
@@ -230,11 +230,11 @@ def test_a_schedule_too_large_to_lay_out_is_refused_where_it_is_set(cli, tmp_pat
     code, _, err = cli("solve", plan)
     assert code == 2 and err == (
         f"{plan}:4:16: error: 8,192 blocks x 100,000 micro-batches make 819,200,000 block "
-        "instances, more than the supported 10,000,000 (hint: fewer micro-batches or blocks)\n")
+        "instances, more than the supported 1,000,000 (hint: fewer micro-batches or blocks)\n")
     small = tmp_path / "small.yaml"
     small.write_text(plan.read_text().replace("100000", "8"))
     code, _, err = cli("solve", small, "--micro-batches", "100000")
-    assert code == 2 and "more than the supported 10,000,000" in err
+    assert code == 2 and "more than the supported 1,000,000" in err
 
 
 def test_svg_of_long_blocks_scales_by_their_common_step(cli, tmp_path):

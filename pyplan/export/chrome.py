@@ -11,7 +11,7 @@ from pyplan.errors import PlanError
 from pyplan.schedule import Schedule
 from pyplan.trace import TraceEvent, chrome_trace, write_chrome_trace
 
-MAX_EVENTS = 2_000_000  # block executions in one trace (about 300 MB of JSON)
+MAX_EVENTS = 1_000_000  # block executions in one trace (about 150 MB of JSON)
 
 __all__ = ["memory_counters", "schedule_events", "schedule_trace", "sync_events",
            "transfer_events", "write_chrome_trace"]

@@ -357,7 +357,8 @@ MAX_MICRO_BATCHES = 100_000
 MAX_TIME = 1_000_000
 MAX_SHIFT = 1_000_000  # order rule shifts, conditions and loop values
 MAX_RULES = 100_000  # order rules a plan may expand to (templated rules included)
-MAX_INSTANCES = 10_000_000  # blocks x micro-batches: the block instances a schedule times
+MAX_INSTANCES = 1_000_000  # blocks x micro-batches: block instances a schedule times (about
+# 300-600 bytes each while solving: 1 GiB)
 
 
 _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
