@@ -243,6 +243,9 @@ def worker(directory: Path, rounds: int) -> None:
                    blocking=False, sync_at_end=True),
         TorchDDPCase("torch Schedule1F1B + DDP, DP2xPP2"),
     ]
+    only = os.environ.get("PYPLAN_BENCH_ONLY")
+    if only:  # a quick look at some cases: the report names only those
+        cases = [c for c in cases if any(word in c.name for word in only.split(","))]
     rounds_of = run_rounds(cases, rounds)
     if dist.get_rank() == 0:
         report(rounds_of)
@@ -280,7 +283,8 @@ def report(rounds_of: dict[str, list[float]]) -> None:
     print_times(rounds_of, 34)
 
     def ratio(label: str, slow: str, fast: str) -> None:
-        print_ratio(rounds_of, label, slow, fast)
+        if slow in rounds_of and fast in rounds_of:
+            print_ratio(rounds_of, label, slow, fast)
 
     print("ratios (> 1: the first named is faster):")
     ratio("non-blocking vs blocking, V-shape 1F1B", "pyplan 1F1B, blocking",
@@ -292,9 +296,11 @@ def report(rounds_of: dict[str, list[float]]) -> None:
     ratio("pyplan vs torch ScheduleGPipe", "torch ScheduleGPipe", "pyplan GPipe order")
     ratio("pyplan vs torch ScheduleInterleaved1F1B", "torch ScheduleInterleaved1F1B",
           "pyplan interleaved (8 stages)")
-    best = min(("torch GPT Schedule1F1B", "torch GPT ScheduleGPipe"), key=median.get)
-    ratio(f"pyplan GPT M-shape vs best torch ({best.split()[-1]}, V-shape)", best,
-          "pyplan GPT M-shape")
+    torch_gpt = [n for n in ("torch GPT Schedule1F1B", "torch GPT ScheduleGPipe") if n in median]
+    if torch_gpt:
+        best = min(torch_gpt, key=median.get)
+        ratio(f"pyplan GPT M-shape vs best torch ({best.split()[-1]}, V-shape)", best,
+              "pyplan GPT M-shape")
     ratio("DP2xPP2: overlapped vs end-of-iteration gradient sync",
           "pyplan DP2xPP2, sync at the end", "pyplan DP2xPP2, overlapped sync")
     ratio("DP2xPP2: pyplan vs torch Schedule1F1B + DDP (same mesh)",
@@ -312,6 +318,9 @@ def launch(script: str, description: str, prepare, worker) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=6,
                         help="iterations per case and round (the first is a warm-up)")
+    parser.add_argument("--only", metavar="WORDS",
+                        help="run only the cases whose names contain one of these "
+                        "comma-separated words (a quick look; the full run is the figure)")
     parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -319,7 +328,8 @@ def launch(script: str, description: str, prepare, worker) -> int:
         return 0
     with tempfile.TemporaryDirectory() as directory:
         prepare(Path(directory))
-        env = dict(os.environ, PYPLAN_BENCH_ITERATIONS=str(args.iterations))
+        env = dict(os.environ, PYPLAN_BENCH_ITERATIONS=str(args.iterations),
+                   PYPLAN_BENCH_ONLY=args.only or "")
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc-per-node", "4", script, "--worker", directory,
                                "--rounds", str(args.rounds)], env=env).returncode

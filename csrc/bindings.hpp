@@ -17,6 +17,13 @@ using PyOrders = std::vector<std::vector<std::pair<int, int>>>;
 
 // Argument checks shared by the bindings (the core assumes valid input): ValueError otherwise.
 void check_count(int64_t n, int64_t limit, const char* what);
+// IndexError unless 0 <= i < size.
+void check_index(int64_t i, int64_t size, const char* what);
+// Micro-batch indices of a repetend: one per block, each in 0 .. kMaxRepetendMicroBatches - 1,
+// none increasing along a dependency (a block's inputs come from the same micro-batch or a
+// later one of the repetition).
+void check_indices(const pyplan::Graph& g, const std::vector<int>& indices);
+// A repetend of this graph: its sizes, and each device's order listing exactly its blocks.
 void check_repetend(const pyplan::Graph& g, const pyplan::Repetend& r);
 pyplan::DeviceOrders to_orders(const PyOrders& orders);
 PyOrders from_orders(const pyplan::DeviceOrders& orders);

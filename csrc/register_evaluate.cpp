@@ -9,10 +9,68 @@ void check_count(int64_t n, int64_t limit, const char* what) {
                                     std::to_string(limit) + ", got " + std::to_string(n));
 }
 
+void check_index(int64_t i, int64_t size, const char* what) {
+    if (i < 0 || i >= size)
+        throw std::out_of_range(std::string(what) + " " + std::to_string(i) +
+                                " out of range 0 .. " + std::to_string(size - 1));
+}
+
+void check_indices(const Graph& g, const std::vector<int>& indices) {
+    if (static_cast<int>(indices.size()) != g.num_blocks())
+        throw std::invalid_argument("need one micro-batch index per block");
+    for (int i : indices) check_count(i, kMaxRepetendMicroBatches - 1, "a repetend index");
+    for (const Edge& e : g.edges())
+        if (indices[e.to] > indices[e.from])
+            throw std::invalid_argument("indices must not increase along a dependency (" +
+                                        g.block(e.from).name + " -> " + g.block(e.to).name +
+                                        ")");
+}
+
 void check_repetend(const Graph& g, const Repetend& r) {
-    if (static_cast<int>(r.indices.size()) != g.num_blocks() ||
-        static_cast<int>(r.orders.size()) != g.num_devices())
+    const int k = g.num_blocks();
+    if (static_cast<int>(r.indices.size()) != k ||
+        static_cast<int>(r.orders.size()) != g.num_devices() ||
+        (r.feasible && static_cast<int>(r.offsets.size()) != k))
         throw std::invalid_argument("the repetend belongs to another graph");
+    for (int i : r.indices) check_count(i, kMaxRepetendMicroBatches - 1, "a repetend index");
+    // Each device's order lists exactly the device's blocks, once each (a repetend of another
+    // graph with as many blocks and devices would index blocks that are not there).
+    std::vector<int> seen(k, -1);
+    for (int d = 0; d < g.num_devices(); ++d) {
+        const auto& order = r.orders[d];
+        bool ok = order.size() == g.blocks_on(d).size();
+        for (int b : order) {
+            if (!ok) break;
+            ok = b >= 0 && b < k && seen[b] != d;
+            if (ok) seen[b] = d;
+        }
+        for (int b : g.blocks_on(d)) ok = ok && seen[b] == d;
+        if (!ok) throw std::invalid_argument("the repetend belongs to another graph");
+    }
+}
+
+// Memory levels are running sums: refuse orders whose sums could leave int64 (2^62 leaves room
+// for the capacity comparisons).
+static void check_memory_sums(const Graph& g, const DeviceOrders& orders,
+                              const std::vector<int64_t>& initial) {
+    const int64_t limit = int64_t{1} << 62;
+    const int D = std::min<int>(g.num_devices(), static_cast<int>(orders.size()));
+    for (int d = 0; d < D; ++d) {
+        int64_t total = g.static_memory(d);
+        if (d < static_cast<int>(initial.size())) {
+            if (initial[d] > limit || initial[d] < -limit)
+                throw std::invalid_argument("initial memory beyond +-2^62");
+            total += initial[d] < 0 ? -initial[d] : initial[d];
+        }
+        for (const Instance& i : orders[d]) {
+            if (i.block < 0 || i.block >= g.num_blocks()) continue;  // the core says which
+            const int64_t m = g.block(i.block).memory;
+            total += m < 0 ? -m : m;
+            if (total > limit)
+                throw std::invalid_argument("the memory of device " + std::to_string(d) +
+                                            " could sum beyond 2^62 over these orders");
+        }
+    }
 }
 
 DeviceOrders to_orders(const PyOrders& orders) {
@@ -67,6 +125,7 @@ void register_evaluate(py::module_& m) {
                   std::vector<int64_t> initial_memory, int complete_micro_batches,
                   bool enforce_rules) {
         check_count(complete_micro_batches, kMaxMicroBatches, "complete_micro_batches");
+        check_memory_sums(g, orders, initial_memory);
         EvalOptions opt{memory_capacity, std::move(initial_memory), complete_micro_batches,
                         enforce_rules};
         py::gil_scoped_release release;

@@ -65,9 +65,22 @@ void register_graph(py::module_& m) {
                                    return out;
                                })
         .def_property_readonly("rules", &Graph::rules)
-        .def("successors", &Graph::successors)
-        .def("predecessors", &Graph::predecessors)
-        .def("blocks_on", &Graph::blocks_on)
+        // The core indexes without checking: every index from Python is checked here.
+        .def("successors",
+             [](const Graph& g, int b) {
+                 check_index(b, g.num_blocks(), "block");
+                 return g.successors(b);
+             }, py::arg("block"))
+        .def("predecessors",
+             [](const Graph& g, int b) {
+                 check_index(b, g.num_blocks(), "block");
+                 return g.predecessors(b);
+             }, py::arg("block"))
+        .def("blocks_on",
+             [](const Graph& g, int d) {
+                 check_index(d, g.num_devices(), "device");
+                 return g.blocks_on(d);
+             }, py::arg("device"))
         .def("topological_order", &Graph::topological_order)
         .def("find_cycle", &Graph::find_cycle)
         .def("is_acyclic", &Graph::is_acyclic)
@@ -76,8 +89,12 @@ void register_graph(py::module_& m) {
         .def("critical_path", &Graph::critical_path)
         .def("heads", &Graph::heads)
         .def("tails", &Graph::tails)
-        .def("makespan_bound", &Graph::makespan_bound, py::arg("num_micro_batches"),
-             py::arg("capacity") = -1)
+        .def("makespan_bound",
+             [](const Graph& g, int n, int64_t capacity) {
+                 check_count(n, kMaxMicroBatches, "num_micro_batches");
+                 return g.makespan_bound(n, capacity);
+             },
+             py::arg("num_micro_batches"), py::arg("capacity") = -1)
         .def("period_bound", &Graph::period_bound, py::arg("capacity") = -1)
         .def("memory_time", &Graph::memory_time, py::arg("device"))
         .def("head_idle", &Graph::head_idle, py::arg("device"))

@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "bindings.hpp"
 #include "core/modulo.hpp"
 
@@ -29,6 +31,23 @@ void register_modulo(py::module_& m) {
         py::arg("graph"), py::arg("period"), py::arg("max_micro_batches"),
         py::arg("memory_capacity") = -1, py::arg("node_budget") = 200000,
         py::arg("seconds") = 0.0, py::arg("work_budget") = 0);
-    m.def("repetend_from_starts", &repetend_from_starts, py::arg("graph"), py::arg("start"),
-          py::arg("period"));
+    m.def(
+        "repetend_from_starts",
+        [](const Graph& g, const std::vector<int64_t>& start, int64_t period) {
+            // Starts become lags (start / period) and so repetend indices: bound both.
+            check_count(period, kMaxTime, "period");
+            if (period == 0) throw std::invalid_argument("the period must be positive");
+            const int64_t limit = int64_t{1} << 61;
+            for (int64_t t : start)
+                if (t < -limit || t > limit) throw std::invalid_argument("a start beyond 2^61");
+            if (!start.empty()) {
+                auto [low, high] = std::minmax_element(start.begin(), start.end());
+                if ((*high - *low) / period >= kMaxRepetendMicroBatches)
+                    throw std::invalid_argument("the starts span more than " +
+                                                std::to_string(kMaxRepetendMicroBatches) +
+                                                " periods");
+            }
+            return repetend_from_starts(g, start, period);
+        },
+        py::arg("graph"), py::arg("start"), py::arg("period"));
 }

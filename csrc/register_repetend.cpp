@@ -22,10 +22,19 @@ void register_repetend(py::module_& m) {
         .def_readonly("entry_memory", &Repetend::entry_memory)
         .def_readonly("peak_memory", &Repetend::peak_memory)
         .def_property_readonly("num_micro_batches", &Repetend::num_micro_batches)
-        .def("bubble_rate", &Repetend::bubble_rate, py::arg("graph"));
+        .def("bubble_rate",
+             [](const Repetend& r, const Graph& g) {
+                 check_repetend(g, r);
+                 return r.bubble_rate(g);
+             },
+             py::arg("graph"));
 
     py::class_<RepetendEnumerator>(m, "RepetendEnumerator")
-        .def(py::init<const Graph&, int, int64_t, int64_t>(), py::arg("graph"),
+        .def(py::init([](const Graph& g, int num_mb, int64_t capacity, int64_t period_below) {
+                 check_count(num_mb, kMaxRepetendMicroBatches, "num_micro_batches");
+                 return new RepetendEnumerator(g, num_mb, capacity, period_below);
+             }),
+             py::arg("graph"),
              py::arg("num_micro_batches"), py::arg("memory_capacity") = -1,
              py::arg("period_below") = 0, py::keep_alive<1, 2>())
         .def("__iter__", [](RepetendEnumerator& e) -> RepetendEnumerator& { return e; })
@@ -52,49 +61,51 @@ void register_repetend(py::module_& m) {
     m.def(
         "repetend_bound",
         [](const Graph& g, const std::vector<int>& indices) {
+            check_indices(g, indices);  // (an index rising along an edge divides by zero)
             return repetend_bound(g, indices, longest_paths(g));
         },
         py::arg("graph"), py::arg("indices"));
-    auto check_indices = [](const std::vector<int>& n) {
+    auto check_range = [](const std::vector<int>& n) {
         for (int i : n) check_count(i, kMaxRepetendMicroBatches - 1, "a repetend index");
     };
     m.def(
         "evaluate_repetend",
-        [check_indices](const Graph& g, const std::vector<int>& indices,
-                        const std::vector<std::vector<int>>& orders, int64_t min_period) {
-            check_indices(indices);
+        [check_range](const Graph& g, const std::vector<int>& indices,
+                      const std::vector<std::vector<int>>& orders, int64_t min_period) {
+            check_range(indices);
             py::gil_scoped_release release;
             return evaluate_repetend(g, indices, orders, min_period);
         },
         py::arg("graph"), py::arg("indices"), py::arg("orders"), py::arg("min_period") = 0);
     m.def(
         "list_schedule_repetend",
-        [check_indices](const Graph& g, const std::vector<int>& indices) {
-            check_indices(indices);
+        [check_range](const Graph& g, const std::vector<int>& indices) {
+            check_range(indices);
             py::gil_scoped_release release;
             return list_schedule_repetend(g, indices);
         },
         py::arg("graph"), py::arg("indices"));
     m.def("memory_fits", py::overload_cast<const Repetend&, int64_t>(&memory_fits),
-          py::arg("repetend"), py::arg("capacity"));
+          py::arg("repetend"), py::arg("capacity"));  // (r alone)
     m.def(
         "memory_fits",
         [](const Graph& g, const Repetend& r, int64_t capacity) {
+            check_repetend(g, r);
             return memory_fits(g, r, capacity);
         },
         py::arg("graph"), py::arg("repetend"), py::arg("capacity"),
         "Whether the repetend's steady-state peaks fit the capacity and each device's own.");
     m.def(
         "warmup_blocks",
-        [check_indices](const std::vector<int>& n) {
-            check_indices(n);
+        [check_range](const std::vector<int>& n) {
+            check_range(n);
             return instances_to_py(warmup_blocks(n))[0];
         },
         py::arg("indices"));
     m.def(
         "cooldown_blocks",
-        [check_indices](const std::vector<int>& n) {
-            check_indices(n);
+        [check_range](const std::vector<int>& n) {
+            check_range(n);
             return instances_to_py(cooldown_blocks(n))[0];
         },
         py::arg("indices"));

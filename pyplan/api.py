@@ -13,10 +13,13 @@ Errors are the CLI's: `pyplan.PlanError` (bad input, with file:line:col) and
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 from pathlib import Path
 
 from pyplan.errors import InfeasibleError, PlanError
+from pyplan._runnable import check_model
 from pyplan.partition import (Partition, UnitCost, best_partitions, even_partitions,
                               plan_text)
 from pyplan.problem import Problem, build_problem, load_problem
@@ -25,8 +28,9 @@ from pyplan.resolved import load_resolved as _load_resolved
 from pyplan.solver import Solution as _Solved
 from pyplan.solver import solve as _solve
 from pyplan.solver.templates import Baseline, baselines
-from pyplan.spec import format_memory, parse_memory, spec_from_text
-from pyplan.spec.plan import MAX_MICRO_BATCHES
+from pyplan.spec import format_memory, load_yaml, parse_memory, spec_from_text
+from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES
+from pyplan.spec.units import MAX_MEMORY
 
 __all__ = ["Baseline", "PartitionPlan", "Plan", "ResolvedPlan", "Solution", "load_plan",
            "load_resolved", "partition_plans", "solve", "templates", "with_overrides"]
@@ -105,11 +109,33 @@ def load_plan(source: str | os.PathLike) -> Plan:
     """A plan from a file, or from YAML text (a string with a newline in it)."""
     if isinstance(source, str) and "\n" in source:
         return build_problem(spec_from_text(source))
-    return load_problem(source)
+    return load_problem(_path(source, "load_plan takes a file name or YAML text"))
+
+
+def _path(source, what: str) -> str | os.PathLike:
+    """A file name as given, or PlanError (an integer would be taken for a file descriptor)."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise PlanError(f"{what}, not {type(source).__name__}")
+    return source
 
 
 def _plan(plan: Plan | str | os.PathLike) -> Plan:
     return plan if isinstance(plan, Problem) else load_plan(plan)
+
+
+def _number(value, what: str, low: float, high: float, *, integer: bool = False):
+    """value if it is a finite number (an integer when asked) in low .. high, else PlanError."""
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or \
+            not (math.isfinite(value) and low <= value <= high):
+        kind = "an integer" if integer else "a finite number"
+        raise PlanError(f"{what} must be {kind} in {_show(low)} .. {_show(high)}, got "
+                        f"{value!r}")
+    return value
+
+
+def _show(x: float) -> str:
+    return f"{x}" if isinstance(x, int) else f"{x:g}"
 
 
 def with_overrides(plan: Plan, *, micro_batches: int | None = None,
@@ -118,11 +144,11 @@ def with_overrides(plan: Plan, *, micro_batches: int | None = None,
     """The plan with another number of micro-batches, memory capacity (in the plan's unit, or
     a size like "24GiB" for size plans; the same on every device), time limit or search effort
     (search.effort); PlanError for values that make no sense."""
-    if micro_batches is not None and (isinstance(micro_batches, bool) or
-                                      not isinstance(micro_batches, int) or
-                                      not 1 <= micro_batches <= MAX_MICRO_BATCHES):
-        raise PlanError(f"micro-batches must be an integer in 1 .. {MAX_MICRO_BATCHES}, got "
-                        f"{micro_batches!r}")
+    if not isinstance(plan, Problem):
+        raise PlanError(f"with_overrides takes a plan (from load_plan), not "
+                        f"{type(plan).__name__}")
+    if micro_batches is not None:
+        _number(micro_batches, "micro-batches", 1, MAX_MICRO_BATCHES, integer=True)
     capacity = None
     if memory is not None:
         try:
@@ -135,14 +161,21 @@ def with_overrides(plan: Plan, *, micro_batches: int | None = None,
         if plan.memory_is_size != is_size and any(b.memory for b in plan.blocks):
             unit = "sizes like 32GiB" if plan.memory_is_size else "plain integers"
             raise PlanError(f"memory must use the plan's unit: {unit}")
-    if time_limit is not None and not time_limit > 0:
-        raise PlanError("the time limit must be positive (seconds)")
+    if time_limit is not None and (isinstance(time_limit, bool) or
+                                   not isinstance(time_limit, (int, float)) or
+                                   not 0 < time_limit < math.inf):
+        raise PlanError(f"the time limit must be positive and finite (seconds), got "
+                        f"{time_limit!r}")
     if effort is not None and (isinstance(effort, bool) or
                                not isinstance(effort, (int, float)) or not 0 < effort <= 1000):
         raise PlanError(f"the effort must be a number in (0, 1000], got {effort!r}",
                         hint="1 is the default; 10 searches about ten times as long")
-    return plan.with_overrides(micro_batches=micro_batches, memory=capacity,
-                               time_limit=time_limit, effort=effort)
+    changed = plan.with_overrides(micro_batches=micro_batches, memory=capacity,
+                                  time_limit=time_limit, effort=effort)
+    overflow = changed.too_large() or (changed.memory_overflow() or (0, None))[1]
+    if overflow is not None:
+        raise PlanError(overflow, hint="fewer micro-batches")
+    return changed
 
 
 def solve(plan: Plan | str | os.PathLike, *, micro_batches: int | None = None,
@@ -153,14 +186,34 @@ def solve(plan: Plan | str | os.PathLike, *, micro_batches: int | None = None,
     InfeasibleError when nothing fits."""
     problem = with_overrides(_plan(plan), micro_batches=micro_batches, memory=memory,
                              time_limit=time_limit, effort=effort)
-    found = _solve(problem, progress=progress)
+    check_model(problem)
+    try:
+        found = _solve(problem, progress=progress)
+    except InfeasibleError as exc:
+        if exc.file is None and memory is None:
+            _at_memory(exc, problem)
+        raise
     return Solution(**{f.name: getattr(found, f.name) for f in dataclasses.fields(found)})
+
+
+def _at_memory(error: InfeasibleError, problem: Problem) -> None:
+    """Point a plan's infeasibility at its memory: line (the capacity it does not fit), when
+    the plan file is there as it was read."""
+    path = problem.source_path
+    try:
+        source = load_yaml(path) if path and Path(path).is_file() else None
+    except PlanError:
+        return
+    if source is not None and source.sha256 == problem.spec_sha256 and \
+            isinstance(source.data, dict) and "memory" in source.data:
+        error.file = path
+        error.line, error.column = source.locate(("memory",))
 
 
 def load_resolved(path: str | os.PathLike) -> ResolvedPlan:
     """Read a resolved plan; its schedule is re-evaluated in the core and checked against the
     recorded times (PlanError if the file was edited or does not run)."""
-    return _load_resolved(path)
+    return _load_resolved(_path(path, "load_resolved takes a file name"))
 
 
 def templates(plan: Plan | str | os.PathLike) -> dict[str, Baseline]:
@@ -194,13 +247,13 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
     the one the units were measured on (a stage's time is divided by its device's). Both go
     into the plans (devices: [{memory, speed}, ...]). InfeasibleError when no partition fits
     the memory (without recomputation). `recompute` goes to the plans' training.recompute."""
+    _check_partition_arguments(units, devices=devices, name=name, factory=factory, data=data,
+                               loss=loss, micro_batches=micro_batches, chunks=chunks,
+                               memory=memory, path=path, keep=keep, time_limit=time_limit,
+                               source=source, cut=cut, layer_returns=layer_returns,
+                               everywhere=everywhere, recompute=recompute, speeds=speeds)
     stages = devices * chunks
     per_device = memory if isinstance(memory, list) else [memory] * devices
-    if len(per_device) != devices or (speeds is not None and len(speeds) != devices):
-        raise PlanError(f"memory and speeds need one value per device ({devices})")
-    if speeds is not None and not all(isinstance(s, (int, float)) and 0 < s <= 1000
-                                      for s in speeds):
-        raise PlanError("device speeds must be numbers in (0, 1000]")
     # Interleaved: a device's memory is shared by its stages, a share each.
     share = [None if per_device[s % devices] is None else per_device[s % devices] // chunks
              for s in range(stages)]
@@ -230,3 +283,72 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
         out.append(PartitionPlan(p, text, solved, solved.schedule.makespan * unit_ms))
     return sorted(out, key=lambda c: (c.makespan_ms, c.partition.bottleneck_ms,
                                       c.partition.bounds))
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_IMPORT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_partition_arguments(units, *, devices, name, factory, data, loss, micro_batches,
+                               chunks, memory, path, keep, time_limit, source, cut,
+                               layer_returns, everywhere, recompute, speeds=None) -> None:
+    """partition_plans' arguments, each checked before anything is built (PlanError)."""
+    if not isinstance(units, (list, tuple)) or not units or \
+            not all(isinstance(u, UnitCost) for u in units):
+        raise PlanError("units must be a non-empty list of pyplan.partition.UnitCost")
+    for i, u in enumerate(units):
+        if not isinstance(u.name, str) or not u.name:
+            raise PlanError(f"units[{i}].name must be a submodule name, got {u.name!r}")
+        for field in ("forward_ms", "backward_ms"):
+            _number(getattr(u, field), f"units[{i}].{field}", 0, 1e9)
+        for field in ("activation_bytes", "weight_bytes", "input_bytes", "output_bytes"):
+            _number(getattr(u, field), f"units[{i}].{field}", 0, MAX_MEMORY, integer=True)
+    names: dict[str, int] = {}
+    for i, u in enumerate(units):
+        if u.name in names or any(not part for part in u.name.split(".")):
+            raise PlanError(f"units[{i}].name {u.name!r} " + (
+                f"repeats units[{names[u.name]}]" if u.name in names else
+                "is not a dotted submodule name"))
+        names[u.name] = i
+    for field in ("activation_bytes", "weight_bytes"):
+        total = sum(getattr(u, field) for u in units)
+        if total > MAX_MEMORY:
+            raise PlanError(f"the units' {field} sum to {total:,}, more than the supported 2^60")
+    if not any(u.forward_ms + u.backward_ms > 0 for u in units):
+        raise PlanError("every unit takes no time: nothing to balance",
+                        hint="give the units' measured times")
+    _number(devices, "devices", 1, MAX_DEVICES, integer=True)
+    _number(chunks, "chunks", 1, 64, integer=True)
+    _number(micro_batches, "micro_batches", 1, MAX_MICRO_BATCHES, integer=True)
+    _number(keep, "keep", 1, 100, integer=True)
+    _number(time_limit, "time_limit", 1e-3, 1e9)
+    if isinstance(memory, list):  # devices that differ: one capacity (or None) each
+        if len(memory) != devices:
+            raise PlanError(f"memory lists {len(memory)} capacities for {devices} devices")
+        for i, amount in enumerate(memory):
+            if amount is not None:
+                _number(amount, f"memory[{i}] (bytes)", 1, MAX_MEMORY, integer=True)
+    elif memory is not None:
+        _number(memory, "memory (bytes per device)", 1, MAX_MEMORY, integer=True)
+    if speeds is not None:
+        if not isinstance(speeds, (list, tuple)) or len(speeds) != devices:
+            raise PlanError(f"speeds must list one speed per device ({devices})")
+        for i, speed in enumerate(speeds):
+            _number(speed, f"speeds[{i}]", 1e-9, 1000)
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise PlanError(f"name must use letters, digits, '_', '-' and '.', got {name!r}")
+    for what, text in (("factory", factory), ("data", data), ("loss", loss)):
+        if not isinstance(text, str) or not _IMPORT.fullmatch(text):
+            raise PlanError(f"{what} must be an import path module.path:function, got {text!r}")
+    if path is not None and (not isinstance(path, str) or "\0" in path):
+        raise PlanError(f"path must be a directory name, got {path!r}")
+    if not isinstance(source, str):
+        raise PlanError("source must be a string")
+    if cut not in ("chain", "forward", "traced") or layer_returns not in ("tensor", "tuple"):
+        raise PlanError(f"cut must be chain, forward or traced and layer_returns tensor or "
+                        f"tuple, got {cut!r} and {layer_returns!r}")
+    if not isinstance(everywhere, (list, tuple)) or \
+            not all(isinstance(x, str) and x for x in everywhere):
+        raise PlanError("everywhere must list parameter names")
+    if recompute not in ("never", "always", "auto"):
+        raise PlanError(f"recompute must be never, always or auto, got {recompute!r}")

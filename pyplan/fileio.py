@@ -8,7 +8,20 @@ from pathlib import Path
 
 from pyplan.errors import PyplanError
 
-__all__ = ["write_atomic"]
+__all__ = ["check_not_input", "read_capped", "write_atomic"]
+
+
+def read_capped(path: str | Path, limit: int) -> bytes:
+    """At most `limit` bytes of a file, however long it is (/dev/zero). Opened without waiting:
+    a named pipe nobody writes to reads as empty instead of blocking the open for ever. Raises
+    OSError (and ValueError for a NUL in the path) as open() does."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            return handle.read(limit)
+    finally:
+        os.close(fd)
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:
@@ -41,3 +54,19 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_not_input(output: str | Path, *inputs: str | Path | None) -> None:
+    """PyplanError when `output` is one of the files a command reads (writing the result would
+    destroy its own input, e.g. `pyplan export PLAN -o PLAN`)."""
+    for given in inputs:
+        if given is None:
+            continue
+        try:
+            same = os.path.samefile(output, given) if Path(output).exists() else \
+                Path(output).resolve() == Path(given).resolve()
+        except (OSError, ValueError):
+            continue
+        if same:
+            raise PyplanError(f"refusing to write over {given}, which this command reads",
+                              hint="choose another output file")

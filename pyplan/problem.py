@@ -18,7 +18,8 @@ from pyplan.errors import PlanError, did_you_mean
 from pyplan.shapes import expand_blocks
 from pyplan.spec import (BackwardSpec, BlockSpec, MeshSpec, ModelSpec, PlanSpec, SearchSpec,
                          format_memory, load_spec)
-from pyplan.spec.plan import MAX_TIME
+from pyplan.spec.plan import MAX_INSTANCES, MAX_TIME
+from pyplan.spec.units import MAX_MEMORY
 
 __all__ = ["FORWARD", "BACKWARD", "WEIGHT", "OTHER", "Block", "OrderRule", "Problem",
            "build_problem", "layer_of", "load_problem", "reaches", "resolve_rule"]
@@ -206,6 +207,29 @@ class Problem:
         """Whether per-device peaks stay within each device's capacity."""
         return all(c is None or p <= c for p, c in zip(peaks, self.capacities))
 
+    def too_large(self) -> str | None:
+        """Why the schedule would be too large to lay out (every block of every micro-batch
+        has a start time: time and memory grow with their number), or None."""
+        instances = len(self.blocks) * self.num_micro_batches
+        if instances > MAX_INSTANCES:
+            return (f"{len(self.blocks):,} blocks x {self.num_micro_batches:,} micro-batches "
+                    f"make {instances:,} block instances, more than the supported "
+                    f"{MAX_INSTANCES:,}")
+        return None
+
+    def memory_overflow(self) -> tuple[int, str] | None:
+        """(device, why) when a device's memory could sum beyond what the core counts in
+        int64: its weights, or its weights plus every micro-batch's allocations at once."""
+        for d, (weights, worst) in enumerate(_memory_sums(self)):
+            if weights > MAX_MEMORY:
+                return d, (f"the weights on device {d} sum to {self.show_memory(weights)} "
+                           f"({weights:,}), more than the supported 2^60")
+            if worst > MAX_SUM:
+                return d, (f"device {d} could hold {self.show_memory(worst)} ({worst:,}: its "
+                           f"weights and {self.num_micro_batches:,} micro-batches' "
+                           "allocations), more than the supported 2^62")
+        return None
+
     def headroom(self, device: int) -> int | None:
         """What the capacity leaves for activations on a device after its weights."""
         capacity = self.capacity_of(device)
@@ -362,6 +386,21 @@ def _queue_bound(jobs: list[tuple[int, int, int]], n: int) -> int:
     return best
 
 
+MAX_SUM = 2**62  # a device's memory at any time, weights included, in the core's int64
+
+
+def _memory_sums(problem: Problem) -> list[tuple[int, int]]:
+    """Per device: its weights and the most it could hold (weights, re-materialised room and
+    every micro-batch's allocations)."""
+    weights = [0] * problem.num_devices
+    allocated = [0] * problem.num_devices
+    for b in problem.blocks:
+        for d in b.devices:
+            weights[d] += b.weights
+            allocated[d] += max(0, b.memory) + b.rematerialised
+    return [(w, w + problem.num_micro_batches * a) for w, a in zip(weights, allocated)]
+
+
 class _Builder:
     def __init__(self, spec: PlanSpec) -> None:
         self.spec = spec
@@ -413,17 +452,35 @@ class _Builder:
             if spec.kind == BACKWARD and not self.spec.training:
                 raise self.fail(path + ("kind",), f"block '{spec.name}' is a backward block in "
                                 "an inference plan", "set task: training or remove the block")
-            capacities = [self.spec.device_memory[d] if self.spec.device_memory
-                          else self.spec.memory_capacity for d in devices]
-            least = min((c for c in capacities if c is not None), default=None)
-            if least is not None and spec.memory > least:
-                raise self.fail(path + ("memory",),
-                                f"block '{spec.name}' alone needs {self.show(spec.memory)} per "
-                                f"device, more than the capacity {self.show(least)}",
-                                "split the block over more devices or raise memory:")
             self.declared[spec.name] = spec
             self.add(spec.name, spec.kind, spec.time, spec.memory, devices, path,
                      weights=spec.weights, recompute_memory=spec.recompute_memory)
+
+    def check_alone(self) -> None:
+        """Each block fits the capacity by itself, with the weights resident on its devices
+        (on each device, its own capacity where the devices differ)."""
+        spec = self.spec
+        capacities = spec.device_memory or (spec.memory_capacity,) * spec.num_devices
+        if all(c is None for c in capacities):
+            return
+        weights = [0] * self.spec.num_devices
+        for b in self.blocks:
+            for d in b.devices:
+                weights[d] += b.weights
+        for b in self.blocks:
+            limited = [d for d in b.devices if capacities[d] is not None]
+            if not limited:
+                continue
+            d = max(limited, key=lambda d: weights[d] - capacities[d])
+            capacity = capacities[d]
+            if b.memory + weights[d] > capacity:
+                held = f" ({self.show(b.memory)} and the weights on device {d}, " \
+                    f"{self.show(weights[d])})" if weights[d] else ""
+                raise self.fail(self.paths[b.index] + ("memory",),
+                                f"block '{b.name}' alone needs "
+                                f"{self.show(b.memory + weights[d])} per device{held}, more "
+                                f"than the capacity {self.show(capacity)}",
+                                "split the block over more devices or raise memory:")
 
     def show(self, amount: int) -> str:
         return format_memory(amount, self.spec.memory_is_size)
@@ -472,6 +529,8 @@ class _Builder:
             if b_time <= 0:
                 raise self.fail(spec.path + ("backward", "time"),
                                 f"backward time of '{spec.name}' must be positive")
+            self.check_time(spec, f"the backward of '{spec.name}'", b_time, fwd.time,
+                            rule.time_ratio)
             b = self.add(f"{spec.name}.b", BACKWARD, b_time, b_mem, fwd.devices, spec.path)
             if rule.weight_time_ratio is not None:
                 w_time = (over.weight_time if over.weight_time is not None
@@ -480,6 +539,8 @@ class _Builder:
                 if w_time <= 0:
                     raise self.fail(spec.path + ("backward", "weight_time"),
                                     f"weight-gradient time of '{spec.name}' must be positive")
+                self.check_time(spec, f"the weight gradient of '{spec.name}'", w_time,
+                                fwd.time, rule.weight_time_ratio)
                 w = self.add(f"{spec.name}.w", WEIGHT, w_time, w_mem, fwd.devices, spec.path)
                 self.edges.append((b, w))
         # Gradients flow back along the forward edges between blocks that have a backward; the
@@ -493,6 +554,14 @@ class _Builder:
             index = self.by_name[name]
             if not any(self.blocks[d].name in derived for s, d in forward_edges if s == index):
                 self.edges.append((index, self.by_name[f"{name}.b"]))
+
+    def check_time(self, spec: BlockSpec, what: str, time: int, forward: int,
+                   ratio: float) -> None:
+        """A derived time within the supported range, or an error with the true figure."""
+        if time > MAX_TIME:
+            raise self.fail(spec.path + ("time",), f"{what} takes {time:,} time units (time "
+                            f"{forward:,} x ratio {ratio:g}), more than the supported "
+                            f"{MAX_TIME:,}", "use a smaller time unit or ratio")
 
     # -- transfers and recomputation
 
@@ -513,8 +582,14 @@ class _Builder:
             elif spec.transfer is not None:
                 out.append(spec.transfer)
             elif spec.output is not None:
-                out.append(max(min(topology.transfer_time(spec.output, p, q)
-                                   for p in src.devices) for q in missing))
+                time = max(min(topology.transfer_time(spec.output, p, q)
+                               for p in src.devices) for q in missing)
+                if time > MAX_TIME:
+                    raise self.fail(spec.path + ("output",), f"the output of '{owner}' takes "
+                                    f"{time:,} time units to send, more than the supported "
+                                    f"{MAX_TIME:,}", "check the output size, the links' "
+                                    "bandwidth and latency and topology.time_unit_ms")
+                out.append(time)
             else:
                 out.append(0)
         return out
@@ -540,6 +615,14 @@ class _Builder:
                                 f"block '{name}' keeps {self.show(spec.recompute_memory)} when "
                                 f"recomputed, but holds only {self.show(block.memory)}",
                                 "recompute_memory is what it keeps (its input), at most memory")
+            back = self.blocks[self.by_name[f"{name}.b"]]
+            if back.time + block.time > MAX_TIME:
+                where = spec.path + ("recompute",) if spec.recompute else \
+                    ("training", "recompute")
+                raise self.fail(where, f"recomputing '{name}' makes its backward take "
+                                f"{back.time + block.time:,} time units ({back.time:,} + the "
+                                f"forward's {block.time:,}), more than the supported "
+                                f"{MAX_TIME:,}", "use a smaller time unit")
             self.blocks[block.index] = dataclasses.replace(block, recompute=mode)
             if mode == "always":
                 always.append(block.index)
@@ -634,6 +717,7 @@ class _Builder:
         spec = self.spec
         specs = expand_blocks(spec)
         self.declare(specs)
+        self.check_alone()
         self.depend(specs)
         self.derive_backward(specs)
         self.apply_speeds()
@@ -643,17 +727,35 @@ class _Builder:
         rules = self.rules()
         always = self.recompute()
         transfers = self.transfers()
-        return Problem(name=spec.name, description=spec.description,
-                       num_devices=spec.num_devices, memory_capacity=spec.memory_capacity,
-                       device_memory=spec.device_memory, device_speed=spec.device_speed,
-                       memory_is_size=spec.memory_is_size,
-                       num_micro_batches=spec.num_micro_batches, training=spec.training,
-                       blocks=tuple(self.blocks), edges=tuple(self.edges), rules=tuple(rules),
-                       transfers=tuple(transfers),
-                       search=spec.search, mesh=spec.mesh, model=spec.model,
-                       time_unit_ms=spec.topology.time_unit_ms,
-                       spec_sha256=spec.source.sha256,
-                       source_path=spec.source.path).with_recompute(always)
+        problem = Problem(name=spec.name, description=spec.description,
+                          num_devices=spec.num_devices, memory_capacity=spec.memory_capacity,
+                          device_memory=spec.device_memory,
+                          device_speed=spec.device_speed,
+                          memory_is_size=spec.memory_is_size,
+                          num_micro_batches=spec.num_micro_batches, training=spec.training,
+                          blocks=tuple(self.blocks), edges=tuple(self.edges), rules=tuple(rules),
+                          transfers=tuple(transfers),
+                          search=spec.search, mesh=spec.mesh, model=spec.model,
+                          time_unit_ms=spec.topology.time_unit_ms,
+                          spec_sha256=spec.source.sha256,
+                          source_path=spec.source.path).with_recompute(always)
+        self.check_sums(problem)
+        return problem
+
+    def check_sums(self, problem: Problem) -> None:
+        """A schedule too large to lay out (at micro_batches), memory that could sum beyond
+        int64 (at the first block on the device that adds to it)."""
+        why = problem.too_large()
+        if why is not None:
+            raise self.fail(("micro_batches",), why, "fewer micro-batches or blocks")
+        overflow = problem.memory_overflow()
+        if overflow is not None:
+            device, why = overflow
+            first = next(b.index for b in self.blocks
+                         if device in b.devices and (b.weights or b.memory > 0))
+            key = "weights" if self.blocks[first].weights else "memory"
+            raise self.fail(self.paths[first] + (key,), why,
+                            "these amounts are far beyond any device: check the unit")
 
 
 class RuleError(RuleSyntaxError):

@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import yaml
+
 from pyplan import __version__, _core
+from pyplan._derived import compare_with_plan
+from pyplan._seal import check_seal, seal_lines
 from pyplan.constraints import RuleSyntaxError
 from pyplan.errors import PlanError
-from pyplan.fileio import write_atomic
+from pyplan.fileio import read_capped, write_atomic
 from pyplan.problem import Block, Problem, layer_of, resolve_rule
 from pyplan.schedule import Schedule, build_schedule, repetend_from_core
 from pyplan.spec import MeshSpec, ModelSpec, load_yaml
@@ -37,6 +42,20 @@ __all__ = ["FORMAT", "ResolvedPlan", "is_resolved", "load_resolved", "render_res
 
 FORMAT = 1
 _RESOLVED = re.compile(rb"^pyplan_resolved:", re.MULTILINE)
+_LATEST = 2**62  # no start lies beyond (the core's times stay far inside int64)
+_BLOCK_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*(\.[bw])?")
+_KINDS = ("forward", "backward", "weight", "other")
+# Fields of a block, the model and the mesh: (type, low or the allowed strings, high).
+_BLOCK = {"name": (str, (), 0), "kind": (str, _KINDS, 0), "time": (int, 1, MAX_TIME),
+          "memory": (int, -MAX_MEMORY, MAX_MEMORY), "weights": (int, 0, MAX_MEMORY),
+          "recompute": (str, ("never", "always", "auto"), 0),
+          "recompute_memory": (int, 0, MAX_MEMORY), "recomputed": (bool, 0, 0),
+          "rematerialised": (int, 0, MAX_MEMORY), "devices": (list, 0, 0)}
+_MODEL = {"blocks": (str, (), 0), "module": (str, (), 0), "stages": (dict, 0, 0),
+          "traced": (bool, 0, 0), "cut": (str, ("chain", "forward", "traced"), 0),
+          "layer_returns": (str, ("tensor", "tuple"), 0), "ties": (list, 0, 0),
+          "data": (str, (), 0), "loss": (str, (), 0), "path": (str, (), 0)}
+_MESH = {"data": (int, 1, MAX_DEVICES), "shard": (bool, 0, 0), "sync": (int, 0, MAX_TIME)}
 
 
 def resolved_path(plan_path: str | Path) -> Path:
@@ -69,8 +88,8 @@ class ResolvedPlan:
         if plan is None:
             return
         try:
-            with open(plan, "rb") as handle:  # a plan is at most MAX_FILE_BYTES: read no more
-                digest = hashlib.sha256(handle.read(MAX_FILE_BYTES + 1)).hexdigest()
+            # (a plan is at most MAX_FILE_BYTES: read no more)
+            digest = hashlib.sha256(read_capped(plan, MAX_FILE_BYTES + 1)).hexdigest()
         except (OSError, ValueError):
             raise PlanError(f"the plan it was solved from, {plan}, cannot be read",
                             hint="keep the plan beside its resolved plan", file=self.path) \
@@ -104,6 +123,41 @@ def _rate(x: float) -> str:
     return f"{x:.4f}"
 
 
+def _float(x: float) -> str:
+    """A float as YAML reads it back: repr, with a decimal point before an exponent (YAML 1.1
+    reads 1e-300 as a string)."""
+    text = repr(float(x))
+    return text.replace("e", ".0e", 1) if "e" in text and "." not in text else text
+
+
+_PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./@-]*")
+_STR = "tag:yaml.org,2002:str"
+
+
+def _scalar(text: str) -> str:
+    """A string as YAML reads it back: plain when it reads as itself (not as a number, true,
+    null or a date), double-quoted otherwise."""
+    if _PLAIN.fullmatch(text) and \
+            yaml.SafeLoader.resolve(yaml.SafeLoader, yaml.ScalarNode, text, (True, False)) == _STR:
+        return text
+    return _quoted(text)
+
+
+def _quoted(text: str) -> str:
+    """A double-quoted YAML string: JSON's escapes, and escapes for the characters YAML does
+    not allow in a file or reads as line breaks (other controls, U+2028/9, surrogates of
+    undecodable file names, the byte order mark, U+FFFE/F)."""
+    out = []
+    for ch in json.dumps(text, ensure_ascii=False):
+        code = ord(ch)
+        if 0x7F <= code <= 0x9F or 0xD800 <= code <= 0xDFFF or \
+                code in (0x2028, 0x2029, 0xFEFF, 0xFFFE, 0xFFFF):
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def render_resolved(solution: Solution, plan_rel: str | None) -> str:
     """The resolved plan text for a Solution (deterministic: same solution, same bytes)."""
     schedule: Schedule = solution.schedule
@@ -116,9 +170,9 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
         "# Entries are \"block@micro-batch start\": each device runs its entries in order, each",
         "# block as early as its inputs, devices and order allow.",
         f"pyplan_resolved: {FORMAT}",
-        f"plan: {plan_rel}" if plan_rel else "plan: null",
+        f"plan: {_scalar(plan_rel)}" if plan_rel else "plan: null",
         f"spec_sha256: {problem.spec_sha256}",
-        f"name: {problem.name}",
+        f"name: {_scalar(problem.name)}",
         f"task: {'training' if problem.training else 'inference'}",
         f"devices: {problem.num_devices}",
         f"micro_batches: {n}",
@@ -139,32 +193,33 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
             extra += (f", recompute: {b.recompute}, recompute_memory: {b.recompute_memory}, "
                       f"recomputed: {'true' if b.recomputed else 'false'}")
             extra += f", rematerialised: {b.rematerialised}" if b.recomputed else ""
-        lines.append(f"  - {{name: {b.name}, kind: {b.kind}, time: {b.time}, "
+        lines.append(f"  - {{name: {_scalar(b.name)}, kind: {b.kind}, time: {b.time}, "
                      f"memory: {b.memory}{extra}, devices: {_flow(b.devices)}}}")
-    lines.append("dependencies:")
+    lines.append("dependencies:" if problem.edges else "dependencies: []")
     for e in problem.edges:
         delay = problem.transfer.get(e)
-        lines.append(f"  - [{problem.blocks[e[0]].name}, {problem.blocks[e[1]].name}"
+        lines.append(f"  - [{_scalar(problem.blocks[e[0]].name)}, "
+                     f"{_scalar(problem.blocks[e[1]].name)}"
                      + (f", {delay}]" if delay else "]"))
     if problem.rules:
         lines.append("order_rules:")
         for r in problem.rules:
-            lines.append(f"  - \"{r.text}\"")
+            lines.append(f"  - {_quoted(r.text)}")
     if problem.model is not None:
         m = problem.model
-        builder = (f"blocks: \"{m.blocks}\"" if m.blocks is not None else
-                   f"module: \"{m.module}\", stages: {{" +
-                   ", ".join(f"{name}: [{', '.join(json.dumps(u) for u in units)}]"
+        builder = (f"blocks: {_quoted(m.blocks)}" if m.blocks is not None else
+                   f"module: {_quoted(m.module)}, stages: {{" +
+                   ", ".join(f"{_scalar(name)}: [{', '.join(_quoted(u) for u in units)}]"
                              for name, units in m.stages) + "}"
                    + (f", cut: {m.cut}" if m.cut != "chain" else "")
                    + (f", layer_returns: {m.layer_returns}" if m.layer_returns != "tensor" else "")
                    + ("" if m.ties is None else ", ties: [" + ", ".join(
-                       f"{{parameter: {json.dumps(p)}, stages: [{', '.join(s)}]}}"
-                       for p, s in m.ties) + "]"))
-        lines.append(f"model: {{{builder}, data: \"{m.data}\", loss: \"{m.loss}\""
-                     + (f", path: \"{m.path}\"" if m.path else "") + "}")
+                       f"{{parameter: {_quoted(p)}, stages: [{', '.join(map(_scalar, st))}]}}"
+                       for p, st in m.ties) + "]"))
+        lines.append(f"model: {{{builder}, data: {_quoted(m.data)}, loss: {_quoted(m.loss)}"
+                     + (f", path: {_quoted(m.path)}" if m.path else "") + "}")
     if problem.time_unit_ms is not None:
-        lines.append(f"time_unit_ms: {problem.time_unit_ms!r}")
+        lines.append(f"time_unit_ms: {_float(problem.time_unit_ms)}")
     if problem.mesh.data > 1:
         mesh = problem.mesh
         lines.append(f"mesh: {{data: {mesh.data}, shard: {'true' if mesh.shard else 'false'}, "
@@ -216,15 +271,16 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
             lines.append(f"  {d}:")
             lines += [f"    - {problem.blocks[x.layer].name} {x.start}"
                       for x in schedule.syncs if x.device == d]
-    lines.append("baselines:")
+    lines.append("baselines:" if solution.baselines else "baselines: {}")
     for name, base in solution.baselines.items():
         if not base.applicable:
-            lines.append(f"  {name}: \"not applicable: {base.reason}\"")
+            lines.append(f"  {name}: {_quoted(f'not applicable: {base.reason}')}")
             continue
         extra = "" if base.fits_memory else f", exceeds_memory: {max(base.peak_memory)}"
         lines.append(f"  {name}: {{makespan: {base.makespan}, bubble_rate: "
                      f"{_rate(base.bubble_rate)}{extra}}}")
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    return text + "\n".join(seal_lines(text)) + "\n"
 
 
 def write_resolved(solution: Solution, out_path: str | Path) -> Path:
@@ -238,6 +294,12 @@ def write_resolved(solution: Solution, out_path: str | Path) -> Path:
                                             out.resolve().parent)).as_posix()
         except ValueError:
             plan_rel = Path(source).resolve().as_posix()
+        try:
+            plan_rel.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the file system could not decode
+            raise PlanError(f"the path of the plan, {plan_rel!r}, is not UTF-8 text, so the "
+                            "resolved plan cannot record it", hint="rename the plan file",
+                            file=str(source)) from None
     write_atomic(out, render_resolved(solution, plan_rel))
     return out
 
@@ -270,6 +332,8 @@ class _Reader:
                             "the file was edited; re-run pyplan solve")
         if kind is str and not isinstance(value, str):
             raise self.fail(where + (key,), f"'{key}' must be a string")
+        if kind is float and (type(value) not in (int, float) or not math.isfinite(value)):
+            raise self.fail(where + (key,), f"'{key}' must be a finite number")
         if kind is list and not isinstance(value, list):
             raise self.fail(where + (key,), f"'{key}' must be a list")
         if kind is bool and not isinstance(value, bool):
@@ -282,20 +346,23 @@ class _Reader:
         if not isinstance(self.doc, dict) or self.doc.get("pyplan_resolved") != FORMAT:
             raise self.fail((), "not a resolved plan (pyplan_resolved: 1 missing)",
                             "pass the .resolved.yaml written by pyplan solve")
+        check_seal(self.source)  # (first: an edit is named for the field it changed)
         blocks, by_name = [], {}  # (indexed here for the dependencies; Problem keeps its own)
         num_devices = self.get("devices", int, low=1, high=MAX_DEVICES)
         for i, raw in enumerate(self.get("blocks", list)):
-            try:
-                devices = tuple(int(d) for d in raw["devices"])
-                name, kind = str(raw["name"]), str(raw["kind"])
-                block = Block(i, name, kind, int(raw["time"]), int(raw["memory"]), devices,
-                              layer_of(name, kind), int(raw.get("weights", 0)),
-                              recompute=str(raw.get("recompute", "never")),
-                              recompute_memory=int(raw.get("recompute_memory", 0)),
-                              recomputed=raw.get("recomputed") is True,
-                              rematerialised=int(raw.get("rematerialised", 0)))
-            except (KeyError, TypeError, ValueError, OverflowError):
-                raise self.fail(("blocks", i), "malformed block") from None
+            self.typed(raw, ("blocks", i), _BLOCK, {"name", "kind", "time", "devices"})
+            devices = tuple(raw["devices"])
+            name, kind = raw["name"], raw["kind"]
+            if not _BLOCK_NAME.fullmatch(name) or kind not in _KINDS or \
+                    not all(type(d) is int for d in devices) or name in by_name:
+                raise self.fail(("blocks", i), "malformed block",
+                                "the file was edited; re-run pyplan solve")
+            block = Block(i, name, kind, raw["time"], raw.get("memory", 0), devices,
+                          layer_of(name, kind), raw.get("weights", 0),
+                          recompute=raw.get("recompute", "never"),
+                          recompute_memory=raw.get("recompute_memory", 0),
+                          recomputed=raw.get("recomputed", False),
+                          rematerialised=raw.get("rematerialised", 0))
             if not 1 <= block.time <= MAX_TIME or abs(block.memory) > MAX_MEMORY or \
                     not 0 <= block.weights <= MAX_MEMORY or \
                     block.recompute not in ("never", "always", "auto") or \
@@ -303,7 +370,7 @@ class _Reader:
                     not 0 <= block.rematerialised <= MAX_MEMORY:
                 raise self.fail(("blocks", i), f"block '{block.name}' has a time or memory "
                                 "outside the supported ranges")
-            if block.time <= 0 or not devices or \
+            if block.time <= 0 or not devices or len(set(devices)) != len(devices) or \
                     any(not 0 <= d < num_devices for d in devices):
                 raise self.fail(("blocks", i), f"block '{block.name}' is invalid")
             by_name[block.name] = i
@@ -318,32 +385,40 @@ class _Reader:
             edges.append((by_name[pair[0]], by_name[pair[1]]))
             transfers.append(pair[2] if len(pair) == 3 else 0)
         rules = []
-        for i, text in enumerate(self.doc.get("order_rules") or []):
+        texts = self.get("order_rules", list) if "order_rules" in self.doc else []
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise self.fail(("order_rules", i), "an order rule must be a string")
             try:
-                rules.append(resolve_rule(str(text), blocks, by_name, edges))
+                rules.append(resolve_rule(text, blocks, by_name, edges))
             except RuleSyntaxError as exc:
                 raise self.fail(("order_rules", i), f"malformed order rule: {exc}") from None
         model = None
-        if isinstance(self.doc.get("model"), dict):
-            raw = self.doc["model"]
-            path = raw.get("path")
-            stages = raw.get("stages") if isinstance(raw.get("stages"), dict) else {}
-            if any(not isinstance(u, list) or not all(isinstance(x, str) for x in u)
-                   for u in stages.values()):
-                raise self.fail(("model", "stages"), "model stages must list submodule names")
-            model = ModelSpec(blocks=None if raw.get("blocks") is None else str(raw["blocks"]),
-                              module=None if raw.get("module") is None else str(raw["module"]),
-                              stages=tuple((str(k), tuple(v)) for k, v in stages.items()),
-                              cut="traced" if raw.get("traced") is True else
-                              str(raw.get("cut", "chain")),
-                              layer_returns=str(raw.get("layer_returns", "tensor")),
-                              ties=_ties(raw.get("ties"), self),
-                              data=str(raw.get("data")), loss=str(raw.get("loss")),
-                              path=path if isinstance(path, str) and "\0" not in path else None)
-            if model.builder is None:
-                raise self.fail(("model",), "the model names neither blocks nor module")
+        if "model" in self.doc:
+            raw = self.get("model", dict)
+            self.typed(raw, ("model",), _MODEL, {"data", "loss"})
+            stages = raw.get("stages", {})
+            for name, units in stages.items():
+                if not isinstance(units, list) or not units or \
+                        not all(isinstance(x, str) and x for x in units):
+                    raise self.fail(("model", "stages", name), "model stages must list "
+                                    "submodule names")
+            declared = [b.name for b in blocks if b.is_forward]
+            if ("blocks" in raw) == ("module" in raw) or ("module" in raw) != bool(stages) or \
+                    (("traced" in raw or "cut" in raw or "ties" in raw) and "blocks" in raw) or \
+                    (stages and list(stages) != declared) or "\0" in raw.get("path", ""):
+                raise self.fail(("model",), "the model must name blocks, or module and stages "
+                                "of exactly the declared blocks",
+                                "the file was edited; re-run pyplan solve")
+            model = ModelSpec(blocks=raw.get("blocks"), module=raw.get("module"),
+                              stages=tuple((k, tuple(v)) for k, v in stages.items()),
+                              cut="traced" if raw.get("traced") else raw.get("cut", "chain"),
+                              layer_returns=raw.get("layer_returns", "tensor"),
+                              ties=_ties(raw.get("ties"), self), data=raw["data"],
+                              loss=raw["loss"], path=raw.get("path"))
         mesh = MeshSpec()
         if self.doc.get("mesh") is not None:
+            self.typed(self.get("mesh", dict), ("mesh",), _MESH, set(_MESH))
             mesh = MeshSpec(data=self.get("data", int, ("mesh",), low=1,
                                           high=MAX_DEVICES // num_devices),
                             shard=self.get("shard", bool, ("mesh",)),
@@ -355,25 +430,37 @@ class _Reader:
         memory = None
         if self.doc.get("memory") is not None:
             memory = self.get("memory", int, low=1, high=MAX_MEMORY)
+        for key, values in (("task", ("training", "inference")),
+                            ("memory_unit", ("bytes", "plan"))):
+            if self.get(key, str) not in values:
+                raise self.fail((key,), f"'{key}' must be one of {', '.join(values)}")
         device_memory, device_speed = self.devices(num_devices)
         problem = Problem(
             name=str(self.get("name", str)), description="", num_devices=num_devices,
             memory_capacity=memory,
-            memory_is_size=self.doc.get("memory_unit") == "bytes",
+            memory_is_size=self.doc["memory_unit"] == "bytes",
             num_micro_batches=self.get("micro_batches", int, low=1,
                                        high=MAX_MICRO_BATCHES),
-            training=self.doc.get("task") != "inference", blocks=tuple(blocks),
+            training=self.doc["task"] == "training", blocks=tuple(blocks),
             edges=tuple(edges), rules=tuple(rules),
             transfers=tuple(transfers), mesh=mesh, model=model,
             time_unit_ms=None if unit is None else float(unit),
             spec_sha256=str(self.get("spec_sha256", str)), source_path=self.path,
             device_memory=device_memory, device_speed=device_speed)
+        overflow = problem.too_large() or (problem.memory_overflow() or (0, None))[1]
+        if overflow is not None:
+            raise self.fail(("blocks",), overflow)
         try:
             cycle = problem.graph.find_cycle()
         except (ValueError, IndexError) as exc:  # e.g. a block that depends on itself
             raise self.fail(("dependencies",), f"invalid dependencies: {exc}") from None
         if cycle:
             raise self.fail(("dependencies",), "the dependencies form a cycle")
+        for d, net in enumerate(problem.graph.net_memory()):
+            if net:
+                raise self.fail(("blocks",), f"memory does not balance on device {d}: one "
+                                f"micro-batch leaves {problem.show_memory(net)} allocated",
+                                "the file was edited; re-run pyplan solve")
         return problem
 
     def devices(self, num_devices: int) -> tuple[tuple, tuple]:
@@ -392,6 +479,24 @@ class _Reader:
                             "per device", "the file was edited; re-run pyplan solve")
         return tuple(memory or ()), tuple(float(s) for s in speed or ())
 
+    def typed(self, raw, where: tuple, fields: dict, required: set) -> None:
+        """raw is a mapping of the known fields, each of its type (and range), the required
+        ones present."""
+        if not isinstance(raw, dict):
+            raise self.fail(where, f"{'.'.join(map(str, where))} must be a mapping")
+        for key, value in raw.items():
+            if key not in fields:
+                raise self.fail(where + (key,), f"unknown field {key!r}",
+                                "the file was edited; re-run pyplan solve")
+            kind, low, high = fields[key]
+            if type(value) is not kind or (kind is int and not low <= value <= high) or \
+                    (kind is str and low and value not in low):
+                shown = repr(value) if len(repr(value)) <= 40 else type(value).__name__
+                raise self.fail(where + (key,), f"'{key}' cannot be {shown} here",
+                                "the file was edited; re-run pyplan solve")
+        for key in sorted(required - set(raw)):
+            raise self.fail(where, f"missing '{key}'", "the file was edited; re-run pyplan solve")
+
     def entries(self, problem: Problem, part: str, relative_to: int):
         """Per-device [(block, mb, start)] of a schedule part; cooldown mbs count from the end."""
         raw = self.get(part, dict, ("schedule",))
@@ -406,11 +511,20 @@ class _Reader:
                 try:
                     head, start = str(text).split(" ")
                     name, mb = head.rsplit("@", 1)
-                    order.append((problem.by_name[name], int(mb) + relative_to, int(start)))
+                    entry = (problem.by_name[name], int(mb) + relative_to, int(start))
                 except (ValueError, KeyError):
                     raise self.fail(where + (i,), f"malformed entry {text!r}",
                                     "entries read \"block@micro-batch start\"") from None
+                if not 0 <= entry[1] < problem.num_micro_batches or not 0 <= entry[2] <= _LATEST:
+                    raise self.fail(where + (i,), f"entry {text!r} names a micro-batch or a "
+                                    "start outside the schedule",
+                                    "the file was edited; re-run pyplan solve")
+                order.append(entry)
             orders.append(order)
+        for d in raw:
+            if not (type(d) is int and 0 <= d < problem.num_devices):
+                raise self.fail(("schedule", part, d), f"{part} lists device {d!r}, which the "
+                                f"plan does not have", "the file was edited; re-run pyplan solve")
         return orders
 
 
@@ -429,10 +543,44 @@ def _ties(raw, reader: _Reader):
 def is_resolved(path: str | Path) -> bool:
     """Whether the file is a resolved plan (unreadable files are left to the plan loader)."""
     try:
-        with open(path, "rb") as handle:  # the marker is near the top; never read a whole file
-            return _RESOLVED.search(handle.read(4096)) is not None
+        # (the marker is near the top; never read a whole file)
+        return _RESOLVED.search(read_capped(path, 4096)) is not None
     except (OSError, ValueError):
         return False
+
+
+def _check_recorded(reader: _Reader, schedule: Schedule) -> None:
+    """What the file records about the schedule is what the schedule gives."""
+    def same(where: tuple, recorded, computed) -> None:
+        if recorded != computed:
+            raise reader.fail(where, f"'{where[-1]}' does not match the schedule "
+                              f"({computed})", "the file was edited; re-run pyplan solve")
+
+    def rate(where: tuple, computed: float) -> None:
+        value = reader.get(where[-1], float, where[:-1])
+        same(where, _rate(value), _rate(computed))
+
+    same(("peak_memory",), reader.get("peak_memory", list), list(schedule.peak_memory))
+    rate(("bubble_rate",), schedule.bubble_rate)
+    rep = schedule.repetend
+    if rep is not None:
+        start, end = schedule.repetend_window()
+        for key, computed in (("micro_batches", rep.num_micro_batches),
+                              ("count", schedule.repetend_count), ("start", start),
+                              ("end", end)):
+            same(("repetend", key), reader.get(key, int, ("repetend",)), computed)
+        rate(("repetend", "bubble_rate"), rep.bubble_rate)
+        if reader.get("period_status", str, ("repetend",)) not in \
+                ("optimal", "feasible", "time_limit"):
+            raise reader.fail(("repetend", "period_status"), "unknown period status")
+    origin = reader.get("origin", str)
+    if not re.fullmatch(r"[a-z0-9-]+", origin):
+        raise reader.fail(("origin",), f"unknown origin {origin!r}")
+    for name, base in reader.get("baselines", dict).items():
+        if not (isinstance(base, str) or isinstance(base, dict) and all(
+                type(v) in (int, float) for v in base.values())):
+            raise reader.fail(("baselines", name), "malformed baseline",
+                              "the file was edited; re-run pyplan solve")
 
 
 def load_resolved(path: str | Path) -> ResolvedPlan:
@@ -441,6 +589,18 @@ def load_resolved(path: str | Path) -> ResolvedPlan:
     problem = reader.problem()
     n = problem.num_micro_batches
     doc = reader.doc
+    plan = doc.get("plan")
+    if plan is not None and (not isinstance(plan, str) or "\0" in plan or not plan):
+        raise reader.fail(("plan",), "'plan' must be the plan file's path (or null)")
+    if plan is not None:  # the plan file present and fresh: what it determines, compared
+        fresh_plan = Path(str(path)).parent / plan
+        try:
+            fresh = hashlib.sha256(read_capped(fresh_plan, MAX_FILE_BYTES + 1)).hexdigest() \
+                == problem.spec_sha256
+        except (OSError, ValueError):
+            fresh = False  # (check_fresh says so where it matters)
+        if fresh:
+            compare_with_plan(problem, fresh_plan, reader.source)
     rep_doc = doc.get("repetend")
     warmup = reader.entries(problem, "warmup", 0)
     repetend, cooldown = None, [[] for _ in range(problem.num_devices)]
@@ -480,12 +640,12 @@ def load_resolved(path: str | Path) -> ResolvedPlan:
                               f"{problem.blocks[b].name}@{m} does not match its order "
                               f"({schedule.start_of(b, m)})",
                               "the file was edited; re-run pyplan solve")
-    syncs = doc.get("gradient_syncs") or {}
+    syncs = reader.get("gradient_syncs", dict) if "gradient_syncs" in doc else {}
     recorded_syncs = []
-    for d in range(problem.num_devices) if isinstance(syncs, dict) else ():
-        for text in syncs.get(d) or []:
-            name, _, start = str(text).partition(" ")
-            recorded_syncs.append((d, name, start))
+    for d, texts in syncs.items():
+        if not isinstance(texts if texts is not None else [], list):
+            raise reader.fail(("gradient_syncs", d), "gradient synchronisations are a list")
+        recorded_syncs += [(d, *str(text).partition(" ")[::2]) for text in texts or []]
     computed = [(x.device, problem.blocks[x.layer].name, str(x.start)) for x in schedule.syncs]
     if recorded_syncs != computed:
         raise reader.fail(("gradient_syncs",), "the gradient synchronisations do not match the "
@@ -493,9 +653,6 @@ def load_resolved(path: str | Path) -> ResolvedPlan:
     if schedule.makespan != doc.get("makespan"):
         raise reader.fail(("makespan",), "makespan does not match the schedule",
                           "the file was edited; re-run pyplan solve")
-    plan = doc.get("plan")
-    if plan is not None and (not isinstance(plan, str) or "\0" in plan or not plan):
-        raise reader.fail(("plan",), "'plan' must be the plan file's path (or null)")
     status = reader.get("status", str)
     if status not in ("optimal", "feasible", "time_limit"):
         raise reader.fail(("status",), f"unknown status {status!r}",
@@ -503,5 +660,6 @@ def load_resolved(path: str | Path) -> ResolvedPlan:
     lower_bound = reader.get("lower_bound", int, low=0, high=schedule.makespan)
     period_bound = 0 if rep_doc is None else \
         reader.get("period_lower_bound", int, ("repetend",), low=0, high=repetend.period)
+    _check_recorded(reader, schedule)
     return ResolvedPlan(str(path), plan, problem.spec_sha256, problem, schedule, status,
                         lower_bound, period_bound, doc.get("baselines") or {})

@@ -14,6 +14,7 @@ from conftest import PLANS, solved
 from pyplan.cli import main
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.problem import build_problem, load_problem
+from pyplan._seal import reseal
 from pyplan.resolved import load_resolved, write_resolved
 from pyplan.schedule import schedule_from_orders
 from pyplan.solver import solve
@@ -103,9 +104,14 @@ def test_resolved_plans_record_transfers_and_reject_edited_ones(tmp_path):
     assert loaded.problem.transfers == solution.schedule.problem.transfers
     assert loaded.schedule.makespan == solution.schedule.makespan
     out.write_text(text.replace("[stage0, stage1, 3]", "[stage0, stage1, 1]"))
+    with pytest.raises(PlanError, match="'dependencies' is not as pyplan wrote it"):
+        load_resolved(out)
+    # Edited with a seal made to match (the plan file beside it is gone): still refused.
+    (tmp_path / "v.yaml").unlink()
+    out.write_text(reseal(text.replace("[stage0, stage1, 3]", "[stage0, stage1, 1]")))
     with pytest.raises(PlanError, match="does not match its order"):
         load_resolved(out)
-    out.write_text(text.replace("[stage0, stage1, 3]", "[stage0, stage1, -3]"))
+    out.write_text(reseal(text.replace("[stage0, stage1, 3]", "[stage0, stage1, -3]")))
     with pytest.raises(PlanError, match="malformed dependency"):
         load_resolved(out)
 

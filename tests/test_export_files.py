@@ -10,6 +10,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from conftest import PLANS, solved
+from pyplan._seal import reseal
 from pyplan.export._layout import memory_steps
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -130,10 +131,15 @@ def test_stale_or_edited_resolved_plan_is_refused(cli, tmp_path):
     resolved.write_text(text)
     code, _, err = cli("export", resolved, "--format", "svg", "-o", tmp_path / "a.svg")
     assert code == 2 and err.count("\n") == 1
+    assert "'makespan' is not as pyplan wrote it: it does not match the seal" in err
+    # With a seal made to match the edit, the schedule itself tells.
+    resolved.write_text(reseal(text))
+    code, _, err = cli("export", resolved, "--format", "svg", "-o", tmp_path / "a.svg")
+    assert code == 2 and err.count("\n") == 1
     assert "makespan does not match the schedule" in err
     # A repetend index that is not a micro-batch number (the fuzz test found it crashing).
     for bad in ("1 5", "-1", "99"):
-        resolved.write_text(re.sub(r"indices: \[(\d+), ", f"indices: [{bad}, ", text))
+        resolved.write_text(reseal(re.sub(r"indices: \[(\d+), ", f"indices: [{bad}, ", text)))
         code, _, err = cli("show", resolved)
         assert code == 2 and err.count("\n") == 1
         assert "needs one index per block, each a micro-batch in 0 .. 7" in err

@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 from conftest import PLANS, example_plans, spec_plans
+from pyplan._seal import reseal
 from pyplan.problem import load_problem
 from pyplan.spec import spec_from_text
 from pyplan.problem import build_problem
@@ -35,6 +36,10 @@ def test_validate_every_file_in_plans_including_resolved_ones(cli, tmp_path):
     edited = tmp_path / "v.resolved.yaml"
     text = (PLANS / "tessel-vshape.resolved.yaml").read_text()
     edited.write_text(text.replace("makespan: 76", "makespan: 75"))
+    code, out, err = cli("validate", edited)
+    assert code == 2 and err.startswith(f"{edited}:") and \
+        "'makespan' is not as pyplan wrote it" in err
+    edited.write_text(reseal(text.replace("makespan: 76", "makespan: 75")))
     code, out, err = cli("validate", edited)
     assert code == 2 and err.startswith(f"{edited}:") and "makespan does not match" in err
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from conftest import PLANS
 from pyplan import _core
-from pyplan.errors import InfeasibleError
+from pyplan.errors import InfeasibleError, PlanError
 from pyplan.problem import build_problem, load_problem
 from pyplan.schedule import schedule_from_orders
 from pyplan.solver import incumbents, min_memory, solve
@@ -321,7 +321,9 @@ def test_weights_are_resident_memory_in_peaks_templates_and_the_search(tmp_path)
 
 
 def test_weights_that_leave_no_room_are_infeasible():
-    with pytest.raises(InfeasibleError, match="one micro-batch alone needs 7 on device 0"):
+    # (a block that cannot fit beside the weights on its device is refused where it is)
+    with pytest.raises(PlanError, match=r"block 's0' alone needs 7 per device \(1 and the "
+                       r"weights on device 0, 6\), more than the capacity 6"):
         solve(build_problem(spec_from_text(WEIGHTS_PLAN.replace("WEIGHTS", "6"))))
 
 

@@ -13,7 +13,7 @@ from pyplan.export.chrome import schedule_trace
 from pyplan.export.svg import render_svg
 from pyplan.export.torch_csv import render_torch_csv, torch_stages
 from pyplan.export.trainers import megatron_layout, torchtitan_config
-from pyplan.fileio import write_atomic
+from pyplan.fileio import check_not_input, write_atomic
 from pyplan.schedule import Schedule
 from pyplan.spec.units import count
 
@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError(f"unknown export format '{args.format}'",
                         hint=did_you_mean(args.format, names) or f"choose {', '.join(names)}")
     problem, resolved = load_plan(args.plan)
+    if args.output != "-":
+        check_not_input(args.output, args.plan, resolved and resolved.plan_path)
     if args.format in LAYOUTS:
         text = LAYOUTS[args.format](problem)
         if args.output == "-":

@@ -6,7 +6,8 @@ import argparse
 import shutil
 import sys
 
-from pyplan.cli._schedule import load_schedule
+from pyplan.api import with_overrides
+from pyplan.cli._schedule import load_plan, pick_schedule
 from pyplan.errors import PlanError
 from pyplan.export.timeline import render_plain, render_rich, timeline
 
@@ -28,12 +29,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="colour the blocks (default: only on a terminal)")
     parser.add_argument("--full", action="store_true",
                         help="draw every step instead of eliding repeated steady-state periods")
+    parser.add_argument("--micro-batches", type=int, metavar="N",
+                        help="draw the schedule for N micro-batches (a resolved plan's extended "
+                             "or shortened, a plan's solved for N)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.width is not None and args.width < 20:
         raise PlanError(f"--width {args.width} is too narrow", hint="use 20 columns or more")
-    schedule = load_schedule(args.plan, args.template)
+    problem, resolved = load_plan(args.plan)
+    if args.micro_batches is None:
+        schedule = pick_schedule(problem, resolved, args.template)
+    elif resolved is not None and args.template is None:
+        with_overrides(problem, micro_batches=args.micro_batches)  # (checks N)
+        schedule = resolved.expand(args.micro_batches)
+    else:
+        problem = with_overrides(problem, micro_batches=args.micro_batches)
+        schedule = pick_schedule(problem, None, args.template)
     tty = sys.stdout.isatty()
     width = args.width or (shutil.get_terminal_size((PIPED_WIDTH, 24)).columns if tty
                            else PIPED_WIDTH)

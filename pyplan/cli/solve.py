@@ -10,6 +10,7 @@ import sys
 
 from pyplan.api import Solution, load_plan, solve
 from pyplan.cli._progress import live_progress
+from pyplan.fileio import check_not_input
 from pyplan.resolved import resolved_path
 from pyplan.spec.units import count
 
@@ -121,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
                          effort=args.effort,
                          progress=progress)
     output = args.output or str(resolved_path(args.plan))
+    check_not_input(output, args.plan)
     solution.write(output)
     if args.json:
         print(json.dumps(solution.to_json(output), sort_keys=True))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pyplan._runnable import check_model
 from pyplan.errors import EXIT_BAD_INPUT, PlanError
 from pyplan.problem import Problem, load_problem
 from pyplan.resolved import is_resolved, load_resolved
@@ -56,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
                 line = (f"resolved plan of {resolved.problem.name}, makespan "
                         f"{resolved.schedule.makespan} ({resolved.status}), verified and fresh")
             else:
-                line = summary(load_problem(path))
+                problem = load_problem(path)
+                check_model(problem)
+                line = summary(problem)
         except PlanError as exc:
             sys.stderr.write(exc.report())
             status = EXIT_BAD_INPUT

@@ -7,8 +7,11 @@ ui.perfetto.dev or chrome://tracing.
 
 from __future__ import annotations
 
+from pyplan.errors import PlanError
 from pyplan.schedule import Schedule
 from pyplan.trace import TraceEvent, chrome_trace, write_chrome_trace
+
+MAX_EVENTS = 1_000_000  # block executions in one trace (about 150 MB of JSON)
 
 __all__ = ["memory_counters", "schedule_events", "schedule_trace", "sync_events",
            "transfer_events", "write_chrome_trace"]
@@ -99,6 +102,11 @@ def schedule_trace(schedule: Schedule) -> dict:
     """A solved schedule as a trace: one track per device, one event per block execution on a
     device (a block on several devices appears on each), plus a memory counter per device."""
     problem = schedule.problem
+    blocks = sum(map(len, schedule.orders))
+    if blocks > MAX_EVENTS:
+        raise PlanError(f"the trace would hold {blocks:,} block events, more than chrome "
+                        f"exports ({MAX_EVENTS:,}): trace viewers cannot open it",
+                        hint="solve fewer micro-batches with --micro-batches")
     trace = chrome_trace(schedule_events(schedule), title=problem.name,
                          time_unit="model time units (shown as microseconds)",
                          num_devices=problem.num_devices)

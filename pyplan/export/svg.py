@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
-from pyplan.export._layout import device_chunks, memory_steps, repetitions
+from pyplan.errors import PlanError
+from pyplan.export._layout import device_chunks, memory_steps, repetitions, time_step
 from pyplan.fileio import write_atomic
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT
 from pyplan.schedule import Schedule
@@ -27,16 +28,27 @@ _LEFT, _RIGHT, _ROW, _GAP, _MEM = 86, 40, 24, 4, 40
 _FONT = "font-family=\"Helvetica, Arial, sans-serif\""
 
 
-def _scale(makespan: int) -> float:
-    """Pixels per time unit: about 1100 px wide, but at least 4 px per unit."""
-    return max(4.0, min(32.0, 1100 / max(makespan, 1)))
+MAX_WIDTH = 2_000_000  # pixels: wider pictures are refused (export chrome instead)
+MAX_BLOCKS = 200_000  # blocks drawn
+
+
+def _scale(makespan: int, step: int = 1) -> float:
+    """Pixels per time unit: about 1100 px wide, but at least 4 px per step (the gcd of the
+    block times, so that the shortest block is visible)."""
+    return max(4.0 / step, min(32.0, 1100 / max(makespan, 1)))
 
 
 def _tick(makespan: int, scale: float) -> int:
-    for base in (1, 2, 5, 10, 20, 25, 50, 100, 200, 500, 1000, 2000, 5000, 10000):
+    for base in (1, 2, 5, 10, 20, 25, 50, 100, 200, 500):
         if base * scale >= 40:
             return base
-    return makespan
+    base = 1000
+    while base * scale < 40:  # (1000, 2000, 5000, 10000, ...: labels about 40 px apart)
+        for factor in (1, 2, 5):
+            if base * factor * scale >= 40:
+                return base * factor
+        base *= 10
+    return base
 
 
 def _num(x: float) -> str:
@@ -46,7 +58,14 @@ def _num(x: float) -> str:
 def render_svg(schedule: Schedule) -> str:
     """The picture as an SVG document (deterministic: same schedule, same bytes)."""
     problem = schedule.problem
-    scale = _scale(schedule.makespan)
+    scale = _scale(schedule.makespan, time_step(problem))
+    blocks = sum(map(len, schedule.orders))
+    if blocks > MAX_BLOCKS or _LEFT + schedule.makespan * scale > MAX_WIDTH:
+        raise PlanError(f"the picture would draw {blocks:,} blocks over "
+                        f"{schedule.makespan * scale:,.0f} pixels, more than svg draws "
+                        f"({MAX_BLOCKS:,} blocks, {MAX_WIDTH:,} pixels)",
+                        hint="export chrome (a trace viewer zooms), or solve fewer "
+                        "micro-batches with --micro-batches")
     out = [f'<text x="{_LEFT}" y="18" font-size="14" font-weight="bold" {_FONT}>'
            f"{escape(problem.name)}: {count(problem.num_micro_batches, 'micro-batch')} on "
            f"{count(problem.num_devices, 'device')}, makespan {schedule.makespan}, bubble "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import textwrap
 
+from pyplan.errors import PlanError
 from pyplan.export._layout import device_chunks, repetitions, time_step
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT
 from pyplan.schedule import Schedule
@@ -36,6 +37,9 @@ _FILL = {FORWARD: "-", BACKWARD: "=", WEIGHT: "~"}
 _SEP = " ~ "  # stands for elided periods
 
 
+MAX_CELLS = 2_000_000  # devices x steps the grid holds (about 300 MB), else show refuses
+
+
 class _Grid:
     """Per device and step: (block, micro-batch, steps since the block started) or None."""
 
@@ -44,6 +48,11 @@ class _Grid:
         self.schedule = schedule
         self.unit = time_step(problem)
         self.steps = schedule.makespan // self.unit
+        if problem.num_devices * self.steps > MAX_CELLS:
+            raise PlanError(f"the timeline spans {self.steps:,} steps on "
+                            f"{count(problem.num_devices, 'device')}, more than show draws "
+                            f"({MAX_CELLS:,} cells)", hint="show fewer micro-batches with "
+                            "--micro-batches, or export svg or chrome")
         self.cells = [[None] * self.steps for _ in range(problem.num_devices)]
         for d in range(problem.num_devices):
             for b, m, start, end in schedule.entries(d):
@@ -203,12 +212,13 @@ def _repetend_marks(schedule: Schedule, grid: _Grid) -> dict[int, str]:
     spans = repetitions(schedule)
     if not spans:
         return {}
-    starts = [start // grid.unit for start, _ in spans]
+    starts = {start // grid.unit for start, _ in spans}
     _, end = schedule.repetend_window()
     last = end // grid.unit - 1
     marks = {}
-    for step in range(min(starts), last + 1):
-        cell = ("[" if step == min(starts) else "|" if step in starts else "-")
+    first = min(starts)
+    for step in range(first, last + 1):
+        cell = ("[" if step == first else "|" if step in starts else "-")
         cell = cell.ljust(grid.width, "-")
         marks[step] = cell[:-1] + "]" if step == last else cell
     return marks

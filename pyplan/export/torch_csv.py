@@ -24,9 +24,11 @@ from pathlib import Path
 
 from pyplan.errors import PlanError
 from pyplan.export._layout import time_step
-from pyplan.fileio import write_atomic
+from pyplan.fileio import read_capped, write_atomic
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT, Problem
 from pyplan.schedule import Instance, Schedule
+from pyplan.spec.plan import MAX_MICRO_BATCHES
+from pyplan.spec.source import MAX_FILE_BYTES
 
 __all__ = ["TorchCsv", "TorchStage", "read_torch_csv", "render_torch_csv", "torch_csv_rows",
            "torch_stages", "write_torch_csv"]
@@ -36,6 +38,7 @@ _COMPUTE = re.compile(r"(\d+)(F|B|I|W)(\d+)")
 # stand for them, so reading skips them.
 _OTHER = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)(\d*)")
 _OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
+MAX_CELLS = 20_000_000  # cells (ranks x steps) a written CSV may have
 _HINT = ("torch-csv needs one chain of single-device stages, each with its backward; "
          "export svg or chrome instead")
 
@@ -140,6 +143,12 @@ def torch_csv_rows(schedule: Schedule) -> list[list[str]]:
     problem = schedule.problem
     action = _actions(torch_stages(problem))
     unit = time_step(problem)
+    cells = problem.num_devices * (schedule.makespan // unit)
+    if cells > MAX_CELLS:
+        raise PlanError(f"the schedule spans {schedule.makespan // unit:,} steps on "
+                        f"{problem.num_devices:,} ranks, {cells:,} cells, more than torch-csv "
+                        f"writes ({MAX_CELLS:,})", hint="solve fewer micro-batches with "
+                        "--micro-batches")
     rows = []
     for d in range(problem.num_devices):
         entries = schedule.entries(d)
@@ -175,9 +184,13 @@ def read_torch_csv(path: str | Path, problem: Problem) -> TorchCsv:
     row and column)."""
     stages = torch_stages(problem)
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
+        raw = read_capped(path, MAX_FILE_BYTES + 1)  # at most the limit: /dev/zero, pipes
+        lines = raw.decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise PlanError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise PlanError(f"the file is larger than {MAX_FILE_BYTES // 2**20} MiB, the limit for "
+                        "schedule CSVs", file=str(path))
     while lines and not lines[-1].strip():
         lines.pop()
     if len(lines) != problem.num_devices:
@@ -189,7 +202,11 @@ def read_torch_csv(path: str | Path, problem: Problem) -> TorchCsv:
     for r, line in enumerate(lines):
         order: list[Instance] = []
         column = 1
-        for cell in next(csv.reader([line]), []):
+        try:
+            cells = next(csv.reader([line]), [])
+        except csv.Error as exc:  # a NUL, an unclosed quote, a field past csv's limit
+            raise PlanError(f"not a CSV row: {exc}", file=str(path), line=r + 1) from None
+        for cell in cells:
             at = (r + 1, column + len(cell) - len(cell.lstrip()))
             column += len(cell) + 1
             text = cell.strip()
@@ -230,9 +247,17 @@ def _instances(text: str, stages, problem: Problem, rank: int, path, at) -> list
 
     match = _COMPUTE.fullmatch(text)
     if match is None:
-        raise fail(f"'{text}' is not a torch action",
+        shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text):,} characters)"
+        raise fail(f"'{shown}' is not a torch action",
                    "write STAGE, F|B|I|W, MICRO-BATCH like 0F1, 3B0, 2I4, 2W4")
+    if max(len(match.group(1)), len(match.group(3))) > 9:
+        raise fail(f"{text[:40]}...: a stage or micro-batch number of "
+                   f"{max(len(match.group(1)), len(match.group(3))):,} digits",
+                   f"micro-batches go up to {MAX_MICRO_BATCHES - 1:,}")
     s, kind, m = int(match.group(1)), match.group(2), int(match.group(3))
+    if m >= MAX_MICRO_BATCHES:
+        raise fail(f"{text} names micro-batch {m:,}, beyond the supported "
+                   f"{MAX_MICRO_BATCHES - 1:,}")
     if s >= len(stages):
         raise fail(f"{text} names stage {s}, but the plan has {len(stages)} stages "
                    f"(0..{len(stages) - 1})")

@@ -54,7 +54,13 @@ def _stages(problem: Problem) -> list[tuple[str, ...]]:
                         hint="partition the model with pyplan partition",
                         file=problem.source_path or None)
     stages = dict(model.stages)
-    return [stages[b.name] for b in problem.blocks if b.is_forward]
+    declared = [b for b in problem.blocks if b.is_forward]
+    for block in declared:
+        if not stages.get(block.name):
+            raise PlanError(f"model.stages lists no submodules for block '{block.name}'",
+                            hint="give every declared block its submodules",
+                            file=problem.source_path or None)
+    return [stages[b.name] for b in declared]
 
 
 def megatron_layout(problem: Problem) -> str:
@@ -95,6 +101,10 @@ def torchtitan_config(problem: Problem) -> str:
     submodule of every stage but the first), a torch schedule of the plan's placement (it
     tells torchtitan which stages each rank builds: loop or V) and the CSV of pyplan's own order,
     which torchtitan then runs in torch's _PipelineScheduleRuntime instead of the named one."""
+    if not problem.training:
+        raise PlanError(f"{problem.name} is an inference plan, and torchtitan's pipeline "
+                        "settings are for training", hint="export megatron-layout, svg or "
+                        "chrome instead", file=problem.source_path or None)
     stages = _stages(problem)
     split = any(b.kind == "weight" for b in problem.blocks)
     style = _placement(problem, (LOOP, V) if len(stages) == 2 * problem.num_devices

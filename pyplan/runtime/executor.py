@@ -132,6 +132,7 @@ class Executor:
             return slots.setdefault(value, len(slots))
 
         last: dict[int, int] = {}
+        made: dict[int, int] = {}  # slot -> the step that produces it
         sent_at: dict[Value, int] = {}  # a received value -> its send's global position
         steps = []
         by_name = self.lowered.problem.by_name
@@ -147,9 +148,11 @@ class Executor:
                                              by_name[f"{self.blocks[p].name}.b"], self.rank))
                                for p in self.backs_to[b]}
                     steps.append((_BACKWARD, b, m, grads, targets, ins.block))
+                    made.update((t, index) for t in targets.values())
                 else:
-                    steps.append((_FORWARD, b, m, [slot(v) for v in ins.inputs],
-                                  slot(Value(ACTIVATION, b, m))))
+                    out = slot(Value(ACTIVATION, b, m))
+                    steps.append((_FORWARD, b, m, [slot(v) for v in ins.inputs], out))
+                    made[out] = index
                 # A backward keeps its forward's graph itself: only what it receives is an
                 # input here (its forward's output is not held for it).
                 for v in ins.inputs:
@@ -173,7 +176,7 @@ class Executor:
             elif ins.op == SYNC:
                 steps.append((_SYNC, ins.block))
         drops: list[list[int]] = [[] for _ in steps]
-        for s, index in last.items():
+        for s, index in {**made, **last}.items():  # what nobody uses goes at once
             drops[index].append(s)
         self.steps = steps
         self.drops = drops

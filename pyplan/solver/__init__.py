@@ -132,11 +132,18 @@ def solve_recompute(problem: Problem, *, progress: Progress | None = None) -> So
                    if b.applicable and b.fits_memory]
         if fitting:
             scored.append((min(fitting), len(rung), rung))
-    chosen = [ladder[0], ladder[-1]] + [rung for *_, rung in sorted(scored)[:RECOMPUTE_SOLVED]]
+    # The best-scored rungs first: a rung whose own lower bound cannot beat (or tie with fewer
+    # blocks) what is found already is not solved (the work stays bounded, the same on any
+    # machine).
+    chosen = [rung for *_, rung in sorted(scored)[:RECOMPUTE_SOLVED]] + [ladder[-1], ladder[0]]
     chosen = list(dict.fromkeys(chosen))
     bound = problem.with_recompute(problem.recompute_choices(), rerun=False).makespan_bound()
     results, failure = [], None
     for k, rung in enumerate(chosen):
+        if results:
+            best = min((s.schedule.makespan, len(r)) for s, r in results)
+            if (problem.with_recompute(rung).makespan_bound(), len(rung)) >= best:
+                continue
         share = Budget(max(0.0, budget.remaining()) / (len(chosen) - k),
                        effort=Effort(problem.search.effort))  # each choice its own effort
         try:

@@ -559,7 +559,12 @@ TEMPLATES = tuple(_BUILDERS)  # names, in the order they are listed and tried
 
 def template_orders(problem: Problem, name: str) -> list[list[tuple[int, int]]]:
     """Per-device orders of a template; raises NotApplicable when it does not fit."""
-    return _BUILDERS[name](problem)
+    orders = _BUILDERS[name](problem)
+    placed = {(b, d) for d, order in enumerate(orders) for b, _ in order}
+    for block in problem.blocks:  # (a template lays out the stages: kind: other, say, not)
+        if any((block.index, d) not in placed for d in block.devices):
+            raise NotApplicable(f"it has no place for block '{block.name}'")
+    return orders
 
 
 def template_schedule(problem: Problem, name: str) -> Schedule:

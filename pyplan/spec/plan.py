@@ -8,11 +8,13 @@ blocks (names, dependencies, devices, cycles, memory) belong to pyplan.problem.
 from __future__ import annotations
 
 import math
+import re
 
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pyplan.errors import PlanError
 from pyplan.spec.schema import check_schema
 from pyplan.spec.source import Source, load_yaml, parse_yaml
 from pyplan.spec.units import parse_memory
@@ -295,8 +297,48 @@ def _override(raw: Any, memory: _Memory, path: tuple) -> BackwardOverride:
                        if "weight_memory" in raw else None))
 
 
+def _check_units(source: Source, stages: dict) -> None:
+    """Each submodule runs in one block, once: a unit named twice, or a unit and one of its
+    own submodules (layers and layers.0), would run twice."""
+    where: dict[str, tuple] = {}  # unit -> where it is first listed
+    for name, units in stages.items():
+        for i, unit in enumerate(units):
+            path = ("model", "stages", name, i)
+            if any(not part for part in unit.split(".")):
+                raise source.error(path, f"'{unit}' is not a submodule name",
+                                   "names are dotted paths as in named_modules(), e.g. "
+                                   "layers.0")
+            if unit in where:
+                raise _overlap(source, stages, where[unit], path, "is listed again")
+            where[unit] = path
+    for unit, path in where.items():
+        parts = unit.split(".")
+        for k in range(1, len(parts)):
+            parent = ".".join(parts[:k])
+            if parent in where:
+                first, second = sorted((where[parent], path), key=source.locate)
+                raise _overlap(source, stages, first, second, "overlaps '{}' (one holds "
+                               "the other)")
+
+
+def _overlap(source: Source, stages: dict, first: tuple, second: tuple,
+             what: str) -> PlanError:
+    unit, other = stages[second[2]][second[3]], stages[first[2]][first[3]]
+    return source.error(second, f"submodule '{unit}' {what.format(other)}: it is on line "
+                        f"{source.locate(first)[0]} (block '{first[2]}')",
+                        "list each submodule once, in one block")
+
+
+def _transfer_or_output(source: Source, raw: dict, path: tuple) -> None:
+    """A block's transfer is a time or its output a size the topology times, not both."""
+    if "transfer" in raw and "output" in raw:
+        raise source.error(path + ("output",), "a block gives its transfer time or its output "
+                           "size, not both", "remove output: or transfer:", key=True)
+
+
 def _cost(raw: dict | None, memory: _Memory, size, path: tuple) -> CostSpec:
     raw = raw or {}
+    _transfer_or_output(memory.source, raw, path)
 
     def amounts(key: str) -> int | tuple[int, ...]:
         value = raw.get(key, 0)
@@ -325,6 +367,11 @@ MAX_MICRO_BATCHES = 100_000
 MAX_TIME = 1_000_000
 MAX_SHIFT = 1_000_000  # order rule shifts, conditions and loop values
 MAX_RULES = 100_000  # order rules a plan may expand to (templated rules included)
+MAX_INSTANCES = 1_000_000  # blocks x micro-batches: block instances a schedule times (about
+# 300-600 bytes each while solving: 1 GiB)
+
+
+_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _loop_values(source: Source, raw: Any, path: tuple) -> tuple[int, ...]:
@@ -433,10 +480,6 @@ def _build(source: Source) -> PlanSpec:
     backward = None
     if "training" in doc and "backward" in doc["training"]:
         raw = doc["training"]["backward"]
-        for key, value in raw.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise source.error(("training", "backward", key),
-                                   f"{key} must be a finite number, got {value}")
         backward = BackwardSpec(time_ratio=float(raw.get("time_ratio", 2.0)),
                                 weight_time_ratio=raw.get("weight_time_ratio"),
                                 weight_memory_ratio=float(raw.get("weight_memory_ratio", 0.0)))
@@ -448,6 +491,7 @@ def _build(source: Source) -> PlanSpec:
     blocks = []
     for i, raw in enumerate(doc.get("blocks", [])):
         path = ("blocks", i)
+        _transfer_or_output(source, raw, path)
         devices = raw["devices"]
         blocks.append(BlockSpec(
             name=raw["name"], kind=raw.get("kind", "forward"), time=raw["time"],
@@ -476,6 +520,11 @@ def _build(source: Source) -> PlanSpec:
             order.append(OrderSpec(text=raw, path=path, text_path=path))
             rules += 1
         else:
+            for name in raw["for"]:
+                if not _VARIABLE.fullmatch(name) or name in ("D", "N", "m"):
+                    raise source.error(path + ("for", name), f"'{name}' cannot be a loop "
+                                       "variable", "name it like s or stage_1 (D, N and m are "
+                                       "taken)", key=True)
             loop = {name: _loop_values(source, values, path + ("for", name))
                     for name, values in raw["for"].items()}
             rules += math.prod(len(values) for values in loop.values())
@@ -498,6 +547,14 @@ def _build(source: Source) -> PlanSpec:
     model = None
     if "model" in doc:
         raw = doc["model"]
+        for key in ("traced", "cut", "layer_returns", "ties"):
+            if key in raw and "blocks" in raw:
+                raise source.error(("model", key), f"{key} applies to a model given as module "
+                                   f"and stages, not to blocks", f"remove {key}:", key=True)
+        _check_units(source, raw.get("stages") or {})
+        if "\0" in raw.get("path", ""):
+            raise source.error(("model", "path"), "model.path contains a NUL character, which "
+                               "no file name can hold")
         model = ModelSpec(blocks=raw.get("blocks"), module=raw.get("module"),
                           stages=tuple((name, tuple(units))
                                        for name, units in (raw.get("stages") or {}).items()),
@@ -532,8 +589,31 @@ def parse_spec(source: Source) -> PlanSpec:
         raise source.error(("pyplan",), f"unsupported plan format version {version}",
                            f"this pyplan reads version {FORMAT_VERSION}; upgrade pyplan or "
                            "convert the plan")
+    _check_document(source)
     check_schema(source)
     return _build(source)
+
+
+def _check_document(source: Source) -> None:
+    """Every key of a plan is a name and every number finite: a key YAML reads as a number,
+    true/false or null (`1:`, `yes:`), or a .nan or .inf (which JSON Schema's bounds let
+    through), is refused where it is, before anything looks it up."""
+    stack = [((), source.data)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            where = ".".join(str(p) for p in path) or "the plan"
+            raise source.error(path, f"{where} must be a finite number, got {node}")
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if not isinstance(key, str):
+                    shown = "true" if key is True else "false" if key is False else \
+                        "null" if key is None else repr(key)
+                    raise source.error(path + (key,), f"this key reads as {shown}, not as a "
+                                       "name", "write it in quotes", key=True)
+                stack.append((path + (key,), value))
+        elif isinstance(node, list):
+            stack.extend((path + (i,), item) for i, item in enumerate(node))
 
 
 def load_spec(path: str | Path) -> PlanSpec:

@@ -114,9 +114,17 @@ def _leaf(error: jsonschema.ValidationError) -> jsonschema.ValidationError:
         pick = deeper or typed
         if not pick:
             break
-        pick.sort(key=lambda e: -len(e.absolute_path))
+        # (deepest first; of alternatives with required keys, the one the mapping began)
+        pick.sort(key=lambda e: (-len(e.absolute_path), -_begun(e)))
         error = pick[0]
     return error
+
+
+def _begun(error: jsonschema.ValidationError) -> int:
+    """How many of an alternative's required keys the value has."""
+    if error.validator != "required" or not isinstance(error.instance, dict):
+        return 0
+    return sum(key in error.instance for key in error.validator_value)
 
 
 def _to_plan_error(source: Source, error: jsonschema.ValidationError) -> PlanError:
@@ -133,7 +141,12 @@ def _to_plan_error(source: Source, error: jsonschema.ValidationError) -> PlanErr
         return source.error(path + (key,), f"unknown key {key!r}{context}", hint, key=True)
     if kind == "required":
         missing = [k for k in error.validator_value if k not in value]
-        allowed = error.schema.get("properties", {})
+        allowed = dict(error.schema.get("properties", {}))
+        parent = error.parent  # (a required key of one alternative: the mapping's own keys)
+        while parent is not None:
+            if isinstance(parent.schema, dict):
+                allowed.update(parent.schema.get("properties", {}))
+            parent = parent.parent
         for key in value:  # a misspelt required key explains the missing one
             if key not in allowed and did_you_mean(key, missing):
                 return source.error(path + (key,), f"unknown key {key!r}"
@@ -187,6 +200,11 @@ def check_schema(source: Source) -> None:
             except (OSError, PyplanError):
                 pass  # a read-only home: validate every time
         return
+    # A mapping with an unknown key (a misspelt one, most often) fails its required keys and
+    # alternatives too: those follow from the unknown key, which is the error to report.
+    unknown = {tuple(e.absolute_path) for e in errors if e.validator == "additionalProperties"}
+    errors = [e for e in errors if e.validator not in ("required", "oneOf", "anyOf")
+              or tuple(e.absolute_path) not in unknown] or errors
     plan_errors = sorted((_to_plan_error(source, _leaf(e)) for e in errors),
                          key=lambda e: (e.line, e.column, str(e)))
     first, seen = plan_errors[0], {(plan_errors[0].line, plan_errors[0].column)}

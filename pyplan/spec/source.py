@@ -8,7 +8,6 @@ document, duplicate keys are caught, and no tag can construct arbitrary objects.
 from __future__ import annotations
 
 import hashlib
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import yaml
 
 from pyplan.errors import PlanError
+from pyplan.fileio import read_capped
 
 __all__ = ["Source", "load_yaml", "parse_yaml"]
 
@@ -146,13 +146,85 @@ class _Builder:
         return self.construct(node)
 
 
+def _compose(text: str, name: str) -> list[yaml.Node]:
+    """The documents of a YAML text as node trees, composed from the parser's events without
+    recursion: PyYAML's composers recurse once per nesting level (the C one overflows the stack
+    and kills the process a hundred thousand levels down), so nesting is bounded here."""
+    loader = _Loader(text)
+    documents: list[yaml.Node] = []
+    anchors: dict = {}
+    stack: list[yaml.Node] = []  # open collections; a mapping's pending key sits beside it
+    keys: list = []
+    root: yaml.Node | None = None
+
+    def attach(node: yaml.Node) -> None:
+        nonlocal root
+        if not stack:
+            root = node
+        elif isinstance(stack[-1], yaml.SequenceNode):
+            stack[-1].value.append(node)
+        elif keys[-1] is None:
+            keys[-1] = node
+        else:
+            stack[-1].value.append((keys[-1], node))
+            keys[-1] = None
+
+    def anchor(event, node: yaml.Node) -> None:
+        if event.anchor in anchors:
+            first = anchors[event.anchor].start_mark.line + 1
+            raise yaml.composer.ComposerError(
+                None, None, f"found duplicate anchor {event.anchor!r} (first on line {first})",
+                event.start_mark)
+        if event.anchor is not None:
+            anchors[event.anchor] = node
+
+    try:
+        while loader.check_event():
+            event = loader.get_event()
+            if isinstance(event, yaml.DocumentStartEvent):
+                anchors, root = {}, None
+            elif isinstance(event, yaml.DocumentEndEvent):
+                documents.append(root)
+            elif isinstance(event, yaml.AliasEvent):
+                if event.anchor not in anchors:
+                    raise yaml.composer.ComposerError(
+                        None, None, f"found undefined alias {event.anchor!r}", event.start_mark)
+                attach(anchors[event.anchor])
+            elif isinstance(event, yaml.ScalarEvent):
+                tag = event.tag
+                if tag is None or tag == "!":
+                    tag = loader.resolve(yaml.ScalarNode, event.value, event.implicit)
+                node = yaml.ScalarNode(tag, event.value, event.start_mark, event.end_mark,
+                                       style=event.style)
+                anchor(event, node)
+                attach(node)
+            elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                if len(stack) >= MAX_DEPTH:
+                    raise PlanError(f"nested more than {MAX_DEPTH} levels deep", file=name,
+                                    line=event.start_mark.line + 1,
+                                    column=event.start_mark.column + 1)
+                kind = yaml.SequenceNode if isinstance(event, yaml.SequenceStartEvent) \
+                    else yaml.MappingNode
+                tag = event.tag
+                if tag is None or tag == "!":
+                    tag = loader.resolve(kind, None, event.implicit)
+                node = kind(tag, [], event.start_mark, None, flow_style=event.flow_style)
+                anchor(event, node)
+                attach(node)
+                stack.append(node)
+                keys.append(None)
+            elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                stack.pop().end_mark = event.end_mark
+                keys.pop()
+    finally:
+        loader.dispose()
+    return documents
+
+
 def parse_yaml(text: str, name: str) -> Source:
     """Parse YAML text (one document) into a Source; `name` is used in error messages."""
     try:
-        documents = list(yaml.compose_all(text, Loader=_Loader))
-    except RecursionError:  # the composer recurses once per nesting level
-        raise PlanError(f"nested too deeply (more than about {sys.getrecursionlimit()} levels)",
-                        file=name) from None
+        documents = _compose(text, name)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = (exc.problem or exc.context or "invalid YAML").strip()
@@ -179,8 +251,7 @@ def load_yaml(path: str | Path) -> Source:
     """Read and parse a YAML file; unreadable or non-UTF-8 files raise PlanError."""
     name = str(path)
     try:
-        with open(path, "rb") as handle:  # read at most the limit: /dev/zero stays harmless
-            raw = handle.read(MAX_FILE_BYTES + 1)
+        raw = read_capped(path, MAX_FILE_BYTES + 1)  # at most the limit: /dev/zero, pipes
     except FileNotFoundError:
         raise PlanError("no such file", hint="check the path", file=name) from None
     except IsADirectoryError:

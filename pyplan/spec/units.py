@@ -26,7 +26,9 @@ def parse_memory(value: int | str) -> tuple[int, bool]:
         number, unit = match.groups()
         amount, is_size = round(float(number) * _UNITS[unit.upper()]), True
     if abs(amount) > MAX_MEMORY:
-        raise ValueError(f"{value!r} is more than the largest supported amount, 2^60")
+        shown = f"{value!r} ({amount:,} bytes)" if is_size else f"{amount:,}"
+        raise ValueError(f"{shown} is more than the largest supported amount, 2^60 "
+                         f"({MAX_MEMORY:,})")
     return amount, is_size
 
 
@@ -38,8 +40,8 @@ def format_memory(amount: int | None, is_size: bool) -> str:
         return str(amount)
     sign = "-" if amount < 0 else ""
     value = float(abs(amount))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if value < 1024 or unit == "EiB":
             text = f"{value:.2f}".rstrip("0").rstrip(".") if unit != "B" else f"{int(value)}"
             return f"{sign}{text}{unit}"
         value /= 1024
