@@ -30,7 +30,7 @@ from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.problem import BACKWARD, Problem
 from pyplan.runtime.binding import (Model, block_inputs, build, loss_function, make_batch,
                                     split_batch, to_device)
-from pyplan.runtime.values import flatten, nbytes, rebuild
+from pyplan.runtime.values import flatten, nbytes, plain, rebuild
 
 __all__ = ["BlockCost", "Measured", "profile_blocks", "profile_units"]
 
@@ -142,8 +142,9 @@ def _saved_bytes(fn, params) -> int:
     seen: dict[tuple, int] = {}
 
     def pack(t: torch.Tensor):
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[(t.data_ptr(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
+        for x in plain(t):  # a DTensor's local tensor: the wrapper has no storage
+            if x.untyped_storage().data_ptr() not in skip:
+                seen[(x.data_ptr(), tuple(x.shape), x.dtype)] = x.numel() * x.element_size()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
