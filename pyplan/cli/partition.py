@@ -22,6 +22,7 @@ from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES
 __all__ = ["add_arguments", "run"]
 
 SOLVE_SECONDS = 10.0  # per candidate partition
+AUTO_SOLVE_SECONDS, AUTO_KEEP = 5.0, 2  # --shape auto: per candidate, best partitions kept
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -231,8 +232,10 @@ def _auto(units, sharded, why, args, options, how):
     from pyplan.placements import CHUNKS, placements
 
     shapes = ("vshape", *(f"interleaved-{c}" for c in CHUNKS), "mshape")
+    # Five placements to solve: fewer candidates each, and less time per candidate.
     tried = placements(units, devices=args.devices, shapes=shapes, sharded=sharded,
-                       why_not_mshape=why, **options)
+                       why_not_mshape=why, **{**options, "keep": AUTO_KEEP,
+                                              "time_limit": AUTO_SOLVE_SECONDS})
     best = tried[0]
     if best.best is None:
         raise InfeasibleError("no placement fits: " + "; ".join(
