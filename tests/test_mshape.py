@@ -301,3 +301,17 @@ def test_tied_gpt2_in_mshape_with_adamw_and_clipping_trains_the_same_model(tmp_p
     # The tied weight: one chunk per rank, used by both all-device blocks (nothing to sum).
     assert '- {parameter: "transformer.wte.weight", stages: [embed, head]}' in plan
     assert report["check"]["ok"] and report["ties"] == [], report
+
+
+def test_profile_measures_the_sharded_blocks_as_one_rank_runs_them(cli):
+    pytest.importorskip("torch")
+    from conftest import PLANS
+
+    code, out, err = cli("profile", PLANS / "gpt-mshape.yaml", "--repeats", "1", "--json")
+    assert code == 0, err
+    blocks = {b["name"]: b for b in json.loads(out)["blocks"]}
+    assert blocks["embed"]["devices"] == [0, 1, 2, 3] and blocks["head"]["backward_ms"] > 0
+    code, out, err = cli("profile", PLANS / "gpt-mshape.yaml", "--repeats", "1")
+    assert "blocks on several devices: one rank's share of the vocabulary" in out
+    code, out, err = cli("profile", PLANS / "gpt-mshape-blocks.yaml", "--repeats", "1")
+    assert "blocks on several devices are measured whole on one device" in out

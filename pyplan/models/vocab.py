@@ -5,12 +5,14 @@ without gathering them (torch's `loss_parallel`).
 
 Each rank keeps its chunk of the vocabulary, torch.chunk(whole, ranks, 0)[rank], as a plain
 parameter marked with pyplan.runtime.shard (so pyplan's gradient handling, clipping, --check and
-checkpoints treat it as the hand-written tensor-parallel layers are treated); the arithmetic
-runs on DTensors built over it for each call:
+checkpoints treat it as the hand-written tensor-parallel layers are treated); DTensor carries
+the communication:
 
-- the embedding looks its ids up in a Shard(0) weight (DTensor's masked lookup: each rank
-  contributes the rows it holds) and the partial results are all-reduced (`redistribute` to
-  Replicate);
+- the embedding looks the ids up in the rank's rows (ids of other ranks' rows give zeros: the
+  masked lookup of DTensor's Shard(0) embedding, done locally because torch's DTensor has no
+  row-wise embedding backward and would make the whole vocabulary's gradient on every rank)
+  and the partial rows become whole as a Partial DTensor redistributed to Replicate (an
+  all-reduce); the module's own forward runs (a subclass scaling its output, Gemma's, too);
 - the head is its nn.Linear on the rank's rows of the weight: the rank's slice of the logits,
   no communication;
 - the loss gets the logits as a DTensor sharded on the vocabulary dimension and runs the user's
@@ -162,7 +164,7 @@ def shard(model: nn.Module, vocab: Vocab, group, device: torch.device, *,
     (a tied weight stays one parameter). `active()` says whether a call of the embedding is its
     own block's (the forward cut also calls it while a later stage runs the model's forward up
     to its entry: then it returns zeros, at no cost and without a collective)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate
 
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     check_divisible(vocab, ranks)
@@ -172,11 +174,12 @@ def shard(model: nn.Module, vocab: Vocab, group, device: torch.device, *,
     if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
         raise PlanError(f"model.vocab_parallel: {vocab.embedding} must be an nn.Embedding and "
                         f"{vocab.head} an nn.Linear", hint="re-run pyplan partition")
-    if embedding.max_norm is not None or embedding.sparse:
-        raise PlanError(f"{vocab.embedding}: an embedding with max_norm or sparse gradients "
+    if embedding.max_norm is not None or embedding.sparse or embedding.scale_grad_by_freq:
+        raise PlanError(f"{vocab.embedding}: an embedding with max_norm, sparse gradients or "
+                        "gradients scaled by frequency "
                         "cannot be sharded over the vocabulary", hint="use another --shape")
     whole = embedding.weight
-    shape, stride = tuple(whole.shape), whole.stride()
+    shape = tuple(whole.shape)
     local = _local(whole, ranks, rank)
     for module, key in _holders(model, whole):
         module._parameters[key] = local
@@ -187,25 +190,38 @@ def shard(model: nn.Module, vocab: Vocab, group, device: torch.device, *,
             for module, name in _holders(model, param):
                 module._parameters[name] = chunk
 
+    rows = shape[0] // ranks
+    first, padding = rank * rows, embedding.padding_idx
+    mine = padding - first if padding is not None and first <= padding < first + rows else None
+    call = {}
+
     def enter(module, args, kwargs):
         if active is not None and not active():
+            call["zeros"] = True
             module._parameters["weight"] = torch.zeros((), dtype=local.dtype,
                                                        device=local.device).expand(shape)
             return None
-        module._parameters["weight"] = DTensor.from_local(local, mesh, [Shard(0)],
-                                                          run_check=False, shape=shape,
-                                                          stride=stride)
+        # The rank's rows looked up locally (the masked lookup of DTensor's Shard(0)
+        # embedding, whose backward in torch has no row-wise form: it would make the whole
+        # vocabulary's gradient on every rank); ids of other ranks' rows give zeros.
+        ids = args[0] if args else kwargs["input"]
+        call["mask"] = ((ids >= first) & (ids < first + rows)).unsqueeze(-1)
+        module.padding_idx = mine
+        local_ids = (ids - first).clamp(0, rows - 1)
         if args:
-            ids = DTensor.from_local(args[0], mesh, [Replicate()], run_check=False)
-            return (ids, *args[1:]), kwargs
-        ids = DTensor.from_local(kwargs["input"], mesh, [Replicate()], run_check=False)
-        return args, {**kwargs, "input": ids}
+            return (local_ids, *args[1:]), kwargs
+        return args, {**kwargs, "input": local_ids}
 
     def leave(module, args, kwargs, out):
-        module._parameters["weight"] = local
-        if isinstance(out, DTensor):
-            return _summed_gradient(out.redistribute(mesh, [Replicate()]).to_local(), mesh)
-        return out
+        module._parameters["weight"], module.padding_idx = local, padding
+        if call.pop("zeros", False):
+            return out
+        partial = out * call.pop("mask").to(out.dtype)
+        # The partial rows summed over the ranks (DTensor: Partial -> Replicate); the
+        # gradient that arrives split among the ranks is summed back (_summed_gradient).
+        whole = DTensor.from_local(partial, mesh, [Partial()], run_check=False) \
+            .redistribute(mesh, [Replicate()]).to_local()
+        return _summed_gradient(whole, mesh)
 
     embedding.register_forward_pre_hook(enter, with_kwargs=True)
     embedding.register_forward_hook(leave, with_kwargs=True, always_call=True)

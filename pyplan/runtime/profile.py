@@ -231,6 +231,11 @@ def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: in
         sent = [a for a in args if a is not inputs] if preds[b] else [inputs]
         costs[b] = BlockCost(block.name, block.devices, forward_ms, backward_ms, saved,
                              sum(nbytes(a) for a in sent), nbytes(out))
+    if getattr(model, "vocab", None) is not None:  # all-device blocks: one rank's share
+        from pyplan.runtime.sharded import sharded_blocks
+
+        costs.update(sharded_blocks(problem, model, seed=seed, device=device, timer=timer,
+                                    inputs=inputs, targets=targets, outputs=outputs))
     _busy(measured)
     return [costs[b] for b in sorted(costs)]
 

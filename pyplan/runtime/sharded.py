@@ -1,6 +1,7 @@
 """What the M-shape's vocabulary-sharded units cost on one of their ranks: the first unit (with
 the token embedding) and the last (with the head, and the loss on sharded logits), each holding
-1/devices of the vocabulary, for `pyplan partition --shape mshape|auto`.
+1/devices of the vocabulary, for `pyplan partition --shape mshape|auto`; and for `pyplan
+profile`, the all-device blocks of a plan that shards them (model.vocab_parallel).
 
 The compute is measured in this one process, on the rank's own chunk, as pyplan run executes
 it (pyplan.models.vocab over torch's DTensor), with torch's fake process group of `devices`
@@ -21,13 +22,15 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyplan.errors import PlanError
+from pyplan.lower import check_runnable
 from pyplan.models import FORWARD, Cut, Unit, stage_modules
 from pyplan.models.vocab import Vocab, parallel_loss, shard
 from pyplan.partition import OPTIMIZER_STATE, UnitCost
+from pyplan.problem import BACKWARD
 from pyplan.runtime.profile import Measured, _leaves, _measure, _Timer, _unit_parameters
 from pyplan.spec.plan import LinkSpec, TopologySpec
 
-__all__ = ["Collective", "ShardedUnits", "collective_ms", "profile_sharded"]
+__all__ = ["Collective", "ShardedUnits", "collective_ms", "profile_sharded", "sharded_blocks"]
 
 _STEPS = {"all_reduce": lambda d: 2 * (d - 1), "all_gather_into_tensor": lambda d: d - 1,
           "reduce_scatter_tensor": lambda d: d - 1, "broadcast": lambda d: d - 1}
@@ -164,3 +167,54 @@ def _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices, op
             weight_bytes=size * (2 + OPTIMIZER_STATE[optimizer])))
         del out
     return ShardedUnits(out_costs[0], out_costs[1], found, devices)
+
+
+def sharded_blocks(problem, model, *, seed: int, device: torch.device, timer: _Timer, inputs,
+                   targets, outputs: dict, link: LinkSpec = TopologySpec().within_node
+                   ) -> dict[int, "BlockCost"]:
+    """`pyplan profile` of a plan whose all-device blocks shard the vocabulary
+    (model.vocab_parallel): those blocks as their first rank runs them, built as pyplan run
+    builds that rank's blocks, beside a fake process group of their devices, their
+    collectives timed on `link`. `outputs`: every block's output, measured whole (what the
+    sharded blocks receive)."""
+    from pyplan.runtime.binding import block_inputs, build, loss_function
+    from pyplan.runtime.profile import BlockCost
+    from pyplan.runtime.values import nbytes
+
+    multi = [b for b in problem.blocks if b.is_forward and len(b.devices) > 1]
+    if not multi or len({b.devices for b in multi}) > 1 or dist.is_initialized():
+        return {}
+    devices = multi[0].devices
+    dist.init_process_group("fake", rank=0, world_size=len(devices))
+    try:
+        groups = {b.index: dist.group.WORLD for b in problem.blocks if len(b.devices) > 1}
+        built = build(model, problem, seed=seed, device=device, rank=devices[0], groups=groups)
+        preds = block_inputs(problem, built.modules)
+        trains = {problem.by_name[b.layer] for b in problem.blocks if b.kind == BACKWARD}
+        output_block = check_runnable(problem)
+        costs = {}
+        for block in multi:
+            b, module, grad = block.index, built.modules[block.index], block.index in trains
+            params = [p for p in module.parameters() if p.requires_grad]
+            args, wrt = [], []
+            for p in preds[b]:
+                value, leaves = _leaves(outputs[p], grad)
+                args.append(value)
+                wrt += leaves
+            if not preds[b] or b in built.wants_inputs:
+                args.insert(0, inputs)
+            loss_fn = (lambda out: loss_function(model)(out, targets, dist.group.WORLD)) \
+                if b == output_block else None
+            forward_ms, backward_ms, saved, out = _measure(
+                timer, module, args, wrt, params, loss_fn, f"block '{block.name}' (sharded)",
+                grad)
+            found = _collectives(module, args, loss_fn) if grad else ()
+            forward_ms += collective_ms(found, len(devices), link, backward=False)
+            if backward_ms is not None:
+                backward_ms += collective_ms(found, len(devices), link, backward=True)
+            sent = [a for a in args if a is not inputs] if preds[b] else [inputs]
+            costs[b] = BlockCost(block.name, block.devices, forward_ms, backward_ms, saved,
+                                 sum(nbytes(a) for a in sent), nbytes(outputs[b]))
+        return costs
+    finally:
+        dist.destroy_process_group()
