@@ -138,9 +138,15 @@ def run(args: argparse.Namespace) -> int:
                    recompute=args.recompute)
     how = {"chain": "", "traced": "cut by torch's pipeline tracer, ",
            "forward": "cut in the model's own forward, "}[cut.kind]
-    sharded, why = None, None
+    sharded, why, about = None, None, []
     if args.shape in ("mshape", "auto"):
-        sharded, why = _sharded(model, inputs, targets, loss, user, cut, units, args, measured)
+        try:
+            sharded, why, about = _sharded(model, inputs, targets, loss, user, cut, units, args,
+                                           measured)
+        except PlanError as exc:  # auto: the other placements still apply
+            if args.shape == "mshape":
+                raise
+            why = exc.message
         if sharded is None and args.shape == "mshape":
             raise PlanError(f"--shape mshape: {why}", hint="use --shape vshape or interleaved")
     if args.shape == "auto":
@@ -155,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
     if args.shape != "auto":
         print(f"{args.factory}: {len(units)} units ({how}measured), {stages} stages "
               f"({shape}), {n} micro-batches; the best partitions and even splits, solved:")
+    for line in about if shape == "mshape" else ():
+        print(line)
     for plan in sorted(plans, key=lambda c: c.partition.bottleneck_ms):
         p = plan.partition
         cut_text = " | ".join(f"{units[p.bounds[s]].name}..{units[p.bounds[s + 1] - 1].name}"
@@ -177,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _sharded(model, inputs, targets, loss, user, cut, units, args, measured):
-    """(the M-shape's sharded first and last units, None) or (None, why the model has none)."""
+    """(the M-shape's sharded first and last units, None, lines about their costs) or (None,
+    why the model has none, [])."""
     import torch
 
     from pyplan.models import FORWARD, TRACED
@@ -188,10 +197,10 @@ def _sharded(model, inputs, targets, loss, user, cut, units, args, measured):
     from pyplan.runtime.sharded import collective_ms, profile_sharded
 
     if cut.kind == TRACED:
-        return None, "the model is cut by torch's tracer, whose pieces cannot be sharded"
+        return None, "the model is cut by torch's tracer, whose pieces cannot be sharded", []
     if len(units) < args.devices + 2:
         return None, (f"{args.devices} stages between the first and last units need "
-                      f"{args.devices + 2} units, the model has {len(units)}")
+                      f"{args.devices + 2} units, the model has {len(units)}"), []
     from pyplan.models import Unit
 
     found_units = [Unit(u.name, u.module_names) for u in units]
@@ -205,7 +214,7 @@ def _sharded(model, inputs, targets, loss, user, cut, units, args, measured):
     vocab = find(model, inputs, found_units[0].modules, found_units[-1].modules, out)
     if vocab is None:
         return None, ("the first unit has no token embedding, or the last no head over the "
-                      "vocabulary of the model's output")
+                      "vocabulary of the model's output"), []
     check_divisible(vocab, args.devices)
     result = profile_sharded(model, inputs, targets,
                              loss_function(user), cut=cut,
@@ -216,14 +225,15 @@ def _sharded(model, inputs, targets, loss, user, cut, units, args, measured):
     from pyplan.spec.plan import TopologySpec
 
     link = TopologySpec().within_node
+    lines = []
     for unit, whole in ((result.first, units[0]), (result.last, units[-1])):
         comm = result.collectives[unit.name]
         spent = sum(collective_ms(comm, args.devices, link, b) for b in (False, True))
-        print(f"  {unit.name}: per rank of {args.devices}, {unit.forward_ms:.2f} + "
-              f"{unit.backward_ms:.2f} ms (whole: {whole.forward_ms:.2f} + "
-              f"{whole.backward_ms:.2f} ms), {len(comm)} collectives "
-              f"({sum(c.bytes for c in comm):,} bytes, {spent:.3f} ms on the link)")
-    return Sharded(result.first, result.last, (vocab.embedding, vocab.head)), None
+        lines.append(f"  {unit.name}: per rank of {args.devices}, {unit.forward_ms:.2f} + "
+                     f"{unit.backward_ms:.2f} ms (whole: {whole.forward_ms:.2f} + "
+                     f"{whole.backward_ms:.2f} ms), {len(comm)} collectives "
+                     f"({sum(c.bytes for c in comm):,} bytes, {spent:.3f} ms on the link)")
+    return Sharded(result.first, result.last, (vocab.embedding, vocab.head)), None, lines
 
 
 def _auto(units, sharded, why, args, options, how):

@@ -401,10 +401,6 @@ def _shard_vocab(whole, model: Model, problem: Problem, stages, by_stage: dict, 
           torch.device(device), active=active)
 
 
-def _root(by_stage: dict, whole: torch.nn.Module) -> torch.nn.Module:
-    return whole
-
-
 def _drop_others(whole: torch.nn.Module, kept: list[str]) -> None:
     """A chain model without the units this rank does not run (their memory is freed)."""
     keep = set(kept)
