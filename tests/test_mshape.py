@@ -315,3 +315,16 @@ def test_profile_measures_the_sharded_blocks_as_one_rank_runs_them(cli):
     assert "blocks on several devices: one rank's share of the vocabulary" in out
     code, out, err = cli("profile", PLANS / "gpt-mshape-blocks.yaml", "--repeats", "1")
     assert "blocks on several devices are measured whole on one device" in out
+
+
+def test_dry_run_refuses_vocabulary_modules_the_model_does_not_have(cli, tmp_path):
+    pytest.importorskip("torch")
+    from conftest import PLANS
+
+    text = (PLANS / "gpt-mshape.yaml").read_text().replace('head: "head.out"',
+                                                           'head: "head.norm"')
+    (tmp_path / "bad.yaml").write_text(text)
+    assert cli("solve", tmp_path / "bad.yaml", "--quiet", "--time-limit", "2")[0] == 0
+    code, out, err = cli("run", tmp_path / "bad.resolved.yaml", "--dry-run")
+    assert code == 2 and err.count("\n") == 1
+    assert "model.vocab_parallel: head.norm is not an nn.Linear in the model" in err

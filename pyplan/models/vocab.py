@@ -39,7 +39,8 @@ from torch import nn
 
 from pyplan.errors import PlanError
 
-__all__ = ["Vocab", "check_divisible", "find", "mesh_of", "parallel_loss", "shard"]
+__all__ = ["Vocab", "check_divisible", "check_modules", "find", "mesh_of", "parallel_loss",
+           "shard"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,28 @@ def check_divisible(vocab: Vocab, ranks: int) -> None:
                              f"model.resize_token_embeddings(n, pad_to_multiple_of={ranks}))")
 
 
+def check_modules(model: nn.Module, embedding: str, head: str,
+                  file: str | None = None) -> tuple[nn.Embedding, nn.Linear]:
+    """The embedding and head modules model.vocab_parallel names; PlanError unless they are an
+    nn.Embedding and an nn.Linear over one vocabulary."""
+    found = []
+    for name, kind in ((embedding, nn.Embedding), (head, nn.Linear)):
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            module = None
+        if not isinstance(module, kind):
+            raise PlanError(f"model.vocab_parallel: {name} is not an nn.{kind.__name__} in "
+                            "the model", hint="the plan is stale: re-run pyplan partition",
+                            file=file)
+        found.append(module)
+    if found[0].num_embeddings != found[1].out_features:
+        raise PlanError(f"model.vocab_parallel: {embedding} has {found[0].num_embeddings} "
+                        f"tokens, {head} {found[1].out_features} outputs",
+                        hint="the plan is stale: re-run pyplan partition", file=file)
+    return found[0], found[1]
+
+
 @functools.lru_cache(maxsize=None)
 def _mesh(group, device_type: str):
     from torch.distributed.device_mesh import DeviceMesh
@@ -169,11 +192,7 @@ def shard(model: nn.Module, vocab: Vocab, group, device: torch.device, *,
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     check_divisible(vocab, ranks)
     mesh = mesh_of(group, device)
-    embedding = model.get_submodule(vocab.embedding)
-    head = model.get_submodule(vocab.head)
-    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
-        raise PlanError(f"model.vocab_parallel: {vocab.embedding} must be an nn.Embedding and "
-                        f"{vocab.head} an nn.Linear", hint="re-run pyplan partition")
+    embedding, head = check_modules(model, vocab.embedding, vocab.head)
     if embedding.max_norm is not None or embedding.sparse or embedding.scale_grad_by_freq:
         raise PlanError(f"{vocab.embedding}: an embedding with max_norm, sparse gradients or "
                         "gradients scaled by frequency "

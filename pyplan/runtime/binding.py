@@ -442,7 +442,10 @@ def check_model(problem: Problem, plan_dir: Path, source: str | None = None) -> 
             _check_stage_names(whole, model, problem)
             _check_ties(model, ties(whole, _stages_in_order(problem, model)), problem)
             if model.vocab is not None:
+                from pyplan.models.vocab import check_modules
+
                 _vocab_blocks(model, problem, _stages_in_order(problem, model))
+                check_modules(whole, *model.vocab, file=problem.source_path)
             return len(blocks)
         built = build(model, problem, seed=0, device="meta")
     shared_across_devices(problem, built.modules)
