@@ -460,10 +460,6 @@ def _wave_stages(problem: Problem) -> list[list[int]]:
 def _zb_h2(problem: Problem):
     _require_training(problem, split=True)
     stages = _single_chain_stages(problem)
-    shared = next((b for b in problem.blocks if b.is_forward and len(b.devices) > 1), None)
-    if shared is not None:  # its device programs give each instance one device
-        raise NotApplicable(f"block '{shared.name}' runs on several devices; ZB-H2's order "
-                            "is one program per device")
     p = len(stages)
     # ZB-H2: about twice 1F1B's warmup forwards (2(p - s) - 1 in flight on stage s), so the
     # warmup has no bubble; deferred W passes fill the cooldown.
