@@ -1,18 +1,24 @@
-"""`pyplan partition` measured side by side, on the test model with unequal units
-(tests/models/unequal.py: heavy embedding and head, layers of two widths) and on a 24-layer GPT
-(pyplan.examples.gpt_chain), 4 stages, 8 micro-batches:
+"""`pyplan partition` measured side by side, on 4 CPU gloo ranks, 8 micro-batches:
 
-  1. the partition `pyplan partition` picks vs an even split of the layers (Megatron-LM's
-     default: layers evenly over the stages, the embedding on the first, the head on the last),
-     both solved by pyplan: predicted makespan (from the measured unit costs) and measured
-     iteration time on 4 CPU gloo ranks;
-  2. pyplan's run of its partition vs the best of torch.distributed.pipelining's Schedule1F1B
-     and ScheduleGPipe on the same split (measured).
+  1. on the test model with unequal units (tests/models/unequal.py: heavy embedding and head,
+     layers of two widths) and on a 24-layer GPT (pyplan.examples.gpt_chain), 4 stages: the
+     partition `pyplan partition` picks vs an even split of the layers (Megatron-LM's default:
+     layers evenly over the stages, the embedding on the first, the head on the last), both
+     solved by pyplan: predicted makespan (from the measured unit costs) and measured iteration
+     time; and pyplan's run of its partition vs the best of torch.distributed.pipelining's
+     Schedule1F1B and ScheduleGPipe on the same split (measured);
+  2. placements of one model, a GPT with a large vocabulary (pyplan.examples.gpt's model()
+     with a vocabulary of 32768, width 64 and 8 layers), each partitioned and solved from the
+     same measured costs:
+     the M-shape (`--shape mshape`: embedding and head sharded over the vocabulary on all four
+     ranks, torch's DTensor and loss_parallel) vs the V-shape and interleaved (2 chunks), as
+     `--shape auto` ranks them (predicted) and as `pyplan run` runs them (measured).
 
     python benchmarks/partition.py [--rounds 5] [--iterations 6]
 
 Each round runs every case in the same processes; a ratio is taken within a round and printed
-as its median with the minimum and maximum over the rounds.
+as its median with the minimum and maximum over the rounds. The units are measured with one
+thread, as each torchrun worker runs.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "models"))
 
-from runtime import (TorchScheduleCase, print_ratio, print_times,  # noqa: E402 - on sys.path
+from runtime import (TorchModelCase, print_ratio, print_times,  # noqa: E402 - on sys.path
                      run_rounds)
 
 MODELS = {  # name -> (module with model/batch/loss, its folder for the plans' model.path)
@@ -35,6 +41,15 @@ MODELS = {  # name -> (module with model/batch/loss, its folder for the plans' m
     "gpt24": ("pyplan.examples.gpt_chain", None),
 }
 DEVICES, MICRO_BATCHES = 4, 8
+VOCAB_MODEL = "pyplan.examples.gpt"  # its whole model, gpt.model(), enlarged:
+VOCAB_SIZES = dict(VOCAB=32768, DIM=64, HEADS=4, SEQUENCE=16, BATCH=16, LAYERS=8)
+PLACEMENTS = ("mshape", "vshape", "interleaved-2")
+
+
+def _enlarge() -> None:
+    module = __import__(VOCAB_MODEL, fromlist=["model"])
+    for key, value in VOCAB_SIZES.items():
+        setattr(module, key, value)
 
 
 def _even(units, stages: int):
@@ -45,6 +60,55 @@ def _even(units, stages: int):
     layers = len(units) - 2
     bounds = [0] + [1 + round(layers * s / stages) for s in range(1, stages)] + [len(units)]
     return Partition(tuple(bounds), 0.0, ())
+
+
+def _placements(directory: Path) -> dict[str, float]:
+    """The large-vocabulary GPT measured once and placed as PLACEMENTS (what `pyplan partition
+    --shape auto` does): each best plan written and solved; returns the predicted makespans."""
+    import torch
+
+    from pyplan.models import FORWARD, find_units
+    from pyplan.models.forward import logits, whole_forward
+    from pyplan.models.vocab import find
+    from pyplan.placements import Sharded, placements
+    from pyplan.problem import build_problem
+    from pyplan.resolved import write_resolved
+    from pyplan.runtime.binding import Model, make_batch, seed_everything, split_batch
+    from pyplan.runtime.profile import profile_units
+    from pyplan.runtime.sharded import profile_sharded
+    from pyplan.solver import solve
+    from pyplan.spec import spec_from_text
+
+    _enlarge()
+    module = __import__(VOCAB_MODEL, fromlist=["model"])
+    seed_everything(0, "module")
+    model = module.model()
+    inputs, targets = make_batch(Model(None, module.batch, module.loss), 0, 0,
+                                 torch.device("cpu"))
+    inputs = split_batch(inputs, MICRO_BATCHES)[0]
+    targets = split_batch(targets, MICRO_BATCHES)[0]
+    costs, cut = profile_units(model, inputs, targets, module.loss)
+    _, units = find_units(model, inputs)
+    with torch.no_grad():
+        out = logits(whole_forward(model, inputs) if cut.kind == FORWARD else model(inputs))
+    vocab = find(model, inputs, units[0].modules, units[-1].modules, out)
+    ends = profile_sharded(model, inputs, targets, module.loss, cut=cut, units=units,
+                           costs=costs, vocab=vocab, devices=DEVICES)
+    tried = placements(costs, devices=DEVICES, shapes=PLACEMENTS,
+                       sharded=Sharded(ends.first, ends.last, (vocab.embedding, vocab.head)),
+                       name="placement", factory=f"{VOCAB_MODEL}:model",
+                       data=f"{VOCAB_MODEL}:batch", loss=f"{VOCAB_MODEL}:loss",
+                       micro_batches=MICRO_BATCHES, cut=cut.kind)
+    predicted = {}
+    for p in tried:
+        plan = directory / f"placement-{p.shape}.yaml"
+        plan.write_text(p.best.text)
+        write_resolved(solve(build_problem(spec_from_text(p.best.text, str(plan)))),
+                       directory / f"placement-{p.shape}.resolved.yaml")
+        predicted[p.shape] = p.best.makespan_ms
+    print("placements of the large-vocabulary GPT, predicted: " + ", ".join(
+        f"{p.label} {p.best.makespan_ms:.2f} ms" for p in tried), flush=True)
+    return predicted
 
 
 def prepare(directory: Path) -> dict:
@@ -61,7 +125,8 @@ def prepare(directory: Path) -> dict:
     from pyplan.solver import solve
     from pyplan.spec import spec_from_text
 
-    info = {}
+    torch.set_num_threads(1)  # as each torchrun worker (OMP_NUM_THREADS=1)
+    info = {"placements": _placements(directory)}
     for name, (module_name, folder) in MODELS.items():
         module = __import__(module_name, fromlist=["model"])
         seed_everything(0, "module")
@@ -97,55 +162,26 @@ def prepare(directory: Path) -> dict:
 
 # ---------------------------------------------------------------- workers (under torchrun)
 
-class TorchSplitCase(TorchScheduleCase):
-    """A torch.distributed.pipelining schedule over stages cut from one seeded model."""
-
-    def __init__(self, label: str, schedule: str, module_name: str, stages: list[list[str]]):
-        import torch
-        import torch.distributed as dist
-        from torch.distributed import pipelining
-
-        from pyplan.runtime.binding import Model, seed_everything, submodules
-
-        self.name = label
-        module = __import__(module_name, fromlist=["model"])
-        self.model = Model(None, module.batch, module.loss)
-        seed_everything(0, "module")
-        names = [f"stage{s}" for s in range(len(stages))]
-        parts = submodules(module.model(), dict(zip(names, map(tuple, stages))), names)
-        modules = [parts[n] for n in names]
-        rank = dist.get_rank()
-        x = module.batch(0)[0][: module.BATCH // MICRO_BATCHES]
-        examples = []
-        for m in modules:
-            y = m(x)
-            examples.append((x, y.detach().requires_grad_(True)))
-            x = examples[-1][1]
-        stage = pipelining.PipelineStage(modules[rank], rank, len(modules), torch.device("cpu"),
-                                         input_args=examples[rank][0],
-                                         output_args=examples[rank][1])
-        self.optimizer = torch.optim.SGD(modules[rank].parameters(), lr=0.01)
-        self.schedule = getattr(pipelining, schedule)(stage, n_microbatches=MICRO_BATCHES,
-                                                      loss_fn=module.loss)
-        self.first, self.last = rank == 0, rank == len(modules) - 1
-
-
-
 def worker(directory: Path, rounds: int) -> None:
     import pyplan.runtime  # noqa: F401 - quiet torch import
     import torch.distributed as dist
     from runtime import PyplanCase
 
+    _enlarge()
     dist.init_process_group("gloo")
     info = json.loads((directory / "info.json").read_text())
-    cases = []
+    cases = [PyplanCase(f"placements: pyplan run, {shape}",
+                        directory / f"placement-{shape}.resolved.yaml", blocking=False)
+             for shape in info["placements"]]
     for name, item in info.items():
+        if name == "placements":
+            continue
         for label in ("pyplan", "even"):
             cases.append(PyplanCase(f"{name}: pyplan run, {label} split",
                                     directory / f"{name}-{label}.resolved.yaml", blocking=False))
         for schedule in ("Schedule1F1B", "ScheduleGPipe"):
-            cases.append(TorchSplitCase(f"{name}: torch {schedule}, pyplan split", schedule,
-                                        item["module"], item["stages"]))
+            cases.append(TorchModelCase(f"{name}: torch {schedule}, pyplan split", schedule,
+                                        item["module"], item["stages"], MICRO_BATCHES))
     rounds_of = run_rounds(cases, rounds)
     if dist.get_rank() == 0:
         report(info, rounds_of)
@@ -159,7 +195,16 @@ def report(info: dict, rounds_of: dict[str, list[float]]) -> None:
         print_ratio(rounds_of, f"  {label}", slow, fast, width=60)
 
     print("ratios (> 1: the first named is faster):")
+    placed = info["placements"]
+    for other in [s for s in placed if s != "mshape"]:
+        print(f"  {'placements: M-shape vs ' + other + ', predicted':58} "
+              f"{placed[other] / placed['mshape']:.2f}x  ({placed[other]:.2f} vs "
+              f"{placed['mshape']:.2f} ms)")
+        ratio(f"placements: M-shape vs {other}, measured",
+              f"placements: pyplan run, {other}", "placements: pyplan run, mshape")
     for name, item in info.items():
+        if name == "placements":
+            continue
         print(f"  {name + ': pyplan partition vs even split, predicted':58} "
               f"{item['predicted_even'] / item['predicted_pyplan']:.2f}x  "
               f"({item['predicted_even']:.2f} vs {item['predicted_pyplan']:.2f} ms)")

@@ -4,9 +4,11 @@
      1.9x on GPUs for M- and NN-shapes);
   2. pyplan vs torch.distributed.pipelining (Schedule1F1B, ScheduleGPipe,
      ScheduleInterleaved1F1B) on the same model, stage split and micro-batches;
-  3. the GPT on the M-shape (vocabulary-parallel embedding and head on all ranks), which
+  3. the GPT on the M-shape (vocabulary-parallel embedding and head on all ranks; the plan
+     written by `pyplan partition --shape mshape`, sharded with torch's DTensor), which
      torch's runtime cannot express, vs the best torch schedule of the same model with the
-     embedding on the first and the head on the last stage;
+     embedding on the first and the head on the last stage, and vs the same placement written
+     by hand (plans/gpt-mshape-blocks.yaml: hand-written tensor-parallel layers);
   4. data parallelism x pipeline (2 replicas of 2 stages, plans/transformer-vshape-dp2.yaml):
      each stage's gradients all-reduced right after its last backward (overlapped) vs all at
      the end of the iteration, and pyplan vs torch's Schedule1F1B with each stage wrapped in
@@ -64,12 +66,13 @@ def prepare(directory: Path) -> dict[str, Path]:
     from pyplan.solver import solve
 
     paths = {}
-    for name in ("transformer-vshape", "gpt-mshape", "transformer-vshape-dp2"):
+    for name in ("transformer-vshape", "gpt-mshape", "gpt-mshape-blocks",
+                 "transformer-vshape-dp2"):
         (directory / f"{name}.yaml").write_text((ROOT / "plans" / f"{name}.yaml").read_text())
     for name, text in PLANS.items():
         (directory / f"{name}.yaml").write_text(text)
     for name in ("transformer-vshape", "transformer-gpipe", "transformer-interleaved",
-                 "gpt-mshape", "transformer-vshape-dp2"):
+                 "gpt-mshape", "gpt-mshape-blocks", "transformer-vshape-dp2"):
         plan = directory / f"{name}.yaml"
         paths[name] = write_resolved(solve(load_problem(plan)), resolved_path(plan))
     return paths
@@ -168,6 +171,43 @@ class TorchCase(TorchScheduleCase):
 
 
 
+class TorchModelCase(TorchScheduleCase):
+    """A torch.distributed.pipelining schedule over stages cut from one seeded whole model
+    (`module.model()`, a chain of units: the model pyplan partition cuts), one stage per rank."""
+
+    def __init__(self, name: str, schedule: str, module_name: str, stages: list[list[str]],
+                 micro_batches: int = 8):
+        import torch
+        import torch.distributed as dist
+        from torch.distributed import pipelining
+
+        from pyplan.models.chain import stage
+        from pyplan.runtime.binding import Model, seed_everything
+
+        self.name = name
+        module = __import__(module_name, fromlist=["model"])
+        self.model = Model(None, module.batch, module.loss)
+        seed_everything(0, "module")
+        whole = module.model()
+        modules = [stage(whole, tuple(names)) for names in stages]
+        rank = dist.get_rank()
+        x = module.batch(0)[0][: module.BATCH // micro_batches]
+        examples = []
+        for m in modules:  # with autograd on: torch reads which tensors need gradients
+            y = m(x)
+            examples.append((x, y.detach().requires_grad_(True)))
+            x = examples[-1][1]
+        pipeline_stage = pipelining.PipelineStage(modules[rank], rank, len(modules),
+                                                  torch.device("cpu"),
+                                                  input_args=examples[rank][0],
+                                                  output_args=examples[rank][1])
+        self.optimizer = torch.optim.SGD(modules[rank].parameters(), lr=0.01)
+        self.schedule = getattr(pipelining, schedule)(pipeline_stage,
+                                                      n_microbatches=micro_batches,
+                                                      loss_fn=module.loss)
+        self.first, self.last = rank == 0, rank == len(modules) - 1
+
+
 class TorchDDPCase(TorchScheduleCase):
     """Two replicas of the two-stage transformer under torch's Schedule1F1B, each stage wrapped
     in DistributedDataParallel (gradients synchronised in the last micro-batch's backward),
@@ -220,9 +260,10 @@ def worker(directory: Path, rounds: int) -> None:
     dist.init_process_group("gloo")
     plan = {name: directory / f"{name}.resolved.yaml" for name in
             ("transformer-vshape", "transformer-gpipe", "transformer-interleaved", "gpt-mshape",
-             "transformer-vshape-dp2")}
+             "gpt-mshape-blocks", "transformer-vshape-dp2")}
     four = [[f"stage{s}"] for s in range(4)]
-    gpt_vshape = [["embed", "stage0"], ["stage1"], ["stage2"], ["stage3", "head"]]
+    # The same whole model (gpt.model()) as plans/gpt-mshape.yaml, cut as torch can run it.
+    gpt_vshape = [["embed", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "head"]]
     cases = [
         PyplanCase("pyplan 1F1B (V-shape)", plan["transformer-vshape"], blocking=False),
         PyplanCase("pyplan 1F1B, blocking", plan["transformer-vshape"], blocking=True),
@@ -235,8 +276,12 @@ def worker(directory: Path, rounds: int) -> None:
                   [[f"stage{s}"] for s in range(8)]),
         PyplanCase("pyplan GPT M-shape", plan["gpt-mshape"], blocking=False),
         PyplanCase("pyplan GPT M-shape, blocking", plan["gpt-mshape"], blocking=True),
-        TorchCase("torch GPT Schedule1F1B", "Schedule1F1B", "gpt", gpt_vshape),
-        TorchCase("torch GPT ScheduleGPipe", "ScheduleGPipe", "gpt", gpt_vshape),
+        PyplanCase("pyplan GPT M-shape, hand-written blocks", plan["gpt-mshape-blocks"],
+                   blocking=False),
+        TorchModelCase("torch GPT Schedule1F1B", "Schedule1F1B", "pyplan.examples.gpt",
+                       gpt_vshape),
+        TorchModelCase("torch GPT ScheduleGPipe", "ScheduleGPipe", "pyplan.examples.gpt",
+                       gpt_vshape),
         PyplanCase("pyplan DP2xPP2, overlapped sync", plan["transformer-vshape-dp2"],
                    blocking=False),
         PyplanCase("pyplan DP2xPP2, sync at the end", plan["transformer-vshape-dp2"],
@@ -301,6 +346,10 @@ def report(rounds_of: dict[str, list[float]]) -> None:
         best = min(torch_gpt, key=median.get)
         ratio(f"pyplan GPT M-shape vs best torch ({best.split()[-1]}, V-shape)", best,
               "pyplan GPT M-shape")
+        ratio(f"pyplan GPT M-shape, hand-written blocks vs best torch ({best.split()[-1]})",
+              best, "pyplan GPT M-shape, hand-written blocks")
+    ratio("GPT M-shape: partition-written (DTensor) vs hand-written blocks",
+          "pyplan GPT M-shape, hand-written blocks", "pyplan GPT M-shape")
     ratio("DP2xPP2: overlapped vs end-of-iteration gradient sync",
           "pyplan DP2xPP2, sync at the end", "pyplan DP2xPP2, overlapped sync")
     ratio("DP2xPP2: pyplan vs torch Schedule1F1B + DDP (same mesh)",

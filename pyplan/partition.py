@@ -210,18 +210,21 @@ def even_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: in
 
 
 def ties(units: list[UnitCost], partition: Partition,
-         everywhere: tuple[str, ...] = ()) -> list[tuple[str, tuple[str, ...]]]:
+         everywhere: tuple[str, ...] = (), names: tuple[str, ...] | None = None
+         ) -> list[tuple[str, tuple[str, ...]]]:
     """(parameter, the stages holding it) for every parameter more than one stage holds: one
-    used by units of two stages, or one every stage keeps (`everywhere`)."""
+    used by units of two stages, or one every stage keeps (`everywhere`). Stage s is named
+    names[s] (default stage{s})."""
+    names = names or tuple(f"stage{s}" for s in range(partition.num_stages))
     holders: dict[str, list[str]] = {name: [] for name in everywhere}
     for s in range(partition.num_stages):
         for i in partition.stage(s):
             for name in units[i].parameters:
                 stages = holders.setdefault(name, [])
-                if f"stage{s}" not in stages:
-                    stages.append(f"stage{s}")
+                if names[s] not in stages:
+                    stages.append(names[s])
     for name in everywhere:
-        holders[name] = [f"stage{s}" for s in range(partition.num_stages)]
+        holders[name] = list(names)
     return sorted((name, tuple(stages)) for name, stages in holders.items() if len(stages) > 1)
 
 
@@ -230,12 +233,18 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
               data: str, loss: str, path: str | None, time_unit_ms: float, shape: str,
               cut: str = "chain", layer_returns: str = "tensor",
               everywhere: tuple[str, ...] = (), recompute: str = "never",
-              speeds: Sequence[float] | None = None) -> str:
-    """A plan for `partition`: one block per stage (stage s on device s mod devices) with the
-    measured times in units of `time_unit_ms`, activation memory, weights, output (timed on
-    the default links) and recompute memory (the stage's input) in bytes, and a model:
-    section naming each stage's submodules. `capacity` per device (a list) or `speeds` write
-    the devices one by one (devices: [{memory, speed}, ...])."""
+              speeds: Sequence[float] | None = None, names: tuple[str, ...] | None = None,
+              placement: tuple[tuple[int, ...] | None, ...] | None = None,
+              vocab: tuple[str, str] | None = None) -> str:
+    """A plan for `partition`: one block per stage (stage s on device s mod devices, or on
+    placement[s], None for all devices; named names[s], default stage{s}) with the measured
+    times in units of `time_unit_ms`, activation memory, weights, output (timed on the default
+    links) and recompute memory (the stage's input) in bytes, and a model: section naming each
+    stage's submodules (and with `vocab`, the embedding and head its all-device blocks shard
+    over the vocabulary: model.vocab_parallel). `capacity` per device (a list) or `speeds`
+    write the devices one by one (devices: [{memory, speed}, ...])."""
+    names = names or tuple(f"stage{s}" for s in range(partition.num_stages))
+    placement = placement or tuple((s % devices,) for s in range(partition.num_stages))
     about = (f"Written by pyplan partition from {factory}: {len(units)} units in "
              f"{partition.num_stages} stages ({shape}); times measured on this machine, one "
              f"time unit = {time_unit_ms:.4g} ms; block memory: the activations of one "
@@ -265,20 +274,24 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
         activations = sum(u.activation_bytes for u in part)
         weights = sum(u.weight_bytes for u in part)
         output = f", output: {part[-1].output_bytes}B" if s + 1 < partition.num_stages else ""
-        lines.append(f"  - {{name: stage{s}, devices: [{s % devices}], time: {forward}, "
+        where = "all" if placement[s] is None else f"[{', '.join(map(str, placement[s]))}]"
+        lines.append(f"  - {{name: {names[s]}, devices: {where}, time: {forward}, "
                      f"memory: {activations}B, weights: {weights}B{output}, "
                      f"recompute_memory: {min(part[0].input_bytes, activations)}B, "
                      f"backward: {{time: {backward}}}}}")
     lines += ["model:", f"  module: {factory}", "  stages:"]
     for s in range(partition.num_stages):
-        names = ", ".join(json.dumps(m) for i in partition.stage(s)
-                          for m in units[i].module_names)
-        lines.append(f"    stage{s}: [{names}]")
+        modules = ", ".join(json.dumps(m) for i in partition.stage(s)
+                            for m in units[i].module_names)
+        lines.append(f"    {names[s]}: [{modules}]")
     if cut != "chain":
         lines.append(f"  cut: {cut}")
     if layer_returns != "tensor":
         lines.append(f"  layer_returns: {layer_returns}")
-    found = ties(units, partition, everywhere)
+    if vocab is not None:
+        lines.append(f"  vocab_parallel: {{embedding: {json.dumps(vocab[0])}, "
+                     f"head: {json.dumps(vocab[1])}}}")
+    found = ties(units, partition, everywhere, names)
     if found:
         lines.append("  ties:")
         lines += [f"    - {{parameter: {json.dumps(p)}, stages: [{', '.join(st)}]}}"

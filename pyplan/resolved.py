@@ -54,7 +54,8 @@ _BLOCK = {"name": (str, (), 0), "kind": (str, _KINDS, 0), "time": (int, 1, MAX_T
 _MODEL = {"blocks": (str, (), 0), "module": (str, (), 0), "stages": (dict, 0, 0),
           "traced": (bool, 0, 0), "cut": (str, ("chain", "forward", "traced"), 0),
           "layer_returns": (str, ("tensor", "tuple"), 0), "ties": (list, 0, 0),
-          "data": (str, (), 0), "loss": (str, (), 0), "path": (str, (), 0)}
+          "data": (str, (), 0), "loss": (str, (), 0), "path": (str, (), 0),
+          "vocab_parallel": (dict, 0, 0)}
 _MESH = {"data": (int, 1, MAX_DEVICES), "shard": (bool, 0, 0), "sync": (int, 0, MAX_TIME)}
 
 
@@ -215,7 +216,10 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
                    + (f", layer_returns: {m.layer_returns}" if m.layer_returns != "tensor" else "")
                    + ("" if m.ties is None else ", ties: [" + ", ".join(
                        f"{{parameter: {_quoted(p)}, stages: [{', '.join(map(_scalar, st))}]}}"
-                       for p, st in m.ties) + "]"))
+                       for p, st in m.ties) + "]")
+                   + ("" if m.vocab_parallel is None else
+                      f", vocab_parallel: {{embedding: {_quoted(m.vocab_parallel[0])}, "
+                      f"head: {_quoted(m.vocab_parallel[1])}}}"))
         lines.append(f"model: {{{builder}, data: {_quoted(m.data)}, loss: {_quoted(m.loss)}"
                      + (f", path: {_quoted(m.path)}" if m.path else "") + "}")
     if problem.time_unit_ms is not None:
@@ -405,7 +409,8 @@ class _Reader:
                                     "submodule names")
             declared = [b.name for b in blocks if b.is_forward]
             if ("blocks" in raw) == ("module" in raw) or ("module" in raw) != bool(stages) or \
-                    (("traced" in raw or "cut" in raw or "ties" in raw) and "blocks" in raw) or \
+                    (("traced" in raw or "cut" in raw or "ties" in raw or
+                      "vocab_parallel" in raw) and "blocks" in raw) or \
                     (stages and list(stages) != declared) or "\0" in raw.get("path", ""):
                 raise self.fail(("model",), "the model must name blocks, or module and stages "
                                 "of exactly the declared blocks",
@@ -414,7 +419,9 @@ class _Reader:
                               stages=tuple((k, tuple(v)) for k, v in stages.items()),
                               cut="traced" if raw.get("traced") else raw.get("cut", "chain"),
                               layer_returns=raw.get("layer_returns", "tensor"),
-                              ties=_ties(raw.get("ties"), self), data=raw["data"],
+                              ties=_ties(raw.get("ties"), self),
+                              vocab_parallel=_vocab(raw.get("vocab_parallel"), self),
+                              data=raw["data"],
                               loss=raw["loss"], path=raw.get("path"))
         mesh = MeshSpec()
         if self.doc.get("mesh") is not None:
@@ -526,6 +533,17 @@ class _Reader:
                 raise self.fail(("schedule", part, d), f"{part} lists device {d!r}, which the "
                                 f"plan does not have", "the file was edited; re-run pyplan solve")
         return orders
+
+
+def _vocab(raw, reader) -> tuple[str, str] | None:
+    """model.vocab_parallel of a resolved plan: (embedding, head) or None."""
+    if raw is None:
+        return None
+    if not (isinstance(raw, dict) and set(raw) == {"embedding", "head"} and
+            all(isinstance(raw[k], str) and raw[k] for k in ("embedding", "head"))):
+        raise reader.fail(("model", "vocab_parallel"),
+                          "model.vocab_parallel must name an embedding and a head")
+    return raw["embedding"], raw["head"]
 
 
 def _ties(raw, reader: _Reader):

@@ -87,7 +87,8 @@ def test_a_tied_hugging_face_model_on_gpus(tmp_path):
 
 
 @pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs")
-@pytest.mark.parametrize("plan", ["gpt-mshape", "transformer-vshape-dp2"])
+@pytest.mark.parametrize("plan", ["gpt-mshape", "gpt-mshape-blocks",
+                                  "transformer-vshape-dp2"])
 def test_four_gpus_multi_device_blocks_and_data_parallelism(tmp_path, plan):
     shutil.copy(PLANS / f"{plan}.yaml", tmp_path / f"{plan}.yaml")
     shutil.copy(PLANS / f"{plan}.resolved.yaml", tmp_path / f"{plan}.resolved.yaml")

@@ -23,7 +23,7 @@ from pyplan.spec import spec_from_text
 from pyplan.problem import build_problem
 from pyplan.verify import verify
 
-EXAMPLES = ["gpt-mshape", "flava-kshape", "transformer-vshape"]
+EXAMPLES = ["gpt-mshape", "gpt-mshape-blocks", "flava-kshape", "transformer-vshape"]
 SOLVED = ["tessel-nnshape", "tessel-xshape", "zero-bubble", "interleaved-1f1b",
           "alphafold2-3f1b", "tessel-kshape-inference"]
 
@@ -330,7 +330,7 @@ def test_hand_written_backward_blocks_are_refused():
 
 
 def test_blocks_on_several_devices_sync_after_their_reduce():
-    text = (PLANS / "gpt-mshape.yaml").read_text() + "\nmesh: {data: 2, sync: 2}\n"
+    text = (PLANS / "gpt-mshape-blocks.yaml").read_text() + "\nmesh: {data: 2, sync: 2}\n"
     problem = build_problem(spec_from_text(text, str(PLANS / "dp.yaml")))
     schedule = solve(problem).schedule
     lowered = lower(problem, schedule)

@@ -200,7 +200,7 @@ def test_torchtitan_settings_for_the_v_and_what_it_cannot_run(cli, tmp_path):
 def test_layout_exports_need_a_module_cut_into_stages(cli):
     from conftest import PLANS
 
-    code, out, err = cli("export", PLANS / "gpt-mshape.resolved.yaml", "--format",
+    code, out, err = cli("export", PLANS / "gpt-mshape-blocks.resolved.yaml", "--format",
                          "megatron-layout", "-o", "-")
     assert (code, out) == (2, "")
     assert "needs a model given as one module cut into submodules" in err

@@ -58,11 +58,11 @@ def test_plan_without_model_is_refused(cli, outside_torchrun):
 
 
 def test_dry_run_prints_verified_programs(cli, outside_torchrun):
-    code, out, err = cli("run", PLANS / "gpt-mshape.resolved.yaml", "--dry-run")
+    code, out, err = cli("run", PLANS / "gpt-mshape-blocks.resolved.yaml", "--dry-run")
     assert (code, err) == (0, "")
     lines = out.splitlines()
-    assert lines[0] == ("gpt-mshape: 96 block instances on 4 ranks; verified: no send/recv pair "
-                        "can cross or block forever, and every collective is reached by all "
+    assert lines[0] == ("gpt-mshape-blocks: 96 block instances on 4 ranks; verified: no "
+                        "send/recv pair can cross or block forever, and every collective is reached by all "
                         "its ranks in the same order (non-blocking and blocking)")
     assert "rank 0: 98 instructions (48 compute, 16 send, 16 recv, 16 wait)" in lines
     assert "     0 compute embed@0 on ranks 0-3" in lines
@@ -85,9 +85,14 @@ def test_dry_run_verifies_every_replica_and_its_gradient_syncs(cli, outside_torc
 
 def test_dry_run_builds_the_model_and_names_a_broken_block(cli, outside_torchrun, tmp_path):
     pytest.importorskip("torch")
-    code, out, _ = cli("run", PLANS / "gpt-mshape.resolved.yaml", "--dry-run")
+    code, out, _ = cli("run", PLANS / "gpt-mshape-blocks.resolved.yaml", "--dry-run")
     assert code == 0 and out.splitlines()[-1].startswith(
         "model: pyplan.examples.gpt:build built all 6 declared blocks")
+    # The same placement written by pyplan partition: the whole model, its vocabulary
+    # modules checked against the blocks that shard them.
+    code, out, _ = cli("run", PLANS / "gpt-mshape.resolved.yaml", "--dry-run")
+    assert code == 0 and out.splitlines()[-1].startswith(
+        "model: pyplan.examples.gpt:model built all 6 declared blocks")
     # A model module beside the plan (found through the plan's folder) whose build cannot
     # make one of the blocks: the dry run says which, before any process starts.
     (tmp_path / "tiny.py").write_text(

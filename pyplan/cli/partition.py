@@ -22,6 +22,7 @@ from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES
 __all__ = ["add_arguments", "run"]
 
 SOLVE_SECONDS = 10.0  # per candidate partition
+AUTO_SOLVE_SECONDS, AUTO_KEEP = 5.0, 2  # --shape auto: per candidate, best partitions kept
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,9 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss", required=True, metavar="PKG.MOD:FN",
                         help="fn(output, targets) -> a scalar mean loss")
     parser.add_argument("--devices", type=int, required=True, metavar="D")
-    parser.add_argument("--shape", choices=("vshape", "interleaved"), default="vshape",
+    parser.add_argument("--shape", choices=("vshape", "interleaved", "mshape", "auto"),
+                        default="vshape",
                         help="vshape: stage s on device s; interleaved: stage s on device s "
-                        "mod D, --chunks stages per device")
+                        "mod D, --chunks stages per device; mshape: the token embedding and "
+                        "the head on all devices, sharded over the vocabulary, one stage per "
+                        "device between them; auto: solve every placement that applies and "
+                        "write the shortest")
     parser.add_argument("--chunks", type=int, default=2, metavar="C",
                         help="stages per device with --shape interleaved (default 2)")
     parser.add_argument("--micro-batches", type=int, metavar="N",
@@ -77,6 +82,8 @@ def _options(args: argparse.Namespace) -> tuple[int, int, int | None]:
         raise PlanError(f"--chunks must be at least 1 and --repeats lie in 1 .. {MAX_REPEATS}")
     stages = args.devices * (args.chunks if args.shape == "interleaved" else 1)
     n = args.micro_batches if args.micro_batches is not None else 2 * stages
+    if args.shape == "mshape":
+        stages += 2  # the sharded first and last units are blocks of their own
     if not 1 <= n <= MAX_MICRO_BATCHES:
         raise PlanError(f"--micro-batches must lie in 1 .. {MAX_MICRO_BATCHES}")
     memory = None
@@ -114,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     measured = Measured()
     units, cut = _profile(profile_units, model, inputs, targets, loss_function(user), args,
                           measured)
-    if len(units) < stages:
+    if len(units) < stages and args.shape != "auto":
         raise PlanError(f"{args.factory} has {len(units)} units "
                         f"({', '.join(u.name for u in units)}), fewer than the {stages} stages "
                         "asked for", hint="use fewer --devices (or --chunks)")
@@ -124,18 +131,38 @@ def run(args: argparse.Namespace) -> int:
     chunks = args.chunks if args.shape == "interleaved" else 1
     shared = everywhere(model, [Unit(u.name, u.module_names) for u in units]) \
         if cut.kind == "forward" else ()
-    plans = partition_plans(units, devices=args.devices, chunks=chunks,
-                            name=out.name.split(".")[0], factory=args.factory, data=args.data,
-                            loss=args.loss,
-                            micro_batches=n, memory=memory, path=path, time_limit=SOLVE_SECONDS,
-                            source=str(out), cut=cut.kind,
-                            layer_returns="tuple" if cut.tuples else "tensor",
-                            everywhere=shared,
-                            recompute=args.recompute)
+    options = dict(name=out.name.split(".")[0], factory=args.factory, data=args.data,
+                   loss=args.loss, micro_batches=n, memory=memory, path=path,
+                   time_limit=SOLVE_SECONDS, source=str(out), cut=cut.kind,
+                   layer_returns="tuple" if cut.tuples else "tensor", everywhere=shared,
+                   recompute=args.recompute)
     how = {"chain": "", "traced": "cut by torch's pipeline tracer, ",
            "forward": "cut in the model's own forward, "}[cut.kind]
-    print(f"{args.factory}: {len(units)} units ({how}measured), {stages} stages "
-          f"({args.shape}), {n} micro-batches; the best partitions and even splits, solved:")
+    sharded, why, about = None, None, []
+    if args.shape in ("mshape", "auto"):
+        try:
+            sharded, why, about = _sharded(model, inputs, targets, loss, user, cut, units, args,
+                                           measured)
+        except PlanError as exc:  # auto: the other placements still apply
+            if args.shape == "mshape":
+                raise
+            why = exc.message
+        if sharded is None and args.shape == "mshape":
+            raise PlanError(f"--shape mshape: {why}", hint="use --shape vshape or interleaved")
+    if args.shape == "auto":
+        plans, shape = _auto(units, sharded, why, args, options, f"{how}measured")
+    elif args.shape == "mshape":
+        from pyplan.placements import mshape_plans
+
+        plans, shape = mshape_plans(units, sharded, devices=args.devices, **options), "mshape"
+    else:
+        plans, shape = partition_plans(units, devices=args.devices, chunks=chunks,
+                                       **options), args.shape
+    if args.shape != "auto":
+        print(f"{args.factory}: {len(units)} units ({how}measured), {stages} stages "
+              f"({shape}), {n} micro-batches; the best partitions and even splits, solved:")
+    for line in about if shape == "mshape" else ():
+        print(line)
     for plan in sorted(plans, key=lambda c: c.partition.bottleneck_ms):
         p = plan.partition
         cut_text = " | ".join(f"{units[p.bounds[s]].name}..{units[p.bounds[s + 1] - 1].name}"
@@ -144,12 +171,98 @@ def run(args: argparse.Namespace) -> int:
               f"({plan.solution.status})  {cut_text}")
     for line in measured.warnings:
         print(f"warning: {line}", file=sys.stderr)
-    for parameter, holders in ties(units, plans[0].partition, shared):
+    names = None
+    if shape == "mshape":
+        names = ("embed", *(f"stage{s}" for s in range(args.devices)), "head")
+        print(f"  sharded over the vocabulary on all {args.devices} devices: "
+              f"{sharded.vocab[0]} (block embed) and {sharded.vocab[1]} (block head)")
+    for parameter, holders in ties(units, plans[0].partition, shared, names):
         print(f"  tied: {parameter} is held by {', '.join(holders)}; pyplan run sums its "
               "gradients over the copies")
     write_atomic(out, plans[0].text)
     print(f"wrote {out}: the partition with the shortest makespan; next: pyplan solve {out}")
     return 0
+
+
+def _sharded(model, inputs, targets, loss, user, cut, units, args, measured):
+    """(the M-shape's sharded first and last units, None, lines about their costs) or (None,
+    why the model has none, [])."""
+    import torch
+
+    from pyplan.models import FORWARD, TRACED
+    from pyplan.models.forward import logits, whole_forward
+    from pyplan.models.vocab import check_divisible, find
+    from pyplan.placements import Sharded
+    from pyplan.runtime.binding import loss_function
+    from pyplan.runtime.sharded import collective_ms, profile_sharded
+
+    if cut.kind == TRACED:
+        return None, "the model is cut by torch's tracer, whose pieces cannot be sharded", []
+    if len(units) < args.devices + 2:
+        return None, (f"{args.devices} stages between the first and last units need "
+                      f"{args.devices + 2} units, the model has {len(units)}"), []
+    from pyplan.models import Unit
+
+    found_units = [Unit(u.name, u.module_names) for u in units]
+    with torch.no_grad():
+        was = model.training
+        model.eval()
+        try:
+            out = logits(whole_forward(model, inputs) if cut.kind == FORWARD else model(inputs))
+        finally:
+            model.train(was)
+    vocab = find(model, inputs, found_units[0].modules, found_units[-1].modules, out)
+    if vocab is None:
+        return None, ("the first unit has no token embedding, or the last no head over the "
+                      "vocabulary of the model's output"), []
+    check_divisible(vocab, args.devices)
+    result = profile_sharded(model, inputs, targets,
+                             loss_function(user), cut=cut,
+                             units=found_units, costs=units, vocab=vocab, devices=args.devices,
+                             optimizer=args.optimizer, repeats=args.repeats,
+                             device=torch.device("cuda", 0) if args.device == "cuda" else
+                             torch.device("cpu"), measured=measured)
+    from pyplan.spec.plan import TopologySpec
+
+    link = TopologySpec().within_node
+    lines = []
+    for unit, whole in ((result.first, units[0]), (result.last, units[-1])):
+        comm = result.collectives[unit.name]
+        spent = sum(collective_ms(comm, args.devices, link, b) for b in (False, True))
+        lines.append(f"  {unit.name}: per rank of {args.devices}, {unit.forward_ms:.2f} + "
+                     f"{unit.backward_ms:.2f} ms (whole: {whole.forward_ms:.2f} + "
+                     f"{whole.backward_ms:.2f} ms), {len(comm)} collectives "
+                     f"({sum(c.bytes for c in comm):,} bytes, {spent:.3f} ms on the link)")
+    return Sharded(result.first, result.last, (vocab.embedding, vocab.head)), None, lines
+
+
+def _auto(units, sharded, why, args, options, how):
+    """Every placement that applies, solved; prints them and returns the shortest's plans."""
+    from pyplan.errors import InfeasibleError
+    from pyplan.placements import CHUNKS, placements
+
+    shapes = ("vshape", *(f"interleaved-{c}" for c in CHUNKS), "mshape")
+    # Five placements to solve: fewer candidates each, and less time per candidate.
+    tried = placements(units, devices=args.devices, shapes=shapes, sharded=sharded,
+                       why_not_mshape=why, **{**options, "keep": AUTO_KEEP,
+                                              "time_limit": AUTO_SOLVE_SECONDS})
+    best = tried[0]
+    if best.best is None:
+        raise InfeasibleError("no placement fits: " + "; ".join(
+            f"{p.label}: {p.reason}" for p in tried), hint="give more memory or devices")
+    print(f"{args.factory}: {len(units)} units ({how}), {args.devices} devices, "
+          f"{options['micro_batches']} micro-batches; placements solved with the measured costs "
+          "(predicted makespan):")
+    for p in tried:
+        if p.best is None:
+            print(f"  {p.label:24} not applicable: {p.reason}")
+        else:
+            ratio = p.best.makespan_ms / best.best.makespan_ms
+            mark = "  <- the shortest: written" if p is best else f"  {ratio:.2f}x as long"
+            print(f"  {p.label:24} {p.best.makespan_ms:9.2f} ms ({p.best.solution.status})"
+                  f"{mark}")
+    print(f"{best.label}: the best partitions and even splits, solved:")
+    return list(best.plans), best.shape
 
 
 def _profile(profile_units, model, inputs, targets, loss, args, measured):

@@ -111,7 +111,10 @@ def run(args: argparse.Namespace) -> int:
     if ratios:
         print(f"  backward / forward: median {statistics.median(ratios):.2f} "
               "(training.backward.time_ratio)")
-    if any(len(c.devices) > 1 for c in costs):
+    if any(len(c.devices) > 1 for c in costs) and model.vocab is not None:
+        print("  blocks on several devices: one rank's share of the vocabulary "
+              "(model.vocab_parallel), their collectives timed on the default link")
+    elif any(len(c.devices) > 1 for c in costs):
         print("  blocks on several devices are measured whole on one device; spread over their "
               "devices they take less time and memory each, plus communication")
     for line in measured.warnings:

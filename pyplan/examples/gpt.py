@@ -1,5 +1,9 @@
-"""A small GPT for plans/gpt-mshape.yaml (Tessel's M-shape): the vocabulary-parallel embedding
-and LM head run on all devices, one transformer layer per device in between.
+"""A small GPT on Tessel's M-shape: the vocabulary-parallel embedding and LM head run on all
+devices, one transformer layer per device in between.
+
+`model()` is the whole GPT as one module, from which `pyplan partition --shape mshape` writes
+plans/gpt-mshape.yaml (sharding its embedding and head with torch's DTensor); `build` is the
+same placement written by hand, block by block, with hand-written tensor-parallel layers:
 
 model: {blocks: "pyplan.examples.gpt:build", data: "pyplan.examples.gpt:batch",
         loss: "pyplan.examples.gpt:loss"}
@@ -7,15 +11,27 @@ model: {blocks: "pyplan.examples.gpt:build", data: "pyplan.examples.gpt:batch",
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import nn
 
+from pyplan.examples import _layers
 from pyplan.examples._layers import (Layer, VocabParallelEmbedding, VocabParallelHead,
                                      vocab_parallel_cross_entropy)
 
-__all__ = ["BATCH", "SEQUENCE", "VOCAB", "batch", "build", "loss"]
+__all__ = ["BATCH", "LAYERS", "SEQUENCE", "VOCAB", "batch", "build", "loss", "model"]
 
-VOCAB, DIM, HEADS, SEQUENCE, BATCH = 64, 32, 2, 8, 16
+VOCAB, DIM, HEADS, SEQUENCE, BATCH, LAYERS = 64, 32, 2, 8, 16, 4
+
+
+def model() -> nn.Module:
+    """The whole GPT: embed (tokens and learned positions), layers.0 .. layers.3, head (final
+    norm and the vocabulary projection)."""
+    return nn.Sequential(OrderedDict(
+        embed=_layers.Embed(VOCAB, DIM, SEQUENCE),
+        layers=nn.Sequential(*(Layer(DIM, HEADS) for _ in range(LAYERS))),
+        head=_layers.Head(DIM, VOCAB)))
 
 
 class Embed(nn.Module):

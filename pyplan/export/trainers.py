@@ -28,6 +28,18 @@ def _placement(problem: Problem, allowed: tuple[str, ...], trainer: str) -> str:
     rank s); PlanError naming the first stage that fits none of `allowed`."""
     declared = [b for b in problem.blocks if b.is_forward]
     d = problem.num_devices
+    shared = next((b for b in declared if len(b.devices) > 1), None)
+    if shared is not None:
+        model = problem.model
+        vocab = model is not None and getattr(model, "vocab_parallel", None) is not None
+        what = (" (sharded over the vocabulary, model.vocab_parallel)" if vocab else "")
+        raise PlanError(f"block '{shared.name}' runs on devices {list(shared.devices)} at "
+                        f"once{what}, but {trainer} gives each pipeline stage to one pipeline "
+                        "rank: its tensor parallelism shards a stage within the ranks of that "
+                        "stage, never across the pipeline's ranks as the M-shape does",
+                        hint="export it as svg or chrome, or partition with --shape vshape or "
+                             "interleaved for Megatron-LM or torchtitan",
+                        file=problem.source_path or None)
 
     def rank(style: str, s: int) -> int:
         return s % d if style == LOOP else (s % (2 * d) if s % (2 * d) < d

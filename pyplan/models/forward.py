@@ -180,10 +180,12 @@ class ForwardStage(nn.Module):
     pyplan_wants_inputs = True
 
     def __init__(self, model: nn.Module, calls: _Calls, entry: str | None, exit: str | None,
-                 through: frozenset[int], last: bool) -> None:
+                 through: frozenset[int], last: bool, index: int = 0,
+                 owners: dict[str, int] | None = None) -> None:
         super().__init__()
         self.model = model
         self.calls, self.through, self.last = calls, through, last
+        self.index, self.owners = index, owners
         self.entry_name, self.exit_name = entry, exit
         self.received = None
         self.rng: tuple | None = None
@@ -191,6 +193,28 @@ class ForwardStage(nn.Module):
             model.get_submodule(entry).register_forward_pre_hook(self._enter, with_kwargs=True)
         if exit is not None:
             model.get_submodule(exit).register_forward_pre_hook(self._leave, with_kwargs=True)
+
+    @property
+    def running(self) -> bool:
+        """Whether this stage's call of the model's forward is the one under way."""
+        return self.calls.stage is self
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        """The parameters this stage trains: those of its own modules and of modules no stage
+        lists, not every parameter of the (pruned) model it calls (which holds this rank's
+        other stages too): what the runtime reduces, splits and counts per block."""
+        seen = set()
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate=False):
+            if self.owners is not None:
+                module = name[len(prefix) + 1 if prefix else 0:].rpartition(".")[0]
+                module = module[len("model."):] if module.startswith("model.") else ""
+                if _owner(module, self.owners) not in (None, self.index):
+                    continue
+            if remove_duplicate and id(param) in seen:
+                continue
+            seen.add(id(param))
+            yield name, param
 
     def _enter(self, module, args, kwargs):
         if self.calls.stage is not self:
@@ -325,7 +349,8 @@ def prune(model: nn.Module, stage_modules: list[tuple[str, ...]], mine: list[int
         through = frozenset(range(len(layers) if start is None else start))
         stages[s] = ForwardStage(model, calls, names[0] if s > 0 else None,
                                  stage_modules[s + 1][0] if s + 1 < len(stage_modules) else None,
-                                 through, last=s + 1 == len(stage_modules))
+                                 through, last=s + 1 == len(stage_modules), index=s,
+                                 owners=owners)
     return stages
 
 

@@ -68,6 +68,10 @@ class Model:
     names: dict[str, str] = field(default_factory=dict)
     """Which plan key names each function ('model.data'), for messages."""
     source: str | None = None
+    vocab: tuple[str, str] | None = None
+    """(token embedding, head) the multi-device blocks holding them shard over the
+    vocabulary (model.vocab_parallel); `loss` is then pyplan.models.vocab.parallel_loss of the
+    user's."""
 
 
 class UserCodeError(RunError):
@@ -189,9 +193,14 @@ def load_model(problem: Problem, plan_dir: Path, source: str | None = None) -> M
     data, loss = function(spec.data, "data"), function(spec.loss, "loss")
     names = {k: f"model.{k}" for k in ("data", "loss", "module", "blocks")}
     if spec.module is not None:
+        vocab = getattr(spec, "vocab_parallel", None)
+        if vocab is not None:  # the loss of vocabulary-sharded logits: under loss_parallel
+            from pyplan.models.vocab import parallel_loss
+
+            loss = parallel_loss(loss)
         return Model(None, data, loss, whole=function(spec.module, "module"),
                      stages=dict(spec.stages), cut=Cut(spec.cut, spec.layer_returns == "tuple"),
-                     ties=spec.ties, names=names, source=file)
+                     ties=spec.ties, names=names, source=file, vocab=vocab)
     return Model(function(spec.blocks, "blocks"), data, loss, names=names, source=file)
 
 
@@ -343,10 +352,53 @@ def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None
         _drop_others(whole, [u for b in mine for u in model.stages[problem.blocks[b].name]])
     by_stage = stage_modules(whole, model.cut, stages,
                              [index[problem.blocks[b].name] for b in mine], device, inputs)
+    if model.vocab is not None:
+        _shard_vocab(whole, model, problem, stages, by_stage, mine, rank, groups or {}, device)
+        names.update((id(p), n) for n, p in  # the chunks are new parameters
+                     reversed(list(whole.named_parameters(remove_duplicate=False))))
     modules = {b: by_stage[index[problem.blocks[b].name]] for b in mine}
     wants = frozenset(b for b in mine if model.cut.kind == FORWARD and index[
         problem.blocks[b].name] > 0)
     return Built(modules, names, whole if model.cut.kind != TRACED else None, found, wants)
+
+
+def _vocab_blocks(model: Model, problem: Problem,
+                  stages: list[tuple[str, tuple[str, ...]]]) -> list[int]:
+    """The stages (indices into `stages`) holding model.vocab_parallel's embedding and head;
+    PlanError unless both are found in blocks that run on several devices."""
+    found = []
+    for module in model.vocab:
+        holders = [s for s, (_, units) in enumerate(stages)
+                   if any(module == u or module.startswith(f"{u}.") for u in units)]
+        block = problem.blocks[problem.by_name[stages[holders[0]][0]]] if holders else None
+        if block is None or len(block.devices) < 2:
+            where = f"block '{block.name}', on one device" if block else "no block"
+            raise PlanError(f"model.vocab_parallel: {module} is held by {where}; a module "
+                            "sharded over the vocabulary runs in a block on several devices",
+                            hint="re-run pyplan partition --shape mshape",
+                            file=problem.source_path)
+        found.append(holders[0])
+    return found
+
+
+def _shard_vocab(whole, model: Model, problem: Problem, stages, by_stage: dict, mine: list[int],
+                 rank: int | None, groups: dict, device) -> None:
+    """Shard the embedding and the head over the devices of the blocks holding them, on ranks
+    that run those blocks (the single-process reference keeps them whole)."""
+    from pyplan.models.vocab import Vocab, shard
+
+    held = _vocab_blocks(model, problem, stages)
+    blocks = [problem.by_name[stages[s][0]] for s in held]
+    if rank is None or blocks[0] not in mine:
+        return
+    if problem.blocks[blocks[0]].devices != problem.blocks[blocks[1]].devices:
+        raise PlanError("model.vocab_parallel: the blocks holding the embedding and the head "
+                        "must run on the same devices", file=problem.source_path)
+    embed = by_stage.get(held[0])
+    active = (lambda: embed.running) if model.cut.kind == FORWARD else None
+    size = whole.get_submodule(model.vocab[0]).weight.shape[0]
+    shard(whole, Vocab(model.vocab[0], model.vocab[1], size), groups[blocks[0]],
+          torch.device(device), active=active)
 
 
 def _drop_others(whole: torch.nn.Module, kept: list[str]) -> None:
@@ -389,6 +441,11 @@ def check_model(problem: Problem, plan_dir: Path, source: str | None = None) -> 
             whole = build_whole(model, 0)
             _check_stage_names(whole, model, problem)
             _check_ties(model, ties(whole, _stages_in_order(problem, model)), problem)
+            if model.vocab is not None:
+                from pyplan.models.vocab import check_modules
+
+                _vocab_blocks(model, problem, _stages_in_order(problem, model))
+                check_modules(whole, *model.vocab, file=problem.source_path)
             return len(blocks)
         built = build(model, problem, seed=0, device="meta")
     shared_across_devices(problem, built.modules)

@@ -44,7 +44,7 @@ from pyplan.problem import BACKWARD, WEIGHT
 from pyplan.runtime.backward import backward_input, backward_weight, full_backward
 from pyplan.runtime.binding import block_seeds, forward_seed, seed_generators, shard_dim
 from pyplan.runtime.comm import Comm, TransferError
-from pyplan.runtime.values import differentiable, flatten, nbytes, rebuild
+from pyplan.runtime.values import differentiable, flatten, nbytes, plain, rebuild
 from pyplan.trace import TraceEvent
 
 __all__ = ["Executor", "IterationResult", "flat_gradients", "padded", "set_gradients",
@@ -477,8 +477,9 @@ def _saved_bytes_counter(params: list[torch.Tensor]):
     total = [0]
 
     def pack(t: torch.Tensor):
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[(t.data_ptr(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
+        for x in plain(t):  # a DTensor's local tensor: the wrapper has no storage
+            if x.untyped_storage().data_ptr() not in skip:
+                seen[(x.data_ptr(), tuple(x.shape), x.dtype)] = x.numel() * x.element_size()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -153,6 +153,11 @@ class Pipeline:
         mine = []
         for tie in built.ties:
             holders = sorted({problem.by_name[s] for s in tie.stages})
+            if len({problem.blocks[b].devices for b in holders}) == 1:
+                # Blocks on the same devices (the M-shape's embedding and head): each rank
+                # holds one object for all of them, its gradients already added up there
+                # (different chunks of a vocabulary-sharded weight, which must not be summed).
+                continue
             ranks = sorted({d + self.replica * devices for b in holders
                             for d in problem.blocks[b].devices})
             groups = {r: dist.new_group([d + r * devices for d in

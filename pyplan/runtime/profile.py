@@ -30,7 +30,7 @@ from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.problem import BACKWARD, Problem
 from pyplan.runtime.binding import (Model, block_inputs, build, loss_function, make_batch,
                                     split_batch, to_device)
-from pyplan.runtime.values import flatten, nbytes, rebuild
+from pyplan.runtime.values import flatten, nbytes, plain, rebuild
 
 __all__ = ["BlockCost", "Measured", "profile_blocks", "profile_units"]
 
@@ -142,8 +142,9 @@ def _saved_bytes(fn, params) -> int:
     seen: dict[tuple, int] = {}
 
     def pack(t: torch.Tensor):
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[(t.data_ptr(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
+        for x in plain(t):  # a DTensor's local tensor: the wrapper has no storage
+            if x.untyped_storage().data_ptr() not in skip:
+                seen[(x.data_ptr(), tuple(x.shape), x.dtype)] = x.numel() * x.element_size()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -230,6 +231,11 @@ def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: in
         sent = [a for a in args if a is not inputs] if preds[b] else [inputs]
         costs[b] = BlockCost(block.name, block.devices, forward_ms, backward_ms, saved,
                              sum(nbytes(a) for a in sent), nbytes(out))
+    if getattr(model, "vocab", None) is not None:  # all-device blocks: one rank's share
+        from pyplan.runtime.sharded import sharded_blocks
+
+        costs.update(sharded_blocks(problem, model, seed=seed, device=device, timer=timer,
+                                    inputs=inputs, targets=targets, outputs=outputs))
     _busy(measured)
     return [costs[b] for b in sorted(costs)]
 

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from pyplan.errors import RunError
 
-__all__ = ["Value", "differentiable", "flatten", "nbytes", "rebuild", "spec_text",
+__all__ = ["Value", "differentiable", "flatten", "nbytes", "plain", "rebuild", "spec_text",
            "structure"]
 
 Value = Any  # a tensor or a (nested) tuple, list or dict of tensors
@@ -55,3 +55,15 @@ def nbytes(value: Value) -> int:
     """Bytes of the tensors in a value (anything else counts nothing)."""
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value)
                if isinstance(t, torch.Tensor))
+
+
+def plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding t's data: t itself, or the local tensors of a wrapper such as a
+    DTensor (which has no storage of its own), for counting the bytes autograd saves."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inner = (getattr(t, name) for name in names)
+    return [x for y in inner if isinstance(y, torch.Tensor) for x in plain(y)]

@@ -203,6 +203,9 @@ class ModelSpec:
     ties: tuple[tuple[str, tuple[str, ...]], ...] | None = None
     """Parameters several stages hold: (name in the model, the stages), as partition found
     them; None when the plan records none."""
+    vocab_parallel: tuple[str, str] | None = None
+    """With module: (token embedding, output head), sharded over the vocabulary by the
+    multi-device blocks holding them (M-shape); None when nothing is sharded."""
     data: str
     loss: str
     path: str | None = None
@@ -547,7 +550,7 @@ def _build(source: Source) -> PlanSpec:
     model = None
     if "model" in doc:
         raw = doc["model"]
-        for key in ("traced", "cut", "layer_returns", "ties"):
+        for key in ("traced", "cut", "layer_returns", "ties", "vocab_parallel"):
             if key in raw and "blocks" in raw:
                 raise source.error(("model", key), f"{key} applies to a model given as module "
                                    f"and stages, not to blocks", f"remove {key}:", key=True)
@@ -562,6 +565,8 @@ def _build(source: Source) -> PlanSpec:
                           layer_returns=raw.get("layer_returns", "tensor"),
                           ties=None if "ties" not in raw else tuple(
                               (t["parameter"], tuple(t["stages"])) for t in raw["ties"]),
+                          vocab_parallel=None if "vocab_parallel" not in raw else (
+                              raw["vocab_parallel"]["embedding"], raw["vocab_parallel"]["head"]),
                           data=raw["data"], loss=raw["loss"],
                           path=raw.get("path"))
     return PlanSpec(source=source, name=doc["name"], description=doc.get("description", ""),

@@ -1,0 +1,147 @@
+"""Placements of a measured model, each cut into stages and solved (`pyplan partition --shape`):
+the V-shape (stage s on device s), interleaved (stage s on device s mod D, 2-4 chunks per
+device) and Tessel's M-shape (the first unit, with the token embedding, and the last, with the
+head, on every device at once, each rank holding 1/D of the vocabulary; the layers between them
+in one stage per device). `auto` solves every placement that applies with the measured costs
+and ranks them by predicted makespan.
+
+The M-shape's first and last units cost what one of their ranks spends, collectives included
+(pyplan.runtime.sharded measures them); the units between them are cut by the same dynamic
+programme and even splits as the V-shape, within the memory the sharded units leave.
+
+Nothing here needs torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyplan.api import UNITS_PER_STAGE, PartitionPlan, partition_plans, solve
+from pyplan.errors import InfeasibleError, PlanError
+from pyplan.partition import Partition, UnitCost, best_partitions, even_partitions, plan_text
+from pyplan.problem import build_problem
+from pyplan.spec import format_memory, spec_from_text
+
+__all__ = ["CHUNKS", "Placement", "Sharded", "mshape_plans", "placements"]
+
+CHUNKS = (2, 3, 4)  # interleaved chunks per device that `auto` tries
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """The M-shape's all-device units, as one of their ranks runs them."""
+
+    first: UnitCost
+    last: UnitCost
+    vocab: tuple[str, str]
+    """(token embedding, head): what they shard over the vocabulary."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One placement tried: its solved plans (shortest first), or why it has none."""
+
+    shape: str
+    """vshape, mshape or interleaved-C (C chunks per device)."""
+    plans: tuple[PartitionPlan, ...] = ()
+    reason: str | None = None
+
+    @property
+    def label(self) -> str:
+        if self.shape.startswith("interleaved-"):
+            return f"interleaved, {self.shape.split('-')[1]} chunks"
+        return self.shape
+
+    @property
+    def best(self) -> PartitionPlan | None:
+        return self.plans[0] if self.plans else None
+
+
+def mshape_plans(units: list[UnitCost], sharded: Sharded, *, devices: int, name: str,
+                 factory: str, data: str, loss: str, micro_batches: int,
+                 memory: int | None = None, path: str | None = None, keep: int = 3,
+                 time_limit: float = 10.0, source: str = "<partition>", cut: str = "chain",
+                 layer_returns: str = "tensor", everywhere: tuple[str, ...] = (),
+                 recompute: str = "never") -> list[PartitionPlan]:
+    """Plans of the M-shape: block `embed` (the first unit, sharded) and block `head` (the last)
+    on all devices, the units between them cut into `devices` stages (the best `keep` by
+    bottleneck and the even splits), each solved, shortest makespan first. Their partitions
+    count the first and last units as stages of their own."""
+    middle = units[1:-1]
+    if len(middle) < devices:
+        raise PlanError(f"the M-shape needs at least {devices} units between the first and the "
+                        f"last, the model has {len(middle)}", hint="use fewer --devices")
+    if everywhere:
+        raise PlanError(f"the M-shape cannot shard a model whose own parameters every stage "
+                        f"holds ({', '.join(everywhere[:3])})",
+                        hint="use --shape vshape or interleaved")
+    first, last = sharded.first, sharded.last
+    share = None
+    if memory is not None:  # what the all-device units leave on every device
+        share = memory - first.weight_bytes - last.weight_bytes - \
+            min(micro_batches, devices + 1) * first.activation_bytes - last.activation_bytes
+        if share <= 0:
+            raise InfeasibleError(f"the sharded first and last units alone need more than "
+                                  f"{format_memory(memory, True)} per device",
+                                  hint="give more memory or devices")
+    candidates = best_partitions(middle, devices, micro_batches=micro_batches, capacity=share,
+                                 keep=keep)
+    candidates += [p for p in even_partitions(middle, devices, micro_batches=micro_batches,
+                                              capacity=share)
+                   if p.bounds not in {c.bounds for c in candidates}]
+    if not candidates:
+        raise InfeasibleError(f"no partition of {len(middle)} units into {devices} stages fits "
+                              f"beside the sharded first and last units in "
+                              f"{format_memory(memory, True)} per device",
+                              hint="give more memory or devices, or fewer micro-batches")
+    slowest = max(first.forward_ms + first.backward_ms, last.forward_ms + last.backward_ms,
+                  *(c.bottleneck_ms for c in candidates))
+    unit_ms = slowest / UNITS_PER_STAGE
+    everything = [first, *middle, last]
+    names = ("embed", *(f"stage{s}" for s in range(devices)), "head")
+    placement = (None, *((s,) for s in range(devices)), None)
+    out = []
+    for p in candidates:
+        whole = Partition((0, *(1 + b for b in p.bounds), len(everything)),
+                          p.bottleneck_ms, (0, *p.memory, 0))
+        text = plan_text(everything, whole, name=name, devices=devices,
+                         micro_batches=micro_batches, capacity=memory, factory=factory,
+                         data=data, loss=loss, path=path, time_unit_ms=unit_ms,
+                         shape="mshape: the first and last units sharded over the vocabulary "
+                               "on all devices", cut=cut, layer_returns=layer_returns,
+                         recompute=recompute, names=names, placement=placement,
+                         vocab=sharded.vocab)
+        solved = solve(build_problem(spec_from_text(text, source)), time_limit=time_limit)
+        out.append(PartitionPlan(whole, text, solved, solved.schedule.makespan * unit_ms))
+    return sorted(out, key=lambda c: (c.makespan_ms, c.partition.bottleneck_ms,
+                                      c.partition.bounds))
+
+
+def placements(units: list[UnitCost], *, devices: int, shapes: tuple[str, ...],
+               sharded: Sharded | None, why_not_mshape: str | None = None,
+               **options) -> list[Placement]:
+    """Every placement of `shapes` (vshape, interleaved-C, mshape), solved with the measured
+    costs; those that do not apply or fit say why. Sorted by predicted makespan, the
+    shortest first (then those without a plan, in the order asked)."""
+    found = []
+    for shape in shapes:
+        try:
+            if shape == "mshape":
+                if sharded is None:
+                    found.append(Placement(shape, reason=why_not_mshape or "not applicable"))
+                    continue
+                plans = mshape_plans(units, sharded, devices=devices, **options)
+            else:
+                chunks = int(shape.split("-")[1]) if shape.startswith("interleaved-") else 1
+                if len(units) < devices * chunks:
+                    found.append(Placement(shape, reason=f"{devices * chunks} stages need as "
+                                           f"many units, the model has {len(units)}"))
+                    continue
+                plans = partition_plans(units, devices=devices, chunks=chunks, **options)
+        except (PlanError, InfeasibleError) as exc:
+            found.append(Placement(shape, reason=exc.message))
+            continue
+        found.append(Placement(shape, tuple(plans)))
+    order = {shape: i for i, shape in enumerate(shapes)}
+    return sorted(found, key=lambda p: (p.best is None,
+                                        p.best.makespan_ms if p.best else 0.0, order[p.shape]))

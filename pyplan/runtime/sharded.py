@@ -1,0 +1,220 @@
+"""What the M-shape's vocabulary-sharded units cost on one of their ranks: the first unit (with
+the token embedding) and the last (with the head, and the loss on sharded logits), each holding
+1/devices of the vocabulary, for `pyplan partition --shape mshape|auto`; and for `pyplan
+profile`, the all-device blocks of a plan that shards them (model.vocab_parallel).
+
+The compute is measured in this one process, on the rank's own chunk, as pyplan run executes
+it (pyplan.models.vocab over torch's DTensor), with torch's fake process group of `devices`
+ranks standing in for the others: its collectives return at once. The collectives those units
+issue are recorded (kind and bytes) while they run, and timed on the plan's link (latency and
+bandwidth, topology.within_node: the same model the plan uses for its transfers) as ring
+collectives: an all-reduce of S bytes over D ranks is 2(D - 1) steps of S/D bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pyplan.errors import PlanError
+from pyplan.lower import check_runnable
+from pyplan.models import FORWARD, Cut, Unit, stage_modules
+from pyplan.models.vocab import Vocab, parallel_loss, shard
+from pyplan.partition import OPTIMIZER_STATE, UnitCost
+from pyplan.problem import BACKWARD
+from pyplan.runtime.profile import Measured, _leaves, _measure, _Timer, _unit_parameters
+from pyplan.spec.plan import LinkSpec, TopologySpec
+
+__all__ = ["Collective", "ShardedUnits", "collective_ms", "profile_sharded", "sharded_blocks"]
+
+_STEPS = {"all_reduce": lambda d: 2 * (d - 1), "all_gather_into_tensor": lambda d: d - 1,
+          "reduce_scatter_tensor": lambda d: d - 1, "broadcast": lambda d: d - 1}
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    """all_reduce, all_gather_into_tensor, reduce_scatter_tensor or broadcast."""
+    bytes: int
+    backward: bool
+
+
+@dataclass(frozen=True)
+class ShardedUnits:
+    """The first and last unit as one rank of `devices` runs them, collectives included."""
+
+    first: UnitCost
+    last: UnitCost
+    collectives: dict[str, tuple[Collective, ...]]
+    """Unit name -> what it issues per micro-batch."""
+    devices: int
+
+
+def collective_ms(found: tuple[Collective, ...], devices: int, link: LinkSpec,
+                  backward: bool) -> float:
+    """Milliseconds of the forward's (or backward's) collectives as rings on `link`."""
+    total = 0.0
+    for c in found:
+        if c.backward == backward:
+            steps = _STEPS.get(c.kind, lambda d: 2 * (d - 1))(devices)
+            total += steps * link.milliseconds(c.bytes / devices)
+    return total
+
+
+class _Record(TorchDispatchMode):
+    """Records the collectives (functional c10d ops) dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is not torch.Tensor for t in types):
+            return NotImplemented  # a DTensor op: let it desugar into what it communicates
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.namespace == "_c10d_functional" and name in _STEPS:
+            tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            size = 0 if tensor is None else tensor.numel() * tensor.element_size()
+            if name == "all_gather_into_tensor":
+                size *= dist.get_world_size()
+            self.found.append((name, size))
+        return out
+
+
+def _collectives(module, args, loss_fn) -> tuple[Collective, ...]:
+    """One forward and backward of `module`, recording what it communicates."""
+    with _Record() as forward:
+        out = module(*args)
+        roots = [loss_fn(out)] if loss_fn is not None else \
+            [t for t in (out if isinstance(out, tuple) else (out,))
+             if isinstance(t, torch.Tensor) and t.requires_grad]
+    with _Record() as backward:
+        if roots and roots[0].requires_grad:
+            torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+    return tuple(Collective(k, b, False) for k, b in forward.found) + \
+        tuple(Collective(k, b, True) for k, b in backward.found)
+
+
+def profile_sharded(model: torch.nn.Module, inputs, targets, loss, *, cut: Cut,
+                    units: list[Unit], costs: list[UnitCost], vocab: Vocab, devices: int,
+                    optimizer: str = "sgd", repeats: int = 5, device: torch.device | None = None,
+                    measured: Measured | None = None,
+                    link: LinkSpec = TopologySpec().within_node) -> ShardedUnits:
+    """Per-rank costs of the first and last units with the vocabulary sharded over `devices`
+    (`costs`: the units measured whole, by pyplan.runtime.profile.profile_units)."""
+    device = device or torch.device("cpu")
+    measured = measured if measured is not None else Measured()
+    if dist.is_initialized():
+        raise PlanError("pyplan partition measures sharded units in a process group of its own",
+                        hint="run pyplan partition outside torchrun")
+    dist.init_process_group("fake", rank=0, world_size=devices)
+    try:
+        return _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices,
+                        optimizer, _Timer(device, repeats, measured), device, link)
+    finally:
+        dist.destroy_process_group()
+
+
+def _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices, optimizer,
+             timer, device, link) -> ShardedUnits:
+    held = copy.deepcopy(model)
+    stages = [(unit.name, unit.modules) for unit in units]
+    everything = list(range(len(units)))
+    pieces = stage_modules(held, cut, stages, everything, device, inputs)
+    first = pieces[0]
+    shard(held, vocab, dist.group.WORLD, device,
+          active=(lambda: first.running) if cut.kind == FORWARD else None)
+    sharded_loss = parallel_loss(loss)
+    last_k = len(units) - 1
+
+    def args_of(k: int, received):
+        if cut.kind == FORWARD:
+            return [inputs] + ([] if received is None else [received])
+        return [inputs if received is None else received]
+
+    value = None
+    with torch.no_grad():  # the last unit's input, as the pieces before it hand it on
+        for k in range(last_k):
+            value = pieces[k](*args_of(k, value))
+    out_costs, found = [], {}
+    for k, received_value in ((0, None), (last_k, value)):
+        unit, module = units[k], pieces[k]
+        params = _unit_parameters(module.model, unit) if cut.kind == FORWARD else \
+            [p for p in module.parameters() if p.requires_grad]
+        received, wrt = _leaves(received_value, True)
+        args = args_of(k, received)
+        loss_fn = (lambda out: sharded_loss(out, targets, dist.group.WORLD)) \
+            if k == last_k else None
+        forward_ms, backward_ms, saved, out = _measure(timer, module, args, wrt, params,
+                                                       loss_fn, f"unit {unit.name} (sharded)")
+        found[unit.name] = _collectives(module, args, loss_fn)
+        for p in params:
+            p.grad = None
+        whole = costs[k]
+        if cut.kind == FORWARD and k > 0:  # the model's forward up to the unit, counted once
+            forward_ms = max(forward_ms - costs[0].forward_ms, 0.05 * forward_ms)
+        size = sum(p.numel() * p.element_size() for p in params)
+        forward_ms += collective_ms(found[unit.name], devices, link, backward=False)
+        backward_ms += collective_ms(found[unit.name], devices, link, backward=True)
+        out_costs.append(dataclasses.replace(
+            whole, forward_ms=forward_ms, backward_ms=backward_ms, activation_bytes=saved,
+            weight_bytes=size * (2 + OPTIMIZER_STATE[optimizer])))
+        del out
+    return ShardedUnits(out_costs[0], out_costs[1], found, devices)
+
+
+def sharded_blocks(problem, model, *, seed: int, device: torch.device, timer: _Timer, inputs,
+                   targets, outputs: dict, link: LinkSpec = TopologySpec().within_node
+                   ) -> dict[int, "BlockCost"]:
+    """`pyplan profile` of a plan whose all-device blocks shard the vocabulary
+    (model.vocab_parallel): those blocks as their first rank runs them, built as pyplan run
+    builds that rank's blocks, beside a fake process group of their devices, their
+    collectives timed on `link`. `outputs`: every block's output, measured whole (what the
+    sharded blocks receive)."""
+    from pyplan.runtime.binding import block_inputs, build, loss_function
+    from pyplan.runtime.profile import BlockCost
+    from pyplan.runtime.values import nbytes
+
+    multi = [b for b in problem.blocks if b.is_forward and len(b.devices) > 1]
+    if not multi or len({b.devices for b in multi}) > 1 or dist.is_initialized():
+        return {}
+    devices = multi[0].devices
+    dist.init_process_group("fake", rank=0, world_size=len(devices))
+    try:
+        groups = {b.index: dist.group.WORLD for b in problem.blocks if len(b.devices) > 1}
+        built = build(model, problem, seed=seed, device=device, rank=devices[0], groups=groups)
+        preds = block_inputs(problem, built.modules)
+        trains = {problem.by_name[b.layer] for b in problem.blocks if b.kind == BACKWARD}
+        output_block = check_runnable(problem)
+        costs = {}
+        for block in multi:
+            b, module, grad = block.index, built.modules[block.index], block.index in trains
+            params = [p for p in module.parameters() if p.requires_grad]
+            args, wrt = [], []
+            for p in preds[b]:
+                value, leaves = _leaves(outputs[p], grad)
+                args.append(value)
+                wrt += leaves
+            if not preds[b] or b in built.wants_inputs:
+                args.insert(0, inputs)
+            loss_fn = (lambda out: loss_function(model)(out, targets, dist.group.WORLD)) \
+                if b == output_block else None
+            forward_ms, backward_ms, saved, out = _measure(
+                timer, module, args, wrt, params, loss_fn, f"block '{block.name}' (sharded)",
+                grad)
+            found = _collectives(module, args, loss_fn) if grad else ()
+            forward_ms += collective_ms(found, len(devices), link, backward=False)
+            if backward_ms is not None:
+                backward_ms += collective_ms(found, len(devices), link, backward=True)
+            sent = [a for a in args if a is not inputs] if preds[b] else [inputs]
+            costs[b] = BlockCost(block.name, block.devices, forward_ms, backward_ms, saved,
+                                 sum(nbytes(a) for a in sent), nbytes(outputs[b]))
+        return costs
+    finally:
+        dist.destroy_process_group()

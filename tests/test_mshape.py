@@ -1,0 +1,330 @@
+"""Vocabulary-parallel M-shape from a model (`pyplan partition --shape mshape`) and `--shape
+auto`: the embedding and head found and sharded (DTensor, loss_parallel), their per-rank costs
+with collectives, the placements ranked by predicted makespan, the plan through solve, show,
+export and `pyplan run --check` on 4 ranks (the example GPT and tied GPT-2 from Hugging Face)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyplan.partition import UnitCost
+
+MODELS = Path(__file__).resolve().parent / "models"
+PYPLAN = str(Path(sys.executable).with_name("pyplan"))
+
+
+def _units(layer_ms: float, head_ms: float) -> list[UnitCost]:
+    names = ["embed"] + [f"layers.{i}" for i in range(8)] + ["head"]
+    return [UnitCost(n, head_ms / 2 if n in ("embed", "head") else layer_ms,
+                     head_ms if n in ("embed", "head") else 2 * layer_ms, 1000, 5000,
+                     parameters=(f"{n}.weight",) if n not in ("embed", "head") else
+                     ("embed.weight",)) for n in names]
+
+
+def _sharded(units, devices: int = 4):
+    from dataclasses import replace
+
+    from pyplan.placements import Sharded
+
+    # One rank's share of the heavy ends (plus a little for the collectives).
+    return Sharded(replace(units[0], forward_ms=units[0].forward_ms / devices + 0.1,
+                           backward_ms=units[0].backward_ms / devices + 0.1),
+                   replace(units[-1], forward_ms=units[-1].forward_ms / devices + 0.1,
+                           backward_ms=units[-1].backward_ms / devices + 0.1),
+                   ("embed.tokens", "head.out"))
+
+
+_OPTIONS = dict(name="p", factory="m:model", data="m:batch", loss="m:loss", micro_batches=8)
+
+
+@pytest.mark.parametrize("head_ms, winner", [(40.0, "mshape"), (0.2, None)])
+def test_auto_ranks_the_placements_by_predicted_makespan(head_ms, winner):
+    from pyplan.placements import CHUNKS, placements
+
+    units = _units(1.0, head_ms)
+    shapes = ("vshape", *(f"interleaved-{c}" for c in CHUNKS), "mshape")
+    tried = placements(units, devices=4, shapes=shapes, sharded=_sharded(units), **_OPTIONS)
+    solved = [p for p in tried if p.best is not None]
+    assert [p.shape for p in tried if p.best is None] == ["interleaved-3", "interleaved-4"]
+    assert all("12 stages" in p.reason or "16 stages" in p.reason
+               for p in tried if p.best is None)
+    times = [p.best.makespan_ms for p in solved]
+    assert times == sorted(times) and len(solved) == 3
+    # Each placement's best plan is the shortest of its own candidates.
+    assert all(p.best.makespan_ms == min(c.makespan_ms for c in p.plans) for p in solved)
+    if winner is not None:  # heavy ends: sharding them over 4 devices wins
+        assert tried[0].shape == winner
+    else:  # light ends: two more blocks on every device only cost
+        assert tried[0].shape != "mshape"
+
+
+def test_mshape_plan_puts_the_sharded_units_on_all_devices_and_records_the_tie():
+    from pyplan.placements import mshape_plans
+    from pyplan.problem import build_problem
+    from pyplan.spec import spec_from_text
+
+    units = _units(1.0, 8.0)
+    units[-1] = UnitCost("head", 4.0, 8.0, 1000, 5000, parameters=("embed.weight",))
+    plans = mshape_plans(units, _sharded(units), devices=4, **_OPTIONS)
+    best = plans[0]
+    problem = build_problem(spec_from_text(best.text))
+    forward = [b for b in problem.blocks if b.is_forward]
+    assert [b.name for b in forward] == ["embed", "stage0", "stage1", "stage2", "stage3",
+                                        "head"]
+    assert forward[0].devices == forward[-1].devices == (0, 1, 2, 3)
+    assert [b.devices for b in forward[1:-1]] == [(0,), (1,), (2,), (3,)]
+    assert problem.model.vocab_parallel == ("embed.tokens", "head.out")
+    assert problem.model.ties == (("embed.weight", ("embed", "head")),)
+    stages = dict(problem.model.stages)
+    assert stages["embed"] == ("embed",) and stages["head"] == ("head",)
+    assert [u for s in range(4) for u in stages[f"stage{s}"]] == \
+        [f"layers.{i}" for i in range(8)]
+    assert best.makespan_ms == min(p.makespan_ms for p in plans)
+
+
+def test_mshape_needs_units_between_the_ends():
+    from pyplan.errors import PlanError
+    from pyplan.placements import mshape_plans
+
+    units = _units(1.0, 1.0)[:4]
+    with pytest.raises(PlanError, match="needs at least 4 units between the first and the "
+                                        "last, the model has 2"):
+        mshape_plans(units, _sharded(units), devices=4, **_OPTIONS)
+
+
+# ---------------------------------------------------------------- with torch
+
+def test_the_vocabulary_modules_are_found_in_the_models_own_terms():
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(MODELS))
+    import hf
+
+    from pyplan.examples import gpt_chain
+    from pyplan.models import find_units
+    from pyplan.models.forward import logits, whole_forward
+    from pyplan.models.vocab import Vocab, find
+
+    def found(model, inputs):
+        _, units = find_units(model, inputs)
+        with torch.no_grad():
+            out = logits(whole_forward(model, inputs))
+        return find(model, inputs, units[0].modules, units[-1].modules, out)
+
+    ids = gpt_chain.batch(0)[0][:2]
+    assert found(gpt_chain.model(), ids) == Vocab("embed.tokens", "head.out", gpt_chain.VOCAB)
+    ids = hf.batch(0)[0][:2]
+    assert found(hf.gpt2(), ids) == Vocab("transformer.wte", "lm_head", hf.VOCAB)
+    assert found(hf.llama(), ids) == Vocab("model.embed_tokens", "lm_head", hf.VOCAB)
+    # GPT-2's position embedding has as many rows as the vocabulary here, but is not called
+    # with the token ids.
+    model = hf.build("gpt2", n_positions=hf.VOCAB)
+    assert found(model, ids).embedding == "transformer.wte"
+
+
+def test_sharded_units_cost_a_share_and_their_collectives():
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from pyplan.examples import gpt
+    from pyplan.models import find_units
+    from pyplan.models.vocab import Vocab
+    from pyplan.runtime.profile import profile_units
+    from pyplan.runtime.sharded import collective_ms, profile_sharded
+    from pyplan.spec.plan import LinkSpec
+
+    model = gpt.model()
+    inputs, targets = gpt.batch(0)
+    inputs, targets = inputs[:2], targets[:2]
+    costs, cut = profile_units(model, inputs, targets, gpt.loss, repeats=2)
+    _, units = find_units(model, inputs)
+    vocab = Vocab("embed.tokens", "head.out", gpt.VOCAB)
+    found = profile_sharded(model, inputs, targets, gpt.loss, cut=cut, units=units,
+                            costs=costs, vocab=vocab, devices=4, repeats=2)
+    assert not dist.is_initialized()  # its fake process group is gone
+    tokens = units[0].name
+    activations = 2 * gpt.SEQUENCE * gpt.DIM * 4  # one micro-batch's hidden states, fp32
+    assert [(c.kind, c.bytes, c.backward) for c in found.collectives[tokens]] == \
+        [("all_reduce", activations, False), ("all_reduce", activations, True)]
+    per_token = 2 * gpt.SEQUENCE * 4  # the loss reduces a max, a sum and a logit per token
+    assert [(c.kind, c.bytes, c.backward) for c in found.collectives[units[-1].name]] == \
+        [("all_reduce", per_token, False)] * 3 + [("all_reduce", 4, True)]
+    # Weights: the token embedding and the projection keep a quarter of their rows.
+    whole_embed = sum(p.numel() for p in model.embed.parameters()) * 4 * 2
+    rows = gpt.VOCAB * gpt.DIM * 4 * 2
+    assert found.first.weight_bytes == whole_embed - rows + rows // 4
+    assert found.first.weight_bytes == costs[0].weight_bytes - rows * 3 // 4
+    link = LinkSpec(bandwidth=10**9, latency_ms=1.0)  # an all-reduce: 2 x 3 ring steps
+    assert collective_ms(found.collectives[tokens], 4, link, False) == \
+        pytest.approx(6 * (1.0 + activations / 4 / 1e6))
+
+
+def test_a_vocabulary_that_does_not_split_evenly_is_refused():
+    pytest.importorskip("torch")
+    from pyplan.errors import PlanError
+    from pyplan.models.vocab import Vocab, check_divisible
+
+    with pytest.raises(PlanError, match=r"the vocabulary of 50257 tokens \(wte, lm_head\) does "
+                                        r"not split evenly over 4 devices") as info:
+        check_divisible(Vocab("wte", "lm_head", 50257), 4)
+    assert "pad_to_multiple_of=4" in info.value.hint
+
+
+NO_EMBEDDING = """\
+import torch
+from torch import nn
+
+
+def model():
+    return nn.Sequential(*(nn.Linear(8, 8) for _ in range(8)))
+
+
+def batch(step):
+    return torch.randn(8, 8), torch.randn(8, 8)
+
+
+def loss(out, target):
+    return ((out - target) ** 2).mean()
+"""
+
+
+def test_mshape_on_a_model_without_an_embedding_is_one_line(cli, tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    (tmp_path / "plain.py").write_text(NO_EMBEDDING)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = cli("partition", "plain:model", "--data", "plain:batch", "--loss",
+                         "plain:loss", "--devices", "2", "--shape", "mshape", "--repeats", "1",
+                         "-o", tmp_path / "p.yaml")
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("error: --shape mshape: the first unit has no token embedding")
+    # auto leaves the M-shape out and says why
+    code, out, err = cli("partition", "plain:model", "--data", "plain:batch", "--loss",
+                         "plain:loss", "--devices", "2", "--shape", "auto", "--repeats", "1",
+                         "-o", tmp_path / "p.yaml")
+    assert code == 0, err
+    assert re.search(r"mshape +not applicable: the first unit has no token embedding", out)
+
+
+def test_auto_writes_the_shortest_predicted_placement(cli, tmp_path):
+    pytest.importorskip("torch")
+    out_path = tmp_path / "auto.yaml"
+    code, out, err = cli("partition", "pyplan.examples.gpt_chain:model", "--data",
+                         "pyplan.examples.gpt_chain:batch", "--loss",
+                         "pyplan.examples.gpt_chain:loss", "--devices", "4", "--shape", "auto",
+                         "--micro-batches", "8", "--repeats", "2", "-o", out_path)
+    assert code == 0, err
+    rows = re.findall(r"^  (\S+(?:, \d chunks)?) +([\d.]+) ms \((\w+)\)(.*)$", out, re.M)
+    labels = [r[0] for r in rows]
+    assert set(labels) == {"vshape", "interleaved, 2 chunks", "interleaved, 3 chunks",
+                           "interleaved, 4 chunks", "mshape"}, out
+    times = [float(r[1]) for r in rows]
+    assert times == sorted(times) and "the shortest: written" in rows[0][3]
+    for label, time, _, rest in rows[1:]:  # the others' ratios to the written one
+        assert f"{float(time) / times[0]:.2f}x as long" in rest
+    text = out_path.read_text()
+    written = rows[0][0]
+    if written == "mshape":
+        assert "vocab_parallel:" in text and "{name: embed, devices: all" in text
+    else:
+        chunks = int(written.split(", ")[1][0]) if "," in written else 1
+        assert text.count("{name: stage") == 4 * chunks
+
+
+def test_layout_exports_refuse_the_mshape_with_the_reason(cli):
+    from conftest import PLANS
+
+    for fmt, trainer in (("megatron-layout", "Megatron-LM"), ("torchtitan", "torchtitan")):
+        code, out, err = cli("export", PLANS / "gpt-mshape.resolved.yaml", "--format", fmt,
+                             "-o", "-")
+        assert (code, out) == (2, "")
+        assert (f"block 'embed' runs on devices [0, 1, 2, 3] at once (sharded over the "
+                f"vocabulary, model.vocab_parallel), but {trainer} gives each pipeline stage "
+                "to one pipeline rank") in err
+
+
+def test_show_draws_the_sharded_blocks_on_every_device(cli):
+    from conftest import PLANS
+
+    code, out, err = cli("show", PLANS / "gpt-mshape.resolved.yaml", "--width", "100",
+                         "--color", "never")
+    assert (code, err) == (0, "")
+    rows = [line for line in out.splitlines() if re.match(r"d[0-3] ", line)]
+    assert all("f0" in row for row in rows[:4])  # embed@0 on all four devices at once
+
+
+# ---------------------------------------------------------------- under torchrun
+
+def _partition_solve_run(tmp_path, factory: str, data: str, loss: str, *run_args: str,
+                         micro_batches: int = 8) -> tuple[str, str, dict]:
+    run = lambda *args: subprocess.run([PYPLAN, *args], capture_output=True, text=True,  # noqa
+                                       cwd=tmp_path, timeout=600)
+    made = run("partition", factory, "--data", data, "--loss", loss, "--devices", "4",
+               "--shape", "mshape", "--micro-batches", str(micro_batches), "--repeats", "2",
+               "-o", "plan.yaml")
+    assert made.returncode == 0, made.stderr
+    solved = run("solve", "plan.yaml", "--quiet")
+    assert solved.returncode == 0, solved.stderr
+    result = run("run", "plan.resolved.yaml", "--nproc-per-node", "4", "--check",
+                 "--iterations", "3", "--json", "--device", "cpu", *run_args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return (tmp_path / "plan.yaml").read_text(), made.stdout, \
+        json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.torchrun
+def test_example_gpt_in_mshape_trains_the_same_model(tmp_path):
+    plan, out, report = _partition_solve_run(
+        tmp_path, "pyplan.examples.gpt_chain:model", "pyplan.examples.gpt_chain:batch",
+        "pyplan.examples.gpt_chain:loss")
+    assert '{embedding: "embed.tokens", head: "head.out"}' in plan
+    assert "sharded over the vocabulary on all 4 devices: embed.tokens (block embed) and " \
+        "head.out (block head)" in out
+    assert re.search(r"embed: per rank of 4, .* 2 collectives \(16,384 bytes", out), out
+    assert report["check"]["ok"], report
+
+
+@pytest.mark.torchrun
+def test_tied_gpt2_in_mshape_with_adamw_and_clipping_trains_the_same_model(tmp_path):
+    shutil.copy(MODELS / "hf.py", tmp_path / "hf.py")
+    plan, _, report = _partition_solve_run(
+        tmp_path, "hf:gpt2", "hf:batch", "hf:loss", "--optimizer", "adamw", "--lr", "0.001",
+        "--clip-grad-norm", "0.5", micro_batches=4)
+    assert "cut: forward" in plan
+    assert '{embedding: "transformer.wte", head: "lm_head"}' in plan
+    # The tied weight: one chunk per rank, used by both all-device blocks (nothing to sum).
+    assert '- {parameter: "transformer.wte.weight", stages: [embed, head]}' in plan
+    assert report["check"]["ok"] and report["ties"] == [], report
+
+
+def test_profile_measures_the_sharded_blocks_as_one_rank_runs_them(cli):
+    pytest.importorskip("torch")
+    from conftest import PLANS
+
+    code, out, err = cli("profile", PLANS / "gpt-mshape.yaml", "--repeats", "1", "--json")
+    assert code == 0, err
+    blocks = {b["name"]: b for b in json.loads(out)["blocks"]}
+    assert blocks["embed"]["devices"] == [0, 1, 2, 3] and blocks["head"]["backward_ms"] > 0
+    code, out, err = cli("profile", PLANS / "gpt-mshape.yaml", "--repeats", "1")
+    assert "blocks on several devices: one rank's share of the vocabulary" in out
+    code, out, err = cli("profile", PLANS / "gpt-mshape-blocks.yaml", "--repeats", "1")
+    assert "blocks on several devices are measured whole on one device" in out
+
+
+def test_dry_run_refuses_vocabulary_modules_the_model_does_not_have(cli, tmp_path):
+    pytest.importorskip("torch")
+    from conftest import PLANS
+
+    text = (PLANS / "gpt-mshape.yaml").read_text().replace('head: "head.out"',
+                                                           'head: "head.norm"')
+    (tmp_path / "bad.yaml").write_text(text)
+    assert cli("solve", tmp_path / "bad.yaml", "--quiet", "--time-limit", "2")[0] == 0
+    code, out, err = cli("run", tmp_path / "bad.resolved.yaml", "--dry-run")
+    assert code == 2 and err.count("\n") == 1
+    assert "model.vocab_parallel: head.norm is not an nn.Linear in the model" in err
