@@ -1,12 +1,14 @@
 """`pyplan partition` measured side by side, on 4 CPU gloo ranks, 8 micro-batches:
 
   1. on the test model with unequal units (tests/models/unequal.py: heavy embedding and head,
-     layers of two widths) and on a 24-layer GPT (pyplan.examples.gpt_chain), 4 stages: the
-     partition `pyplan partition` picks vs an even split of the layers (Megatron-LM's default:
-     layers evenly over the stages, the embedding on the first, the head on the last), both
-     solved by pyplan: predicted makespan (from the measured unit costs) and measured iteration
-     time; and pyplan's run of its partition vs the best of torch.distributed.pipelining's
-     Schedule1F1B and ScheduleGPipe on the same split (measured);
+     layers of two widths), a 24-layer GPT (pyplan.examples.gpt_chain) and two Hugging Face
+     models as they come (benchmarks/hf_models.py: GPT-2 with tied embeddings and Llama, 8
+     layers, cut in their own forward), 4 stages: the partition `pyplan partition` picks vs an
+     even split of the layers (Megatron-LM's default: layers evenly over the stages, the
+     embedding on the first, the head on the last), both solved by pyplan: predicted makespan
+     (from the measured unit costs) and measured iteration time; and, for the first two,
+     pyplan's run of its partition vs the best of torch.distributed.pipelining's Schedule1F1B
+     and ScheduleGPipe on the same split (measured);
   2. placements of one model, a GPT with a large vocabulary (pyplan.examples.gpt's model()
      with a vocabulary of 32768, width 64 and 8 layers), each partitioned and solved from the
      same measured costs:
@@ -36,9 +38,12 @@ sys.path.insert(0, str(ROOT / "tests" / "models"))
 from runtime import (TorchModelCase, print_ratio, print_times,  # noqa: E402 - on sys.path
                      run_rounds)
 
-MODELS = {  # name -> (module with model/batch/loss, its folder for the plans' model.path)
-    "unequal": ("unequal", ROOT / "tests" / "models"),
-    "gpt24": ("pyplan.examples.gpt_chain", None),
+MODELS = {  # name -> (module with batch/loss, its factory, its folder for the plans'
+    #   model.path, whether torch's schedules run the same split: a chain of modules)
+    "unequal": ("unequal", "model", ROOT / "tests" / "models", True),
+    "gpt24": ("pyplan.examples.gpt_chain", "model", None, True),
+    "hf-gpt2": ("hf_models", "gpt2", ROOT / "benchmarks", False),
+    "hf-llama": ("hf_models", "llama", ROOT / "benchmarks", False),
 }
 DEVICES, MICRO_BATCHES = 4, 8
 VOCAB_MODEL = "pyplan.examples.gpt"  # its whole model, gpt.model(), enlarged:
@@ -117,6 +122,7 @@ def prepare(directory: Path) -> dict:
     import torch
 
     from pyplan.api import partition_plans
+    from pyplan.models import Unit, everywhere
     from pyplan.partition import plan_text
     from pyplan.problem import build_problem
     from pyplan.resolved import write_resolved
@@ -127,18 +133,21 @@ def prepare(directory: Path) -> dict:
 
     torch.set_num_threads(1)  # as each torchrun worker (OMP_NUM_THREADS=1)
     info = {"placements": _placements(directory)}
-    for name, (module_name, folder) in MODELS.items():
-        module = __import__(module_name, fromlist=["model"])
+    for name, (module_name, factory, folder, _) in MODELS.items():
+        module = __import__(module_name, fromlist=["batch"])
         seed_everything(0, "module")
-        model = module.model()
+        model = getattr(module, factory)()
         inputs, targets = make_batch(Model(None, module.batch, module.loss), 0, 0,
                                      torch.device("cpu"))
         inputs = split_batch(inputs, MICRO_BATCHES)[0]
         targets = split_batch(targets, MICRO_BATCHES)[0]
-        units, _ = profile_units(model, inputs, targets, module.loss)
+        units, cut = profile_units(model, inputs, targets, module.loss)
+        shared = everywhere(model, [Unit(u.name, u.module_names) for u in units]) \
+            if cut.kind == "forward" else ()
         path = None if folder is None else os.path.relpath(folder, directory)
-        kwargs = dict(factory=f"{module_name}:model", data=f"{module_name}:batch",
-                      loss=f"{module_name}:loss", path=path)
+        kwargs = dict(factory=f"{module_name}:{factory}", data=f"{module_name}:batch",
+                      loss=f"{module_name}:loss", path=path, cut=cut.kind,
+                      layer_returns="tuple" if cut.tuples else "tensor", everywhere=shared)
         best = partition_plans(units, devices=DEVICES, name=f"{name}-pyplan",
                                micro_batches=MICRO_BATCHES, **kwargs)[0]
         unit_ms = best.makespan_ms / best.solution.schedule.makespan
@@ -146,8 +155,7 @@ def prepare(directory: Path) -> dict:
                               devices=DEVICES, micro_batches=MICRO_BATCHES, capacity=None,
                               time_unit_ms=unit_ms, shape="vshape, even layers", **kwargs)
         even = solve(build_problem(spec_from_text(even_text)))
-        for label, text, solution in (("pyplan", best.text, best.solution),
-                                      ("even", even_text, even)):
+        for label, text in (("pyplan", best.text), ("even", even_text)):
             plan = directory / f"{name}-{label}.yaml"
             plan.write_text(text)
             write_resolved(solve(build_problem(spec_from_text(text, str(plan)))),
@@ -155,7 +163,8 @@ def prepare(directory: Path) -> dict:
         stages = [[units[i].name for i in best.partition.stage(s)] for s in range(DEVICES)]
         info[name] = {"predicted_pyplan": best.makespan_ms,
                       "predicted_even": even.schedule.makespan * unit_ms,
-                      "module": module_name, "stages": stages}
+                      "module": module_name, "stages": stages,
+                      "torch": MODELS[name][3]}
     (directory / "info.json").write_text(json.dumps(info))
     return info
 
@@ -179,7 +188,7 @@ def worker(directory: Path, rounds: int) -> None:
         for label in ("pyplan", "even"):
             cases.append(PyplanCase(f"{name}: pyplan run, {label} split",
                                     directory / f"{name}-{label}.resolved.yaml", blocking=False))
-        for schedule in ("Schedule1F1B", "ScheduleGPipe"):
+        for schedule in ("Schedule1F1B", "ScheduleGPipe") if item["torch"] else ():
             cases.append(TorchModelCase(f"{name}: torch {schedule}, pyplan split", schedule,
                                         item["module"], item["stages"], MICRO_BATCHES))
     rounds_of = run_rounds(cases, rounds)
@@ -210,14 +219,13 @@ def report(info: dict, rounds_of: dict[str, list[float]]) -> None:
               f"({item['predicted_even']:.2f} vs {item['predicted_pyplan']:.2f} ms)")
         ratio(f"{name}: pyplan partition vs even split, measured",
               f"{name}: pyplan run, even split", f"{name}: pyplan run, pyplan split")
-        best = min((f"{name}: torch {s}, pyplan split" for s in ("Schedule1F1B",
-                                                                 "ScheduleGPipe")),
-                   key=lambda k: statistics.median(rounds_of[k]))
-        ratio(f"{name}: pyplan vs best torch ({best.split()[2].rstrip(',')}), same split", best,
-              f"{name}: pyplan run, pyplan split")
+        if item["torch"]:
+            best = min((f"{name}: torch {s}, pyplan split" for s in ("Schedule1F1B",
+                                                                     "ScheduleGPipe")),
+                       key=lambda k: statistics.median(rounds_of[k]))
+            ratio(f"{name}: pyplan vs best torch ({best.split()[2].rstrip(',')}), same split",
+                  best, f"{name}: pyplan run, pyplan split")
         print(f"  {name}: pyplan's stages: " + " | ".join(",".join(s) for s in item["stages"]))
-
-
 
 
 def main() -> int:

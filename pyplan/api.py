@@ -20,8 +20,7 @@ from pathlib import Path
 
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan._runnable import check_model
-from pyplan.partition import (Partition, UnitCost, best_partitions, even_partitions,
-                              plan_text)
+from pyplan.partition import Partition, UnitCost, candidates, plan_text, smallest_capacity
 from pyplan.problem import Problem, build_problem, load_problem
 from pyplan.resolved import ResolvedPlan, write_resolved
 from pyplan.resolved import load_resolved as _load_resolved
@@ -245,8 +244,10 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
     solved, shortest makespan first (ties: least bottleneck). `memory` is bytes per device,
     or a list with each device's (mixed GPU types); `speeds` each device's speed relative to
     the one the units were measured on (a stage's time is divided by its device's). Both go
-    into the plans (devices: [{memory, speed}, ...]). InfeasibleError when no partition fits
-    the memory (without recomputation). `recompute` goes to the plans' training.recompute."""
+    into the plans (devices: [{memory, speed}, ...]). `recompute` goes to the plans'
+    training.recompute and widens what fits (pyplan.partition.candidates). InfeasibleError
+    when no partition fits the memory even one micro-batch at a time (its hint: the smallest
+    memory that does) or solve finds none feasible."""
     _check_partition_arguments(units, devices=devices, name=name, factory=factory, data=data,
                                loss=loss, micro_batches=micro_batches, chunks=chunks,
                                memory=memory, path=path, keep=keep, time_limit=time_limit,
@@ -258,29 +259,43 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
     share = [None if per_device[s % devices] is None else per_device[s % devices] // chunks
              for s in range(stages)]
     stage_speeds = None if speeds is None else [speeds[s % devices] for s in range(stages)]
-    candidates = best_partitions(units, stages, micro_batches=micro_batches, capacity=share,
-                                 keep=keep, speeds=stage_speeds)
-    # The hand-written even splits are incumbents: the result is never longer than they are.
-    candidates += [p for p in even_partitions(units, stages, micro_batches=micro_batches,
-                                              capacity=share, speeds=stage_speeds)
-                   if p.bounds not in {c.bounds for c in candidates}]
-    if not candidates:
+    found = candidates(units, stages, micro_batches=micro_batches, capacity=share, keep=keep,
+                       speeds=stage_speeds, recompute=recompute != "never")
+    if not found:
         shown = " ".join(format_memory(m, True) for m in per_device) \
             if isinstance(memory, list) else format_memory(memory, True)
+        least = smallest_capacity(units, stages) * chunks
+        shared = f" (its {chunks} stages sharing it evenly)" if chunks > 1 else ""
         raise InfeasibleError(f"no partition of {len(units)} units into {stages} stages fits "
-                              f"{shown} per device",
-                              hint="give more memory or devices, or fewer micro-batches")
-    unit_ms = max(c.bottleneck_ms for c in candidates) / UNITS_PER_STAGE
+                              f"{shown} per device, even one micro-batch at a time",
+                              hint=f"the smallest memory per device that admits a partition "
+                              f"is {format_memory(least, True)}{shared}; give that much, or "
+                              "more devices")
+    unit_ms = max(c.bottleneck_ms for c in found) / UNITS_PER_STAGE
     shape = "vshape" if chunks == 1 else f"interleaved, {chunks} chunks"
-    out = []
-    for p in candidates:
-        text = plan_text(units, p, name=name, devices=devices, micro_batches=micro_batches,
-                         capacity=memory, factory=factory, data=data, loss=loss, path=path,
-                         time_unit_ms=unit_ms, shape=shape, cut=cut,
-                         layer_returns=layer_returns, everywhere=everywhere,
-                         recompute=recompute, speeds=speeds)
-        solved = solve(build_problem(spec_from_text(text, source)), time_limit=time_limit)
+    texts = [(p, plan_text(units, p, name=name, devices=devices, micro_batches=micro_batches,
+                           capacity=memory, factory=factory, data=data, loss=loss, path=path,
+                           time_unit_ms=unit_ms, shape=shape, cut=cut,
+                           layer_returns=layer_returns, everywhere=everywhere,
+                           recompute=recompute, speeds=speeds)) for p in found]
+    return solved_plans(texts, source=source, time_limit=time_limit, unit_ms=unit_ms)
+
+
+def solved_plans(texts: list[tuple[Partition, str]], *, source: str, time_limit: float,
+                 unit_ms: float) -> list[PartitionPlan]:
+    """Each candidate's plan solved, shortest makespan first (ties: least bottleneck). solve
+    decides what fits: a candidate it finds infeasible is dropped; when every one is, its
+    error stands."""
+    out, refused = [], None
+    for p, text in texts:
+        try:
+            solved = solve(build_problem(spec_from_text(text, source)), time_limit=time_limit)
+        except InfeasibleError as exc:
+            refused = exc
+            continue
         out.append(PartitionPlan(p, text, solved, solved.schedule.makespan * unit_ms))
+    if not out:
+        raise refused
     return sorted(out, key=lambda c: (c.makespan_ms, c.partition.bottleneck_ms,
                                       c.partition.bounds))
 

@@ -5,13 +5,17 @@ partition cuts the chain into contiguous stages: V-shape, stage s on device s; i
 stage s on device s mod D (C chunks per device). It is chosen by exact dynamic programming over
 the split points: the least bottleneck (the slowest stage's forward + backward time) such that
 each stage fits in memory, counting its units' weights (parameters, gradients and optimizer
-state) and the activations of the micro-batches it holds at once under 1F1B (stage s of S keeps
-min(N, S - s) micro-batches in flight; interleaved, a device's memory is shared by its C stages
-as capacity / C each, a conservative split). The least bottleneck does not always give the
-shortest schedule, so the best few partitions and the even splits people write by hand are all
-solved and the shortest makespan wins. Devices may differ (mixed GPU types): a stage's capacity
-is its device's, and its time is the units' time divided by its device's speed, so slower or
-smaller devices get fewer units.
+state) and the activations it holds at its peak (`Held`). Two counts of those activations give
+the candidates: the micro-batches 1F1B keeps in flight (stage s of S: min(N, S - s)), which a
+schedule at full throughput needs, and one micro-batch at a time, the least any schedule needs
+and what `solve` checks before it searches (it then keeps fewer micro-batches in flight and
+the schedule is longer). With recomputation the micro-batches waiting for their backward keep
+only the stage's input. Interleaved, a device's memory is shared by its C stages as capacity /
+C each, a conservative split. The least bottleneck does not always give the shortest schedule,
+so the best few partitions of both kinds and the even splits people write by hand are all
+solved and the shortest makespan wins: `solve` has the last word on what fits. Devices may
+differ (mixed GPU types): a stage's capacity is its device's, and its time is the units' time
+divided by its device's speed, so slower or smaller devices get fewer units.
 
 Nothing here needs torch: the costs come from pyplan.runtime.profile.
 """
@@ -25,8 +29,9 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MAX_ENUMERATED", "Partition", "UnitCost", "best_partitions", "even_partitions",
-           "optimal_partition", "plan_text", "stage_memory", "ties"]
+__all__ = ["MAX_ENUMERATED", "Held", "Partition", "UnitCost", "best_partitions", "candidates",
+           "even_partitions", "optimal_partition", "plan_text", "smallest_capacity",
+           "stage_memory", "ties"]
 
 MAX_ENUMERATED = 20_000  # partitions: up to this many, every one is ranked (else the DP's alone)
 OPTIMIZER_STATE = {"sgd": 0, "adam": 2}  # state tensors per parameter, besides its gradient
@@ -78,12 +83,32 @@ def _in_flight(stage: int, num_stages: int, micro_batches: int) -> int:
     return max(1, min(micro_batches, num_stages - stage))
 
 
+@dataclass(frozen=True)
+class Held:
+    """Which activations a stage is counted as holding at its peak."""
+
+    alone: bool = False
+    """One micro-batch at a time (the least any schedule needs); else the micro-batches 1F1B
+    keeps in flight."""
+    recompute: bool = False
+    """The micro-batches waiting for their backward keep only the stage's input; the one in
+    its backward holds all its activations again."""
+
+
+def recompute_bytes(part: Sequence[UnitCost]) -> int:
+    """What a stage keeps of a micro-batch it recomputes: its input (never more than it saves)."""
+    return min(part[0].input_bytes, sum(u.activation_bytes for u in part))
+
+
 def stage_memory(units: list[UnitCost], first: int, last: int, stage: int, num_stages: int,
-                 micro_batches: int) -> int:
-    """Bytes stage `stage` needs for units first .. last - 1 (weights + in-flight activations)."""
+                 micro_batches: int, held: Held = Held()) -> int:
+    """Bytes stage `stage` needs for units first .. last - 1: weights + the activations
+    `held` counts."""
     part = units[first:last]
-    return sum(u.weight_bytes for u in part) + \
-        _in_flight(stage, num_stages, micro_batches) * sum(u.activation_bytes for u in part)
+    activations = sum(u.activation_bytes for u in part)
+    count = 1 if held.alone else _in_flight(stage, num_stages, micro_batches)
+    waiting = recompute_bytes(part) if held.recompute else activations
+    return sum(u.weight_bytes for u in part) + activations + (count - 1) * waiting
 
 
 def _time(units: list[UnitCost], first: int, last: int, speed: float = 1.0) -> float:
@@ -115,8 +140,8 @@ def _fits(partition: Partition, caps: list[int | None]) -> bool:
 
 
 def optimal_partition(units: list[UnitCost], num_stages: int, *, micro_batches: int,
-                      capacity: Capacity, speeds: Sequence[float] | None = None
-                      ) -> Partition | None:
+                      capacity: Capacity, speeds: Sequence[float] | None = None,
+                      held: Held = Held()) -> Partition | None:
     """The partition with the least bottleneck whose stages fit `capacity` bytes each (or
     their own, per stage; None when none fits), a stage taking its units' time over its
     speed: exact dynamic programming over split points, O(stages x units^2)."""
@@ -139,7 +164,8 @@ def optimal_partition(units: list[UnitCost], num_stages: int, *, micro_batches: 
                 if best[s - 1][i] == inf:
                     continue
                 if caps[s - 1] is not None and \
-                        stage_memory(units, i, j, s - 1, num_stages, micro_batches) > caps[s - 1]:
+                        stage_memory(units, i, j, s - 1, num_stages, micro_batches,
+                                     held) > caps[s - 1]:
                     continue
                 value = max(best[s - 1][i], (prefix[j] - prefix[i]) / speed[s - 1])
                 if value < best[s][j]:
@@ -149,22 +175,23 @@ def optimal_partition(units: list[UnitCost], num_stages: int, *, micro_batches: 
     bounds = [k]
     for s in range(num_stages, 0, -1):
         bounds.append(cut[s][bounds[-1]])
-    return _partition(units, tuple(reversed(bounds)), micro_batches, speed)
+    return _partition(units, tuple(reversed(bounds)), micro_batches, speed, held)
 
 
 def _partition(units: list[UnitCost], bounds: tuple[int, ...], micro_batches: int,
-               speeds: Sequence[float] | None = None) -> Partition:
+               speeds: Sequence[float] | None = None, held: Held = Held()) -> Partition:
     stages = len(bounds) - 1
     speed = _speeds(speeds, stages)
     return Partition(bounds, max(_time(units, bounds[s], bounds[s + 1], speed[s])
                                  for s in range(stages)),
                      tuple(stage_memory(units, bounds[s], bounds[s + 1], s, stages,
-                                        micro_batches) for s in range(stages)))
+                                        micro_batches, held) for s in range(stages)))
 
 
 def best_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: int,
                     capacity: Capacity, keep: int = 3,
-                    speeds: Sequence[float] | None = None) -> list[Partition]:
+                    speeds: Sequence[float] | None = None, held: Held = Held()
+                    ) -> list[Partition]:
     """The `keep` best partitions by bottleneck (then memory), every partition ranked when
     there are at most MAX_ENUMERATED, else the dynamic programme's optimum alone."""
     k = len(units)
@@ -172,12 +199,12 @@ def best_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: in
         return []
     if math.comb(k - 1, num_stages - 1) > MAX_ENUMERATED:
         found = optimal_partition(units, num_stages, micro_batches=micro_batches,
-                                  capacity=capacity, speeds=speeds)
+                                  capacity=capacity, speeds=speeds, held=held)
         return [found] if found else []
     caps = _per_stage(capacity, num_stages)
     ranked = []
     for cuts in itertools.combinations(range(1, k), num_stages - 1):
-        p = _partition(units, (0, *cuts, k), micro_batches, speeds)
+        p = _partition(units, (0, *cuts, k), micro_batches, speeds, held)
         if _fits(p, caps):
             ranked.append(p)
     ranked.sort(key=lambda p: (p.bottleneck_ms, max(p.memory), p.bounds))
@@ -185,8 +212,8 @@ def best_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: in
 
 
 def even_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: int,
-                    capacity: Capacity, speeds: Sequence[float] | None = None
-                    ) -> list[Partition]:
+                    capacity: Capacity, speeds: Sequence[float] | None = None,
+                    held: Held = Held()) -> list[Partition]:
     """The splits people write by hand, where they fit: the units evenly by count, and the
     layers evenly with the first unit (an embedding) on the first stage and the last (a head)
     on the last (Megatron-LM's default). The search's results are compared with them."""
@@ -203,10 +230,47 @@ def even_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: in
     out = []
     for bounds in dict.fromkeys(splits):
         if all(bounds[s] < bounds[s + 1] for s in range(num_stages)):
-            p = _partition(units, bounds, micro_batches, speeds)
+            p = _partition(units, bounds, micro_batches, speeds, held)
             if _fits(p, caps):
                 out.append(p)
     return out
+
+
+def candidates(units: list[UnitCost], num_stages: int, *, micro_batches: int,
+               capacity: Capacity, speeds: Sequence[float] | None = None,
+               recompute: bool = False, keep: int = 3) -> list[Partition]:
+    """The partitions worth solving: the best `keep` by bottleneck whose stages fit with 1F1B's
+    micro-batches in flight, the best `keep` that fit one micro-batch at a time, and the even
+    splits that fit at all. Empty only when no partition fits one micro-batch at a time, which
+    no schedule can beat (solve refuses such a plan before it searches)."""
+    options = dict(micro_batches=micro_batches, capacity=capacity, speeds=speeds)
+    steady, alone = Held(recompute=recompute), Held(alone=True, recompute=recompute)
+    found = best_partitions(units, num_stages, keep=keep, held=steady, **options) + \
+        best_partitions(units, num_stages, keep=keep, held=alone, **options) + \
+        even_partitions(units, num_stages, held=alone, **options)
+    unique: dict[tuple[int, ...], Partition] = {}
+    for p in found:
+        unique.setdefault(p.bounds, p)
+    return list(unique.values())
+
+
+def smallest_capacity(units: list[UnitCost], num_stages: int) -> int | None:
+    """The least memory per stage that admits some partition into `num_stages` stages (each
+    stage's weights and one micro-batch's activations; recomputation does not lower it, the
+    stage in its backward holds them all): exact minimax dynamic programming. None when there
+    are fewer units than stages."""
+    k = len(units)
+    if not 1 <= num_stages <= k:
+        return None
+    prefix = [0]
+    for u in units:
+        prefix.append(prefix[-1] + u.weight_bytes + u.activation_bytes)
+    best = [[math.inf] * (k + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, num_stages + 1):
+        for j in range(s, k - (num_stages - s) + 1):
+            best[s][j] = min(max(best[s - 1][i], prefix[j] - prefix[i]) for i in range(s - 1, j))
+    return int(best[num_stages][k])
 
 
 def ties(units: list[UnitCost], partition: Partition,
@@ -277,7 +341,7 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
         where = "all" if placement[s] is None else f"[{', '.join(map(str, placement[s]))}]"
         lines.append(f"  - {{name: {names[s]}, devices: {where}, time: {forward}, "
                      f"memory: {activations}B, weights: {weights}B{output}, "
-                     f"recompute_memory: {min(part[0].input_bytes, activations)}B, "
+                     f"recompute_memory: {recompute_bytes(part)}B, "
                      f"backward: {{time: {backward}}}}}")
     lines += ["model:", f"  module: {factory}", "  stages:"]
     for s in range(partition.num_stages):

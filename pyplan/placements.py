@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pyplan.api import UNITS_PER_STAGE, PartitionPlan, partition_plans, solve
+from pyplan.api import UNITS_PER_STAGE, PartitionPlan, partition_plans, solved_plans
 from pyplan.errors import InfeasibleError, PlanError
-from pyplan.partition import Partition, UnitCost, best_partitions, even_partitions, plan_text
-from pyplan.problem import build_problem
-from pyplan.spec import format_memory, spec_from_text
+from pyplan.partition import Partition, UnitCost, candidates, plan_text, smallest_capacity
+from pyplan.spec import format_memory
 
 __all__ = ["CHUNKS", "Placement", "Sharded", "mshape_plans", "placements"]
 
@@ -77,44 +76,38 @@ def mshape_plans(units: list[UnitCost], sharded: Sharded, *, devices: int, name:
                         hint="use --shape vshape or interleaved")
     first, last = sharded.first, sharded.last
     share = None
-    if memory is not None:  # what the all-device units leave on every device
-        share = memory - first.weight_bytes - last.weight_bytes - \
-            min(micro_batches, devices + 1) * first.activation_bytes - last.activation_bytes
-        if share <= 0:
-            raise InfeasibleError(f"the sharded first and last units alone need more than "
-                                  f"{format_memory(memory, True)} per device",
-                                  hint="give more memory or devices")
-    candidates = best_partitions(middle, devices, micro_batches=micro_batches, capacity=share,
-                                 keep=keep)
-    candidates += [p for p in even_partitions(middle, devices, micro_batches=micro_batches,
-                                              capacity=share)
-                   if p.bounds not in {c.bounds for c in candidates}]
-    if not candidates:
-        raise InfeasibleError(f"no partition of {len(middle)} units into {devices} stages fits "
-                              f"beside the sharded first and last units in "
-                              f"{format_memory(memory, True)} per device",
-                              hint="give more memory or devices, or fewer micro-batches")
+    if memory is not None:  # what the all-device units leave on every device (one micro-batch)
+        kept = first.weight_bytes + last.weight_bytes + first.activation_bytes + \
+            last.activation_bytes
+        share = memory - kept
+        least = smallest_capacity(middle, devices) + kept
+        if share <= 0 or least > memory:
+            raise InfeasibleError(f"no partition of {len(middle)} units into {devices} stages "
+                                  f"fits beside the sharded first and last units in "
+                                  f"{format_memory(memory, True)} per device, even one "
+                                  "micro-batch at a time",
+                                  hint=f"the smallest memory per device that admits the "
+                                  f"M-shape is {format_memory(least, True)}; give that much, "
+                                  "or more devices")
+    found = candidates(middle, devices, micro_batches=micro_batches, capacity=share, keep=keep,
+                       recompute=recompute != "never")
     slowest = max(first.forward_ms + first.backward_ms, last.forward_ms + last.backward_ms,
-                  *(c.bottleneck_ms for c in candidates))
+                  *(c.bottleneck_ms for c in found))
     unit_ms = slowest / UNITS_PER_STAGE
     everything = [first, *middle, last]
     names = ("embed", *(f"stage{s}" for s in range(devices)), "head")
     placement = (None, *((s,) for s in range(devices)), None)
-    out = []
-    for p in candidates:
+    texts = []
+    for p in found:
         whole = Partition((0, *(1 + b for b in p.bounds), len(everything)),
                           p.bottleneck_ms, (0, *p.memory, 0))
-        text = plan_text(everything, whole, name=name, devices=devices,
-                         micro_batches=micro_batches, capacity=memory, factory=factory,
-                         data=data, loss=loss, path=path, time_unit_ms=unit_ms,
-                         shape="mshape: the first and last units sharded over the vocabulary "
-                               "on all devices", cut=cut, layer_returns=layer_returns,
-                         recompute=recompute, names=names, placement=placement,
-                         vocab=sharded.vocab)
-        solved = solve(build_problem(spec_from_text(text, source)), time_limit=time_limit)
-        out.append(PartitionPlan(whole, text, solved, solved.schedule.makespan * unit_ms))
-    return sorted(out, key=lambda c: (c.makespan_ms, c.partition.bottleneck_ms,
-                                      c.partition.bounds))
+        texts.append((whole, plan_text(
+            everything, whole, name=name, devices=devices, micro_batches=micro_batches,
+            capacity=memory, factory=factory, data=data, loss=loss, path=path,
+            time_unit_ms=unit_ms, shape="mshape: the first and last units sharded over the "
+            "vocabulary on all devices", cut=cut, layer_returns=layer_returns,
+            recompute=recompute, names=names, placement=placement, vocab=sharded.vocab)))
+    return solved_plans(texts, source=source, time_limit=time_limit, unit_ms=unit_ms)
 
 
 def placements(units: list[UnitCost], *, devices: int, shapes: tuple[str, ...],

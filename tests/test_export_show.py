@@ -93,9 +93,13 @@ def test_width_option(cli):
     assert out.count("\nt ") == 3  # 22 steps of 3 characters in bands of 25
 
 
-def test_narrow_width_is_an_error(cli):
+def test_a_width_out_of_range_is_an_error(cli):
+    hint = "(hint: use 20 to 10,000 columns (--full draws every step))\n"
     assert cli("show", PLANS / "1f1b-4stage.yaml", "--width", "5") == \
-        (2, "", "error: --width 5 is too narrow (hint: use 20 columns or more)\n")
+        (2, "", "error: --width 5 is too narrow " + hint)
+    # A line that never wraps would elide nothing: 100,000 micro-batches drawn in full.
+    assert cli("show", PLANS / "1f1b-4stage.yaml", "--width", "1000000000") == \
+        (2, "", "error: --width 1000000000 is too wide " + hint)
 
 
 def test_missing_file(cli, tmp_path):

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pyplan.partition import UnitCost, best_partitions, optimal_partition, stage_memory
+from pyplan.partition import (Held, UnitCost, best_partitions, candidates, optimal_partition,
+                              smallest_capacity, stage_memory)
 
 MODELS = Path(__file__).resolve().parent / "models"
 PYPLAN = str(Path(sys.executable).with_name("pyplan"))
@@ -58,6 +59,76 @@ def test_dynamic_programme_equals_brute_force(seed):
     ranked = best_partitions(units, stages, micro_batches=n, capacity=capacity)
     assert ranked[0].bottleneck_ms == pytest.approx(brute)
     assert all(capacity is None or max(p.memory) <= capacity for p in ranked)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_smallest_capacity_equals_brute_force(seed):
+    rng = random.Random(seed)
+    units = _units(rng, rng.randint(1, 8))
+    stages = rng.randint(1, len(units))
+    brute = min(max(stage_memory(units, b[s], b[s + 1], s, stages, 8, Held(alone=True))
+                    for s in range(stages))
+                for cuts in itertools.combinations(range(1, len(units)), stages - 1)
+                for b in [(0, *cuts, len(units))])
+    assert smallest_capacity(units, stages) == brute
+    assert candidates(units, stages, micro_batches=8, capacity=brute)
+    assert not candidates(units, stages, micro_batches=8, capacity=brute - 1)
+    assert smallest_capacity(units, len(units) + 1) is None
+
+
+def _costly_units(rng: random.Random, k: int) -> list[UnitCost]:
+    return [UnitCost(f"u{i}", rng.uniform(0.5, 3), rng.uniform(0.5, 6), rng.randint(100, 900),
+                     rng.randint(0, 400), input_bytes=rng.randint(10, 100),
+                     output_bytes=rng.randint(10, 100)) for i in range(k)]
+
+
+@pytest.mark.parametrize("seed, chunks", [(0, 1), (1, 1), (2, 2), (3, 1)])
+def test_partition_and_solve_agree_on_what_fits(seed, chunks):
+    """Partition counts a stage's memory as solve does: its candidates' one-micro-batch
+    memory is solve's least peak for their plans; at the smallest memory it names, every
+    candidate solves within it; one byte less, it refuses and names that memory."""
+    import pyplan
+    from pyplan.errors import InfeasibleError
+    from pyplan.problem import build_problem
+    from pyplan.solver.bounds import min_memory
+    from pyplan.spec import format_memory, spec_from_text
+
+    rng = random.Random(seed)
+    units = _costly_units(rng, 8)
+    devices = 2 if chunks == 2 else 3
+    common = dict(devices=devices, chunks=chunks, micro_batches=6, name="p", factory="m:f",
+                  data="m:d", loss="m:l", time_limit=5.0)
+    least = smallest_capacity(units, devices * chunks) * chunks
+    plans = pyplan.partition_plans(units, memory=least, **common)
+    for plan in plans:
+        assert max(plan.solution.schedule.peak_memory) <= least
+        problem = build_problem(spec_from_text(plan.text, "<test>"))
+        alone = [stage_memory(units, plan.partition.bounds[s], plan.partition.bounds[s + 1],
+                              s, devices * chunks, 6, Held(alone=True))
+                 for s in range(devices * chunks)]
+        per_device = [sum(alone[d::devices]) for d in range(devices)]
+        assert min_memory(problem) == per_device
+    with pytest.raises(InfeasibleError) as refused:
+        pyplan.partition_plans(units, memory=least - chunks, **common)
+    assert f"is {format_memory(least, True)}" in refused.value.hint
+
+
+def test_recomputation_widens_what_fits_at_full_throughput():
+    """Twelve equal layers on 4 devices at a memory where 1F1B's in-flight micro-batches do
+    not fit without recomputation: they do with it, and `auto` is never slower than `never`."""
+    import pyplan
+
+    units = [UnitCost(f"layer{i}", 1.0, 2.0, 1000, 100, input_bytes=100) for i in range(12)]
+    capacity = 3 * 100 + 3 * 1000 + 3 * 300  # 4 in flight on stage 0, three keeping inputs
+    assert not best_partitions(units, 4, micro_batches=8, capacity=capacity)
+    assert best_partitions(units, 4, micro_batches=8, capacity=capacity,
+                           held=Held(recompute=True))[0].bounds == (0, 3, 6, 9, 12)
+    common = dict(devices=4, micro_batches=8, name="p", factory="m:f", data="m:d", loss="m:l",
+                  memory=capacity, time_limit=5.0)
+    never = pyplan.partition_plans(units, recompute="never", **common)[0]
+    auto = pyplan.partition_plans(units, recompute="auto", **common)[0]
+    assert auto.makespan_ms <= never.makespan_ms
+    assert max(auto.solution.schedule.peak_memory) <= capacity
 
 
 def test_a_tight_capacity_forces_an_uneven_split():

@@ -6,6 +6,7 @@ write the plan of the one with the shortest makespan."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -45,8 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stages per device with --shape interleaved (default 2)")
     parser.add_argument("--micro-batches", type=int, metavar="N",
                         help="micro-batches per iteration (default 2 x stages)")
-    parser.add_argument("--memory", metavar="SIZE", help="memory per device, e.g. 24GiB "
-                        "(default: unlimited)")
+    parser.add_argument("--memory", metavar="SIZE", help="memory per device, e.g. 24GiB, or "
+                        "one per device, e.g. 80GiB,80GiB,40GiB,40GiB (default: unlimited)")
+    parser.add_argument("--speeds", metavar="S,S,...", help="each device's speed relative to "
+                        "the one measuring, e.g. 1,1,0.5,0.5 (mixed GPU types: slower devices "
+                        "get fewer units)")
     parser.add_argument("--recompute", choices=("never", "always", "auto"), default="never",
                         help="activation recomputation written to the plan (training.recompute; "
                         "auto: pyplan solve chooses per stage); default never")
@@ -74,8 +78,8 @@ def _package_root(module) -> Path | None:
     return root if root == Path.cwd().resolve() else None
 
 
-def _options(args: argparse.Namespace) -> tuple[int, int, int | None]:
-    """(stages, micro-batches, memory in bytes)."""
+def _options(args: argparse.Namespace):
+    """(stages, micro-batches, memory in bytes: one amount or one per device, speeds)."""
     if not 1 <= args.devices <= MAX_DEVICES:
         raise PlanError(f"--devices must lie in 1 .. {MAX_DEVICES}")
     if args.chunks < 1 or not 1 <= args.repeats <= MAX_REPEATS:
@@ -88,17 +92,50 @@ def _options(args: argparse.Namespace) -> tuple[int, int, int | None]:
         raise PlanError(f"--micro-batches must lie in 1 .. {MAX_MICRO_BATCHES}")
     memory = None
     if args.memory is not None:
-        try:
-            memory, is_size = parse_memory(args.memory)
-        except ValueError as exc:
-            raise PlanError(f"--memory: {exc}") from None
-        if not is_size or memory <= 0:
-            raise PlanError("--memory must be a positive size such as 24GiB")
-    return stages, n, memory
+        memory = [_size(text) for text in _per_device(args.memory, "--memory", args.devices)]
+        memory = memory[0] if len(memory) == 1 else memory
+    speeds = None
+    if args.speeds is not None:
+        speeds = [_speed(text) for text in _per_device(args.speeds, "--speeds", args.devices)]
+        speeds = speeds * args.devices if len(speeds) == 1 else speeds
+    if args.shape in ("mshape", "auto") and (isinstance(memory, list) or speeds):
+        raise PlanError(f"--shape {args.shape} takes one --memory for every device and no "
+                        "--speeds (its sharded units run on all devices alike)",
+                        hint="use --shape vshape or interleaved")
+    return stages, n, memory, speeds
+
+
+def _per_device(text: str, option: str, devices: int) -> list[str]:
+    items = [item.strip() for item in text.split(",")]
+    if len(items) not in (1, devices):
+        raise PlanError(f"{option} gives {len(items)} values for {devices} devices",
+                        hint="give one for every device, or one for all")
+    return items
+
+
+def _size(text: str) -> int:
+    try:
+        amount, is_size = parse_memory(text)
+    except ValueError as exc:
+        raise PlanError(f"--memory: {exc}") from None
+    if not is_size or amount <= 0:
+        raise PlanError("--memory must be a positive size such as 24GiB")
+    return amount
+
+
+def _speed(text: str) -> float:
+    try:
+        speed = float(text)
+    except ValueError:
+        speed = math.nan
+    if not 1e-3 <= speed <= 1e3:  # also refuses nan
+        raise PlanError(f"--speeds: {text!r} is not a speed in 0.001 .. 1000",
+                        hint="a device's speed relative to the one measuring, e.g. 0.5")
+    return speed
 
 
 def run(args: argparse.Namespace) -> int:
-    stages, n, memory = _options(args)
+    stages, n, memory, speeds = _options(args)
     require_torch("partition")
     import torch
 
@@ -157,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         plans, shape = mshape_plans(units, sharded, devices=args.devices, **options), "mshape"
     else:
         plans, shape = partition_plans(units, devices=args.devices, chunks=chunks,
-                                       **options), args.shape
+                                       speeds=speeds, **options), args.shape
     if args.shape != "auto":
         print(f"{args.factory}: {len(units)} units ({how}measured), {stages} stages "
               f"({shape}), {n} micro-batches; the best partitions and even splits, solved:")
@@ -178,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
               f"{sharded.vocab[0]} (block embed) and {sharded.vocab[1]} (block head)")
     for parameter, holders in ties(units, plans[0].partition, shared, names):
         print(f"  tied: {parameter} is held by {', '.join(holders)}; pyplan run sums its "
-              "gradients over the copies")
+              "gradients over the copies (one all-reduce per iteration, after the backward; "
+              "not in the predicted makespan)")
     write_atomic(out, plans[0].text)
     print(f"wrote {out}: the partition with the shortest makespan; next: pyplan solve {out}")
     return 0

@@ -14,6 +14,7 @@ from pyplan.export.timeline import render_plain, render_rich, timeline
 __all__ = ["add_arguments", "run"]
 
 PIPED_WIDTH = 100  # fixed when not on a terminal, so saved output does not depend on one
+MAX_WIDTH = 10_000  # wider is unreadable, and a line that never wraps elides nothing
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,8 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.width is not None and args.width < 20:
-        raise PlanError(f"--width {args.width} is too narrow", hint="use 20 columns or more")
+    if args.width is not None and not 20 <= args.width <= MAX_WIDTH:
+        raise PlanError(f"--width {args.width} is too " + ("narrow" if args.width < 20 else
+                                                          "wide"),
+                        hint=f"use 20 to {MAX_WIDTH:,} columns (--full draws every step)")
     problem, resolved = load_plan(args.plan)
     if args.micro_batches is None:
         schedule = pick_schedule(problem, resolved, args.template)
@@ -47,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
         problem = with_overrides(problem, micro_batches=args.micro_batches)
         schedule = pick_schedule(problem, None, args.template)
     tty = sys.stdout.isatty()
-    width = args.width or (shutil.get_terminal_size((PIPED_WIDTH, 24)).columns if tty
-                           else PIPED_WIDTH)
+    width = args.width or (min(MAX_WIDTH, shutil.get_terminal_size((PIPED_WIDTH, 24)).columns)
+                           if tty else PIPED_WIDTH)
     lines = timeline(schedule, width=width, compress=not args.full)
     if args.color == "always" or (args.color == "auto" and tty):
         from rich.console import Console
