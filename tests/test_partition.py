@@ -318,6 +318,24 @@ class Branches(torch.nn.Module):  # its forward is not its children one after an
 """
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--speeds", "1,0,1,1"], "error: --speeds: '0' is not a speed in 0.001 .. 1000 (hint: a "
+                          "device's speed relative to the one measuring, e.g. 0.5)\n"),
+    (["--speeds", "1,nan,1,1"], "error: --speeds: 'nan' is not a speed in 0.001 .. 1000 (hint: "
+                                "a device's speed relative to the one measuring, e.g. 0.5)\n"),
+    (["--memory", "1GiB,2GiB"], "error: --memory gives 2 values for 4 devices (hint: give one "
+                                "for every device, or one for all)\n"),
+    (["--memory", "1GiB,2GiB,0B,1GiB"], "error: --memory must be a positive size such as 24GiB\n"),
+    (["--memory", "1GiB,1GiB,1GiB,2GiB", "--shape", "mshape"],
+     "error: --shape mshape takes one --memory for every device and no --speeds (its sharded "
+     "units run on all devices alike) (hint: use --shape vshape or interleaved)\n"),
+])
+def test_per_device_options_are_checked_first(options, message, cli, tmp_path):
+    code, out, err = cli("partition", "nowhere:model", "--data", "nowhere:batch", "--loss",
+                         "nowhere:loss", "--devices", "4", *options, "-o", tmp_path / "p.yaml")
+    assert (code, out, err) == (2, "", message)
+
+
 @pytest.mark.parametrize("factory, message", [
     ("broken_model:raising", "error: FACTORY (broken_model:raising) raised ValueError: no such "
                              "layer (hint: the factory returns the whole model, an nn.Module)\n"),
