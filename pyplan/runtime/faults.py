@@ -83,7 +83,8 @@ class Watchdog:
         self.thread.join()
         self.heartbeat()
         signal.set_wakeup_fd(self.old_fd)
-        signal.signal(signal.SIGTERM, self.old_handler)
+        if state != EXITING:  # a failing rank stays deaf to the launcher's SIGTERM until it
+            signal.signal(signal.SIGTERM, self.old_handler)  # has printed its line and exited
         os.close(self.wake_r)
         os.close(self.wake_w)
 
