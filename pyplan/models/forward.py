@@ -27,8 +27,8 @@ import inspect
 import torch
 from torch import nn
 
-__all__ = ["ForwardStage", "call_order", "decoder_layers", "logits", "prune", "units",
-           "whole_forward"]
+__all__ = ["ForwardStage", "call_order", "decoder_layers", "logits", "observe", "prune",
+           "units", "whole_forward"]
 
 
 def decoder_layers(model: nn.Module) -> str | None:
@@ -61,6 +61,13 @@ def call_order(model: nn.Module, inputs) -> tuple[list[str], bool]:
     if layers:
         handles.append(model.get_submodule(f"{layers_name}.0").register_forward_hook(
             lambda _m, _a, out: returns.append(isinstance(out, tuple))))
+    observe(model, inputs, handles)
+    return list(order), bool(returns and returns[0])
+
+
+def observe(model: nn.Module, inputs, handles: list) -> None:
+    """One forward of the whole model (eval mode, no gradients) for the hooks behind `handles`
+    to watch; then the hooks are removed and the model's mode restored."""
     was = model.training
     model.eval()
     try:
@@ -70,7 +77,6 @@ def call_order(model: nn.Module, inputs) -> tuple[list[str], bool]:
         model.train(was)
         for handle in handles:
             handle.remove()
-    return list(order), bool(returns and returns[0])
 
 
 def units(model: nn.Module, inputs) -> tuple[list[tuple[str, tuple[str, ...]]], bool] | None:

@@ -97,17 +97,9 @@ def find(model: nn.Module, inputs, first: tuple[str, ...], last: tuple[str, ...]
         for handle in handles:
             handle.remove()
         return None
-    from pyplan.models.forward import whole_forward
+    from pyplan.models.forward import observe
 
-    was = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            whole_forward(model, inputs)
-    finally:
-        model.train(was)
-        for handle in handles:
-            handle.remove()
+    observe(model, inputs, handles)
     embedding = next((n for n, arg in called if isinstance(arg, torch.Tensor) and
                       isinstance(model.get_submodule(n), nn.Embedding) and
                       arg.shape == ids.shape and torch.equal(arg, ids)), None)

@@ -44,7 +44,7 @@ from pyplan.problem import BACKWARD, WEIGHT
 from pyplan.runtime.backward import backward_input, backward_weight, full_backward
 from pyplan.runtime.binding import block_seeds, forward_seed, seed_generators, shard_dim
 from pyplan.runtime.comm import Comm, TransferError
-from pyplan.runtime.values import differentiable, flatten, nbytes, plain, rebuild
+from pyplan.runtime.values import differentiable, flatten, nbytes, rebuild, saved_bytes
 from pyplan.trace import TraceEvent
 
 __all__ = ["Executor", "IterationResult", "flat_gradients", "padded", "set_gradients",
@@ -316,7 +316,7 @@ class Executor:
             args.insert(0, self.inputs[m])
         recomputed = trains and self.blocks[b].recomputed
         measure = trains and not recomputed and b not in self.saved_bytes
-        with _saved_bytes_counter(self.params[b]) if measure else contextlib.nullcontext() as n:
+        with saved_bytes(self.params[b]) if measure else contextlib.nullcontext() as n:
             out, loss = self._call(b, m, args, trains and not recomputed)
         if measure:
             self.saved_bytes[b] = n[0]
@@ -466,25 +466,6 @@ class _Clock:
 
     def seconds(self, a, b) -> float:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
-
-
-@contextlib.contextmanager
-def _saved_bytes_counter(params: list[torch.Tensor]):
-    """Counts the bytes autograd saves while the body runs (each tensor once, parameters
-    excluded): what a forward holds until its backward."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[tuple, int] = {}
-    total = [0]
-
-    def pack(t: torch.Tensor):
-        for x in plain(t):  # a DTensor's local tensor: the wrapper has no storage
-            if x.untyped_storage().data_ptr() not in skip:
-                seen[(x.data_ptr(), tuple(x.shape), x.dtype)] = x.numel() * x.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield total
-    total[0] = sum(seen.values())
 
 
 def _detach(value):

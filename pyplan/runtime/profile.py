@@ -30,7 +30,7 @@ from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.problem import BACKWARD, Problem
 from pyplan.runtime.binding import (Model, block_inputs, build, loss_function, make_batch,
                                     split_batch, to_device)
-from pyplan.runtime.values import flatten, nbytes, plain, rebuild
+from pyplan.runtime.values import flatten, nbytes, rebuild, saved_bytes
 
 __all__ = ["BlockCost", "Measured", "profile_blocks", "profile_units"]
 
@@ -135,21 +135,25 @@ def _busy(measured: Measured) -> None:
         measured.load = max(load, measured.load or 0.0)
 
 
+def block_arguments(b: int, preds: dict, outputs: dict, inputs, wants_inputs, grad: bool):
+    """Block b's arguments from its predecessors' outputs (and the batch's inputs where it
+    takes them), and the leaves to differentiate: inputs from other blocks are leaves here,
+    so the backward stops at this block."""
+    args, wrt = [], []
+    for p in preds[b]:
+        value, leaves = _leaves(outputs[p], grad)
+        args.append(value)
+        wrt += leaves
+    if not preds[b] or b in wants_inputs:
+        args.insert(0, inputs)
+    return args, wrt
+
+
 def _saved_bytes(fn, params) -> int:
-    """Bytes autograd saves for backward while fn runs, each tensor once, parameters (and views
-    of them) excluded. Tensor sizes, not storages: a micro-batch is a view of the whole batch."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[tuple, int] = {}
-
-    def pack(t: torch.Tensor):
-        for x in plain(t):  # a DTensor's local tensor: the wrapper has no storage
-            if x.untyped_storage().data_ptr() not in skip:
-                seen[(x.data_ptr(), tuple(x.shape), x.dtype)] = x.numel() * x.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """Bytes autograd saves for backward while fn runs (pyplan.runtime.values.saved_bytes)."""
+    with saved_bytes(params) as total:
         fn()
-    return sum(seen.values())
+    return total[0]
 
 
 def _leaves(value, grad: bool):
@@ -213,14 +217,7 @@ def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: in
     for b in (b for b in problem.graph.topological_order() if b in modules):
         module, grad = modules[b], b in trains
         params = [p for p in module.parameters() if p.requires_grad]
-        # Inputs from other blocks are leaves here, so the backward stops at this block.
-        args, wrt = [], []
-        for p in preds[b]:
-            value, leaves = _leaves(outputs[p], grad)
-            args.append(value)
-            wrt += leaves
-        if not preds[b] or b in built.wants_inputs:
-            args.insert(0, inputs)
+        args, wrt = block_arguments(b, preds, outputs, inputs, built.wants_inputs, grad)
         whole = (None,) if len(problem.blocks[b].devices) > 1 else ()
         loss_fn = (lambda out: loss_function(model)(out, targets, *whole)) \
             if b == output_block else None

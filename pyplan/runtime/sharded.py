@@ -27,7 +27,8 @@ from pyplan.models import FORWARD, Cut, Unit, stage_modules
 from pyplan.models.vocab import Vocab, parallel_loss, shard
 from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.problem import BACKWARD
-from pyplan.runtime.profile import Measured, _leaves, _measure, _Timer, _unit_parameters
+from pyplan.runtime.profile import (Measured, _leaves, _measure, _Timer, _unit_parameters,
+                                    block_arguments)
 from pyplan.spec.plan import LinkSpec, TopologySpec
 
 __all__ = ["Collective", "ShardedUnits", "collective_ms", "profile_sharded", "sharded_blocks"]
@@ -196,13 +197,7 @@ def sharded_blocks(problem, model, *, seed: int, device: torch.device, timer: _T
         for block in multi:
             b, module, grad = block.index, built.modules[block.index], block.index in trains
             params = [p for p in module.parameters() if p.requires_grad]
-            args, wrt = [], []
-            for p in preds[b]:
-                value, leaves = _leaves(outputs[p], grad)
-                args.append(value)
-                wrt += leaves
-            if not preds[b] or b in built.wants_inputs:
-                args.insert(0, inputs)
+            args, wrt = block_arguments(b, preds, outputs, inputs, built.wants_inputs, grad)
             loss_fn = (lambda out: loss_function(model)(out, targets, dist.group.WORLD)) \
                 if b == output_block else None
             forward_ms, backward_ms, saved, out = _measure(
