@@ -269,8 +269,8 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
         raise InfeasibleError(f"no partition of {len(units)} units into {stages} stages fits "
                               f"{shown} per device, even one micro-batch at a time",
                               hint=f"the smallest memory per device that admits a partition "
-                              f"is {format_memory(least, True)}{shared}; give that much, or "
-                              "more devices")
+                              f"is {least}B ({format_memory(least, True)}){shared}; give that "
+                              "much, or more devices")
     unit_ms = max(c.bottleneck_ms for c in found) / UNITS_PER_STAGE
     shape = "vshape" if chunks == 1 else f"interleaved, {chunks} chunks"
     texts = [(p, plan_text(units, p, name=name, devices=devices, micro_batches=micro_batches,

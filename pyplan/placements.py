@@ -87,8 +87,8 @@ def mshape_plans(units: list[UnitCost], sharded: Sharded, *, devices: int, name:
                                   f"{format_memory(memory, True)} per device, even one "
                                   "micro-batch at a time",
                                   hint=f"the smallest memory per device that admits the "
-                                  f"M-shape is {format_memory(least, True)}; give that much, "
-                                  "or more devices")
+                                  f"M-shape is {least}B ({format_memory(least, True)}); give "
+                                  "that much, or more devices")
     found = candidates(middle, devices, micro_batches=micro_batches, capacity=share, keep=keep,
                        recompute=recompute != "never")
     slowest = max(first.forward_ms + first.backward_ms, last.forward_ms + last.backward_ms,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -110,7 +111,24 @@ def test_partition_and_solve_agree_on_what_fits(seed, chunks):
         assert min_memory(problem) == per_device
     with pytest.raises(InfeasibleError) as refused:
         pyplan.partition_plans(units, memory=least - chunks, **common)
-    assert f"is {format_memory(least, True)}" in refused.value.hint
+    assert f"is {least}B ({format_memory(least, True)})" in refused.value.hint
+
+
+def test_a_refusal_names_the_memory_that_fits_and_that_memory_fits(cli, tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.syspath_prepend(str(MODELS))
+    monkeypatch.delitem(sys.modules, "plain", raising=False)
+    command = ["partition", "plain:model", "--data", "plain:batch", "--loss", "plain:loss",
+               "--devices", "4", "--micro-batches", "4", "--repeats", "1", "-o",
+               tmp_path / "p.yaml"]
+    code, out, err = cli(*command, "--memory", "1KiB")
+    assert (code, out, err.count("\n")) == (3, "", 1) and not (tmp_path / "p.yaml").exists()
+    least = re.search(r"admits a partition is (\d+)B \(", err)
+    assert least, err
+    code, _, err = cli(*command, "--memory", f"{least.group(1)}B")
+    assert code == 0, err
+    code, _, err = cli("solve", tmp_path / "p.yaml", "--quiet")
+    assert code == 0, err
 
 
 def test_recomputation_widens_what_fits_at_full_throughput():
