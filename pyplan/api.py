@@ -334,6 +334,10 @@ def _check_partition_arguments(units, *, devices, name, factory, data, loss, mic
                         hint="give the units' measured times")
     _number(devices, "devices", 1, MAX_DEVICES, integer=True)
     _number(chunks, "chunks", 1, 64, integer=True)
+    if len(units) < devices * chunks:
+        raise PlanError(f"{len(units)} units cannot fill {devices * chunks} stages "
+                        f"({devices} devices x {chunks} chunks)",
+                        hint="use fewer devices or chunks, or a model of more units")
     _number(micro_batches, "micro_batches", 1, MAX_MICRO_BATCHES, integer=True)
     _number(keep, "keep", 1, 100, integer=True)
     _number(time_limit, "time_limit", 1e-3, 1e9)

@@ -157,6 +157,7 @@ ARGUMENTS = dict(devices=2, name="m", factory="a:b", data="a:b", loss="a:b", mic
     (UNITS, {"name": "a b"}, "name must use letters"),
     (UNITS, {"factory": 3}, "factory must be an import path"),
     (UNITS, {"recompute": "sometimes"}, "recompute must be never, always or auto"),
+    (UNITS, {"devices": 3, "chunks": 2}, "4 units cannot fill 6 stages (3 devices x 2 chunks)"),
 ])
 def test_partition_plans_checks_its_arguments(units, change, expected):
     with pytest.raises(pyplan.PlanError) as info:
