@@ -13,8 +13,9 @@
      with a vocabulary of 32768, width 64 and 8 layers), each partitioned and solved from the
      same measured costs:
      the M-shape (`--shape mshape`: embedding and head sharded over the vocabulary on all four
-     ranks, torch's DTensor and loss_parallel) vs the V-shape and interleaved (2 chunks), as
-     `--shape auto` ranks them (predicted) and as `pyplan run` runs them (measured).
+     ranks, the loss fused; their all-reduces measured among 4 local processes, as pyplan
+     partition does) vs the V-shape and interleaved (2 chunks), as `--shape auto` ranks them
+     (predicted) and as `pyplan run` runs them (measured).
 
     python benchmarks/partition.py [--rounds 5] [--iterations 6]
 
@@ -98,7 +99,7 @@ def _placements(directory: Path) -> dict[str, float]:
         out = logits(whole_forward(model, inputs) if cut.kind == FORWARD else model(inputs))
     vocab = find(model, inputs, units[0].modules, units[-1].modules, out)
     ends = profile_sharded(model, inputs, targets, module.loss, cut=cut, units=units,
-                           costs=costs, vocab=vocab, devices=DEVICES)
+                           costs=costs, vocab=vocab, devices=DEVICES, measure=True)
     tried = placements(costs, devices=DEVICES, shapes=PLACEMENTS,
                        sharded=Sharded(ends.first, ends.last, (vocab.embedding, vocab.head)),
                        name="placement", factory=f"{VOCAB_MODEL}:model",

@@ -1,5 +1,6 @@
 """Vocabulary-parallel M-shape from a model (`pyplan partition --shape mshape`) and `--shape
-auto`: the embedding and head found and sharded (DTensor, loss_parallel), their per-rank costs
+auto`: the embedding and head found and sharded, the loss fused when it is a cross-entropy
+(else DTensor's loss_parallel), the all-reduces against one process, their per-rank costs
 with collectives, the placements ranked by predicted makespan, the plan through solve, show,
 export and `pyplan run --check` on 4 ranks (the example GPT and tied GPT-2 from Hugging Face)."""
 
@@ -10,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -152,9 +154,12 @@ def test_sharded_units_cost_a_share_and_their_collectives():
     activations = 2 * gpt.SEQUENCE * gpt.DIM * 4  # one micro-batch's hidden states, fp32
     assert [(c.kind, c.bytes, c.backward) for c in found.collectives[tokens]] == \
         [("all_reduce", activations, False), ("all_reduce", activations, True)]
-    per_token = 2 * gpt.SEQUENCE * 4  # the loss reduces a max, a sum and a logit per token
+    # The fused cross-entropy reduces a max per token, then a sum and a target logit per token
+    # stacked; backward, only the loss's seed is summed.
+    per_token = 2 * gpt.SEQUENCE * 4
     assert [(c.kind, c.bytes, c.backward) for c in found.collectives[units[-1].name]] == \
-        [("all_reduce", per_token, False)] * 3 + [("all_reduce", 4, True)]
+        [("all_reduce", per_token, False), ("all_reduce", 2 * per_token, False),
+         ("all_reduce", 4, True)]
     # Weights: the token embedding and the projection keep a quarter of their rows.
     whole_embed = sum(p.numel() for p in model.embed.parameters()) * 4 * 2
     rows = gpt.VOCAB * gpt.DIM * 4 * 2
@@ -163,6 +168,23 @@ def test_sharded_units_cost_a_share_and_their_collectives():
     link = LinkSpec(bandwidth=10**9, latency_ms=1.0)  # an all-reduce: 2 x 3 ring steps
     assert collective_ms(found.collectives[tokens], 4, link, False) == \
         pytest.approx(6 * (1.0 + activations / 4 / 1e6))
+
+
+def test_collectives_are_timed_as_measured_where_measured():
+    pytest.importorskip("torch")
+    from pyplan.runtime.sharded import Collective, collective_ms, measure_collectives
+    from pyplan.spec.plan import LinkSpec
+
+    found = [Collective("all_reduce", 64, False), Collective("all_reduce", 4096, True),
+             Collective("all_gather_into_tensor", 4096, False)]
+    times = measure_collectives(found, 2, __import__("torch").device("cpu"))
+    assert sorted(times) == [64, 4096] and all(0 < ms < 1000 for ms in times.values())
+    link = LinkSpec(bandwidth=10**9, latency_ms=1.0)
+    # Forward: the measured all-reduce, and the all-gather (never measured) as a ring.
+    assert collective_ms(found, 2, link, False, times) == \
+        pytest.approx(times[64] + 1 * (1.0 + 2048 / 1e6))
+    assert collective_ms(found, 2, link, True, times) == pytest.approx(times[4096])
+    assert collective_ms(found, 2, link, True) == pytest.approx(2 * (1.0 + 2048 / 1e6))
 
 
 def test_a_vocabulary_that_does_not_split_evenly_is_refused():
@@ -258,6 +280,50 @@ def test_show_draws_the_sharded_blocks_on_every_device(cli):
     assert (code, err) == (0, "")
     rows = [line for line in out.splitlines() if re.match(r"d[0-3] ", line)]
     assert all("f0" in row for row in rows[:4])  # embed@0 on all four devices at once
+
+
+def test_a_loss_is_fused_only_when_it_is_exactly_a_mean_cross_entropy():
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    from pyplan.models.vocab import _cross_entropy_form
+
+    def form(loss, dtype=torch.float32):
+        return _cross_entropy_form(loss, (2, 3, 16), dtype, (2, 3), torch.int64)
+
+    flat = lambda l: l.reshape(-1, l.shape[-1])  # noqa: E731
+    assert form(lambda l, t: F.cross_entropy(flat(l), t.reshape(-1))) == (-100, torch.float32)
+    assert form(lambda l, t: F.cross_entropy(flat(l).float(), t.view(-1), ignore_index=0),
+                torch.bfloat16) == (0, torch.float32)
+    assert form(lambda l, t: F.nll_loss(F.log_softmax(flat(l), -1), t.flatten())) == \
+        (-100, torch.float32)
+    for other in (
+            lambda l, t: F.cross_entropy(flat(l), t.reshape(-1), reduction="sum"),
+            lambda l, t: F.cross_entropy(flat(l), t.reshape(-1), label_smoothing=0.1),
+            lambda l, t: F.cross_entropy(flat(l), t.reshape(-1), weight=torch.ones(16)),
+            lambda l, t: 2 * F.cross_entropy(flat(l), t.reshape(-1)),
+            lambda l, t: F.cross_entropy(flat(l), t.reshape(-1)) + l.logsumexp(-1).pow(2).mean(),
+            lambda l, t: F.cross_entropy(flat(l[:, :-1]), t[:, 1:].reshape(-1)),
+            lambda l, t: F.cross_entropy(l.transpose(1, 2), t),
+            lambda l, t: F.cross_entropy(flat(l), t.reshape(-1)) * float(t.sum().item())):
+        assert form(other) is None
+
+
+@pytest.mark.torchrun
+def test_the_vocabulary_parallel_loss_and_all_reduces_match_one_process():
+    script = MODELS / "vocab_losses.py"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                             "4", str(script)], capture_output=True, text=True, timeout=300,
+                            cwd=tempfile.gettempdir())
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(m) for m in re.findall(r"\{[^{}]*\}", result.stdout)]
+    assert len(rows) == 4 * 11, result.stdout
+    for row in rows:
+        if "fused" in row:
+            assert row["fused"] == (row["case"] != "sum"), row
+            assert row["loss"] < 1e-5 and row["grad"] < 1e-6, row
+        else:
+            assert row["error"] == 0, row
 
 
 # ---------------------------------------------------------------- under torchrun

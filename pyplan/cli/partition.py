@@ -232,7 +232,7 @@ def _sharded(model, inputs, targets, loss, user, cut, units, args, measured):
     from pyplan.models.vocab import check_divisible, find
     from pyplan.placements import Sharded
     from pyplan.runtime.binding import loss_function
-    from pyplan.runtime.sharded import collective_ms, profile_sharded
+    from pyplan.runtime.sharded import profile_sharded
 
     if cut.kind == TRACED:
         return None, "the model is cut by torch's tracer, whose pieces cannot be sharded", []
@@ -259,18 +259,16 @@ def _sharded(model, inputs, targets, loss, user, cut, units, args, measured):
                              units=found_units, costs=units, vocab=vocab, devices=args.devices,
                              optimizer=args.optimizer, repeats=args.repeats,
                              device=torch.device("cuda", 0) if args.device == "cuda" else
-                             torch.device("cpu"), measured=measured)
-    from pyplan.spec.plan import TopologySpec
-
-    link = TopologySpec().within_node
+                             torch.device("cpu"), measured=measured, measure=True)
+    where = f"measured among {args.devices} local processes" if result.measured else \
+        "on the default link: too few GPUs here to measure them"
     lines = []
     for unit, whole in ((result.first, units[0]), (result.last, units[-1])):
         comm = result.collectives[unit.name]
-        spent = sum(collective_ms(comm, args.devices, link, b) for b in (False, True))
         lines.append(f"  {unit.name}: per rank of {args.devices}, {unit.forward_ms:.2f} + "
-                     f"{unit.backward_ms:.2f} ms (whole: {whole.forward_ms:.2f} + "
-                     f"{whole.backward_ms:.2f} ms), {len(comm)} collectives "
-                     f"({sum(c.bytes for c in comm):,} bytes, {spent:.3f} ms on the link)")
+                     f"{unit.backward_ms:.2f} ms with {len(comm)} collectives "
+                     f"({sum(c.bytes for c in comm):,} bytes, {where}); whole: "
+                     f"{whole.forward_ms:.2f} + {whole.backward_ms:.2f} ms")
     return Sharded(result.first, result.last, (vocab.embedding, vocab.head)), None, lines
 
 

@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
     parser.add_argument("--links", action="store_true",
                         help="also measure the link between two processes on this machine "
-                        "(ping-pong over gloo) and suggest topology.within_node")
+                        "(ping-pong over gloo) and suggest topology.within_node, and the "
+                        "all-reduces of vocabulary-sharded blocks among as many processes as "
+                        "they have devices")
 
 
 def suggestions(problem, costs, unit_ms: float) -> list[str]:
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(problem, Path(problem.source_path).resolve().parent)
     measured = Measured()
     costs = profile_blocks(problem, model, seed=args.seed, repeats=args.repeats,
-                           device=device, measured=measured)
+                           device=device, measured=measured, measure_collectives=args.links)
     unit = args.unit_ms or min(c.forward_ms for c in costs)
     link = None
     if args.links:
@@ -113,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
               "(training.backward.time_ratio)")
     if any(len(c.devices) > 1 for c in costs) and model.vocab is not None:
         print("  blocks on several devices: one rank's share of the vocabulary "
-              "(model.vocab_parallel), their collectives timed on the default link")
+              "(model.vocab_parallel), their collectives " +
+              ("measured among local processes" if args.links else "timed on the default link"))
     elif any(len(c.devices) > 1 for c in costs):
         print("  blocks on several devices are measured whole on one device; spread over their "
               "devices they take less time and memory each, plus communication")

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyplan.runtime import shard
+from pyplan.models.vocab import cross_entropy
+from pyplan.runtime.collectives import all_sum
 
 __all__ = ["ColumnParallelLinear", "Embed", "Head", "Layer", "RowParallelLinear",
            "VocabParallelEmbedding", "VocabParallelHead", "all_sum",
@@ -62,50 +64,6 @@ class Layer(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
         return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
-
-
-def _all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
-    """In place. On gloo a small all-reduce costs several scheduler round trips, so the first
-    rank of the group gathers, reduces and sends back with point-to-point messages (on the
-    group's own communicator, apart from the pipeline's transfers)."""
-    if dist.get_backend(group) != "gloo":
-        dist.all_reduce(x, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX,
-                        group=group)
-        return x
-    ranks = dist.get_process_group_ranks(group)
-    if dist.get_rank() != ranks[0]:
-        dist.send(x, ranks[0], group=group)
-        dist.recv(x, ranks[0], group=group)
-        return x
-    parts = [torch.empty_like(x) for _ in ranks[1:]]
-    for work in [dist.irecv(part, r, group=group) for part, r in zip(parts, ranks[1:])]:
-        work.wait()
-    for part in parts:
-        if op == "sum":
-            x.add_(part)
-        else:
-            torch.maximum(x, part, out=x)
-    for work in [dist.isend(x, r, group=group) for r in ranks[1:]]:
-        work.wait()
-    return x
-
-
-class _Sum(torch.autograd.Function):
-    """All-reduce (sum) whose gradient is the all-reduced gradient: exact under pyplan's
-    contract, where a multi-device block's output gradient may be split among its ranks."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_reduce(x.contiguous().clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad.contiguous().clone(), ctx.group), None
-
-
-def all_sum(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group is None else _Sum.apply(x, group)
 
 
 def _chunk(whole: torch.Tensor, group, dim: int) -> nn.Parameter:
@@ -159,14 +117,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     sums cross the ranks, never the logits."""
     if group is None:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    lo, hi = _span(logits.shape[-1] * dist.get_world_size(group), group)
-    peak = logits.detach().max(dim=-1).values  # any shift works; the largest avoids overflow
-    _all_reduce(peak, group, "max")
-    shifted = logits - peak.unsqueeze(-1)
-    mine = (targets >= lo) & (targets < hi)
-    picked = shifted.gather(-1, (targets - lo).clamp(0, hi - lo - 1).unsqueeze(-1)).squeeze(-1)
-    sums = all_sum(torch.stack([shifted.exp().sum(dim=-1), picked * mine]), group)
-    return (sums[0].log() - sums[1]).mean()
+    return cross_entropy(logits, targets, group)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -5,26 +5,31 @@ without gathering them (torch's `loss_parallel`).
 
 Each rank keeps its chunk of the vocabulary, torch.chunk(whole, ranks, 0)[rank], as a plain
 parameter marked with pyplan.runtime.shard (so pyplan's gradient handling, clipping, --check and
-checkpoints treat it as the hand-written tensor-parallel layers are treated); DTensor carries
-the communication:
+checkpoints treat it as the hand-written tensor-parallel layers are treated):
 
 - the embedding looks the ids up in the rank's rows (ids of other ranks' rows give zeros: the
   masked lookup of DTensor's Shard(0) embedding, done locally because torch's DTensor has no
   row-wise embedding backward and would make the whole vocabulary's gradient on every rank)
-  and the partial rows become whole as a Partial DTensor redistributed to Replicate (an
-  all-reduce); the module's own forward runs (a subclass scaling its output, Gemma's, too);
+  and the partial rows are summed over the ranks; the module's own forward runs (a subclass
+  scaling its output, Gemma's, too);
 - the head is its nn.Linear on the rank's rows of the weight: the rank's slice of the logits,
   no communication;
-- the loss gets the logits as a DTensor sharded on the vocabulary dimension and runs the user's
-  own loss function (F.cross_entropy on them) under `loss_parallel`, forward and backward.
+- the loss: a user's loss that is exactly a mean cross-entropy of the logits (recognised from
+  the operations it runs on meta tensors: shape-only views, log_softmax over the vocabulary,
+  nll_loss with mean reduction and no class weights) is computed fused, as Megatron-LM does:
+  one all-reduce of the row maxima, one of the stacked sums of exponentials and target logits,
+  and a local backward (softmax minus one-hot); any other loss gets the logits as a DTensor
+  sharded on the vocabulary dimension and runs under torch's `loss_parallel`, forward and
+  backward. `--check` compares either with the user's loss on whole logits.
 
 A multi-device block in pyplan is one SPMD program whose output gradient may arrive split among
 its ranks (the pipeline hands it to one of them) and whose input and replicated-parameter
 gradients are summed over its ranks. DTensor's autograd assumes replicated gradients instead, so
-where a sharded computation meets the rest of the block, `_summed_gradient` (identity forward,
-all-reduce of the gradient backward) turns the split gradient into the whole one: after the
-embedding's all-reduce and on the loss (pyplan seeds it on the block's first rank only). The
-head's input gradient stays each rank's share (its rows' contribution), which pyplan sums.
+where a sharded computation meets the rest of the block the split gradient is summed
+(pyplan.runtime.collectives): after the embedding's sum and on the loss (pyplan seeds it on the
+block's first rank only). The head's input gradient stays each rank's share (its rows'
+contribution), which pyplan sums. Every all-reduce here, DTensor's included, goes through
+pyplan.runtime.collectives, which keeps small ones off gloo's slow ring.
 """
 
 from __future__ import annotations
@@ -36,11 +41,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyplan.errors import PlanError
+from pyplan.runtime.collectives import all_reduce_, all_sum, summed_gradient
 
-__all__ = ["Vocab", "check_divisible", "check_modules", "find", "mesh_of", "parallel_loss",
-           "shard"]
+__all__ = ["Vocab", "check_divisible", "check_modules", "cross_entropy", "find", "mesh_of",
+           "parallel_loss", "shard"]
 
 
 @dataclass(frozen=True)
@@ -152,14 +159,6 @@ def mesh_of(group, device: torch.device):
     return _mesh(group, device.type)
 
 
-def _summed_gradient(x: torch.Tensor, mesh) -> torch.Tensor:
-    """x itself; backward, the gradient summed over the mesh (a partial gradient made whole)."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    return DTensor.from_local(x, mesh, [Replicate()], run_check=False) \
-        .to_local(grad_placements=[Partial()])
-
-
 def _holders(model: nn.Module, param: torch.Tensor) -> list[tuple[nn.Module, str]]:
     """Every (module, attribute) holding `param` (a tied parameter has several)."""
     return [(m, key) for m in model.modules() for key, p in m._parameters.items()
@@ -179,11 +178,8 @@ def shard(model: nn.Module, vocab: Vocab, group, device: torch.device, *,
     (a tied weight stays one parameter). `active()` says whether a call of the embedding is its
     own block's (the forward cut also calls it while a later stage runs the model's forward up
     to its entry: then it returns zeros, at no cost and without a collective)."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     check_divisible(vocab, ranks)
-    mesh = mesh_of(group, device)
     embedding, head = check_modules(model, vocab.embedding, vocab.head)
     if embedding.max_norm is not None or embedding.sparse or embedding.scale_grad_by_freq:
         raise PlanError(f"{vocab.embedding}: an embedding with max_norm, sparse gradients or "
@@ -227,12 +223,9 @@ def shard(model: nn.Module, vocab: Vocab, group, device: torch.device, *,
         module._parameters["weight"], module.padding_idx = local, padding
         if call.pop("zeros", False):
             return out
-        partial = out * call.pop("mask").to(out.dtype)
-        # The partial rows summed over the ranks (DTensor: Partial -> Replicate); the
-        # gradient that arrives split among the ranks is summed back (_summed_gradient).
-        whole = DTensor.from_local(partial, mesh, [Partial()], run_check=False) \
-            .redistribute(mesh, [Replicate()]).to_local()
-        return _summed_gradient(whole, mesh)
+        # The partial rows summed over the ranks; the gradient that arrives split among the
+        # ranks is summed back.
+        return all_sum(out * call.pop("mask").to(out.dtype), group)
 
     embedding.register_forward_pre_hook(enter, with_kwargs=True)
     embedding.register_forward_hook(leave, with_kwargs=True, always_call=True)
@@ -242,6 +235,107 @@ def shard_dim_of(param: torch.Tensor) -> int | None:
     from pyplan.runtime.binding import shard_dim
 
     return shard_dim(param)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of rows of logits split over the vocabulary: forward two all-reduces,
+    backward none (the gradient of a rank's slice is its softmax slice minus the one-hot)."""
+
+    @staticmethod
+    def forward(ctx, local, targets, group, ignore_index, dtype):
+        rows = local.shape[-1]
+        lo = dist.get_rank(group) * rows
+        x = local.detach().reshape(-1, rows).to(dtype)
+        t = targets.reshape(-1)
+        peak = all_reduce_(x.max(dim=-1).values, group, "max")  # any shift works: no overflow
+        shifted = x - peak.unsqueeze(-1)
+        exp = shifted.exp()
+        mine = (t >= lo) & (t < lo + rows)
+        index = (t - lo).clamp(0, rows - 1)
+        picked = shifted.gather(1, index.unsqueeze(-1)).squeeze(-1) * mine
+        sums = all_reduce_(torch.stack([exp.sum(dim=-1), picked]), group)
+        valid = (t != ignore_index).to(dtype)
+        count = valid.sum()
+        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), index, mine, valid, count)
+        ctx.shape, ctx.dtype = local.shape, local.dtype
+        return ((sums[0].log() - sums[1]) * valid).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, mine, valid, count = ctx.saved_tensors
+        found = softmax
+        found.scatter_add_(1, index.unsqueeze(-1), -mine.to(found.dtype).unsqueeze(-1))
+        found.mul_((valid * (grad / count)).unsqueeze(-1))
+        return found.reshape(ctx.shape).to(ctx.dtype), None, None, None, None
+
+
+def cross_entropy(local: torch.Tensor, targets: torch.Tensor, group, *,
+                  ignore_index: int = -100, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.cross_entropy(logits.view(-1, V), targets.view(-1), ignore_index=...) of logits whose
+    last dimension is split over `group` (`local`: this rank's chunk, torch.chunk order),
+    computed in `dtype` (default the logits'). The same value on every rank; its gradient may
+    be seeded on any of them (pyplan's contract for a multi-device block)."""
+    value = _CrossEntropy.apply(local, targets, group, ignore_index, dtype or local.dtype)
+    return summed_gradient(value, group)
+
+
+_VIEWS = {"view", "_unsafe_view", "reshape", "clone", "contiguous", "alias", "detach",
+          "_to_copy", "flatten"}
+
+
+class _Ops(TorchDispatchMode):
+    """Follows the logits and the targets through the operations of a loss (on meta tensors):
+    whether it is exactly a mean cross-entropy, and with which ignore_index and dtype."""
+
+    def __init__(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        super().__init__()
+        self.kinds = {id(logits): "logits", id(targets): "targets"}
+        self.keep = [logits, targets]  # ids stay unique while the loss runs
+        self.size, self.form, self.loss, self.dtype = logits.shape[-1], None, None, None
+        self.other = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        kinds = [self.kinds.get(id(a)) for a in args if isinstance(a, torch.Tensor)]
+        if not any(kinds):
+            return out  # not on the logits or the targets (e.g. a constant)
+        kind = kinds[0]
+        if name in _VIEWS and isinstance(out, torch.Tensor) and len(kinds) == 1 and                 (kind != "logits" or out.shape[-1] == self.size) and                 (kind != "logits" or out.is_floating_point()):
+            self._tag(out, kind)
+            if kind == "logits":
+                self.dtype = out.dtype
+        elif name == "_log_softmax" and kind == "logits" and                 args[1] in (-1, args[0].dim() - 1):
+            self._tag(out, "log_probs")
+            if args[2]:  # half_to_float
+                self.dtype = torch.float32
+        elif name == "nll_loss_forward" and kinds == ["log_probs", "targets"] and                 args[0].dim() == 2 and args[2] is None and args[3] == 1:
+            self.form, self.loss = int(args[4]), out[0]
+        else:
+            self.other = True
+        return out
+
+    def _tag(self, tensor: torch.Tensor, kind: str) -> None:
+        self.kinds[id(tensor)] = kind
+        self.keep.append(tensor)
+
+
+@functools.lru_cache(maxsize=64)
+def _cross_entropy_form(loss: Callable, shape: tuple, dtype: torch.dtype, target_shape: tuple,
+                        target_dtype: torch.dtype):
+    """(ignore_index, dtype) when `loss` on logits of `shape` is exactly a mean cross-entropy,
+    else None."""
+    logits = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+    targets = torch.empty(target_shape, dtype=target_dtype, device="meta")
+    ops = _Ops(logits, targets)
+    try:
+        with ops:
+            value = loss(logits, targets)
+    except Exception:  # noqa: BLE001 - a loss meta tensors cannot run: not recognised
+        return None
+    if ops.other or ops.form is None or value is not ops.loss:
+        return None
+    return ops.form, ops.dtype or dtype
 
 
 class _ParallelLoss(torch.autograd.Function):
@@ -260,9 +354,11 @@ class _ParallelLoss(torch.autograd.Function):
     def backward(ctx, grad):
         from torch.distributed.tensor.parallel import loss_parallel
 
+        from pyplan.runtime.collectives import Star
+
         leaf, loss = ctx.leaf, ctx.loss
         ctx.leaf = ctx.loss = None
-        with loss_parallel():
+        with loss_parallel(), Star():
             (found,) = torch.autograd.grad(loss, leaf, grad)
         return found, None
 
@@ -276,23 +372,29 @@ def parallel_loss(loss: Callable) -> Callable:
     def wrapped(output, targets, group=None):
         if group is None:
             return loss(output, targets)
+        whole = (*output.shape[:-1], output.shape[-1] * dist.get_world_size(group))
+        form = _cross_entropy_form(loss, whole, output.dtype, tuple(targets.shape),
+                                   targets.dtype) if isinstance(targets, torch.Tensor) else None
+        if form is not None:
+            return cross_entropy(output, targets, group, ignore_index=form[0], dtype=form[1])
         from torch.distributed.tensor import DTensor, Shard
         from torch.distributed.tensor.parallel import loss_parallel
 
+        from pyplan.runtime.collectives import Star
+
         mesh = mesh_of(group, output.device)
-        shape = (*output.shape[:-1], output.shape[-1] * dist.get_world_size(group))
-        stride = torch.empty(shape, device="meta").stride()
+        shape, stride = whole, torch.empty(whole, device="meta").stride()
 
         def compute(local: torch.Tensor) -> torch.Tensor:
             logits = DTensor.from_local(local, mesh, [Shard(output.dim() - 1)],
                                         run_check=False, shape=shape, stride=stride)
-            with loss_parallel():
+            with loss_parallel(), Star():
                 value = loss(logits, targets)
-            if isinstance(value, DTensor):
-                value = value.full_tensor() if any(p.is_partial() for p in value.placements) \
-                    else value.to_local()
+                if isinstance(value, DTensor):
+                    value = value.full_tensor() \
+                        if any(p.is_partial() for p in value.placements) else value.to_local()
             # pyplan seeds the loss's gradient on the block's first rank only.
-            return _summed_gradient(value, mesh)
+            return summed_gradient(value, group)
 
         if not torch.is_grad_enabled() or not output.requires_grad:
             with torch.no_grad():

@@ -43,6 +43,7 @@ from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, SYN
 from pyplan.problem import BACKWARD, WEIGHT
 from pyplan.runtime.backward import backward_input, backward_weight, full_backward
 from pyplan.runtime.binding import block_seeds, forward_seed, seed_generators, shard_dim
+from pyplan.runtime.collectives import all_reduce_
 from pyplan.runtime.comm import Comm, TransferError
 from pyplan.runtime.values import differentiable, flatten, nbytes, rebuild, saved_bytes
 from pyplan.trace import TraceEvent
@@ -372,7 +373,7 @@ class Executor:
             return
         flat = flat_gradients(params)
         try:
-            dist.all_reduce(flat, group=self.groups[block])
+            all_reduce_(flat, self.groups[block])
         except RuntimeError as exc:
             raise TransferError(f"{exc}".splitlines()[0]) from exc
         set_gradients(params, flat)

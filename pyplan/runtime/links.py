@@ -6,11 +6,16 @@ sizes give the bandwidth, the smallest the latency. `measure_link` starts two lo
 over gloo with CPU tensors (the within-node link of a CPU machine), or with `device="cuda"`
 over NCCL between the first two GPUs, timed with CUDA events; `ping_pong` runs in any existing
 two-rank group, e.g. one rank per node under torchrun for the link across nodes.
+
+`measure_all_reduces` times all-reduces the same way among D local processes, as pyplan run
+issues them (pyplan.runtime.collectives): what a multi-device block's collectives cost here,
+where a model of one link can be far off (gloo's ring with more ranks than cores).
 """
 
 from __future__ import annotations
 
 import socket
+import statistics
 import time
 
 import torch
@@ -19,7 +24,8 @@ import torch.multiprocessing as mp
 
 from pyplan.errors import PlanError
 
-__all__ = ["SIZES", "fit_link", "measure_link", "ping_pong"]
+__all__ = ["SIZES", "all_reduce_times", "fit_link", "measure_all_reduces", "measure_link",
+           "ping_pong"]
 
 SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)  # bytes
 
@@ -68,18 +74,57 @@ def fit_link(sizes, milliseconds) -> tuple[int, float]:
     return int(1e3 / slope), max(0.0, y0 - slope * x0)
 
 
-def _worker(rank: int, port: int, sizes, repeats: int, results, cuda: bool) -> None:
+def all_reduce_times(sizes, repeats: int = 7, group=None,
+                     device: torch.device | None = None) -> list[float]:
+    """Milliseconds of one all-reduce (a sum of float32) of each size over `group`, as pyplan
+    run issues it: the median over the repeats (unlike a transfer, an all-reduce on a shared
+    machine costs what its slowest rank brings, and the run pays that too)."""
+    from pyplan.runtime.collectives import all_reduce_
+
+    device = device or torch.device("cpu")
+    group = group or dist.group.WORLD
+    out = []
+    for size in sizes:
+        buffer = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
+        samples = []
+        for k in range(repeats + 1):  # the first warms the connections up
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            all_reduce_(buffer, group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if k:
+                samples.append((time.perf_counter() - start) * 1e3)
+        out.append(statistics.median(samples))
+    return out
+
+
+def _worker(rank: int, world: int, port: int, job: str, sizes, repeats: int, results,
+            cuda: bool) -> None:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        times = ping_pong(rank, sizes, repeats, device=device)
+        if job == "ping_pong":
+            times = ping_pong(rank, sizes, repeats, device=device)
+        else:
+            times = all_reduce_times(sizes, repeats, device=device)
         if rank == 0:
             results.put(times)
     finally:
         dist.destroy_process_group()
+
+
+def _spawn(job: str, world: int, sizes, repeats: int, cuda: bool) -> list[float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_worker, args=(world, port, job, tuple(sizes), repeats, results, cuda),
+                       nprocs=world, start_method="spawn")
+    return results.get()
 
 
 def measure_link(device: str = "cpu", sizes=SIZES,
@@ -89,13 +134,16 @@ def measure_link(device: str = "cpu", sizes=SIZES,
     cuda = device == "cuda"
     if cuda and torch.cuda.device_count() < 2:
         raise PlanError("--links with --device cuda needs two GPUs on this machine")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    mp.start_processes(_worker, args=(port, tuple(sizes), repeats, results, cuda), nprocs=2,
-                       start_method="spawn")
-    times = results.get()
+    times = _spawn("ping_pong", 2, sizes, repeats, cuda)
     bandwidth, latency = fit_link(sizes, times)
     return bandwidth, latency, times
+
+
+def measure_all_reduces(devices: int, sizes, device: str = "cpu",
+                        repeats: int = 7) -> list[float] | None:
+    """Milliseconds of an all-reduce of each size among `devices` local processes (gloo; with
+    device cuda, NCCL over the first `devices` GPUs); None when this machine has too few GPUs."""
+    cuda = device == "cuda"
+    if cuda and torch.cuda.device_count() < devices:
+        return None
+    return _spawn("all_reduce", devices, sizes, repeats, cuda)

@@ -197,9 +197,11 @@ def _measure(timer: _Timer, module, args: list, wrt_inputs: list, params: list, 
 
 
 def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: int = 5,
-                   device: torch.device | None = None,
-                   measured: Measured | None = None) -> list[BlockCost]:
-    """Costs of every forward block, in plan order."""
+                   device: torch.device | None = None, measured: Measured | None = None,
+                   measure_collectives: bool = False) -> list[BlockCost]:
+    """Costs of every forward block, in plan order (the collectives of vocabulary-sharded
+    blocks measured among local processes with `measure_collectives`, else modelled on the
+    default link)."""
     device = device or torch.device("cpu")
     measured = measured if measured is not None else Measured()
     timer = _Timer(device, repeats, measured)
@@ -232,7 +234,8 @@ def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: in
         from pyplan.runtime.sharded import sharded_blocks
 
         costs.update(sharded_blocks(problem, model, seed=seed, device=device, timer=timer,
-                                    inputs=inputs, targets=targets, outputs=outputs))
+                                    inputs=inputs, targets=targets, outputs=outputs,
+                                    measure=measure_collectives))
     _busy(measured)
     return [costs[b] for b in sorted(costs)]
 

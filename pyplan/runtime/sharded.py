@@ -6,9 +6,11 @@ profile`, the all-device blocks of a plan that shards them (model.vocab_parallel
 The compute is measured in this one process, on the rank's own chunk, as pyplan run executes
 it (pyplan.models.vocab over torch's DTensor), with torch's fake process group of `devices`
 ranks standing in for the others: its collectives return at once. The collectives those units
-issue are recorded (kind and bytes) while they run, and timed on the plan's link (latency and
-bandwidth, topology.within_node: the same model the plan uses for its transfers) as ring
-collectives: an all-reduce of S bytes over D ranks is 2(D - 1) steps of S/D bytes.
+issue are recorded (kind and bytes) while they run, then timed: measured, as pyplan run issues
+them, among `devices` local processes (`measure`: what `pyplan partition` does, on a machine
+like the one that will run), or on the plan's link (latency and bandwidth, topology.within_node:
+the same model the plan uses for its transfers) as ring collectives: an all-reduce of S bytes
+over D ranks is 2(D - 1) steps of S/D bytes.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from pyplan.runtime.profile import (Measured, _leaves, _measure, _Timer, _unit_p
                                     block_arguments)
 from pyplan.spec.plan import LinkSpec, TopologySpec
 
-__all__ = ["Collective", "ShardedUnits", "collective_ms", "profile_sharded", "sharded_blocks"]
+__all__ = ["Collective", "ShardedUnits", "collective_ms", "measure_collectives", "profile_sharded",
+           "sharded_blocks"]
 
 _STEPS = {"all_reduce": lambda d: 2 * (d - 1), "all_gather_into_tensor": lambda d: d - 1,
           "reduce_scatter_tensor": lambda d: d - 1, "broadcast": lambda d: d - 1}
@@ -54,32 +57,65 @@ class ShardedUnits:
     collectives: dict[str, tuple[Collective, ...]]
     """Unit name -> what it issues per micro-batch."""
     devices: int
+    measured: bool
+    """Whether the collectives' times were measured here (else modelled on a link)."""
 
 
 def collective_ms(found: tuple[Collective, ...], devices: int, link: LinkSpec,
-                  backward: bool) -> float:
-    """Milliseconds of the forward's (or backward's) collectives as rings on `link`."""
+                  backward: bool, measured: dict[int, float] | None = None) -> float:
+    """Milliseconds of the forward's (or backward's) collectives: an all-reduce of a size in
+    `measured` (bytes -> ms) as measured, any other as rings on `link`."""
     total = 0.0
     for c in found:
-        if c.backward == backward:
+        if c.backward != backward:
+            continue
+        if c.kind == "all_reduce" and measured and c.bytes in measured:
+            total += measured[c.bytes]
+        else:
             steps = _STEPS.get(c.kind, lambda d: 2 * (d - 1))(devices)
             total += steps * link.milliseconds(c.bytes / devices)
     return total
 
 
+def measure_collectives(found, devices: int, device: torch.device) -> dict[int, float] | None:
+    """bytes -> ms of each all-reduce in `found` (Collectives), measured among `devices` local
+    processes (None where this machine cannot: fewer GPUs than devices)."""
+    from pyplan.runtime.links import measure_all_reduces
+
+    sizes = sorted({c.bytes for c in found if c.kind == "all_reduce"})
+    if not sizes:
+        return {}
+    times = measure_all_reduces(devices, sizes, device.type)
+    return None if times is None else dict(zip(sizes, times))
+
+
+def _with_collectives(cost, found, devices: int, link: LinkSpec, measured):
+    return dataclasses.replace(
+        cost, forward_ms=cost.forward_ms + collective_ms(found, devices, link, False, measured),
+        backward_ms=None if cost.backward_ms is None else
+        cost.backward_ms + collective_ms(found, devices, link, True, measured))
+
+
 class _Record(TorchDispatchMode):
-    """Records the collectives (functional c10d ops) dispatched while it is active."""
+    """Records the collectives dispatched while it is active: DTensor's (torch's functional
+    collectives) and pyplan.runtime.collectives' all-reduces (c10d's in-place one)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.found: list[tuple[str, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is not torch.Tensor for t in types):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # a DTensor op: let it desugar into what it communicates
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if func.namespace == "_c10d_functional" and name in _STEPS:
+        if func.namespace == "c10d" and name == "allreduce_":
+            name, args = "all_reduce", args[0]
+        elif func.namespace != "_c10d_functional":
+            return out
+        if name in _STEPS:
             tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
             size = 0 if tensor is None else tensor.numel() * tensor.element_size()
             if name == "all_gather_into_tensor":
@@ -106,9 +142,11 @@ def profile_sharded(model: torch.nn.Module, inputs, targets, loss, *, cut: Cut,
                     units: list[Unit], costs: list[UnitCost], vocab: Vocab, devices: int,
                     optimizer: str = "sgd", repeats: int = 5, device: torch.device | None = None,
                     measured: Measured | None = None,
-                    link: LinkSpec = TopologySpec().within_node) -> ShardedUnits:
+                    link: LinkSpec = TopologySpec().within_node,
+                    measure: bool = False) -> ShardedUnits:
     """Per-rank costs of the first and last units with the vocabulary sharded over `devices`
-    (`costs`: the units measured whole, by pyplan.runtime.profile.profile_units)."""
+    (`costs`: the units measured whole, by pyplan.runtime.profile.profile_units), their
+    collectives measured among local processes (`measure`) or timed on `link`."""
     device = device or torch.device("cpu")
     measured = measured if measured is not None else Measured()
     if dist.is_initialized():
@@ -116,14 +154,20 @@ def profile_sharded(model: torch.nn.Module, inputs, targets, loss, *, cut: Cut,
                         hint="run pyplan partition outside torchrun")
     dist.init_process_group("fake", rank=0, world_size=devices)
     try:
-        return _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices,
-                        optimizer, _Timer(device, repeats, measured), device, link)
+        ends, found = _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices,
+                               optimizer, _Timer(device, repeats, measured), device)
     finally:
         dist.destroy_process_group()
+    times = measure_collectives([c for f in found.values() for c in f], devices, device) \
+        if measure else None
+    first, last = (_with_collectives(cost, found[unit.name], devices, link, times)
+                   for cost, unit in zip(ends, (units[0], units[-1])))
+    return ShardedUnits(first, last, found, devices, times is not None)
 
 
 def _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices, optimizer,
-             timer, device, link) -> ShardedUnits:
+             timer, device):
+    """The first and last units' costs, collectives left out, and what each issues."""
     held = copy.deepcopy(model)
     stages = [(unit.name, unit.modules) for unit in units]
     everything = list(range(len(units)))
@@ -161,23 +205,21 @@ def _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices, op
         if cut.kind == FORWARD and k > 0:  # the model's forward up to the unit, counted once
             forward_ms = max(forward_ms - costs[0].forward_ms, 0.05 * forward_ms)
         size = sum(p.numel() * p.element_size() for p in params)
-        forward_ms += collective_ms(found[unit.name], devices, link, backward=False)
-        backward_ms += collective_ms(found[unit.name], devices, link, backward=True)
         out_costs.append(dataclasses.replace(
             whole, forward_ms=forward_ms, backward_ms=backward_ms, activation_bytes=saved,
             weight_bytes=size * (2 + OPTIMIZER_STATE[optimizer])))
         del out
-    return ShardedUnits(out_costs[0], out_costs[1], found, devices)
+    return out_costs, found
 
 
 def sharded_blocks(problem, model, *, seed: int, device: torch.device, timer: _Timer, inputs,
-                   targets, outputs: dict, link: LinkSpec = TopologySpec().within_node
-                   ) -> dict[int, "BlockCost"]:
+                   targets, outputs: dict, link: LinkSpec = TopologySpec().within_node,
+                   measure: bool = False) -> dict[int, "BlockCost"]:
     """`pyplan profile` of a plan whose all-device blocks shard the vocabulary
     (model.vocab_parallel): those blocks as their first rank runs them, built as pyplan run
     builds that rank's blocks, beside a fake process group of their devices, their
-    collectives timed on `link`. `outputs`: every block's output, measured whole (what the
-    sharded blocks receive)."""
+    collectives measured among local processes (`measure`) or timed on `link`. `outputs`:
+    every block's output, measured whole (what the sharded blocks receive)."""
     from pyplan.runtime.binding import block_inputs, build, loss_function
     from pyplan.runtime.profile import BlockCost
     from pyplan.runtime.values import nbytes
@@ -186,6 +228,7 @@ def sharded_blocks(problem, model, *, seed: int, device: torch.device, timer: _T
     if not multi or len({b.devices for b in multi}) > 1 or dist.is_initialized():
         return {}
     devices = multi[0].devices
+    costs, found = {}, {}
     dist.init_process_group("fake", rank=0, world_size=len(devices))
     try:
         groups = {b.index: dist.group.WORLD for b in problem.blocks if len(b.devices) > 1}
@@ -193,7 +236,6 @@ def sharded_blocks(problem, model, *, seed: int, device: torch.device, timer: _T
         preds = block_inputs(problem, built.modules)
         trains = {problem.by_name[b.layer] for b in problem.blocks if b.kind == BACKWARD}
         output_block = check_runnable(problem)
-        costs = {}
         for block in multi:
             b, module, grad = block.index, built.modules[block.index], block.index in trains
             params = [p for p in module.parameters() if p.requires_grad]
@@ -203,13 +245,13 @@ def sharded_blocks(problem, model, *, seed: int, device: torch.device, timer: _T
             forward_ms, backward_ms, saved, out = _measure(
                 timer, module, args, wrt, params, loss_fn, f"block '{block.name}' (sharded)",
                 grad)
-            found = _collectives(module, args, loss_fn) if grad else ()
-            forward_ms += collective_ms(found, len(devices), link, backward=False)
-            if backward_ms is not None:
-                backward_ms += collective_ms(found, len(devices), link, backward=True)
+            found[b] = _collectives(module, args, loss_fn) if grad else ()
             sent = [a for a in args if a is not inputs] if preds[b] else [inputs]
             costs[b] = BlockCost(block.name, block.devices, forward_ms, backward_ms, saved,
                                  sum(nbytes(a) for a in sent), nbytes(outputs[b]))
-        return costs
     finally:
         dist.destroy_process_group()
+    times = measure_collectives([c for f in found.values() for c in f], len(devices), device) \
+        if measure else None
+    return {b: _with_collectives(cost, found[b], len(devices), link, times)
+            for b, cost in costs.items()}
