@@ -206,7 +206,15 @@ def run(args: argparse.Namespace) -> int:
                               for s in range(p.num_stages))
         print(f"  bottleneck {p.bottleneck_ms:8.2f} ms  makespan {plan.makespan_ms:9.2f} ms "
               f"({plan.solution.status})  {cut_text}")
-    for line in measured.warnings:
+    warnings = measured.warnings
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if args.device == "cpu" and cores and args.devices > cores:
+        warnings.append(
+            f"{args.devices} devices, {cores} CPU cores here: pyplan run on this machine shares "
+            "the cores among its ranks, so its iterations take longer than predicted (the "
+            "prediction gives every device a core), most for placements that keep every "
+            "device busy at once (the M-shape)")
+    for line in warnings:
         print(f"warning: {line}", file=sys.stderr)
     names = None
     if shape == "mshape":
