@@ -3,7 +3,9 @@ the V-shape (stage s on device s), interleaved (stage s on device s mod D, 2-4 c
 device) and Tessel's M-shape (the first unit, with the token embedding, and the last, with the
 head, on every device at once, each rank holding 1/D of the vocabulary; the layers between them
 in one stage per device). `auto` solves every placement that applies with the measured costs
-and ranks them by predicted makespan.
+and ranks them by predicted makespan; on a machine with fewer cores than devices (ranks that
+share CPU cores), by the longer of the makespan and the iteration's total compute divided by
+the cores, which no schedule can beat there.
 
 The M-shape's first and last units cost what one of their ranks spends, collectives included
 (pyplan.runtime.sharded measures them); the units between them are cut by the same dynamic
@@ -44,6 +46,17 @@ class Placement:
     """vshape, mshape or interleaved-C (C chunks per device)."""
     plans: tuple[PartitionPlan, ...] = ()
     reason: str | None = None
+    busy_ms: float = 0.0
+    """The compute of one iteration summed over all devices (an all-device unit counts once
+    per device)."""
+    cores: int | None = None
+    """The CPU cores the devices share, when fewer than the devices."""
+
+    @property
+    def expected_ms(self) -> float:
+        """The predicted makespan, or the cores' bound on it when the devices share them."""
+        shared = self.busy_ms / self.cores if self.cores else 0.0
+        return max(self.best.makespan_ms, shared)
 
     @property
     def label(self) -> str:
@@ -110,12 +123,23 @@ def mshape_plans(units: list[UnitCost], sharded: Sharded, *, devices: int, name:
     return solved_plans(texts, source=source, time_limit=time_limit, unit_ms=unit_ms)
 
 
+def _busy_ms(units: list[UnitCost], sharded: Sharded | None, devices: int,
+             micro_batches: int) -> float:
+    each = lambda u: u.forward_ms + u.backward_ms  # noqa: E731
+    if sharded is None:
+        return micro_batches * sum(each(u) for u in units)
+    return micro_batches * (sum(each(u) for u in units[1:-1]) +
+                            devices * (each(sharded.first) + each(sharded.last)))
+
+
 def placements(units: list[UnitCost], *, devices: int, shapes: tuple[str, ...],
                sharded: Sharded | None, why_not_mshape: str | None = None,
-               **options) -> list[Placement]:
+               cores: int | None = None, **options) -> list[Placement]:
     """Every placement of `shapes` (vshape, interleaved-C, mshape), solved with the measured
-    costs; those that do not apply or fit say why. Sorted by predicted makespan, the
-    shortest first (then those without a plan, in the order asked)."""
+    costs; those that do not apply or fit say why. Sorted by expected_ms (with `cores`, the
+    CPU cores the devices share when fewer), the shortest first (then those without a plan,
+    in the order asked)."""
+    cores = cores if cores is not None and cores < devices else None
     found = []
     for shape in shapes:
         try:
@@ -134,7 +158,9 @@ def placements(units: list[UnitCost], *, devices: int, shapes: tuple[str, ...],
         except (PlanError, InfeasibleError) as exc:
             found.append(Placement(shape, reason=exc.message))
             continue
-        found.append(Placement(shape, tuple(plans)))
+        busy = _busy_ms(units, sharded if shape == "mshape" else None, devices,
+                        options["micro_batches"])
+        found.append(Placement(shape, tuple(plans), busy_ms=busy, cores=cores))
     order = {shape: i for i, shape in enumerate(shapes)}
     return sorted(found, key=lambda p: (p.best is None,
-                                        p.best.makespan_ms if p.best else 0.0, order[p.shape]))
+                                        p.expected_ms if p.best else 0.0, order[p.shape]))

@@ -67,6 +67,33 @@ def test_auto_ranks_the_placements_by_predicted_makespan(head_ms, winner):
         assert tried[0].shape != "mshape"
 
 
+def test_ranks_sharing_cores_rank_the_placements_by_what_the_cores_can_do():
+    from dataclasses import replace
+
+    from pyplan.placements import Sharded, placements
+
+    units = _units(1.0, 40.0)  # heavy ends: 20 + 40 ms each, whole
+    # Each rank's share of an end costs 0.4 of the whole: with a core per device the M-shape
+    # wins, but its four ranks together compute 1.6x the ends' work.
+    share = lambda u: replace(u, forward_ms=0.4 * u.forward_ms,  # noqa: E731
+                              backward_ms=0.4 * u.backward_ms)
+    sharded = Sharded(share(units[0]), share(units[-1]), ("embed.tokens", "head.out"))
+    shapes = ("vshape", "mshape")
+    alone = placements(units, devices=4, shapes=shapes, sharded=sharded, **_OPTIONS)
+    shared = placements(units, devices=4, shapes=shapes, sharded=sharded, cores=2, **_OPTIONS)
+    assert alone[0].shape == "mshape" and alone[0].cores is None
+    # Per iteration (8 micro-batches) over all devices: the layers' 8 x 3 ms and the ends',
+    # once whole (V-shape) or on each of the 4 ranks (M-shape).
+    by_shape = {p.shape: p for p in shared}
+    assert by_shape["mshape"].busy_ms == pytest.approx(8 * (24 + 4 * 2 * 24))
+    assert by_shape["vshape"].busy_ms == pytest.approx(8 * (24 + 2 * 60))
+    assert shared[0].shape == "vshape"
+    assert all(p.expected_ms == max(p.best.makespan_ms, p.busy_ms / 2) for p in shared)
+    # With as many cores as devices nothing changes.
+    assert placements(units, devices=4, shapes=shapes, sharded=sharded, cores=4,
+                      **_OPTIONS)[0].cores is None
+
+
 def test_mshape_plan_puts_the_sharded_units_on_all_devices_and_records_the_tie():
     from pyplan.placements import mshape_plans
     from pyplan.problem import build_problem

@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         if sharded is None and args.shape == "mshape":
             raise PlanError(f"--shape mshape: {why}", hint="use --shape vshape or interleaved")
     if args.shape == "auto":
-        plans, shape = _auto(units, sharded, why, args, options, f"{how}measured")
+        plans, shape = _auto(units, sharded, why, args, options, f"{how}measured", _cores())
     elif args.shape == "mshape":
         from pyplan.placements import mshape_plans
 
@@ -207,8 +207,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  bottleneck {p.bottleneck_ms:8.2f} ms  makespan {plan.makespan_ms:9.2f} ms "
               f"({plan.solution.status})  {cut_text}")
     warnings = measured.warnings
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if args.device == "cpu" and cores and args.devices > cores:
+    cores = _cores()
+    if args.device == "cpu" and args.devices > cores:
         warnings.append(
             f"{args.devices} devices, {cores} CPU cores here: pyplan run on this machine shares "
             "the cores among its ranks, so its iterations take longer than predicted (the "
@@ -280,7 +280,7 @@ def _sharded(model, inputs, targets, loss, user, cut, units, args, measured):
     return Sharded(result.first, result.last, (vocab.embedding, vocab.head)), None, lines
 
 
-def _auto(units, sharded, why, args, options, how):
+def _auto(units, sharded, why, args, options, how, cores):
     """Every placement that applies, solved; prints them and returns the shortest's plans."""
     from pyplan.errors import InfeasibleError
     from pyplan.placements import CHUNKS, placements
@@ -288,25 +288,36 @@ def _auto(units, sharded, why, args, options, how):
     shapes = ("vshape", *(f"interleaved-{c}" for c in CHUNKS), "mshape")
     # Five placements to solve: fewer candidates each, and less time per candidate.
     tried = placements(units, devices=args.devices, shapes=shapes, sharded=sharded,
-                       why_not_mshape=why, **{**options, "keep": AUTO_KEEP,
-                                              "time_limit": AUTO_SOLVE_SECONDS})
+                       why_not_mshape=why, cores=cores if args.device == "cpu" else None,
+                       **{**options, "keep": AUTO_KEEP, "time_limit": AUTO_SOLVE_SECONDS})
     best = tried[0]
     if best.best is None:
         raise InfeasibleError("no placement fits: " + "; ".join(
             f"{p.label}: {p.reason}" for p in tried), hint="give more memory or devices")
+    shared = best.cores is not None
     print(f"{args.factory}: {len(units)} units ({how}), {args.devices} devices, "
           f"{options['micro_batches']} micro-batches; placements solved with the measured costs "
-          "(predicted makespan):")
+          "(predicted makespan" + (f"; the {args.devices} ranks share {best.cores} CPU cores "
+                                   "here, so an iteration takes at least its compute / "
+                                   f"{best.cores}" if shared else "") + "):")
     for p in tried:
         if p.best is None:
             print(f"  {p.label:24} not applicable: {p.reason}")
-        else:
-            ratio = p.best.makespan_ms / best.best.makespan_ms
-            mark = "  <- the shortest: written" if p is best else f"  {ratio:.2f}x as long"
-            print(f"  {p.label:24} {p.best.makespan_ms:9.2f} ms ({p.best.solution.status})"
-                  f"{mark}")
+            continue
+        ratio = p.expected_ms / best.expected_ms
+        mark = "  <- the shortest: written" if p is best else f"  {ratio:.2f}x as long"
+        bound = f", at least {p.busy_ms / p.cores:9.2f} ms on {p.cores} cores" if shared else ""
+        print(f"  {p.label:24} {p.best.makespan_ms:9.2f} ms ({p.best.solution.status}){bound}"
+              f"{mark}")
     print(f"{best.label}: the best partitions and even splits, solved:")
     return list(best.plans), best.shape
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _profile(profile_units, model, inputs, targets, loss, args, measured):
