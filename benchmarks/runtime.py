@@ -5,7 +5,7 @@
   2. pyplan vs torch.distributed.pipelining (Schedule1F1B, ScheduleGPipe,
      ScheduleInterleaved1F1B) on the same model, stage split and micro-batches;
   3. the GPT on the M-shape (vocabulary-parallel embedding and head on all ranks; the plan
-     written by `pyplan partition --shape mshape`, sharded with torch's DTensor), which
+     written by `pyplan partition --shape mshape`: pyplan.models.vocab), which
      torch's runtime cannot express, vs the best torch schedule of the same model with the
      embedding on the first and the head on the last stage, and vs the same placement written
      by hand (plans/gpt-mshape-blocks.yaml: hand-written tensor-parallel layers);
@@ -348,7 +348,7 @@ def report(rounds_of: dict[str, list[float]]) -> None:
               "pyplan GPT M-shape")
         ratio(f"pyplan GPT M-shape, hand-written blocks vs best torch ({best.split()[-1]})",
               best, "pyplan GPT M-shape, hand-written blocks")
-    ratio("GPT M-shape: partition-written (DTensor) vs hand-written blocks",
+    ratio("GPT M-shape: partition-written vs hand-written blocks",
           "pyplan GPT M-shape, hand-written blocks", "pyplan GPT M-shape")
     ratio("DP2xPP2: overlapped vs end-of-iteration gradient sync",
           "pyplan DP2xPP2, sync at the end", "pyplan DP2xPP2, overlapped sync")

@@ -41,6 +41,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyplan.errors import PlanError
@@ -263,8 +264,8 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, index, mine, valid, count = ctx.saved_tensors
-        found = softmax
-        found.scatter_add_(1, index.unsqueeze(-1), -mine.to(found.dtype).unsqueeze(-1))
+        # Out of place: the saved softmax stays intact should autograd run this backward again.
+        found = softmax.scatter_add(1, index.unsqueeze(-1), -mine.to(softmax.dtype).unsqueeze(-1))
         found.mul_((valid * (grad / count)).unsqueeze(-1))
         return found.reshape(ctx.shape).to(ctx.dtype), None, None, None, None
 
@@ -297,19 +298,23 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        kinds = [self.kinds.get(id(a)) for a in args if isinstance(a, torch.Tensor)]
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        kinds = [self.kinds.get(id(a)) for a in tensors]  # lists and out= included
         if not any(kinds):
             return out  # not on the logits or the targets (e.g. a constant)
         kind = kinds[0]
-        if name in _VIEWS and isinstance(out, torch.Tensor) and len(kinds) == 1 and                 (kind != "logits" or out.shape[-1] == self.size) and                 (kind != "logits" or out.is_floating_point()):
+        if name in _VIEWS and isinstance(out, torch.Tensor) and len(kinds) == 1 and \
+                (kind != "logits" or (out.shape[-1] == self.size and out.is_floating_point())):
             self._tag(out, kind)
             if kind == "logits":
                 self.dtype = out.dtype
-        elif name == "_log_softmax" and kind == "logits" and                 args[1] in (-1, args[0].dim() - 1):
+        elif name == "_log_softmax" and kind == "logits" and \
+                args[1] in (-1, args[0].dim() - 1):
             self._tag(out, "log_probs")
             if args[2]:  # half_to_float
                 self.dtype = torch.float32
-        elif name == "nll_loss_forward" and kinds == ["log_probs", "targets"] and                 args[0].dim() == 2 and args[2] is None and args[3] == 1:
+        elif name == "nll_loss_forward" and kinds == ["log_probs", "targets"] and \
+                args[0].dim() == 2 and args[2] is None and args[3] == 1:
             self.form, self.loss = int(args[4]), out[0]
         else:
             self.other = True

@@ -4,7 +4,7 @@ the token embedding) and the last (with the head, and the loss on sharded logits
 profile`, the all-device blocks of a plan that shards them (model.vocab_parallel).
 
 The compute is measured in this one process, on the rank's own chunk, as pyplan run executes
-it (pyplan.models.vocab over torch's DTensor), with torch's fake process group of `devices`
+it (pyplan.models.vocab), with torch's fake process group of `devices`
 ranks standing in for the others: its collectives return at once. The collectives those units
 issue are recorded (kind and bytes) while they run, then timed: measured, as pyplan run issues
 them, among `devices` local processes (`measure`: what `pyplan partition` does, on a machine
