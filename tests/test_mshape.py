@@ -214,6 +214,23 @@ def test_collectives_are_timed_as_measured_where_measured():
     assert collective_ms(found, 2, link, True) == pytest.approx(2 * (1.0 + 2048 / 1e6))
 
 
+def test_measuring_is_not_shadowed_by_a_source_tree_on_sys_path(tmp_path, monkeypatch):
+    """The CLI puts the working directory on sys.path for the user's model; from a pyplan
+    checkout without a build, the spawned measuring processes must still import this pyplan."""
+    pytest.importorskip("torch")
+    from pyplan.runtime.links import _without_other_pyplans, measure_all_reduces
+
+    (tmp_path / "pyplan").mkdir()
+    (tmp_path / "pyplan" / "__init__.py").write_text("raise ImportError('not this pyplan')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = list(sys.path)
+    # (An editable install imports through its own finder; a plain one would find this tree.)
+    assert _without_other_pyplans(before) == [p for p in before if p != str(tmp_path)]
+    times = measure_all_reduces(2, [64], repeats=2)
+    assert len(times) == 1 and 0 < times[0] < 1000
+    assert sys.path == before  # restored for the caller
+
+
 def test_a_vocabulary_that_does_not_split_evenly_is_refused():
     pytest.importorskip("torch")
     from pyplan.errors import PlanError

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import socket
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import pyplan
 from pyplan.errors import PlanError
 
 __all__ = ["SIZES", "all_reduce_times", "fit_link", "measure_all_reduces", "measure_link",
@@ -122,9 +125,26 @@ def _spawn(job: str, world: int, sizes, repeats: int, cuda: bool) -> list[float]
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(world, port, job, tuple(sizes), repeats, results, cuda),
-                       nprocs=world, start_method="spawn")
+    saved = sys.path[:]  # spawned children start with this process's sys.path
+    sys.path[:] = _without_other_pyplans(saved)
+    try:
+        mp.start_processes(_worker, args=(world, port, job, tuple(sizes), repeats, results,
+                                          cuda), nprocs=world, start_method="spawn")
+    finally:
+        sys.path[:] = saved
     return results.get()
+
+
+def _without_other_pyplans(paths: list[str]) -> list[str]:
+    """`paths` without folders holding a pyplan package other than this one: the working
+    directory the CLI puts on sys.path for the user's model may be a source tree without a
+    build, which would shadow the installed package in a fresh process."""
+    here = Path(pyplan.__file__).resolve().parent
+
+    def other(path: str) -> bool:
+        candidate = Path(path or ".") / "pyplan"
+        return (candidate / "__init__.py").is_file() and candidate.resolve() != here
+    return [p for p in paths if not other(p)]
 
 
 def measure_link(device: str = "cpu", sizes=SIZES,
