@@ -83,6 +83,43 @@ def test_shapes_may_change_between_iterations(tmp_path):
     assert "match the single-process run" in result.stdout
 
 
+OWN_LOSS = """\
+import sys
+
+import torch
+
+import wide
+from pyplan.runtime import Pipeline
+
+pipe = Pipeline(sys.argv[1], device="cpu")
+inputs, targets = wide.batch4(0)
+shared = pipe.step(inputs, targets)
+for p in pipe.parameters():
+    p.grad = None
+own = pipe.step(inputs, targets, share_loss=False)
+print("rank", pipe.rank, repr(float(shared)), None if own is None else repr(float(own)))
+pipe.close()
+"""
+
+
+@pytest.mark.torchrun
+def test_the_loss_is_shared_with_every_rank_unless_declined(tmp_path):
+    """step() returns the global loss everywhere; share_loss=False skips that collective and
+    only the rank computing the loss gets it (the same value), as torch's schedules do."""
+    shutil.copy(MODELS / "wide.py", tmp_path / "wide.py")
+    (tmp_path / "wide4.yaml").write_text(WIDE_PLAN.format(n=4))
+    assert _run(tmp_path, "solve", "wide4.yaml", "--quiet").returncode == 0
+    (tmp_path / "own.py").write_text(OWN_LOSS)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node", "2", "own.py", "wide4.resolved.yaml"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line.split()[1:] for line in result.stdout.splitlines()
+                   if line.startswith("rank "))
+    (_, shared0, own0), (_, shared1, own1) = lines
+    assert shared0 == shared1 and own0 == "None" and own1 == shared1 != "None"
+
+
 TWO_STAGES = """\
 pyplan: 1
 name: two

@@ -8,12 +8,14 @@ one (or `--device cuda`, which names a rank that has none), else the CPU. On CUD
 group is "cpu:gloo,cuda:nccl": tensors on the GPU go over NCCL, the small shape headers and
 reports over gloo, so reading a header never synchronises the GPU.
 
-Channels: every ordered pair of ranks gets one communicator (a process group, created in the
-same order on every rank) per kind of traffic, activations and gradients. NCCL runs each
-communicator on its own stream, so an activation never queues behind a gradient going the
-other way or the same way (with a single communicator per pair both would sit in one FIFO).
-Messages of one channel match in posting order; pyplan.verify checks the programs against
-exactly that.
+Channels: a channel is one ordered pair of ranks and one kind of traffic, activations or
+gradients. On NCCL each gets its own communicator (a process group, created in the same order
+on every rank): NCCL runs each communicator on its own stream, so an activation never queues
+behind a gradient going the other way or the same way (with a single communicator per pair
+both would sit in one FIFO). On gloo a TCP connection carries both directions at once and a
+message never waits for another's kind, so all channels share one process group and differ by
+tag (a group per channel would only add gloo's connections and threads). Messages of one
+channel match in posting order; pyplan.verify checks the programs against exactly that.
 
 Shapes: the first activation of a stream (one producing block, one receiver) in every
 iteration is preceded by a header with the value's structure and each tensor's dtype and shape,
@@ -52,6 +54,7 @@ __all__ = ["ACTIVATIONS", "CUDA_BACKEND", "Comm", "DEVICES", "GRADIENTS", "Pendi
 DEVICES = ("auto", "cpu", "cuda")
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 ACTIVATIONS, GRADIENTS = "activation", "gradient"
+_TAGS = {ACTIVATIONS: 0, GRADIENTS: 1}
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -144,11 +147,18 @@ class Comm:
     def __init__(self, device: torch.device, channels: list[tuple[int, int, str]], *,
                  blocking: bool) -> None:
         """`channels`: every (source rank, destination rank, kind) any program uses, the same
-        list on every rank (each becomes a process group, created in this order)."""
+        list on every rank (on NCCL each becomes a process group, created in this order)."""
         self.device, self.blocking = device, blocking
-        self.groups = {}
-        for src, dst, kind in sorted(set(channels)):
-            self.groups[(src, dst, kind)] = dist.new_group(sorted({src, dst}))
+        self.channels: dict[tuple[int, int, str], tuple[object, int]] = {}
+        """(source, destination, kind) -> (process group, tag)."""
+        used = sorted(set(channels))
+        if device.type == "cuda":
+            for channel in used:
+                self.channels[channel] = (dist.new_group(sorted(set(channel[:2]))), 0)
+        elif used:  # the same on every rank, so every rank creates it
+            shared = dist.new_group(list(range(dist.get_world_size())))
+            for channel in used:
+                self.channels[channel] = (shared, _TAGS[channel[2]])
         self.rank = dist.get_rank()
         self.sending: list[tuple[object, torch.Tensor, int, int]] = []
         """(work, tensor, peer, position in the global order) of the sends not known done."""
@@ -167,20 +177,20 @@ class Comm:
         """An activation (any value) to `peer`; `stream` is its producing block, `seq` the
         send's position in the global order."""
         leaves, spec = flatten(value, what)
-        group = self.groups[(self.rank, peer, ACTIVATIONS)]
+        channel = self.channels[(self.rank, peer, ACTIVATIONS)]
         if (peer, stream) not in self.announced:
             self.announced.add((peer, stream))
-            self._send(_header(leaves, spec, what), peer, group, seq)
+            self._send(_header(leaves, spec, what), peer, channel, seq)
         for leaf in leaves:
-            self._send(leaf.detach().contiguous(), peer, group, seq)
+            self._send(leaf.detach().contiguous(), peer, channel, seq)
 
     def send_gradients(self, tensors: list[torch.Tensor], peer: int, seq: int) -> None:
-        group = self.groups[(self.rank, peer, GRADIENTS)]
+        channel = self.channels[(self.rank, peer, GRADIENTS)]
         for tensor in tensors:
-            self._send(tensor.detach().contiguous(), peer, group, seq)
+            self._send(tensor.detach().contiguous(), peer, channel, seq)
 
-    def _send(self, tensor: torch.Tensor, peer: int, group, seq: int) -> None:
-        work = self._post(dist.isend, tensor, peer, group)
+    def _send(self, tensor: torch.Tensor, peer: int, channel, seq: int) -> None:
+        work = self._post(dist.isend, tensor, peer, channel)
         if self.blocking:
             self._wait(work)
             return
@@ -216,21 +226,21 @@ class Comm:
     # -- receiving
 
     def recv_value(self, peer: int, stream: int) -> Pending:
-        group = self.groups[(peer, self.rank, ACTIVATIONS)]
+        channel = self.channels[(peer, self.rank, ACTIVATIONS)]
         if (peer, stream) not in self.shapes:
             header = torch.empty(_HEADER_WORDS, dtype=torch.int64)
-            self._wait(self._post(dist.irecv, header, peer, group))
+            self._wait(self._post(dist.irecv, header, peer, channel))
             self.shapes[(peer, stream)] = _read_header(header)
         spec, shapes = self.shapes[(peer, stream)]
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in shapes]
-        return self._receive(buffers, peer, group, spec)
+        return self._receive(buffers, peer, channel, spec)
 
     def recv_gradients(self, peer: int, like: list[torch.Tensor]) -> Pending:
         buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
-        return self._receive(buffers, peer, self.groups[(peer, self.rank, GRADIENTS)], None)
+        return self._receive(buffers, peer, self.channels[(peer, self.rank, GRADIENTS)], None)
 
-    def _receive(self, buffers, peer: int, group, spec) -> Pending:
-        works = [self._post(dist.irecv, b, peer, group) for b in buffers]
+    def _receive(self, buffers, peer: int, channel, spec) -> Pending:
+        works = [self._post(dist.irecv, b, peer, channel) for b in buffers]
         if self.blocking:
             for work in works:
                 self._wait(work)
@@ -251,9 +261,10 @@ class Comm:
     # -- posting and completing
 
     @staticmethod
-    def _post(op, tensor: torch.Tensor, peer: int, group):
+    def _post(op, tensor: torch.Tensor, peer: int, channel):
+        group, tag = channel
         try:
-            return op(tensor, peer, group=group)
+            return op(tensor, peer, group=group, tag=tag)
         except RuntimeError as exc:
             raise TransferError(f"{exc}".splitlines()[0]) from exc
 

@@ -185,19 +185,23 @@ class Pipeline:
             out += self.shards.named_parts(self.problem)
         return out
 
-    def step(self, inputs, targets, *, trace: bool = False,
-             whole_gradients: bool = False) -> torch.Tensor:
+    def step(self, inputs, targets, *, trace: bool = False, whole_gradients: bool = False,
+             share_loss: bool = True) -> torch.Tensor | None:
         """One iteration of the schedule on the global batch: forward and backward of every
         micro-batch; gradients accumulate into .grad (zero them between steps, as usual).
-        With mesh.shard, `whole_gradients` also gathers each parameter's whole averaged
-        gradient into its .grad (to inspect it; the optimizer uses the shards)."""
+        Returns the global batch's loss on every rank; with `share_loss=False` the collective
+        that shares it is skipped: the rank that computes a replica's loss gets that replica's
+        mean loss and the others None, as torch.distributed.pipelining's schedules and
+        Megatron-LM hand it out. With mesh.shard, `whole_gradients` also gathers each
+        parameter's whole averaged gradient into its .grad (to inspect it; the optimizer uses
+        the shards)."""
         self.executor.loss_scale = self.loss_scale
         result = self._run(self.executor, inputs, targets, trace=trace,
                            whole_gradients=whole_gradients)
         self.last = result
         if self.dtype == "fp16":
             self._unscale()
-        return self._global_loss(result.loss)
+        return self._global_loss(result.loss) if share_loss else result.loss
 
     def _unscale(self) -> None:
         grads = [p.grad for p in self.parameters() if p.grad is not None]

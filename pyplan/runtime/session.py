@@ -152,6 +152,11 @@ class Session:
         pipe.iteration = first - 1
         records, grads, samples, tokens = [], {}, 0, None
         bar = _Progress(opts.progress and self.rank == 0, opts.iterations)
+        # Only a progress bar needs each step's loss on rank 0 (one more collective a step);
+        # the report adds up the ranks' own losses at the end.
+        shown = torch.tensor([bar.bar is not None])
+        dist.broadcast(shown, 0)
+        share_loss = bool(shown)
         for step in range(first, first + opts.iterations):
             self.step_index = step
             inputs, targets = make_batch(pipe.model, step, opts.seed, torch.device("cpu"))
@@ -162,7 +167,8 @@ class Session:
             started = time.perf_counter()
             loss = pipe.step(inputs, targets, trace=opts.trace is not None and
                              step == first + opts.iterations - 1,
-                             whole_gradients=opts.check and step == first)
+                             whole_gradients=opts.check and step == first,
+                             share_loss=share_loss)
             if opts.check and step == first:  # before the step changes them; not timed
                 self._sync_device()
                 seconds = time.perf_counter() - started
@@ -178,10 +184,10 @@ class Session:
                 scheduler.step()
             self._sync_device()
             seconds = time.perf_counter() - started
-            value = float(loss)
             result = pipe.last
-            records.append((seconds, result.compute, value, result.peak_activation_bytes, norm))
-            bar.advance(step, value, seconds)
+            mine = None if result.loss is None else float(result.loss)  # this replica's
+            records.append((seconds, result.compute, mine, result.peak_activation_bytes, norm))
+            bar.advance(step, loss, seconds)
             if opts.save and ((opts.save_every and (step + 1 - first) % opts.save_every == 0)
                               or step == first + opts.iterations - 1):
                 checkpoint.save(opts.save, pipe, optimizer, scheduler, step + 1)
@@ -208,7 +214,9 @@ class Session:
                                      title=f"pyplan run {self.problem.name}", time_unit="us",
                                      num_devices=pipe.world)
                 write_chrome_trace(self.options.trace, trace)
-            losses = [by_rank[0][i][2] for i in iterations]
+            replicas = self.problem.mesh.data
+            losses = [sum(r[i][2] for r in by_rank if r[i][2] is not None) / replicas
+                      for i in iterations]
             verdict = None
             if self.options.check:
                 verdict = self.check(first, losses,
@@ -279,10 +287,10 @@ class _Progress:
             self.bar.start()
             self.task = self.bar.add_task("training", total=total)
 
-    def advance(self, step: int, loss: float, seconds: float) -> None:
+    def advance(self, step: int, loss: torch.Tensor, seconds: float) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, advance=1,
-                            description=f"step {step} loss {loss:.4f} {seconds * 1e3:.0f} ms")
+            self.bar.update(self.task, advance=1, description=f"step {step} loss "
+                            f"{float(loss):.4f} {seconds * 1e3:.0f} ms")
 
     def close(self) -> None:
         if self.bar is not None:
