@@ -373,8 +373,10 @@ def launch(script: str, description: str, prepare, worker) -> int:
     parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        from pyplan.runtime.comm import leave
+
         worker(Path(args.worker), args.rounds)
-        return 0
+        leave(0)  # a rank: no interpreter teardown (see leave)
     with tempfile.TemporaryDirectory() as directory:
         prepare(Path(directory))
         env = dict(os.environ, PYPLAN_BENCH_ITERATIONS=str(args.iterations),

@@ -1,3 +1,3 @@
-from pyplan.cli.main import main
+from pyplan.cli.main import entry
 
-raise SystemExit(main())
+entry()

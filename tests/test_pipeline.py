@@ -31,6 +31,18 @@ def test_the_world_runs_on_cuda_only_when_every_rank_has_a_gpu():
         choose_cuda("cuda", [True, True, False, False])
 
 
+@pytest.mark.torchrun
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_the_world_is_gone_after_destroy_even_once_dynamo_is_imported():
+    # A group that outlives destroy_process_group is torn down with the interpreter, which now
+    # and then aborts a finished run with SIGABRT.
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node", "1", str(MODELS / "world_teardown.py")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "threads none" in result.stdout, result.stdout
+
+
 def _run(tmp_path, *args, timeout=300):
     return subprocess.run([PYPLAN, *map(str, args)], capture_output=True, text=True,
                           cwd=tmp_path, timeout=timeout)

@@ -10,7 +10,7 @@ import sys
 from pyplan import __version__
 from pyplan.errors import EXIT_INTERRUPTED, PyplanError
 
-__all__ = ["main"]
+__all__ = ["entry", "main"]
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as shells report it
 
@@ -61,6 +61,17 @@ def _core_problem() -> PyplanError | None:
             hint="in a source tree, run the installed `pyplan` command (not python -m pyplan) "
                  "or start from another folder; or build it here: pip install -e .")
     return None
+
+
+def entry() -> None:
+    """The `pyplan` command: main()'s exit code. A rank under torchrun leaves without Python's
+    teardown (pyplan.runtime.comm.leave says why)."""
+    code = main()
+    if "RANK" in os.environ and "torch.distributed" in sys.modules:
+        from pyplan.runtime.comm import leave
+
+        leave(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

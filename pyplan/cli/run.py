@@ -99,7 +99,7 @@ _LAUNCH_OPTIONS = ("nnodes", "node-rank", "rdzv-backend", "rdzv-endpoint", "rdzv
 # What each launched worker runs: pyplan's CLI, with the working directory off sys.path so a
 # source tree without a build cannot shadow the installed package.
 _WORKER = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
-           "from pyplan.cli.main import main; sys.exit(main(sys.argv[1:]))")
+           "from pyplan.cli.main import entry; entry()")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,10 +37,13 @@ only on what came earlier in the order, so this never deadlocks).
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import pickle
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -49,7 +52,7 @@ from pyplan.errors import RunError
 from pyplan.runtime.values import flatten, rebuild, spec_text, structure
 
 __all__ = ["ACTIVATIONS", "CUDA_BACKEND", "Comm", "DEVICES", "GRADIENTS", "Pending",
-           "TransferError", "all_gather_objects", "choose_cuda", "join_world"]
+           "TransferError", "all_gather_objects", "choose_cuda", "join_world", "leave"]
 
 DEVICES = ("auto", "cpu", "cuda")
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
@@ -128,6 +131,11 @@ def join_world(request: str = "auto", *, timeout: float = 600.0) -> tuple[torch.
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    # torch._dynamo, imported after the group exists (any meta-tensor op imports it), keeps the
+    # default group alive past destroy_process_group, until interpreter teardown; imported
+    # first, it does not.
+    importlib.import_module("torch._dynamo")
+
     dist.init_process_group(CUDA_BACKEND if cuda else "gloo", store=root, rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout))
     return device, True
@@ -313,6 +321,19 @@ def _read_header(header: torch.Tensor) -> tuple[object, list[tuple[torch.dtype, 
     raw = b"".join(w.to_bytes(8, "little", signed=True)
                    for w in words[start:start + (length + 7) // 8])
     return structure(raw[:length].decode()), shapes
+
+
+def leave(code: int) -> NoReturn:
+    """End a process that was a rank, with exit code `code`, skipping Python's teardown: a
+    process group torch still holds (DTensor's meshes do) is otherwise destroyed during the
+    teardown, and that now and then aborts a finished run ("terminate called without an active
+    exception", SIGABRT)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a closed pipe: nothing more to say
+            pass
+    os._exit(code)
 
 
 def all_gather_objects(obj) -> list:
