@@ -15,7 +15,8 @@
      DistributedDataParallel over the same (dp, pp) device mesh;
   5. the zero-bubble split backward on one stage of equal matmuls (in this process, before the
      workers start): B (input gradients), W (weight gradients) and one full backward, timed
-     alike; W/B should be about 1 and (B + W) / full about 1 (they share the work).
+     alike; W/B should be about 1 and (B + W) / full about 1 (they share the work), beside
+     torch.distributed.pipelining's own split of the same stage.
 
     python benchmarks/runtime.py [--rounds 5] [--iterations 6]
 
@@ -391,8 +392,11 @@ def launch(script: str, description: str, prepare, worker) -> int:
 
 def split_backward(rounds: int = 5, repeats: int = 20) -> None:
     """B, W and a full backward of one stage of 8 equal linear layers (width 512, 256 rows),
-    timed alike; medians over rounds of `repeats` runs each."""
+    timed alike, for pyplan's split and for torch.distributed.pipelining's
+    (stage_backward_input / stage_backward_weight); medians over rounds of `repeats` runs."""
     import torch
+    from torch.distributed.pipelining._backward import (stage_backward_input,
+                                                        stage_backward_weight)
 
     from pyplan.runtime.backward import backward_input, backward_weight
 
@@ -401,42 +405,48 @@ def split_backward(rounds: int = 5, repeats: int = 20) -> None:
     params = list(stage.parameters())
     x, grad = torch.randn(256, 512), torch.randn(256, 512)
 
-    def timed(fn) -> float:
-        samples = []
+    def pyplan_split(out, leaf):
+        work = backward_input([out], [grad], [leaf], params)[1]
+        return lambda: backward_weight(work)
+
+    def torch_split(out, leaf):
+        groups = stage_backward_input([out], [grad], [leaf], iter(params))[1]
+        return lambda: stage_backward_weight(iter(params), groups)
+
+    def full(out, leaf):
+        out.backward(grad)
+        return lambda: None
+
+    def timed(backward) -> tuple[float, float]:
+        """Median seconds of `backward` (B, or the whole backward) and of what it leaves (W)."""
+        first, second = [], []
         for _ in range(repeats):
+            for p in params:
+                p.grad = None
             leaf = x.clone().requires_grad_()
             out = stage(leaf)
-            state = {}
             start = time.perf_counter()
-            fn(out, leaf, state)
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
+            rest = backward(out, leaf)
+            middle = time.perf_counter()
+            rest()
+            first.append(middle - start)
+            second.append(time.perf_counter() - middle)
+        return statistics.median(first), statistics.median(second)
 
-    def b_only(out, leaf, state):
-        state["work"] = backward_input([out], [grad], [leaf], params)[1]
-
-    def b_then_w(out, leaf, state):
-        work = backward_input([out], [grad], [leaf], params)[1]
-        start = time.perf_counter()
-        backward_weight(work)
-        state["w"] = time.perf_counter() - start
-
-    full, b, w = [], [], []
+    found = {name: [] for name in ("full", "pyplan", "torch")}
     for _ in range(rounds):
-        full.append(timed(lambda out, leaf, state: out.backward(grad)))
-        b.append(timed(b_only))
-        samples = []
-        for _ in range(repeats):
-            leaf = x.clone().requires_grad_()
-            state = {}
-            b_then_w(stage(leaf), leaf, state)
-            samples.append(state["w"])
-        w.append(statistics.median(samples))
-    full_ms, b_ms, w_ms = (statistics.median(v) * 1e3 for v in (full, b, w))
+        for name, backward in (("full", full), ("pyplan", pyplan_split), ("torch", torch_split)):
+            found[name].append(timed(backward))
+    ms = {name: [statistics.median(v[i] for v in values) * 1e3 for i in (0, 1)]
+          for name, values in found.items()}
+    whole = ms["full"][0]
     print(f"zero-bubble split backward, one stage of 8 linear layers (512 wide, 256 rows), "
-          f"median of {rounds} rounds: B {b_ms:.2f} ms, W {w_ms:.2f} ms, full backward "
-          f"{full_ms:.2f} ms; W/B {w_ms / b_ms:.2f}, (B + W) / full "
-          f"{(b_ms + w_ms) / full_ms:.2f}")
+          f"median of {rounds} rounds: full backward {whole:.2f} ms")
+    for name, label in (("pyplan", "pyplan"),
+                        ("torch", "torch.distributed.pipelining's stage_backward_input/weight")):
+        b, w = ms[name]
+        print(f"  {label}: B {b:.2f} ms, W {w:.2f} ms; W/B {w / b:.2f}, (B + W) / full "
+              f"{(b + w) / whole:.2f}")
 
 
 def main() -> int:
