@@ -228,6 +228,9 @@ def parse_yaml(text: str, name: str) -> Source:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = (exc.problem or exc.context or "invalid YAML").strip()
+        if "nesting depth" in problem:  # PyYAML >= 6.0.4's own limit, met while it looks ahead
+            raise PlanError(f"nested more than {MAX_DEPTH} levels deep", file=name, line=(mark.line + 1) if mark else 1,
+                            column=(mark.column + 1) if mark else 1) from None
         raise PlanError(f"YAML syntax: {problem}", hint="check indentation, quotes and colons",
                         file=name, line=(mark.line + 1) if mark else 1,
                         column=(mark.column + 1) if mark else 1) from None
