@@ -227,13 +227,13 @@ def parse_yaml(text: str, name: str) -> Source:
         documents = _compose(text, name)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
+        where = dict(file=name, line=(mark.line + 1) if mark else 1,
+                     column=(mark.column + 1) if mark else 1)
         problem = (exc.problem or exc.context or "invalid YAML").strip()
         if "nesting depth" in problem:  # PyYAML >= 6.0.4's own limit, met while it looks ahead
-            raise PlanError(f"nested more than {MAX_DEPTH} levels deep", file=name, line=(mark.line + 1) if mark else 1,
-                            column=(mark.column + 1) if mark else 1) from None
+            raise PlanError(f"nested more than {MAX_DEPTH} levels deep", **where) from None
         raise PlanError(f"YAML syntax: {problem}", hint="check indentation, quotes and colons",
-                        file=name, line=(mark.line + 1) if mark else 1,
-                        column=(mark.column + 1) if mark else 1) from None
+                        **where) from None
     except yaml.YAMLError as exc:
         raise PlanError(f"YAML syntax: {exc}", file=name) from None
     documents = [d for d in documents if d is not None]
