@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pyplan.models import Unit, everywhere
-    from pyplan.runtime.binding import (Model, build_whole, import_function, loss_function,
+    from pyplan.runtime.binding import (Model, defer_whole, import_function, loss_function,
                                         make_batch, split_batch)
     from pyplan.runtime.profile import Measured, profile_units
 
@@ -152,11 +152,12 @@ def run(args: argparse.Namespace) -> int:
     loss = import_function(args.loss, "--loss", hint=here)
     user = Model(None, data, loss, whole=factory,
                  names={"module": "FACTORY", "data": "--data", "loss": "--loss"})
-    model = build_whole(user, args.seed)
+    deferred = defer_whole(user, args.seed)
+    model = deferred.model
     inputs, targets = make_batch(user, 0, args.seed, torch.device("cpu"))
     inputs, targets = split_batch(inputs, n)[0], split_batch(targets, n)[0]
     measured = Measured()
-    units, cut = _profile(profile_units, model, inputs, targets, loss_function(user), args,
+    units, cut = _profile(profile_units, deferred, inputs, targets, loss_function(user), args,
                           measured)
     if len(units) < stages and args.shape != "auto":
         raise PlanError(f"{args.factory} has {len(units)} units "
@@ -178,8 +179,8 @@ def run(args: argparse.Namespace) -> int:
     sharded, why, about = None, None, []
     if args.shape in ("mshape", "auto"):
         try:
-            sharded, why, about = _sharded(model, inputs, targets, loss, user, cut, units, args,
-                                           measured)
+            sharded, why, about = _sharded(deferred, inputs, targets, loss, user, cut, units,
+                                           args, measured)
         except PlanError as exc:  # auto: the other placements still apply
             if args.shape == "mshape":
                 raise
@@ -230,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sharded(model, inputs, targets, loss, user, cut, units, args, measured):
+def _sharded(deferred, inputs, targets, loss, user, cut, units, args, measured):
     """(the M-shape's sharded first and last units, None, lines about their costs) or (None,
     why the model has none, [])."""
     import torch
@@ -250,19 +251,20 @@ def _sharded(model, inputs, targets, loss, user, cut, units, args, measured):
     from pyplan.models import Unit
 
     found_units = [Unit(u.name, u.module_names) for u in units]
-    with torch.no_grad():
+    model = deferred.model
+    with torch.no_grad(), deferred.streaming():
         was = model.training
         model.eval()
         try:
             out = logits(whole_forward(model, inputs) if cut.kind == FORWARD else model(inputs))
         finally:
             model.train(was)
-    vocab = find(model, inputs, found_units[0].modules, found_units[-1].modules, out)
+        vocab = find(model, inputs, found_units[0].modules, found_units[-1].modules, out)
     if vocab is None:
         return None, ("the first unit has no token embedding, or the last no head over the "
                       "vocabulary of the model's output"), []
     check_divisible(vocab, args.devices)
-    result = profile_sharded(model, inputs, targets,
+    result = profile_sharded(deferred, inputs, targets,
                              loss_function(user), cut=cut,
                              units=found_units, costs=units, vocab=vocab, devices=args.devices,
                              optimizer=args.optimizer, repeats=args.repeats,

@@ -23,6 +23,7 @@ from torch import nn
 
 from pyplan.errors import PlanError
 from pyplan.models import chain, forward, traced
+from pyplan.models.deferred import move
 
 __all__ = ["CHAIN", "CUTS", "FORWARD", "TRACED", "Cut", "Tie", "Unit", "everywhere",
            "find_units", "stage_modules", "ties"]
@@ -75,15 +76,23 @@ def find_units(model: nn.Module, inputs) -> tuple[Cut, list[Unit]]:
 
 
 def stage_modules(model: nn.Module, cut: Cut, stages: list[tuple[str, tuple[str, ...]]],
-                  mine: list[int], device, inputs=None) -> dict[int, nn.Module]:
+                  mine: list[int], device, inputs=None,
+                  materialize=None) -> dict[int, nn.Module]:
     """The modules of stages `mine` (indices into `stages`: (block name, its modules), in
-    model order), on `device`. `inputs` (a micro-batch) is needed by the traced cut."""
+    model order), on `device`. `inputs` (a micro-batch) is needed by the traced cut. A model
+    whose parameters are still on the meta device: the forward cut calls `materialize(model)`
+    once it has dropped what other stages hold (the chain and traced cuts need the caller to
+    have materialised their stages' parameters first)."""
     if cut.kind == FORWARD:
-        return forward.prune(model, [m for _, m in stages], mine, device, tuples=cut.tuples)
+        return forward.prune(model, [m for _, m in stages], mine, device, tuples=cut.tuples,
+                             materialize=materialize)
     if cut.kind == TRACED:
         pieces = traced.pieces(model, [m[0] for _, m in stages], inputs)
         return {s: pieces[s].to(device) for s in mine}
-    return {s: chain.stage(model, stages[s][1]).to(device) for s in mine}
+    stages_of = {s: chain.stage(model, stages[s][1]) for s in mine}
+    for module in stages_of.values():
+        move(module, device)
+    return stages_of
 
 
 def everywhere(model: nn.Module, units: list[Unit]) -> tuple[str, ...]:

@@ -27,6 +27,8 @@ import inspect
 import torch
 from torch import nn
 
+from pyplan.models.deferred import move
+
 __all__ = ["ForwardStage", "call_order", "decoder_layers", "logits", "observe", "prune",
            "units", "whole_forward"]
 
@@ -316,10 +318,11 @@ def _owner(name: str, owners: dict[str, int]) -> int | None:
 
 
 def prune(model: nn.Module, stage_modules: list[tuple[str, ...]], mine: list[int],
-          device, *, tuples: bool = False) -> dict[int, ForwardStage]:
+          device, *, tuples: bool = False, materialize=None) -> dict[int, ForwardStage]:
     """Keep what stages `mine` (indices into `stage_modules`, the stages in model order) need
     of the whole model, move it to `device`, and return each stage's module. Modules no stage
-    lists are kept everywhere (their parameters are shared by all stages)."""
+    lists are kept everywhere (their parameters are shared by all stages). A model built on
+    the meta device gets `materialize(model)` once only what these stages need is left."""
     layers_name = decoder_layers(model)
     layers = model.get_submodule(layers_name) if layers_name else nn.ModuleList()
     owners = {name: s for s, names in enumerate(stage_modules) for name in names}
@@ -340,7 +343,9 @@ def prune(model: nn.Module, stage_modules: list[tuple[str, ...]], mine: list[int
                 if param is not None:
                     zeroed.append((module, pname, param.dtype, tuple(param.shape)))
                     del module._parameters[pname]
-    model.to(device)
+    if materialize is not None:
+        materialize(model)
+    move(model, device)  # parameters still deferred are materialised when used (streaming)
     for module, pname, dtype, shape in zeroed:  # after the move: views of one zero each
         module.register_buffer(pname, torch.zeros((), dtype=dtype, device=device).expand(shape),
                                persistent=False)

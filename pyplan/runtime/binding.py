@@ -28,6 +28,7 @@ import torch
 
 from pyplan.errors import PlanError, RunError
 from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Tie, stage_modules, ties
+from pyplan.models.deferred import Deferred, defer
 from pyplan.problem import Problem
 from pyplan.spec import load_yaml
 
@@ -306,20 +307,35 @@ def _check_stage_names(whole: torch.nn.Module, model: Model, problem: Problem) -
                            "named_modules(), e.g. layers.0") from None
 
 
-def build_whole(model: Model, seed: int) -> torch.nn.Module:
-    """The user's whole model, built under the run's seed (the same weights everywhere)."""
+def defer_whole(model: Model, seed: int, *, say: bool = True) -> Deferred:
+    """The user's whole model with its parameters on the meta device, each with the recipe of
+    its value under the run's seed (pyplan.models.deferred): every process that builds it gets
+    the same bits for the parameters it materialises. `say`: warn on stderr when the factory
+    could not be followed and the model was built whole."""
     seed_everything(seed, "module")
-    whole = call_user(model, "module", model.whole)
-    if not isinstance(whole, torch.nn.Module):
-        raise _user_error(model, "module", f"returned {type(whole).__name__}, not a "
+    deferred = call_user(model, "module", defer, model.whole, seed)
+    if not isinstance(deferred.model, torch.nn.Module):
+        raise _user_error(model, "module", f"returned {type(deferred.model).__name__}, not a "
                           "torch.nn.Module", _HINTS["module"])
-    return whole
+    if deferred.eager and say:
+        print(f"warning: {model.names.get('module', 'model.module')} is built whole on every "
+              f"rank: {deferred.why_eager}", file=sys.stderr, flush=True)
+    return deferred
+
+
+def build_whole(model: Model, seed: int, device="cpu") -> torch.nn.Module:
+    """The user's whole model, every parameter materialised on `device` (the single-process
+    reference, consolidate): the same values every rank gives its own."""
+    deferred = defer_whole(model, seed)
+    deferred.materialize(deferred.model, device)
+    return deferred.model.to(device)
 
 
 def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None = None,
           groups: dict[int, Any] | None = None) -> Built:
     """The modules of the forward blocks on `rank` (every block when rank is None: the
-    single-process reference, where every block is built whole)."""
+    single-process reference, where every block is built whole). A `module:` plan's model is
+    built on the meta device and only the parameters of this rank's stages are materialised."""
     blocks = forward_blocks(problem)
     mine = [b for b in blocks if rank is None or rank in problem.blocks[b].devices]
     if model.whole is None:
@@ -337,25 +353,31 @@ def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None
         names = {id(p): f"{problem.blocks[b].name}.{n}" for b, m in modules.items()
                  for n, p in reversed(list(m.named_parameters()))}
         return Built(modules, names, None, [], frozenset())
-    whole = build_whole(model, seed)
+    deferred = defer_whole(model, seed, say=rank in (None, 0))
+    whole = deferred.model
     _check_stage_names(whole, model, problem)
     stages = _stages_in_order(problem, model)
     found = ties(whole, stages)
     _check_ties(model, found, problem)
-    names = {id(p): n for n, p in reversed(list(whole.named_parameters(remove_duplicate=False)))}
     index = {problem.blocks[b].name: s for s, b in enumerate(blocks)}
+    before = {id(p): n for n, p in reversed(list(whole.named_parameters(remove_duplicate=False)))}
     inputs = None
-    if model.cut.kind == TRACED:  # every rank traces the same micro-batch
+    if model.cut.kind == TRACED:  # every rank traces the same micro-batch, on the whole model
         batch = make_batch(model, 0, seed, torch.device("cpu"))[0]
         inputs = split_batch(batch, problem.num_micro_batches)[0]
-    if model.cut.kind == CHAIN:
-        _drop_others(whole, [u for b in mine for u in model.stages[problem.blocks[b].name]])
+        deferred.materialize(whole, "cpu")
+    elif model.cut.kind == CHAIN:  # only the units of this rank's stages
+        owned = tuple(f"{u}." for b in mine for u in model.stages[problem.blocks[b].name])
+        deferred.materialize(whole, device, names=lambda name: name.startswith(owned))
     by_stage = stage_modules(whole, model.cut, stages,
-                             [index[problem.blocks[b].name] for b in mine], device, inputs)
+                             [index[problem.blocks[b].name] for b in mine], device, inputs,
+                             materialize=lambda pruned: deferred.materialize(pruned, device))
     if model.vocab is not None:
         _shard_vocab(whole, model, problem, stages, by_stage, mine, rank, groups or {}, device)
-        names.update((id(p), n) for n, p in  # the chunks are new parameters
-                     reversed(list(whole.named_parameters(remove_duplicate=False))))
+    # A parameter's name in the model: a tied one's first name, though pruning may have
+    # removed that module (a materialised parameter remembers it).
+    names = {id(p): getattr(p, "pyplan_name", None) or before.get(id(p), n)
+             for n, p in reversed(list(whole.named_parameters(remove_duplicate=False)))}
     modules = {b: by_stage[index[problem.blocks[b].name]] for b in mine}
     wants = frozenset(b for b in mine if model.cut.kind == FORWARD and index[
         problem.blocks[b].name] > 0)
@@ -401,18 +423,6 @@ def _shard_vocab(whole, model: Model, problem: Problem, stages, by_stage: dict, 
           torch.device(device), active=active)
 
 
-def _drop_others(whole: torch.nn.Module, kept: list[str]) -> None:
-    """A chain model without the units this rank does not run (their memory is freed)."""
-    keep = set(kept)
-    from pyplan.models.chain import units
-
-    for unit in units(whole):
-        if unit not in keep and not any(k.startswith(f"{unit}.") for k in keep):
-            parent, _, child = unit.rpartition(".")
-            holder = whole.get_submodule(parent) if parent else whole
-            holder._modules[child] = None
-
-
 def _check_ties(model: Model, found: list[Tie], problem: Problem) -> None:
     """The ties the plan records (if any) are those the model has."""
     if model.ties is None:
@@ -436,17 +446,17 @@ def check_model(problem: Problem, plan_dir: Path, source: str | None = None) -> 
     process starts. Returns how many blocks were built."""
     model = load_model(problem, plan_dir, source)
     blocks = forward_blocks(problem)
-    with torch.device("meta"):
-        if model.whole is not None:
-            whole = build_whole(model, 0)
-            _check_stage_names(whole, model, problem)
-            _check_ties(model, ties(whole, _stages_in_order(problem, model)), problem)
-            if model.vocab is not None:
-                from pyplan.models.vocab import check_modules
+    if model.whole is not None:
+        whole = defer_whole(model, 0).model
+        _check_stage_names(whole, model, problem)
+        _check_ties(model, ties(whole, _stages_in_order(problem, model)), problem)
+        if model.vocab is not None:
+            from pyplan.models.vocab import check_modules
 
-                _vocab_blocks(model, problem, _stages_in_order(problem, model))
-                check_modules(whole, *model.vocab, file=problem.source_path)
-            return len(blocks)
+            _vocab_blocks(model, problem, _stages_in_order(problem, model))
+            check_modules(whole, *model.vocab, file=problem.source_path)
+        return len(blocks)
+    with torch.device("meta"):
         built = build(model, problem, seed=0, device="meta")
     shared_across_devices(problem, built.modules)
     return len(blocks)

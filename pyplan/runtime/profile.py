@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pyplan.lower import check_runnable
-from pyplan.models import CHAIN, FORWARD, Cut, Unit, find_units, stage_modules
+from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Unit, find_units, stage_modules
+from pyplan.models.deferred import Deferred, eager, move
 from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.problem import BACKWARD, Problem
 from pyplan.runtime.binding import (Model, block_inputs, build, loss_function, make_batch,
@@ -240,26 +241,34 @@ def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: in
     return [costs[b] for b in sorted(costs)]
 
 
-def profile_units(model: torch.nn.Module, inputs, targets, loss, *, optimizer: str = "sgd",
-                  repeats: int = 5, device: torch.device | None = None, progress=None,
-                  measured: Measured | None = None) -> tuple[list[UnitCost], Cut]:
+def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
+                  optimizer: str = "sgd", repeats: int = 5, device: torch.device | None = None,
+                  progress=None, measured: Measured | None = None
+                  ) -> tuple[list[UnitCost], Cut]:
     """Costs of each unit of a model on one micro-batch, and how the model is cut (see
     pyplan.models): median forward and backward milliseconds (the backward of exactly that
     unit; the last unit's from the loss), the activation bytes autograd saves, and the weights'
-    bytes with their gradients and the optimizer's state."""
+    bytes with their gradients and the optimizer's state. A deferred model (built on the meta
+    device) is materialised one unit at a time, so the whole model is never in memory."""
+    deferred = model if isinstance(model, Deferred) else eager(model)
     device = device or torch.device("cpu")
     measured = measured if measured is not None else Measured()
     timer = _Timer(device, repeats, measured)
     _busy(measured)
-    cut, units = find_units(model, inputs)
+    whole = deferred.model
+    with deferred.streaming():
+        cut, units = find_units(whole, inputs)
+    if cut.kind == TRACED and not deferred.eager:  # torch's tracer needs the whole model
+        deferred.materialize(whole, "cpu")
     inputs, targets = to_device(inputs, device), to_device(targets, device)
-    names = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
-    own = [tuple(dict.fromkeys(names[id(p)] for p in _unit_parameters(model, unit)))
+    names = {id(p): n for n, p in reversed(list(whole.named_parameters(remove_duplicate=False)))}
+    own = [tuple(dict.fromkeys(names[id(p)] for p in _unit_parameters(whole, unit)))
            for unit in units]
-    pieces = _pieces(model, cut, units, inputs, device)
+    pieces = _pieces(whole, cut, units, inputs, device) \
+        if deferred.eager or cut.kind == TRACED else None
     costs, value = [], None
     for k, unit in enumerate(units):
-        module = pieces[k]
+        module = pieces[k] if pieces is not None else _piece(deferred, cut, units, k, device)
         params = [p for p in module.parameters() if p.requires_grad]
         if cut.kind == FORWARD:  # the stage module holds the whole model: the unit's own
             params = _unit_parameters(module.model, unit)
@@ -277,7 +286,8 @@ def profile_units(model: torch.nn.Module, inputs, targets, loss, *, optimizer: s
                               size * (2 + OPTIMIZER_STATE[optimizer]),
                               nbytes(inputs if received is None else received), nbytes(out),
                               modules=unit.modules, parameters=own[k]))
-        value = out
+        value = _detached(out)
+        del module, params, out
         if progress is not None:
             progress(k + 1, len(units))
     if cut.kind == FORWARD and len(costs) > 1:
@@ -291,9 +301,14 @@ def profile_units(model: torch.nn.Module, inputs, targets, loss, *, optimizer: s
     return costs, cut
 
 
+def _detached(value):
+    tensors, spec = flatten(value, "a unit")
+    return rebuild([t.detach() for t in tensors], spec)
+
+
 def _pieces(model, cut: Cut, units: list[Unit], inputs, device) -> list[torch.nn.Module]:
-    """One module per unit: the unit (chain), torch's traced piece, or (forward) a stage of
-    one copy of the model that holds every unit."""
+    """One module per unit of a model that has its weights: the unit (chain), torch's traced
+    piece, or (forward) a stage of one copy of the model that holds every unit."""
     stages = [(unit.name, unit.modules) for unit in units]
     everything = list(range(len(units)))
     if cut.kind == CHAIN:
@@ -301,6 +316,21 @@ def _pieces(model, cut: Cut, units: list[Unit], inputs, device) -> list[torch.nn
     held = copy.deepcopy(model) if cut.kind == FORWARD else model
     found = stage_modules(held, cut, stages, everything, device, inputs)
     return [found[s] for s in everything]
+
+
+def _piece(deferred: Deferred, cut: Cut, units: list[Unit], k: int,
+           device) -> torch.nn.Module:
+    """Unit k of a deferred model, alone materialised: a copy of the unit (chain) or a stage of
+    a copy of the model that holds only that unit's weights (forward)."""
+    whole = deferred.model
+    if cut.kind == CHAIN:
+        piece = copy.deepcopy(whole.get_submodule(units[k].name))
+        deferred.materialize(piece, device, prefix=f"{units[k].name}.")
+        move(piece, device)
+        return piece
+    stages = [(unit.name, unit.modules) for unit in units]
+    return stage_modules(copy.deepcopy(whole), cut, stages, [k], device,
+                         materialize=lambda pruned: deferred.materialize(pruned, device))[k]
 
 
 def _unit_parameters(model: torch.nn.Module, unit: Unit) -> list[torch.Tensor]:

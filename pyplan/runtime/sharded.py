@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pyplan.errors import PlanError
 from pyplan.lower import check_runnable
 from pyplan.models import FORWARD, Cut, Unit, stage_modules
+from pyplan.models.deferred import Deferred, eager
 from pyplan.models.vocab import Vocab, parallel_loss, shard
 from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.problem import BACKWARD
@@ -167,10 +168,14 @@ def profile_sharded(model: torch.nn.Module, inputs, targets, loss, *, cut: Cut,
 
 def _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices, optimizer,
              timer, device):
-    """The first and last units' costs, collectives left out, and what each issues."""
-    held = copy.deepcopy(model)
+    """The first and last units' costs, collectives left out, and what each issues. Of a
+    deferred model only those two units are materialised; the ones between run streamed."""
+    deferred = model if isinstance(model, Deferred) else eager(model)
+    held = copy.deepcopy(deferred.model)
     stages = [(unit.name, unit.modules) for unit in units]
     everything = list(range(len(units)))
+    ends = tuple(f"{m}." for unit in (units[0], units[-1]) for m in unit.modules)
+    deferred.materialize(held, device, names=lambda name: name.startswith(ends))
     pieces = stage_modules(held, cut, stages, everything, device, inputs)
     first = pieces[0]
     shard(held, vocab, dist.group.WORLD, device,
@@ -184,8 +189,8 @@ def _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices, op
         return [inputs if received is None else received]
 
     value = None
-    with torch.no_grad():  # the last unit's input, as the pieces before it hand it on
-        for k in range(last_k):
+    with torch.no_grad(), deferred.streaming():  # the last unit's input, as the pieces
+        for k in range(last_k):                    # before it hand it on
             value = pieces[k](*args_of(k, value))
     out_costs, found = [], {}
     for k, received_value in ((0, None), (last_k, value)):
