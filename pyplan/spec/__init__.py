@@ -1,6 +1,8 @@
 """Plan specification: safe YAML loading with positions, JSON-Schema validation, typed spec."""
 
-from pyplan.spec.plan import (
+from pyplan.spec.plan import load_spec, parse_spec, spec_from_text
+from pyplan.spec.source import Source, load_yaml, parse_yaml
+from pyplan.spec.types import (
     FORMAT_VERSION,
     BackwardOverride,
     BackwardSpec,
@@ -14,11 +16,7 @@ from pyplan.spec.plan import (
     SearchSpec,
     ShapeSpec,
     TopologySpec,
-    load_spec,
-    parse_spec,
-    spec_from_text,
 )
-from pyplan.spec.source import Source, load_yaml, parse_yaml
 from pyplan.spec.units import count, format_memory, parse_memory
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""The plan specification: typed, immutable view of a schema-valid plan document.
+"""Reading a plan document into the typed spec (pyplan.spec.types, whose names are importable
+from here too): format version, key and number checks, JSON Schema, then the typed view.
 
 Only checks that need nothing but the document itself live here (version, one memory unit,
 blocks xor shape, training options only for training plans); checks that need the expanded
@@ -9,14 +10,15 @@ from __future__ import annotations
 
 import math
 import re
-
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pyplan.errors import PlanError
 from pyplan.spec.schema import check_schema
 from pyplan.spec.source import Source, load_yaml, parse_yaml
+from pyplan.spec.types import (FORMAT_VERSION, BackwardOverride, BackwardSpec, BlockSpec,
+                               CostSpec, LinkSpec, MeshSpec, ModelSpec, OrderSpec, PlanSpec,
+                               SearchSpec, ShapeSpec, TopologySpec)
 from pyplan.spec.units import parse_memory
 
 __all__ = [
@@ -37,226 +39,6 @@ __all__ = [
     "parse_spec",
     "spec_from_text",
 ]
-
-FORMAT_VERSION = 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class BackwardSpec:
-    """How backward blocks are derived from forward blocks (training.backward)."""
-
-    time_ratio: float = 2.0
-    """Backward (or input-gradient) time as a multiple of the forward time."""
-    weight_time_ratio: float | None = None
-    """When set, the backward splits into NAME.b and a weight-gradient block NAME.w."""
-    weight_memory_ratio: float = 0.0
-    """Fraction of the forward's memory that stays allocated until NAME.w runs."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class BackwardOverride:
-    """A block's own backward costs (overriding the derived ones), or no backward at all."""
-
-    enabled: bool = True
-    time: int | None = None
-    memory: int | None = None
-    weight_time: int | None = None
-    weight_memory: int | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class BlockSpec:
-    """One block as written in `blocks:`."""
-
-    name: str
-    kind: str = "forward"
-    time: int
-    memory: int = 0
-    weights: int = 0
-    """Static memory on each of its devices for the whole run (parameters, gradients,
-    optimizer state)."""
-    transfer: int | None = None
-    """Time its output (and that output's gradient) takes between devices."""
-    output: int | None = None
-    """Bytes of its output, timed on the topology's links when transfer is not given."""
-    recompute: str | None = None
-    """never, always or auto; None: training.recompute."""
-    recompute_memory: int = 0
-    devices: tuple[int, ...] | None
-    """Device ids; None means all devices."""
-    after: tuple[str, ...] | None = None
-    """Dependencies by name; None means "the block listed before"."""
-    backward: BackwardOverride = BackwardOverride()
-    path: tuple = ()
-    """Where the block sits in the document, for error messages."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CostSpec:
-    """Costs of a shape's stage blocks or shared blocks."""
-
-    time: int | tuple[int, ...] = 1
-    memory: int | tuple[int, ...] = 0
-    weights: int | tuple[int, ...] = 0
-    transfer: int | tuple[int, ...] | None = None
-    output: int | tuple[int, ...] | None = None
-    recompute: str | None = None
-    recompute_memory: int | tuple[int, ...] = 0
-    backward: BackwardOverride = BackwardOverride()
-    path: tuple = ()
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShapeSpec:
-    """A placement shorthand (shape:) that expands into blocks."""
-
-    kind: str
-    stages: int | None = None
-    chunks: int | None = None
-    stage: CostSpec = CostSpec()
-    shared: CostSpec = CostSpec()
-    path: tuple = ("shape",)
-
-
-@dataclass(frozen=True, kw_only=True)
-class OrderSpec:
-    """One order rule as written; `loop` holds the values of its {variables}."""
-
-    text: str
-    loop: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    path: tuple = ()
-    text_path: tuple = ()
-
-
-@dataclass(frozen=True, kw_only=True)
-class SearchSpec:
-    """Options of `pyplan solve`."""
-
-    max_repetend_micro_batches: int | None = None
-    time_limit: float | None = None
-    """A hard cap on the search's wall time, in seconds (None: the solver's default)."""
-    exact: bool = True
-    effort: float = 1.0
-    """How long the search may go on without progress, relative to the work it has done (and
-    how much its fixed stages may spend): 10 searches about ten times as long."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class MeshSpec:
-    """The plan is one pipeline of a device mesh: `data` replicas of it train on slices of the
-    global batch and synchronise each stage's gradients once per iteration, `sync` time units
-    after the stage's last backward on a device (overlapped with the remaining work);
-    `shard` shards gradients and parameters over the replicas (reduce-scatter + all-gather)."""
-
-    data: int = 1
-    shard: bool = False
-    sync: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class LinkSpec:
-    """A link between two devices: bytes per second and a fixed latency."""
-
-    bandwidth: int
-    latency_ms: float
-
-    def milliseconds(self, size: int) -> float:
-        return self.latency_ms + 1000.0 * size / self.bandwidth
-
-
-@dataclass(frozen=True, kw_only=True)
-class TopologySpec:
-    """Nodes of devices_per_node devices and the links within and across them; times the
-    transfers of blocks that give their output size."""
-
-    devices_per_node: int | None = None
-    """None: every device in one node."""
-    time_unit_ms: float | None = None
-    """Milliseconds per time unit, when the plan says; transfers are timed with 1 otherwise."""
-    within_node: LinkSpec = LinkSpec(bandwidth=100 * 10**9, latency_ms=0.01)
-    across_nodes: LinkSpec = LinkSpec(bandwidth=125 * 10**8, latency_ms=0.02)
-
-    def node(self, device: int) -> int:
-        return 0 if self.devices_per_node is None else device // self.devices_per_node
-
-    def transfer_time(self, size: int, source: int, target: int) -> int:
-        """Time units to move `size` bytes from one device to another, to the nearest unit."""
-        link = self.within_node if self.node(source) == self.node(target) else self.across_nodes
-        return int(link.milliseconds(size) / (self.time_unit_ms or 1.0) + 0.5)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """Import paths `pyplan run` uses to build modules, data and loss: a `blocks` function
-    building each block, or a `module` function building the whole model and, in `stages`, the
-    dotted submodule names each block runs."""
-
-    blocks: str | None = None
-    module: str | None = None
-    stages: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    cut: str = "chain"
-    """With module: how stages are cut out of the model: chain (its children in a row),
-    forward (the model's own forward, entered and left at each stage's first module) or
-    traced (torch's pipeline tracer). `traced: true` is the older spelling of cut: traced."""
-    layer_returns: str = "tensor"
-    """Forward cut: what the model's layers return, tensor or tuple (hidden states first)."""
-    ties: tuple[tuple[str, tuple[str, ...]], ...] | None = None
-    """Parameters several stages hold: (name in the model, the stages), as partition found
-    them; None when the plan records none."""
-    vocab_parallel: tuple[str, str] | None = None
-    """With module: (token embedding, output head), sharded over the vocabulary by the
-    multi-device blocks holding them (M-shape); None when nothing is sharded."""
-    data: str
-    loss: str
-    path: str | None = None
-
-    @property
-    def builder(self) -> str:
-        """The import path that builds the modules."""
-        return self.blocks if self.blocks is not None else self.module
-
-    @property
-    def traced(self) -> bool:
-        return self.cut == "traced"
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanSpec:
-    """A whole plan as written (shapes not yet expanded)."""
-
-    source: Source
-    name: str
-    description: str = ""
-    num_devices: int
-    memory_capacity: int | None = None
-    """Per-device capacity in the plan's unit (bytes when sizes are used); None = unlimited."""
-    device_memory: tuple[int | None, ...] = ()
-    """Each device's capacity where the devices differ (None: unlimited); empty when they all
-    have memory_capacity."""
-    device_speed: tuple[float, ...] = ()
-    """Each device's speed relative to the one block times were measured on, where some
-    differs from 1 (empty: all 1)."""
-    memory_is_size: bool = False
-    num_micro_batches: int
-    task: str = "training"
-    backward: BackwardSpec | None = None
-    recompute: str = "never"
-    """training.recompute: the default of every forward block with a derived backward."""
-    topology: TopologySpec = TopologySpec()
-    shape: ShapeSpec | None = None
-    blocks: tuple[BlockSpec, ...] = ()
-    order: tuple[OrderSpec, ...] = ()
-    search: SearchSpec = SearchSpec()
-    mesh: MeshSpec = MeshSpec()
-    model: ModelSpec | None = None
-
-    @property
-    def training(self) -> bool:
-        return self.task == "training"
-
-    @property
-    def base_dir(self) -> Path:
-        return Path(self.source.path).resolve().parent
 
 
 class _Memory:
