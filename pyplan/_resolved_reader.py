@@ -34,7 +34,7 @@ _MODEL = {"blocks": (str, (), 0), "module": (str, (), 0), "stages": (dict, 0, 0)
           "traced": (bool, 0, 0), "cut": (str, ("chain", "forward", "traced"), 0),
           "layer_returns": (str, ("tensor", "tuple"), 0), "ties": (list, 0, 0),
           "data": (str, (), 0), "loss": (str, (), 0), "path": (str, (), 0),
-          "vocab_parallel": (dict, 0, 0)}
+          "vocab_parallel": (dict, 0, 0), "weights": (str, (), 0)}
 _MESH = {"data": (int, 1, MAX_DEVICES), "shard": (bool, 0, 0), "sync": (int, 0, MAX_TIME)}
 
 
@@ -138,8 +138,9 @@ class Reader:
             declared = [b.name for b in blocks if b.is_forward]
             if ("blocks" in raw) == ("module" in raw) or ("module" in raw) != bool(stages) or \
                     (("traced" in raw or "cut" in raw or "ties" in raw or
-                      "vocab_parallel" in raw) and "blocks" in raw) or \
-                    (stages and list(stages) != declared) or "\0" in raw.get("path", ""):
+                      "vocab_parallel" in raw or "weights" in raw) and "blocks" in raw) or \
+                    (stages and list(stages) != declared) or "\0" in raw.get("path", "") or \
+                    "\0" in raw.get("weights", ""):
                 raise self.fail(("model",), "the model must name blocks, or module and stages "
                                 "of exactly the declared blocks",
                                 "the file was edited; re-run pyplan solve")
@@ -149,7 +150,7 @@ class Reader:
                               layer_returns=raw.get("layer_returns", "tensor"),
                               ties=_ties(raw.get("ties"), self),
                               vocab_parallel=_vocab(raw.get("vocab_parallel"), self),
-                              data=raw["data"],
+                              weights=raw.get("weights"), data=raw["data"],
                               loss=raw["loss"], path=raw.get("path"))
         mesh = MeshSpec()
         if self.doc.get("mesh") is not None:

@@ -146,3 +146,106 @@ def test_hand_written_stages_over_nested_sequentials_train_as_one_process(tmp_pa
                                  "--json"], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         assert json.loads(result.stdout.strip().splitlines()[-1])["check"]["ok"]
+
+
+def _llama(folder: Path, **changes):
+    """A tiny Llama saved as save_pretrained does, in shards of a few kilobytes."""
+    from models import hf
+
+    model = hf.build("llama", **changes)
+    model.save_pretrained(folder, max_shard_size="40KB")
+    return model
+
+
+def _pretrained_plan(tmp_path: Path) -> Path:
+    """A 2-stage plan of the tiny Llama starting from its sharded checkpoint in ckpt/."""
+    from models import hf
+    from pyplan.models import find_units
+
+    _llama(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "ckpt").glob("*.safetensors"))) > 3
+    units = [u.modules for u in find_units(hf.llama(), hf.batch(0)[0])[1]]
+    stages = {"s0": [m for u in units[:3] for m in u], "s1": [m for u in units[3:] for m in u]}
+    text = (f"pyplan: 1\nname: llama\ndevices: 2\nmicro_batches: 2\n"
+            f"training: {{backward: {{time_ratio: 2}}}}\nblocks:\n"
+            f"  - {{name: s0, devices: [0], time: 1, memory: 1}}\n"
+            f"  - {{name: s1, devices: [1], time: 1, memory: 1}}\n"
+            f"model: {{module: 'models.hf:llama', cut: forward, weights: ckpt, "
+            f"stages: {{s0: {stages['s0']}, s1: {stages['s1']}}}, data: 'models.hf:batch', "
+            f"loss: 'models.hf:loss', path: {json.dumps(str(MODELS.parent))}}}\n")
+    (tmp_path / "plan.yaml").write_text(text)
+    return tmp_path / "plan.yaml"
+
+
+def test_pretrained_weights_are_read_per_stage_under_the_models_names(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _pretrained_plan(tmp_path)
+    from pyplan.problem import load_problem
+    from pyplan.runtime.binding import load_model
+
+    problem = load_problem(tmp_path / "plan.yaml")
+    model = load_model(problem, tmp_path)
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    want = dict(whole.named_parameters())
+    read = []
+    for rank in range(2):
+        built = build(model, problem, seed=0, device="cpu", rank=rank)
+        held = {built.names[id(p)]: p for m in built.modules.values() for p in m.parameters()}
+        for name, param in held.items():
+            assert torch.equal(param, want[name]), name
+        assert set(built.read) <= set(held), set(built.read) - set(held)
+        read.append(set(built.read))
+    assert not read[0] & read[1] and read[0] | read[1] == set(want)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("extra", "the checkpoint has a tensor extra.weight that the model does not"),
+    ("missing", "the checkpoint has no tensor model.norm.weight"),
+    ("shape", "tensor model.norm.weight is shaped [5] in the checkpoint, [32] in the model"),
+    ("dtype", "tensor model.norm.weight is float16 in the checkpoint, float32 in the model"),
+    ("truncated", "cannot read"),
+])
+def test_a_checkpoint_that_does_not_fit_is_one_line_naming_the_tensor(damage, message,
+                                                                       tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from models import hf
+    from pyplan.errors import PlanError
+    from pyplan.models.deferred import defer
+    from pyplan.models.weights import open_checkpoint
+
+    hf.llama().save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    if damage == "extra":
+        tensors["extra.weight"] = torch.zeros(2)
+    elif damage == "missing":
+        del tensors["model.norm.weight"]
+    elif damage == "shape":
+        tensors["model.norm.weight"] = torch.ones(5)
+    elif damage == "dtype":
+        tensors["model.norm.weight"] = tensors["model.norm.weight"].half()
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:-100])
+    else:
+        save_file(tensors, path)
+    with pytest.raises(PlanError) as caught:
+        deferred = defer(hf.llama, 0)
+        deferred.start_from(open_checkpoint(tmp_path))
+        deferred.values(list(deferred.names))
+    assert message in caught.value.message and "\n" not in caught.value.message
+
+
+@pytest.mark.torchrun
+def test_a_run_from_a_sharded_checkpoint_trains_as_one_process_from_it(tmp_path):
+    plan = _pretrained_plan(tmp_path)
+    solved = subprocess.run([PYPLAN, "solve", str(plan), "--quiet"], capture_output=True,
+                            text=True, timeout=120)
+    assert solved.returncode == 0, solved.stderr
+    result = subprocess.run([PYPLAN, "run", str(plan.with_suffix(".resolved.yaml")),
+                             "--nproc-per-node", "2", "--check", "--iterations", "2", "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["check"]["ok"]

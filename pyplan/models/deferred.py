@@ -202,6 +202,9 @@ class Deferred:
                 tensor.pyplan_name = name
         self._real = {id(t): t for t in [*model.parameters(), *model.buffers()]
                       if not t.is_meta}
+        self.checkpoint = None
+        self._stored: dict[int, str] = {}
+        """Tensor -> its name in the checkpoint the model starts from (`start_from`)."""
         self._last: dict[int, int] = {}
         if recorder is not None:
             for index, op in enumerate(recorder.tape):
@@ -211,6 +214,20 @@ class Deferred:
     @property
     def eager(self) -> bool:
         return self.recorder is None
+
+    def start_from(self, checkpoint) -> None:
+        """Take parameters and persistent buffers from `checkpoint` (a
+        pyplan.models.weights.Checkpoint), checked against the whole model first."""
+        keys = self.model.state_dict(keep_vars=True)
+        params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        checkpoint.check({n: (tuple(t.shape), t.dtype) for n, t in keys.items()},
+                         {n: self.first[id(t)] for n, t in keys.items()},
+                         {n for n in keys if n not in params})
+        stored = set(checkpoint.files)
+        for name, tensor in keys.items():
+            if name in stored:
+                self._stored.setdefault(id(tensor), name)
+        self.checkpoint = checkpoint
 
     def value(self, name: str) -> torch.Tensor:
         """A parameter's (or buffer's) value on the CPU."""
@@ -223,7 +240,10 @@ class Deferred:
         if unknown:
             raise KeyError(f"the model has no parameter or buffer {unknown[0]}")
         wanted = {self.names[n] for n in names}
-        found = {t: self._real[t].detach() for t in wanted if t in self._real}
+        found = {t: self.checkpoint.tensor(self._stored[t]) for t in wanted
+                 if t in self._stored}
+        found.update((t, self._real[t].detach()) for t in wanted - set(found)
+                     if t in self._real)
         todo = wanted - set(found)
         if todo:
             found.update(self._replay(todo))
@@ -299,12 +319,13 @@ class Deferred:
                     = lambda name: True, prefix: str = "") -> int:
         """Give every meta parameter and buffer of `module` whose model name (`prefix` + its
         name in `module`) `names` accepts its value on `device` (a parameter shared inside
-        `module` stays one object). Returns the bytes of parameters materialised."""
+        `module` stays one object); with a checkpoint (`start_from`), every such tensor it holds
+        takes its value from there. Returns the bytes of parameters materialised."""
         groups: dict[int, list[tuple[nn.Module, str, str, bool]]] = {}
         for kind, named in ((True, module.named_parameters(remove_duplicate=False)),
                             (False, module.named_buffers(remove_duplicate=False))):
             for full, tensor in named:
-                if tensor.is_meta:
+                if tensor.is_meta or id(tensor) in self._stored:
                     owner_name, _, attr = full.rpartition(".")
                     owner = module.get_submodule(owner_name) if owner_name else module
                     groups.setdefault(id(tensor), []).append((owner, attr, prefix + full, kind))

@@ -29,6 +29,7 @@ import torch
 from pyplan.errors import PlanError, RunError
 from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Tie, stage_modules, ties
 from pyplan.models.deferred import Deferred, defer
+from pyplan.models.weights import open_checkpoint
 from pyplan.problem import Problem
 from pyplan.spec import load_yaml
 
@@ -73,6 +74,9 @@ class Model:
     """(token embedding, head) the multi-device blocks holding them shard over the
     vocabulary (model.vocab_parallel); `loss` is then pyplan.models.vocab.parallel_loss of the
     user's."""
+    weights: Path | None = None
+    """The checkpoint the parameters start from (model.weights, resolved against the plan's
+    folder)."""
 
 
 class UserCodeError(RunError):
@@ -199,9 +203,10 @@ def load_model(problem: Problem, plan_dir: Path, source: str | None = None) -> M
             from pyplan.models.vocab import parallel_loss
 
             loss = parallel_loss(loss)
+        weights = None if spec.weights is None else plan_dir / spec.weights
         return Model(None, data, loss, whole=function(spec.module, "module"),
                      stages=dict(spec.stages), cut=Cut(spec.cut, spec.layer_returns == "tuple"),
-                     ties=spec.ties, names=names, source=file, vocab=vocab)
+                     ties=spec.ties, names=names, source=file, vocab=vocab, weights=weights)
     return Model(function(spec.blocks, "blocks"), data, loss, names=names, source=file)
 
 
@@ -280,6 +285,8 @@ class Built:
     ties: list[Tie]
     wants_inputs: frozenset[int]
     """Blocks that also take the micro-batch's inputs (forward-cut stages)."""
+    read: tuple[str, ...] = ()
+    """The tensors this process read from the checkpoint the model starts from."""
 
 
 def _stages_in_order(problem: Problem, model: Model) -> list[tuple[str, tuple[str, ...]]]:
@@ -320,6 +327,11 @@ def defer_whole(model: Model, seed: int, *, say: bool = True) -> Deferred:
     if deferred.eager and say:
         print(f"warning: {model.names.get('module', 'model.module')} is built whole on every "
               f"rank: {deferred.why_eager}", file=sys.stderr, flush=True)
+    if model.weights is not None:
+        try:
+            deferred.start_from(open_checkpoint(model.weights))
+        except PlanError as exc:  # at the line that names the checkpoint
+            raise located(model.source, ("model", "weights"), exc.message, exc.hint) from None
     return deferred
 
 
@@ -381,7 +393,9 @@ def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None
     modules = {b: by_stage[index[problem.blocks[b].name]] for b in mine}
     wants = frozenset(b for b in mine if model.cut.kind == FORWARD and index[
         problem.blocks[b].name] > 0)
-    return Built(modules, names, whole if model.cut.kind != TRACED else None, found, wants)
+    read = tuple(deferred.checkpoint.read) if deferred.checkpoint is not None else ()
+    return Built(modules, names, whole if model.cut.kind != TRACED else None, found, wants,
+                 read)
 
 
 def _vocab_blocks(model: Model, problem: Problem,

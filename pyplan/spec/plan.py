@@ -332,14 +332,15 @@ def _build(source: Source) -> PlanSpec:
     model = None
     if "model" in doc:
         raw = doc["model"]
-        for key in ("traced", "cut", "layer_returns", "ties", "vocab_parallel"):
+        for key in ("traced", "cut", "layer_returns", "ties", "vocab_parallel", "weights"):
             if key in raw and "blocks" in raw:
                 raise source.error(("model", key), f"{key} applies to a model given as module "
                                    f"and stages, not to blocks", f"remove {key}:", key=True)
         _check_units(source, raw.get("stages") or {})
-        if "\0" in raw.get("path", ""):
-            raise source.error(("model", "path"), "model.path contains a NUL character, which "
-                               "no file name can hold")
+        for key in ("path", "weights"):
+            if "\0" in raw.get(key, ""):
+                raise source.error(("model", key), f"model.{key} contains a NUL character, "
+                                   "which no file name can hold")
         model = ModelSpec(blocks=raw.get("blocks"), module=raw.get("module"),
                           stages=tuple((name, tuple(units))
                                        for name, units in (raw.get("stages") or {}).items()),
@@ -349,7 +350,7 @@ def _build(source: Source) -> PlanSpec:
                               (t["parameter"], tuple(t["stages"])) for t in raw["ties"]),
                           vocab_parallel=None if "vocab_parallel" not in raw else (
                               raw["vocab_parallel"]["embedding"], raw["vocab_parallel"]["head"]),
-                          data=raw["data"], loss=raw["loss"],
+                          weights=raw.get("weights"), data=raw["data"], loss=raw["loss"],
                           path=raw.get("path"))
     return PlanSpec(source=source, name=doc["name"], description=doc.get("description", ""),
                     num_devices=num_devices, memory_capacity=capacity,

@@ -194,6 +194,9 @@ class ModelSpec:
     vocab_parallel: tuple[str, str] | None = None
     """With module: (token embedding, output head), sharded over the vocabulary by the
     multi-device blocks holding them (M-shape); None when nothing is sharded."""
+    weights: str | None = None
+    """With module: a safetensors checkpoint folder (relative to the plan) the parameters
+    start from, each rank reading only its own; None: the factory's initialisation."""
     data: str
     loss: str
     path: str | None = None
