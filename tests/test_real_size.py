@@ -19,6 +19,7 @@ from pyplan.spec import spec_from_text
 
 MODELS = Path(__file__).resolve().parent / "models"
 sys.path.insert(0, str(MODELS))
+sys.path.insert(0, str(MODELS.parent))
 PYPLAN = str(Path(sys.executable).with_name("pyplan"))
 
 
@@ -247,5 +248,30 @@ def test_a_run_from_a_sharded_checkpoint_trains_as_one_process_from_it(tmp_path)
     result = subprocess.run([PYPLAN, "run", str(plan.with_suffix(".resolved.yaml")),
                              "--nproc-per-node", "2", "--check", "--iterations", "2", "--json"],
                             capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["check"]["ok"]
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("family", ["jamba", "zamba2"])
+def test_hybrid_layer_lists_partition_and_train_as_one_process(family, tmp_path):
+    """Layer lists of several classes (Mamba and attention) are cut like any other; Zamba2's
+    layers also read the embeddings' output, so every stage runs the embeddings."""
+    import shutil
+
+    shutil.copy(MODELS / "hf.py", tmp_path / "hf.py")
+    run = lambda *args: subprocess.run([PYPLAN, *args], capture_output=True, text=True,  # noqa
+                                       cwd=tmp_path, timeout=600)
+    made = run("partition", f"hf:{family}", "--data", "hf:batch", "--loss", "hf:loss",
+               "--devices", "4", "--repeats", "1", "-o", "plan.yaml")
+    assert made.returncode == 0, made.stderr
+    plan = (tmp_path / "plan.yaml").read_text()
+    assert "cut: forward" in plan
+    if family == "zamba2":
+        assert '{parameter: "model.embed_tokens.weight", stages: [stage0, stage1, stage2, ' \
+               'stage3]}' in plan
+    assert run("solve", "plan.yaml", "--quiet").returncode == 0
+    result = run("run", "plan.resolved.yaml", "--nproc-per-node", "4", "--check",
+                 "--iterations", "2", "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1])["check"]["ok"]

@@ -58,6 +58,8 @@ class Cut:
     kind: str = CHAIN
     tuples: bool = False
     """Forward cut: the model's layers return tuples (hidden states first)."""
+    why: str = ""
+    """Traced cut, as partition found it: why the model's own forward could not be followed."""
 
 
 def find_units(model: nn.Module, inputs) -> tuple[Cut, list[Unit]]:
@@ -65,14 +67,17 @@ def find_units(model: nn.Module, inputs) -> tuple[Cut, list[Unit]]:
     names = chain.units(model)
     if names and chain.is_chain(model, names, inputs):
         return Cut(CHAIN), [Unit(n, (n,)) for n in names]
+    why = "it has no nn.ModuleList of layers"
     if forward.decoder_layers(model) is not None:
         found = forward.units(model, inputs)
-        if found is not None:
+        if not isinstance(found, str):
             units, tuples = found
             return Cut(FORWARD, tuples), [Unit(n, m) for n, m in units]
+        why = found
     if not names:
-        raise PlanError("the model has no children to split into stages")
-    return Cut(TRACED), [Unit(n, (n,)) for n in names]
+        raise PlanError(f"the model has no children to split into stages, and its forward "
+                        f"cannot be cut at its layers: {why}")
+    return Cut(TRACED, why=why), [Unit(n, (n,)) for n in names]
 
 
 def stage_modules(model: nn.Module, cut: Cut, stages: list[tuple[str, tuple[str, ...]]],
@@ -87,7 +92,15 @@ def stage_modules(model: nn.Module, cut: Cut, stages: list[tuple[str, tuple[str,
         return forward.prune(model, [m for _, m in stages], mine, device, tuples=cut.tuples,
                              materialize=materialize)
     if cut.kind == TRACED:
-        pieces = traced.pieces(model, [m[0] for _, m in stages], inputs)
+        try:
+            pieces = traced.pieces(model, [m[0] for _, m in stages], inputs)
+        except PlanError as exc:
+            if not cut.why:
+                raise
+            raise PlanError(f"pyplan cannot cut the model in its own forward ({cut.why}), and "
+                            f"{exc.message}", hint="make the forward call its list of layers "
+                            "once each, in order, between the embeddings and the head; or "
+                            "build each block yourself (model: {blocks: ...})") from None
         return {s: pieces[s].to(device) for s in mine}
     stages_of = {s: chain.stage(model, stages[s][1]) for s in mine}
     for module in stages_of.values():

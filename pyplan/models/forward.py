@@ -34,14 +34,23 @@ __all__ = ["ForwardStage", "call_order", "decoder_layers", "logits", "observe", 
 
 
 def decoder_layers(model: nn.Module) -> str | None:
-    """The dotted name of the model's list of layers: the longest nn.ModuleList whose
-    children are all of one class (None if it has none)."""
+    """The dotted name of the model's list of layers: the longest nn.ModuleList not inside
+    another one (lists of experts or adapters live inside a layer), whatever the classes of
+    its layers (hybrid models alternate Mamba and attention layers); None if it has none."""
     best, size = None, 0
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > size and \
-                len({type(child) for child in module}) == 1:
+                not (best is not None and name.startswith(f"{best}.")) and \
+                not any(name.startswith(f"{outer}.") for outer in _lists_above(model, name)):
             best, size = name, len(module)
     return best
+
+
+def _lists_above(model: nn.Module, name: str) -> list[str]:
+    """The names of the nn.ModuleLists that hold module `name`."""
+    parts = name.split(".")
+    return [".".join(parts[:k]) for k in range(1, len(parts))
+            if isinstance(model.get_submodule(".".join(parts[:k])), nn.ModuleList)]
 
 
 def call_order(model: nn.Module, inputs) -> tuple[list[str], bool]:
@@ -81,51 +90,74 @@ def observe(model: nn.Module, inputs, handles: list) -> None:
             handle.remove()
 
 
-def units(model: nn.Module, inputs) -> tuple[list[tuple[str, tuple[str, ...]]], bool] | None:
+def units(model: nn.Module, inputs) -> tuple[list[tuple[str, tuple[str, ...]]], bool] | str:
     """(name, modules) of the units of a forward cut: the modules with parameters called before
     the first layer, each layer, the ones called after the last; and whether the layers return
-    tuples. None when the model's forward does not call its layers in order between them, or
-    when the cut pieces, chained, do not compute what the whole model computes."""
+    tuples. Else why the cut does not apply: the model's forward does not call its layers in
+    order between other modules, or the cut pieces, chained, do not compute what the whole
+    model computes."""
     layers_name = decoder_layers(model)
     count = len(model.get_submodule(layers_name))
     layers = [f"{layers_name}.{i}" for i in range(count)]
     try:
         order, tuples = call_order(model, inputs)
-    except Exception:  # a forward that cannot run on these inputs is not this cut's to judge
-        return None
+    except Exception as exc:  # a forward that cannot run on these inputs is not this cut's
+        return f"its forward raised {_describe(exc)} on a micro-batch"
     called = [name for name in order if name in set(layers)]
     if called != layers:
-        return None
+        shown = ", ".join(n.rpartition(".")[2] for n in called[:8])
+        return (f"its forward does not call the {count} layers of {layers_name} once each, "
+                f"in order (called: {shown or 'none'})")
     first, last = order.index(layers[0]), order.index(layers[-1])
     before, after = order[:first], order[last + 1:]
+    if any(name in before + after for name in layers):
+        return f"its forward calls the layers of {layers_name} more than once"
+    tail = [("+".join(after), tuple(after))] if after else []
     found = ([("+".join(before), tuple(before))] if before else []) + \
-        [(name, (name,)) for name in layers] + \
-        ([("+".join(after), tuple(after))] if after else [])
-    if any(name in before + after for name in layers) or \
-            not _same_as_whole(model, [m for _, m in found], inputs, tuples):
-        return None
-    return found, tuples
+        [(name, (name,)) for name in layers] + tail
+    why = _differs_from_whole(model, [m for _, m in found], inputs, tuples)
+    if why is None:
+        return found, tuples
+    # Layers that read the embeddings' output itself (Zamba2's shared attention takes it
+    # beside the hidden states) need it on every stage: the embeddings become no unit's, so
+    # every stage runs them (their parameters tied over the stages).
+    found = [(name, (name,)) for name in layers] + tail
+    if before and _differs_from_whole(model, [m for _, m in found], inputs, tuples) is None:
+        return found, tuples
+    return f"cut at its layers, each stage on a rank of its own, {why}"
 
 
-def _same_as_whole(model: nn.Module, stage_modules: list[tuple[str, ...]], inputs,
-                   tuples: bool) -> bool:
-    """Every unit as a stage of one rank holding them all, chained: the whole model's logits?"""
+def _differs_from_whole(model: nn.Module, stage_modules: list[tuple[str, ...]], inputs,
+                        tuples: bool) -> str | None:
+    """Each unit as a stage of its own rank (a copy of the model pruned as that rank prunes
+    it), chained: None when that computes the whole model's logits, else how it fails."""
     import copy
 
-    whole_model = copy.deepcopy(model)
-    whole_model.eval()
     try:
         with torch.no_grad():
+            whole_model = copy.deepcopy(model).eval()
             want = logits(whole_forward(whole_model, inputs))
-            stages = prune(whole_model, stage_modules, list(range(len(stage_modules))),
-                           torch.device("cpu"), tuples=tuples)
+            del whole_model
             hidden = None
             for s in range(len(stage_modules)):
-                hidden = stages[s](inputs) if s == 0 else stages[s](inputs, hidden)
-    except Exception:  # any failure of the cut pieces means: not this cut
-        return False
-    return isinstance(want, torch.Tensor) and isinstance(hidden, torch.Tensor) and \
-        want.shape == hidden.shape and bool(torch.allclose(want, hidden, atol=1e-5))
+                stage = prune(copy.deepcopy(model).eval(), stage_modules, [s],
+                              torch.device("cpu"), tuples=tuples)[s]
+                hidden = stage(inputs) if s == 0 else stage(inputs, hidden)
+                del stage
+    except Exception as exc:  # any failure of the cut pieces means: not this cut
+        return f"stage {s} raised {_describe(exc)}"
+    if not (isinstance(want, torch.Tensor) and isinstance(hidden, torch.Tensor) and
+            want.shape == hidden.shape):
+        return "the last stage's output is not the model's logits"
+    if not torch.allclose(want, hidden, atol=1e-5):
+        return (f"the stages compute other logits than the whole model (largest difference "
+                f"{float((want - hidden).abs().max()):.3g})")
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
 def logits(output):

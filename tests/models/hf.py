@@ -57,6 +57,22 @@ def gemma():
     return build("gemma")
 
 
+def jamba():
+    """Jamba's layer list mixes classes: Mamba layers, and attention in every second one."""
+    return build("jamba", attn_layer_period=2, attn_layer_offset=1, num_experts=2)
+
+
+def zamba2():
+    """Zamba2 alternates Mamba layers and hybrid ones, whose shared attention block (one
+    module in several layers) also reads the embeddings' output."""
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "zamba2", num_hidden_layers=4, layers_block_type=["mamba", "hybrid"] * 2,
+        hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+        attention_head_dim=16, mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8,
+        mamba_ngroups=1, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2))
+
+
 def batch(step: int):
     tokens = torch.randint(3, VOCAB, (BATCH, SEQUENCE + 1))
     return tokens[:, :-1], tokens[:, 1:]
