@@ -328,8 +328,9 @@ def load(directory: str | Path, pipe, optimizer=None, *, scheduler=None) -> dict
     state = state_dict(pipe, optimizer)
     mine = sorted(state["model"])
     everyone = all_gather_objects(mine)
+    builder = pipe.problem.model.builder if pipe.problem.model is not None else None
     agree(lambda: _check_model(folder, meta, stored, state["model"],
-                                 {k for keys in everyone for k in keys}))
+                               {k for keys in everyone for k in keys}, builder))
     has = all_gather_objects(_describe(optimizer))
     agree(lambda: _check_optimizer(folder, meta, stored, state.get("optimizer"),
                                      next((h for h in has if h is not None), None)))
@@ -381,21 +382,31 @@ def _check_files(folder: Path):
             size = (folder / name).stat().st_size
         except FileNotFoundError:
             raise CheckpointError(f"the checkpoint {folder} is damaged: its part {name} is "
-                                  "missing", hint="resume from an earlier checkpoint") from None
+                                  "missing", hint=_earlier(folder)) from None
         if size < end:
             raise CheckpointError(f"the checkpoint {folder} is damaged: its part {name} is "
-                                  f"truncated ({size} of {end} bytes)",
-                                  hint="resume from an earlier checkpoint")
+                                  f"truncated ({size} of {end} bytes)", hint=_earlier(folder))
     return metadata.state_dict_metadata
 
 
-def _check_model(folder: Path, meta: dict, stored: dict, mine: dict, everyone: set) -> None:
+def _earlier(folder: Path) -> str:
+    """A hint naming the newest complete checkpoint before `folder`, if there is one."""
+    step = _STEP.fullmatch(folder.name)
+    earlier = sorted((int(m.group(1)), p) for p in folder.parent.iterdir()
+                     if (m := _STEP.fullmatch(p.name)) and (p / META).is_file() and step
+                     and int(m.group(1)) < int(step.group(1))) if step else []
+    return f"resume from {earlier[-1][1]}" if earlier else "resume from an earlier checkpoint"
+
+
+def _check_model(folder: Path, meta: dict, stored: dict, mine: dict, everyone: set,
+                 builder: str | None) -> None:
     hint = "resume with a plan of the model it was saved from (sharded blocks and sharded " \
            "meshes need the same sharding)"
     for key, tensor in mine.items():
         entry = stored.get(f"model.{key}")
         if entry is None or not hasattr(entry, "size"):
-            other = f" (saved from {meta['model']})" if meta.get("model") else ""
+            other = f" (saved from {meta['model']})" \
+                if meta.get("model") not in (None, builder) else ""
             raise CheckpointError(f"the checkpoint {folder}{other} has no {key!r}", hint=hint)
         if tuple(entry.size) != tuple(tensor.shape):
             raise CheckpointError(f"{key} is shaped {tuple(entry.size)} in the checkpoint "

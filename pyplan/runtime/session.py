@@ -152,7 +152,8 @@ class Session:
         ins = program[index] if iteration >= 0 and 0 <= index < len(program) else None
         # A failed transfer or collective is most likely the echo of another rank's failure.
         echo = isinstance(exc, (TransferError, dist.DistError)) or \
-            (ins is not None and ins.op == COMPUTE and len(ins.group) > 1)
+            (ins is not None and ins.op == COMPUTE and len(ins.group) > 1) or \
+            (iteration in (SAVE, EVAL) and not isinstance(exc, PyplanError))
         if self.watchdog is None:
             return _error(own, exc)
         message = self.watchdog.fail(own, wait_for_cause=echo)
