@@ -191,7 +191,7 @@ class Session:
                     self.step_index = batches
                     inputs, targets = make_batch(pipe.model, batches, opts.seed,
                                                  torch.device("cpu"))
-                    samples, tokens = _sizes(inputs)
+                    samples, tokens = (x * K if x else x for x in _sizes(inputs))
                     dist.barrier()
                     started = time.perf_counter()
                     pipe.step(inputs, targets, trace=opts.trace is not None and
@@ -266,15 +266,18 @@ class Session:
         """Accumulated gradients averaged, clipped, applied (unless fp16 overflowed); the
         schedule moves on either way. Returns the norm before clipping when clipping."""
         opts, pipe = self.options, self.pipe
-        if optimizer is None:
+        if not self.problem.training:
             return None
         if opts.training.accumulate > 1:
             for p in pipe.parameters():
                 if p.grad is not None:
                     p.grad.mul_(1 / opts.training.accumulate)
         norm = None
-        if opts.training.clip_grad_norm is not None:
+        if opts.training.clip_grad_norm is not None:  # a collective: every rank, one whose
+            # stage has no trainable parameter (no optimizer) too
             norm = float(pipe.clip_grad_norm_(opts.training.clip_grad_norm))
+        if optimizer is None:
+            return norm
         if not overflow:
             optimizer.step()
         with warnings.catch_warnings():  # an fp16 step skipped: the schedule still moves
