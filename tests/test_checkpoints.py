@@ -130,15 +130,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def alone(monkeypatch) -> None:
+    """This process as the only rank of a world (torchrun's environment)."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(key, value)
+
+
 @pytest.fixture
 def one_rank(monkeypatch, capfd):
     """`pyplan ...` in this process as the only rank of a world: (exit code, stdout, stderr)."""
     from pyplan.cli import main
 
     def run(*args):
-        for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
-            monkeypatch.setenv(key, value)
+        alone(monkeypatch)
         capfd.readouterr()
         code = main([str(a) for a in args])
         out, err = capfd.readouterr()

@@ -432,6 +432,9 @@ def _json(report, lowered, options) -> dict:
         "predicted_activation_bytes": report.predicted_activation_bytes,
         "cuda_max_allocated": report.cuda_max_allocated,
         "ties": report.ties,
+        "eval_losses": [{"step": step, "loss": loss} for step, loss in report.eval_losses],
+        "resumed": report.resumed,
+        "checkpoint": report.saved,
         "check": None if report.verdict is None else {"ok": report.verdict.ok,
                                                       "message": report.verdict.message},
     }
