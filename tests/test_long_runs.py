@@ -35,16 +35,16 @@ def test_lines_as_they_happen_schedules_accumulation_evaluation_and_resume(tmp_p
                "--clip-grad-norm", "0.5", "--eval-every", "2", "--eval-batches", "2",
                "--check", "--save", "ck", "--log", "log.jsonl"]
     # Batches 4 and later take a second each: steps 2 and 3 are slow.
-    process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "LONGRUN_SLOW_FROM": "4"})
-    arrivals, logged = [], None
-    for line in process.stdout:
-        arrivals.append((time.monotonic(), line.rstrip("\n")))
-        if line.startswith("  iteration 1:"):
-            logged = (tmp_path / "log.jsonl").read_text().splitlines()
-    err = process.stderr.read()
-    assert process.wait(timeout=300) == 0, err
+    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "LONGRUN_SLOW_FROM": "4"}) as process:
+        arrivals, logged = [], None
+        for line in process.stdout:
+            arrivals.append((time.monotonic(), line.rstrip("\n")))
+            if line.startswith("  iteration 1:"):
+                logged = (tmp_path / "log.jsonl").read_text().splitlines()
+        err = process.stderr.read()
+        assert process.wait(timeout=300) == 0, err
     lines = [text for _, text in arrivals]
     first = next(t for t, text in arrivals if text.startswith("  iteration 0:"))
     last = next(t for t, text in arrivals if text.startswith("  iteration 3:"))

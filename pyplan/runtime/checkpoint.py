@@ -206,7 +206,8 @@ def save(directory: str | Path, pipe, optimizer=None, *, step: int, scheduler=No
               "plan_sha256": pipe.resolved.spec_sha256,
               "model": pipe.problem.model.builder if pipe.problem.model else None,
               "optimizer": next((d for d in described if d is not None), None),
-              "world": pipe.world, **(meta or {})}
+              "world": pipe.world, "iterations": pipe.iteration + 1,
+              "loss_scale": pipe.loss_scale, **(meta or {})}
     schedules = all_gather_objects(None if scheduler is None else scheduler.state_dict())
     if any(s is not None for s in schedules):
         record["scheduler"] = next(s for s in schedules if s is not None)
@@ -343,6 +344,9 @@ def load(directory: str | Path, pipe, optimizer=None, *, scheduler=None) -> dict
         failure = f"cannot read the checkpoint {folder}: {_cause(exc)}"
     agree(lambda: _raise(failure))
     load_state_dict(pipe, state, optimizer)
+    # The plan iterations done (dropout's random numbers follow them) and fp16's loss scale.
+    pipe.iteration = int(meta.get("iterations", 0)) - 1
+    pipe.loss_scale = float(meta.get("loss_scale", pipe.loss_scale))
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
     return {**meta, "path": str(folder)}

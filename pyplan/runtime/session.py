@@ -250,8 +250,6 @@ class Session:
         saved = meta.get("training") or {}
         checkpoint.agree(lambda: _resumable(folder, meta, opts))
         checkpoint.load(folder, pipe, optimizer)
-        if "loss_scale" in meta:
-            pipe.loss_scale = float(meta["loss_scale"])
         first, batches = int(meta["step"]), int(meta.get("batches", meta["step"]))
         history = list(meta.get("history") or [])
         changed = changes(now, saved)
@@ -326,7 +324,7 @@ class Session:
         opts, pipe = self.options, self.pipe
         self.step_index = SAVE
         fail = opts.fail_save[1] if opts.fail_save and opts.fail_save[0] == self.rank else None
-        meta = {"seed": opts.seed, "batches": batches, "loss_scale": pipe.loss_scale,
+        meta = {"seed": opts.seed, "batches": batches,
                 "training": {**opts.training.record(), "steps": steps}, "history": history}
         folder = checkpoint.save(opts.save, pipe, optimizer, step=step, meta=meta,
                                  keep_last=opts.keep_last, fail=fail)
