@@ -375,9 +375,9 @@ def _check_files(folder: Path):
     try:
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - any failure to read it is a damaged file
-        raise CheckpointError(f"{folder / '.metadata'} is damaged "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-                              ) from None
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise CheckpointError(f"{folder / '.metadata'} is damaged ({type(exc).__name__}: "
+                              f"{first})") from None
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
