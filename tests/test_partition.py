@@ -246,13 +246,15 @@ def _partitioned(tmp_path, bounds, devices):
     return path
 
 
-def test_megatron_layout_and_torchtitan_split_points(cli, tmp_path):
+def test_megatron_layout_and_torchtitan_module_fqns(cli, tmp_path):
     plan = _partitioned(tmp_path, (0, 2, 4, 6, 9), 4)
     code, out, err = cli("export", plan, "--format", "megatron-layout", "-o", "-")
     assert (code, err) == (0, "") and out == "E,t|t*2|t*2|t,L\n"
     code, out, _ = cli("export", plan, "--format", "torchtitan", "-o", "-")
     assert code == 0
-    assert 'pipeline_parallel_split_points = ["layers.1", "layers.3", "layers.5"]' in out
+    assert ('MODULE_FQNS_PER_MODEL_PART = [\n    ["embed", "layers.0"],\n    ["layers.1", '
+            '"layers.2"],\n    ["layers.3", "layers.4"],\n    ["layers.5", "norm", "head"],\n]'
+            ) in out
     assert "pipeline_parallel_degree = 4" in out and '"1F1B"' in out
     # Interleaved, 2 chunks on 2 ranks: chunk 0 of every rank first, as Megatron lists them.
     plan = _partitioned(tmp_path, (0, 3, 5, 7, 9), 2)

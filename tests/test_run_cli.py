@@ -151,6 +151,7 @@ def test_the_clis_choices_are_the_runtimes():
     from pyplan.cli import run
     from pyplan.runtime.comm import DEVICES
     from pyplan.runtime.pipeline import DTYPES
-    from pyplan.runtime.training import OPTIMIZERS
+    from pyplan.runtime.training import OPTIMIZERS, SCHEDULES
 
-    assert (run.DEVICES, run.DTYPES, run.OPTIMIZERS) == (DEVICES, tuple(DTYPES), OPTIMIZERS)
+    assert (run.DEVICES, run.DTYPES, run.OPTIMIZERS, run.SCHEDULES) == \
+        (DEVICES, tuple(DTYPES), OPTIMIZERS, SCHEDULES)

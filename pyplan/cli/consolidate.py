@@ -1,8 +1,10 @@
 """`pyplan consolidate RESOLVED DIR -o FILE`: a checkpoint `pyplan run --save DIR` wrote (one
-part per rank, torch.distributed.checkpoint) as the whole model's state dict, under the keys
-the model's own `state_dict()` has, saved with torch.save: `load_state_dict(strict=True)` into
-the model the plan's factory builds (a Hugging Face model then `save_pretrained`s it). One
-process, no torchrun."""
+part per rank, torch.distributed.checkpoint; DIR's newest complete step folder, or the step
+folder DIR) as the whole model's state dict, under the keys the model's own `state_dict()`
+has, saved with torch.save: `load_state_dict(strict=True)` into the model the plan's factory
+builds (a Hugging Face model then `save_pretrained`s it). One process, no torchrun. An output
+that is one of its inputs (the plans, a file of the checkpoint) is refused before anything is
+written."""
 
 from __future__ import annotations
 
@@ -12,15 +14,19 @@ from pathlib import Path
 
 from pyplan.cli._torch import require_torch
 from pyplan.errors import PlanError
-from pyplan.fileio import write_atomic
+from pyplan.fileio import check_not_input, write_atomic
 from pyplan.resolved import load_resolved
 
 __all__ = ["add_arguments", "run"]
 
+META = "pyplan.json"  # pyplan.runtime.checkpoint.META (this module parses without torch)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", metavar="RESOLVED", help="a resolved plan of the model")
-    parser.add_argument("checkpoint", metavar="DIR", help="what pyplan run --save wrote")
+    parser.add_argument("checkpoint", metavar="DIR",
+                        help="what pyplan run --save wrote (its newest checkpoint) or one "
+                        "step folder in it")
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
                         help="where to write the state dict (torch.save)")
 
@@ -31,14 +37,12 @@ def run(args: argparse.Namespace) -> int:
     if problem.model is None:
         raise PlanError("the plan has no model: section, so there is no model to consolidate",
                         file=args.plan)
-    if not (Path(args.checkpoint) / ".metadata").is_file():
-        raise PlanError(f"{args.checkpoint}: not a checkpoint written by pyplan run --save",
-                        hint="give the directory --save wrote")
+    _check_output(Path(args.output), Path(args.checkpoint), plan)
     require_torch("consolidate")
     import torch
 
     from pyplan.runtime.binding import build, build_whole, load_model
-    from pyplan.runtime.checkpoint import consolidate
+    from pyplan.runtime.checkpoint import consolidate, find
 
     source = plan.plan_path if plan.plan_path is not None and plan.plan_path.is_file() \
         else plan.path
@@ -57,5 +61,25 @@ def run(args: argparse.Namespace) -> int:
     torch.save(state, buffer)
     write_atomic(args.output, buffer.getvalue())
     print(f"wrote {args.output}: {len(state)} entries of {problem.model.builder}'s state dict "
-          f"from {args.checkpoint}")
+          f"from {find(args.checkpoint)}")
     return 0
+
+
+def _check_output(output: Path, checkpoint: Path, plan) -> None:
+    """Refuse to write over what this command reads: the resolved plan, its plan, the
+    checkpoint's folder or anything inside it, an existing output that is not a file."""
+    if not checkpoint.is_dir():
+        raise PlanError(f"{checkpoint}: " + ("not a directory" if checkpoint.exists() else
+                                              "does not exist"),
+                        hint="give the directory pyplan run --save wrote")
+    check_not_input(output, plan.path, plan.plan_path)
+    target = output.resolve()
+    given = checkpoint.resolve()
+    inside = [checkpoint] * (target == given or given in target.parents)
+    inside += [f for f in target.parents if (f / ".metadata").is_file() or (f / META).is_file()]
+    if inside:
+        raise PlanError(f"refusing to write {output} inside the checkpoint {inside[0]}",
+                        hint="choose an output outside the checkpoints")
+    if output.exists() and not output.is_file():
+        raise PlanError(f"{output} exists and is not a regular file",
+                        hint="choose a file name for the state dict")

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="svg (timeline picture), chrome (Chrome/Perfetto trace JSON), "
                              "torch-csv (torch.distributed.pipelining schedule), "
                              "megatron-layout (Megatron-LM's pipeline layout string) or "
-                             "torchtitan (its [parallelism] settings)")
+                             "torchtitan (a Python module setting its pipeline)")
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
                         help="file to write, '-' for standard output")
     parser.add_argument("--template", metavar="NAME",

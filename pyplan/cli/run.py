@@ -19,18 +19,20 @@ import sys
 from pathlib import Path
 
 from pyplan.cli._torch import require_torch
-from pyplan.errors import EXIT_RUN_FAILED, PlanError, RunError
+from pyplan.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILED, PlanError, RunError
+from pyplan.fileio import check_not_input
 from pyplan.lower import COMPUTE, RECV, SEND, SYNC, WAIT, check_runnable, describe, lower
 from pyplan.resolved import load_resolved
 from pyplan.verify import verify
 
-__all__ = ["DEVICES", "DTYPES", "OPTIMIZERS", "add_arguments", "run"]
+__all__ = ["DEVICES", "DTYPES", "OPTIMIZERS", "SCHEDULES", "add_arguments", "run"]
 
 # The runtime's choices (pyplan.runtime.comm, .pipeline, .training), spelled here so that the
 # CLI parses without importing torch (tests/test_run_cli.py checks they agree).
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("constant", "linear", "cosine")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,14 +62,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip-grad-norm", type=float, metavar="N",
                         help="clip gradients to this global norm (over all stages and replicas)")
     parser.add_argument("--lr-warmup", type=int, default=0, metavar="K",
-                        help="linear learning-rate warmup over K steps, then constant")
+                        help="linear learning-rate warm-up over the first K steps")
+    parser.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
+                        help="after the warm-up: constant (default), or linear or cosine decay "
+                        "to --lr-min at the run's last step (torch.optim.lr_scheduler)")
+    parser.add_argument("--lr-min", type=float, default=0.0, metavar="LR",
+                        help="the learning rate a decay ends at (default 0)")
+    parser.add_argument("--accumulate", type=int, default=1, metavar="K",
+                        help="add up the gradients of K global batches (plan iterations) per "
+                        "optimizer step (default 1)")
+    parser.add_argument("--eval-every", type=int, metavar="K",
+                        help="every K steps, the mean loss over --eval-batches batches of the "
+                        "data's eval split: data(i, split='eval')")
+    parser.add_argument("--eval-batches", type=int, default=1, metavar="N",
+                        help="batches per evaluation (default 1)")
+    parser.add_argument("--log", metavar="FILE",
+                        help="append a JSON object per step and evaluation to FILE, flushed as "
+                        "it happens (step, loss, lr, grad_norm, seconds, samples/tokens per "
+                        "second, memory)")
+    parser.add_argument("--tensorboard", metavar="DIR",
+                        help="also write the scalars for TensorBoard to DIR "
+                        "(torch.utils.tensorboard; needs the tensorboard package)")
     parser.add_argument("--save", metavar="DIR",
-                        help="write a checkpoint (torch.distributed.checkpoint) to DIR at the end")
+                        help="write a checkpoint (torch.distributed.checkpoint) at the end, in "
+                        "its own folder DIR/step-NNNNNNNN")
     parser.add_argument("--save-every", type=int, metavar="K",
-                        help="with --save: also every K iterations")
+                        help="with --save: also every K steps")
+    parser.add_argument("--keep-last", type=int, metavar="N",
+                        help="with --save: keep only the newest N checkpoints in DIR")
     parser.add_argument("--resume", metavar="DIR",
-                        help="continue from the checkpoint in DIR (its step, model and optimizer "
-                        "state; any plan of the same model)")
+                        help="continue from the newest complete checkpoint in DIR (or the step "
+                        "folder DIR): its step, model and optimizer state; any plan of the "
+                        "same model; changed settings are applied and said")
     parser.add_argument("--device", choices=DEVICES,
                         help="cpu or cuda for every rank (default: $PYPLAN_DEVICE, else auto: "
                         "cuda when every rank has a GPU)")
@@ -83,7 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "run nothing (no torchrun needed)")
     parser.add_argument("--fail-at", metavar="RANK:INDEX[:kill]",
                         help="testing aid: RANK raises (or kills itself) at instruction INDEX "
-                        "of iteration 0")
+                        "of iteration 0; INDEX 'save': in the middle of writing its part of "
+                        "the first checkpoint")
     launch = parser.add_argument_group(
         "launching (torchrun's options; used when pyplan run starts the workers itself)")
     launch.add_argument("--nproc-per-node", type=int, metavar="D",
@@ -122,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     devices = problem.num_devices * problem.mesh.data
     command = f"pyplan run {args.plan} --nproc-per-node {devices}"
+    if args.tensorboard is not None:
+        require_torch("run --tensorboard")
+        _check_tensorboard()
     if args.nproc_per_node is not None and "RANK" not in os.environ:
         return _launch(args)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -137,7 +167,33 @@ def run(args: argparse.Namespace) -> int:
     from pyplan.runtime.binding import load_model
 
     model = load_model(problem, plan_dir, _source(plan))
+    if args.eval_every is not None:
+        _check_eval_split(model, problem)
     return record(_session)(args, plan, model, fail_at)
+
+
+def _check_tensorboard() -> None:
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        raise PlanError("--tensorboard needs the tensorboard package, which is not installed",
+                        hint="pip install tensorboard, or log JSON lines with --log FILE") \
+            from None
+
+
+def _check_eval_split(model, problem) -> None:
+    """--eval-every reads batches of the data's eval split: data(i, split="eval")."""
+    import inspect
+
+    try:
+        inspect.signature(model.data).bind(0, split="eval")
+    except TypeError:
+        raise PlanError(f"--eval-every: {problem.model.data} takes no split argument",
+                        hint="define it as batch(step, split='train') and return batch step of "
+                        "the evaluation data for split='eval'",
+                        file=problem.source_path or None) from None
+    except ValueError:  # no signature to read (a builtin): it will say so when called
+        pass
 
 
 def _source(plan) -> str:
@@ -164,14 +220,15 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
     """The command line of one worker: this run's options, without the launcher's."""
     out = ["run", args.plan]
     for option in ("iterations", "seed", "lr", "weight_decay", "lr_warmup", "fault_timeout",
-                   "optimizer", "dtype"):
+                   "optimizer", "dtype", "lr_schedule", "lr_min", "accumulate",
+                   "eval_batches"):
         out += [f"--{option.replace('_', '-')}", repr(getattr(args, option))
                 if isinstance(getattr(args, option), float) else str(getattr(args, option))]
     for flag in ("check", "blocking", "sync_at_end", "json"):
         if getattr(args, flag):
             out.append(f"--{flag.replace('_', '-')}")
     for option in ("trace", "fail_at", "tolerance", "clip_grad_norm", "save", "save_every",
-                   "resume", "device"):
+                   "resume", "device", "keep_last", "eval_every", "log", "tensorboard"):
         value = getattr(args, option)
         if value is not None:
             out += [f"--{option.replace('_', '-')}",
@@ -195,12 +252,16 @@ def _launch(args: argparse.Namespace) -> int:
             options += [f"--{option}", value]
     if all(given[o] is None for o in ("nnodes", "rdzv-endpoint", "master-port", "master-addr")):
         options.append("--standalone")  # one machine: a free port, no fixed 29500
-    launcher = get_args_parser().parse_args(
-        [*options, "--no-python", sys.executable, "-c", _WORKER, *_worker_arguments(args)])
+    launcher = get_args_parser().parse_args([*options, "--no-python", sys.executable])
+    # Set apart from the launcher's parser, which would take --log for its own --log-dir.
+    launcher.training_script_args = ["-c", _WORKER, *_worker_arguments(args)]
     try:
         torchrun(launcher)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        if len(exc.failures) == args.nproc_per_node and \
+                all(f.exitcode == EXIT_BAD_INPUT for f in exc.failures.values()):
+            return EXIT_BAD_INPUT  # every rank refused the input and said why, in one line
         raise RunError(f"{len(exc.failures)} worker(s) failed; the first, rank {rank}, exited "
                        f"with {failure.exitcode}", hint="its own message is above") from None
     except SignalException as exc:
@@ -212,21 +273,29 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _session(args, plan, model, fail_at) -> int:
     """What torchrun runs on every rank: init -> build -> train -> close."""
+    from pyplan.runtime.checkpoint import CheckpointError
     from pyplan.runtime.session import Options, Session, summary
     from pyplan.runtime.training import Training
 
     training = Training(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-                        clip_grad_norm=args.clip_grad_norm, lr_warmup=args.lr_warmup)
+                        clip_grad_norm=args.clip_grad_norm, lr_warmup=args.lr_warmup,
+                        lr_schedule=args.lr_schedule, lr_min=args.lr_min,
+                        accumulate=args.accumulate)
     options = Options(iterations=args.iterations, seed=args.seed, training=training,
                       blocking=args.blocking, sync_at_end=args.sync_at_end,
                       check=args.check, tolerance=args.tolerance, trace=args.trace,
-                      fault_timeout=args.fault_timeout, fail_at=fail_at, device=args.device,
+                      fault_timeout=args.fault_timeout, fail_at=fail_at[0], device=args.device,
                       dtype=args.dtype, save=args.save, save_every=args.save_every,
-                      resume=args.resume, progress=not args.json)
+                      keep_last=args.keep_last, resume=args.resume, lines=not args.json,
+                      log=args.log, tensorboard=args.tensorboard, eval_every=args.eval_every,
+                      eval_batches=args.eval_batches, fail_save=fail_at[1])
     session = None
     try:
         session = Session(plan, model, options)
         report = session.train()
+    except CheckpointError:  # every rank raised it together: each says it and exits 2
+        session.close()
+        raise
     except Exception as exc:  # every rank agrees on the first failure, then exits
         if session is None:
             raise
@@ -259,25 +328,63 @@ def _options(args: argparse.Namespace):
         raise PlanError("--clip-grad-norm must be positive and finite")
     if args.lr_warmup < 0 or (args.save_every is not None and args.save_every < 1):
         raise PlanError("--lr-warmup must not be negative and --save-every at least 1")
-    if args.save_every is not None and args.save is None:
-        raise PlanError("--save-every needs --save DIR")
+    if not 0 <= args.lr_min <= args.lr:
+        raise PlanError(f"--lr-min {args.lr_min:g} must be between 0 and --lr {args.lr:g}")
+    for name in ("accumulate", "eval_every", "eval_batches", "keep_last"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise PlanError(f"--{name.replace('_', '-')} must be at least 1")
+    for name, needs in (("save_every", "save"), ("keep_last", "save")):
+        if getattr(args, name) is not None and getattr(args, needs) is None:
+            raise PlanError(f"--{name.replace('_', '-')} needs --{needs} DIR")
     if args.trace is not None and not Path(args.trace).resolve().parent.is_dir():
         raise PlanError(f"--trace {args.trace}: its directory does not exist")
-    if args.resume is not None and not (Path(args.resume) / ".metadata").is_file():
-        raise PlanError(f"--resume {args.resume}: not a checkpoint written by pyplan run --save",
-                        hint="give the directory --save wrote")
-    if args.save is not None and Path(args.save).exists() and not Path(args.save).is_dir():
-        raise PlanError(f"--save {args.save}: exists and is not a directory")
+    if args.log is not None:
+        log = Path(args.log)
+        if log.is_dir() or not log.resolve().parent.is_dir():
+            raise PlanError(f"--log {args.log}: " + ("is a directory" if log.is_dir() else
+                                                      "its directory does not exist"))
+        check_not_input(log, args.plan, args.resume)
+    if args.resume is not None:
+        _check_resume(Path(args.resume))
+    if args.save is not None:
+        _check_save(Path(args.save))
     if args.fail_at is None:
-        return None
+        return None, None
     parts = args.fail_at.split(":")
     try:
         if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "kill"):
             raise ValueError
-        return int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "raise"
+        how = parts[2] if len(parts) == 3 else "raise"
+        if parts[1] == "save":
+            return None, (int(parts[0]), how)
+        return (int(parts[0]), int(parts[1]), how), None
     except ValueError:
-        raise PlanError(f"--fail-at {args.fail_at!r} is not RANK:INDEX or RANK:INDEX:kill") \
-            from None
+        raise PlanError(f"--fail-at {args.fail_at!r} is not RANK:INDEX or RANK:INDEX:kill "
+                        "(INDEX a number or 'save')") from None
+
+
+def _check_resume(path: Path) -> None:
+    """A folder --save wrote (a step folder, or the folder of step folders), without torch;
+    the ranks check the checkpoint itself before they load it."""
+    if not path.is_dir():
+        raise PlanError(f"--resume {path}: " + ("is not a directory" if path.exists() else
+                                                 "does not exist"),
+                        hint="give the directory --save wrote")
+    if not (path / ".metadata").is_file() and \
+            not any(p.name.startswith("step-") for p in path.iterdir()):
+        raise PlanError(f"--resume {path}: holds no checkpoint written by pyplan run --save",
+                        hint="give the directory --save wrote")
+
+
+def _check_save(path: Path) -> None:
+    """--save DIR: a directory, or a path that can become one (no file in the way)."""
+    for folder in [path, *path.resolve().parents]:
+        if folder.exists():
+            if not folder.is_dir():
+                raise PlanError(f"--save {path}: {folder} exists and is not a directory",
+                                hint="choose another folder for the checkpoints")
+            return
 
 
 def _print_programs(lowered) -> None:
@@ -325,6 +432,9 @@ def _json(report, lowered, options) -> dict:
         "predicted_activation_bytes": report.predicted_activation_bytes,
         "cuda_max_allocated": report.cuda_max_allocated,
         "ties": report.ties,
+        "eval_losses": [{"step": step, "loss": loss} for step, loss in report.eval_losses],
+        "resumed": report.resumed,
+        "checkpoint": report.saved,
         "check": None if report.verdict is None else {"ok": report.verdict.ok,
                                                       "message": report.verdict.message},
     }

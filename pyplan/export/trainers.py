@@ -4,17 +4,21 @@ drive them: Megatron-LM's `--pipeline-model-parallel-layout` string and torchtit
 submodules (`model: {module, stages}`, as `pyplan partition` writes), each stage on one device.
 Megatron-LM places stage s on rank s mod the pipeline size (loop); torchtitan also runs the V
 (stage s and 2D-1-s on rank s: ZB-V, DualPipeV), and runs pyplan's own order from its
-torch-csv export in torch's _PipelineScheduleRuntime."""
+torch-csv export in torch's _PipelineScheduleRuntime. torchtitan is configured in Python
+(functions returning a Trainer.Config), its pipeline by `parallelism.module_fqns_per_model_part`
+(the split points of older versions are gone): the export is a module with a function that
+sets them."""
 
 from __future__ import annotations
 
 import json
 import re
+import textwrap
 
 from pyplan.errors import PlanError
 from pyplan.problem import Problem
 
-__all__ = ["megatron_layout", "torchtitan_config"]
+__all__ = ["megatron_layout", "torchtitan_config", "torchtitan_fqns"]
 
 _EMBEDDING = re.compile(r"(^|\.)(embed\w*|wte|tok_embeddings|word_embeddings)$", re.IGNORECASE)
 _OUTPUT = re.compile(r"(^|\.)(head|lm_head|output\w*|norm|final\w*|ln_f)$", re.IGNORECASE)
@@ -108,11 +112,47 @@ def _runs(symbols: list[str]) -> str:
     return ",".join(out)
 
 
+# Hugging Face names of the Llama family (Llama, Mistral, Qwen, ...) -> torchtitan's, which its
+# own decoders (Llama 3, Qwen 3) and its transformers backend share.
+_TORCHTITAN_NAMES = ((re.compile(r"model\.embed_tokens"), "tok_embeddings"),
+                     (re.compile(r"model\.layers\.(\d+)"), r"layers.\1"),
+                     (re.compile(r"model\.norm"), "norm"),
+                     (re.compile(r"model\.rotary_emb"), "rotary_emb"),
+                     (re.compile(r"lm_head"), "lm_head"))
+_TORCHTITAN_OWN = re.compile(r"tok_embeddings|layers\.\d+|norm|output|lm_head|rotary_emb")
+
+
+def torchtitan_fqns(stages: list[tuple[str, ...]]) -> tuple[list[list[str]], str]:
+    """torchtitan's module FQNs per model part, and the note that says whose names they are:
+    torchtitan's own when the units are (its Llama's), mapped from Hugging Face Llama-family
+    names when every unit has such a name, else the model's own."""
+    units = [u for part in stages for u in part]
+    if all(_TORCHTITAN_OWN.fullmatch(u) for u in units):
+        return [list(part) for part in stages], "torchtitan's own module names"
+    mapped = []
+    for part in stages:
+        names = []
+        for unit in part:
+            name = next((pattern.sub(to, unit) for pattern, to in _TORCHTITAN_NAMES
+                         if pattern.fullmatch(unit)), None)
+            if name is None:
+                return [list(p) for p in stages], (
+                    "the model's own module names: torchtitan looks each FQN up in the model "
+                    "it builds, so they fit a model with these submodules; its own decoders "
+                    "name them tok_embeddings, layers.N, norm, lm_head")
+            names.append(name)
+        mapped.append(names)
+    return mapped, ("Hugging Face Llama-family names mapped to torchtitan's (model.embed_tokens "
+                    "-> tok_embeddings, model.layers.N -> layers.N, model.norm -> norm, lm_head)")
+
+
 def torchtitan_config(problem: Problem) -> str:
-    """torchtitan's `[parallelism]` TOML: the pipeline degree, the split points (the first
-    submodule of every stage but the first), a torch schedule of the plan's placement (it
-    tells torchtitan which stages each rank builds: loop or V) and the CSV of pyplan's own order,
-    which torchtitan then runs in torch's _PipelineScheduleRuntime instead of the named one."""
+    """A Python module for current torchtitan, whose runs are configured by functions returning
+    a Trainer.Config: `pipeline(config)` sets the pipeline degree, the module FQNs of each
+    model part (`parallelism.module_fqns_per_model_part`), a torch schedule of the plan's
+    placement (it tells torchtitan which stages each rank builds: loop or V), the micro-batch
+    count and the CSV of pyplan's own order, which torchtitan then runs in torch's
+    _PipelineScheduleRuntime instead of the named one."""
     if not problem.training:
         raise PlanError(f"{problem.name} is an inference plan, and torchtitan's pipeline "
                         "settings are for training", hint="export megatron-layout, svg or "
@@ -132,16 +172,48 @@ def torchtitan_config(problem: Problem) -> str:
                             "schedule (its zero-bubble schedules run several stages per rank)",
                             hint="partition with --shape interleaved",
                             file=problem.source_path or None)
+    fqns, whose = torchtitan_fqns(stages)
     csv = f"{problem.name}.csv"
-    return "\n".join([
-        f"# {problem.name}: {len(stages)} stages on {problem.num_devices} pipeline ranks "
-        "(written by pyplan export --format torchtitan).",
-        f"# The schedule pyplan found: pyplan export PLAN --format torch-csv -o {csv}",
-        "# (drop pipeline_parallel_schedule_csv to run the named schedule instead).",
-        "[parallelism]",
-        f"pipeline_parallel_degree = {problem.num_devices}",
-        "pipeline_parallel_split_points = ["
-        + ", ".join(json.dumps(units[0]) for units in stages[1:]) + "]",
-        f"pipeline_parallel_schedule = \"{schedule}\"",
-        f"pipeline_parallel_schedule_csv = \"{csv}\"",
-    ]) + "\n"
+    parts = "".join(f"    {json.dumps(part)},\n" for part in fqns)
+    module = _module_name(problem.name)
+    about = textwrap.fill(
+        f"{problem.name}: {len(stages)} stages on {problem.num_devices} pipeline ranks, for "
+        "torchtitan (written by pyplan export --format torchtitan). torchtitan configures a "
+        "run with a function returning its Trainer.Config; give yours this plan's pipeline:",
+        width=96)
+    after = textwrap.fill(
+        f"and run it with --module <your module> --config llama3_8b_pyplan. The module FQNs "
+        f"are {whose}. The schedule pyplan found: pyplan export PLAN --format torch-csv -o "
+        f"{csv} (set pipeline_parallel_schedule_csv to \"\" to run the named schedule "
+        "instead).", width=96)
+    return f'''"""{about}
+
+    from {module} import pipeline   # this file, saved as {module}.py
+    from torchtitan.models.llama3.config_registry import llama3_8b
+
+    def llama3_8b_pyplan():
+        return pipeline(llama3_8b())
+
+{after}
+"""
+
+MODULE_FQNS_PER_MODEL_PART = [
+{parts}]
+
+
+def pipeline(config):
+    """Set this plan's pipeline on a torchtitan Trainer.Config (its `parallelism`)."""
+    parallelism = config.parallelism
+    parallelism.pipeline_parallel_degree = {problem.num_devices}
+    parallelism.module_fqns_per_model_part = MODULE_FQNS_PER_MODEL_PART
+    parallelism.pipeline_parallel_schedule = "{schedule}"
+    parallelism.pipeline_parallel_schedule_csv = "{csv}"
+    parallelism.num_pp_microbatches = {problem.num_micro_batches}
+    return config
+'''
+
+
+def _module_name(name: str) -> str:
+    """A Python module name for a plan's name (the file the export is saved as)."""
+    return re.sub(r"\W", "_", name) if re.sub(r"\W", "_", name)[:1].isalpha() else \
+        "plan_" + re.sub(r"\W", "_", name)

@@ -1,6 +1,9 @@
 """Running resolved plans on real torch.distributed process groups: `Pipeline` is the engine
 (a user's training loop drives it; `pyplan run` is a small trainer over it).
 
+`save(DIR, pipe, optimizer, step=...)` and `load(DIR, pipe, optimizer)` write and read
+checkpoints in step folders (pyplan.runtime.checkpoint), every rank calling them.
+
 Everything under pyplan.runtime needs torch; the CLI imports it only when `pyplan run` runs, so
 validate/solve/show/export work without torch. Model code marks sharded parameters of
 multi-device blocks with `shard` (see the `model:` contract in schemas/plan.schema.json).
@@ -16,6 +19,7 @@ with warnings.catch_warnings():
     import torch  # noqa: F401
 
 from pyplan.runtime.binding import shard  # noqa: E402
+from pyplan.runtime.checkpoint import CheckpointError, load, save  # noqa: E402
 from pyplan.runtime.pipeline import Pipeline  # noqa: E402
 
-__all__ = ["Pipeline", "shard"]
+__all__ = ["CheckpointError", "Pipeline", "load", "save", "shard"]

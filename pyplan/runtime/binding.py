@@ -493,10 +493,13 @@ def shared_across_devices(problem: Problem, modules: dict[int, torch.nn.Module])
 
 # ---------------------------------------------------------------- batches
 
-def make_batch(model: Model, step: int, seed: int, device) -> tuple[Any, Any]:
-    """The global batch of iteration `step`, the same on every rank and in the reference."""
-    seed_everything(seed, "data", step)
-    batch = call_user(model, "data", model.data, step)
+def make_batch(model: Model, step: int, seed: int, device,
+               split: str | None = None) -> tuple[Any, Any]:
+    """The global batch of iteration `step`, the same on every rank and in the reference;
+    with `split` ("eval"), batch `step` of that split: `data(step, split=split)`."""
+    seed_everything(seed, "data" if split is None else split, step)
+    data = model.data if split is None else functools.partial(model.data, split=split)
+    batch = call_user(model, "data", data, step)
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise _user_error(model, "data", f"returned {_what(batch)}, not (inputs, targets)",
                           _HINTS["data"])

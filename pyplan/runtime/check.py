@@ -50,41 +50,86 @@ def full_gradients(problem: Problem, modules: dict, groups: dict, rank: int,
 
 
 def reference_run(model: Model, problem: Problem, output_block: int, *, seed: int,
-                  training: Training, steps: range, device, micro_batches: int,
-                  autocast: torch.dtype | None = None) -> tuple[list[float], dict]:
+                  history: list[dict], steps: range, device, micro_batches: int,
+                  autocast: torch.dtype | None = None, evaluation=None
+                  ) -> tuple[list[float], dict, list[tuple[int, float]]]:
     """Train the whole model in this process for steps 0 .. steps.stop - 1: (the loss of each
-    step in `steps`, the gradients of the first of them, by parameter name). The forwards run
-    micro-batch by micro-batch (`micro_batches` over the global batch: those of every
-    data-parallel replica), the loss on the whole batch."""
+    step in `steps`, the gradients of the first global batch of them, by parameter name, the
+    evaluations). `history` lists the settings in force from each step on (Training records
+    with "step", "batches" and "steps", the schedule's length); a change is applied as a
+    resumed run applies it (Training.switch). The forwards run micro-batch by micro-batch
+    (`micro_batches` over the global batch: those of every data-parallel replica), the loss on
+    the whole batch. `evaluation`: (every K steps, number of batches, micro-batches of a
+    batch) for the mean loss over the data's eval split in eval mode."""
     forward = _forward(model, problem, output_block, seed=seed, device=device)
     params = forward.parameters
-    optimizer, scheduler = training.build(params) if problem.training and params \
-        else (None, None)
-    losses, first = [], {}
+    training = Training.from_record(history[0])
+    optimizer, scheduler = training.build(params, history[0]["steps"]) \
+        if problem.training and params else (None, None)
+    later = {segment["step"]: segment for segment in history[1:]}
+    losses, first, evals, batch = [], {}, [], 0
     for step in range(steps.stop):
-        inputs, targets = make_batch(model, step, seed, device)
-        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-            # Micro-batch by micro-batch, so that each forward draws the random numbers it
-            # draws in the pipeline; the loss sees the whole batch, as in training without a
-            # pipeline.
-            results = [forward(step, m, micro)
-                       for m, micro in enumerate(split_batch(inputs, micro_batches))]
-            whole = (None,) if len(problem.blocks[output_block].devices) > 1 else ()
-            with torch.set_grad_enabled(optimizer is not None):
-                loss = loss_function(model)(_cat(results), targets, *whole)
+        if step in later:
+            training = Training.from_record(later[step])
+            if optimizer is not None:
+                scheduler = training.switch(optimizer, later[step]["steps"], step)
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for j in range(training.accumulate):
+            loss = _loss(forward, model, problem, output_block, batch,
+                         make_batch(model, batch, seed, device), micro_batches, autocast,
+                         grad=optimizer is not None)
+            total += float(loss.detach())
+            batch += 1
+            if optimizer is None:
+                continue
+            loss.backward()
+            if step == steps.start and j == 0:
+                first = {name: (torch.zeros_like(p) if p.grad is None else p.grad).detach()
+                         .cpu().clone() for name, p in forward.named}
         if step in steps:
-            losses.append(float(loss.detach()))
-        if optimizer is None:
-            continue
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if step == steps.start:
-            first = {name: (torch.zeros_like(p) if p.grad is None else p.grad).detach().cpu()
-                     .clone() for name, p in forward.named}
-        training.clip(params)
-        optimizer.step()
-        scheduler.step()
-    return losses, first
+            losses.append(total / training.accumulate)
+        if optimizer is not None:
+            if training.accumulate > 1:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(1 / training.accumulate)
+            training.clip(params)
+            optimizer.step()
+            scheduler.step()
+        if evaluation is not None and step in steps and (step + 1) % evaluation[0] == 0:
+            evals.append((step + 1, _evaluate(forward, model, problem, output_block, seed,
+                                              device, autocast, evaluation)))
+    return losses, first, evals
+
+
+def _loss(forward, model, problem, output_block, batch, data, micro_batches, autocast,
+          grad: bool):
+    inputs, targets = data
+    with torch.autocast(forward.device.type, dtype=autocast, enabled=autocast is not None):
+        # Micro-batch by micro-batch, so that each forward draws the random numbers it
+        # draws in the pipeline; the loss sees the whole batch, as in training without a
+        # pipeline.
+        results = [forward(batch, m, micro)
+                   for m, micro in enumerate(split_batch(inputs, micro_batches))]
+        whole = (None,) if len(problem.blocks[output_block].devices) > 1 else ()
+        with torch.set_grad_enabled(grad):
+            return loss_function(model)(_cat(results), targets, *whole)
+
+
+def _evaluate(forward, model, problem, output_block, seed, device, autocast,
+              evaluation) -> float:
+    _, count, micro_batches = evaluation
+    forward.train(False)
+    total = 0.0
+    with torch.no_grad():
+        for i in range(count):
+            data = make_batch(model, i, seed, device, split="eval")
+            total += float(_loss(forward, model, problem, output_block, i, data,
+                                 micro_batches(data[0]), autocast, grad=False))
+    forward.train(True)
+    return total / count
 
 
 class _forward:
@@ -114,6 +159,10 @@ class _forward:
                           for b, m in self.modules.items() for n, p in m.named_parameters()]
             self.named = list({id(p): (n, p) for n, p in self.named}.values())
         self.parameters = [p for _, p in self.named]
+
+    def train(self, mode: bool) -> None:
+        for module in [self.whole] if self.whole is not None else self.modules.values():
+            module.train(mode)
 
     def _hooks(self) -> None:
         """Reseed where each block starts: its first module (the whole model's call for the
@@ -162,10 +211,10 @@ class Verdict:
 
 
 def compare(losses: list[float], grads: dict, ref_losses: list[float], ref_grads: dict,
-            tolerance: float) -> Verdict:
+            tolerance: float, evals: list = (), ref_evals: list = ()) -> Verdict:
     """The loss of the first iteration, then every gradient in the model's order (every copy
-    of a tied parameter), then the losses of the later iterations: the first that differs by
-    more than `tolerance` fails the check."""
+    of a tied parameter), then the losses of the later iterations, then the evaluations: the
+    first that differs by more than `tolerance` fails the check."""
     def loss_differs(i: int) -> Verdict | None:
         diff = abs(losses[i] - ref_losses[i])
         if not diff <= tolerance:
@@ -197,9 +246,17 @@ def compare(losses: list[float], grads: dict, ref_losses: list[float], ref_grads
     for i in range(1, len(losses)):
         if (verdict := loss_differs(i)) is not None:
             return verdict
+    for (step, got), (_, want) in zip(evals, ref_evals):
+        if not abs(got - want) <= tolerance:
+            return Verdict(False, f"the evaluation after step {step} is {got:.8g}, the "
+                           f"single-process run's {want:.8g} (difference {abs(got - want):.3g}, "
+                           f"tolerance {tolerance:g})")
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     grads_text = (f" and {len(ref_grads)} parameter gradients (max abs diff {worst:.1e})"
                   if ref_grads else "")
+    evals_text = (f" and {len(evals)} evaluations (max abs diff "
+                  f"{max(abs(a[1] - b[1]) for a, b in zip(evals, ref_evals)):.1e})"
+                  if evals else "")
     return Verdict(True, f"the loss{grads_text} after iteration 0 and the losses of "
-                   f"{len(losses)} iterations (max abs diff {loss_diff:.1e}) match the "
-                   "single-process run")
+                   f"{len(losses)} iterations (max abs diff {loss_diff:.1e}){evals_text} match "
+                   "the single-process run")

@@ -7,6 +7,17 @@ written once. The chunks of a sharded parameter of a hand-written multi-device b
 flat shards of a sharded mesh, are saved as they are (`NAME.__shard<i>of<n>`,
 `BLOCK.flat_shard.__replica<i>of<n>`): those load under a plan that shards them the same way.
 
+A checkpoint is one folder per step, `DIR/step-00000020`: DCP's files (a part per rank and
+`.metadata`) and `pyplan.json` (the step, the plan's name and seal, the model, the optimizer and
+its hyper-parameters, and what the trainer adds). It is written under a temporary name beside
+the others and renamed once complete, so a save that fails, or a rank killed during it, leaves
+every earlier checkpoint as it was. Loading takes the newest complete folder and checks it
+against this run before any rank reads a tensor (every part present and whole, the same model's
+names and shapes, the same optimizer); the ranks agree on the verdict, so a damaged checkpoint
+is one line on every rank (`CheckpointError`, exit 2) and none is left waiting in a collective.
+Every rank takes part in every collective, one whose stage holds no trainable parameter (no
+optimizer) included.
+
 `consolidate` (one process, no torchrun) reads a checkpoint back into the whole model's
 state dict, under the keys `model.state_dict()` has, for `load_state_dict(strict=True)`.
 """
@@ -14,22 +25,37 @@ state dict, under the keys `model.state_dict()` has, for `load_state_dict(strict
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from pyplan.errors import PlanError, RunError
+from pyplan.errors import PlanError, PyplanError
 from pyplan.runtime.binding import shard_dim
+from pyplan.runtime.comm import all_gather_objects
 
-__all__ = ["consolidate", "load", "save"]
+__all__ = ["CheckpointError", "agree", "consolidate", "find", "load", "load_state_dict",
+           "locate", "read_meta", "save", "state_dict"]
 
 _SHARD = ".__shard{}of{}dim{}"
 _REPLICA = ".__replica{}of{}"
+STEP = "step-{:08d}"
+_STEP = re.compile(r"step-(\d{8,})")
+META = "pyplan.json"
+FORMAT = 1
+
+
+class CheckpointError(PlanError):
+    """A checkpoint that cannot be written or used (exit 2). Raised on every rank at once: the
+    ranks agree on it before any raises, so no rank waits for the others in a collective."""
 
 
 class _Named(nn.Module):
@@ -53,10 +79,19 @@ class _Named(nn.Module):
 
 
 def _view(pipe) -> _Named:
-    """This rank's state under its keys."""
+    """This rank's state under its keys: trainable and frozen parameters, persistent buffers."""
+    block_of = {id(p): b for b, m in pipe.modules.items() for p in m.parameters()}
+    named = list(pipe.named_parameters())
+    seen = {id(p) for _, p in named}
+    for b, module in pipe.modules.items():  # frozen parameters: not trained, still the model's
+        for n, p in module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((pipe.built.names.get(id(p), f"{pipe.problem.blocks[b].name}.{n}"),
+                              p))
     params = {}
-    for name, param in pipe.named_parameters():
-        block = _block_of(pipe, param)
+    for name, param in named:
+        block = block_of.get(id(param))
         if block is not None and len(pipe.problem.blocks[block].devices) > 1 and \
                 shard_dim(param) is not None:
             devices = pipe.problem.blocks[block].devices
@@ -79,97 +114,381 @@ def _view(pipe) -> _Named:
     return _Named(params, buffers)
 
 
-def _block_of(pipe, param) -> int | None:
-    for b, module in pipe.modules.items():
-        if any(p is param for p in module.parameters()):
-            return b
-    return None
-
-
 def _options() -> StateDictOptions:
     # Optimizer state and hyperparameters keyed by parameter name: every rank writes its own
     # keys (a list of parameter groups would be one key that DCP writes from one rank only).
     return StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
 
 
-def save(directory: str | Path, pipe, optimizer, scheduler, step: int) -> None:
-    """Write this rank's part of the checkpoint (every rank calls it)."""
+def state_dict(pipe, optimizer=None) -> dict:
+    """This rank's part of the model (and optimizer) state: {"model": ..., "optimizer": ...},
+    keyed by the model's names, ready for torch.distributed.checkpoint.save/load."""
     view = _view(pipe)
+    if not view.state_dict():  # a stage of parameter-free modules: nothing, but it takes part
+        return {"model": {}, "optimizer": {}} if optimizer is not None else {"model": {}}
     with warnings.catch_warnings():  # DCP's notices about its own internals
         warnings.simplefilter("ignore")
-        model_state, optim_state = get_state_dict(view, optimizer, options=_options())
-        meta = {"step": step, "seed": pipe.seed, "plan": pipe.problem.name,
-                "plan_sha256": pipe.resolved.spec_sha256,
-                "scheduler": scheduler.state_dict() if scheduler is not None else None}
-        dcp.save({"model": model_state, "optimizer": optim_state, "meta": json.dumps(meta)},
-                 checkpoint_id=str(directory))
+        model, optim = get_state_dict(view, () if optimizer is None else optimizer,
+                                      options=_options())
+    return {"model": model, "optimizer": optim} if optimizer is not None else {"model": model}
 
 
-def load(directory: str | Path, pipe, optimizer, scheduler) -> dict:
-    """Load this rank's part; returns the checkpoint's meta (its step, seed, plan)."""
-    path = Path(directory)
-    if not (path / ".metadata").is_file():
-        raise PlanError(f"--resume {directory}: not a checkpoint written by pyplan run --save "
-                        "(no .metadata file)")
+def load_state_dict(pipe, state: dict, optimizer=None) -> None:
+    """Put a state `state_dict` returned (and DCP filled) into this rank's tensors."""
     view = _view(pipe)
+    if not view.state_dict():
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model_state, optim_state = get_state_dict(view, optimizer, options=_options())
-        state = {"model": model_state, "optimizer": optim_state, "meta": ""}
-        _check_keys(path, model_state)
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(view, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=_options())
-    meta = json.loads(state["meta"])
-    if scheduler is not None and meta.get("scheduler") is not None:
-        scheduler.load_state_dict(meta["scheduler"])
+        set_state_dict(view, () if optimizer is None else optimizer,
+                       model_state_dict=state["model"],
+                       optim_state_dict=state.get("optimizer", {}) if optimizer is not None
+                       else {}, options=_options())
+
+
+# -- the folders
+
+def find(directory: str | Path) -> Path | None:
+    """The checkpoint `directory` names: itself when it is one, else its newest complete step
+    folder (None when there is none)."""
+    path = Path(directory)
+    if (path / ".metadata").is_file():
+        return path
+    if not path.is_dir():
+        return None
+    steps = sorted((int(m.group(1)), p) for p in path.iterdir()
+                   if (m := _STEP.fullmatch(p.name)) and (p / META).is_file())
+    return steps[-1][1] if steps else None
+
+
+def read_meta(folder: Path) -> dict:
+    """pyplan.json of a checkpoint folder; CheckpointError when it is missing or damaged."""
+    try:
+        meta = json.loads((folder / META).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: not a checkpoint written by pyplan (no {META})",
+                              hint="give the directory --save wrote") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{folder / META} is damaged ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or \
+            not isinstance(meta.get("step"), int):
+        raise CheckpointError(f"{folder / META} is damaged (not pyplan's checkpoint record)")
     return meta
 
 
-def _check_keys(path: Path, model_state: dict) -> None:
-    """RunError naming a key this rank needs that the checkpoint lacks (another model, or a
-    sharding the checkpoint does not have)."""
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    for key in model_state:
-        if f"model.{key}" not in stored:
-            raise RunError(f"the checkpoint in {path} has no {key!r}",
-                           hint="resume with a plan of the model it was saved from (sharded "
-                                "blocks and sharded meshes need the same sharding)")
+def agree(fn):
+    """fn() on every rank; when it fails on any rank, every rank raises the first failure
+    (lowest rank), so that none goes on into a collective the others left."""
+    try:
+        result, failure = fn(), None
+    except PyplanError as exc:
+        result, failure = None, (exc.message, exc.hint)
+    except OSError as exc:
+        result, failure = None, (f"{exc.filename or 'checkpoint'}: {exc.strerror or exc}", None)
+    found = next((f for f in all_gather_objects(failure) if f is not None), None)
+    if found is not None:
+        raise CheckpointError(found[0], hint=found[1])
+    return result
 
+
+def save(directory: str | Path, pipe, optimizer=None, *, step: int, scheduler=None,
+         meta: dict | None = None, keep_last: int | None = None, fail: str | None = None) -> Path:
+    """Write `directory`/step-NNNNNNNN (every rank calls it, with the same arguments): DCP into
+    a temporary folder, then pyplan.json (with `meta` and the scheduler's state_dict), then the
+    rename; with `keep_last`, remove all but the newest `keep_last` step folders. Returns the
+    folder. `fail` ("raise" or "kill") is a testing aid: this rank fails after writing its part,
+    before the checkpoint is complete."""
+    root = Path(directory)
+    final = root / STEP.format(step)
+    partial = root / f".{final.name}.partial"
+    described = all_gather_objects(_describe(optimizer))
+    record = {"format": FORMAT, "step": step, "plan": pipe.problem.name,
+              "plan_sha256": pipe.resolved.spec_sha256,
+              "model": pipe.problem.model.builder if pipe.problem.model else None,
+              "optimizer": next((d for d in described if d is not None), None),
+              "world": pipe.world, "iterations": pipe.iteration + 1,
+              "loss_scale": pipe.loss_scale, **(meta or {})}
+    schedules = all_gather_objects(None if scheduler is None else scheduler.state_dict())
+    if any(s is not None for s in schedules):
+        record["scheduler"] = next(s for s in schedules if s is not None)
+    agree(lambda: _serializable(record))
+    agree(lambda: _prepare(root, partial) if pipe.rank == 0 else None)
+    state = state_dict(pipe, optimizer)
+    writer = _Writer(str(partial), fail=fail)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, storage_writer=writer)
+        failure = None
+    except CheckpointException as exc:
+        failure = f"cannot write the checkpoint of step {step} in {root}: {_cause(exc)}"
+    except OSError as exc:
+        failure = f"cannot write the checkpoint of step {step} in {root}: {exc.strerror or exc}"
+    if failure is not None:
+        agree(lambda: _discard(partial) if pipe.rank == 0 else None)
+        kept = find(root)
+        raise CheckpointError(failure, hint=f"{kept} is intact" if kept is not None else None)
+    return agree(lambda: _complete(root, partial, final, record, keep_last)
+                   if pipe.rank == 0 else final)
+
+
+class _Writer(dcp.FileSystemWriter):
+    def __init__(self, path: str, fail: str | None) -> None:
+        super().__init__(path, sync_files=True, overwrite=True)
+        self.fail = fail
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        if self.fail is not None:
+            written.wait()
+            if self.fail == "kill":
+                os.kill(os.getpid(), 9)
+            raise OSError(5, "failing on purpose (--fail-at RANK:save)")
+        return written
+
+
+def _serializable(record: dict) -> None:
+    try:
+        json.dumps(record)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"cannot record the checkpoint's meta data as JSON: {exc}",
+                              hint="give save() meta of numbers, strings, lists and dicts") \
+            from None
+
+
+def _describe(optimizer) -> dict | None:
+    if optimizer is None:
+        return None
+    group = optimizer.param_groups[0]
+    hyper = {k: v for k, v in group.items()
+             if k not in ("params", "initial_lr") and isinstance(v, (int, float, bool, str))}
+    return {"class": type(optimizer).__name__, "hyper": hyper}
+
+
+def _prepare(root: Path, partial: Path) -> None:
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"--save {root}: exists and is not a directory")
+    root.mkdir(parents=True, exist_ok=True)
+    _discard(partial)  # what a killed save left
+
+
+def _discard(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)
+
+
+def _complete(root: Path, partial: Path, final: Path, record: dict,
+              keep_last: int | None) -> Path:
+    with open(partial / META, "w") as handle:
+        json.dump(record, handle, indent=1, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    old = root / f".{final.name}.replaced"
+    if final.exists():  # saved again (resumed from an earlier step): replaced once complete
+        _discard(old)
+        final.rename(old)
+    partial.rename(final)
+    _sync_dir(root)
+    _discard(old)
+    if keep_last is not None:
+        steps = sorted((int(m.group(1)), p) for p in root.iterdir()
+                       if (m := _STEP.fullmatch(p.name)) and (p / META).is_file())
+        for _, folder in steps[:-keep_last]:
+            shutil.rmtree(folder)
+    return final
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _cause(exc: CheckpointException) -> str:
+    """The first rank's exception inside DCP's, in one line."""
+    for rank, (inner, _) in sorted(exc.failures.items()):
+        if isinstance(inner, OSError) and inner.strerror:
+            return f"rank {rank}: {inner.strerror}" + \
+                (f" ({inner.filename})" if inner.filename else "")
+        return f"rank {rank}: {type(inner).__name__}: {inner}".splitlines()[0]
+    return "unknown failure"
+
+
+def load(directory: str | Path, pipe, optimizer=None, *, scheduler=None) -> dict:
+    """Load this rank's part of the newest complete checkpoint in `directory` (every rank calls
+    it) into the pipeline's parameters and buffers and, given them, the optimizer (its state
+    and the hyper-parameters it was saved with, as torch's load_state_dict does) and the
+    scheduler; returns its record (pyplan.json: "step", "optimizer", the meta given to save),
+    with "path"."""
+    folder = agree(lambda: locate(directory))
+    meta = agree(lambda: read_meta(folder))
+    stored = agree(lambda: _check_files(folder))
+    state = state_dict(pipe, optimizer)
+    mine = sorted(state["model"])
+    everyone = all_gather_objects(mine)
+    builder = pipe.problem.model.builder if pipe.problem.model is not None else None
+    agree(lambda: _check_model(folder, meta, stored, state["model"],
+                               {k for keys in everyone for k in keys}, builder))
+    has = all_gather_objects(_describe(optimizer))
+    agree(lambda: _check_optimizer(folder, meta, stored, state.get("optimizer"),
+                                     next((h for h in has if h is not None), None)))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(state, checkpoint_id=str(folder))
+        failure = None
+    except CheckpointException as exc:
+        failure = f"cannot read the checkpoint {folder}: {_cause(exc)}"
+    agree(lambda: _raise(failure))
+    load_state_dict(pipe, state, optimizer)
+    # The plan iterations done (dropout's random numbers follow them) and fp16's loss scale.
+    pipe.iteration = int(meta.get("iterations", 0)) - 1
+    pipe.loss_scale = float(meta.get("loss_scale", pipe.loss_scale))
+    if scheduler is not None and meta.get("scheduler") is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    return {**meta, "path": str(folder)}
+
+
+def _raise(failure: str | None) -> None:
+    if failure is not None:
+        raise CheckpointError(failure)
+
+
+def locate(directory) -> Path:
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{directory}: not a checkpoint (a file, not a directory)",
+                              hint="give the directory --save wrote")
+    folder = find(path)
+    if folder is None:
+        what = "does not exist" if not path.exists() else "holds no complete checkpoint"
+        raise CheckpointError(f"{directory} {what}", hint="give the directory --save wrote")
+    return folder
+
+
+def _check_files(folder: Path):
+    """DCP's metadata, after checking that every file it points into is there and long
+    enough (a missing or truncated part is named before any rank reads)."""
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any failure to read it is a damaged file
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise CheckpointError(f"{folder / '.metadata'} is damaged ({type(exc).__name__}: "
+                              f"{first})") from None
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        try:
+            size = (folder / name).stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"the checkpoint {folder} is damaged: its part {name} is "
+                                  "missing", hint=_earlier(folder)) from None
+        if size < end:
+            raise CheckpointError(f"the checkpoint {folder} is damaged: its part {name} is "
+                                  f"truncated ({size} of {end} bytes)", hint=_earlier(folder))
+    return metadata.state_dict_metadata
+
+
+def _earlier(folder: Path) -> str:
+    """A hint naming the newest complete checkpoint before `folder`, if there is one."""
+    step = _STEP.fullmatch(folder.name)
+    earlier = sorted((int(m.group(1)), p) for p in folder.parent.iterdir()
+                     if (m := _STEP.fullmatch(p.name)) and (p / META).is_file() and step
+                     and int(m.group(1)) < int(step.group(1))) if step else []
+    return f"resume from {earlier[-1][1]}" if earlier else "resume from an earlier checkpoint"
+
+
+def _check_model(folder: Path, meta: dict, stored: dict, mine: dict, everyone: set,
+                 builder: str | None) -> None:
+    hint = "resume with a plan of the model it was saved from (sharded blocks and sharded " \
+           "meshes need the same sharding)"
+    for key, tensor in mine.items():
+        entry = stored.get(f"model.{key}")
+        if entry is None or not hasattr(entry, "size"):
+            other = f" (saved from {meta['model']})" \
+                if meta.get("model") not in (None, builder) else ""
+            raise CheckpointError(f"the checkpoint {folder}{other} has no {key!r}", hint=hint)
+        if tuple(entry.size) != tuple(tensor.shape):
+            raise CheckpointError(f"{key} is shaped {tuple(entry.size)} in the checkpoint "
+                                  f"{folder}, {tuple(tensor.shape)} in this model", hint=hint)
+        if entry.properties.dtype != tensor.dtype:
+            raise CheckpointError(f"{key} is {entry.properties.dtype} in the checkpoint "
+                                  f"{folder}, {tensor.dtype} in this model", hint=hint)
+    extra = sorted(k[len("model."):] for k in stored
+                   if k.startswith("model.") and k[len("model."):] not in everyone)
+    if extra:
+        raise CheckpointError(f"the checkpoint {folder} holds {extra[0]!r}, which this model "
+                              f"does not have ({len(extra)} such entries): another model's",
+                              hint=hint)
+
+
+def _check_optimizer(folder: Path, meta: dict, stored: dict, mine: dict | None,
+                     wanted: dict | None) -> None:
+    saved = meta.get("optimizer")
+    if wanted is None:
+        return
+    if saved is None:
+        raise CheckpointError(f"the checkpoint {folder} holds no optimizer state",
+                              hint="load it without an optimizer")
+    if saved["class"] != wanted["class"]:
+        raise CheckpointError(f"the checkpoint {folder} holds {saved['class']}'s state, and "
+                              f"this run's optimizer is {wanted['class']}",
+                              hint=f"resume with the checkpoint's optimizer ({saved['class']})")
+    for key in mine or {}:
+        if f"optimizer.{key}" not in stored:
+            raise CheckpointError(f"the checkpoint {folder} has no optimizer state {key!r}",
+                                  hint="resume with the optimizer settings it was saved with")
+
+
+# -- one process
 
 def consolidate(directory: str | Path, model: nn.Module, names: dict[int, str]) -> dict:
     """The whole model's state dict from a checkpoint: every key of model.state_dict(), a tied
     parameter under each of its names, sharded chunks joined."""
-    path = Path(directory)
-    if not (path / ".metadata").is_file():
-        raise PlanError(f"{directory}: not a checkpoint written by pyplan run --save")
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    folder = locate(directory)
+    read_meta(folder)
+    stored = _check_files(folder)
     wanted = {}
     for key, meta in stored.items():
         if key.startswith("model.") and hasattr(meta, "size"):
             wanted[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(wanted, checkpoint_id=str(path), no_dist=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(wanted, checkpoint_id=str(folder), no_dist=True)
+    except CheckpointException as exc:
+        raise CheckpointError(f"cannot read the checkpoint {folder}: {_cause(exc)}") from None
     saved = {k[len("model."):]: v for k, v in wanted.items()}
     whole = {}
     for key in list(saved):
         base, marker, rest = key.partition(".__shard")
         if marker:
             count, dim = (int(x) for x in rest.partition("of")[2].split("dim"))
-            whole[base] = torch.cat([saved[base + _SHARD.format(i, count, dim)]
-                                     for i in range(count)], dim)
+            parts = [saved.get(base + _SHARD.format(i, count, dim)) for i in range(count)]
+            if any(p is None for p in parts):
+                raise CheckpointError(f"the checkpoint {folder} lacks chunks of {base}")
+            whole[base] = torch.cat(parts, dim)
         elif ".__replica" not in key:
             whole[key] = saved[key]
-    out = {}
+    out, used = {}, set()
     params = dict(model.named_parameters(remove_duplicate=False))
+    hint = "consolidate with a plan of the model it was saved from"
     for key, value in model.state_dict().items():
         name = names.get(id(params[key]), key) if key in params else key
         if name not in whole:
-            raise RunError(f"the checkpoint in {directory} has no {name!r}",
-                           hint="consolidate with a plan of the model it was saved from")
+            raise CheckpointError(f"the checkpoint {folder} has no {name!r}", hint=hint)
         if tuple(whole[name].shape) != tuple(value.shape):
-            raise RunError(f"{name} is shaped {tuple(whole[name].shape)} in the checkpoint, "
-                           f"{tuple(value.shape)} in the model")
+            raise CheckpointError(f"{name} is shaped {tuple(whole[name].shape)} in the "
+                                  f"checkpoint, {tuple(value.shape)} in the model", hint=hint)
         out[key] = whole[name].to(value.dtype)
+        used.add(name)
+    extra = sorted(set(whole) - used)
+    if extra:
+        raise CheckpointError(f"the checkpoint {folder} holds {extra[0]!r}, which this model "
+                              f"does not have ({len(extra)} such entries): another model's",
+                              hint=hint)
     return out

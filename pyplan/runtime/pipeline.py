@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from pyplan.errors import PlanError, RunError
 from pyplan.lower import SYNC, Lowered, channels, check_runnable, forward_only, lower
 from pyplan.resolved import ResolvedPlan, load_resolved
+from pyplan.runtime import checkpoint
 from pyplan.runtime.binding import (Built, Model, build, kept_rng, load_model, loss_function,
                                     shard_dim, shared_across_devices, split_batch, to_device)
 from pyplan.runtime.comm import Comm, TransferError, join_world
@@ -97,6 +99,7 @@ class Pipeline:
         self.overflow = False
         self._clean_steps = 0
         self.executor: Executor | None = None
+        self.iteration = -1
         try:
             self._build(blocking, sync_at_end, fail_at)
         except BaseException:
@@ -143,6 +146,7 @@ class Pipeline:
                                  sync_at_end=sync_at_end, fail_at=fail_at, **options)
         self.evaluator = Executor(self.evaluation, self.rank, self.modules, self.groups,
                                   self.comm, loss, self.output, **options)
+        self._evaluators: dict[int, Executor] = {}
 
     def _tie_groups(self, built: Built) -> list[tuple[str, torch.Tensor, object]]:
         """(name, parameter, group of the ranks holding a copy) for each tie this rank holds
@@ -222,12 +226,19 @@ class Pipeline:
                 self.loss_scale *= 2
                 self._clean_steps = 0
 
-    def eval_step(self, inputs):
-        """Forward only (no gradients, no dropout randomness beyond the plan's seeding): the
-        last block's output for the whole batch (its micro-batches concatenated) on the last
-        block's ranks, None on the others."""
+    def eval_step(self, inputs, targets=None):
+        """Forward only (no gradients, no dropout randomness beyond the plan's seeding). Without
+        targets: the last block's output for the whole batch (its micro-batches concatenated)
+        on the last block's ranks, None on the others; with targets: the batch's loss (the
+        mean over micro-batches and replicas) on every rank. A batch of another size than the
+        training batch runs in fewer micro-batches when it does not split into the plan's
+        number: the most, up to that number, that divide each replica's share."""
+        n = self._eval_micro_batches(inputs)
         with torch.no_grad():
-            result = self._run(self.evaluator, inputs, None, forward_only=True)
+            result = self._run(self._evaluator(n), inputs, targets, forward_only=True,
+                               training=False, micro_batches=n)
+        if targets is not None:
+            return self._global_loss(result.loss)
         if not result.outputs:
             return None
         outputs = result.outputs
@@ -235,10 +246,49 @@ class Pipeline:
             return torch.cat(outputs)
         return outputs
 
+    def _eval_micro_batches(self, inputs) -> int:
+        replicas, n = self.problem.mesh.data, self.problem.num_micro_batches
+        leaves = [x for x in torch.utils._pytree.tree_leaves(inputs)
+                  if isinstance(x, torch.Tensor) and x.dim() > 0]
+        if not leaves:
+            return n
+        size = leaves[0].shape[0]
+        if size % replicas or size == 0:
+            raise PlanError(f"an evaluation batch of {size} samples does not split over the "
+                            f"plan's {replicas} data-parallel replicas",
+                            hint=f"give eval_step a batch of a multiple of {replicas} samples")
+        share = size // replicas
+        return next(k for k in range(min(n, share), 0, -1) if share % k == 0)
+
+    def _evaluator(self, n: int) -> Executor:
+        if n == self.problem.num_micro_batches:
+            return self.evaluator
+        if n not in self._evaluators:  # the forward programs of the first n micro-batches
+            lowered = _first_micro_batches(self.evaluation, n)
+            verify(lowered)
+            self._evaluators[n] = Executor(lowered, self.rank, self.modules, self.groups,
+                                           self.comm, self.evaluator.loss_fn, self.output,
+                                           seed=self.seed, wants_inputs=self.built.wants_inputs,
+                                           autocast=self.autocast)
+        return self._evaluators[n]
+
+    def state_dict(self, optimizer=None) -> dict:
+        """This rank's part of the model's state (and the optimizer's): {"model": ...,
+        "optimizer": ...}, keyed by the model's own names, for torch.distributed.checkpoint
+        (`dcp.save(pipe.state_dict(opt), checkpoint_id=DIR)`; pyplan.runtime.save does that
+        safely, in step folders). Every rank calls it, one without an optimizer too."""
+        return checkpoint.state_dict(self, optimizer)
+
+    def load_state_dict(self, state: dict, optimizer=None) -> None:
+        """Put `state` (a state_dict() that DCP loaded into) into this rank's parameters,
+        buffers and optimizer."""
+        checkpoint.load_state_dict(self, state, optimizer)
+
     def _run(self, executor: Executor, inputs, targets, *, whole_gradients: bool = False,
+             training: bool = True, micro_batches: int | None = None,
              **kwargs) -> IterationResult:
         problem = self.problem
-        replicas, n = problem.mesh.data, problem.num_micro_batches
+        replicas, n = problem.mesh.data, micro_batches or problem.num_micro_batches
         inputs = to_device(inputs, self.device, non_blocking=True)
         if replicas > 1:  # this replica's slice of the global batch
             inputs = split_batch(inputs, replicas)[self.replica]
@@ -250,10 +300,11 @@ class Pipeline:
             targets = split_batch(targets, n)
         if self.shards is not None:
             self.shards.gather()
-        self.iteration = getattr(self, "iteration", -1) + 1
+        if training:  # an evaluation between two steps does not move the random numbers
+            self.iteration += 1
         with kept_rng(self.device):
-            result = executor.run(inputs, targets, iteration=self.iteration, **kwargs)
-        if targets is not None:
+            result = executor.run(inputs, targets, iteration=max(self.iteration, 0), **kwargs)
+        if targets is not None and training:
             self.parts = executor.finish_syncs(whole=whole_gradients)
             if self.shards is not None:
                 self.shards.take(self.parts)
@@ -340,6 +391,14 @@ class Pipeline:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
+
+
+def _first_micro_batches(lowered: Lowered, n: int) -> Lowered:
+    """The programs restricted to micro-batches 0 .. n-1: whole micro-batches dropped, both
+    halves of every transfer with them, so the global order still holds."""
+    return replace(lowered, order=tuple(i for i in lowered.order if i[1] < n),
+                   programs=tuple(tuple(i for i in program if i.micro_batch < n)
+                                  for program in lowered.programs))
 
 
 class _Shards:

@@ -1,14 +1,15 @@
-"""`pyplan run` on one rank: a small trainer over Pipeline. Per iteration: the global batch,
-zeroed gradients, `pipe.step`, clipping, the optimizer and the learning-rate schedule; every K
-iterations a checkpoint; at the end the report (losses, times, throughput, memory, --check)
-gathered on rank 0. A fault watchdog names the first rank that fails.
+"""`pyplan run` on one rank: a small trainer over Pipeline. Per step: zeroed gradients, the
+global batch and `pipe.step` (--accumulate times), clipping, the optimizer and the learning-rate
+schedule, a line logged on rank 0 as the step ends; every K steps an evaluation and a
+checkpoint; at the end the report (losses, times, throughput, memory, --check) gathered on
+rank 0. A fault watchdog names the first rank that fails.
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -22,12 +23,13 @@ from pyplan.runtime.check import Verdict, compare, full_gradients, reference_run
 from pyplan.runtime.comm import TransferError, all_gather_objects
 from pyplan.runtime.faults import Watchdog
 from pyplan.runtime.pipeline import DTYPES, Pipeline
-from pyplan.runtime.training import Training
+from pyplan.runtime.logs import Log
+from pyplan.runtime.training import Training, changes
 from pyplan.trace import chrome_trace, write_chrome_trace
 
-__all__ = ["Options", "Report", "Session", "summary"]
+__all__ = ["Options", "Report", "Session", "header", "summary"]
 
-SETUP, REPORT = -1, -2  # positions outside the iterations, for fault messages
+SETUP, REPORT, SAVE, EVAL = -1, -2, -3, -4  # positions outside the iterations (faults)
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,18 @@ class Options:
     dtype: str = "fp32"
     save: str | None = None
     save_every: int | None = None
+    keep_last: int | None = None
+    """Checkpoints kept in --save's folder (None: all)."""
     resume: str | None = None
-    progress: bool = False
+    lines: bool = False
+    """Rank 0 prints a line per step as it ends (not with --json)."""
+    log: str | None = None
+    """JSON lines, one per step and per evaluation, appended."""
+    tensorboard: str | None = None
+    eval_every: int | None = None
+    eval_batches: int = 1
+    fail_save: tuple[int, str] | None = None
+    """Testing aid: (rank, "raise" or "kill") fails in the middle of the first save."""
 
 
 TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
@@ -79,6 +91,12 @@ class Report:
     grad_norms: list[float] | None = None
     """With clipping: the global gradient norm of each iteration, before clipping."""
     ties: list[str] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step after which it ran, mean loss over the eval batches)."""
+    resumed: dict | None = None
+    """The checkpoint resumed from: path, step, the settings changed since."""
+    saved: str | None = None
+    """The last checkpoint written."""
 
 
 class Session:
@@ -88,6 +106,7 @@ class Session:
         self.options = options
         self.step_index = SETUP
         self.watchdog = None
+        self.resumed = self.saved = None
         self.pipe = Pipeline(plan, device=options.device, seed=options.seed,
                              dtype=options.dtype, blocking=options.blocking,
                              sync_at_end=options.sync_at_end, model=model,
@@ -114,6 +133,10 @@ class Session:
             return "set-up"
         if iteration == REPORT:
             return "the final report"
+        if iteration == SAVE:
+            return "a checkpoint save"
+        if iteration == EVAL:
+            return "an evaluation"
         program = self.lowered.programs[rank]
         if not 0 <= index < len(program):
             return f"the {'end' if index >= 0 else 'start'} of iteration {iteration}"
@@ -129,7 +152,8 @@ class Session:
         ins = program[index] if iteration >= 0 and 0 <= index < len(program) else None
         # A failed transfer or collective is most likely the echo of another rank's failure.
         echo = isinstance(exc, (TransferError, dist.DistError)) or \
-            (ins is not None and ins.op == COMPUTE and len(ins.group) > 1)
+            (ins is not None and ins.op == COMPUTE and len(ins.group) > 1) or \
+            (iteration in (SAVE, EVAL) and not isinstance(exc, PyplanError))
         if self.watchdog is None:
             return _error(own, exc)
         message = self.watchdog.fail(own, wait_for_cause=echo)
@@ -140,67 +164,177 @@ class Session:
 
     def train(self) -> Report:
         opts, pipe = self.options, self.pipe
-        optimizer, scheduler = opts.training.build(pipe.parameters()) \
-            if self.problem.training and pipe.parameters() else (None, None)
-        first = 0
-        if opts.resume:
-            meta = checkpoint.load(opts.resume, pipe, optimizer, scheduler)
-            if meta["seed"] != opts.seed:
-                raise RunError(f"the checkpoint in {opts.resume} was trained with --seed "
-                               f"{meta['seed']}, not {opts.seed}", hint="resume with its seed")
-            first = int(meta["step"])
-        pipe.iteration = first - 1
-        records, grads, samples, tokens = [], {}, 0, None
-        bar = _Progress(opts.progress and self.rank == 0, opts.iterations)
-        # Only a progress bar needs each step's loss on rank 0 (one more collective a step);
-        # the report adds up the ranks' own losses at the end.
-        shown = torch.tensor([bar.bar is not None])
-        dist.broadcast(shown, 0)
-        share_loss = bool(shown)
-        for step in range(first, first + opts.iterations):
-            self.step_index = step
-            inputs, targets = make_batch(pipe.model, step, opts.seed, torch.device("cpu"))
-            samples, tokens = _sizes(inputs)
-            if optimizer is not None:
-                optimizer.zero_grad(set_to_none=True)
-            dist.barrier()
-            started = time.perf_counter()
-            loss = pipe.step(inputs, targets, trace=opts.trace is not None and
-                             step == first + opts.iterations - 1,
-                             whole_gradients=opts.check and step == first,
-                             share_loss=share_loss)
-            if opts.check and step == first:  # before the step changes them; not timed
+        training, K = opts.training, opts.training.accumulate
+        trains = self.problem.training and bool(pipe.parameters())
+        steps = self.first_step() + opts.iterations
+        optimizer, scheduler = training.build(pipe.parameters(), steps) if trains \
+            else (None, None)
+        first, batches, history, resumed = self.resume(optimizer, steps)
+        self.history = history
+        pipe.iteration = batches - 1
+        if opts.resume and optimizer is not None:  # the schedule of this run, at its step
+            scheduler = training.switch(optimizer, steps, first)
+        records, grads, eval_losses, samples, tokens = [], {}, [], 0, None
+        log = Log(lines=opts.lines and self.rank == 0, path=opts.log if self.rank == 0 else None,
+                  tensorboard=opts.tensorboard if self.rank == 0 else None)
+        self.log = log
+        log.say(header(self.problem, pipe.world, pipe.device.type, pipe.backend, opts))
+        if resumed is not None:
+            log.say(resumed)
+        try:
+            for step in range(first, first + opts.iterations):
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
+                lr = scheduler.get_last_lr()[0] if scheduler is not None else None
+                seconds, compute, mine, peak, overflow = 0.0, 0.0, [], 0, False
+                for j in range(K):
+                    self.step_index = batches
+                    inputs, targets = make_batch(pipe.model, batches, opts.seed,
+                                                 torch.device("cpu"))
+                    samples, tokens = (x * K if x else x for x in _sizes(inputs))
+                    dist.barrier()
+                    started = time.perf_counter()
+                    pipe.step(inputs, targets, trace=opts.trace is not None and
+                              step == first + opts.iterations - 1 and j == K - 1,
+                              whole_gradients=opts.check and not records and j == 0,
+                              share_loss=False)
+                    if opts.check and not records and j == 0:  # before the step; not timed
+                        self._sync_device()
+                        took = time.perf_counter() - started
+                        grads = full_gradients(self.problem, pipe.modules, pipe.groups,
+                                               pipe.device_index, pipe.built.names) \
+                            if pipe.replica == 0 else {}
+                        started = time.perf_counter() - took
+                    overflow |= pipe.overflow
+                    batches += 1
+                    if j < K - 1:
+                        self._sync_device()
+                        seconds += time.perf_counter() - started
+                    result = pipe.last
+                    compute += result.compute
+                    peak = max(peak, result.peak_activation_bytes)
+                    if result.loss is not None:
+                        mine.append(float(result.loss))
+                norm = self.optimizer_step(optimizer, scheduler, overflow)
                 self._sync_device()
-                seconds = time.perf_counter() - started
-                grads = full_gradients(self.problem, pipe.modules, pipe.groups,
-                                       pipe.device_index, pipe.built.names) \
-                    if pipe.replica == 0 else {}
-                started = time.perf_counter() - seconds
-            norm = None
-            if opts.training.clip_grad_norm is not None and optimizer is not None:
-                norm = float(pipe.clip_grad_norm_(opts.training.clip_grad_norm))
-            if optimizer is not None and not pipe.overflow:  # fp16: skip an overflowed step
-                optimizer.step()
-                scheduler.step()
-            self._sync_device()
-            seconds = time.perf_counter() - started
-            result = pipe.last
-            mine = None if result.loss is None else float(result.loss)  # this replica's
-            records.append((seconds, result.compute, mine, result.peak_activation_bytes, norm))
-            bar.advance(step, loss, seconds)
-            if opts.save and ((opts.save_every and (step + 1 - first) % opts.save_every == 0)
-                              or step == first + opts.iterations - 1):
-                checkpoint.save(opts.save, pipe, optimizer, scheduler, step + 1)
-        bar.close()
+                seconds += time.perf_counter() - started
+                own = sum(mine) / K if mine else None  # this replica's, on its loss rank
+                records.append((seconds, compute, own, peak, norm))
+                self.progress(step, records[-1], lr, samples, tokens)
+                if opts.eval_every and (step + 1) % opts.eval_every == 0:
+                    eval_losses.append((step + 1, self.evaluate(step + 1)))
+                if opts.save and ((opts.save_every and (step + 1) % opts.save_every == 0)
+                                  or step == first + opts.iterations - 1):
+                    self.save(optimizer, step + 1, batches, history, steps)
+        finally:
+            log.close()
         self.step_index = REPORT
         events = pipe.last.events if opts.trace else []
-        return self.report(first, records, events, grads, samples, tokens)
+        return self.report(first, records, events, grads, samples, tokens, eval_losses)
+
+    def first_step(self) -> int:
+        """The step a resumed run starts at (0 otherwise), agreed by every rank."""
+        if not self.options.resume:
+            return 0
+        self.checkpoint = checkpoint.agree(lambda: _checkpoint(self.options.resume))
+        return int(self.checkpoint[1]["step"])
+
+    def resume(self, optimizer, steps: int):
+        """Load the checkpoint to resume from: (first step, batches consumed, the history of
+        settings, the line that says so); with no --resume, a fresh start."""
+        opts, pipe = self.options, self.pipe
+        now = {**opts.training.record(), "steps": steps}
+        if not opts.resume:
+            return 0, 0, [{"step": 0, "batches": 0, **now}], None
+        folder, meta = self.checkpoint
+        saved = meta.get("training") or {}
+        checkpoint.agree(lambda: _resumable(folder, meta, opts))
+        checkpoint.load(folder, pipe, optimizer)
+        first, batches = int(meta["step"]), int(meta.get("batches", meta["step"]))
+        history = list(meta.get("history") or [])
+        changed = changes(now, saved)
+        if changed or not history:
+            history.append({"step": first, "batches": batches, **now})
+        line = f"resumed from {folder} (step {first}, saved under plan " \
+               f"{meta.get('plan')!r})" + ("; changed: " + ", ".join(changed) if changed else "")
+        self.resumed = {"path": str(folder), "step": first, "changed": changed}
+        return first, batches, history, line
+
+    def optimizer_step(self, optimizer, scheduler, overflow: bool) -> float | None:
+        """Accumulated gradients averaged, clipped, applied (unless fp16 overflowed); the
+        schedule moves on either way. Returns the norm before clipping when clipping."""
+        opts, pipe = self.options, self.pipe
+        if not self.problem.training:
+            return None
+        if opts.training.accumulate > 1:
+            for p in pipe.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1 / opts.training.accumulate)
+        norm = None
+        if opts.training.clip_grad_norm is not None:  # a collective: every rank, one whose
+            # stage has no trainable parameter (no optimizer) too
+            norm = float(pipe.clip_grad_norm_(opts.training.clip_grad_norm))
+        if optimizer is None:
+            return norm
+        if not overflow:
+            optimizer.step()
+        with warnings.catch_warnings():  # an fp16 step skipped: the schedule still moves
+            warnings.simplefilter("ignore")
+            scheduler.step()
+        return norm
+
+    def progress(self, step: int, record, lr, samples: int, tokens: int | None) -> None:
+        """Rank 0 logs the step as it ends: the global loss, the slowest rank's time, the
+        largest peak of activations (one small gather)."""
+        seconds, _, own, peak, norm = record
+        gathered = all_gather_objects((own, seconds, peak, lr, norm))
+        if self.rank != 0:
+            return
+        owned = [g[0] for g in gathered if g[0] is not None]
+        loss = sum(owned) / self.problem.mesh.data
+        slowest = max(g[1] for g in gathered)
+        lr = next((g[3] for g in gathered if g[3] is not None), None)
+        norm = next((g[4] for g in gathered if g[4] is not None), None)
+        entry = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "seconds": slowest,
+                 "samples_per_second": samples / slowest if samples else None,
+                 "tokens_per_second": tokens / slowest if tokens else None,
+                 "peak_activation_bytes": max(g[2] for g in gathered)}
+        if self.pipe.device.type == "cuda":
+            entry["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.pipe.device)
+        self.log.step(entry, _iteration_line(step, slowest, loss, samples, tokens, norm))
+
+    def evaluate(self, step: int) -> float:
+        """The mean loss over --eval-batches batches of the data's eval split, forward only,
+        in eval mode (no dropout)."""
+        opts, pipe = self.options, self.pipe
+        self.step_index = EVAL
+        pipe.eval()
+        total = 0.0
+        for i in range(opts.eval_batches):
+            inputs, targets = make_batch(pipe.model, i, opts.seed, torch.device("cpu"),
+                                         split="eval")
+            total += float(pipe.eval_step(inputs, targets))
+        pipe.train()
+        loss = total / opts.eval_batches
+        self.log.evaluation(step, loss, f"  eval after step {step}: loss {loss:.6f} "
+                            f"({opts.eval_batches} batches)")
+        return loss
+
+    def save(self, optimizer, step: int, batches: int, history: list, steps: int) -> None:
+        opts, pipe = self.options, self.pipe
+        self.step_index = SAVE
+        fail = opts.fail_save[1] if opts.fail_save and opts.fail_save[0] == self.rank else None
+        meta = {"seed": opts.seed, "batches": batches,
+                "training": {**opts.training.record(), "steps": steps}, "history": history}
+        folder = checkpoint.save(opts.save, pipe, optimizer, step=step, meta=meta,
+                                 keep_last=opts.keep_last, fail=fail)
+        self.saved = str(folder)
 
     def _sync_device(self) -> None:
         if self.pipe.device.type == "cuda":
             torch.cuda.synchronize(self.pipe.device)
 
-    def report(self, first, records, events, grads, samples, tokens) -> Report:
+    def report(self, first, records, events, grads, samples, tokens, evals) -> Report:
         pipe = self.pipe
         cuda = torch.cuda.max_memory_allocated(pipe.device) \
             if pipe.device.type == "cuda" else None
@@ -220,8 +354,9 @@ class Session:
             verdict = None
             if self.options.check:
                 verdict = self.check(first, losses,
-                                     {k: v for g in gathered for k, v in g[2].items()})
-            norms = [by_rank[0][i][4] for i in iterations]
+                                     {k: v for g in gathered for k, v in g[2].items()}, evals)
+            norms = [next((r[i][4] for r in by_rank if r[i][4] is not None), None)
+                     for i in iterations]
             result = Report(first_step=first,
                             seconds=[max(r[i][0] for r in by_rank) for i in iterations],
                             losses=losses, compute=[[x[1] for x in r] for r in by_rank],
@@ -232,18 +367,24 @@ class Session:
                             backend=pipe.backend, device=pipe.device.type,
                             predicted_activation_bytes=_activation_peaks(pipe),
                             grad_norms=None if norms[0] is None else norms,
-                            ties=[name for name, _, _ in pipe.ties])
+                            ties=[name for name, _, _ in pipe.ties], eval_losses=evals,
+                            resumed=self.resumed, saved=self.saved)
         return all_gather_objects(result)[0]
 
-    def check(self, first: int, losses: list[float], grads: dict) -> Verdict:
+    def check(self, first: int, losses: list[float], grads: dict, evals: list) -> Verdict:
         opts, pipe = self.options, self.pipe
-        ref_losses, ref_grads = reference_run(
-            pipe.model, self.problem, pipe.output, seed=opts.seed, training=opts.training,
+        replicas = self.problem.mesh.data
+        history = self.history
+        evaluation = (opts.eval_every, opts.eval_batches,
+                      lambda inputs: pipe._eval_micro_batches(inputs) * replicas) \
+            if opts.eval_every else None
+        ref_losses, ref_grads, ref_evals = reference_run(
+            pipe.model, self.problem, pipe.output, seed=opts.seed, history=history,
             steps=range(first, first + opts.iterations), device=pipe.device,
-            micro_batches=self.problem.num_micro_batches * self.problem.mesh.data,
-            autocast=DTYPES[opts.dtype])
+            micro_batches=self.problem.num_micro_batches * replicas,
+            autocast=DTYPES[opts.dtype], evaluation=evaluation)
         tolerance = opts.tolerance if opts.tolerance is not None else TOLERANCE[opts.dtype]
-        return compare(losses, grads, ref_losses, ref_grads, tolerance)
+        return compare(losses, grads, ref_losses, ref_grads, tolerance, evals, ref_evals)
 
     def close(self) -> None:
         if self.watchdog is not None:
@@ -275,54 +416,35 @@ def _sizes(inputs) -> tuple[int, int | None]:
     return ids.shape[0], tokens
 
 
-class _Progress:
-    """A progress bar on rank 0's terminal (rich), nothing otherwise."""
-
-    def __init__(self, show: bool, total: int) -> None:
-        self.bar = None
-        if show and sys.stderr.isatty():
-            from rich.progress import Progress
-
-            self.bar = Progress(transient=True)
-            self.bar.start()
-            self.task = self.bar.add_task("training", total=total)
-
-    def advance(self, step: int, loss: torch.Tensor, seconds: float) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, advance=1, description=f"step {step} loss "
-                            f"{float(loss):.4f} {seconds * 1e3:.0f} ms")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
-    """The lines rank 0 prints."""
-    problem = lowered.problem
+def header(problem, ranks: int, device: str, backend: str, options: Options) -> str:
+    """The line rank 0 prints before the first step."""
     mode = "blocking" if options.blocking else "non-blocking"
-    t = options.training
-    how = f"{t.optimizer} lr {t.lr:g}" + (f" weight decay {t.weight_decay:g}"
-                                           if t.weight_decay else "") + \
-        (f", clip {t.clip_grad_norm:g}" if t.clip_grad_norm is not None else "") + \
-        (f", warmup {t.lr_warmup}" if t.lr_warmup else "")
-    lines = [f"{problem.name}: {len(report.seconds)} iterations on {len(lowered.programs)} "
-             f"ranks ({report.device}, {report.backend}, {options.dtype}), {mode} "
-             f"communication, {problem.num_micro_batches} micro-batches, {how}"]
+    return (f"{problem.name}: {options.iterations} iterations on {ranks} ranks ({device}, "
+            f"{backend}, {options.dtype}), {mode} communication, {problem.num_micro_batches} "
+            f"micro-batches, {options.training.describe()}")
+
+
+def _iteration_line(step: int, seconds: float, loss: float, samples: int, tokens: int | None,
+                    norm: float | None) -> str:
+    rate = f"  {samples / seconds:8.1f} samples/s" if samples else ""
+    if tokens:
+        rate += f"  {tokens / seconds:9.0f} tokens/s"
+    if norm is not None:
+        rate += f"  grad norm {norm:.4g}"
+    return f"  iteration {step}: {seconds * 1e3:8.1f} ms  loss {loss:.6f}{rate}"
+
+
+def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
+    """The lines rank 0 prints after the last step (the header and a line per step came
+    before, as they happened)."""
+    problem = lowered.problem
+    lines = []
     predicted = lowered.makespan * problem.time_unit_ms \
         if problem.time_unit_ms is not None else None
-    for i, (seconds, loss) in enumerate(zip(report.seconds, report.losses)):
-        rate = f"  {report.samples / seconds:8.1f} samples/s" if report.samples else ""
-        if report.tokens:
-            rate += f"  {report.tokens / seconds:9.0f} tokens/s"
-        if report.grad_norms is not None:
-            rate += f"  grad norm {report.grad_norms[i]:.4g}"
-        lines.append(f"  iteration {report.first_step + i}: {seconds * 1e3:8.1f} ms  "
-                     f"loss {loss:.6f}{rate}")
     median = statistics.median(report.seconds)
     parts = []
     for r, (compute, total) in enumerate(zip(report.compute, report.iteration_seconds)):
@@ -354,8 +476,8 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
     if options.trace:
         lines.append(f"  trace of iteration {report.first_step + len(report.seconds) - 1}: "
                      f"{options.trace}")
-    if options.save:
-        lines.append(f"  checkpoint: {options.save} (step "
+    if report.saved:
+        lines.append(f"  checkpoint: {report.saved} (step "
                      f"{report.first_step + len(report.seconds)})")
     return lines
 
@@ -366,3 +488,23 @@ def _activation_peaks(pipe: Pipeline) -> list[int] | None:
         return None
     static = problem.static_memory
     return [peak - base for peak, base in zip(pipe.resolved.schedule.peak_memory, static)]
+
+
+def _checkpoint(directory: str):
+    """(folder, record) of the checkpoint --resume names."""
+    folder = checkpoint.locate(directory)
+    return folder, checkpoint.read_meta(folder)
+
+
+def _resumable(folder, meta: dict, options: Options) -> None:
+    """A checkpoint of another seed or optimizer is refused before anything loads."""
+    saved = meta.get("training") or {}
+    if meta.get("seed") is not None and meta["seed"] != options.seed:
+        raise checkpoint.CheckpointError(f"the checkpoint {folder} was trained with --seed "
+                                         f"{meta['seed']}, not {options.seed}",
+                                         hint=f"resume with --seed {meta['seed']}")
+    if saved.get("optimizer") not in (None, options.training.optimizer):
+        raise checkpoint.CheckpointError(
+            f"the checkpoint {folder} holds {saved['optimizer']}'s state, and this run's "
+            f"optimizer is {options.training.optimizer}",
+            hint=f"resume with --optimizer {saved['optimizer']}")

@@ -1,0 +1,69 @@
+"""What rank 0 says while `pyplan run` trains, as it happens: a line per step on stdout (unless
+--json), a JSON object per line in `--log FILE` (appended, flushed per line, so a crash loses
+nothing logged before it) and, with `--tensorboard DIR`, scalars through
+torch.utils.tensorboard's SummaryWriter."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from pyplan.errors import PlanError
+
+__all__ = ["Log", "tensorboard_writer"]
+
+
+def tensorboard_writer(directory: str):
+    """torch.utils.tensorboard's SummaryWriter, or a PlanError saying what to install."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise PlanError("--tensorboard needs the tensorboard package, which is not installed",
+                        hint="pip install tensorboard, or log JSON lines with --log FILE") \
+            from None
+    return SummaryWriter(directory)
+
+
+class Log:
+    def __init__(self, *, lines: bool, path: str | None, tensorboard: str | None) -> None:
+        self.lines = lines
+        self.file = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115
+        self.board = tensorboard_writer(tensorboard) if tensorboard else None
+
+    def say(self, text: str) -> None:
+        if self.lines:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+
+    def step(self, record: dict, line: str) -> None:
+        """One optimizer step: `record` has step, loss, lr, seconds and the optional
+        grad_norm, samples_per_second, tokens_per_second, peak_activation_bytes,
+        cuda_max_allocated."""
+        self.say(line)
+        self._write(record)
+        if self.board is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_second", "samples_per_second"):
+                if record.get(key) is not None:
+                    self.board.add_scalar(f"train/{key}", record[key], record["step"])
+            self.board.flush()
+
+    def evaluation(self, step: int, loss: float, line: str) -> None:
+        self.say(line)
+        self._write({"step": step, "eval_loss": loss})
+        if self.board is not None:
+            self.board.add_scalar("eval/loss", loss, step)
+            self.board.flush()
+
+    def _write(self, record: dict) -> None:
+        if self.file is not None:
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                     for k, v in record.items()}
+            self.file.write(json.dumps(clean, sort_keys=True) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.board is not None:
+            self.board.close()

@@ -1,0 +1,41 @@
+"""A tiny chain for the long-run tests: its middle stage [GELU, Tanh] holds no parameter (that
+rank has no optimizer but takes part in every collective), dropout after the third layer,
+an eval split of 6 samples (fewer micro-batches than training's 16), and variants: `wide` has
+other shapes, `other` names its modules differently, $LONGRUN_SLOW_FROM makes later batches
+slow."""
+
+import os
+import time
+
+import torch
+from torch import nn
+
+SLOW_FROM = int(os.environ.get("LONGRUN_SLOW_FROM", "-1"))
+
+
+def model(width=16):
+    return nn.Sequential(nn.Linear(8, width), nn.GELU(), nn.Tanh(), nn.Linear(width, width),
+                         nn.Dropout(0.1), nn.Linear(width, 4))
+
+
+def wide():
+    return model(32)
+
+
+def other():
+    return nn.Sequential(nn.Identity(), *model())
+
+
+def batch(step, split="train"):
+    if 0 <= SLOW_FROM <= step and split == "train":
+        time.sleep(1.0)
+    x = torch.randn(6 if split == "eval" else 16, 8) + (1.0 if split == "eval" else 0.0)
+    return x, x[:, :4].sin()
+
+
+def train_only(step):
+    return batch(step)
+
+
+def loss(out, y):
+    return torch.nn.functional.mse_loss(out, y)

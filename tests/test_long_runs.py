@@ -1,0 +1,211 @@
+"""Training runs that last: a line per step on a pipe and in `--log FILE` as each step ends;
+learning-rate schedules, gradient accumulation, evaluation on the data's eval split and
+clipping over a rank that holds no parameter, checked against the single-process run; a resume
+with changed settings applies them, says so, and --check replays that history; the README's
+own loop saves and resumes through pyplan.runtime.save/load exactly; eval_step on a batch of
+another size; the torchtitan export in torchtitan's current configuration keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from test_checkpoints import THREE, UNITS, alone, launch, one_rank, report, solved  # noqa: F401
+
+from pyplan.runtime import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPLAN = str(Path(sys.executable).with_name("pyplan"))
+
+
+@pytest.mark.torchrun
+def test_lines_as_they_happen_schedules_accumulation_evaluation_and_resume(tmp_path):
+    solved(tmp_path, "three", THREE)
+    command = [PYPLAN, "run", "three.resolved.yaml", "--nproc-per-node", "3", "--device", "cpu",
+               "--optimizer", "adamw", "--iterations", "4", "--accumulate", "2",
+               "--lr-schedule", "cosine", "--lr-warmup", "1", "--lr-min", "0.001",
+               "--clip-grad-norm", "0.5", "--eval-every", "2", "--eval-batches", "2",
+               "--check", "--save", "ck", "--log", "log.jsonl"]
+    # Batches 4 and later take a second each: steps 2 and 3 are slow.
+    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "LONGRUN_SLOW_FROM": "4"}) as process:
+        arrivals, logged = [], None
+        for line in process.stdout:
+            arrivals.append((time.monotonic(), line.rstrip("\n")))
+            if line.startswith("  iteration 1:"):
+                logged = (tmp_path / "log.jsonl").read_text().splitlines()
+        err = process.stderr.read()
+        assert process.wait(timeout=300) == 0, err
+    lines = [text for _, text in arrivals]
+    first = next(t for t, text in arrivals if text.startswith("  iteration 0:"))
+    last = next(t for t, text in arrivals if text.startswith("  iteration 3:"))
+    assert last - first > 2.0, arrivals  # printed as it happened, not at the end
+    assert [json.loads(x)["step"] for x in logged] == [0, 1]  # the log too
+    assert lines[0].startswith("three: 4 iterations on 3 ranks (cpu, gloo, fp32)") and \
+        lines[0].endswith("adamw lr 0.01, clip 0.5, warmup 1, cosine decay to 0.001, 2 batches "
+                          "per step")
+    assert any(re.fullmatch(r"  eval after step 2: loss [0-9.]+ \(2 batches\)", x) for x in lines)
+    check = next(x for x in lines if x.startswith("  check:"))
+    assert re.search(r"the losses of 4 iterations \(max abs diff [-+0-9.e]+\) and 2 "
+                     r"evaluations \(max abs diff [-+0-9.e]+\) match", check), check
+    records = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2, 3]
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
+    # the warm-up, then the cosine decay (torch's schedulers), and the norm before clipping
+    assert steps[0]["lr"] == pytest.approx(0.005) and steps[1]["lr"] == pytest.approx(0.01)
+    assert steps[1]["lr"] > steps[2]["lr"] > steps[3]["lr"] > 0.001
+    assert all(r["grad_norm"] > 0 and r["samples_per_second"] > 0 for r in steps)
+
+    # Resumed with another lr and schedule: applied, said, and --check replays the history
+    # (the single-process run switches at step 4 exactly as the resumed run does).
+    code, out, err = launch(tmp_path, "three.resolved.yaml", 3, "--iterations", 2,
+                            "--accumulate", 2, "--lr", 0.003, "--lr-schedule", "linear",
+                            "--clip-grad-norm", 0.5, "--resume", "ck", "--check", "--json")
+    assert code == 0, err
+    result = report(out)
+    assert result["check"]["ok"], result["check"]
+    assert result["first_iteration"] == 4
+    assert result["resumed"]["changed"] == [
+        "lr 0.003 (was 0.01 in the checkpoint)", "lr warmup 0 (was 1 in the checkpoint)",
+        "lr schedule linear (was cosine in the checkpoint)",
+        "lr min 0 (was 0.001 in the checkpoint)",
+        "schedule length (steps) 6 (was 4 in the checkpoint)"]
+
+
+def _readme_resume_loop() -> str:
+    found = re.search(r"```python\n(# resume\.py.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert found, "the README's loop with save and load"
+    return found.group(1)
+
+
+@pytest.mark.torchrun
+def test_the_readmes_loop_saves_and_resumes_exactly(tmp_path):
+    (tmp_path / "resume.py").write_text(_readme_resume_loop())
+    for name in ("transformer-vshape.yaml", "transformer-vshape.resolved.yaml"):
+        (tmp_path / name).write_text((ROOT / "plans" / name).read_text())
+
+    def losses(*args) -> dict[int, str]:
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc-per-node", "4", "resume.py",
+                                 "transformer-vshape.resolved.yaml", "ck", *args],
+                                capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return {int(s): v for s, v in re.findall(r"step (\d+) loss ([0-9.]+)", result.stdout)}
+
+    whole = losses("6")
+    assert sorted(whole) == list(range(6))
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000004",
+                                                                   "step-00000006"]
+    assert losses("6", "ck/step-00000004") == {4: whole[4], 5: whole[5]}
+
+
+def test_evaluation_of_another_batch_size_and_what_is_refused(one_rank, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    one = solved(tmp_path, "one", [UNITS])
+    bare = solved(tmp_path, "bare", [UNITS], data="longrun:train_only")
+    code, out, err = one_rank("run", bare, "--eval-every", 1)
+    assert code == 2 and err.count("\n") == 1
+    assert "error: --eval-every: longrun:train_only takes no split argument (hint: define it as "\
+        "batch(step, split='train')" in err
+    code, out, err = one_rank("run", one, "--log", one)
+    assert code == 2 and "refusing to write over" in err
+    try:
+        from torch.utils import tensorboard  # noqa: F401
+    except ImportError:
+        code, out, err = one_rank("run", one, "--tensorboard", "tb")
+        assert (code, err) == (2, "error: --tensorboard needs the tensorboard package, which "
+                               "is not installed (hint: pip install tensorboard, or log JSON "
+                               "lines with --log FILE)\n")
+    else:
+        code, out, err = one_rank("run", one, "--tensorboard", "tb", "--iterations", 2)
+        assert code == 0, err
+        assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+
+    # eval_step on batches of 6 and 1 samples (the plan splits 16 into 4 micro-batches): 3 and
+    # 1 micro-batches; the loss and the outputs are the whole model's.
+    import longrun
+    from pyplan.runtime import Pipeline
+    from pyplan.runtime.binding import build_whole
+
+    alone(monkeypatch)
+    pipe = Pipeline(str(one), device="cpu")
+    try:
+        whole = build_whole(pipe.model, 0).eval()
+        pipe.eval()
+        for size in (6, 1):
+            inputs = torch.randn(size, 8)
+            targets = torch.randn(size, 4)
+            with torch.no_grad():
+                expected = whole(inputs)
+            assert torch.allclose(pipe.eval_step(inputs), expected, atol=1e-6)
+            assert float(pipe.eval_step(inputs, targets)) == pytest.approx(
+                float(longrun.loss(expected, targets)), abs=1e-6)
+        assert sorted(pipe._evaluators) == [1, 3]
+    finally:
+        pipe.close()
+
+
+# ---------------------------------------------------------------- torchtitan
+
+# torchtitan's ParallelismConfig keys the export sets (torchtitan/config/configs.py, read at
+# pytorch/torchtitan b5bcd76, August 2026): used when torchtitan is not installed.
+TORCHTITAN_KEYS = {"pipeline_parallel_degree", "module_fqns_per_model_part",
+                   "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv",
+                   "num_pp_microbatches"}
+
+
+def _torchtitan_keys() -> set[str]:
+    try:
+        from torchtitan.config.configs import ParallelismConfig
+    except ImportError:
+        return TORCHTITAN_KEYS
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(ParallelismConfig)}
+
+
+def test_torchtitan_export_sets_current_keys_with_its_module_names(cli, tmp_path):
+    units = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2",
+             "model.layers.3", "model.norm", "lm_head"]
+    stages = [units[:2], units[2:4], units[4:6], units[6:]]
+    plan = tmp_path / "llama.yaml"
+    plan.write_text(
+        "pyplan: 1\nname: llama-4\ndevices: 4\nmicro_batches: 8\n"
+        "training: {backward: {time_ratio: 2}}\nblocks:\n" +
+        "".join(f"  - {{name: s{i}, devices: [{i}], time: 1, memory: 1}}\n" for i in range(4)) +
+        "model:\n  module: hf:llama\n  cut: forward\n  stages:\n" +
+        "".join(f"    s{i}: {json.dumps(u)}\n" for i, u in enumerate(stages)) +
+        "  data: hf:batch\n  loss: hf:loss\n")
+    code, out, err = cli("export", plan, "--format", "torchtitan", "-o", tmp_path / "tt.py")
+    assert code == 0, err
+    keys = _torchtitan_keys()
+
+    class Parallelism:  # takes torchtitan's keys only
+        def __setattr__(self, name, value):
+            if name not in keys:
+                raise AttributeError(f"torchtitan has no parallelism.{name}")
+            object.__setattr__(self, name, value)
+
+    namespace: dict = {}
+    exec(compile((tmp_path / "tt.py").read_text(), "tt.py", "exec"), namespace)
+    config = namespace["pipeline"](types.SimpleNamespace(parallelism=Parallelism()))
+    assert vars(config.parallelism) == {
+        "pipeline_parallel_degree": 4,
+        "module_fqns_per_model_part": [["tok_embeddings", "layers.0"], ["layers.1", "layers.2"],
+                                       ["layers.3", "norm"], ["lm_head"]],
+        "pipeline_parallel_schedule": "1F1B",
+        "pipeline_parallel_schedule_csv": "llama-4.csv",
+        "num_pp_microbatches": 8}
+    assert "Hugging Face Llama-family names mapped to torchtitan's" in \
+        " ".join((tmp_path / "tt.py").read_text().split())
