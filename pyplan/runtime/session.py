@@ -177,12 +177,13 @@ class Session:
                     if pipe.replica == 0 else {}
                 started = time.perf_counter() - seconds
             norm = None
-            if opts.training.clip_grad_norm is not None and optimizer is not None:
-                norm = float(pipe.clip_grad_norm_(opts.training.clip_grad_norm))
-            if optimizer is not None and not pipe.overflow:  # fp16: skip an overflowed step
-                optimizer.step()
+            if opts.training.clip_grad_norm is not None and self.problem.training:
+                # On every rank, whatever its stages hold: the norm is an all-reduce.
+                norm = pipe.clip_grad_norm_(opts.training.clip_grad_norm)
+            if pipe.step_optimizer(optimizer):  # not after an fp16 overflow
                 scheduler.step()
             self._sync_device()
+            norm = None if norm is None else float(norm)  # read after the step: no sync
             seconds = time.perf_counter() - started
             result = pipe.last
             mine = None if result.loss is None else float(result.loss)  # this replica's
