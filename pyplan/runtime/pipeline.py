@@ -374,8 +374,7 @@ def _refuse_dtensors(problem, modules: dict) -> None:
                                 "DTensor (parallelize_module?); pyplan handles a block's "
                                 "parameters as plain tensors",
                                 hint="keep this rank's chunk as a plain parameter marked "
-                                     "with pyplan.runtime.shard(param, dim)",
-                                file=problem.source_path)
+                                     "with pyplan.runtime.shard(param, dim)")
 
 
 class _Shards:
