@@ -117,7 +117,8 @@ CALLERS_GROUP = """\
         inputs, targets = review.batch(step)
         loss = pipe.step(inputs, targets)
     groups = {dist.get_backend_config(g) for g in [pipe.comm.cpu_group, *pipe.comm.links.values()]}
-    print("rank", pipe.rank, sorted(groups), all_gather_objects(pipe.rank), float(loss))
+    words = ["rank", pipe.rank, sorted(groups), all_gather_objects(pipe.rank), float(loss)]
+    sys.stdout.write(" ".join(map(str, words)) + "\\n")  # one write: ranks share the pipe
     pipe.close()
     dist.destroy_process_group()
 """
@@ -134,7 +135,7 @@ def test_a_callers_group_with_one_side_carries_pyplans_transfers(tmp_path):
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))
     # Named "gloo" (both sides), not inherited from the caller's "cpu:gloo".
     assert [line.split(" [", 1)[1].split("] ")[0] for line in lines] == \
-        ["'cpu:gloo,cuda:gloo'"] * 2
+        ["'cpu:gloo,cuda:gloo'"] * 2, result.stdout
     assert all("[0, 1]" in line for line in lines)
 
 
@@ -190,7 +191,8 @@ OVERFLOW = """\
     stepped = pipe.step_optimizer(optimizer)
     optimizer.step()  # even called directly: no gradient is left to apply
     moved = any(not torch.equal(a, p.detach()) for a, p in zip(before, pipe.parameters()))
-    print("rank", pipe.rank, overflow, scale, stepped, moved, optimizer.state == {})
+    words = ["rank", pipe.rank, overflow, scale, stepped, moved, optimizer.state == {}]
+    sys.stdout.write(" ".join(map(str, words)) + "\\n")  # one write: ranks share the pipe
     pipe.close()
 """
 

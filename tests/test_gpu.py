@@ -183,8 +183,9 @@ NCCL_ONLY = """\
         pipe.step_optimizer(optimizer)
     links = {id(g): g for g in pipe.comm.links.values()}
     configs = sorted({dist.get_backend_config(g) for g in links.values()})
-    print("rank", pipe.rank, pipe.device.type, len(links), configs, sum(waits),
-          all_gather_objects(pipe.rank), bool(torch.isfinite(loss)))
+    words = ["rank", pipe.rank, pipe.device.type, len(links), configs, sum(waits),
+             all_gather_objects(pipe.rank), bool(torch.isfinite(loss))]
+    sys.stdout.write(" ".join(map(str, words)) + "\\n")  # one write: ranks share the pipe
     pipe.close()
     dist.destroy_process_group()
 """
@@ -263,7 +264,8 @@ OVERFLOW_AND_SYNC = """\
     norm = pipe.clip_grad_norm_(1.0)
     clean = pipe.step_optimizer(sgd)
     torch.cuda.set_sync_debug_mode("default")
-    print("rank", pipe.rank, overflowed, stepped, moved, clean, bool(norm > 0))
+    words = ["rank", pipe.rank, overflowed, stepped, moved, clean, bool(norm > 0)]
+    sys.stdout.write(" ".join(map(str, words)) + "\\n")  # one write: ranks share the pipe
     pipe.close()
 """
 

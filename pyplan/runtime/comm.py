@@ -207,6 +207,7 @@ class _Sent:
     """The send's position in the global order."""
     polled: bool
     """NCCL: never waited for, only polled; gloo: completed by waiting."""
+    nbytes: int
 
 
 class Comm:
@@ -270,8 +271,9 @@ class Comm:
             self._wait(work)
             return
         polled = self.nccl and tensor.is_cuda
-        self.sending.append(_Sent(work, tensor, peer, seq, polled))
-        self.sending_bytes += tensor.numel() * tensor.element_size()
+        size = tensor.numel() * tensor.element_size()
+        self.sending.append(_Sent(work, tensor, peer, seq, polled, size))
+        self.sending_bytes += size
         if not polled:
             mine = [x for x in self.sending if x.peer == peer and not x.polled]
             if len(mine) > MAX_PENDING:
@@ -291,10 +293,10 @@ class Comm:
         self._release(matched)
 
     def _release(self, done) -> None:
-        if self.sending:
-            self.sending = [x for x in self.sending if not done(x)]
-            self.sending_bytes = sum(x.tensor.numel() * x.tensor.element_size()
-                                     for x in self.sending)
+        kept = [x for x in self.sending if not done(x)]
+        if len(kept) < len(self.sending):
+            self.sending = kept
+            self.sending_bytes = sum(x.nbytes for x in kept)
 
     def finish(self) -> None:
         """The end of the iteration: complete every gloo send; let go of the NCCL ones."""

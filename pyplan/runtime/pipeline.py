@@ -98,6 +98,7 @@ class Pipeline:
         # double it.
         self.loss_scale = 2.0 ** 16 if dtype == "fp16" else 1.0
         self.overflow = False
+        self._overflowed = False  # since the optimizer last stepped (steps may accumulate)
         self._clean_steps = 0
         self.executor: Executor | None = None
         try:
@@ -224,6 +225,7 @@ class Pipeline:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         self.overflow = bool(found)
+        self._overflowed |= self.overflow
         if self.overflow:  # nothing for an optimizer to apply: torch.optim skips p.grad None
             self.loss_scale /= 2
             self._clean_steps = 0
@@ -236,10 +238,12 @@ class Pipeline:
                 self._clean_steps = 0
 
     def step_optimizer(self, optimizer) -> bool:
-        """`optimizer.step()`, unless the last step's gradients overflowed (fp16; GradScaler's
-        `step` contract); None (a rank whose stages train no parameter) does nothing. Returns
+        """`optimizer.step()`, unless the gradients of a step since the last call overflowed
+        (fp16; GradScaler's `step` contract; with gradients accumulated over several steps,
+        any of them); None (a rank whose stages train no parameter) does nothing. Returns
         whether the optimizer stepped (step a learning-rate schedule only then)."""
-        if optimizer is None or self.overflow:
+        skip, self._overflowed = self._overflowed, False
+        if optimizer is None or skip:
             return False
         optimizer.step()
         return True
