@@ -1,4 +1,4 @@
-"""`pyplan run` throughput, measured side by side on 4 CPU gloo ranks:
+"""`pyplan run` throughput, measured side by side on 4 CPU gloo ranks (or 2: `--ranks 2`):
 
   1. non-blocking vs blocking communication on the same plan (Tessel Fig. 17 reports up to
      1.9x on GPUs for M- and NN-shapes);
@@ -18,19 +18,27 @@
      alike; W/B should be about 1 and (B + W) / full about 1 (they share the work), beside
      torch.distributed.pipelining's own split of the same stage.
 
-    python benchmarks/runtime.py [--rounds 5] [--iterations 6]
+    python benchmarks/runtime.py [--rounds 5] [--iterations 6] [--ranks 4|2]
+
+With `--ranks 2` only item 2 runs, on 2 ranks (a core each on a 2-core machine, where 4 ranks
+are bound by the CPU time of all of them): 1F1B and GPipe over 2 stages of 4 layers, and
+interleaved 1F1B over 4 stages of 2 layers, 2 per rank (the plan gets the memory torch's
+interleaved order takes on the first rank: 5 micro-batch stages); beside the times, each
+case's CPU time per iteration summed over the ranks (getrusage: the work each runtime does,
+whatever else the machine runs).
 
 The script solves the plans it needs into a temporary directory and re-launches itself under
 torchrun; the workers run every case in turn (in reverse on odd rounds), `rounds` times, in the
-same processes, and rank 0 prints each case's median iteration time and each ratio's median, minimum and maximum over the
-rounds (a ratio is taken within a round). The example models are enlarged here
-(their size constants) so that blocks, not Python overhead, dominate.
+same processes, and rank 0 prints each case's median iteration time and each ratio's median,
+minimum and maximum over the rounds (a ratio is taken within a round). The example models are
+enlarged here (their size constants) so that blocks, not Python overhead, dominate.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -62,6 +70,30 @@ PLANS = {
 }
 
 
+# Two ranks: the same model in 2 stages (1F1B, GPipe) and in 4 stages, 2 per rank (interleaved).
+TWO_RANKS = "devices: 2\nmicro_batches: 8\ntraining: {backward: {time_ratio: 2}}\n"
+PLANS_TWO = {
+    "two-1f1b": HEADER + "name: two-1f1b\nmemory: 4\n" + TWO_RANKS +
+    "shape: {kind: vshape, stage: {time: 1, memory: 1}}\nconstraints:\n  order:\n"
+    "    - {rule: 'stage{s}[m] < stage{s}[m+1]', for: {s: '0..1'}}\n"
+    "    - {rule: 'stage{s}.b[m] < stage{s}.b[m+1]', for: {s: '0..1'}}\n"
+    "    - {rule: 'stage{s}.f[m+{D-s-1}] < stage{s}.b[m]', for: {s: '0..1'}}\n"
+    "    - {rule: 'stage{s}.b[m] < stage{s}.f[m+{D-s}]', for: {s: '0..1'}}\n"
+    + MODEL.format(build="build_two"),
+    "two-gpipe": HEADER + "name: two-gpipe\nmemory: 8\n" + TWO_RANKS +
+    "shape: {kind: vshape, stage: {time: 1, memory: 1}}\nconstraints:\n  order:\n"
+    "    - {rule: 'stage{s}.f[m+7] < stage{s}.b[m]', for: {s: '0..1'}}\n"
+    + MODEL.format(build="build_two"),
+    "two-interleaved": HEADER + "name: two-interleaved\nmemory: 5\n" + TWO_RANKS +
+    "shape: {kind: interleaved, chunks: 2, stage: {time: 1, memory: 1}}\n"
+    "search: {max_repetend_micro_batches: 4, time_limit: 20}\n" + MODEL.format(build="build"),
+}
+
+
+def ranks() -> int:
+    return int(os.environ.get("PYPLAN_BENCH_RANKS", "4"))
+
+
 def prepare(directory: Path) -> dict[str, Path]:
     """Solve every plan the benchmark runs; returns name -> resolved plan."""
     from pyplan.problem import load_problem
@@ -69,6 +101,12 @@ def prepare(directory: Path) -> dict[str, Path]:
     from pyplan.solver import solve
 
     paths = {}
+    if ranks() == 2:
+        for name, text in PLANS_TWO.items():
+            plan = directory / f"{name}.yaml"
+            plan.write_text(text)
+            paths[name] = write_resolved(solve(load_problem(plan)), resolved_path(plan))
+        return paths
     for name in ("transformer-vshape", "gpt-mshape", "gpt-mshape-blocks",
                  "transformer-vshape-dp2"):
         (directory / f"{name}.yaml").write_text((ROOT / "plans" / f"{name}.yaml").read_text())
@@ -141,7 +179,7 @@ class TorchCase(TorchScheduleCase):
 
         self.name = name
         module = __import__(f"pyplan.examples.{example}", fromlist=["batch"])
-        build = module.build_interleaved if len(stages) == 8 else module.build
+        build = {2: module.build_two, 4: module.build, 8: module.build_interleaved}[len(stages)]
         self.model = Model(build, module.batch, module.loss)
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = [s for s in range(len(stages)) if s % world == rank]
@@ -261,6 +299,8 @@ def worker(directory: Path, rounds: int) -> None:
         for key, value in sizes.items():
             setattr(module, key, value)
     dist.init_process_group("gloo")
+    if ranks() == 2:
+        return worker_two(directory, rounds)
     plan = {name: directory / f"{name}.resolved.yaml" for name in
             ("transformer-vshape", "transformer-gpipe", "transformer-interleaved", "gpt-mshape",
              "gpt-mshape-blocks", "transformer-vshape-dp2")}
@@ -300,21 +340,71 @@ def worker(directory: Path, rounds: int) -> None:
     dist.destroy_process_group()
 
 
-def run_rounds(cases, rounds: int) -> dict[str, list[float]]:
+def worker_two(directory: Path, rounds: int) -> None:
+    """Item 2 on two ranks: pyplan and torch.distributed.pipelining on the same schedules."""
+    import torch
+    import torch.distributed as dist
+
+    plan = {name: directory / f"{name}.resolved.yaml" for name in PLANS_TWO}
+    two, four = [[f"stage{s}"] for s in range(2)], [[f"stage{s}"] for s in range(4)]
+    cases = [
+        PyplanCase("pyplan 1F1B (2 stages)", plan["two-1f1b"], blocking=False),
+        TorchCase("torch Schedule1F1B", "Schedule1F1B", "transformer", two),
+        PyplanCase("pyplan GPipe order", plan["two-gpipe"], blocking=False),
+        TorchCase("torch ScheduleGPipe", "ScheduleGPipe", "transformer", two),
+        PyplanCase("pyplan interleaved (4 stages)", plan["two-interleaved"], blocking=False),
+        TorchCase("torch ScheduleInterleaved1F1B", "ScheduleInterleaved1F1B", "transformer",
+                  four),
+    ]
+    cpu: dict[str, float] = {}
+    rounds_of = run_rounds(cases, rounds, cpu)
+    totals = torch.tensor([cpu[case.name] for case in cases], dtype=torch.float64)
+    dist.all_reduce(totals)  # CPU seconds of all ranks
+    if dist.get_rank() == 0:
+        print_times(rounds_of, 34)
+        per_iteration = {case.name: float(t) / (rounds * ITERATIONS)
+                         for case, t in zip(cases, totals)}
+        print("CPU time per iteration, summed over the ranks (getrusage, every iteration):")
+        for name, seconds in per_iteration.items():
+            print(f"  {name:34} {seconds * 1e3:8.1f} ms")
+        print("ratios (> 1: the first named is faster):")
+        for label, slow, fast in (
+                ("pyplan vs torch Schedule1F1B", "torch Schedule1F1B", "pyplan 1F1B (2 stages)"),
+                ("pyplan vs torch ScheduleGPipe", "torch ScheduleGPipe", "pyplan GPipe order"),
+                ("pyplan vs torch ScheduleInterleaved1F1B", "torch ScheduleInterleaved1F1B",
+                 "pyplan interleaved (4 stages)")):
+            print_ratio(rounds_of, f"{label} (time)", slow, fast, width=50)
+            print(f"{label + ' (CPU time)':50} "
+                  f"{per_iteration[slow] / per_iteration[fast]:.2f}x")
+    dist.destroy_process_group()
+
+
+def run_rounds(cases, rounds: int, cpu: dict[str, float] | None = None
+               ) -> dict[str, list[float]]:
     """Per round, each case's median iteration: a ratio is taken within a round (the same
     machine load for both cases) and reported as its spread over the rounds. Odd rounds run
-    the cases in reverse order, so no case always runs first or after the same other case."""
+    the cases in reverse order, so no case always runs first or after the same other case.
+    With `cpu`, each case's CPU seconds in this process (all its threads) are added up there."""
     rounds_of: dict[str, list[float]] = {case.name: [] for case in cases}
     for round_ in range(rounds):
         for case in cases if round_ % 2 == 0 else cases[::-1]:
-            rounds_of[case.name].append(statistics.median(case.run()[WARMUP:]))
+            before = _cpu_seconds()
+            seconds = case.run()
+            if cpu is not None:
+                cpu[case.name] = cpu.get(case.name, 0.0) + _cpu_seconds() - before
+            rounds_of[case.name].append(statistics.median(seconds[WARMUP:]))
     return rounds_of
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def print_times(rounds_of: dict[str, list[float]], width: int) -> None:
     count = len(next(iter(rounds_of.values())))
     print(f"median iteration time, {ITERATIONS - WARMUP} iterations x {count} rounds "
-          f"(4 gloo ranks, {os.cpu_count()} CPU cores):")
+          f"({ranks()} gloo ranks, {os.cpu_count()} CPU cores):")
     for name, seconds in rounds_of.items():
         print(f"  {name:{width}} {statistics.median(seconds) * 1e3:8.1f} ms")
 
@@ -364,10 +454,15 @@ ITERATIONS = int(os.environ.get("PYPLAN_BENCH_ITERATIONS", "6"))
 WARMUP = 1
 
 
-def launch(script: str, description: str, prepare, worker) -> int:
+def launch(script: str, description: str, prepare, worker, *, rank_counts=(4,),
+           first=None) -> int:
     """The command line of a benchmark that prepares plans here, then runs `worker` under
-    torchrun on 4 ranks (this script again, with --worker)."""
+    torchrun on 4 ranks, or another of `rank_counts` (this script again, with --worker);
+    `first` runs here before, with the default count."""
     parser = argparse.ArgumentParser(description=description)
+    if len(rank_counts) > 1:
+        parser.add_argument("--ranks", type=int, choices=rank_counts, default=rank_counts[0],
+                            help="how many ranks the cases run on")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=6,
                         help="iterations per case and round (the first is a warm-up)")
@@ -381,12 +476,16 @@ def launch(script: str, description: str, prepare, worker) -> int:
 
         worker(Path(args.worker), args.rounds)
         leave(0)  # a rank: no interpreter teardown (see leave)
+    count = getattr(args, "ranks", rank_counts[0])
+    if first is not None and count == rank_counts[0]:
+        first()
+    os.environ["PYPLAN_BENCH_RANKS"] = str(count)  # for prepare, and the workers
     with tempfile.TemporaryDirectory() as directory:
         prepare(Path(directory))
         env = dict(os.environ, PYPLAN_BENCH_ITERATIONS=str(args.iterations),
                    PYPLAN_BENCH_ONLY=args.only or "")
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc-per-node", "4", script, "--worker", directory,
+                               "--nproc-per-node", str(count), script, "--worker", directory,
                                "--rounds", str(args.rounds)], env=env).returncode
 
 
@@ -450,9 +549,8 @@ def split_backward(rounds: int = 5, repeats: int = 20) -> None:
 
 
 def main() -> int:
-    if "--worker" not in sys.argv:
-        split_backward()
-    return launch(__file__, __doc__.splitlines()[0], prepare, worker)
+    return launch(__file__, __doc__.splitlines()[0], prepare, worker, rank_counts=(4, 2),
+                  first=split_backward)
 
 
 if __name__ == "__main__":

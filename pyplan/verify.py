@@ -8,8 +8,8 @@ send is posted. In blocking mode a SEND and its RECV meet like a rendezvous. Blo
 ranks, REDUCEs and SYNCs (across data-parallel replicas) are collectives: all their ranks must
 reach them, so collectives issued in different orders by two replicas block forever. Messages
 between two ranks match in posting order per channel: the runtime opens one communicator per
-ordered pair of ranks and kind of tensor (activations, gradients), and gloo and NCCL match the
-messages of one communicator in order.
+ordered pair of ranks (a direction; activations and gradients share it), and gloo and NCCL match
+the messages of one communicator in order.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class _Machine:
         self.have: list[set[Value]] = [set() for _ in ranks]
         self.posted: list[dict[Value, int]] = [{} for _ in ranks]
         self.waited: list[set[Value]] = [set() for _ in ranks]
-        self.sent: dict[tuple[int, int, str], list[Value]] = {}
-        self.received: dict[tuple[int, int, str], int] = {}
+        self.sent: dict[tuple[int, int], list[Value]] = {}
+        self.received: dict[tuple[int, int], int] = {}
         self.streams: set[tuple[int, int, int]] = set()
         self.gradient_edges = [[c for a, c in lowered.problem.edges if a == b and
                                 is_gradient(lowered.problem, a, c)]
@@ -62,9 +62,9 @@ class _Machine:
         if stuck:
             r = min(stuck, key=lambda r: (self.at(r).seq, r))
             raise self.error(r, f"blocks forever: {self.why(r)}")
-        for (src, dst, kind), values in self.sent.items():
-            if len(values) > self.received.get((src, dst, kind), 0):
-                value = values[self.received.get((src, dst, kind), 0)]
+        for (src, dst), values in self.sent.items():
+            if len(values) > self.received.get((src, dst), 0):
+                value = values[self.received.get((src, dst), 0)]
                 raise PlanError(f"rank {src} sends {describe_value(self.lowered, value)} to "
                                 f"rank {dst}, which never receives it: the send blocks forever",
                                 file=self.lowered.problem.source_path or None)
@@ -96,11 +96,11 @@ class _Machine:
                 raise self.error(r, "sends a tensor that is not on this rank by then")
             if self.blocking:
                 return self.meet(r, ins.peer, r, ins.value)
-            self.sent.setdefault((r, ins.peer, ins.value.kind), []).append(ins.value)
+            self.sent.setdefault((r, ins.peer), []).append(ins.value)
         elif ins.op == RECV:
             if self.blocking:
                 return self.meet(ins.peer, r, r, ins.value)
-            channel = (ins.peer, r, ins.value.kind)
+            channel = (ins.peer, r)
             index = self.received.get(channel, 0)
             stream = (ins.peer, r, ins.value.block)
             if ins.value.kind == ACTIVATION and stream not in self.streams:
@@ -112,7 +112,7 @@ class _Machine:
         elif ins.op == WAIT and not self.blocking:
             if ins.value not in self.posted[r]:
                 raise self.error(r, "waits for a tensor it never posted a receive for")
-            if not self.matched(r, (ins.peer, r, ins.value.kind), self.posted[r][ins.value],
+            if not self.matched(r, (ins.peer, r), self.posted[r][ins.value],
                                 ins.value):
                 return False
             self.waited[r].add(ins.value)
@@ -132,7 +132,7 @@ class _Machine:
     def same(a: Instruction | None, b: Instruction) -> bool:
         return a is not None and (a.op, a.block, a.micro_batch) == (b.op, b.block, b.micro_batch)
 
-    def matched(self, r: int, channel: tuple[int, int, str], index: int, value: Value) -> bool:
+    def matched(self, r: int, channel: tuple[int, int], index: int, value: Value) -> bool:
         sent = self.sent.get(channel, [])
         if len(sent) <= index:
             return False

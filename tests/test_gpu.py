@@ -2,15 +2,21 @@
 split backward (zero bubble), blocks on several devices, data x pipeline parallelism, bf16 and
 a Hugging Face model, with every host-GPU synchronisation inside an iteration's steps raising
 (torch.cuda.set_sync_debug_mode, PYPLAN_CHECK_SYNC=1) and a short collective timeout. Profiling
-with CUDA events and the NCCL link measurement run too."""
+with CUDA events and the NCCL link measurement run too. The CUDA side of issue 34's review
+(tests/test_cuda_paths.py shows the rest on CPU): a caller's NCCL-only group, one GPU visible
+per process, sends never waited for, one communicator per direction, int16 over NCCL, fp16
+overflow, the fused loss in fp32 under CUDA autocast, clipping and the optimizer's step without
+a host synchronisation, a stage without parameters."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -103,3 +109,208 @@ def test_profile_and_links_on_the_gpu():
     found = json.loads(result.stdout)
     assert all(b["forward_ms"] > 0 and b["backward_ms"] > 0 for b in found["blocks"])
     assert found["link"]["bandwidth"] > 0
+
+
+# ---------------------------------------------------------------- issue 34's review, on GPUs
+
+PAIR = """\
+pyplan: 1
+name: {name}
+devices: 2
+memory: 8
+micro_batches: 4
+training: {{backward: {{time_ratio: 2}}}}
+blocks:
+  - {{name: a, devices: [0], time: 1, memory: 1}}
+  - {{name: b, devices: [1], time: 1, memory: 1}}
+constraints:
+  order:
+    - "a.f[m+3] < a.b[m]"
+model: {{blocks: "review:{build}", data: "review:batch", loss: "review:{loss}"}}
+"""
+
+
+def _review_plan(tmp_path, name: str, text: str) -> Path:
+    shutil.copy(MODELS / "review.py", tmp_path / "review.py")
+    return _solved(tmp_path, name, text)
+
+
+def _torchrun_script(tmp_path, script: str, *args, nproc: int = 2, env=None):
+    (tmp_path / "script.py").write_text(textwrap.dedent(script))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", str(nproc), "script.py", *map(str, args)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                               **(env or {})})
+
+
+NCCL_ONLY = """\
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    import review
+    from pyplan.runtime import Pipeline
+    from pyplan.runtime.comm import all_gather_objects
+
+    waits = []
+
+    class Watched:
+        \"\"\"A send's transfer, noting a wait on a GPU tensor's send.\"\"\"
+
+        def __init__(self, work, tensor):
+            self.work, self.cuda = work, tensor.is_cuda
+
+        def wait(self):
+            waits.append(self.cuda)
+            return self.work.wait()
+
+        def is_completed(self):
+            return self.work.is_completed()
+
+    isend = dist.isend
+    dist.isend = lambda tensor, *args, **kwargs: Watched(isend(tensor, *args, **kwargs), tensor)
+
+    dist.init_process_group("nccl")  # the caller's group: no CPU side
+    pipe = Pipeline(sys.argv[1])
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.01)
+    for step in range(3):
+        inputs, targets = review.batch(step)
+        optimizer.zero_grad()
+        loss = pipe.step(inputs, targets)
+        pipe.clip_grad_norm_(1.0)
+        pipe.step_optimizer(optimizer)
+    links = {id(g): g for g in pipe.comm.links.values()}
+    configs = sorted({dist.get_backend_config(g) for g in links.values()})
+    words = ["rank", pipe.rank, pipe.device.type, len(links), configs, sum(waits),
+             all_gather_objects(pipe.rank), bool(torch.isfinite(loss))]
+    sys.stdout.write(" ".join(map(str, words)) + "\\n")  # one write: ranks share the pipe
+    pipe.close()
+    dist.destroy_process_group()
+"""
+
+
+def test_a_callers_nccl_only_group_and_sends_never_waited(tmp_path):
+    """Headers and reports go over pyplan's own gloo group (the caller's has no CPU side);
+    each direction between the two ranks has one NCCL communicator (2 in all); the GPipe
+    order runs ahead without waiting for any send on the GPU (only polled)."""
+    plan = _review_plan(tmp_path, "pair", PAIR.format(name="pair", build="two", loss="loss"))
+    result = _torchrun_script(tmp_path, NCCL_ONLY, plan)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))
+    assert lines == [f"rank {r} cuda 2 ['cuda:nccl'] 0 [0, 1] True" for r in (0, 1)], lines
+
+
+ONE_VISIBLE = """\
+    import os
+    import sys
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["LOCAL_RANK"]  # as SLURM --gpus-per-task=1
+
+    from pyplan.cli import main
+
+    raise SystemExit(main(["run", sys.argv[1], "--device", "cuda", "--check", "--iterations",
+                           "2", "--json"]))
+"""
+
+
+def test_each_process_seeing_one_gpu_runs_on_it(tmp_path):
+    plan = _solved(tmp_path, "two", TWO_STAGES.format(name="two", split=""))
+    result = _torchrun_script(tmp_path, ONE_VISIBLE, plan)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["device"] == "cuda" and report["check"]["ok"], report
+
+
+def test_an_int16_value_crosses_stages_over_nccl(tmp_path):
+    plan = _review_plan(tmp_path, "coded", PAIR.format(name="coded", build="coded",
+                                                        loss="loss"))
+    _run(tmp_path, plan, 2)
+
+
+@pytest.mark.skipif(GPUS < 3, reason="needs 3 GPUs")
+def test_a_stage_without_parameters_clips_with_the_others_on_gpus(tmp_path):
+    text = PAIR.format(name="free", build="free", loss="loss").replace(
+        "devices: 2", "devices: 3").replace(
+        "  - {name: b, devices: [1], time: 1, memory: 1}\n",
+        "  - {name: b, devices: [1], time: 1, memory: 1}\n"
+        "  - {name: c, devices: [2], time: 1, memory: 1}\n")
+    plan = _review_plan(tmp_path, "free", text)
+    report = _run(tmp_path, plan, 3, "--optimizer", "adamw", "--clip-grad-norm", "1.0")
+    assert len(report["grad_norms"]) == 3
+
+
+OVERFLOW_AND_SYNC = """\
+    import sys
+
+    import torch
+
+    import review
+    from pyplan.runtime import Pipeline
+
+    pipe = Pipeline(sys.argv[1], device="cuda", dtype="fp16")
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    inputs, targets = review.batch(0)
+    pipe.step(inputs, targets)
+    overflowed, stepped = pipe.overflow, pipe.step_optimizer(optimizer)
+    moved = any(not torch.equal(a, p.detach()) for a, p in zip(before, pipe.parameters()))
+    while pipe.overflow:  # the scale halves until the step fits fp16
+        pipe.step(inputs, targets)
+    sgd = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # clipping and stepping: no host synchronisation
+    norm = pipe.clip_grad_norm_(1.0)
+    clean = pipe.step_optimizer(sgd)
+    torch.cuda.set_sync_debug_mode("default")
+    words = ["rank", pipe.rank, overflowed, stepped, moved, clean, bool(norm > 0)]
+    sys.stdout.write(" ".join(map(str, words)) + "\\n")  # one write: ranks share the pipe
+    pipe.close()
+"""
+
+
+def test_fp16_overflow_skips_the_step_and_clipping_does_not_synchronise(tmp_path):
+    plan = _review_plan(tmp_path, "over", PAIR.format(name="over", build="two",
+                                                      loss="overflowing_loss"))
+    result = _torchrun_script(tmp_path, OVERFLOW_AND_SYNC, plan)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))
+    assert lines == [f"rank {r} True False False True True" for r in (0, 1)], lines
+
+
+FUSED_LOSS = """\
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from pyplan.models.vocab import parallel_loss
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    group = dist.new_group([0])
+    torch.manual_seed(0)
+    logits = (torch.randn(64, 50, device="cuda") * 4).to(torch.bfloat16)
+    targets = torch.randint(0, 50, (64,), device="cuda")
+
+    def loss(output, targets):
+        return F.cross_entropy(output.reshape(-1, 50), targets.reshape(-1))
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        theirs = loss(logits, targets)
+        ours = parallel_loss(loss)(logits, targets, group)
+    print(theirs.dtype, ours.dtype, float((theirs - ours).abs()))
+    dist.destroy_process_group()
+"""
+
+
+def test_the_fused_loss_is_fp32_under_cuda_autocast(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "fused.py").write_text(textwrap.dedent(FUSED_LOSS).replace("{port}", str(port)))
+    result = subprocess.run([sys.executable, "fused.py"], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    theirs, ours, difference = result.stdout.split()
+    assert theirs == ours == "torch.float32" and float(difference) < 1e-5

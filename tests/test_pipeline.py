@@ -22,13 +22,18 @@ PYPLAN = str(Path(sys.executable).with_name("pyplan"))
 
 
 def test_the_world_runs_on_cuda_only_when_every_rank_has_a_gpu():
-    assert choose_cuda("auto", [True, True, True, True])
-    assert not choose_cuda("auto", [True, True, True, False])  # no NCCL hang: all on CPU
-    assert not choose_cuda("cpu", [True, True])
-    assert choose_cuda("cuda", [True, True])
+    gpus = [f"node/GPU-{r}" for r in range(4)]  # host/UUID of the GPU each rank would use
+    assert choose_cuda("auto", gpus)
+    assert not choose_cuda("auto", gpus[:3] + [None])  # no NCCL hang: all on CPU
+    assert not choose_cuda("cpu", gpus[:2])
+    assert choose_cuda("cuda", gpus[:2])
     with pytest.raises(RunError, match=r"--device cuda, but rank 2 has no GPU of its own "
                                        r"\(2 of 4 ranks have none\)"):
-        choose_cuda("cuda", [True, True, False, False])
+        choose_cuda("cuda", gpus[:2] + [None, None])
+    # Two ranks on one GPU (more processes than GPUs): NCCL refuses them.
+    assert not choose_cuda("auto", gpus[:2] + gpus[:2])
+    with pytest.raises(RunError, match=r"ranks 0 and 2 would share one GPU \(node/GPU-0\)"):
+        choose_cuda("cuda", gpus[:2] + gpus[:2])
 
 
 @pytest.mark.torchrun

@@ -381,7 +381,11 @@ def parallel_loss(loss: Callable) -> Callable:
         form = _cross_entropy_form(loss, whole, output.dtype, tuple(targets.shape),
                                    targets.dtype) if isinstance(targets, torch.Tensor) else None
         if form is not None:
-            return cross_entropy(output, targets, group, ignore_index=form[0], dtype=form[1])
+            dtype = form[1]  # as probed on meta tensors, where autocast does not act
+            if torch.is_autocast_enabled(output.device.type):
+                # Autocast runs cross_entropy (log_softmax, nll_loss) in fp32: so does this.
+                dtype = torch.promote_types(dtype, torch.float32)
+            return cross_entropy(output, targets, group, ignore_index=form[0], dtype=dtype)
         from torch.distributed.tensor import DTensor, Shard
         from torch.distributed.tensor.parallel import loss_parallel
 

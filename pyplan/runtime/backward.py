@@ -16,6 +16,10 @@ another piece's input-side nodes (which would redo input gradients); pieces that
 parameter used in two places) are one call, with the captured gradients pinned where the
 call reaches another captured node. Each node of the graph therefore runs at most once, and a
 collective inside a backward (tensor-parallel blocks) is issued once.
+
+A weight gradient W finds may be a gradient B already handed on (`x + p`: both gradients are
+the output's, the same tensor, which may still be on its way to the previous stage): W stores
+a copy of such a gradient in `.grad`, which later micro-batches add to in place.
 """
 
 from __future__ import annotations
@@ -155,6 +159,7 @@ def backward_weight(work: WeightWork) -> None:
                     grads.append(g)
         if not edges:
             continue
+        handed_on = {g.untyped_storage().data_ptr() for g in grads}
         # Where this call reaches another start of the piece through the input side, that
         # node gets exactly what B gave it (what arrives there again is already counted).
         pins = [node.register_prehook(lambda _, at=at: at) for node, at, captured in seeds
@@ -170,6 +175,6 @@ def backward_weight(work: WeightWork) -> None:
                 if g is None:
                     continue
                 if p.grad is None:
-                    p.grad = g
+                    p.grad = g.clone() if g.untyped_storage().data_ptr() in handed_on else g
                 else:
                     p.grad += g

@@ -1,37 +1,46 @@
 """Devices, backends and point-to-point transfers between ranks: the one place that decides
 where tensors live, which communicator carries them and how long they are kept.
 
-Device and backend: one for the whole world. An existing default process group decides (gloo:
-the CPU; NCCL: each rank's GPU); otherwise every rank publishes whether it has a GPU in
-torchrun's store before any group exists, and all choose together: CUDA when every rank has
-one (or `--device cuda`, which names a rank that has none), else the CPU. On CUDA the default
-group is "cpu:gloo,cuda:nccl": tensors on the GPU go over NCCL, the small shape headers and
-reports over gloo, so reading a header never synchronises the GPU.
+Device and backend: one for the whole world. An existing default process group decides (a CUDA
+side on NCCL: each rank's GPU; else the CPU); otherwise every rank publishes the GPU it would
+use in torchrun's store before any group exists, and all choose together: CUDA when every rank
+has a GPU of its own (or `--device cuda`, which names a rank that has none), else the CPU. A
+rank's GPU is LOCAL_RANK modulo the GPUs it sees (0 when it sees one, as under SLURM's
+`--gpus-per-task=1` or one pod per GPU); two ranks that would share one (same host, same GPU
+UUID) do not each have their own: NCCL refuses that. On CUDA the default group pyplan creates is
+"cpu:gloo,cuda:nccl". A caller's group may have one side only (plain NCCL): pyplan's own
+groups name their backend (NCCL for device tensors, gloo for the CPU ones), never inherit it.
 
-Channels: a channel is one ordered pair of ranks and one kind of traffic, activations or
-gradients. On NCCL each gets its own communicator (a process group, created in the same order
-on every rank): NCCL runs each communicator on its own stream, so an activation never queues
-behind a gradient going the other way or the same way (with a single communicator per pair
-both would sit in one FIFO). On gloo a TCP connection carries both directions at once and a
-message never waits for another's kind, so all channels share one process group and differ by
-tag (a group per channel would only add gloo's connections and threads). Messages of one
-channel match in posting order; pyplan.verify checks the programs against exactly that.
+Channels: a channel is one direction between two ranks (source, destination). On NCCL each
+gets a communicator of its own, created in the same order on every rank: NCCL runs each
+communicator on its own stream and matches its messages in order, so two ranks can send to
+each other at once without one transfer waiting behind the other; a V-shape of D stages opens
+2(D - 1). On gloo a TCP connection carries both directions at once, so every channel uses one
+gloo group over the world (a group per channel would only add gloo's connections and threads).
+Activations and gradients of one direction share its channel: both ranks post them in the one
+global order of pyplan.lower, which pyplan.verify checks message by message.
 
 Shapes: the first activation of a stream (one producing block, one receiver) in every
 iteration is preceded by a header with the value's structure and each tensor's dtype and shape,
-so shapes may change between iterations (another sequence length). Gradients have the shapes of
-the receiver's own forward output.
+sent over pyplan's gloo group (on CUDA too: reading a header never synchronises the GPU), so
+shapes may change between iterations (another sequence length). The later micro-batches of the
+stream in that iteration must have the same shapes: the sender refuses one that differs, naming
+the block and the micro-batch, before anything is sent. Gradients have the shapes of the
+receiver's own forward output. int16, which NCCL lacks, travels as its bytes.
 
 Lifetimes: a sent tensor is kept only until its send completes, a received one until the
 executor drops it after its last use, so a rank holds the tensors of the micro-batches in
-flight, not of the iteration. gloo reports a send complete only once it is waited for, and
-waiting must not stall the sender on a receiver that is busy: sends and receives sit in one
-global order (pyplan.lower), so once a rank has received something its peer sent after one of
-its own sends in that order, the peer has posted the matching receive and waiting for that
-send costs nothing. Those sends are completed and released at every receive; at most
-`MAX_PENDING` more per channel are kept (a rank that never hears back, the first stage of a
-forward-only pipeline, waits for its oldest: the receiver's progress up to that receive depends
-only on what came earlier in the order, so this never deadlocks).
+flight, not of the iteration. On NCCL a send is never waited for (a wait would make the compute
+stream wait until the receiver has the data): its completion is polled, and once the rank has
+heard back from the peer (below), or the iteration ends, pyplan drops it; torch keeps the tensor
+of an unfinished NCCL send alive until the send completes. gloo reports a send complete only
+once it is waited for, and waiting must not stall the sender on a receiver that is busy: sends
+and receives sit in one global order (pyplan.lower), so once a rank has received something its
+peer sent after one of its own sends in that order, the peer has posted the matching receive
+and waiting for that send costs nothing. Those sends are completed and released at every
+receive; at most `MAX_PENDING` more per peer are kept (a rank that never hears back, the first
+stage of a forward-only pipeline, waits for its oldest: the receiver's progress up to that
+receive depends only on what came earlier in the order, so this never deadlocks).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import ctypes
 import importlib
 import os
 import pickle
+import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,16 +61,16 @@ import torch.distributed as dist
 from pyplan.errors import RunError
 from pyplan.runtime.values import flatten, rebuild, spec_text, structure
 
-__all__ = ["ACTIVATIONS", "CUDA_BACKEND", "Comm", "DEVICES", "GRADIENTS", "Pending",
-           "TransferError", "all_gather_objects", "choose_cuda", "join_world", "leave"]
+__all__ = ["CUDA_BACKEND", "Comm", "DEVICES", "Pending", "TransferError", "all_gather_objects",
+           "choose_cuda", "device_backend", "gpu_identity", "has_cpu_side", "join_world",
+           "leave", "local_gpu"]
 
 DEVICES = ("auto", "cpu", "cuda")
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
-ACTIVATIONS, GRADIENTS = "activation", "gradient"
-_TAGS = {ACTIVATIONS: 0, GRADIENTS: 1}
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+_AS_BYTES = {torch.int16}  # no NCCL type: sent as its bytes
 _MAX_DIMS = 8
 _HEADER_WORDS = 512
 _LEAF_WORDS = 2 + _MAX_DIMS
@@ -72,37 +82,74 @@ class TransferError(RuntimeError):
     """A send, receive or reduction failed, most likely because a peer failed first."""
 
 
-def _has_gpu(local_rank: int) -> bool:
-    return torch.cuda.is_available() and local_rank < torch.cuda.device_count()
+def local_gpu(local_rank: int) -> int | None:
+    """The index of the GPU this process uses: LOCAL_RANK modulo the GPUs it sees (0 when it
+    sees one); None when it sees none."""
+    if not torch.cuda.is_available():
+        return None
+    count = torch.cuda.device_count()
+    return local_rank % count if count else None
 
 
-def _device_of_group(backend: str, local_rank: int, request: str) -> torch.device:
-    """The device an existing default group's backend can carry for this rank."""
-    kinds = {part.split(":")[-1] for part in backend.split(",")}
-    cuda = "nccl" in kinds and request != "cpu"
+def gpu_identity(local_rank: int) -> str | None:
+    """The GPU this process would use, as host/UUID (two ranks with the same identity would
+    share it), or None without one."""
+    index = local_gpu(local_rank)
+    if index is None:
+        return None
+    return f"{socket.gethostname()}/{torch.cuda.get_device_properties(index).uuid}"
+
+
+def _sides(config: str) -> dict[str, str]:
+    """Device type -> backend of a backend configuration ("cpu:gloo,cuda:nccl")."""
+    return dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+
+
+def has_cpu_side(group=None) -> bool:
+    """Whether `group` (default: the default group) carries CPU tensors."""
+    return "cpu" in _sides(dist.get_backend_config(group))
+
+
+def device_backend(device: torch.device) -> str:
+    """The backend of pyplan's own groups for tensors on `device`."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _device_of_group(local_rank: int, request: str) -> torch.device:
+    """The device the existing default group can carry for this rank."""
+    config = dist.get_backend_config()
+    cuda = _sides(config).get("cuda") == "nccl" and request != "cpu"
     if request == "cuda" and not cuda:
-        raise RunError(f"--device cuda, but the process group's backend is {backend}",
+        raise RunError(f"--device cuda, but the process group's backend is {config}",
                        hint="create it with NCCL, or run with --device cpu")
-    if cuda and not _has_gpu(local_rank):
-        raise RunError(f"rank {dist.get_rank()} (LOCAL_RANK {local_rank}) has no GPU of its own, "
-                       f"but the process group's backend is {backend}",
+    index = local_gpu(local_rank)
+    if cuda and index is None:
+        raise RunError(f"rank {dist.get_rank()} (LOCAL_RANK {local_rank}) sees no GPU, "
+                       f"but the process group's backend is {config}",
                        hint="start one process per GPU")
-    if not cuda and "gloo" not in kinds:
-        raise RunError(f"--device cpu needs gloo, but the process group's backend is {backend}")
-    return torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if not cuda and "cpu" not in _sides(config):
+        raise RunError(f"--device cpu needs gloo, but the process group's backend is {config}")
+    return torch.device("cuda", index) if cuda else torch.device("cpu")
 
 
-def choose_cuda(request: str, gpus: list[bool]) -> bool:
-    """Whether the world runs on CUDA, given whether each rank has a GPU of its own: auto takes
-    CUDA when every rank has one (one rank without would leave the others waiting for it in
-    NCCL forever), cuda insists and names a rank that cannot follow."""
-    without = [r for r, has in enumerate(gpus) if not has]
+def choose_cuda(request: str, gpus: list[str | None]) -> bool:
+    """Whether the world runs on CUDA, given the GPU each rank would use (gpu_identity; None:
+    none): auto takes CUDA when every rank has one of its own (a rank without would leave the
+    others waiting for it in NCCL forever; two sharing one fail in NCCL), cuda insists and
+    names a rank that cannot follow."""
+    without = [r for r, gpu in enumerate(gpus) if gpu is None]
+    first: dict[str, int] = {}
+    shared = [(first.setdefault(gpu, r), r) for r, gpu in enumerate(gpus)
+              if gpu is not None and first.setdefault(gpu, r) != r]
+    hint = "start at most one process per GPU on each node, or use --device cpu"
     if request == "cuda" and without:
         raise RunError(f"--device cuda, but rank {without[0]} has no GPU of its own "
-                       f"({len(without)} of {len(gpus)} ranks have none)",
-                       hint="start at most one process per GPU on each node, or use "
-                            "--device cpu")
-    return request == "cuda" or (request == "auto" and not without)
+                       f"({len(without)} of {len(gpus)} ranks have none)", hint=hint)
+    if request == "cuda" and shared:
+        a, b = shared[0]
+        raise RunError(f"--device cuda, but ranks {a} and {b} would share one GPU "
+                       f"({gpus[a]})", hint=hint)
+    return request == "cuda" or (request == "auto" and not without and not shared)
 
 
 def join_world(request: str = "auto", *, timeout: float = 600.0) -> tuple[torch.device, bool]:
@@ -112,7 +159,7 @@ def join_world(request: str = "auto", *, timeout: float = 600.0) -> tuple[torch.
                        f"{', '.join(DEVICES)}")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if dist.is_initialized():
-        device = _device_of_group(dist.get_backend(), local, request)
+        device = _device_of_group(local, request)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         return device, False
@@ -124,10 +171,10 @@ def join_world(request: str = "auto", *, timeout: float = 600.0) -> tuple[torch.
                          is_master=rank == 0 and not hosted, timeout=timedelta(seconds=timeout),
                          wait_for_workers=False)
     store = dist.PrefixStore("pyplan/devices/", root)
-    store.set(str(rank), "1" if _has_gpu(local) else "0")
-    cuda = choose_cuda(request, [store.get(str(r)) == b"1" for r in range(world)])
+    store.set(str(rank), gpu_identity(local) or "")
+    cuda = choose_cuda(request, [store.get(str(r)).decode() or None for r in range(world)])
     if cuda:
-        device = torch.device("cuda", local)
+        device = torch.device("cuda", local_gpu(local))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -151,104 +198,132 @@ class Pending:
     spec: object | None = None
 
 
+@dataclass
+class _Sent:
+    work: object
+    tensor: torch.Tensor
+    peer: int
+    seq: int
+    """The send's position in the global order."""
+    polled: bool
+    """NCCL: never waited for, only polled; gloo: completed by waiting."""
+    nbytes: int
+
+
 class Comm:
     def __init__(self, device: torch.device, channels: list[tuple[int, int, str]], *,
                  blocking: bool) -> None:
         """`channels`: every (source rank, destination rank, kind) any program uses, the same
-        list on every rank (on NCCL each becomes a process group, created in this order)."""
+        list on every rank (on NCCL each direction becomes a communicator, created in this
+        order)."""
         self.device, self.blocking = device, blocking
-        self.channels: dict[tuple[int, int, str], tuple[object, int]] = {}
-        """(source, destination, kind) -> (process group, tag)."""
-        used = sorted(set(channels))
-        if device.type == "cuda":
-            for channel in used:
-                self.channels[channel] = (dist.new_group(sorted(set(channel[:2]))), 0)
-        elif used:  # the same on every rank, so every rank creates it
-            shared = dist.new_group(list(range(dist.get_world_size())))
-            for channel in used:
-                self.channels[channel] = (shared, _TAGS[channel[2]])
+        self.nccl = device.type == "cuda"
         self.rank = dist.get_rank()
-        self.sending: list[tuple[object, torch.Tensor, int, int]] = []
-        """(work, tensor, peer, position in the global order) of the sends not known done."""
+        # Every rank creates every group in the same order (new_group is collective).
+        self.cpu_group = dist.new_group(backend="gloo")
+        """pyplan's own gloo group over the world: headers, and on the CPU every channel."""
+        _CPU_GROUPS.append(self.cpu_group)
+        directions = sorted({(src, dst) for src, dst, _ in channels})
+        self.links = {d: dist.new_group(sorted(d), backend="nccl") if self.nccl
+                      else self.cpu_group for d in directions}
+        """(source, destination) -> the group carrying its tensors."""
+        self.sending: list[_Sent] = []
+        """The sends not known done."""
         self.sending_bytes = 0
         """Bytes of the tensors whose sends have not completed yet."""
         self.new_iteration()
 
     def new_iteration(self) -> None:
         """Headers again from here: shapes may differ from the last iteration's."""
-        self.announced: set[tuple[int, int]] = set()
+        self.announced: dict[tuple[int, int], tuple] = {}
         self.shapes: dict[tuple[int, int], tuple] = {}
 
     # -- sending
 
     def send_value(self, value, what: str, peer: int, stream: int, seq: int) -> None:
-        """An activation (any value) to `peer`; `stream` is its producing block, `seq` the
-        send's position in the global order."""
+        """An activation (any value) to `peer`; `what` names its block and micro-batch,
+        `stream` is its producing block, `seq` the send's position in the global order."""
         leaves, spec = flatten(value, what)
-        channel = self.channels[(self.rank, peer, ACTIVATIONS)]
-        if (peer, stream) not in self.announced:
-            self.announced.add((peer, stream))
-            self._send(_header(leaves, spec, what), peer, channel, seq)
+        shapes = [(t.dtype, t.shape) for t in leaves]
+        announced = self.announced.get((peer, stream))
+        if announced is None:
+            self.announced[(peer, stream)] = (spec, shapes, what)
+            self._send(_header(leaves, spec, what), peer, self.cpu_group, seq)
+        elif announced[1] != shapes or announced[0] != spec:
+            raise RunError(f"{what} returned {_shapes_text(shapes)}, but {announced[2]} "
+                           f"returned {_shapes_text(announced[1])} in this iteration: "
+                           "between stages, shapes may change from one iteration to the "
+                           "next, not between the micro-batches of one",
+                           hint="give every micro-batch of a batch the same shapes (e.g. pad "
+                                "to one sequence length per batch)")
+        link = self.links[(self.rank, peer)]
         for leaf in leaves:
-            self._send(leaf.detach().contiguous(), peer, channel, seq)
+            self._send(_wire(leaf.detach().contiguous()), peer, link, seq)
 
     def send_gradients(self, tensors: list[torch.Tensor], peer: int, seq: int) -> None:
-        channel = self.channels[(self.rank, peer, GRADIENTS)]
+        link = self.links[(self.rank, peer)]
         for tensor in tensors:
-            self._send(tensor.detach().contiguous(), peer, channel, seq)
+            self._send(tensor.detach().contiguous(), peer, link, seq)
 
-    def _send(self, tensor: torch.Tensor, peer: int, channel, seq: int) -> None:
-        work = self._post(dist.isend, tensor, peer, channel)
+    def _send(self, tensor: torch.Tensor, peer: int, group, seq: int) -> None:
+        work = self._post(dist.isend, tensor, peer, group)
         if self.blocking:
             self._wait(work)
             return
-        self.sending.append((work, tensor, peer, seq))  # gloo reads it until it is sent
-        self.sending_bytes += tensor.numel() * tensor.element_size()
-        mine = [i for i, x in enumerate(self.sending) if x[2] == peer]
-        if len(mine) > MAX_PENDING:
-            self._wait(self.sending[mine[0]][0])
-        self._release(lambda work, _peer, _seq: work.is_completed())
+        polled = self.nccl and tensor.is_cuda
+        size = tensor.numel() * tensor.element_size()
+        self.sending.append(_Sent(work, tensor, peer, seq, polled, size))
+        self.sending_bytes += size
+        if not polled:
+            mine = [x for x in self.sending if x.peer == peer and not x.polled]
+            if len(mine) > MAX_PENDING:
+                self._wait(mine[0].work)
+        self._release(lambda x: x.work.is_completed())
 
     def heard_from(self, peer: int, seq: int) -> None:
         """This rank has received what `peer` sent at position `seq`: every send to it from
-        before that position has been matched by a posted receive; complete and drop them."""
-        def matched(work, to, at):
-            if to == peer and at < seq:
-                self._wait(work)
+        before that position has been matched by a posted receive; complete (gloo) or let go
+        (NCCL: torch holds the tensor until the send is done) and drop them."""
+        def matched(x: _Sent) -> bool:
+            if x.peer == peer and x.seq < seq:
+                if not x.polled:
+                    self._wait(x.work)
                 return True
-            return work.is_completed()
+            return x.work.is_completed()
         self._release(matched)
 
     def _release(self, done) -> None:
-        if self.sending:
-            self.sending = [x for x in self.sending if not done(x[0], x[2], x[3])]
-            self.sending_bytes = sum(t.numel() * t.element_size() for _, t, _, _ in self.sending)
+        kept = [x for x in self.sending if not done(x)]
+        if len(kept) < len(self.sending):
+            self.sending = kept
+            self.sending_bytes = sum(x.nbytes for x in kept)
 
     def finish(self) -> None:
-        """Wait until every send of the iteration has completed."""
-        for work, _, _, _ in self.sending:
-            self._wait(work)
+        """The end of the iteration: complete every gloo send; let go of the NCCL ones."""
+        for x in self.sending:
+            if not x.polled:
+                self._wait(x.work)
         self.sending.clear()
         self.sending_bytes = 0
 
     # -- receiving
 
     def recv_value(self, peer: int, stream: int) -> Pending:
-        channel = self.channels[(peer, self.rank, ACTIVATIONS)]
         if (peer, stream) not in self.shapes:
             header = torch.empty(_HEADER_WORDS, dtype=torch.int64)
-            self._wait(self._post(dist.irecv, header, peer, channel))
+            self._wait(self._post(dist.irecv, header, peer, self.cpu_group))
             self.shapes[(peer, stream)] = _read_header(header)
         spec, shapes = self.shapes[(peer, stream)]
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in shapes]
-        return self._receive(buffers, peer, channel, spec)
+        return self._receive(buffers, peer, spec)
 
     def recv_gradients(self, peer: int, like: list[torch.Tensor]) -> Pending:
         buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
-        return self._receive(buffers, peer, self.channels[(peer, self.rank, GRADIENTS)], None)
+        return self._receive(buffers, peer, None)
 
-    def _receive(self, buffers, peer: int, channel, spec) -> Pending:
-        works = [self._post(dist.irecv, b, peer, channel) for b in buffers]
+    def _receive(self, buffers, peer: int, spec) -> Pending:
+        link = self.links[(peer, self.rank)]
+        works = [self._post(dist.irecv, _wire(b), peer, link) for b in buffers]
         if self.blocking:
             for work in works:
                 self._wait(work)
@@ -269,10 +344,9 @@ class Comm:
     # -- posting and completing
 
     @staticmethod
-    def _post(op, tensor: torch.Tensor, peer: int, channel):
-        group, tag = channel
+    def _post(op, tensor: torch.Tensor, peer: int, group):
         try:
-            return op(tensor, peer, group=group, tag=tag)
+            return op(tensor, peer, group=group)
         except RuntimeError as exc:
             raise TransferError(f"{exc}".splitlines()[0]) from exc
 
@@ -284,6 +358,16 @@ class Comm:
             work.wait()
         except RuntimeError as exc:
             raise TransferError(f"{exc}".splitlines()[0]) from exc
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """What travels for t (sharing its memory): t, or its bytes for a dtype NCCL lacks."""
+    return t.reshape(-1).view(torch.uint8) if t.dtype in _AS_BYTES else t
+
+
+def _shapes_text(shapes: list[tuple[torch.dtype, tuple]]) -> str:
+    parts = [f"{str(dtype).removeprefix('torch.')} {tuple(shape)}" for dtype, shape in shapes]
+    return ("tensors " if len(parts) > 1 else "a tensor ") + ", ".join(parts)
 
 
 def _header(leaves: list[torch.Tensor], spec, what: str) -> torch.Tensor:
@@ -337,16 +421,29 @@ def leave(code: int) -> NoReturn:
 
 
 def all_gather_objects(obj) -> list:
-    """Every rank's picklable object, on every rank, through the CPU (gloo) part of the
-    default group. (torch's *_object collectives go through numpy, which torch does not
-    install.)"""
+    """Every rank's picklable object, on every rank, through a group with a CPU side: the
+    default group when it has one, else pyplan's own gloo group. (torch's *_object collectives
+    go through numpy, which torch does not install.)"""
+    group = _objects_group()
     data = pickle.dumps(obj)
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.empty_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, size)
+    dist.all_gather(sizes, size, group=group)
     buffer = torch.zeros(max(int(s) for s in sizes), dtype=torch.uint8)
     buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     buffers = [torch.empty_like(buffer) for _ in sizes]
-    dist.all_gather(buffers, buffer)
+    dist.all_gather(buffers, buffer, group=group)
     return [pickle.loads(ctypes.string_at(b.data_ptr(), int(n)))
             for b, n in zip(buffers, sizes)]
+
+
+_CPU_GROUPS: list = []
+"""pyplan's gloo groups over the world, the newest last (a Comm makes one)."""
+
+
+def _objects_group():
+    if has_cpu_side():
+        return None
+    if not _CPU_GROUPS:  # every rank gathers at the same point: the same group everywhere
+        _CPU_GROUPS.append(dist.new_group(backend="gloo"))
+    return _CPU_GROUPS[-1]

@@ -88,13 +88,16 @@ class Executor:
     def __init__(self, lowered: Lowered, rank: int, modules: dict, groups: dict, comm: Comm,
                  loss_fn, output_block: int, *, seed: int, wants_inputs=frozenset(),
                  dp_group=None, sync_at_end: bool = False, autocast: torch.dtype | None = None,
-                 fail_at: tuple[int, int, str] | None = None):
+                 fail_at: tuple[int, int, str] | None = None, tied=frozenset()):
         problem = lowered.problem
         self.lowered, self.rank, self.modules, self.groups = lowered, rank, modules, groups
         self.comm, self.loss_fn, self.output = comm, loss_fn, output_block
         self.device = comm.device
         self.seed, self.dp_group, self.autocast = seed, dp_group, autocast
         self.wants_inputs = wants_inputs
+        self.tied = tied
+        """ids of tied parameters whose gradients the tie's all-reduce sums over every rank
+        holding them (REDUCE leaves them alone, or a multi-device holder counts its ranks')."""
         self.replica, device = divmod(rank, problem.num_devices)
         # Micro-batch m of this replica is micro-batch replica x N + m of the global batch.
         self.first_micro_batch = self.replica * problem.num_micro_batches
@@ -161,7 +164,9 @@ class Executor:
                         last[slots[v]] = index
             elif ins.op == SEND:
                 code = _SEND_ACT if ins.value.kind == ACTIVATION else _SEND_GRAD
-                steps.append((code, slot(ins.value), ins.peer, ins.value.block, ins.seq))
+                what = f"block '{self.blocks[ins.value.block].name}' " \
+                    f"(micro-batch {ins.value.micro_batch})"
+                steps.append((code, slot(ins.value), ins.peer, ins.value.block, ins.seq, what))
                 last[slots[ins.value]] = index
             elif ins.op == RECV:
                 sent_at[ins.value] = ins.seq
@@ -200,7 +205,7 @@ class Executor:
         clock = _Clock(self.device)
         marks = []
         start = clock.mark()
-        with _no_host_sync(self.device):
+        with _no_host_sync(self.device), self._weight_casts():
             self._steps(clock, marks, trace, forward_only, iteration)
         self.index = len(self.steps)
         self.comm.finish()
@@ -241,11 +246,10 @@ class Executor:
     def communicate(self, step) -> None:
         code = step[0]
         if code == _SEND_ACT:
-            _, s, peer, block, seq = step
-            self.comm.send_value(self.values[s], f"block '{self.blocks[block].name}'", peer,
-                                 block, seq)
+            _, s, peer, block, seq, what = step
+            self.comm.send_value(self.values[s], what, peer, block, seq)
         elif code == _SEND_GRAD:
-            _, s, peer, _, seq = step
+            _, s, peer, _, seq, _ = step
             self.comm.send_gradients(self.values[s], peer, seq)
         elif code == _RECV_ACT:
             self.pending[step[1]] = self.comm.recv_value(step[2], step[3])
@@ -293,6 +297,14 @@ class Executor:
             with torch.autocast(self.device.type, dtype=self.autocast):
                 yield
 
+    def _weight_casts(self):
+        """Autocast off around the iteration's steps, on in each forward: nested so, autocast
+        keeps its casts of the weights (leaves that require gradients) until the iteration
+        ends, instead of casting them again for every micro-batch."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast, enabled=False)
+
     def _call(self, b: int, m: int, args: list, grad: bool):
         with torch.set_grad_enabled(grad), self._numbers(b, m):
             out = self.modules[b](*args)
@@ -311,6 +323,8 @@ class Executor:
                 tensors, spec = flatten(value, f"block '{self.blocks[p].name}'")
                 tensors = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
                 leaves.append((p, tensors))
+                if self.autocast is not None:  # a view: autocast caches no cast of it
+                    tensors = [t.view_as(t) if t.requires_grad else t for t in tensors]
                 value = rebuild(tensors, spec)
             args.append(value)
         if not self.preds[b] or b in self.wants_inputs:
@@ -368,7 +382,7 @@ class Executor:
             self.keep(targets[p], grads_p)
 
     def reduce(self, block: int) -> None:
-        params = [p for p in self.params[block] if shard_dim(p) is None]
+        params = [p for p in self.params[block] if shard_dim(p) is None and id(p) not in self.tied]
         if not params:
             return
         flat = flat_gradients(params)

@@ -5,6 +5,9 @@ A watchdog thread per rank uses torchrun's rendezvous store as a side channel (t
 groups themselves can block forever): it writes a heartbeat with the rank's position every
 PERIOD seconds, watches the others', and watches the `failed` key. The first failure wins that
 key (compare-and-set); a rank whose heartbeat stops for `timeout` seconds is declared dead.
+Each rank starts its watchdog once it has built its stages, so a rank not heard from at all
+gets a start-up grace (`startup`, the collectives' own timeout by default) before it counts as
+dead: it may still be building (a large model's `.to(cuda)`, weights being read).
 torchrun stops the surviving ranks of a node with SIGTERM when one dies; the watchdog sees the
 signal through a wakeup fd even while the main thread is blocked inside a collective, and waits
 (at most `timeout`) until it can name the rank that died.
@@ -28,14 +31,16 @@ from pyplan.errors import RunError
 __all__ = ["Watchdog"]
 
 PERIOD = 0.1
+STARTUP = 600.0
 RUNNING, TERMINATING, DONE, EXITING = "R", "T", "D", "X"
 
 
 class Watchdog:
     def __init__(self, rank: int, world: int, timeout: float,
                  position: Callable[[], tuple[int, int]],
-                 where: Callable[[int, int, int], str]) -> None:
+                 where: Callable[[int, int, int], str], *, startup: float = STARTUP) -> None:
         self.rank, self.world, self.timeout = rank, world, timeout
+        self.startup = max(startup, timeout)
         self.position, self.where = position, where
         client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                is_master=False, timeout=timedelta(seconds=max(30.0, timeout)))
@@ -132,8 +137,13 @@ class Watchdog:
                 seen[r] = (states[r][0], now)
             if states[r] is not None and states[r][3] in (DONE, EXITING):
                 continue
-            if now - seen[r][1] > self.timeout:
-                at = self.where(r, *states[r][1:3]) if states[r] else "start-up"
+            if states[r] is None and now - seen[r][1] > self.startup:
+                self._exit(self.publish(f"rank {r} did not start within {self.startup:g} s "
+                                        "(its process died or hangs while building its "
+                                        "stages)"))
+                return
+            if states[r] is not None and now - seen[r][1] > self.timeout:
+                at = self.where(r, *states[r][1:3])
                 self._exit(self.publish(f"rank {r} stopped responding for {self.timeout:g} s "
                                         f"(its process died or hangs); last seen at {at}"))
                 return

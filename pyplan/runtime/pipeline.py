@@ -3,17 +3,20 @@ by the user's own loop (torch.distributed.pipelining's `schedule.step`, DeepSpee
 `train_batch`):
 
     pipe = Pipeline("plans/mine.resolved.yaml")          # joins the process group
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-4)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-4) if pipe.parameters() else None
     for step in range(steps):
         inputs, targets = next(batches)                   # the global batch, on every rank
-        optimizer.zero_grad()
+        if optimizer is not None:
+            optimizer.zero_grad()
         loss = pipe.step(inputs, targets)                 # forward + backward, every micro-batch
-        pipe.clip_grad_norm_(1.0)
-        optimizer.step()
+        pipe.clip_grad_norm_(1.0)                         # every rank: an all-reduce
+        pipe.step_optimizer(optimizer)                    # not after an fp16 overflow
 
 After `step`, every parameter of this rank has its gradient in `.grad`, already summed over the
 copies of tied parameters and averaged over data-parallel replicas; the returned loss is the
-global batch's (the mean over micro-batches and replicas), on every rank.
+global batch's (the mean over micro-batches and replicas), on every rank. Every rank calls
+every method, whatever its stages hold (a stage of parameter-free or frozen modules has no
+parameters, and torch.optim refuses an empty list): each may enter a collective.
 
 Parameters are named as in the user's model (`module:` plans: the whole model's names, a tied
 parameter under the first of its names; `blocks:` plans: `block.parameter`).
@@ -28,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from pyplan.errors import PlanError, RunError
 from pyplan.lower import SYNC, Lowered, channels, check_runnable, forward_only, lower
@@ -36,7 +38,7 @@ from pyplan.resolved import ResolvedPlan, load_resolved
 from pyplan.runtime import checkpoint
 from pyplan.runtime.binding import (Built, Model, build, kept_rng, load_model, loss_function,
                                     shard_dim, shared_across_devices, split_batch, to_device)
-from pyplan.runtime.comm import Comm, TransferError, join_world
+from pyplan.runtime.comm import Comm, TransferError, device_backend, join_world
 from pyplan.runtime.executor import Executor, IterationResult, padded, unflatten_into
 from pyplan.verify import verify
 
@@ -93,10 +95,12 @@ class Pipeline:
         self.dtype = dtype
         # fp16 (dynamic loss scaling, as torch.amp.GradScaler): the loss is scaled up before
         # the backward so small gradients do not underflow, the gradients scaled back down;
-        # a step whose gradients overflowed anywhere sets `overflow` (skip the optimizer's step)
-        # and halves the scale, 2000 clean steps double it.
+        # a step whose gradients overflowed anywhere sets `overflow`, leaves no gradient to
+        # apply (step_optimizer skips the step) and halves the scale, 2000 clean steps
+        # double it.
         self.loss_scale = 2.0 ** 16 if dtype == "fp16" else 1.0
         self.overflow = False
+        self._overflowed = False  # since the optimizer last stepped (steps may accumulate)
         self._clean_steps = 0
         self.executor: Executor | None = None
         self.iteration = -1
@@ -112,20 +116,22 @@ class Pipeline:
         problem = self.problem
         replicas, devices = problem.mesh.data, problem.num_devices
         # Every rank creates every group, in the same order, as new_group requires: the
-        # multi-device blocks' groups of every replica, the mesh's, the ties', the channels'.
+        # multi-device blocks' groups of every replica (the user's build gets them: the
+        # default group's backend), the data-parallel slices', the ties', the channels' (the
+        # device's backend: a group pyplan alone uses carries only what pyplan sends).
         sets = sorted({b.devices for b in problem.blocks if len(b.devices) > 1})
         made = {(r, ds): dist.new_group([d + r * devices for d in ds])
                 for r in range(replicas) for ds in sets}
         self.groups = {b.index: made[(self.replica, b.devices)] for b in problem.blocks
                        if len(b.devices) > 1}
-        self.dp_group = None
-        if replicas > 1:
-            mesh = init_device_mesh(self.device.type, (replicas, devices),
-                                    mesh_dim_names=("dp", "pp"))
-            self.dp_group = mesh.get_group("dp")
+        backend = device_backend(self.device)
+        slices = [dist.new_group([d + r * devices for r in range(replicas)], backend=backend)
+                  for d in range(devices)] if replicas > 1 else None
+        self.dp_group = slices[self.device_index] if slices else None
         built: Built = build(self.model, problem, seed=self.seed, device=self.device,
                              rank=self.device_index, groups=self.groups)
         self.built, self.modules = built, built.modules
+        _refuse_dtensors(problem, self.modules)
         if built.whole is None and self.model.whole is None:
             with torch.device("meta"):
                 everything = build(self.model, problem, seed=self.seed, device="meta")
@@ -143,7 +149,8 @@ class Pipeline:
         loss = loss_function(self.model)
         self.executor = Executor(self.lowered, self.rank, self.modules, self.groups, self.comm,
                                  loss, self.output, dp_group=self.dp_group,
-                                 sync_at_end=sync_at_end, fail_at=fail_at, **options)
+                                 sync_at_end=sync_at_end, fail_at=fail_at,
+                                 tied=frozenset(id(p) for _, p, _ in self.ties), **options)
         self.evaluator = Executor(self.evaluation, self.rank, self.modules, self.groups,
                                   self.comm, loss, self.output, **options)
         self._evaluators: dict[int, Executor] = {}
@@ -166,7 +173,8 @@ class Pipeline:
                             for d in problem.blocks[b].devices})
             groups = {r: dist.new_group([d + r * devices for d in
                                          sorted({d for b in holders
-                                                 for d in problem.blocks[b].devices})])
+                                                 for d in problem.blocks[b].devices})],
+                                        backend=device_backend(self.device))
                       for r in range(problem.mesh.data)} if len(ranks) > 1 else {}
             if self.rank in ranks and len(ranks) > 1:
                 mine.append((tie.parameter, by_name[tie.parameter], groups[self.replica]))
@@ -208,23 +216,41 @@ class Pipeline:
         return self._global_loss(result.loss) if share_loss else result.loss
 
     def _unscale(self) -> None:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        """fp16: every gradient divided by the loss scale and checked for inf/NaN at once
+        (torch's foreach kernel, as GradScaler), the verdict all-reduced over every rank (a
+        rank without parameters too) and read once, after the iteration."""
+        params = [p for p in self.parameters() if p.grad is not None]
         found = torch.zeros((), device=self.device)
-        for g in grads:
-            g.div_(self.loss_scale)
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+        inverse = torch.full((), 1.0 / self.loss_scale, device=self.device)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        self.overflow = bool(found)  # one synchronisation, after the iteration
-        if self.overflow:
+        self.overflow = bool(found)
+        self._overflowed |= self.overflow
+        if self.overflow:  # nothing for an optimizer to apply: torch.optim skips p.grad None
             self.loss_scale /= 2
             self._clean_steps = 0
-            for g in grads:
-                g.zero_()
+            for p in params:
+                p.grad = None
         else:
             self._clean_steps += 1
             if self._clean_steps == 2000:
                 self.loss_scale *= 2
                 self._clean_steps = 0
+
+    def step_optimizer(self, optimizer) -> bool:
+        """`optimizer.step()`, unless the gradients of a step since the last call overflowed
+        (fp16; GradScaler's `step` contract; with gradients accumulated over several steps,
+        any of them); None (a rank whose stages train no parameter) does nothing. Returns
+        whether the optimizer stepped (step a learning-rate schedule only then)."""
+        skip, self._overflowed = self._overflowed, False
+        if optimizer is None or skip:
+            return False
+        optimizer.step()
+        return True
 
     def eval_step(self, inputs, targets=None):
         """Forward only (no gradients, no dropout randomness beyond the plan's seeding). Without
@@ -330,24 +356,22 @@ class Pipeline:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient so that the norm over the whole model (all stages, every
-        parameter once) is at most max_norm; returns that norm before clipping, on every rank.
-        The same as torch.nn.utils.clip_grad_norm_ on the model in one process."""
+        parameter once) is at most max_norm; returns that norm before clipping, on every rank,
+        as a tensor on the device (reading it synchronises the host: not needed to step).
+        The same as torch.nn.utils.clip_grad_norm_ on the model in one process; every rank
+        must call it (an all-reduce), whatever its stages hold."""
         norm_type = float(norm_type)
         local = self._counted_gradients()
+        total = torch.nn.utils.get_total_norm(local, norm_type).float().to(self.device) \
+            if local else torch.zeros((), device=self.device)
         if norm_type == math.inf:
-            total = torch.stack([g.abs().max() for g in local]).max() if local else \
-                torch.zeros((), device=self.device)
-            total = total.float()
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
         else:
-            total = torch.stack([g.float().norm(norm_type) ** norm_type for g in local]).sum() \
-                if local else torch.zeros((), device=self.device)
+            total = total ** norm_type
             dist.all_reduce(total)
             total = total ** (1.0 / norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coefficient.to(p.grad.dtype))
+        torch.nn.utils.clip_grads_with_norm_([p for p in self.parameters()
+                                              if p.grad is not None], max_norm, total)
         return total
 
     def _counted_gradients(self) -> list[torch.Tensor]:
@@ -399,6 +423,21 @@ def _first_micro_batches(lowered: Lowered, n: int) -> Lowered:
     return replace(lowered, order=tuple(i for i in lowered.order if i[1] < n),
                    programs=tuple(tuple(i for i in program if i.micro_batch < n)
                                   for program in lowered.programs))
+
+
+def _refuse_dtensors(problem, modules: dict) -> None:
+    """PlanError naming a block parameter that is a DTensor (parallelize_module): pyplan sums,
+    synchronises, clips, checks and saves gradients as plain tensors."""
+    from torch.distributed.tensor import DTensor
+
+    for b, module in modules.items():
+        for name, param in module.named_parameters():
+            if isinstance(param, DTensor):
+                raise PlanError(f"block '{problem.blocks[b].name}': parameter {name} is a "
+                                "DTensor (parallelize_module?); pyplan handles a block's "
+                                "parameters as plain tensors",
+                                hint="keep this rank's chunk as a plain parameter marked "
+                                     "with pyplan.runtime.shard(param, dim)")
 
 
 class _Shards:

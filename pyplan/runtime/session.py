@@ -186,7 +186,7 @@ class Session:
                 if optimizer is not None:
                     optimizer.zero_grad(set_to_none=True)
                 lr = scheduler.get_last_lr()[0] if scheduler is not None else None
-                seconds, compute, mine, peak, overflow = 0.0, 0.0, [], 0, False
+                seconds, compute, mine, peak = 0.0, 0.0, [], 0
                 for j in range(K):
                     self.step_index = batches
                     inputs, targets = make_batch(pipe.model, batches, opts.seed,
@@ -205,7 +205,6 @@ class Session:
                                                pipe.device_index, pipe.built.names) \
                             if pipe.replica == 0 else {}
                         started = time.perf_counter() - took
-                    overflow |= pipe.overflow
                     batches += 1
                     if j < K - 1:
                         self._sync_device()
@@ -215,7 +214,7 @@ class Session:
                     peak = max(peak, result.peak_activation_bytes)
                     if result.loss is not None:
                         mine.append(float(result.loss))
-                norm = self.optimizer_step(optimizer, scheduler, overflow)
+                norm = self.optimizer_step(optimizer, scheduler)
                 self._sync_device()
                 seconds += time.perf_counter() - started
                 own = sum(mine) / K if mine else None  # this replica's, on its loss rank
@@ -260,7 +259,7 @@ class Session:
         self.resumed = {"path": str(folder), "step": first, "changed": changed}
         return first, batches, history, line
 
-    def optimizer_step(self, optimizer, scheduler, overflow: bool) -> float | None:
+    def optimizer_step(self, optimizer, scheduler) -> float | None:
         """Accumulated gradients averaged, clipped, applied (unless fp16 overflowed); the
         schedule moves on either way. Returns the norm before clipping when clipping."""
         opts, pipe = self.options, self.pipe
@@ -273,15 +272,13 @@ class Session:
         norm = None
         if opts.training.clip_grad_norm is not None:  # a collective: every rank, one whose
             # stage has no trainable parameter (no optimizer) too
-            norm = float(pipe.clip_grad_norm_(opts.training.clip_grad_norm))
-        if optimizer is None:
-            return norm
-        if not overflow:
-            optimizer.step()
-        with warnings.catch_warnings():  # an fp16 step skipped: the schedule still moves
-            warnings.simplefilter("ignore")
-            scheduler.step()
-        return norm
+            norm = pipe.clip_grad_norm_(opts.training.clip_grad_norm)
+        if optimizer is not None:
+            pipe.step_optimizer(optimizer)  # skipped when fp16 overflowed in any batch
+            with warnings.catch_warnings():  # an fp16 step skipped: the schedule still moves
+                warnings.simplefilter("ignore")
+                scheduler.step()
+        return None if norm is None else float(norm)  # read after the step: no sync before
 
     def progress(self, step: int, record, lr, samples: int, tokens: int | None) -> None:
         """Rank 0 logs the step as it ends: the global loss, the slowest rank's time, the
