@@ -1,7 +1,7 @@
 """Training runs that last: a line per step on a pipe and in `--log FILE` as each step ends;
 learning-rate schedules, gradient accumulation, evaluation on the data's eval split and
 clipping over a rank that holds no parameter, checked against the single-process run; a resume
-with changed settings applies them, says so, and --check replays that history; the README's
+with changed settings applies them, says so, and --check replays that history; docs/training-loop.md's
 own loop saves and resumes through pyplan.runtime.save/load exactly; eval_step on a batch of
 another size; the torchtitan export in torchtitan's current configuration keys."""
 
@@ -83,8 +83,9 @@ def test_lines_as_they_happen_schedules_accumulation_evaluation_and_resume(tmp_p
 
 
 def _readme_resume_loop() -> str:
-    found = re.search(r"```python\n(# resume\.py.*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert found, "the README's loop with save and load"
+    text = (ROOT / "docs" / "training-loop.md").read_text()
+    found = re.search(r"```python\n(# resume\.py.*?)```", text, re.S)
+    assert found, "the loop with save and load in docs/training-loop.md"
     return found.group(1)
 
 
