@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from pyplan import __version__
+from pyplan._version import __version__
 from pyplan._seal import seal_lines
 from pyplan.errors import PlanError
 from pyplan.fileio import write_atomic

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 
 from pyplan.errors import PlanError, PyplanError
-from pyplan.runtime.binding import shard_dim
+from pyplan.models.chunks import shard_dim
 from pyplan.runtime.comm import all_gather_objects
 
 __all__ = ["CheckpointError", "agree", "consolidate", "find", "load", "load_state_dict",

@@ -42,7 +42,8 @@ from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, SYN
                           Value, describe, is_gradient)
 from pyplan.problem import BACKWARD, WEIGHT
 from pyplan.runtime.backward import backward_input, backward_weight, full_backward
-from pyplan.runtime.binding import block_seeds, forward_seed, seed_generators, shard_dim
+from pyplan.models.chunks import shard_dim
+from pyplan.runtime.binding import block_seeds, forward_seed, seed_generators
 from pyplan.runtime.collectives import all_reduce_
 from pyplan.runtime.comm import Comm, TransferError
 from pyplan.runtime.values import differentiable, flatten, nbytes, rebuild, saved_bytes

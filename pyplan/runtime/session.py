@@ -189,9 +189,9 @@ class Session:
                 seconds, compute, mine, peak = 0.0, 0.0, [], 0
                 for j in range(K):
                     self.step_index = batches
-                    inputs, targets = make_batch(pipe.model, batches, opts.seed,
-                                                 torch.device("cpu"))
-                    samples, tokens = (x * K if x else x for x in _sizes(inputs))
+                    inputs, targets = self.batch(batches)
+                    if inputs is not None:
+                        samples, tokens = (x * K if x else x for x in _sizes(inputs))
                     dist.barrier()
                     started = time.perf_counter()
                     pipe.step(inputs, targets, trace=opts.trace is not None and
@@ -229,7 +229,7 @@ class Session:
             log.close()
         self.step_index = REPORT
         events = pipe.last.events if opts.trace else []
-        return self.report(first, records, events, grads, samples, tokens, eval_losses)
+        return self.report(first, records, events, grads, *self.sizes, eval_losses)
 
     def first_step(self) -> int:
         """The step a resumed run starts at (0 otherwise), agreed by every rank."""
@@ -280,11 +280,23 @@ class Session:
                 scheduler.step()
         return None if norm is None else float(norm)  # read after the step: no sync before
 
+    def batch(self, step: int, split: str | None = None):
+        """The global batch of `step` where this rank's blocks read it, else (None, None): only
+        the ranks that take the inputs or compute the loss call the data."""
+        pipe = self.pipe
+        if not (pipe.takes_inputs or pipe.takes_targets):
+            return None, None
+        return make_batch(pipe.model, step, self.options.seed, torch.device("cpu"), split=split)
+
     def progress(self, step: int, record, lr, samples: int, tokens: int | None) -> None:
         """Rank 0 logs the step as it ends: the global loss, the slowest rank's time, the
         largest peak of activations (one small gather)."""
         seconds, _, own, peak, norm = record
-        gathered = all_gather_objects((own, seconds, peak, lr, norm))
+        gathered = all_gather_objects((own, seconds, peak, lr, norm, samples, tokens))
+        # The batch's size from a rank that read it (a rank that reads none has no batch).
+        samples = max(g[5] for g in gathered)
+        tokens = max((g[6] for g in gathered if g[6]), default=None)
+        self.sizes = samples, tokens
         if self.rank != 0:
             return
         owned = [g[0] for g in gathered if g[0] is not None]
@@ -308,9 +320,8 @@ class Session:
         pipe.eval()
         total = 0.0
         for i in range(opts.eval_batches):
-            inputs, targets = make_batch(pipe.model, i, opts.seed, torch.device("cpu"),
-                                         split="eval")
-            total += float(pipe.eval_step(inputs, targets))
+            inputs, targets = self.batch(i, split="eval")
+            total += float(pipe.eval_step(inputs, targets, loss=True))
         pipe.train()
         loss = total / opts.eval_batches
         self.log.evaluation(step, loss, f"  eval after step {step}: loss {loss:.6f} "
