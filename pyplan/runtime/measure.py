@@ -6,6 +6,7 @@ units' measurements (pyplan.runtime.sharded)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -17,7 +18,8 @@ from pyplan.models import Unit
 from pyplan.runtime.values import flatten, rebuild, saved_bytes
 
 __all__ = ["MORE", "SPREAD", "BlockCost", "Measured", "Timer", "block_arguments", "busy",
-           "leaves", "measure", "unit_parameters"]
+           "compute_threads", "leaves", "measure", "run_threads", "threads",
+           "unit_parameters"]
 
 SPREAD = 0.10  # interquartile range / median above which more runs are taken
 MORE = 8       # at most this many times the asked repeats
@@ -45,6 +47,8 @@ class Measured:
     """What was timed -> the spread of its times, where they stayed over SPREAD."""
     load: float | None = None
     """The highest load average seen above the cores, if any."""
+    cpu_time: bool = False
+    """Times are this thread's CPU time (unaffected by other processes)."""
 
     @property
     def warnings(self) -> list[str]:
@@ -55,7 +59,12 @@ class Measured:
             lines.append(f"the times of {len(self.spread)} measurements spread more than "
                          f"{SPREAD:.0%} around their medians however often repeated (worst: "
                          f"{worst}, {self.spread[worst]:.0%}); the medians count")
-        if self.load is not None:
+        if self.load is not None and self.cpu_time:
+            lines.append(f"the machine looks busy (load average {self.load:.1f} on "
+                         f"{os.cpu_count() or 1} cores): the times are CPU time, which other "
+                         "work does not lengthen, but a run on a machine this busy takes "
+                         "longer than predicted")
+        elif self.load is not None:
             lines.append(f"the machine looks busy (load average {self.load:.1f} on "
                          f"{os.cpu_count() or 1} cores): other work competing for the cores "
                          "makes every time too long; measure again when it is idle")
@@ -71,15 +80,21 @@ def _spread(samples: list[float]) -> float:
 
 
 class Timer:
+    """Times on `device`: CUDA events; on the CPU with one thread (as each rank of a run
+    computes: torchrun gives every process one), the CPU time of this thread, which other
+    processes competing for the cores do not lengthen; with more threads, the wall clock."""
+
     def __init__(self, device, repeats: int, measured: Measured) -> None:
         self.device, self.repeats, self.measured = device, repeats, measured
+        measured.cpu_time = device.type == "cpu" and torch.get_num_threads() == 1
+        self.clock = time.thread_time if measured.cpu_time else time.perf_counter
 
     def now(self):
         if self.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return self.clock()
 
     def ms(self, start, end) -> float:
         if self.device.type == "cuda":
@@ -110,6 +125,34 @@ class Timer:
         return self.median(sample, what), box[0]
 
 
+def run_threads() -> int:
+    """The CPU threads each rank of a run computes with: $OMP_NUM_THREADS, else one (what
+    torchrun gives each of several processes)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
+@contextlib.contextmanager
+def threads(count: int):
+    """torch computes with `count` threads inside (as a rank of the run will), and as before
+    after."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
+
+
+def compute_threads(device, count: int | None = None):
+    """On the CPU, compute with `count` threads (default: as each rank of a run) inside."""
+    if torch.device(device).type != "cpu":
+        return contextlib.nullcontext()
+    return threads(count or run_threads())
+
+
 def busy(measured: Measured) -> None:
     """Flag a machine whose load average exceeds its cores (before or after measuring)."""
     try:
@@ -136,9 +179,9 @@ def block_arguments(b: int, preds: dict, outputs: dict, inputs, wants_inputs, gr
 
 def _saved_bytes(fn, params) -> int:
     """Bytes autograd saves for backward while fn runs (pyplan.runtime.values.saved_bytes)."""
-    with saved_bytes(params) as total:
+    with saved_bytes(params) as saved:
         fn()
-    return total[0]
+    return saved.bytes
 
 
 def leaves(value, grad: bool):

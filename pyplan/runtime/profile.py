@@ -27,8 +27,8 @@ from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.problem import BACKWARD, Problem
 from pyplan.runtime.binding import Model, block_inputs, build, loss_function, make_batch
 from pyplan.runtime.data import split_batch, to_device
-from pyplan.runtime.measure import (BlockCost, Measured, Timer, block_arguments, busy, leaves,
-                                    measure, unit_parameters)
+from pyplan.runtime.measure import (BlockCost, Measured, Timer, block_arguments, busy,
+                                    compute_threads, leaves, measure, unit_parameters)
 from pyplan.runtime.sharded import sharded_blocks
 from pyplan.runtime.values import flatten, nbytes, rebuild
 
@@ -37,11 +37,19 @@ __all__ = ["BlockCost", "Measured", "profile_blocks", "profile_units"]
 
 def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: int = 5,
                    device: torch.device | None = None, measured: Measured | None = None,
-                   measure_collectives: bool = False) -> list[BlockCost]:
+                   measure_collectives: bool = False,
+                   threads: int | None = None) -> list[BlockCost]:
     """Costs of every forward block, in plan order (the collectives of vocabulary-sharded
     blocks measured among local processes with `measure_collectives`, else modelled on the
-    default link)."""
+    default link), computed with `threads` CPU threads (default: as each rank of a run)."""
     device = device or torch.device("cpu")
+    with compute_threads(device, threads):
+        return _profile_blocks(problem, model, seed=seed, repeats=repeats, device=device,
+                               measured=measured, measure_collectives=measure_collectives)
+
+
+def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, device,
+                    measured: Measured | None, measure_collectives: bool) -> list[BlockCost]:
     measured = measured if measured is not None else Measured()
     timer = Timer(device, repeats, measured)
     busy(measured)
@@ -79,15 +87,24 @@ def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: in
 
 def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
                   optimizer: str = "sgd", repeats: int = 5, device: torch.device | None = None,
-                  progress=None, measured: Measured | None = None
-                  ) -> tuple[list[UnitCost], Cut]:
+                  progress=None, measured: Measured | None = None,
+                  threads: int | None = None) -> tuple[list[UnitCost], Cut]:
     """Costs of each unit of a model on one micro-batch, and how the model is cut (see
     pyplan.models): median forward and backward milliseconds (the backward of exactly that
     unit; the last unit's from the loss), the activation bytes autograd saves, and the weights'
-    bytes with their gradients and the optimizer's state. A deferred model (built on the meta
-    device) is materialised one unit at a time, so the whole model is never in memory."""
-    deferred = model if isinstance(model, Deferred) else eager(model)
+    bytes with their gradients and the optimizer's state, computed with `threads` CPU threads
+    (default: as each rank of a run). A deferred model (built on the meta device) is
+    materialised one unit at a time, so the whole model is never in memory."""
     device = device or torch.device("cpu")
+    with compute_threads(device, threads):
+        return _profile_units(model, inputs, targets, loss, optimizer=optimizer,
+                              repeats=repeats, device=device, progress=progress,
+                              measured=measured)
+
+
+def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int, device,
+                   progress, measured: Measured | None) -> tuple[list[UnitCost], Cut]:
+    deferred = model if isinstance(model, Deferred) else eager(model)
     measured = measured if measured is not None else Measured()
     timer = Timer(device, repeats, measured)
     busy(measured)
