@@ -90,7 +90,12 @@ class Census(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # A view (or the tensor an in-place operation returns) lives in an input's storage:
+        # nothing new, whether or not that storage is counted.
+        given = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor) and not t.is_meta}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and not t.is_meta and \
+                    id(t.untyped_storage()) not in given:
                 self._count(t)
         return out

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pyplan.models import Unit
+from pyplan.runtime.census import Census, storage_bytes
 from pyplan.runtime.values import flatten, rebuild, saved_bytes
 
 __all__ = ["MORE", "SPREAD", "BlockCost", "Measured", "Timer", "block_arguments", "busy",
-           "compute_threads", "leaves", "measure", "run_threads", "threads",
+           "compute_threads", "leaves", "measure", "memory_peaks", "run_threads", "threads",
+           "unit_buffer_bytes",
            "unit_parameters"]
 
 SPREAD = 0.10  # interquartile range / median above which more runs are taken
@@ -204,24 +206,64 @@ def _roots(out, loss_fn):
 
 
 def measure(timer: Timer, module, args: list, wrt_inputs: list, params: list, loss_fn,
-             what: str, grad: bool = True) -> tuple[float, float | None, int, object]:
-    """(forward ms, backward ms, saved bytes, output) of module(*args)."""
+            what: str, grad: bool = True) -> tuple[float, float | None, int, object]:
+    """(forward ms, backward ms, saved bytes, output) of module(*args). The backward
+    accumulates into the gradients of the parameters, allocated beforehand and kept, as a run
+    keeps them, and of the inputs, as the executor's does."""
     with torch.set_grad_enabled(grad):
         forward_ms, out = timer.call(lambda: module(*args), f"{what} forward")
-        saved = _saved_bytes(lambda: module(*args), params) if grad else 0
+        # What the loss saves too (its log-probabilities): the last block keeps it.
+        saved = _saved_bytes(lambda: _roots(module(*args), loss_fn), params) if grad else 0
     if not grad:
         return forward_ms, None, saved, out
     wrt = wrt_inputs + params
+    _gradients_allocated(params)
 
     def backward():
         with torch.enable_grad():
             roots, seeds = _roots(module(*args), loss_fn)
+        for x in wrt_inputs:
+            x.grad = None
         start = timer.now()
         if wrt and any(r.requires_grad for r in roots):
-            torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
+            torch.autograd.backward(roots, seeds, inputs=wrt)
         return timer.ms(start, timer.now())
 
     return forward_ms, timer.median(backward, f"{what} backward"), saved, out
+
+
+def _gradients_allocated(params: list) -> None:
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def memory_peaks(module, args: list, wrt_inputs: list, params: list, loss_fn,
+                 device) -> tuple[int, int]:
+    """(the most bytes module(*args) allocates at once in its forward, the most its backward
+    allocates at once beside the gradient it receives), counted by the census with the
+    parameters' gradients allocated beforehand (a run keeps them): what a block needs while it
+    runs (pyplan.partition.stage_workspace)."""
+    _gradients_allocated(params)
+    wrt = wrt_inputs + params
+    with torch.enable_grad(), Census(device) as census:
+        out = module(*args)
+        roots, seeds = _roots(out, loss_fn)
+        forward = census.peak
+        census.peak = before = census.bytes
+        if wrt and any(r.requires_grad for r in roots):
+            torch.autograd.backward(roots, seeds, inputs=wrt)
+        received = sum(s.numel() * s.element_size() for s in seeds or ())
+        backward = census.peak - before + received
+        del out, roots, seeds
+    for x in wrt_inputs:
+        x.grad = None
+    return forward, backward
+
+
+def unit_buffer_bytes(model: torch.nn.Module, unit: Unit) -> int:
+    """The bytes of the buffers of a unit's modules (each storage once)."""
+    return storage_bytes(b for name in unit.modules for b in model.get_submodule(name).buffers())
 
 
 def unit_parameters(model: torch.nn.Module, unit: Unit) -> list[torch.Tensor]:

@@ -27,8 +27,10 @@ from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.problem import BACKWARD, Problem
 from pyplan.runtime.binding import Model, block_inputs, build, loss_function, make_batch
 from pyplan.runtime.data import split_batch, to_device
+from pyplan.runtime.census import storage_bytes
 from pyplan.runtime.measure import (BlockCost, Measured, Timer, block_arguments, busy,
-                                    compute_threads, leaves, measure, unit_parameters)
+                                    compute_threads, leaves, measure, memory_peaks,
+                                    unit_buffer_bytes, unit_parameters)
 from pyplan.runtime.sharded import sharded_blocks
 from pyplan.runtime.values import flatten, nbytes, rebuild
 
@@ -134,11 +136,15 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
         loss_fn = (lambda out: loss(out, targets)) if last else None
         forward_ms, backward_ms, saved, out = measure(timer, module, args, wrt, params,
                                                        loss_fn, f"unit {unit.name}")
+        peaks = memory_peaks(module, args, wrt, params, loss_fn, device)
         size = sum(p.numel() * p.element_size() for p in params)
+        buffers = unit_buffer_bytes(module.model, unit) if cut.kind == FORWARD else \
+            storage_bytes(module.buffers())
         costs.append(UnitCost(unit.name, forward_ms, backward_ms, saved,
-                              size * (2 + OPTIMIZER_STATE[optimizer]),
+                              size * (2 + OPTIMIZER_STATE[optimizer]) + buffers,
                               nbytes(inputs if received is None else received), nbytes(out),
-                              modules=unit.modules, parameters=own[k]))
+                              modules=unit.modules, parameters=own[k],
+                              forward_peak_bytes=peaks[0], backward_peak_bytes=peaks[1]))
         value = _detached(out)
         del module, params, out
         if progress is not None:
