@@ -212,6 +212,6 @@ def test_every_damage_is_one_line_and_exit_2(one_rank, tmp_path, monkeypatch):
     (step / "pyplan.json").write_text("{")
     assert f"{step}/pyplan.json is damaged" in refused(*resume)
     (step / "pyplan.json").unlink()
-    assert refused(*resume) == (f"error: ck holds no complete checkpoint (hint: give the "
+    assert refused(*resume) == ("error: ck holds no complete checkpoint (hint: give the "
                                 "directory --save wrote)\n")
     assert not (tmp_path / "m.pt").exists()
