@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -242,6 +243,7 @@ class _Writer(dcp.FileSystemWriter):
         if self.fail is not None:
             written.wait()
             if self.fail == "kill":
+                time.sleep(0.5)  # as a save that takes a while: the others saw it start
                 os.kill(os.getpid(), 9)
             raise OSError(5, "failing on purpose (--fail-at RANK:save)")
         return written
