@@ -177,7 +177,7 @@ class Session:
 
     def train(self) -> Report:
         opts, pipe = self.options, self.pipe
-        training, K = opts.training, opts.training.accumulate
+        training = opts.training
         trains = self.problem.training and bool(pipe.parameters())
         steps = self.first_step() + opts.iterations
         optimizer, scheduler = training.build(pipe.parameters(), steps) if trains \
@@ -187,70 +187,75 @@ class Session:
         pipe.iteration = batches - 1
         if opts.resume and optimizer is not None:  # the schedule of this run, at its step
             scheduler = training.switch(optimizer, steps, first)
-        records, grads, eval_losses, samples, tokens = [], {}, [], 0, None
+        self.batches, self.grads, self.samples, self.tokens = batches, {}, 0, None
+        records, eval_losses = [], []
         log = Log(lines=opts.lines and self.rank == 0, path=opts.log if self.rank == 0 else None,
                   tensorboard=opts.tensorboard if self.rank == 0 else None)
         self.log = log
         log.say(header(self.problem, pipe.world, pipe.device.type, pipe.backend, opts))
         if resumed is not None:
             log.say(resumed)
+        last = first + opts.iterations - 1
         # One step, the second when there are several (everything the run holds exists by
         # then: gradients, the optimizer's state), is counted by the memory census; its time
         # does not count (the census costs Python per operation).
         self.census_step = first + (1 if opts.iterations > 1 else 0)
         try:
-            for step in range(first, first + opts.iterations):
-                counting = self.census(optimizer) if step == self.census_step else \
-                    contextlib.nullcontext()
-                counting.__enter__()
-                if optimizer is not None:  # the gradients stay allocated: static memory
-                    optimizer.zero_grad(set_to_none=False)
+            for step in range(first, last + 1):
                 lr = scheduler.get_last_lr()[0] if scheduler is not None else None
-                seconds, compute, mine, peak = 0.0, 0.0, [], 0
-                for j in range(K):
-                    self.step_index = batches
-                    inputs, targets = self.batch(batches)
-                    if inputs is not None:
-                        samples, tokens = (x * K if x else x for x in _sizes(inputs))
-                    dist.barrier()
-                    started = time.perf_counter()
-                    pipe.step(inputs, targets, trace=opts.trace is not None and
-                              step == first + opts.iterations - 1 and j == K - 1,
-                              whole_gradients=opts.check and not records and j == 0,
-                              share_loss=False)
-                    if opts.check and not records and j == 0:  # before the step; not timed
-                        self._sync_device()
-                        took = time.perf_counter() - started
-                        grads = full_gradients(self.problem, pipe.modules, pipe.groups,
-                                               pipe.device_index, pipe.built.names) \
-                            if pipe.replica == 0 else {}
-                        started = time.perf_counter() - took
-                    batches += 1
-                    if j < K - 1:
-                        self._sync_device()
-                        seconds += time.perf_counter() - started
-                    result = pipe.last
-                    compute += result.compute
-                    peak = max(peak, result.peak_activation_bytes)
-                    if result.loss is not None:
-                        mine.append(float(result.loss))
-                norm = self.optimizer_step(optimizer, scheduler)
-                self._sync_device()
-                seconds += time.perf_counter() - started
-                counting.__exit__(None, None, None)
-                own = sum(mine) / K if mine else None  # this replica's, on its loss rank
-                records.append((seconds, compute, own, peak, norm))
-                self.progress(step, records[-1], lr, samples, tokens)
+                with self.census(optimizer) if step == self.census_step else \
+                        contextlib.nullcontext():
+                    records.append(self.one_step(optimizer, scheduler, trace=step == last,
+                                                 check=opts.check and not records))
+                self.progress(step, records[-1], lr)
                 if opts.eval_every and (step + 1) % opts.eval_every == 0:
                     eval_losses.append((step + 1, self.evaluate(step + 1)))
                 if opts.save and ((opts.save_every and (step + 1) % opts.save_every == 0)
-                                  or step == first + opts.iterations - 1):
-                    self.save(optimizer, step + 1, batches, history, steps)
+                                  or step == last):
+                    self.save(optimizer, step + 1, history, steps)
         finally:
             log.close()
         self.step_index = REPORT
         events = pipe.last.events if opts.trace else []
-        return self.report(first, records, events, grads, *self.sizes, eval_losses)
+        return self.report(first, records, events, self.grads, self.samples, self.tokens,
+                           eval_losses)
+
+    def one_step(self, optimizer, scheduler, *, trace: bool, check: bool) -> tuple:
+        """One optimizer step over --accumulate global batches: (seconds, compute seconds,
+        this replica's mean loss on its loss rank else None, peak activation bytes, the
+        gradient norm before clipping)."""
+        opts, pipe, K = self.options, self.pipe, self.options.training.accumulate
+        if optimizer is not None:  # the gradients stay allocated: static memory
+            optimizer.zero_grad(set_to_none=False)
+        seconds, compute, mine, peak = 0.0, 0.0, [], 0
+        for j in range(K):
+            self.step_index = self.batches
+            inputs, targets = self.batch(self.batches)
+            if inputs is not None:
+                self.samples, self.tokens = (x * K if x else x for x in _sizes(inputs))
+            dist.barrier()
+            started = time.perf_counter()
+            pipe.step(inputs, targets, trace=opts.trace is not None and trace and j == K - 1,
+                      whole_gradients=check and j == 0, share_loss=False)
+            if check and j == 0:  # the gradients before the step changes them; not timed
+                self._sync_device()
+                took = time.perf_counter() - started
+                self.grads = full_gradients(self.problem, pipe.modules, pipe.groups,
+                                            pipe.device_index, pipe.built.names) \
+                    if pipe.replica == 0 else {}
+                started = time.perf_counter() - took
+            self.batches += 1
+            if j < K - 1:
+                self._sync_device()
+                seconds += time.perf_counter() - started
+            compute += pipe.last.compute
+            peak = max(peak, pipe.last.peak_activation_bytes)
+            if pipe.last.loss is not None:
+                mine.append(float(pipe.last.loss))
+        norm = self.optimizer_step(optimizer, scheduler)
+        self._sync_device()
+        seconds += time.perf_counter() - started
+        return (seconds, compute, sum(mine) / K if mine else None, peak, norm)
 
     def census(self, optimizer):
         """A context counting what this rank holds at most while it runs (pyplan.runtime.census
@@ -322,15 +327,14 @@ class Session:
             return None, None
         return make_batch(pipe.model, step, self.options.seed, torch.device("cpu"), split=split)
 
-    def progress(self, step: int, record, lr, samples: int, tokens: int | None) -> None:
+    def progress(self, step: int, record, lr) -> None:
         """Rank 0 logs the step as it ends: the global loss, the slowest rank's time, the
         largest peak of activations (one small gather)."""
         seconds, _, own, peak, norm = record
-        gathered = all_gather_objects((own, seconds, peak, lr, norm, samples, tokens))
+        gathered = all_gather_objects((own, seconds, peak, lr, norm, self.samples, self.tokens))
         # The batch's size from a rank that read it (a rank that reads none has no batch).
-        samples = max(g[5] for g in gathered)
-        tokens = max((g[6] for g in gathered if g[6]), default=None)
-        self.sizes = samples, tokens
+        samples = self.samples = max(g[5] for g in gathered)
+        tokens = self.tokens = max((g[6] for g in gathered if g[6]), default=None)
         if self.rank != 0:
             return
         owned = [g[0] for g in gathered if g[0] is not None]
@@ -362,11 +366,11 @@ class Session:
                             f"({opts.eval_batches} batches)")
         return loss
 
-    def save(self, optimizer, step: int, batches: int, history: list, steps: int) -> None:
+    def save(self, optimizer, step: int, history: list, steps: int) -> None:
         opts, pipe = self.options, self.pipe
         self.step_index = SAVE
         fail = opts.fail_save[1] if opts.fail_save and opts.fail_save[0] == self.rank else None
-        meta = {"seed": opts.seed, "batches": batches,
+        meta = {"seed": opts.seed, "batches": self.batches,
                 "training": {**opts.training.record(), "steps": steps}, "history": history}
         folder = checkpoint.save(opts.save, pipe, optimizer, step=step, meta=meta,
                                  keep_last=opts.keep_last, fail=fail)
