@@ -16,7 +16,7 @@ import yaml
 from pyplan._version import __version__
 from pyplan._seal import seal_lines
 from pyplan.errors import PlanError
-from pyplan.fileio import write_atomic
+from pyplan.fileio import check_not_input, write_atomic
 from pyplan.problem_ir import Problem
 from pyplan.schedule import Schedule
 
@@ -209,6 +209,8 @@ def write_resolved(solution: Solution, out_path: str | Path) -> Path:
     """Write atomically; the plan path inside is relative to the output file."""
     out = Path(out_path)
     source = solution.schedule.problem.source_path
+    if source and Path(source).is_file():
+        check_not_input(out, source)  # the plan is the user's; its resolved plan is derived
     plan_rel = None
     if source and Path(source).is_file():  # a plan given as text has no file to point at
         try:

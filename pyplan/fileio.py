@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 from pyplan.errors import PyplanError
 
-__all__ = ["check_not_input", "read_capped", "write_atomic"]
+__all__ = ["check_not_input", "check_output", "read_capped", "write_atomic"]
 
 
 def read_capped(path: str | Path, limit: int) -> bytes:
@@ -24,9 +25,33 @@ def read_capped(path: str | Path, limit: int) -> bytes:
         os.close(fd)
 
 
-def write_atomic(path: str | Path, data: str | bytes) -> None:
-    """Write to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
+def check_output(path: str | Path, what: str = "") -> Path:
+    """The file to write for the output `path`: its target when it is a symlink (the link
+    stays). PyplanError when it exists and is not a regular file (a device such as /dev/full,
+    a named pipe, a directory): renaming over it would replace the user's node with a file."""
     path = Path(path)
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    try:
+        mode = target.stat().st_mode
+    except FileNotFoundError:
+        return target
+    except (OSError, ValueError) as exc:
+        raise PyplanError(f"cannot write {what}{path}: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode) \
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file"
+        raise PyplanError(f"{what}{path} exists and is {kind}, not a regular file; pyplan "
+                          "replaces its outputs whole, so it does not write there",
+                          hint="choose a file name")
+    return target
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Write to a temporary file beside `path`, flush it to disk, then rename it over `path`
+    (over its target when `path` is a symlink). An existing `path` that is not a regular file
+    is refused (check_output)."""
+    path = check_output(path)
     raw = data.encode("utf-8") if isinstance(data, str) else data
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
@@ -58,7 +83,12 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
 
 def check_not_input(output: str | Path, *inputs: str | Path | None) -> None:
     """PyplanError when `output` is one of the files a command reads (writing the result would
-    destroy its own input, e.g. `pyplan export PLAN -o PLAN`)."""
+    destroy its own input, e.g. `pyplan export PLAN -o PLAN`) or cannot be replaced by a file
+    (check_output). Commands call it before their work, so nothing is computed in vain."""
+    target = check_output(output)
+    if not target.exists() and not target.resolve().parent.is_dir():
+        raise PyplanError(f"cannot write {output}: its directory does not exist",
+                          hint="create the directory first, or choose another output")
     for given in inputs:
         if given is None:
             continue

@@ -120,8 +120,8 @@ def test_unwritable_output(cli, tmp_path):
     target = tmp_path / "missing-dir" / "a.svg"
     code, out, err = cli("export", PLANS / "1f1b-4stage.yaml", "--format", "svg", "-o", target)
     assert (code, out) == (2, "")
-    assert err == (f"error: cannot write {target}: No such file or directory (hint: check that "
-                   "the directory exists and is writable)\n")
+    assert err == (f"error: cannot write {target}: its directory does not exist (hint: create "
+                   "the directory first, or choose another output)\n")
 
 
 def test_stale_or_edited_resolved_plan_is_refused(cli, tmp_path):

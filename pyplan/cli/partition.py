@@ -15,7 +15,7 @@ from pyplan.api import partition_plans
 from pyplan.cli._torch import require_torch
 from pyplan.cli.profile import MAX_REPEATS
 from pyplan.errors import PlanError
-from pyplan.fileio import write_atomic
+from pyplan.fileio import check_not_input, write_atomic
 from pyplan.partition import OPTIMIZER_STATE, ties
 from pyplan.spec import parse_memory
 from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES
@@ -76,6 +76,15 @@ def _package_root(module) -> Path | None:
     for _ in module.__name__.split(".")[1:]:
         root = root.parent
     return root if root == Path.cwd().resolve() else None
+
+
+def _module_files(*found) -> list[str]:
+    """The source files of the user's modules (named as pkg.mod:fn, or the functions'
+    own): an output onto one of them would overwrite the model's code."""
+    names = [f.partition(":")[0] if isinstance(f, str) else getattr(f, "__module__", None)
+             for f in found]
+    modules = [sys.modules.get(name) for name in names if name]
+    return [m.__file__ for m in modules if getattr(m, "__file__", None)]
 
 
 def _options(args: argparse.Namespace):
@@ -152,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
     data = import_function(args.data, "--data", hint=here,
                            check=lambda found: batches_from(found) is not None)
     loss = import_function(args.loss, "--loss", hint=here)
+    check_not_input(args.output, *_module_files(args.factory, args.data, args.loss,
+                                                factory, data, loss))
     user = Model(None, data, loss, whole=factory,
                  names={"module": "FACTORY", "data": "--data", "loss": "--loss"})
     deferred = defer_whole(user, args.seed)

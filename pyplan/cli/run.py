@@ -133,6 +133,9 @@ _WORKER = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')
 def run(args: argparse.Namespace) -> int:
     fail_at = _options(args)
     plan = load_resolved(args.plan)
+    for output in (args.trace, args.log):
+        if output is not None:
+            check_not_input(output, plan.plan_path)
     plan.check_fresh()
     problem = plan.problem
     if problem.model is None:
@@ -338,14 +341,13 @@ def _options(args: argparse.Namespace):
     for name, needs in (("save_every", "save"), ("keep_last", "save")):
         if getattr(args, name) is not None and getattr(args, needs) is None:
             raise PlanError(f"--{name.replace('_', '-')} needs --{needs} DIR")
-    if args.trace is not None and not Path(args.trace).resolve().parent.is_dir():
-        raise PlanError(f"--trace {args.trace}: its directory does not exist")
+    if args.trace is not None:
+        check_not_input(args.trace, args.plan)
+        if args.log is not None and Path(args.trace).resolve() == Path(args.log).resolve():
+            raise PlanError(f"--trace and --log both name {args.log}",
+                            hint="give them different files")
     if args.log is not None:
-        log = Path(args.log)
-        if log.is_dir() or not log.resolve().parent.is_dir():
-            raise PlanError(f"--log {args.log}: " + ("is a directory" if log.is_dir() else
-                                                      "its directory does not exist"))
-        check_not_input(log, args.plan, args.resume)
+        check_not_input(args.log, args.plan, args.resume)
     if args.resume is not None:
         _check_resume(Path(args.resume))
     if args.save is not None:
