@@ -20,6 +20,8 @@ __all__ = [
     "PlanError",
     "PyplanError",
     "RunError",
+    "UserCodeError",
+    "describe_exception",
     "did_you_mean",
 ]
 
@@ -74,6 +76,21 @@ class RunError(PyplanError):
     """`pyplan run` failed: a rank died, a check failed, or the world does not fit (exit 1)."""
 
     exit_code = EXIT_RUN_FAILED
+
+
+class UserCodeError(RunError):
+    """The user's own code (the model's factory, forward, data or loss) failed or returned what
+    pyplan cannot take (exit 2): the message names the function, the unit or micro-batch."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+def describe_exception(exc: BaseException) -> str:
+    """An exception the user's code raised, in a few words: "ValueError: first line"."""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit({exc.code!r}) (it called sys.exit)"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def did_you_mean(word: str, choices) -> str | None:

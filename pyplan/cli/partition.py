@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pyplan.api import partition_plans
 from pyplan.cli._torch import require_torch
-from pyplan.cli.profile import MAX_REPEATS
+from pyplan.cli.profile import MAX_REPEATS, check_time_limit
 from pyplan.errors import PlanError
 from pyplan.fileio import check_not_input, write_atomic
 from pyplan.partition import OPTIMIZER_STATE, ties
@@ -23,6 +23,7 @@ from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES
 __all__ = ["add_arguments", "run"]
 
 SOLVE_SECONDS = 10.0  # per candidate partition
+UNIT_SECONDS = 300.0  # pyplan.runtime.limits.DEFAULT_SECONDS (this module parses without torch)
 AUTO_SOLVE_SECONDS, AUTO_KEEP = 5.0, 2  # --shape auto: per candidate, best partitions kept
 
 
@@ -58,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optimizer whose state counts in the weights' memory")
     parser.add_argument("--repeats", type=int, default=5, metavar="K",
                         help="timed runs per unit and direction; the median counts")
+    parser.add_argument("--unit-time-limit", type=float, default=UNIT_SECONDS, metavar="S",
+                        help="CPU seconds measuring one unit may take (default "
+                        f"{UNIT_SECONDS:g}); a unit computing nothing for S/30 s, at least "
+                        "10 s (a sleep, a wait), is stopped too")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="measure the units on this device (cuda: the first GPU, timed "
@@ -93,6 +98,7 @@ def _options(args: argparse.Namespace):
         raise PlanError(f"--devices must lie in 1 .. {MAX_DEVICES}")
     if args.chunks < 1 or not 1 <= args.repeats <= MAX_REPEATS:
         raise PlanError(f"--chunks must be at least 1 and --repeats lie in 1 .. {MAX_REPEATS}")
+    check_time_limit(args.unit_time_limit, "--unit-time-limit")
     stages = args.devices * (args.chunks if args.shape == "interleaved" else 1)
     n = args.micro_batches if args.micro_batches is not None else 2 * stages
     if args.shape == "mshape":
@@ -342,6 +348,7 @@ def _profile(profile_units, model, inputs, targets, loss, args, measured):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise PlanError("--device cuda, but torch sees no GPU", hint="measure with --device cpu")
     options = dict(optimizer=args.optimizer, repeats=args.repeats, measured=measured,
+                   unit_seconds=args.unit_time_limit,
                    device=torch.device("cuda", 0) if args.device == "cuda" else
                    torch.device("cpu"))
     if not sys.stderr.isatty():

@@ -12,9 +12,11 @@ from pyplan.errors import PlanError
 from pyplan.problem import load_problem
 from pyplan.spec import format_memory
 
-__all__ = ["MAX_REPEATS", "add_arguments", "run", "suggestions"]
+__all__ = ["MAX_REPEATS", "add_arguments", "check_time_limit", "run", "suggestions"]
 
 MAX_REPEATS = 1000  # timed runs per measurement (8x that when they spread): bounded time
+BLOCK_SECONDS = 300.0  # pyplan.runtime.limits.DEFAULT_SECONDS (this module parses without torch)
+MAX_LIMIT = 1e6       # seconds: past this a limit is no bound (and past float's exact range)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unit-ms", type=float, metavar="MS",
                         help="milliseconds per time unit of the suggested costs (default: the "
                         "fastest forward block)")
+    parser.add_argument("--block-time-limit", type=float, default=BLOCK_SECONDS, metavar="S",
+                        help="CPU seconds measuring one block may take (default "
+                        f"{BLOCK_SECONDS:g}); a block computing nothing for S/30 s, at least "
+                        "10 s (a sleep, a wait), is stopped too")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="measure on this device (cuda: the first GPU, timed with CUDA "
@@ -61,6 +67,11 @@ def suggestions(problem, costs, unit_ms: float) -> list[str]:
     return lines
 
 
+def check_time_limit(seconds: float, option: str) -> None:
+    if not 0 < seconds <= MAX_LIMIT:  # also refuses nan
+        raise PlanError(f"{option} must be a positive number of seconds up to {MAX_LIMIT:g}")
+
+
 def _device(torch, name: str):
     """The device to measure on; PlanError when CUDA is asked for and there is none."""
     if name == "cuda" and not torch.cuda.is_available():
@@ -73,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError(f"--repeats must lie in 1 .. {MAX_REPEATS}")
     if args.unit_ms is not None and not 0 < args.unit_ms < float("inf"):
         raise PlanError("--unit-ms must be a positive, finite number of milliseconds")
+    check_time_limit(args.block_time_limit, "--block-time-limit")
     problem = load_problem(args.plan)
     if problem.model is None:
         raise PlanError("the plan has no model: section, so there is nothing to measure",
@@ -88,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(problem, Path(problem.source_path).resolve().parent)
     measured = Measured()
     costs = profile_blocks(problem, model, seed=args.seed, repeats=args.repeats,
-                           device=device, measured=measured, measure_collectives=args.links)
+                           device=device, measured=measured, measure_collectives=args.links,
+                           unit_seconds=args.block_time_limit)
     unit = args.unit_ms or min(c.forward_ms for c in costs)
     link = None
     if args.links:

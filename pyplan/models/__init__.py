@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pyplan.errors import PlanError
+from pyplan.errors import PlanError, PyplanError, UserCodeError, describe_exception
 from pyplan.models import chain, forward, traced
 from pyplan.models.deferred import move
 
@@ -63,7 +63,9 @@ class Cut:
 
 
 def find_units(model: nn.Module, inputs) -> tuple[Cut, list[Unit]]:
-    """How the model can be cut, and its units in order."""
+    """How the model can be cut, and its units in order. UserCodeError when the model's own
+    forward fails on the micro-batch `inputs`: its failure, not a cut's."""
+    _runs(model, inputs)
     names = chain.units(model)
     if names and chain.is_chain(model, names, inputs):
         return Cut(CHAIN), [Unit(n, (n,)) for n in names]
@@ -78,6 +80,23 @@ def find_units(model: nn.Module, inputs) -> tuple[Cut, list[Unit]]:
         raise PlanError(f"the model has no children to split into stages, and its forward "
                         f"cannot be cut at its layers: {why}")
     return Cut(TRACED, why=why), [Unit(n, (n,)) for n in names]
+
+
+def _runs(model: nn.Module, inputs) -> None:
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(inputs)
+    except (PyplanError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # SystemExit too: the user's forward must not end pyplan
+        raise UserCodeError(f"the model's forward raised {describe_exception(exc)} on one "
+                            "micro-batch of the data's inputs",
+                            hint="the model takes the inputs the data returns (a micro-batch "
+                                 "of them); call it on them yourself to see where") from None
+    finally:
+        model.train(was)
 
 
 def stage_modules(model: nn.Module, cut: Cut, stages: list[tuple[str, tuple[str, ...]]],

@@ -26,7 +26,8 @@ from typing import Any, Callable
 
 import torch
 
-from pyplan.errors import PlanError, RunError
+from pyplan.errors import PlanError, RunError, UserCodeError
+from pyplan.errors import describe_exception as _describe_exception
 from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Tie, stage_modules, ties
 from pyplan.models.deferred import Deferred, defer
 from pyplan.models.weights import open_checkpoint
@@ -72,12 +73,6 @@ class Model:
             object.__setattr__(self, "batches", batches_from(self.data))
 
 
-class UserCodeError(RunError):
-    """The model's own code failed (exit 2): named with the plan line that names it."""
-
-    exit_code = 2
-
-
 _HINTS = {"blocks": "build(block_name, group) must return an nn.Module for every declared "
                      "block",
           "data": DATA_HINT,
@@ -108,15 +103,17 @@ def loss_function(model: Model) -> Callable:
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             raise _user_error(model, "loss", f"returned {describe(value)}, not a scalar tensor",
                               _HINTS["loss"])
+        if not value.is_floating_point():
+            raise _user_error(model, "loss", f"returned a scalar of dtype {str(value.dtype)[6:]}, "
+                              "not a real floating-point one", _HINTS["loss"])
+        if torch.is_grad_enabled() and not value.requires_grad and any(
+                isinstance(t, torch.Tensor) and t.requires_grad
+                for t in torch.utils._pytree.tree_leaves(output)):
+            raise _user_error(model, "loss", "returned a loss that does not require grad: it is "
+                              "cut off from the output (.detach(), .item(), torch.no_grad() or "
+                              "a new tensor), so nothing would train", _HINTS["loss"])
         return value
     return loss
-
-
-def _describe_exception(exc: BaseException) -> str:
-    if isinstance(exc, SystemExit):
-        return f"SystemExit({exc.code!r}) (it called sys.exit)"
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def located(source: str | None, keys: tuple, message: str, hint: str | None = None,

@@ -107,6 +107,9 @@ def check_batch(batch) -> str | None:
         bad = next((x for x in leaves if not isinstance(x, torch.Tensor) or x.dim() == 0), None)
         if not leaves or bad is not None:
             return f"returned {what} that hold {describe(bad) if leaves else 'no tensor'}"
+        empty = next((x for x in leaves if x.shape[0] == 0), None)
+        if empty is not None:
+            return f"returned {what} of no sample ({describe(empty)}): an empty batch"
     return None
 
 
@@ -132,6 +135,9 @@ def to_device(tree, device, non_blocking: bool = False):
 def split_batch(tree, n: int) -> list:
     """Split every tensor of `tree` along dim 0 into n equal micro-batches."""
     if isinstance(tree, torch.Tensor):
+        if tree.dim() > 0 and tree.shape[0] == 0:
+            raise PlanError(f"a batch tensor of shape {tuple(tree.shape)} holds no sample: an "
+                            "empty batch", hint="give at least one sample per micro-batch")
         if tree.dim() == 0 or tree.shape[0] % n:
             raise PlanError(f"a batch tensor of shape {tuple(tree.shape)} does not split into "
                             f"{n} equal micro-batches along dim 0",

@@ -28,6 +28,7 @@ from pyplan.problem import BACKWARD, Problem
 from pyplan.runtime.binding import Model, block_inputs, build, loss_function, make_batch
 from pyplan.runtime.data import split_batch, to_device
 from pyplan.runtime.census import storage_bytes
+from pyplan.runtime.limits import DEFAULT_SECONDS, guarded, time_limit
 from pyplan.runtime.measure import (BlockCost, Measured, Timer, block_arguments, busy,
                                     compute_threads, leaves, measure, memory_peaks,
                                     unit_buffer_bytes, unit_parameters)
@@ -39,19 +40,22 @@ __all__ = ["BlockCost", "Measured", "profile_blocks", "profile_units"]
 
 def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: int = 5,
                    device: torch.device | None = None, measured: Measured | None = None,
-                   measure_collectives: bool = False,
-                   threads: int | None = None) -> list[BlockCost]:
+                   measure_collectives: bool = False, threads: int | None = None,
+                   unit_seconds: float | None = DEFAULT_SECONDS) -> list[BlockCost]:
     """Costs of every forward block, in plan order (the collectives of vocabulary-sharded
     blocks measured among local processes with `measure_collectives`, else modelled on the
-    default link), computed with `threads` CPU threads (default: as each rank of a run)."""
+    default link), computed with `threads` CPU threads (default: as each rank of a run),
+    each block's measurement within `unit_seconds` of CPU time (pyplan.runtime.limits)."""
     device = device or torch.device("cpu")
     with compute_threads(device, threads):
         return _profile_blocks(problem, model, seed=seed, repeats=repeats, device=device,
-                               measured=measured, measure_collectives=measure_collectives)
+                               measured=measured, measure_collectives=measure_collectives,
+                               unit_seconds=unit_seconds)
 
 
 def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, device,
-                    measured: Measured | None, measure_collectives: bool) -> list[BlockCost]:
+                    measured: Measured | None, measure_collectives: bool,
+                    unit_seconds: float | None) -> list[BlockCost]:
     measured = measured if measured is not None else Measured()
     timer = Timer(device, repeats, measured)
     busy(measured)
@@ -73,8 +77,10 @@ def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, 
         loss_fn = (lambda out: loss_function(model)(out, targets, *whole)) \
             if b == output_block else None
         block = problem.blocks[b]
-        forward_ms, backward_ms, saved, out = measure(timer, module, args, wrt, params,
-                                                       loss_fn, f"block '{block.name}'", grad)
+        what = f"block '{block.name}'"
+        with time_limit(what, unit_seconds, "--block-time-limit"):
+            forward_ms, backward_ms, saved, out = measure(timer, guarded(module, what), args,
+                                                           wrt, params, loss_fn, what, grad)
         outputs[b] = out
         sent = [a for a in args if a is not inputs] if preds[b] else [inputs]
         costs[b] = BlockCost(block.name, block.devices, forward_ms, backward_ms, saved,
@@ -90,28 +96,32 @@ def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, 
 def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
                   optimizer: str = "sgd", repeats: int = 5, device: torch.device | None = None,
                   progress=None, measured: Measured | None = None,
-                  threads: int | None = None) -> tuple[list[UnitCost], Cut]:
+                  threads: int | None = None,
+                  unit_seconds: float | None = DEFAULT_SECONDS) -> tuple[list[UnitCost], Cut]:
     """Costs of each unit of a model on one micro-batch, and how the model is cut (see
     pyplan.models): median forward and backward milliseconds (the backward of exactly that
     unit; the last unit's from the loss), the activation bytes autograd saves, and the weights'
     bytes with their gradients and the optimizer's state, computed with `threads` CPU threads
     (default: as each rank of a run). A deferred model (built on the meta device) is
-    materialised one unit at a time, so the whole model is never in memory."""
+    materialised one unit at a time, so the whole model is never in memory. Each unit's
+    measurement is bounded by `unit_seconds` of CPU time (pyplan.runtime.limits), and the
+    user's forward failing is one error naming the unit."""
     device = device or torch.device("cpu")
     with compute_threads(device, threads):
         return _profile_units(model, inputs, targets, loss, optimizer=optimizer,
                               repeats=repeats, device=device, progress=progress,
-                              measured=measured)
+                              measured=measured, unit_seconds=unit_seconds)
 
 
 def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int, device,
-                   progress, measured: Measured | None) -> tuple[list[UnitCost], Cut]:
+                   progress, measured: Measured | None,
+                   unit_seconds: float | None) -> tuple[list[UnitCost], Cut]:
     deferred = model if isinstance(model, Deferred) else eager(model)
     measured = measured if measured is not None else Measured()
     timer = Timer(device, repeats, measured)
     busy(measured)
     whole = deferred.model
-    with deferred.streaming():
+    with deferred.streaming(), time_limit("the model's forward", unit_seconds):
         cut, units = find_units(whole, inputs)
     if cut.kind == TRACED and not deferred.eager:  # torch's tracer needs the whole model
         deferred.materialize(whole, "cpu")
@@ -134,9 +144,11 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
             args = [inputs if received is None else received]
         last = k == len(units) - 1
         loss_fn = (lambda out: loss(out, targets)) if last else None
-        forward_ms, backward_ms, saved, out = measure(timer, module, args, wrt, params,
-                                                       loss_fn, f"unit {unit.name}")
-        peaks = memory_peaks(module, args, wrt, params, loss_fn, device)
+        what = f"unit {unit.name}"
+        with time_limit(what, unit_seconds):
+            forward_ms, backward_ms, saved, out = measure(timer, guarded(module, what), args,
+                                                           wrt, params, loss_fn, what)
+            peaks = memory_peaks(guarded(module, what), args, wrt, params, loss_fn, device)
         size = sum(p.numel() * p.element_size() for p in params)
         buffers = unit_buffer_bytes(module.model, unit) if cut.kind == FORWARD else \
             storage_bytes(module.buffers())

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from pyplan.errors import RunError
+from pyplan.errors import UserCodeError
 
 __all__ = ["Saved", "Value", "differentiable", "flatten", "nbytes", "plain", "rebuild",
            "saved_bytes", "spec_text", "structure"]
@@ -24,15 +24,15 @@ Value = Any  # a tensor or a (nested) tuple, list or dict of tensors
 
 
 def flatten(value: Value, what: str) -> tuple[list[torch.Tensor], pytree.TreeSpec]:
-    """The tensors of a value and its structure; RunError naming `what` (the block that made
-    it) when a leaf is not a tensor."""
+    """The tensors of a value and its structure; UserCodeError naming `what` (the block that
+    made it) when a leaf is not a tensor."""
     leaves, spec = pytree.tree_flatten(value)
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
-            raise RunError(f"{what} returned a {type(leaf).__name__} inside its output; a "
-                           "block returns a tensor or a tuple, list or dict of tensors")
+            raise UserCodeError(f"{what} returned a {type(leaf).__name__} inside its output; "
+                                "a block returns a tensor or a tuple, list or dict of tensors")
     if not leaves:
-        raise RunError(f"{what} returned no tensor")
+        raise UserCodeError(f"{what} returned no tensor")
     return leaves, spec
 
 

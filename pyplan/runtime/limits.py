@@ -1,0 +1,106 @@
+"""The user's code while pyplan measures it (`pyplan partition`, `pyplan profile`): whatever
+a unit's forward raises (SystemExit too) or returns that is not tensors is one error line
+naming the unit (`guarded`), and a forward that loops for ever or sleeps ends in one error
+line instead of holding the command (`time_limit`).
+
+Two bounds, both blind to other work on the machine: the process's CPU time over the
+measurement (a busy machine stretches the wall clock, not the CPU time), and a stretch of wall
+time in which the process computes nearly nothing (a sleep, a wait on a lock or a socket; a
+process that merely shares the cores with others still gets its share, far above the 1% this
+asks). A watchdog thread checks both twice a second and interrupts the main thread with a
+signal, which ends a sleep as well as a Python loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+
+from pyplan.errors import PyplanError, UserCodeError, describe_exception
+
+__all__ = ["DEFAULT_SECONDS", "TimeLimitError", "guarded", "idle_seconds", "time_limit"]
+
+DEFAULT_SECONDS = 300.0  # CPU seconds per measured unit (or block): generous
+_IDLE_SHARE = 0.01       # below this share of one core for the idle stretch: not computing
+_TICK = 0.5
+
+
+class TimeLimitError(PyplanError):
+    """The user's code measured by pyplan went past its time limit (exit 2)."""
+
+
+def idle_seconds(limit: float) -> float:
+    """How long the measured code may compute nearly nothing before it counts as stuck: 10 s,
+    longer for a larger limit."""
+    return max(10.0, limit / 30)
+
+
+@contextlib.contextmanager
+def time_limit(what: str, limit: float | None, option: str = "--unit-time-limit"):
+    """Run the body (which measures `what`, e.g. "unit layers.3") within `limit` CPU seconds
+    and without an idle stretch of idle_seconds(limit); TimeLimitError otherwise. No bound
+    with `limit` None, or off the main thread (signals reach only it)."""
+    if limit is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    idle = idle_seconds(limit)
+    expired: list[str] = []
+    stop = threading.Event()
+    main = threading.main_thread().ident
+
+    def on_signal(signum, frame):
+        if expired and not stop.is_set():
+            raise TimeLimitError(expired[0], hint=f"if it is slow, not stuck, raise {option} "
+                                 f"(now {limit:g} s of CPU time; the idle bound is 1/30 of "
+                                 "it, at least 10 s)")
+
+    def watch():
+        start = last_cpu = time.process_time()
+        last_wall = previous = time.monotonic()
+        while not stop.wait(_TICK):
+            cpu, wall = time.process_time(), time.monotonic()
+            if wall - previous > 10 * _TICK:  # the process was stopped (^Z): start afresh
+                last_cpu, last_wall = cpu, wall
+            previous = wall
+            if cpu - last_cpu > _IDLE_SHARE * max(wall - last_wall, _TICK):
+                last_cpu, last_wall = cpu, wall
+            if cpu - start > limit:
+                expired.append(f"{what} took more than {limit:g} s of CPU time to measure")
+            elif wall - last_wall > idle:
+                expired.append(f"{what} computed nothing for {idle:g} s while measured (it "
+                               "sleeps or waits for something)")
+            if expired:
+                signal.pthread_kill(main, signal.SIGALRM)
+                return
+
+    previous = signal.signal(signal.SIGALRM, on_signal)
+    watchdog = threading.Thread(target=watch, name="pyplan-time-limit", daemon=True)
+    watchdog.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watchdog.join()
+        signal.signal(signal.SIGALRM, previous)
+
+
+def guarded(module, what: str):
+    """module(*args) as the user's code: an exception (SystemExit too) is a UserCodeError
+    naming `what` (e.g. "unit layers.3"), and so is an output that is not a tensor or a
+    tuple, list or dict of tensors."""
+    from pyplan.runtime.values import flatten
+
+    def call(*args):
+        try:
+            out = module(*args)
+        except (PyplanError, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the user's forward failed
+            raise UserCodeError(f"{what}: its forward raised {describe_exception(exc)}",
+                                hint="call the model on a micro-batch yourself to see "
+                                     "where") from None
+        flatten(out, what)
+        return out
+    return call
