@@ -54,6 +54,54 @@ def loss_vector(output, target):
 
 def loss_raises(output, target):
     raise ValueError("labels missing")
+
+
+class Exits(nn.Module):
+    def forward(self, x):
+        import sys
+        sys.exit(0)
+
+
+class Pair(nn.Module):
+    def forward(self, x):
+        return x, None
+
+
+class First(nn.Module):
+    def forward(self, pair):
+        return pair[0]
+
+
+def exits_in_forward():
+    return nn.Sequential(nn.Linear(4, 4), Exits(), nn.Linear(4, 4))
+
+
+def pair_with_none():
+    return nn.Sequential(nn.Linear(4, 4), Pair(), First(), nn.Linear(4, 4))
+
+
+def half():
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).half()
+
+
+def batch_wide(step):
+    return torch.randn(8, 5), torch.randn(8, 4)
+
+
+def batch_empty(step):
+    return torch.randn(0, 4), torch.randn(0, 4)
+
+
+def loss_complex(output, target):
+    return ((output - target) ** 2).mean() * (1 + 1j)
+
+
+def loss_int(output, target):
+    return ((output - target) ** 2).mean().long()
+
+
+def loss_detached(output, target):
+    return ((output - target) ** 2).mean().detach()
 """
 
 
@@ -86,6 +134,30 @@ def user(tmp_path, monkeypatch):
      "targets)"),
     ("usermodel:model", "usermodel:batch", "usermodel:loss_raises",
      "error: --loss (usermodel:loss_raises) raised ValueError: labels missing"),
+    # round 4: the model's own forward, its outputs and the loss's value
+    ("usermodel:exits_in_forward", "usermodel:batch", "usermodel:loss",
+     "error: the model's forward raised SystemExit(0) (it called sys.exit) on one micro-batch "
+     "of the data's inputs"),
+    ("usermodel:model", "usermodel:batch_wide", "usermodel:loss",
+     "error: the model's forward raised RuntimeError: mat1 and mat2 shapes cannot be multiplied "
+     "(2x5 and 4x4) on one micro-batch"),
+    ("usermodel:half", "usermodel:batch", "usermodel:loss",
+     "error: the model's forward raised RuntimeError: mat1 and mat2 must have the same dtype"),
+    ("usermodel:pair_with_none", "usermodel:batch", "usermodel:loss",
+     "error: unit 1 returned a NoneType inside its output; a block returns a tensor or a "
+     "tuple, list or dict of tensors"),
+    ("usermodel:model", "usermodel:batch_empty", "usermodel:loss",
+     "error: --data (usermodel:batch_empty) returned inputs of no sample (a tensor of shape "
+     "(0, 4)): an empty batch"),
+    ("usermodel:model", "usermodel:batch", "usermodel:loss_complex",
+     "error: --loss (usermodel:loss_complex) returned a scalar of dtype complex64, not a real "
+     "floating-point one"),
+    ("usermodel:model", "usermodel:batch", "usermodel:loss_int",
+     "error: --loss (usermodel:loss_int) returned a scalar of dtype int64, not a real "
+     "floating-point one"),
+    ("usermodel:model", "usermodel:batch", "usermodel:loss_detached",
+     "error: --loss (usermodel:loss_detached) returned a loss that does not require grad: it "
+     "is cut off from the output"),
 ])
 def test_partition_names_the_users_function(cli, user, factory, data, loss, message):
     code, out, err = cli("partition", factory, "--data", data, "--loss", loss, "--devices", "2",
@@ -147,3 +219,69 @@ def test_run_names_the_users_function_at_its_plan_line(user, monkeypatch, capfd,
     assert code == 2, err
     assert message in err and err.count("\n") == 1, err
     assert err.startswith(f"{plan}:{where}: error:"), err
+
+
+SLEEPS = """
+import time
+
+
+class Sleeps(nn.Module):
+    def forward(self, x):
+        time.sleep(3600)
+        return x
+
+
+class Spins(nn.Module):
+    def forward(self, x):
+        while True:
+            x = x + 0
+
+
+def sleeps():
+    return nn.Sequential(nn.Linear(4, 4), Sleeps(), nn.Linear(4, 4))
+
+
+def spins():
+    return nn.Sequential(nn.Linear(4, 4), Spins(), nn.Linear(4, 4))
+"""
+
+
+@pytest.mark.parametrize("factory, limit, message", [
+    ("sleeps", "300", "the model's forward computed nothing for 10 s while measured (it sleeps "
+     "or waits for something) (hint: if it is slow, not stuck, raise --unit-time-limit (now "
+     "300 s of CPU time; the idle bound is 1/30 of it, at least 10 s))"),
+    ("spins", "2", "the model's forward took more than 2 s of CPU time to measure"),
+])
+def test_a_forward_that_never_ends_is_stopped(cli, user, factory, limit, message):
+    import time
+
+    (user / "usermodel.py").write_text(BAD + SLEEPS)
+    started = time.process_time()
+    code, out, err = cli("partition", f"usermodel:{factory}", "--data", "usermodel:batch",
+                         "--loss", "usermodel:loss", "--devices", "2", "--repeats", "1",
+                         "--unit-time-limit", limit, "-o", user / "p.yaml")
+    assert (code, out) == (2, "")
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert time.process_time() - started < 60  # the sleep: no CPU; the spin: 2 s and a bit
+    assert not (user / "p.yaml").exists()
+
+
+def test_the_time_limit_lets_a_slow_unit_finish():
+    """A unit computing without a break for longer than the idle bound, within the CPU
+    limit, is measured (the idle bound watches for no CPU time, not for a long run); one that
+    sleeps past the idle bound is stopped, one computing past the CPU limit too."""
+    import time
+
+    from pyplan.runtime.limits import TimeLimitError, time_limit
+
+    with time_limit("unit slow", 60, idle=0.6):
+        end = time.process_time() + 2.5
+        while time.process_time() < end:
+            pass
+    with pytest.raises(TimeLimitError, match="unit idle computed nothing for 0.6 s"):
+        with time_limit("unit idle", 60, idle=0.6):
+            time.sleep(30)
+    with pytest.raises(Exception, match="unit slow took more than 0.5 s of CPU time"):
+        with time_limit("unit slow", 0.5):
+            while True:
+                pass

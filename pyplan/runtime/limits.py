@@ -38,14 +38,16 @@ def idle_seconds(limit: float) -> float:
 
 
 @contextlib.contextmanager
-def time_limit(what: str, limit: float | None, option: str = "--unit-time-limit"):
+def time_limit(what: str, limit: float | None, option: str = "--unit-time-limit", *,
+               idle: float | None = None):
     """Run the body (which measures `what`, e.g. "unit layers.3") within `limit` CPU seconds
-    and without an idle stretch of idle_seconds(limit); TimeLimitError otherwise. No bound
-    with `limit` None, or off the main thread (signals reach only it)."""
+    and without an idle stretch of `idle` seconds (default idle_seconds(limit));
+    TimeLimitError otherwise. No bound with `limit` None, or off the main thread (signals
+    reach only it)."""
     if limit is None or threading.current_thread() is not threading.main_thread():
         yield
         return
-    idle = idle_seconds(limit)
+    idle = idle_seconds(limit) if idle is None else idle
     expired: list[str] = []
     stop = threading.Event()
     main = threading.main_thread().ident
