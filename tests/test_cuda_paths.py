@@ -259,12 +259,13 @@ def test_a_shape_that_changes_inside_an_iteration_is_refused_naming_the_micro_ba
                                                 loss="mean_loss"))
     result = _pyplan(tmp_path, "run", plan, "--nproc-per-node", 2, "--device", "cpu",
                      "--fault-timeout", 10)
-    assert result.returncode == 1
+    assert result.returncode == 2  # the user's block: bad input, on every rank
     assert "error: rank 0 failed at instruction" in result.stderr, result.stderr[-3000:]
     assert ("returned a tensor float32 (" in result.stderr and
             "but block 'a' (micro-batch 0) returned a tensor float32 (" in result.stderr and
-            "in this iteration: between stages, shapes may change from one iteration to the "
-            "next, not between the micro-batches of one" in result.stderr), result.stderr
+            "in this iteration: between stages, structures and shapes may change from one "
+            "iteration to the next, not between the micro-batches of one" in result.stderr), \
+        result.stderr
 
 
 @pytest.mark.torchrun

@@ -189,13 +189,15 @@ def _check_eval_split(model, problem) -> None:
     """--eval-every reads batches of the data's eval split: data(i, split="eval")."""
     import inspect
 
+    from pyplan.runtime.binding import located
+
     try:
         inspect.signature(model.data).bind(0, split="eval")
     except TypeError:
-        raise PlanError(f"--eval-every: {problem.model.data} takes no split argument",
-                        hint="define it as batch(step, split='train') and return batch step of "
-                        "the evaluation data for split='eval'",
-                        file=problem.source_path or None) from None
+        raise located(model.source, ("model", "data"),
+                      f"--eval-every: {problem.model.data} takes no split argument",
+                      hint="define it as batch(step, split='train') and return batch step of "
+                      "the evaluation data for split='eval'") from None
     except ValueError:  # no signature to read (a builtin): it will say so when called
         pass
 
@@ -263,9 +265,12 @@ def _launch(args: argparse.Namespace) -> int:
         torchrun(launcher)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        if len(exc.failures) == args.nproc_per_node and \
-                all(f.exitcode == EXIT_BAD_INPUT for f in exc.failures.values()):
-            return EXIT_BAD_INPUT  # every rank refused the input and said why, in one line
+        # Every rank refused the input and said why, in one line (or was stopped by the
+        # launcher after the first one did, before it could say it).
+        codes = {f.exitcode for f in exc.failures.values()}
+        if failure.exitcode == EXIT_BAD_INPUT and \
+                codes <= {EXIT_BAD_INPUT, -signal.SIGTERM, -signal.SIGKILL}:
+            return EXIT_BAD_INPUT
         raise RunError(f"{len(exc.failures)} worker(s) failed; the first, rank {rank}, exited "
                        f"with {failure.exitcode}", hint="its own message is above") from None
     except SignalException as exc:

@@ -24,6 +24,7 @@ from pyplan.models.chunks import shard_dim
 from pyplan.runtime.binding import (Model, block_inputs, block_seeds, build, build_whole,
                                     forward_seed, loss_function, make_batch, seed_generators)
 from pyplan.runtime.data import split_batch
+from pyplan.runtime.values import concatenated
 from pyplan.runtime.training import Training
 
 __all__ = ["Verdict", "compare", "full_gradients", "reference_run"]
@@ -116,7 +117,9 @@ def _loss(forward, model, problem, output_block, batch, data, micro_batches, aut
                    for m, micro in enumerate(split_batch(inputs, micro_batches))]
         whole = (None,) if len(problem.blocks[output_block].devices) > 1 else ()
         with torch.set_grad_enabled(grad):
-            return loss_function(model)(_cat(results), targets, *whole)
+            what = f"block '{problem.blocks[output_block].name}'" if forward.whole is None \
+                else "the model"
+            return loss_function(model)(concatenated(results, what), targets, *whole)
 
 
 def _evaluate(forward, model, problem, output_block, seed, device, autocast,
@@ -193,16 +196,6 @@ class _forward:
             with torch.set_grad_enabled(b in self.trains):
                 outputs[b] = self.modules[b](*args)
         return outputs[self.output]
-
-
-def _cat(results: list):
-    if isinstance(results[0], torch.Tensor):
-        return torch.cat(results)
-    if isinstance(results[0], (tuple, list)):
-        return type(results[0])(_cat(list(parts)) for parts in zip(*results))
-    if isinstance(results[0], dict):
-        return {k: _cat([r[k] for r in results]) for k in results[0]}
-    raise TypeError(f"cannot concatenate {type(results[0]).__name__} outputs")
 
 
 @dataclass(frozen=True)

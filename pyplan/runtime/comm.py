@@ -58,8 +58,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from pyplan.errors import RunError
-from pyplan.runtime.values import flatten, rebuild, spec_text, structure
+from pyplan.errors import RunError, UserCodeError
+from pyplan.runtime.values import flatten, rebuild, spec_text, structure, value_text
 
 __all__ = ["CUDA_BACKEND", "Comm", "DEVICES", "Pending", "TransferError", "all_gather_objects",
            "choose_cuda", "device_backend", "gpu_identity", "has_cpu_side", "join_world",
@@ -250,12 +250,13 @@ class Comm:
             self.announced[(peer, stream)] = (spec, shapes, what)
             self._send(_header(leaves, spec, what), peer, self.cpu_group, seq)
         elif announced[1] != shapes or announced[0] != spec:
-            raise RunError(f"{what} returned {_shapes_text(shapes)}, but {announced[2]} "
-                           f"returned {_shapes_text(announced[1])} in this iteration: "
-                           "between stages, shapes may change from one iteration to the "
-                           "next, not between the micro-batches of one",
-                           hint="give every micro-batch of a batch the same shapes (e.g. pad "
-                                "to one sequence length per batch)")
+            raise UserCodeError(f"{what} returned {value_text(spec, shapes)}, but "
+                                f"{announced[2]} returned {value_text(*announced[:2])} in this "
+                                "iteration: between stages, structures and shapes may change "
+                                "from one iteration to the next, not between the "
+                                "micro-batches of one",
+                                hint="give every micro-batch of a batch the same shapes (e.g. "
+                                     "pad to one sequence length per batch)")
         link = self.links[(self.rank, peer)]
         for leaf in leaves:
             self._send(_wire(leaf.detach().contiguous()), peer, link, seq)
@@ -364,11 +365,6 @@ class Comm:
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """What travels for t (sharing its memory): t, or its bytes for a dtype NCCL lacks."""
     return t.reshape(-1).view(torch.uint8) if t.dtype in _AS_BYTES else t
-
-
-def _shapes_text(shapes: list[tuple[torch.dtype, tuple]]) -> str:
-    parts = [f"{str(dtype).removeprefix('torch.')} {tuple(shape)}" for dtype, shape in shapes]
-    return ("tensors " if len(parts) > 1 else "a tensor ") + ", ".join(parts)
 
 
 def _header(leaves: list[torch.Tensor], spec, what: str) -> torch.Tensor:

@@ -569,5 +569,8 @@ def set_gradients(params: list[torch.Tensor], flat: torch.Tensor) -> None:
 def _inject(mode: str) -> None:
     """--fail-at: make this rank fail here (a testing aid for the fault handling)."""
     if mode == "kill":
+        # As a rank dying in the middle of its work: the watchdog's heartbeat (every 0.1 s)
+        # has carried this position by then, so the others can say where it was last seen.
+        time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError("injected fault (--fail-at)")

@@ -61,15 +61,16 @@ class Watchdog:
 
     # -- called by the main thread
 
-    def fail(self, message: str, *, wait_for_cause: bool) -> str:
-        """Publish this rank's failure, unless another rank failed first (after a collective or
-        transfer failed, give the watchdogs time to find out who). Returns what to report."""
+    def fail(self, message: str, *, wait_for_cause: bool, code: int = 1) -> tuple[str, int]:
+        """Publish this rank's failure (and the exit code it is worth), unless another rank
+        failed first (after a collective or transfer failed, give the watchdogs time to find
+        out who). Returns what to report and the exit code: the first failure's."""
         self.handling = True
         if wait_for_cause:
             deadline = time.monotonic() + self.timeout + 3 * PERIOD
             while time.monotonic() < deadline and not self.store.check(["failed"]):
                 time.sleep(PERIOD)
-        winner = self.publish(message)
+        winner = self.publish(message, code)
         deadline = time.monotonic() + min(3.0, self.timeout)
         while time.monotonic() < deadline:  # let the others print their line first
             states = self.states()
@@ -78,7 +79,7 @@ class Watchdog:
                 break
             time.sleep(PERIOD)
         self.close(EXITING)
-        return winner
+        return _split(winner)
 
     def close(self, state: str = DONE) -> None:
         if self.stopping.is_set():  # closed already (after a failure)
@@ -108,8 +109,9 @@ class Watchdog:
             values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
         return [None if v is None else tuple(_parse(v.decode())) for v in values]
 
-    def publish(self, message: str) -> str:
-        return self.store.compare_set("failed", "", message).decode()
+    def publish(self, message: str, code: int = 1) -> str:
+        """The first failure, as stored: "CODE MESSAGE" (_split reads it)."""
+        return self.store.compare_set("failed", "", f"{code} {message}").decode()
 
     def _loop(self) -> None:
         seen = {r: (None, time.monotonic()) for r in range(self.world) if r != self.rank}
@@ -129,7 +131,7 @@ class Watchdog:
 
     def _watch(self, seen) -> None:
         if self.store.check(["failed"]):
-            self._exit(self.store.get("failed").decode())
+            self._exit(*_split(self.store.get("failed").decode()))
             return
         states, now = self.states(), time.monotonic()
         for r in seen:
@@ -138,14 +140,15 @@ class Watchdog:
             if states[r] is not None and states[r][3] in (DONE, EXITING):
                 continue
             if states[r] is None and now - seen[r][1] > self.startup:
-                self._exit(self.publish(f"rank {r} did not start within {self.startup:g} s "
-                                        "(its process died or hangs while building its "
-                                        "stages)"))
+                self._exit(*_split(self.publish(
+                    f"rank {r} did not start within {self.startup:g} s (its process died or "
+                    "hangs while building its stages)")))
                 return
             if states[r] is not None and now - seen[r][1] > self.timeout:
                 at = self.where(r, *states[r][1:3])
-                self._exit(self.publish(f"rank {r} stopped responding for {self.timeout:g} s "
-                                        f"(its process died or hangs); last seen at {at}"))
+                self._exit(*_split(self.publish(
+                    f"rank {r} stopped responding for {self.timeout:g} s (its process died or "
+                    f"hangs); last seen at {at}")))
                 return
         if self.terminated_at is not None:
             others = [s for r, s in enumerate(states) if r != self.rank and s is not None
@@ -154,7 +157,7 @@ class Watchdog:
                     now - self.terminated_at > self.timeout + 1:
                 self._exit("stopped by the launcher (SIGTERM); no rank reported a failure")
 
-    def _exit(self, message: str) -> None:
+    def _exit(self, message: str, code: int = 1) -> None:
         if self.handling or not self.lock.acquire(blocking=False):
             return
         self.state = EXITING
@@ -164,7 +167,13 @@ class Watchdog:
             pass
         sys.stderr.write(f"{RunError(f'rank {self.rank} stops: {message}')}\n")  # one write
         sys.stderr.flush()
-        os._exit(1)  # the main thread may be blocked inside a collective that never returns
+        os._exit(code)  # the main thread may be blocked inside a collective that never returns
+
+
+def _split(stored: str) -> tuple[str, int]:
+    """(message, exit code) of a failure as publish stored it."""
+    code, _, message = stored.partition(" ")
+    return message, int(code)
 
 
 def _parse(value: str):

@@ -42,6 +42,7 @@ from pyplan.runtime.binding import (Built, Model, block_inputs, build, kept_rng,
 from pyplan.runtime.data import split_batch, to_device
 from pyplan.runtime.comm import Comm, TransferError, device_backend, join_world
 from pyplan.runtime.executor import Executor, IterationResult, padded, unflatten_into
+from pyplan.runtime.values import concatenated
 from pyplan.verify import verify
 
 __all__ = ["DTYPES", "Pipeline"]
@@ -281,7 +282,7 @@ class Pipeline:
             return None
         outputs = result.outputs
         if isinstance(outputs[0], torch.Tensor):
-            return torch.cat(outputs)
+            return concatenated(outputs, f"block '{self.problem.blocks[self.output].name}'")
         return outputs
 
     def _needs(self, inputs, targets, what: str) -> None:

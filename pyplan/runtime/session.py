@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pyplan.errors import PyplanError, RunError
+from pyplan.errors import EXIT_RUN_FAILED, PyplanError, RunError
 from pyplan.lower import COMPUTE, Lowered, describe
 from pyplan.runtime import checkpoint
 from pyplan.runtime.binding import Model, make_batch
@@ -169,9 +169,13 @@ class Session:
             (iteration in (SAVE, EVAL) and not isinstance(exc, PyplanError))
         if self.watchdog is None:
             return _error(own, exc)
-        message = self.watchdog.fail(own, wait_for_cause=echo)
-        return _error(own, exc) if message == own else \
-            RunError(f"rank {self.rank} stops: {message}")
+        message, code = self.watchdog.fail(own, wait_for_cause=echo, code=exc.exit_code if
+                                           isinstance(exc, PyplanError) else EXIT_RUN_FAILED)
+        if message == own:
+            return _error(own, exc)
+        error = RunError(f"rank {self.rank} stops: {message}")
+        error.exit_code = code  # bad input found on another rank is bad input here too
+        return error
 
     # -- the training loop
 

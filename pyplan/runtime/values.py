@@ -17,8 +17,8 @@ from torch.utils import _pytree as pytree
 
 from pyplan.errors import UserCodeError
 
-__all__ = ["Saved", "Value", "differentiable", "flatten", "nbytes", "plain", "rebuild",
-           "saved_bytes", "spec_text", "structure"]
+__all__ = ["Saved", "Value", "concatenated", "differentiable", "flatten", "nbytes", "plain",
+           "rebuild", "saved_bytes", "spec_text", "structure", "value_text"]
 
 Value = Any  # a tensor or a (nested) tuple, list or dict of tensors
 
@@ -38,6 +38,50 @@ def flatten(value: Value, what: str) -> tuple[list[torch.Tensor], pytree.TreeSpe
 
 def rebuild(leaves: list[torch.Tensor], spec: pytree.TreeSpec) -> Value:
     return pytree.tree_unflatten(leaves, spec)
+
+
+class _Shown:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def value_text(spec: pytree.TreeSpec, shapes: list[tuple[torch.dtype, tuple]]) -> str:
+    """A value's structure with each tensor as its dtype and shape, for messages:
+    "a tensor float32 (2, 4)", "{'b': float32 (2, 4)}"."""
+    shown = [_Shown(f"{str(dtype).removeprefix('torch.')} {tuple(shape)}")
+             for dtype, shape in shapes]
+    if spec.is_leaf():
+        return f"a tensor {shown[0]}"
+    return repr(rebuild(shown, spec))
+
+
+def concatenated(values: list[Value], what: str) -> Value:
+    """The micro-batches' values (of `what`, e.g. "block 'b'") joined along dim 0, as the
+    whole batch's; UserCodeError naming the first micro-batch whose structure, dtypes or
+    shapes beyond dim 0 differ from micro-batch 0's."""
+    flat = [flatten(v, what) for v in values]
+    first, spec = flat[0]
+
+    def text(leaves, spec) -> str:
+        return value_text(spec, [(t.dtype, t.shape) for t in leaves])
+
+    for m, (leaves, other) in enumerate(flat[1:], 1):
+        if other != spec or [(t.dtype, t.shape[1:]) for t in leaves] != \
+                [(t.dtype, t.shape[1:]) for t in first] or any(t.dim() == 0 for t in leaves):
+            raise UserCodeError(f"{what} returned {text(leaves, other)} for micro-batch {m} "
+                                f"but {text(first, spec)} for micro-batch 0: the whole "
+                                "batch's output joins the micro-batches' along dim 0, so they "
+                                "need the same structure and shapes beyond it",
+                                hint="give every micro-batch of a batch the same shapes (e.g. "
+                                     "pad to one sequence length per batch)")
+    if any(t.dim() == 0 for t in first):
+        raise UserCodeError(f"{what} returned {text(first, spec)} for micro-batch 0: a 0-dim "
+                            "tensor cannot be joined over the micro-batches",
+                            hint="return tensors with the batch along dim 0")
+    return rebuild([torch.cat(column) for column in zip(*(leaves for leaves, _ in flat))], spec)
 
 
 def structure(text: str) -> pytree.TreeSpec:
