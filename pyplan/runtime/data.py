@@ -118,7 +118,8 @@ def describe(value) -> str:
         return f"a tensor of shape {tuple(value.shape)}" if value.dim() else "a 0-dim tensor"
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}"
-    return f"a {type(value).__name__}"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
 
 
 def to_device(tree, device, non_blocking: bool = False):

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pyplan.errors import PyplanError, UserCodeError, describe_exception
 from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, SYNC, WAIT, Lowered,
                           Value, describe, is_gradient)
 from pyplan.problem import BACKWARD, WEIGHT
@@ -319,7 +320,13 @@ class Executor:
 
     def _call(self, b: int, m: int, args: list, grad: bool):
         with torch.set_grad_enabled(grad), self._numbers(b, m):
-            out = self.modules[b](*args)
+            try:
+                out = self.modules[b](*args)
+            except (PyplanError, KeyboardInterrupt, dist.DistError):
+                raise
+            except BaseException as exc:  # SystemExit too: the user's block failed
+                raise UserCodeError(f"block '{self.blocks[b].name}' (micro-batch {m}) raised "
+                                    f"{describe_exception(exc)}") from None
             loss = None
             if b == self.output and self.targets is not None:
                 group = self.groups.get(b)

@@ -39,7 +39,7 @@ from pyplan.runtime import checkpoint
 from pyplan.models.chunks import shard_dim
 from pyplan.runtime.binding import (Built, Model, block_inputs, build, kept_rng, load_model,
                                     loss_function, shared_across_devices)
-from pyplan.runtime.data import split_batch, to_device
+from pyplan.runtime.data import describe, split_batch, to_device
 from pyplan.runtime.comm import Comm, TransferError, device_backend, join_world
 from pyplan.runtime.executor import Executor, IterationResult, padded, unflatten_into
 from pyplan.runtime.values import concatenated
@@ -107,6 +107,7 @@ class Pipeline:
         self._clean_steps = 0
         self.executor: Executor | None = None
         self.iteration = -1
+        self.closed = False
         try:
             self._build(blocking, sync_at_end, fail_at)
         except BaseException:
@@ -216,6 +217,7 @@ class Pipeline:
         Megatron-LM hand it out. With mesh.shard, `whole_gradients` also gathers each
         parameter's whole averaged gradient into its .grad (to inspect it; the optimizer uses
         the shards)."""
+        self._open("step")
         self._needs(inputs, targets, "step")
         self.executor.loss_scale = self.loss_scale
         result = self._run(self.executor, inputs, targets, trace=trace,
@@ -257,6 +259,9 @@ class Pipeline:
         any of them); None (a rank whose stages train no parameter) does nothing. Returns
         whether the optimizer stepped (step a learning-rate schedule only then)."""
         skip, self._overflowed = self._overflowed, False
+        if optimizer is not None and not callable(getattr(optimizer, "step", None)):
+            raise RunError(f"Pipeline.step_optimizer: got {type(optimizer).__name__}, not an "
+                           "optimizer (or None on a rank whose stages train no parameter)")
         if optimizer is None or skip:
             return False
         optimizer.step()
@@ -270,6 +275,7 @@ class Pipeline:
         micro-batches and replicas) on every rank. A batch of another size than the training
         batch runs in fewer micro-batches when it does not split into the plan's number: the
         most, up to that number, that divide each replica's share (the ranks agree on it)."""
+        self._open("eval_step")
         loss = targets is not None if loss is None else loss
         self._needs(inputs, targets if loss else (), "eval_step")
         n = self._agreed_micro_batches(inputs)
@@ -285,8 +291,14 @@ class Pipeline:
             return concatenated(outputs, f"block '{self.problem.blocks[self.output].name}'")
         return outputs
 
+    def _open(self, what: str) -> None:
+        if self.closed:
+            raise RunError(f"Pipeline.{what}: the pipeline is closed (close() was called)",
+                           hint="create a new Pipeline to train again")
+
     def _needs(self, inputs, targets, what: str) -> None:
-        """RunError when this rank is given None for what its blocks read."""
+        """RunError when this rank is given None for what its blocks read, or a batch that
+        is not tensors with the batch along dim 0."""
         for given, needed, name in ((inputs, self.takes_inputs, "inputs"),
                                     (targets, self.takes_targets, "targets")):
             if given is None and needed:
@@ -294,6 +306,16 @@ class Pipeline:
                                f"{name}, but got None for them",
                                hint="pass the global batch on the ranks whose takes_inputs / "
                                     "takes_targets is True (any rank may get it)")
+            if given is None or not needed or (name == "targets" and given == ()):
+                continue
+            leaves = torch.utils._pytree.tree_leaves(given)
+            bad = next((x for x in leaves if not isinstance(x, torch.Tensor) or x.dim() == 0),
+                       None)
+            if not leaves or bad is not None:
+                raise RunError(f"Pipeline.{what}: the {name} hold "
+                               f"{describe(bad) if leaves else 'no tensor'}",
+                               hint="pass tensors (or tuples, lists or dicts of them) with the "
+                                    "batch along dim 0")
 
     def _agreed_micro_batches(self, inputs) -> int:
         """The micro-batches an evaluation batch runs in, the same on every rank (the ranks
@@ -310,7 +332,10 @@ class Pipeline:
         if not leaves:
             return n
         size = leaves[0].shape[0]
-        if size % replicas or size == 0:
+        if size == 0:
+            raise PlanError("an evaluation batch of 0 samples: an empty batch",
+                            hint="give eval_step at least one sample")
+        if size % replicas:
             raise PlanError(f"an evaluation batch of {size} samples does not split over the "
                             f"plan's {replicas} data-parallel replicas",
                             hint=f"give eval_step a batch of a multiple of {replicas} samples")
@@ -334,11 +359,16 @@ class Pipeline:
         "optimizer": ...}, keyed by the model's own names, for torch.distributed.checkpoint
         (`dcp.save(pipe.state_dict(opt), checkpoint_id=DIR)`; pyplan.runtime.save does that
         safely, in step folders). Every rank calls it, one without an optimizer too."""
+        self._open("state_dict")
         return checkpoint.state_dict(self, optimizer)
 
     def load_state_dict(self, state: dict, optimizer=None) -> None:
         """Put `state` (a state_dict() that DCP loaded into) into this rank's parameters,
         buffers and optimizer."""
+        self._open("load_state_dict")
+        if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+            raise RunError(f"Pipeline.load_state_dict: got {describe(state)}, not what "
+                           "state_dict() returns ({'model': ..., 'optimizer': ...})")
         checkpoint.load_state_dict(self, state, optimizer)
 
     def _run(self, executor: Executor, inputs, targets, *, whole_gradients: bool = False,
@@ -392,8 +422,14 @@ class Pipeline:
         parameter once) is at most max_norm; returns that norm before clipping, on every rank,
         as a tensor on the device (reading it synchronises the host: not needed to step).
         The same as torch.nn.utils.clip_grad_norm_ on the model in one process; every rank
-        must call it (an all-reduce), whatever its stages hold."""
-        norm_type = float(norm_type)
+        must call it (an all-reduce), whatever its stages hold. max_norm is positive and
+        finite, norm_type positive (inf: the largest absolute value)."""
+        self._open("clip_grad_norm_")
+        max_norm, norm_type = _norm_argument("max_norm", max_norm), \
+            _norm_argument("norm_type", norm_type)
+        if max_norm == math.inf:
+            raise RunError("Pipeline.clip_grad_norm_: max_norm inf clips nothing",
+                           hint="give a positive, finite max_norm")
         local = self._counted_gradients()
         total = torch.nn.utils.get_total_norm(local, norm_type).float().to(self.device) \
             if local else torch.zeros((), device=self.device)
@@ -445,9 +481,25 @@ class Pipeline:
         return self.train(False)
 
     def close(self) -> None:
+        """Leave the process group this Pipeline created (if it did); the Pipeline cannot
+        step after."""
+        self.closed = True
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
+
+
+def _norm_argument(name: str, value) -> float:
+    """A clip_grad_norm_ argument as a float: positive (not NaN), else RunError."""
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not number > 0:  # also NaN
+        raise RunError(f"Pipeline.clip_grad_norm_: {name} {value!r} is not a positive number",
+                       hint="max_norm: the largest norm allowed, e.g. 1.0; norm_type: 2.0 "
+                            "(default), 1.0 or inf")
+    return number
 
 
 def _first_micro_batches(lowered: Lowered, n: int) -> Lowered:
