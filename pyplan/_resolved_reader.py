@@ -108,6 +108,16 @@ class Reader:
             if block.time <= 0 or not devices or len(set(devices)) != len(devices) or \
                     any(not 0 <= d < num_devices for d in devices):
                 raise self.fail(("blocks", i), f"block '{block.name}' is invalid")
+            # A recomputed block keeps its recompute_memory and its backward re-materialises
+            # the rest (Problem.with_recompute): the fields must say one story.
+            if (block.recomputed and (block.memory != block.recompute_memory or
+                                      block.recompute == "never" or not block.is_forward)) or \
+                    (not block.recomputed and (block.rematerialised or
+                                               block.recompute == "always" or
+                                               block.recompute_memory > max(block.memory, 0))):
+                raise self.fail(("blocks", i), f"block '{block.name}': its recompute fields "
+                                "(recompute, recompute_memory, recomputed, rematerialised, "
+                                "memory) do not agree", "the file was edited; re-run pyplan solve")
             by_name[block.name] = i
             blocks.append(block)
         edges, transfers = [], []

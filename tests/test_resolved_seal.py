@@ -92,7 +92,8 @@ FORGED = {
     "mesh-shard-flipped": "'mesh' does not match the plan",
     "mesh-more-replicas": "'mesh' does not match the plan",
     "model-builder": "'model' does not match the plan",
-    "recompute-flag": "'blocks' does not match the plan",
+    "recompute-flag": "block 'stage0': its recompute fields (recompute, recompute_memory, "
+                      "recomputed, rematerialised, memory) do not agree",
     "weights": "'blocks' does not match the plan",
     "order-rule": "'order_rules' does not match the plan",
     "transfer": "'dependencies' does not match the plan",
@@ -119,6 +120,8 @@ def test_edits_with_a_matching_seal_are_still_refused(name, cli, tmp_path):
 # Without the plan file (moved away, or `plan: null`), the schedule itself still tells.
 UNDERIVED = {
     "weights": "'peak_memory' does not match the schedule",
+    "recompute-flag": "block 'stage0': its recompute fields",
+    "rematerialised-memory": "'peak_memory' does not match the schedule",
     "dependency-deleted": "does not match its order",
     "capacity-and-peak": "the schedule does not run",
     "backward-frees-less": "memory does not balance on device 0",

@@ -11,12 +11,14 @@ from pyplan.cli._torch import require_torch
 from pyplan.errors import PlanError
 from pyplan.problem import load_problem
 from pyplan.spec import format_memory
+from pyplan.spec.plan import MAX_TIME
 
 __all__ = ["MAX_REPEATS", "add_arguments", "check_time_limit", "run", "suggestions"]
 
 MAX_REPEATS = 1000  # timed runs per measurement (8x that when they spread): bounded time
 BLOCK_SECONDS = 300.0  # pyplan.runtime.limits.DEFAULT_SECONDS (this module parses without torch)
 MAX_LIMIT = 1e6       # seconds: past this a limit is no bound (and past float's exact range)
+MIN_UNIT_MS, MAX_UNIT_MS = 1e-6, 1e6  # topology.time_unit_ms's range (schemas/plan.schema.json)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,8 +84,9 @@ def _device(torch, name: str):
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.repeats <= MAX_REPEATS:
         raise PlanError(f"--repeats must lie in 1 .. {MAX_REPEATS}")
-    if args.unit_ms is not None and not 0 < args.unit_ms < float("inf"):
-        raise PlanError("--unit-ms must be a positive, finite number of milliseconds")
+    if args.unit_ms is not None and not MIN_UNIT_MS <= args.unit_ms <= MAX_UNIT_MS:
+        raise PlanError(f"--unit-ms must lie in {MIN_UNIT_MS:g} .. {MAX_UNIT_MS:g} "
+                        "milliseconds (topology.time_unit_ms)")
     check_time_limit(args.block_time_limit, "--block-time-limit")
     problem = load_problem(args.plan)
     if problem.model is None:
@@ -102,7 +105,13 @@ def run(args: argparse.Namespace) -> int:
     costs = profile_blocks(problem, model, seed=args.seed, repeats=args.repeats,
                            device=device, measured=measured, measure_collectives=args.links,
                            unit_seconds=args.block_time_limit)
-    unit = args.unit_ms or min(c.forward_ms for c in costs)
+    unit = args.unit_ms or max(MIN_UNIT_MS, min(c.forward_ms for c in costs))
+    longest = max(max(c.forward_ms, c.backward_ms or 0.0) for c in costs)
+    if longest / unit > MAX_TIME:  # the suggested times would be refused by the plan
+        raise PlanError(f"a time unit of {unit:g} ms makes the longest block time "
+                        f"({longest:g} ms) {longest / unit:,.0f} time units, more than the "
+                        f"supported {MAX_TIME:,}",
+                        hint=f"give --unit-ms {longest / MAX_TIME:.3g} or more")
     link = None
     if args.links:
         from pyplan.runtime.links import measure_link

@@ -41,6 +41,12 @@ __all__ = [
 ]
 
 
+# Amounts a block holds (never frees): each is at least 0, used by the plan or not.
+_HELD = {"weights": "weights are the static memory a block holds for the whole run",
+         "workspace": "workspace is what a block needs while it runs, beyond what it holds",
+         "recompute_memory": "recompute_memory is what a recomputed block keeps (its input)"}
+
+
 class _Memory:
     """Parses every memory amount of a plan and enforces one unit per plan."""
 
@@ -53,6 +59,10 @@ class _Memory:
             amount, is_size = parse_memory(value)
         except ValueError as exc:  # the schema admits the form; the amount is too large
             raise self.source.error(path, str(exc), "sizes go up to 2^60 bytes") from None
+        key = next((k for k in reversed(path) if isinstance(k, str)), "")
+        if amount < 0 and key in _HELD:
+            raise self.source.error(path, f"{key} must not be negative, got {value}",
+                                    _HELD[key])
         if amount != 0:
             if self.first is None:
                 self.first = (path, is_size)

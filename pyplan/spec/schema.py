@@ -127,6 +127,14 @@ def _begun(error: jsonschema.ValidationError) -> int:
     return sum(key in error.instance for key in error.validator_value)
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return "e" in text.lower()
+
+
 def _to_plan_error(source: Source, error: jsonschema.ValidationError) -> PlanError:
     path = tuple(error.absolute_path)
     where = _show_path(path)
@@ -159,8 +167,11 @@ def _to_plan_error(source: Source, error: jsonschema.ValidationError) -> PlanErr
         expected = error.validator_value
         names = [expected] if isinstance(expected, str) else expected
         wanted = " or ".join(_TYPE_NAMES.get(n, n) for n in names)
-        return source.error(path, f"{where} must be {wanted}, got {_describe(value)}",
-                            _hint(error))
+        hint = _hint(error)
+        if isinstance(value, str) and "number" in names and _is_number(value):
+            hint = (f"YAML reads {value} as text (a number in exponent form needs a dot: "
+                    f"{value.replace('e', '.0e', 1) if '.' not in value else value})")
+        return source.error(path, f"{where} must be {wanted}, got {_describe(value)}", hint)
     if kind == "enum":
         options = error.validator_value
         hint = did_you_mean(value, options) if isinstance(value, str) else None

@@ -5,6 +5,7 @@ pyplan.spec.plan reads a document into these; the problem IR (pyplan.problem) is
 
 from __future__ import annotations
 
+from fractions import Fraction
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,7 +174,12 @@ class TopologySpec:
     def transfer_time(self, size: int, source: int, target: int) -> int:
         """Time units to move `size` bytes from one device to another, to the nearest unit."""
         link = self.within_node if self.node(source) == self.node(target) else self.across_nodes
-        return int(link.milliseconds(size) / (self.time_unit_ms or 1.0) + 0.5)
+        units = link.milliseconds(size) / (self.time_unit_ms or 1.0)
+        if units < 2**62:
+            return int(units + 0.5)
+        # Past that, exactly: a tiny (denormal) time unit makes the float quotient infinite.
+        return int(Fraction(link.milliseconds(size)) / Fraction(self.time_unit_ms or 1.0)
+                   + Fraction(1, 2))
 
 
 @dataclass(frozen=True, kw_only=True)
