@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pyplan.errors import PlanError
 from pyplan.problem import BACKWARD, WEIGHT, Problem
 from pyplan.schedule import Schedule
+from pyplan.spec.source import error_at
 
 __all__ = ["ACTIVATION", "COMPUTE", "GRADIENT", "RECV", "REDUCE", "SEND", "SYNC", "WAIT",
            "Instruction", "Lowered", "Value", "channels", "check_runnable", "describe",
@@ -253,18 +254,18 @@ def check_runnable(problem: Problem) -> int:
     for block in problem.blocks:
         suffix = {BACKWARD: ".b", WEIGHT: ".w"}.get(block.kind)
         if suffix and (block.name != block.layer + suffix or block.layer not in by_name):
-            raise PlanError(f"block '{block.name}' is a hand-written {block.kind} block; "
-                            "pyplan run derives backward work from forward blocks",
-                            hint="let training: backward: derive NAME.b (and NAME.w) blocks",
-                            file=problem.source_path)
+            raise error_at(problem.source_path, ("blocks", block.index),
+                           f"block '{block.name}' is a hand-written {block.kind} block; "
+                           "pyplan run derives backward work from forward blocks",
+                           "let training: backward: derive NAME.b (and NAME.w) blocks")
     forward = [b for b in problem.blocks if b.is_forward]
     feeds = {a for a, c in problem.edges if problem.blocks[c].is_forward}
     last = [b.name for b in forward if b.index not in feeds]
     if len(last) != 1:
-        raise PlanError(f"pyplan run needs exactly one last forward block (its output goes to "
-                        f"the loss); this plan has {len(last)}: {', '.join(last)}",
-                        hint="join the branches in one block with after:",
-                        file=problem.source_path)
+        raise error_at(problem.source_path, ("blocks",),
+                       f"pyplan run needs exactly one last forward block (its output goes to "
+                       f"the loss); this plan has {len(last)}: {', '.join(last)}",
+                       "join the branches in one block with after:")
     return by_name[last[0]]
 
 

@@ -17,6 +17,7 @@ import textwrap
 
 from pyplan.errors import PlanError
 from pyplan.problem import Problem
+from pyplan.spec.source import error_at
 
 __all__ = ["megatron_layout", "torchtitan_config", "torchtitan_fqns"]
 
@@ -25,6 +26,11 @@ _OUTPUT = re.compile(r"(^|\.)(head|lm_head|output\w*|norm|final\w*|ln_f)$", re.I
 
 
 LOOP, V = "loop", "v"
+
+
+def _at(problem: Problem, keys: tuple, message: str, hint: str) -> PlanError:
+    """A PlanError at `keys` of the plan (or resolved plan) the problem was read from."""
+    return error_at(problem.source_path or None, keys, message, hint)
 
 
 def _placement(problem: Problem, allowed: tuple[str, ...], trainer: str) -> str:
@@ -37,13 +43,13 @@ def _placement(problem: Problem, allowed: tuple[str, ...], trainer: str) -> str:
         model = problem.model
         vocab = model is not None and getattr(model, "vocab_parallel", None) is not None
         what = (" (sharded over the vocabulary, model.vocab_parallel)" if vocab else "")
-        raise PlanError(f"block '{shared.name}' runs on devices {list(shared.devices)} at "
-                        f"once{what}, but {trainer} gives each pipeline stage to one pipeline "
-                        "rank: its tensor parallelism shards a stage within the ranks of that "
-                        "stage, never across the pipeline's ranks as the M-shape does",
-                        hint="export it as svg or chrome, or partition with --shape vshape or "
-                             "interleaved for Megatron-LM or torchtitan",
-                        file=problem.source_path or None)
+        raise _at(problem, ("blocks", shared.index),
+                  f"block '{shared.name}' runs on devices {list(shared.devices)} at "
+                  f"once{what}, but {trainer} gives each pipeline stage to one pipeline "
+                  "rank: its tensor parallelism shards a stage within the ranks of that "
+                  "stage, never across the pipeline's ranks as the M-shape does",
+                  "export it as svg or chrome, or partition with --shape vshape or "
+                  "interleaved for Megatron-LM or torchtitan")
 
     def rank(style: str, s: int) -> int:
         return s % d if style == LOOP else (s % (2 * d) if s % (2 * d) < d
@@ -55,27 +61,25 @@ def _placement(problem: Problem, allowed: tuple[str, ...], trainer: str) -> str:
     s, block = next((s, b) for s, b in enumerate(declared) if b.devices != (rank(style, s),))
     where = " or ".join({LOOP: "s mod the pipeline size", V: "s and 2D-1-s on rank s (V)"}[a]
                         for a in allowed)
-    raise PlanError(f"stage {s} ('{block.name}') runs on devices {list(block.devices)}, but "
-                    f"{trainer} places stage s on rank {where}",
-                    hint="partition with --shape vshape or interleaved",
-                    file=problem.source_path or None)
+    raise _at(problem, ("blocks", block.index),
+              f"stage {s} ('{block.name}') runs on devices {list(block.devices)}, but "
+              f"{trainer} places stage s on rank {where}",
+              "partition with --shape vshape or interleaved")
 
 
 def _stages(problem: Problem) -> list[tuple[str, ...]]:
     """Each stage's submodule names, in forward order; PlanError when the plan cannot say."""
     model = problem.model
     if model is None or model.module is None:
-        raise PlanError("this export needs a model given as one module cut into submodules "
-                        "(model: {module, stages}), as pyplan partition writes",
-                        hint="partition the model with pyplan partition",
-                        file=problem.source_path or None)
+        raise _at(problem, ("model",), "this export needs a model given as one module cut "
+                  "into submodules (model: {module, stages}), as pyplan partition writes",
+                  "partition the model with pyplan partition")
     stages = dict(model.stages)
     declared = [b for b in problem.blocks if b.is_forward]
     for block in declared:
         if not stages.get(block.name):
-            raise PlanError(f"model.stages lists no submodules for block '{block.name}'",
-                            hint="give every declared block its submodules",
-                            file=problem.source_path or None)
+            raise _at(problem, ("model", "stages"), f"model.stages lists no submodules for "
+                      f"block '{block.name}'", "give every declared block its submodules")
     return [stages[b.name] for b in declared]
 
 
@@ -85,20 +89,38 @@ def megatron_layout(problem: Problem) -> str:
     (a decoder layer), repeats written x*N."""
     stages = _stages(problem)
     _placement(problem, (LOOP,), "Megatron-LM")
-    last = [u for s in stages for u in s]
-    tail = len(last)
-    while tail > 0 and _OUTPUT.search(last[tail - 1]):
-        tail -= 1
-    parts, k = [], 0
+    kinds = iter(_unit_kinds([u for s in stages for u in s]))
+    parts = []
     for units in stages:
-        symbols = []
-        for unit in units:
-            symbols.append("E" if _EMBEDDING.search(unit) else "L" if k >= tail else "t")
-            k += 1
-        if symbols.count("L") > 1:  # the output units are one L
-            symbols = [x for x in symbols if x != "L"] + ["L"]
+        symbols = [next(kinds) for _ in units]
+        for one in ("E", "L"):  # the embedding units are one E, the output units one L
+            if symbols.count(one) > 1:
+                at = symbols.index(one)
+                symbols = [x for x in symbols if x != one]
+                symbols.insert(at if one == "E" else len(symbols), one)
         parts.append(_runs(symbols))
     return "|".join(parts) + "\n"
+
+
+def _unit_kinds(units: list[str]) -> list[str]:
+    """E, t or L for each unit of the model, in order. The decoder layers are the longest run
+    of units named PREFIX.N with one prefix (transformer.h.0 ..); what comes before them is
+    the embedding (GPT-2's wte and wpe: one E), what comes after them the output (final norm,
+    head: one L). Without such layers, by name: embeddings, and the output units at the end."""
+    numbered: dict[str, list[int]] = {}
+    for i, unit in enumerate(units):
+        head, _, tail = unit.rpartition(".")
+        if head and tail.isdigit():
+            numbered.setdefault(head, []).append(i)
+    if numbered:
+        layers = max(numbered.values(), key=len)
+        first, last = layers[0], layers[-1]
+        return ["E" if i < first else "L" if i > last else "t" for i in range(len(units))]
+    tail = len(units)
+    while tail > 0 and _OUTPUT.search(units[tail - 1]):
+        tail -= 1
+    return ["E" if _EMBEDDING.search(unit) else "L" if i >= tail else "t"
+            for i, unit in enumerate(units)]
 
 
 def _runs(symbols: list[str]) -> str:
@@ -154,9 +176,9 @@ def torchtitan_config(problem: Problem) -> str:
     count and the CSV of pyplan's own order, which torchtitan then runs in torch's
     _PipelineScheduleRuntime instead of the named one."""
     if not problem.training:
-        raise PlanError(f"{problem.name} is an inference plan, and torchtitan's pipeline "
-                        "settings are for training", hint="export megatron-layout, svg or "
-                        "chrome instead", file=problem.source_path or None)
+        raise _at(problem, ("task",), f"{problem.name} is an inference plan, and "
+                  "torchtitan's pipeline settings are for training",
+                  "export megatron-layout, svg or chrome instead")
     stages = _stages(problem)
     split = any(b.kind == "weight" for b in problem.blocks)
     style = _placement(problem, (LOOP, V) if len(stages) == 2 * problem.num_devices

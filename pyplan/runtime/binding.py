@@ -362,6 +362,7 @@ def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None
     deferred = defer_whole(model, seed, say=rank in (None, 0))
     whole = deferred.model
     _check_stage_names(whole, model, problem)
+    _check_cut(whole, model, problem)
     stages = _stages_in_order(problem, model)
     found = ties(whole, stages)
     _check_ties(model, found, problem)
@@ -403,10 +404,10 @@ def _vocab_blocks(model: Model, problem: Problem,
         block = problem.blocks[problem.by_name[stages[holders[0]][0]]] if holders else None
         if block is None or len(block.devices) < 2:
             where = f"block '{block.name}', on one device" if block else "no block"
-            raise PlanError(f"model.vocab_parallel: {module} is held by {where}; a module "
-                            "sharded over the vocabulary runs in a block on several devices",
-                            hint="re-run pyplan partition --shape mshape",
-                            file=problem.source_path)
+            raise located(model.source or problem.source_path, ("model", "vocab_parallel"),
+                          f"model.vocab_parallel: {module} is held by {where}; a module "
+                          "sharded over the vocabulary runs in a block on several devices",
+                          "re-run pyplan partition --shape mshape")
         found.append(holders[0])
     return found
 
@@ -422,8 +423,9 @@ def _shard_vocab(whole, model: Model, problem: Problem, stages, by_stage: dict, 
     if rank is None or blocks[0] not in mine:
         return
     if problem.blocks[blocks[0]].devices != problem.blocks[blocks[1]].devices:
-        raise PlanError("model.vocab_parallel: the blocks holding the embedding and the head "
-                        "must run on the same devices", file=problem.source_path)
+        raise located(model.source or problem.source_path, ("model", "vocab_parallel"),
+                      "model.vocab_parallel: the blocks holding the embedding and the head "
+                      "must run on the same devices")
     embed = by_stage.get(held[0])
     active = (lambda: embed.running) if model.cut.kind == FORWARD else None
     size = whole.get_submodule(model.vocab[0]).weight.shape[0]
@@ -441,11 +443,36 @@ def _check_ties(model: Model, found: list[Tie], problem: Problem) -> None:
         differ = sorted(set(recorded.items()) ^ set(actual.items()))[0]
         where = "records" if differ[0] in recorded and recorded[differ[0]] == differ[1] \
             else "lacks"
-        raise PlanError(f"model.ties {where} the tie of {differ[0]} over stages "
-                        f"{', '.join(differ[1])}, which the model "
-                        f"{'does not have' if where == 'records' else 'has'}",
-                        hint="the plan is stale: re-run pyplan partition",
-                        file=problem.source_path)
+        keys = ("model", "ties", [p for p, _ in model.ties].index(differ[0])) \
+            if where == "records" else ("model", "ties")
+        raise located(model.source or problem.source_path, keys,
+                      f"model.ties {where} the tie of {differ[0]} over stages "
+                      f"{', '.join(differ[1])}, which the model "
+                      f"{'does not have' if where == 'records' else 'has'}",
+                      "the plan is stale: re-run pyplan partition")
+
+
+def _check_cut(whole: torch.nn.Module, model: Model, problem: Problem) -> None:
+    """The plan's model.cut can cut this model (an edited cut would fail mid-run): the forward
+    cut needs a list of layers; the chain and traced cuts run only the stages' modules, so
+    every parameter must belong to one of them."""
+    from pyplan.models.forward import _owner, decoder_layers
+
+    source = model.source or problem.source_path
+    where = ("model", "cut")  # (the model: section, when the plan leaves the default chain)
+    if model.cut.kind == FORWARD:
+        if decoder_layers(whole) is None:
+            raise located(source, where, "model.cut is forward, but the model has no list of "
+                          "layers (an nn.ModuleList) for its forward to be cut at",
+                          "the cut is what pyplan partition found: re-run it")
+        return
+    owners = {name: 0 for _, units in _stages_in_order(problem, model) for name in units}
+    for name, _ in whole.named_parameters():
+        if _owner(name.rpartition(".")[0], owners) is None:
+            raise located(source, where, f"model.cut is {model.cut.kind}, which runs only the "
+                          f"stages' modules, but the model's parameter {name} is in none of "
+                          "them", "the cut is what pyplan partition found: re-run it, or "
+                          "list the module holding it in a stage")
 
 
 def check_model(problem: Problem, plan_dir: Path, source: str | None = None) -> int:
@@ -457,6 +484,7 @@ def check_model(problem: Problem, plan_dir: Path, source: str | None = None) -> 
     if model.whole is not None:
         whole = defer_whole(model, 0).model
         _check_stage_names(whole, model, problem)
+        _check_cut(whole, model, problem)
         _check_ties(model, ties(whole, _stages_in_order(problem, model)), problem)
         if model.vocab is not None:
             from pyplan.models.vocab import check_modules

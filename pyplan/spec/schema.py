@@ -182,6 +182,10 @@ def _to_plan_error(source: Source, error: jsonschema.ValidationError) -> PlanErr
               "exclusiveMaximum": "<"}[kind]
         return source.error(path, f"{where} must be {op} {error.validator_value}, "
                             f"got {_describe(value)}", _hint(error))
+    if kind in ("minItems", "minProperties") and error.validator_value > 1:
+        what = "items" if kind == "minItems" else "keys"
+        return source.error(path, f"{where} must have at least {error.validator_value} {what}, "
+                            f"got {len(value)}", _hint(error))
     if kind in ("minItems", "minProperties"):
         return source.error(path, f"{where} must not be empty", _hint(error))
     if kind == "pattern":

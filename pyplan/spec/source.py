@@ -17,7 +17,7 @@ import yaml
 from pyplan.errors import PlanError
 from pyplan.fileio import read_capped
 
-__all__ = ["Source", "load_yaml", "parse_yaml"]
+__all__ = ["Source", "error_at", "load_yaml", "parse_yaml"]
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in
@@ -248,6 +248,18 @@ def parse_yaml(text: str, name: str) -> Source:
     data = builder.build(documents[0], ())
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
     return Source(name, digest, data, builder.marks, builder.key_marks, frozenset(builder.quoted))
+
+
+def error_at(file: str | Path | None, keys: tuple, message: str,
+             hint: str | None = None) -> PlanError:
+    """A PlanError at the position of `keys` (e.g. ("model", "stages")) in the plan `file`, or
+    at the file alone when it cannot be read now."""
+    if file:
+        try:
+            return load_yaml(file).error(keys, message, hint)
+        except PlanError:  # unreadable now: the message without a position
+            pass
+    return PlanError(message, hint=hint, file=str(file) if file else None)
 
 
 def load_yaml(path: str | Path) -> Source:
