@@ -61,6 +61,9 @@ class UnitCost:
     """The most its forward allocates at once (what it keeps, its output, temporaries)."""
     backward_peak_bytes: int = 0
     """The most its backward allocates at once, with the gradient it receives."""
+    update_ms: float = 0.0
+    """The optimizer's step over its parameters (with their gradients zeroed for the next
+    iteration), once per iteration."""
 
     @property
     def module_names(self) -> tuple[str, ...]:
@@ -277,20 +280,20 @@ def candidates(units: list[UnitCost], num_stages: int, *, micro_batches: int,
 
 def smallest_capacity(units: list[UnitCost], num_stages: int) -> int | None:
     """The least memory per stage that admits some partition into `num_stages` stages (each
-    stage's weights and one micro-batch's activations; recomputation does not lower it, the
-    stage in its backward holds them all): exact minimax dynamic programming. None when there
-    are fewer units than stages."""
+    stage's weights, one micro-batch's activations and its workspace; recomputation does not
+    lower it, the stage in its backward holds them all): exact minimax dynamic programming.
+    None when there are fewer units than stages."""
     k = len(units)
     if not 1 <= num_stages <= k:
         return None
-    prefix = [0]
-    for u in units:
-        prefix.append(prefix[-1] + u.weight_bytes + u.activation_bytes)
+    alone = Held(alone=True)
     best = [[math.inf] * (k + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0
     for s in range(1, num_stages + 1):
         for j in range(s, k - (num_stages - s) + 1):
-            best[s][j] = min(max(best[s - 1][i], prefix[j] - prefix[i]) for i in range(s - 1, j))
+            best[s][j] = min(max(best[s - 1][i], stage_memory(units, i, j, s - 1, num_stages,
+                                                              1, alone))
+                             for i in range(s - 1, j))
     return int(best[num_stages][k])
 
 
@@ -361,9 +364,10 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
         output = f", output: {part[-1].output_bytes}B" if s + 1 < partition.num_stages else ""
         where = "all" if placement[s] is None else f"[{', '.join(map(str, placement[s]))}]"
         workspace = stage_workspace(part, receives=partition.stage(s).start > 0)
+        update = round(sum(u.update_ms for u in part) / time_unit_ms)
         lines.append(f"  - {{name: {names[s]}, devices: {where}, time: {forward}, "
                      f"memory: {activations}B, weights: {weights}B, "
-                     f"workspace: {workspace}B{output}, "
+                     f"workspace: {workspace}B, update: {update}{output}, "
                      f"recompute_memory: {recompute_bytes(part)}B, "
                      f"backward: {{time: {backward}}}}}")
     lines += ["model:", f"  module: {factory}", "  stages:"]

@@ -409,8 +409,7 @@ def _json(report, lowered, options) -> dict:
     from pyplan.runtime.session import timed
 
     problem = lowered.problem
-    predicted = lowered.makespan * problem.time_unit_ms / 1e3 \
-        if problem.time_unit_ms is not None else None
+    predicted = report.predicted[0] if report.predicted is not None else None
     return {
         "plan": problem.name,
         "ranks": len(lowered.programs),
@@ -429,6 +428,7 @@ def _json(report, lowered, options) -> dict:
         "tokens_per_second": [report.tokens / s for s in report.seconds]
         if report.tokens else None,
         "predicted_seconds": predicted,
+        "predicted_makespan_seconds": report.predicted[1] if report.predicted else None,
         "median_seconds": statistics.median(timed(report.seconds, report)),
         "census_iteration": report.census_iteration,
         "rank_memory": report.ranks,

@@ -20,7 +20,7 @@ from pyplan.runtime.values import flatten, rebuild, saved_bytes
 
 __all__ = ["MORE", "SPREAD", "BlockCost", "Measured", "Timer", "block_arguments", "busy",
            "compute_threads", "leaves", "measure", "memory_peaks", "run_threads", "threads",
-           "unit_buffer_bytes",
+           "unit_buffer_bytes", "update_ms",
            "unit_parameters"]
 
 SPREAD = 0.10  # interquartile range / median above which more runs are taken
@@ -230,6 +230,29 @@ def measure(timer: Timer, module, args: list, wrt_inputs: list, params: list, lo
         return timer.ms(start, timer.now())
 
     return forward_ms, timer.median(backward, f"{what} backward"), saved, out
+
+
+def update_ms(timer: Timer, params: list, optimizer: str, what: str) -> float:
+    """Median ms of one step of `optimizer` over `params` (their gradients allocated), with
+    the gradients zeroed in place as a run zeroes them for the next iteration."""
+    if not params:
+        return 0.0
+    _gradients_allocated(params)
+    kept = [p.detach().clone() for p in params]
+    step = torch.optim.AdamW(params, lr=1e-6) if optimizer == "adam" else \
+        torch.optim.SGD(params, lr=1e-6)
+
+    def sample():
+        start = timer.now()
+        step.step()
+        step.zero_grad(set_to_none=False)
+        return timer.ms(start, timer.now())
+
+    found = timer.median(sample, f"{what} update")  # the warm-up run makes Adam's state
+    with torch.no_grad():  # the unit as it was: later units' inputs do not move
+        for p, value in zip(params, kept):
+            p.copy_(value)
+    return found
 
 
 def _gradients_allocated(params: list) -> None:

@@ -30,7 +30,7 @@ from pyplan.runtime.data import split_batch, to_device
 from pyplan.runtime.census import storage_bytes
 from pyplan.runtime.measure import (BlockCost, Measured, Timer, block_arguments, busy,
                                     compute_threads, leaves, measure, memory_peaks,
-                                    unit_buffer_bytes, unit_parameters)
+                                    unit_buffer_bytes, unit_parameters, update_ms)
 from pyplan.runtime.sharded import sharded_blocks
 from pyplan.runtime.values import flatten, nbytes, rebuild
 
@@ -137,6 +137,7 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
         forward_ms, backward_ms, saved, out = measure(timer, module, args, wrt, params,
                                                        loss_fn, f"unit {unit.name}")
         peaks = memory_peaks(module, args, wrt, params, loss_fn, device)
+        update = update_ms(timer, params, optimizer, f"unit {unit.name}")
         size = sum(p.numel() * p.element_size() for p in params)
         buffers = unit_buffer_bytes(module.model, unit) if cut.kind == FORWARD else \
             storage_bytes(module.buffers())
@@ -144,7 +145,8 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
                               size * (2 + OPTIMIZER_STATE[optimizer]) + buffers,
                               nbytes(inputs if received is None else received), nbytes(out),
                               modules=unit.modules, parameters=own[k],
-                              forward_peak_bytes=peaks[0], backward_peak_bytes=peaks[1]))
+                              forward_peak_bytes=peaks[0], backward_peak_bytes=peaks[1],
+                              update_ms=update))
         value = _detached(out)
         del module, params, out
         if progress is not None:

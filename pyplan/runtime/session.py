@@ -105,6 +105,9 @@ class Report:
     plan's `planned_peak_bytes` and `planned_static_bytes`), `max_rss_bytes` (the process's
     host memory at its most), `setup_seconds` (building its stages) and `weights_read` (tensors
     it read from model.weights)."""
+    predicted: tuple[float, float] | None = None
+    """The plan's iteration in seconds, and of it the schedule's makespan (when the plan says
+    what its time unit is)."""
     census_iteration: int | None = None
     """The iteration (counted from the first of this run) the memory census ran in: not timed."""
 
@@ -420,7 +423,8 @@ class Session:
                             resumed=self.resumed, saved=self.saved,
                             ranks=[{**g[4], **planned} for g, planned in
                                    zip(gathered, _planned_memory(pipe))],
-                            census_iteration=self.census_step - first)
+                            census_iteration=self.census_step - first,
+                            predicted=_predicted(pipe, self.options))
         return all_gather_objects(result)[0]
 
     def check(self, first: int, losses: list[float], grads: dict, evals: list) -> Verdict:
@@ -522,8 +526,6 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
     before, as they happened)."""
     problem = lowered.problem
     lines = []
-    predicted = lowered.makespan * problem.time_unit_ms \
-        if problem.time_unit_ms is not None else None
     median = statistics.median(timed(report.seconds, report))
     parts = []
     for r, (compute, total) in enumerate(zip(report.compute, report.iteration_seconds)):
@@ -531,10 +533,11 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
         parts.append(f"{r}: {c * 1e3:.1f}/{max(t_ - c, 0.0) * 1e3:.1f}")
     lines.append(f"  median iteration {median * 1e3:.1f} ms; compute/rest per rank (ms): "
                  + "  ".join(parts))
-    if predicted is not None:  # the schedule's makespan, transfers included
-        lines.append(f"  the plan predicts {predicted:.1f} ms (makespan {lowered.makespan} x "
-                     f"{problem.time_unit_ms:g} ms); measured / predicted "
-                     f"{median * 1e3 / predicted:.2f}")
+    if report.predicted is not None:  # the schedule, transfers included, and the updates
+        iteration, makespan = report.predicted
+        lines.append(f"  the plan predicts {iteration * 1e3:.1f} ms (the schedule's makespan "
+                     f"{makespan * 1e3:.1f} ms, then the optimizer's steps); measured / "
+                     f"predicted {median / iteration:.2f}")
     if report.ranks and report.ranks[0].get("peak_bytes"):
         lines.append(f"  memory per rank, measured in iteration "
                      f"{report.first_step + report.census_iteration} (peak; static: "
@@ -578,6 +581,18 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
         lines.append(f"  checkpoint: {report.saved} (step "
                      f"{report.first_step + len(report.seconds)})")
     return lines
+
+
+def _predicted(pipe: Pipeline, options: Options) -> tuple[float, float] | None:
+    """(the plan's iteration, its makespan) in seconds: the schedule, then each device's
+    optimizer step after its last block (after the makespan when clipping synchronises every
+    device first)."""
+    problem, schedule = pipe.problem, pipe.resolved.schedule
+    if problem.time_unit_ms is None:
+        return None
+    unit = problem.time_unit_ms / 1e3
+    clipping = options.training.clip_grad_norm is not None
+    return schedule.iteration(synchronised=clipping) * unit, schedule.makespan * unit
 
 
 def timed(values: list, report: Report) -> list:
