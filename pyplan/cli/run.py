@@ -275,7 +275,8 @@ def _launch(args: argparse.Namespace) -> int:
 def _session(args, plan, model, fail_at) -> int:
     """What torchrun runs on every rank: init -> build -> train -> close."""
     from pyplan.runtime.checkpoint import CheckpointError
-    from pyplan.runtime.session import Options, Session, summary
+    from pyplan.runtime.report import Options, summary
+    from pyplan.runtime.session import Session
     from pyplan.runtime.training import Training
 
     training = Training(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
@@ -406,7 +407,7 @@ def _print_programs(lowered) -> None:
 
 
 def _json(report, lowered, options) -> dict:
-    from pyplan.runtime.session import timed
+    from pyplan.runtime.report import timed
 
     problem = lowered.problem
     predicted = report.predicted[0] if report.predicted is not None else None
