@@ -64,6 +64,12 @@ class UnitCost:
     update_ms: float = 0.0
     """The optimizer's step over its parameters (with their gradients zeroed for the next
     iteration), once per iteration."""
+    input_grad_ms: float | None = None
+    """Split backward (zero bubble): the input gradients' time (B); None: not measured."""
+    weight_grad_ms: float = 0.0
+    """Split backward: the weight gradients' time (W)."""
+    captured_bytes: int = 0
+    """Split backward: the gradients B keeps for W."""
 
     @property
     def module_names(self) -> tuple[str, ...]:
@@ -323,14 +329,17 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
               everywhere: tuple[str, ...] = (), recompute: str = "never",
               speeds: Sequence[float] | None = None, names: tuple[str, ...] | None = None,
               placement: tuple[tuple[int, ...] | None, ...] | None = None,
-              vocab: tuple[str, str] | None = None) -> str:
+              vocab: tuple[str, str] | None = None, weights: str | None = None) -> str:
     """A plan for `partition`: one block per stage (stage s on device s mod devices, or on
     placement[s], None for all devices; named names[s], default stage{s}) with the measured
     times in units of `time_unit_ms`, activation memory, weights, output (timed on the default
     links) and recompute memory (the stage's input) in bytes, and a model: section naming each
     stage's submodules (and with `vocab`, the embedding and head its all-device blocks shard
-    over the vocabulary: model.vocab_parallel). `capacity` per device (a list) or `speeds`
-    write the devices one by one (devices: [{memory, speed}, ...])."""
+    over the vocabulary: model.vocab_parallel; with `weights`, the checkpoint the parameters
+    start from: model.weights). `capacity` per device (a list) or `speeds` write the devices
+    one by one (devices: [{memory, speed}, ...]). Units measured with a split backward give
+    each block its input and weight gradients apart (zero bubble): B keeps the graph and the
+    gradients it captures until W frees them, as pyplan run's executor does."""
     names = names or tuple(f"stage{s}" for s in range(partition.num_stages))
     placement = placement or tuple((s % devices,) for s in range(partition.num_stages))
     about = (f"Written by pyplan partition from {factory}: {len(units)} units in "
@@ -352,24 +361,34 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
             fields = ([] if c is None else [f"memory: {c}B"]) + \
                 ([] if s == 1 else [f"speed: {s:.6g}"])
             lines.append(f"  - {{{', '.join(fields)}}}")
-    lines += [f"micro_batches: {micro_batches}",
-              "training:", "  backward: {time_ratio: 1}", f"  recompute: {recompute}",
+    split = all(u.input_grad_ms is not None for u in units)
+    lines += [f"micro_batches: {micro_batches}", "training:",
+              "  backward: {time_ratio: 1" + (", weight_time_ratio: 1}" if split else "}"),
+              f"  recompute: {recompute}",
               f"topology: {{time_unit_ms: {time_unit_ms:.6g}}}", "blocks:"]
     for s in range(partition.num_stages):
         part = [units[i] for i in partition.stage(s)]
         forward = max(1, round(sum(u.forward_ms for u in part) / time_unit_ms))
         backward = max(1, round(sum(u.backward_ms for u in part) / time_unit_ms))
         activations = sum(u.activation_bytes for u in part)
-        weights = sum(u.weight_bytes for u in part)
+        stage_weights = sum(u.weight_bytes for u in part)
         output = f", output: {part[-1].output_bytes}B" if s + 1 < partition.num_stages else ""
         where = "all" if placement[s] is None else f"[{', '.join(map(str, placement[s]))}]"
         workspace = stage_workspace(part, receives=partition.stage(s).start > 0)
         update = round(sum(u.update_ms for u in part) / time_unit_ms)
+        if split:
+            b = max(1, round(sum(u.input_grad_ms for u in part) / time_unit_ms))
+            w = max(1, round(sum(u.weight_grad_ms for u in part) / time_unit_ms))
+            captured = sum(u.captured_bytes for u in part)
+            backward_costs = (f"time: {b}, weight_time: {w}, memory: {captured}B, "
+                              f"weight_memory: -{activations + captured}B")
+        else:
+            backward_costs = f"time: {backward}"
         lines.append(f"  - {{name: {names[s]}, devices: {where}, time: {forward}, "
-                     f"memory: {activations}B, weights: {weights}B, "
+                     f"memory: {activations}B, weights: {stage_weights}B, "
                      f"workspace: {workspace}B, update: {update}{output}, "
                      f"recompute_memory: {recompute_bytes(part)}B, "
-                     f"backward: {{time: {backward}}}}}")
+                     f"backward: {{{backward_costs}}}}}")
     lines += ["model:", f"  module: {factory}", "  stages:"]
     for s in range(partition.num_stages):
         modules = ", ".join(json.dumps(m) for i in partition.stage(s)
@@ -387,6 +406,8 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
         lines.append("  ties:")
         lines += [f"    - {{parameter: {json.dumps(p)}, stages: [{', '.join(st)}]}}"
                   for p, st in found]
+    if weights is not None:
+        lines.append(f"  weights: {json.dumps(weights)}")
     lines += [f"  data: {data}", f"  loss: {loss}"]
     if path is not None:
         lines.append(f"  path: {json.dumps(path)}")

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from pyplan.models import Unit
+from pyplan.runtime.backward import backward_input, backward_weight
 from pyplan.runtime.census import Census, storage_bytes
 from pyplan.runtime.values import flatten, rebuild, saved_bytes
 
 __all__ = ["MORE", "SPREAD", "BlockCost", "Measured", "Timer", "block_arguments", "busy",
            "compute_threads", "leaves", "measure", "memory_peaks", "run_threads", "threads",
-           "unit_buffer_bytes", "update_ms",
+           "split_backward", "unit_buffer_bytes", "update_ms",
            "unit_parameters"]
 
 SPREAD = 0.10  # interquartile range / median above which more runs are taken
@@ -230,6 +231,38 @@ def measure(timer: Timer, module, args: list, wrt_inputs: list, params: list, lo
         return timer.ms(start, timer.now())
 
     return forward_ms, timer.median(backward, f"{what} backward"), saved, out
+
+
+def split_backward(timer: Timer, module, args: list, wrt_inputs: list, params: list, loss_fn,
+                   what: str) -> tuple[float, float, int]:
+    """The zero-bubble split of module(*args)'s backward, as the executor runs it
+    (pyplan.runtime.backward): (median ms of B, the input gradients; median ms of W, the
+    weight gradients; the bytes of the gradients B captures for W)."""
+    _gradients_allocated(params)
+    captured = [0]
+
+    def prepared():
+        with torch.enable_grad():
+            roots, seeds = _roots(module(*args), loss_fn)
+        return roots, seeds or [torch.ones((), dtype=r.dtype) for r in roots]
+
+    def b_sample():
+        roots, seeds = prepared()
+        start = timer.now()
+        _, work = backward_input(roots, seeds, wrt_inputs, params)
+        took = timer.ms(start, timer.now())
+        captured[0] = work.captured_bytes
+        return took
+
+    def w_sample():
+        roots, seeds = prepared()
+        _, work = backward_input(roots, seeds, wrt_inputs, params)
+        start = timer.now()
+        backward_weight(work)
+        return timer.ms(start, timer.now())
+
+    b_ms = timer.median(b_sample, f"{what} input gradients")
+    return b_ms, timer.median(w_sample, f"{what} weight gradients"), captured[0]
 
 
 def update_ms(timer: Timer, params: list, optimizer: str, what: str) -> float:

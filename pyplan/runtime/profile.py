@@ -30,7 +30,8 @@ from pyplan.runtime.data import split_batch, to_device
 from pyplan.runtime.census import storage_bytes
 from pyplan.runtime.measure import (BlockCost, Measured, Timer, block_arguments, busy,
                                     compute_threads, leaves, measure, memory_peaks,
-                                    unit_buffer_bytes, unit_parameters, update_ms)
+                                    split_backward, unit_buffer_bytes, unit_parameters,
+                                    update_ms)
 from pyplan.runtime.sharded import sharded_blocks
 from pyplan.runtime.values import flatten, nbytes, rebuild
 
@@ -90,22 +91,24 @@ def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, 
 def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
                   optimizer: str = "sgd", repeats: int = 5, device: torch.device | None = None,
                   progress=None, measured: Measured | None = None,
-                  threads: int | None = None) -> tuple[list[UnitCost], Cut]:
+                  threads: int | None = None, split: bool = False) -> tuple[list[UnitCost], Cut]:
     """Costs of each unit of a model on one micro-batch, and how the model is cut (see
     pyplan.models): median forward and backward milliseconds (the backward of exactly that
     unit; the last unit's from the loss), the activation bytes autograd saves, and the weights'
     bytes with their gradients and the optimizer's state, computed with `threads` CPU threads
-    (default: as each rank of a run). A deferred model (built on the meta device) is
-    materialised one unit at a time, so the whole model is never in memory."""
+    (default: as each rank of a run); with `split`, the input and weight gradients' times
+    apart (zero bubble). A deferred model (built on the meta device) is materialised one unit
+    at a time, so the whole model is never in memory."""
     device = device or torch.device("cpu")
     with compute_threads(device, threads):
         return _profile_units(model, inputs, targets, loss, optimizer=optimizer,
                               repeats=repeats, device=device, progress=progress,
-                              measured=measured)
+                              measured=measured, split=split)
 
 
 def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int, device,
-                   progress, measured: Measured | None) -> tuple[list[UnitCost], Cut]:
+                   progress, measured: Measured | None, split: bool
+                   ) -> tuple[list[UnitCost], Cut]:
     deferred = model if isinstance(model, Deferred) else eager(model)
     measured = measured if measured is not None else Measured()
     timer = Timer(device, repeats, measured)
@@ -138,6 +141,8 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
                                                        loss_fn, f"unit {unit.name}")
         peaks = memory_peaks(module, args, wrt, params, loss_fn, device)
         update = update_ms(timer, params, optimizer, f"unit {unit.name}")
+        halves = split_backward(timer, module, args, wrt, params, loss_fn,
+                                f"unit {unit.name}") if split else (None, 0.0, 0)
         size = sum(p.numel() * p.element_size() for p in params)
         buffers = unit_buffer_bytes(module.model, unit) if cut.kind == FORWARD else \
             storage_bytes(module.buffers())
@@ -146,7 +151,8 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
                               nbytes(inputs if received is None else received), nbytes(out),
                               modules=unit.modules, parameters=own[k],
                               forward_peak_bytes=peaks[0], backward_peak_bytes=peaks[1],
-                              update_ms=update))
+                              update_ms=update, input_grad_ms=halves[0],
+                              weight_grad_ms=halves[1], captured_bytes=halves[2]))
         value = _detached(out)
         del module, params, out
         if progress is not None:
