@@ -341,12 +341,14 @@ def build_whole(model: Model, seed: int, device="cpu") -> torch.nn.Module:
 
 
 def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None = None,
-          groups: dict[int, Any] | None = None) -> Built:
+          groups: dict[int, Any] | None = None, only: list[int] | None = None) -> Built:
     """The modules of the forward blocks on `rank` (every block when rank is None: the
-    single-process reference, where every block is built whole). A `module:` plan's model is
-    built on the meta device and only the parameters of this rank's stages are materialised."""
+    single-process reference, where every block is built whole; `only` these blocks). A
+    `module:` plan's model is built on the meta device and only the parameters of the blocks
+    built are materialised."""
     blocks = forward_blocks(problem)
-    mine = [b for b in blocks if rank is None or rank in problem.blocks[b].devices]
+    mine = [b for b in blocks if (rank is None or rank in problem.blocks[b].devices) and
+            (only is None or b in only)]
     if model.whole is None:
         modules = {}
         for b in mine:

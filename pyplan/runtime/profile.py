@@ -57,17 +57,18 @@ def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, 
     timer = Timer(device, repeats, measured)
     busy(measured)
     output_block = check_runnable(problem)
-    built = build(model, problem, seed=seed, device=device)
-    modules = built.modules
+    forward = [b.index for b in problem.blocks if b.is_forward]
     trains = {problem.by_name[b.layer] for b in problem.blocks if b.kind == BACKWARD}
-    preds = block_inputs(problem, modules)
+    preds = block_inputs(problem, forward)
     inputs, targets = make_batch(model, 0, seed, device)
     inputs = split_batch(inputs, problem.num_micro_batches)[0]
     targets = split_batch(targets, problem.num_micro_batches)[0]
     outputs: dict[int, object] = {}
     costs = {}
-    for b in (b for b in problem.graph.topological_order() if b in modules):
-        module, grad = modules[b], b in trains
+    for b in (b for b in problem.graph.topological_order() if b in forward):
+        # Each block alone in memory (a model built on the meta device materialises only it).
+        built = build(model, problem, seed=seed, device=device, only=[b])
+        module, grad = built.modules[b], b in trains
         params = [p for p in module.parameters() if p.requires_grad]
         args, wrt = block_arguments(b, preds, outputs, inputs, built.wants_inputs, grad)
         whole = (None,) if len(problem.blocks[b].devices) > 1 else ()
@@ -76,10 +77,11 @@ def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, 
         block = problem.blocks[b]
         forward_ms, backward_ms, saved, out = measure(timer, module, args, wrt, params,
                                                        loss_fn, f"block '{block.name}'", grad)
-        outputs[b] = out
+        outputs[b] = _detached(out)
         sent = [a for a in args if a is not inputs] if preds[b] else [inputs]
         costs[b] = BlockCost(block.name, block.devices, forward_ms, backward_ms, saved,
                              sum(nbytes(a) for a in sent), nbytes(out))
+        del built, module, params, out
     if getattr(model, "vocab", None) is not None:  # all-device blocks: one rank's share
         costs.update(sharded_blocks(problem, model, seed=seed, device=device, timer=timer,
                                     inputs=inputs, targets=targets, outputs=outputs,
