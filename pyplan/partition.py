@@ -31,10 +31,18 @@ from dataclasses import dataclass
 
 __all__ = ["MAX_ENUMERATED", "Held", "Partition", "UnitCost", "best_partitions", "candidates",
            "even_partitions", "optimal_partition", "plan_text", "smallest_capacity",
-           "stage_memory", "ties"]
+           "stage_memory", "ties", "weight_bytes"]
 
 MAX_ENUMERATED = 20_000  # partitions: up to this many, every one is ranked (else the DP's alone)
 OPTIMIZER_STATE = {"sgd": 0, "adam": 2}  # state tensors per parameter, besides its gradient
+
+
+def weight_bytes(params: list, optimizer: str) -> int:
+    """What `params` hold for the whole run: themselves, their gradients and the optimizer's
+    state (Adam: two moments each, and its step count, a 4-byte tensor per parameter)."""
+    size = sum(p.numel() * p.element_size() for p in params)
+    return size * (2 + OPTIMIZER_STATE[optimizer]) + (4 * len(params) if optimizer == "adam"
+                                                      else 0)
 
 
 @dataclass(frozen=True)

@@ -392,10 +392,11 @@ class Executor:
                  block: int) -> None:
         state = self.saved.pop((b, m))
         roots, loss = state.roots, state.loss
-        if state.rerun is not None:
+        if state.rerun is not None:  # the rerun's output is not kept either, only its graph
             out, loss = self._call(b, m, state.rerun, True)
             tensors, _ = flatten(out, f"block '{self.blocks[b].name}'")
-            roots = [tensors[i] for i in differentiable(tensors)]
+            roots = [root(tensors[i]) for i in differentiable(tensors)]
+            del out, tensors
         if loss is not None:  # the loss counts once, on the first rank of the last block
             roots = [loss]
             grads = [torch.full((), self.scale * self.loss_scale, dtype=loss.dtype,

@@ -23,7 +23,7 @@ import torch
 from pyplan.lower import check_runnable
 from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Unit, find_units, stage_modules
 from pyplan.models.deferred import Deferred, eager, move
-from pyplan.partition import OPTIMIZER_STATE, UnitCost
+from pyplan.partition import UnitCost, weight_bytes
 from pyplan.problem import BACKWARD, Problem
 from pyplan.runtime.binding import Model, block_inputs, build, loss_function, make_batch
 from pyplan.runtime.data import split_batch, to_device
@@ -145,11 +145,10 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
         update = update_ms(timer, params, optimizer, f"unit {unit.name}")
         halves = split_backward(timer, module, args, wrt, params, loss_fn,
                                 f"unit {unit.name}") if split else (None, 0.0, 0)
-        size = sum(p.numel() * p.element_size() for p in params)
         buffers = unit_buffer_bytes(module.model, unit) if cut.kind == FORWARD else \
             storage_bytes(module.buffers())
         costs.append(UnitCost(unit.name, forward_ms, backward_ms, saved,
-                              size * (2 + OPTIMIZER_STATE[optimizer]) + buffers,
+                              weight_bytes(params, optimizer) + buffers,
                               nbytes(inputs if received is None else received), nbytes(out),
                               modules=unit.modules, parameters=own[k],
                               forward_peak_bytes=peaks[0], backward_peak_bytes=peaks[1],

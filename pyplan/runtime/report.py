@@ -199,14 +199,17 @@ def timed(values: list, report: Report) -> list:
 
 
 def planned_memory(pipe: Pipeline) -> list[dict]:
-    """Per rank, the plan's peak and static memory of its device, in bytes (when the plan
-    counts memory in bytes)."""
+    """Per rank, the plan's peak memory of its device and the weights it counts there
+    (parameters, gradients, optimizer state), in bytes (when the plan counts memory in
+    bytes)."""
     problem = pipe.problem
     if not problem.memory_is_size:
         return [{} for _ in range(pipe.world)]
-    peaks, static = pipe.resolved.schedule.peak_memory, problem.static_memory
+    weights = [sum(b.weights for b in problem.blocks if d in b.devices)
+               for d in range(problem.num_devices)]
+    peaks = pipe.resolved.schedule.peak_memory
     return [{"planned_peak_bytes": peaks[r % problem.num_devices],
-             "planned_static_bytes": static[r % problem.num_devices]}
+             "planned_static_bytes": weights[r % problem.num_devices]}
             for r in range(pipe.world)]
 
 

@@ -28,7 +28,7 @@ from pyplan.lower import check_runnable
 from pyplan.models import FORWARD, Cut, Unit, stage_modules
 from pyplan.models.deferred import Deferred, eager
 from pyplan.models.vocab import Vocab, parallel_loss, shard
-from pyplan.partition import OPTIMIZER_STATE, UnitCost
+from pyplan.partition import UnitCost, weight_bytes
 from pyplan.problem import BACKWARD
 from pyplan.runtime.binding import block_inputs, build, loss_function
 from pyplan.runtime.measure import (BlockCost, Measured, Timer, block_arguments, leaves,
@@ -211,10 +211,9 @@ def _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices, op
         whole = costs[k]
         if cut.kind == FORWARD and k > 0:  # the model's forward up to the unit, counted once
             forward_ms = max(forward_ms - costs[0].forward_ms, 0.05 * forward_ms)
-        size = sum(p.numel() * p.element_size() for p in params)
         out_costs.append(dataclasses.replace(
             whole, forward_ms=forward_ms, backward_ms=backward_ms, activation_bytes=saved,
-            weight_bytes=size * (2 + OPTIMIZER_STATE[optimizer])))
+            weight_bytes=weight_bytes(params, optimizer)))
         del out
     return out_costs, found
 
