@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -317,7 +318,10 @@ def defer_whole(model: Model, seed: int, *, say: bool = True) -> Deferred:
     the same bits for the parameters it materialises. `say`: warn on stderr when the factory
     could not be followed and the model was built whole."""
     seed_everything(seed, "module")
-    deferred = call_user(model, "module", defer, model.whole, seed)
+    if os.environ.get("PYPLAN_BUILD") == "whole":  # every process builds it whole (to compare)
+        deferred = call_user(model, "module", eager_whole, model.whole, seed)
+    else:
+        deferred = call_user(model, "module", defer, model.whole, seed)
     if not isinstance(deferred.model, torch.nn.Module):
         raise _user_error(model, "module", f"returned {type(deferred.model).__name__}, not a "
                           "torch.nn.Module", _HINTS["module"])
@@ -330,6 +334,11 @@ def defer_whole(model: Model, seed: int, *, say: bool = True) -> Deferred:
         except PlanError as exc:  # at the line that names the checkpoint
             raise located(model.source, ("model", "weights"), exc.message, exc.hint) from None
     return deferred
+
+
+def eager_whole(factory, seed: int) -> Deferred:
+    """The model built by its factory as it is, whole ($PYPLAN_BUILD=whole)."""
+    return Deferred(factory(), seed, None, why_eager="$PYPLAN_BUILD is whole")
 
 
 def build_whole(model: Model, seed: int, device="cpu") -> torch.nn.Module:
