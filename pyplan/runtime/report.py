@@ -89,6 +89,9 @@ class Report:
     predicted: tuple[float, float] | None = None
     """The plan's iteration in seconds, and of it the schedule's makespan (when the plan says
     what its time unit is)."""
+    shared_cores: tuple[int, int] | None = None
+    """On the CPU, when rank 0's machine runs more ranks than it has cores: (its ranks, its
+    cores)."""
     census_iteration: int | None = None
     """The iteration (counted from the first of this run) the memory census ran in: not timed."""
 
@@ -132,6 +135,10 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
         lines.append(f"  the plan predicts {iteration * 1e3:.1f} ms (the schedule's makespan "
                      f"{makespan * 1e3:.1f} ms, then the optimizer's steps); measured / "
                      f"predicted {median / iteration:.2f}")
+        if report.shared_cores is not None:
+            ranks, cores = report.shared_cores
+            lines.append(f"  note: {ranks} ranks share {cores} CPU cores here, so an iteration "
+                         "takes longer than the plan predicts (it gives every rank a core)")
     if report.ranks and report.ranks[0].get("peak_bytes"):
         lines.append(f"  memory per rank, measured in iteration "
                      f"{report.first_step + report.census_iteration} (peak; static: "

@@ -8,6 +8,7 @@ rank 0. A fault watchdog names the first rank that fails.
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import time
 import warnings
@@ -347,7 +348,8 @@ class Session:
                             ranks=[{**g[4], **planned} for g, planned in
                                    zip(gathered, planned_memory(pipe))],
                             census_iteration=self.census_step - first,
-                            predicted=predicted(pipe, self.options))
+                            predicted=predicted(pipe, self.options),
+                            shared_cores=_shared_cores(pipe))
         return all_gather_objects(result)[0]
 
     def check(self, first: int, losses: list[float], grads: dict, evals: list) -> Verdict:
@@ -397,6 +399,13 @@ class _Counting:
             self.census.__exit__(*exc)
             peak = self.census.peak
         self.session.memory = (peak, self.static)
+
+
+def _shared_cores(pipe: Pipeline) -> tuple[int, int] | None:
+    """(ranks on this machine, its cores) when the CPU ranks outnumber the cores."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", pipe.world))
+    cores = len(os.sched_getaffinity(0))
+    return (ranks, cores) if pipe.device.type == "cpu" and ranks > cores else None
 
 
 def _error(message: str, cause: BaseException) -> PyplanError:
