@@ -124,7 +124,8 @@ def prepare(directory: Path) -> dict[str, Path]:
 class PyplanCase:
     def __init__(self, name: str, resolved: Path, *, blocking: bool,
                  sync_at_end: bool = False) -> None:
-        from pyplan.runtime.session import Options, Session
+        from pyplan.runtime.report import Options
+        from pyplan.runtime.session import Session
 
         self.name = name
         self.session = Session(resolved, None, Options(iterations=ITERATIONS,

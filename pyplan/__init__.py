@@ -9,7 +9,8 @@ from pyplan._version import __version__
 _API = ("Baseline", "PartitionPlan", "Plan", "ResolvedPlan", "Solution", "load_plan",
         "load_resolved", "partition_plans", "solve", "templates", "with_overrides")
 _ERRORS = ("InfeasibleError", "PlanError", "PyplanError")
-__all__ = ["__version__", *_API, *_ERRORS]
+_TORCH = ("partition_model",)  # needs torch (pyplan.runtime.partitioner)
+__all__ = ["__version__", *_API, *_ERRORS, *_TORCH]
 
 
 def __getattr__(name: str):
@@ -19,6 +20,9 @@ def __getattr__(name: str):
     if name in _ERRORS:
         from pyplan import errors
         return getattr(errors, name)
+    if name in _TORCH:
+        from pyplan.runtime import partitioner
+        return getattr(partitioner, name)
     raise AttributeError(f"module 'pyplan' has no attribute {name!r}")
 
 

@@ -107,6 +107,7 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
     for b in problem.blocks:
         extra = f", weights: {b.weights}" if b.weights else ""
         extra += f", workspace: {b.workspace}" if b.workspace else ""
+        extra += f", update: {b.update}" if b.update else ""
         if b.recompute != "never":  # times and memory below already include the choice
             extra += (f", recompute: {b.recompute}, recompute_memory: {b.recompute_memory}, "
                       f"recomputed: {'true' if b.recomputed else 'false'}")

@@ -238,21 +238,24 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
                     keep: int = 3, time_limit: float = 10.0, source: str = "<partition>",
                     cut: str = "chain", layer_returns: str = "tensor",
                     everywhere: tuple[str, ...] = (),
-                    recompute: str = "never") -> list[PartitionPlan]:
+                    recompute: str = "never", weights: str | None = None
+                    ) -> list[PartitionPlan]:
     """Plans for the best `keep` partitions of measured units into devices x chunks stages
     (stage s on device s mod devices; chunks > 1: interleaved) and for the even splits, each
     solved, shortest makespan first (ties: least bottleneck). `memory` is bytes per device,
     or a list with each device's (mixed GPU types); `speeds` each device's speed relative to
     the one the units were measured on (a stage's time is divided by its device's). Both go
     into the plans (devices: [{memory, speed}, ...]). `recompute` goes to the plans'
-    training.recompute and widens what fits (pyplan.partition.candidates). InfeasibleError
+    training.recompute and widens what fits (pyplan.partition.candidates); `weights` (a
+    checkpoint folder, relative to the plan) to model.weights. InfeasibleError
     when no partition fits the memory even one micro-batch at a time (its hint: the smallest
     memory that does) or solve finds none feasible."""
     _check_partition_arguments(units, devices=devices, name=name, factory=factory, data=data,
                                loss=loss, micro_batches=micro_batches, chunks=chunks,
                                memory=memory, path=path, keep=keep, time_limit=time_limit,
                                source=source, cut=cut, layer_returns=layer_returns,
-                               everywhere=everywhere, recompute=recompute, speeds=speeds)
+                               everywhere=everywhere, recompute=recompute, speeds=speeds,
+                               weights=weights)
     stages = devices * chunks
     per_device = memory if isinstance(memory, list) else [memory] * devices
     # Interleaved: a device's memory is shared by its stages, a share each.
@@ -277,7 +280,7 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
                            capacity=memory, factory=factory, data=data, loss=loss, path=path,
                            time_unit_ms=unit_ms, shape=shape, cut=cut,
                            layer_returns=layer_returns, everywhere=everywhere,
-                           recompute=recompute, speeds=speeds)) for p in found]
+                           recompute=recompute, speeds=speeds, weights=weights)) for p in found]
     return solved_plans(texts, source=source, time_limit=time_limit, unit_ms=unit_ms)
 
 
@@ -306,7 +309,8 @@ _IMPORT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*")
 
 def _check_partition_arguments(units, *, devices, name, factory, data, loss, micro_batches,
                                chunks, memory, path, keep, time_limit, source, cut,
-                               layer_returns, everywhere, recompute, speeds=None) -> None:
+                               layer_returns, everywhere, recompute, speeds=None,
+                               weights=None) -> None:
     """partition_plans' arguments, each checked before anything is built (PlanError)."""
     if not isinstance(units, (list, tuple)) or not units or \
             not all(isinstance(u, UnitCost) for u in units):
@@ -361,6 +365,8 @@ def _check_partition_arguments(units, *, devices, name, factory, data, loss, mic
             raise PlanError(f"{what} must be an import path module.path:function, got {text!r}")
     if path is not None and (not isinstance(path, str) or "\0" in path):
         raise PlanError(f"path must be a directory name, got {path!r}")
+    if weights is not None and (not isinstance(weights, str) or not weights or "\0" in weights):
+        raise PlanError(f"weights must name a checkpoint folder, got {weights!r}")
     if not isinstance(source, str):
         raise PlanError("source must be a string")
     if cut not in ("chain", "forward", "traced") or layer_returns not in ("tensor", "tuple"):

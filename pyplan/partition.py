@@ -31,10 +31,18 @@ from dataclasses import dataclass
 
 __all__ = ["MAX_ENUMERATED", "Held", "Partition", "UnitCost", "best_partitions", "candidates",
            "even_partitions", "optimal_partition", "plan_text", "smallest_capacity",
-           "stage_memory", "ties"]
+           "stage_memory", "ties", "weight_bytes"]
 
 MAX_ENUMERATED = 20_000  # partitions: up to this many, every one is ranked (else the DP's alone)
 OPTIMIZER_STATE = {"sgd": 0, "adam": 2}  # state tensors per parameter, besides its gradient
+
+
+def weight_bytes(params: list, optimizer: str) -> int:
+    """What `params` hold for the whole run: themselves, their gradients and the optimizer's
+    state (Adam: two moments each, and its step count, a 4-byte tensor per parameter)."""
+    size = sum(p.numel() * p.element_size() for p in params)
+    return size * (2 + OPTIMIZER_STATE[optimizer]) + (4 * len(params) if optimizer == "adam"
+                                                      else 0)
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,15 @@ class UnitCost:
     """The most its forward allocates at once (what it keeps, its output, temporaries)."""
     backward_peak_bytes: int = 0
     """The most its backward allocates at once, with the gradient it receives."""
+    update_ms: float = 0.0
+    """The optimizer's step over its parameters (with their gradients zeroed for the next
+    iteration), once per iteration."""
+    input_grad_ms: float | None = None
+    """Split backward (zero bubble): the input gradients' time (B); None: not measured."""
+    weight_grad_ms: float = 0.0
+    """Split backward: the weight gradients' time (W)."""
+    captured_bytes: int = 0
+    """Split backward: the gradients B keeps for W."""
 
     @property
     def module_names(self) -> tuple[str, ...]:
@@ -277,20 +294,20 @@ def candidates(units: list[UnitCost], num_stages: int, *, micro_batches: int,
 
 def smallest_capacity(units: list[UnitCost], num_stages: int) -> int | None:
     """The least memory per stage that admits some partition into `num_stages` stages (each
-    stage's weights and one micro-batch's activations; recomputation does not lower it, the
-    stage in its backward holds them all): exact minimax dynamic programming. None when there
-    are fewer units than stages."""
+    stage's weights, one micro-batch's activations and its workspace; recomputation does not
+    lower it, the stage in its backward holds them all): exact minimax dynamic programming.
+    None when there are fewer units than stages."""
     k = len(units)
     if not 1 <= num_stages <= k:
         return None
-    prefix = [0]
-    for u in units:
-        prefix.append(prefix[-1] + u.weight_bytes + u.activation_bytes)
+    alone = Held(alone=True)
     best = [[math.inf] * (k + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0
     for s in range(1, num_stages + 1):
         for j in range(s, k - (num_stages - s) + 1):
-            best[s][j] = min(max(best[s - 1][i], prefix[j] - prefix[i]) for i in range(s - 1, j))
+            best[s][j] = min(max(best[s - 1][i], stage_memory(units, i, j, s - 1, num_stages,
+                                                              1, alone))
+                             for i in range(s - 1, j))
     return int(best[num_stages][k])
 
 
@@ -320,14 +337,17 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
               everywhere: tuple[str, ...] = (), recompute: str = "never",
               speeds: Sequence[float] | None = None, names: tuple[str, ...] | None = None,
               placement: tuple[tuple[int, ...] | None, ...] | None = None,
-              vocab: tuple[str, str] | None = None) -> str:
+              vocab: tuple[str, str] | None = None, weights: str | None = None) -> str:
     """A plan for `partition`: one block per stage (stage s on device s mod devices, or on
     placement[s], None for all devices; named names[s], default stage{s}) with the measured
     times in units of `time_unit_ms`, activation memory, weights, output (timed on the default
     links) and recompute memory (the stage's input) in bytes, and a model: section naming each
     stage's submodules (and with `vocab`, the embedding and head its all-device blocks shard
-    over the vocabulary: model.vocab_parallel). `capacity` per device (a list) or `speeds`
-    write the devices one by one (devices: [{memory, speed}, ...])."""
+    over the vocabulary: model.vocab_parallel; with `weights`, the checkpoint the parameters
+    start from: model.weights). `capacity` per device (a list) or `speeds` write the devices
+    one by one (devices: [{memory, speed}, ...]). Units measured with a split backward give
+    each block its input and weight gradients apart (zero bubble): B keeps the graph and the
+    gradients it captures until W frees them, as pyplan run's executor does."""
     names = names or tuple(f"stage{s}" for s in range(partition.num_stages))
     placement = placement or tuple((s % devices,) for s in range(partition.num_stages))
     about = (f"Written by pyplan partition from {factory}: {len(units)} units in "
@@ -349,23 +369,34 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
             fields = ([] if c is None else [f"memory: {c}B"]) + \
                 ([] if s == 1 else [f"speed: {s:.6g}"])
             lines.append(f"  - {{{', '.join(fields)}}}")
-    lines += [f"micro_batches: {micro_batches}",
-              "training:", "  backward: {time_ratio: 1}", f"  recompute: {recompute}",
+    split = all(u.input_grad_ms is not None for u in units)
+    lines += [f"micro_batches: {micro_batches}", "training:",
+              "  backward: {time_ratio: 1" + (", weight_time_ratio: 1}" if split else "}"),
+              f"  recompute: {recompute}",
               f"topology: {{time_unit_ms: {time_unit_ms:.6g}}}", "blocks:"]
     for s in range(partition.num_stages):
         part = [units[i] for i in partition.stage(s)]
         forward = max(1, round(sum(u.forward_ms for u in part) / time_unit_ms))
         backward = max(1, round(sum(u.backward_ms for u in part) / time_unit_ms))
         activations = sum(u.activation_bytes for u in part)
-        weights = sum(u.weight_bytes for u in part)
+        stage_weights = sum(u.weight_bytes for u in part)
         output = f", output: {part[-1].output_bytes}B" if s + 1 < partition.num_stages else ""
         where = "all" if placement[s] is None else f"[{', '.join(map(str, placement[s]))}]"
         workspace = stage_workspace(part, receives=partition.stage(s).start > 0)
+        update = round(sum(u.update_ms for u in part) / time_unit_ms)
+        if split:
+            b = max(1, round(sum(u.input_grad_ms for u in part) / time_unit_ms))
+            w = max(1, round(sum(u.weight_grad_ms for u in part) / time_unit_ms))
+            captured = sum(u.captured_bytes for u in part)
+            backward_costs = (f"time: {b}, weight_time: {w}, memory: {captured}B, "
+                              f"weight_memory: -{activations + captured}B")
+        else:
+            backward_costs = f"time: {backward}"
         lines.append(f"  - {{name: {names[s]}, devices: {where}, time: {forward}, "
-                     f"memory: {activations}B, weights: {weights}B, "
-                     f"workspace: {workspace}B{output}, "
+                     f"memory: {activations}B, weights: {stage_weights}B, "
+                     f"workspace: {workspace}B, update: {update}{output}, "
                      f"recompute_memory: {recompute_bytes(part)}B, "
-                     f"backward: {{time: {backward}}}}}")
+                     f"backward: {{{backward_costs}}}}}")
     lines += ["model:", f"  module: {factory}", "  stages:"]
     for s in range(partition.num_stages):
         modules = ", ".join(json.dumps(m) for i in partition.stage(s)
@@ -383,6 +414,8 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
         lines.append("  ties:")
         lines += [f"    - {{parameter: {json.dumps(p)}, stages: [{', '.join(st)}]}}"
                   for p, st in found]
+    if weights is not None:
+        lines.append(f"  weights: {json.dumps(weights)}")
     lines += [f"  data: {data}", f"  loss: {loss}"]
     if path is not None:
         lines.append(f"  path: {json.dumps(path)}")

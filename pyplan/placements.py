@@ -74,7 +74,7 @@ def mshape_plans(units: list[UnitCost], sharded: Sharded, *, devices: int, name:
                  memory: int | None = None, path: str | None = None, keep: int = 3,
                  time_limit: float = 10.0, source: str = "<partition>", cut: str = "chain",
                  layer_returns: str = "tensor", everywhere: tuple[str, ...] = (),
-                 recompute: str = "never") -> list[PartitionPlan]:
+                 recompute: str = "never", weights: str | None = None) -> list[PartitionPlan]:
     """Plans of the M-shape: block `embed` (the first unit, sharded) and block `head` (the last)
     on all devices, the units between them cut into `devices` stages (the best `keep` by
     bottleneck and the even splits), each solved, shortest makespan first. Their partitions
@@ -119,7 +119,8 @@ def mshape_plans(units: list[UnitCost], sharded: Sharded, *, devices: int, name:
             capacity=memory, factory=factory, data=data, loss=loss, path=path,
             time_unit_ms=unit_ms, shape="mshape: the first and last units sharded over the "
             "vocabulary on all devices", cut=cut, layer_returns=layer_returns,
-            recompute=recompute, names=names, placement=placement, vocab=sharded.vocab)))
+            recompute=recompute, names=names, placement=placement, vocab=sharded.vocab,
+            weights=weights)))
     return solved_plans(texts, source=source, time_limit=time_limit, unit_ms=unit_ms)
 
 

@@ -76,7 +76,7 @@ class _Builder:
                                 "an inference plan", "set task: training or remove the block")
             self.declared[spec.name] = spec
             self.add(spec.name, spec.kind, spec.time, spec.memory, devices, path,
-                     weights=spec.weights, workspace=spec.workspace,
+                     weights=spec.weights, workspace=spec.workspace, update=spec.update,
                      recompute_memory=spec.recompute_memory)
 
     def check_alone(self) -> None:

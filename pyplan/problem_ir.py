@@ -44,6 +44,9 @@ class Block:
     workspace: int = 0
     """Memory it needs while it or its backward runs, beyond what it holds (declared blocks
     only); the largest on a device is reserved there."""
+    update: int = 0
+    """Time of the optimizer's step over its parameters, after its last backward (declared
+    blocks only): not scheduled, part of the predicted iteration."""
     recompute: str = "never"
     """Forward blocks with a derived backward: never, always or auto (the solver chooses)."""
     recompute_memory: int = 0

@@ -124,6 +124,21 @@ class Schedule:
     def end_of(self, block: int, mb: int) -> int:
         return self.start_of(block, mb) + self.problem.blocks[block].time
 
+    def iteration(self, *, synchronised: bool = False) -> int:
+        """A training iteration: each device steps its optimizer over its blocks' parameters
+        (their `update` times) once its last block and synchronisation end; `synchronised`
+        (gradient clipping: a norm over every device first), after the makespan."""
+        updates, ends = [0] * self.problem.num_devices, [0] * self.problem.num_devices
+        for b in self.problem.blocks:
+            for d in b.devices:
+                updates[d] += b.update
+        for d in range(self.problem.num_devices):
+            ends[d] = max([e for _, _, _, e in self.entries(d)] +
+                          [s.end for s in self.syncs if s.device == d])
+        if synchronised:
+            return self.makespan + max(updates)
+        return max(self.makespan, *(e + u for e, u in zip(ends, updates)))
+
     def entries(self, device: int) -> list[tuple[int, int, int, int]]:
         """(block, micro-batch, start, end) of a device, in execution order."""
         return [(b, m, self.start_of(b, m), self.end_of(b, m)) for b, m in self.orders[device]]

@@ -357,11 +357,11 @@ def test_per_device_options_are_checked_first(options, message, cli, tmp_path):
 
 
 @pytest.mark.parametrize("factory, message", [
-    ("broken_model:raising", "error: FACTORY (broken_model:raising) raised ValueError: no such "
+    ("broken_model:raising", "error: factory (broken_model:raising) raised ValueError: no such "
                              "layer (hint: the factory returns the whole model, an nn.Module)\n"),
     ("broken_model:Branches", "error: broken_model:Branches has 2 units (a, b), fewer than the 4 "
-                              "stages asked for (hint: use fewer --devices (or --chunks))\n"),
-    ("broken_model:nope", "error: FACTORY: broken_model has no function 'nope'\n"),
+                              "stages asked for (hint: use fewer devices (or chunks))\n"),
+    ("broken_model:nope", "error: factory: broken_model has no function 'nope'\n"),
 ])
 def test_partition_errors_are_one_line(factory, message, cli, tmp_path, monkeypatch):
     pytest.importorskip("torch")

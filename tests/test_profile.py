@@ -31,9 +31,10 @@ def test_activation_memory_is_what_autograd_saves(cli, tmp_path):
     code, out, err = cli("profile", toy_plan(tmp_path), "--json", "--repeats", "2")
     assert (code, err) == (0, "")
     blocks = {b["name"]: b for b in json.loads(out)["blocks"]}
-    # A micro-batch is 4 rows: block a saves its 4x8 float input, block b its 4x32 one.
+    # A micro-batch is 4 rows: block a saves its 4x8 float input, block b its 4x32 one, and
+    # its loss, ((output - target) ** 2).mean(), the 4x4 difference it squares.
     assert blocks["a"]["activation_bytes"] == 4 * 8 * 4
-    assert blocks["b"]["activation_bytes"] == 4 * 32 * 4
+    assert blocks["b"]["activation_bytes"] == 4 * 32 * 4 + 4 * 4 * 4
     assert all(b["forward_ms"] > 0 and b["backward_ms"] > 0 for b in blocks.values())
 
 

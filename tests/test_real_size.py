@@ -323,3 +323,60 @@ def test_only_the_ranks_that_read_a_batch_call_for_it_and_loaders_train_as_one_p
         if data == "noted":  # the middle stage reads neither inputs nor targets
             called = sorted(p.name for p in notes.iterdir())
             assert called == ["rank0", "rank2"], called
+
+
+@pytest.mark.torchrun
+def test_consolidate_writes_what_from_pretrained_loads(tmp_path):
+    """Train from a sharded checkpoint, consolidate the run's checkpoint as safetensors, load
+    it with from_pretrained: the same tensors as the state dict consolidate writes."""
+    from transformers import AutoModelForCausalLM
+
+    plan = _pretrained_plan(tmp_path)
+    resolved = plan.with_suffix(".resolved.yaml")
+    assert subprocess.run([PYPLAN, "solve", str(plan), "--quiet"], timeout=120).returncode == 0
+    run = subprocess.run([PYPLAN, "run", str(resolved), "--nproc-per-node", "2",
+                          "--iterations", "2", "--optimizer", "adamw", "--save",
+                          str(tmp_path / "ck")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for out, extra in ((tmp_path / "hf", ["--format", "safetensors"]), (tmp_path / "m.pt", [])):
+        made = subprocess.run([PYPLAN, "consolidate", str(resolved), str(tmp_path / "ck"),
+                               "-o", str(out), *extra], capture_output=True, text=True,
+                              timeout=300)
+        assert made.returncode == 0, made.stderr
+    state = torch.load(tmp_path / "m.pt")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert (tmp_path / "hf" / "config.json").is_file()
+    trained = dict(loaded.state_dict())
+    assert set(trained) == set(state)
+    for name, value in state.items():
+        assert torch.equal(trained[name], value), name
+    start = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")  # training moved it
+    assert not torch.equal(start.state_dict()["lm_head.weight"], trained["lm_head.weight"])
+
+
+@pytest.mark.torchrun
+def test_each_ranks_measured_memory_is_what_its_plan_holds(tmp_path):
+    """The memory model of each kind of block against the census of live tensor bytes a run
+    takes: a loss stage (its logits and what the loss saves), recomputation (only the inputs
+    held), a split backward (B keeps what W frees); each rank's peak within 0.8-1.1x of its
+    device's in the plan, its static memory (parameters, gradients, optimizer state) exact."""
+    import shutil
+
+    shutil.copy(MODELS / "unequal.py", tmp_path / "unequal.py")
+    run = lambda *args: subprocess.run([PYPLAN, *args], capture_output=True, text=True,  # noqa
+                                       cwd=tmp_path, timeout=600)
+    for kind, extra in (("plain", []), ("recompute", ["--recompute", "always"]),
+                        ("split", ["--split-backward"]), ("adam", ["--optimizer", "adam"])):
+        made = run("partition", "unequal:model", "--data", "unequal:batch", "--loss",
+                   "unequal:loss", "--devices", "2", "--micro-batches", "4", "--repeats", "1",
+                   *extra, "-o", f"{kind}.yaml")
+        assert made.returncode == 0, made.stderr
+        assert run("solve", f"{kind}.yaml", "--quiet").returncode == 0
+        result = run("run", f"{kind}.resolved.yaml", "--nproc-per-node", "2", "--iterations",
+                     "2", "--json", *(["--optimizer", "adamw"] if kind == "adam" else []))
+        assert result.returncode == 0, result.stderr[-3000:]
+        report = json.loads(result.stdout.strip().splitlines()[-1])
+        for rank in report["rank_memory"]:
+            share = rank["peak_bytes"] / rank["planned_peak_bytes"]
+            assert 0.8 <= share <= 1.1, (kind, rank)
+            assert rank["static_bytes"] == rank["planned_static_bytes"], (kind, rank)

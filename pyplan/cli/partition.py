@@ -7,24 +7,20 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from pathlib import Path
 
-from pyplan.api import partition_plans
 from pyplan.cli._torch import require_torch
 from pyplan.cli.profile import MAX_REPEATS, check_time_limit
 from pyplan.errors import PlanError
-from pyplan.fileio import check_not_input, write_atomic
-from pyplan.partition import OPTIMIZER_STATE, ties
+from pyplan.fileio import write_atomic
+from pyplan.partition import OPTIMIZER_STATE
 from pyplan.spec import parse_memory
 from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES
 
 __all__ = ["add_arguments", "run"]
 
-SOLVE_SECONDS = 10.0  # per candidate partition
 UNIT_SECONDS = 300.0  # pyplan.runtime.limits.DEFAULT_SECONDS (this module parses without torch)
-AUTO_SOLVE_SECONDS, AUTO_KEEP = 5.0, 2  # --shape auto: per candidate, best partitions kept
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,29 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="measure the units on this device (cuda: the first GPU, timed "
                         "with CUDA events)")
+    parser.add_argument("--split-backward", action="store_true",
+                        help="measure each unit's input and weight gradients apart and write "
+                        "a split backward (zero bubble: the plan's blocks get B and W)")
+    parser.add_argument("--weights", metavar="DIR",
+                        help="a safetensors checkpoint folder (save_pretrained) the parameters "
+                        "start from: measured with them, and named in the plan (model.weights)")
     parser.add_argument("-o", "--output", required=True, metavar="PLAN",
                         help="where to write the plan (then pyplan solve PLAN)")
-
-
-def _package_root(module) -> Path | None:
-    """The folder the plan must put on sys.path to import `module`: the working directory when
-    that is where it was found (else None: it is installed or on the path anyway)."""
-    file = getattr(module, "__file__", None)
-    if file is None or module.__name__.split(".")[0] == "pyplan":  # pyplan's own examples
-        return None
-    root = Path(file).resolve().parent
-    for _ in module.__name__.split(".")[1:]:
-        root = root.parent
-    return root if root == Path.cwd().resolve() else None
-
-
-def _module_files(*found) -> list[str]:
-    """The source files of the user's modules (named as pkg.mod:fn, or the functions'
-    own): an output onto one of them would overwrite the model's code."""
-    names = [f.partition(":")[0] if isinstance(f, str) else getattr(f, "__module__", None)
-             for f in found]
-    modules = [sys.modules.get(name) for name in names if name]
-    return [m.__file__ for m in modules if getattr(m, "__file__", None)]
 
 
 def _options(args: argparse.Namespace):
@@ -152,73 +133,26 @@ def _speed(text: str) -> float:
 def run(args: argparse.Namespace) -> int:
     stages, n, memory, speeds = _options(args)
     require_torch("partition")
-    import torch
+    from pyplan.runtime.partitioner import partition_model
 
-    from pyplan.models import Unit, everywhere
-    from pyplan.runtime.binding import (Model, defer_whole, import_function, loss_function,
-                                        make_batch)
-    from pyplan.runtime.data import batches_from, split_batch
-    from pyplan.runtime.profile import Measured, profile_units
-
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # FACTORY is imported like `python -c` would
-    here = "run from the folder that holds the model's package"
-    factory = import_function(args.factory, "FACTORY", hint=here)
-    data = import_function(args.data, "--data", hint=here,
-                           check=lambda found: batches_from(found) is not None)
-    loss = import_function(args.loss, "--loss", hint=here)
-    check_not_input(args.output, *_module_files(args.factory, args.data, args.loss,
-                                                factory, data, loss))
-    user = Model(None, data, loss, whole=factory,
-                 names={"module": "FACTORY", "data": "--data", "loss": "--loss"})
-    deferred = defer_whole(user, args.seed)
-    model = deferred.model
-    inputs, targets = make_batch(user, 0, args.seed, torch.device("cpu"))
-    inputs, targets = split_batch(inputs, n)[0], split_batch(targets, n)[0]
-    measured = Measured()
-    units, cut = _profile(profile_units, deferred, inputs, targets, loss_function(user), args,
-                          measured)
-    if len(units) < stages and args.shape != "auto":
-        raise PlanError(f"{args.factory} has {len(units)} units "
-                        f"({', '.join(u.name for u in units)}), fewer than the {stages} stages "
-                        "asked for", hint="use fewer --devices (or --chunks)")
     out = Path(args.output)
-    root = _package_root(sys.modules[args.factory.partition(":")[0]])
-    path = None if root is None else os.path.relpath(root, out.resolve().parent)
-    chunks = args.chunks if args.shape == "interleaved" else 1
-    shared = everywhere(model, [Unit(u.name, u.module_names) for u in units]) \
-        if cut.kind == "forward" else ()
-    options = dict(name=out.name.split(".")[0], factory=args.factory, data=args.data,
-                   loss=args.loss, micro_batches=n, memory=memory, path=path,
-                   time_limit=SOLVE_SECONDS, source=str(out), cut=cut.kind,
-                   layer_returns="tuple" if cut.tuples else "tensor", everywhere=shared,
-                   recompute=args.recompute)
+    found = _measured(lambda progress: partition_model(
+        args.factory, args.data, args.loss, devices=args.devices, output=out, shape=args.shape,
+        chunks=args.chunks, micro_batches=n, memory=memory, speeds=speeds,
+        recompute=args.recompute, optimizer=args.optimizer,
+        split_backward=args.split_backward, weights=args.weights, repeats=args.repeats,
+        seed=args.seed, device=args.device, progress=progress,
+        unit_seconds=args.unit_time_limit))
+    units, plans = found.units, found.plans
     how = {"chain": "", "traced": "cut by torch's pipeline tracer, ",
-           "forward": "cut in the model's own forward, "}[cut.kind]
-    sharded, why, about = None, None, []
-    if args.shape in ("mshape", "auto"):
-        try:
-            sharded, why, about = _sharded(deferred, inputs, targets, loss, user, cut, units,
-                                           args, measured)
-        except PlanError as exc:  # auto: the other placements still apply
-            if args.shape == "mshape":
-                raise
-            why = exc.message
-        if sharded is None and args.shape == "mshape":
-            raise PlanError(f"--shape mshape: {why}", hint="use --shape vshape or interleaved")
+           "forward": "cut in the model's own forward, "}[found.cut.kind]
     if args.shape == "auto":
-        plans, shape = _auto(units, sharded, why, args, options, f"{how}measured", _cores())
-    elif args.shape == "mshape":
-        from pyplan.placements import mshape_plans
-
-        plans, shape = mshape_plans(units, sharded, devices=args.devices, **options), "mshape"
+        _print_placements(found, args, n, f"{how}measured")
     else:
-        plans, shape = partition_plans(units, devices=args.devices, chunks=chunks,
-                                       speeds=speeds, **options), args.shape
-    if args.shape != "auto":
         print(f"{args.factory}: {len(units)} units ({how}measured), {stages} stages "
-              f"({shape}), {n} micro-batches; the best partitions and even splits, solved:")
-    for line in about if shape == "mshape" else ():
+              f"({found.shape}), {n} micro-batches; the best partitions and even splits, "
+              "solved:")
+    for line in found.about_sharded:
         print(line)
     for plan in sorted(plans, key=lambda c: c.partition.bottleneck_ms):
         p = plan.partition
@@ -226,101 +160,28 @@ def run(args: argparse.Namespace) -> int:
                               for s in range(p.num_stages))
         print(f"  bottleneck {p.bottleneck_ms:8.2f} ms  makespan {plan.makespan_ms:9.2f} ms "
               f"({plan.solution.status})  {cut_text}")
-    warnings = measured.warnings
-    cores = _cores()
-    if args.device == "cpu" and args.devices > cores:
-        warnings.append(
-            f"{args.devices} devices, {cores} CPU cores here: pyplan run on this machine shares "
-            "the cores among its ranks, so its iterations take longer than predicted (the "
-            "prediction gives every device a core), most for placements that keep every "
-            "device busy at once (the M-shape)")
-    for line in warnings:
+    for line in found.warnings:
         print(f"warning: {line}", file=sys.stderr)
-    names = None
-    if shape == "mshape":
-        names = ("embed", *(f"stage{s}" for s in range(args.devices)), "head")
+    if found.sharded is not None:
         print(f"  sharded over the vocabulary on all {args.devices} devices: "
-              f"{sharded.vocab[0]} (block embed) and {sharded.vocab[1]} (block head)")
-    for parameter, holders in ties(units, plans[0].partition, shared, names):
+              f"{found.sharded.vocab[0]} (block embed) and {found.sharded.vocab[1]} (block head)")
+    for parameter, holders in found.ties:
         print(f"  tied: {parameter} is held by {', '.join(holders)}; pyplan run sums its "
-              "gradients over the copies (one all-reduce per iteration, after the backward; "
-              "not in the predicted makespan)")
+              "gradients over the copies (one all-reduce per iteration, after the backward)")
     write_atomic(out, plans[0].text)
     print(f"wrote {out}: the partition with the shortest makespan; next: pyplan solve {out}")
     return 0
 
 
-def _sharded(deferred, inputs, targets, loss, user, cut, units, args, measured):
-    """(the M-shape's sharded first and last units, None, lines about their costs) or (None,
-    why the model has none, [])."""
-    import torch
-
-    from pyplan.models import FORWARD, TRACED
-    from pyplan.models.forward import logits, whole_forward
-    from pyplan.models.vocab import check_divisible, find
-    from pyplan.placements import Sharded
-    from pyplan.runtime.binding import loss_function
-    from pyplan.runtime.sharded import profile_sharded
-
-    if cut.kind == TRACED:
-        return None, "the model is cut by torch's tracer, whose pieces cannot be sharded", []
-    if len(units) < args.devices + 2:
-        return None, (f"{args.devices} stages between the first and last units need "
-                      f"{args.devices + 2} units, the model has {len(units)}"), []
-    from pyplan.models import Unit
-
-    found_units = [Unit(u.name, u.module_names) for u in units]
-    model = deferred.model
-    with torch.no_grad(), deferred.streaming():
-        was = model.training
-        model.eval()
-        try:
-            out = logits(whole_forward(model, inputs) if cut.kind == FORWARD else model(inputs))
-        finally:
-            model.train(was)
-        vocab = find(model, inputs, found_units[0].modules, found_units[-1].modules, out)
-    if vocab is None:
-        return None, ("the first unit has no token embedding, or the last no head over the "
-                      "vocabulary of the model's output"), []
-    check_divisible(vocab, args.devices)
-    result = profile_sharded(deferred, inputs, targets,
-                             loss_function(user), cut=cut,
-                             units=found_units, costs=units, vocab=vocab, devices=args.devices,
-                             optimizer=args.optimizer, repeats=args.repeats,
-                             device=torch.device("cuda", 0) if args.device == "cuda" else
-                             torch.device("cpu"), measured=measured, measure=True)
-    where = f"measured among {args.devices} local processes" if result.measured else \
-        "on the default link: too few GPUs here to measure them"
-    lines = []
-    for unit, whole in ((result.first, units[0]), (result.last, units[-1])):
-        comm = result.collectives[unit.name]
-        lines.append(f"  {unit.name}: per rank of {args.devices}, {unit.forward_ms:.2f} + "
-                     f"{unit.backward_ms:.2f} ms with {len(comm)} collectives "
-                     f"({sum(c.bytes for c in comm):,} bytes, {where}); whole: "
-                     f"{whole.forward_ms:.2f} + {whole.backward_ms:.2f} ms")
-    return Sharded(result.first, result.last, (vocab.embedding, vocab.head)), None, lines
-
-
-def _auto(units, sharded, why, args, options, how, cores):
-    """Every placement that applies, solved; prints them and returns the shortest's plans."""
-    from pyplan.errors import InfeasibleError
-    from pyplan.placements import CHUNKS, placements
-
-    shapes = ("vshape", *(f"interleaved-{c}" for c in CHUNKS), "mshape")
-    # Five placements to solve: fewer candidates each, and less time per candidate.
-    tried = placements(units, devices=args.devices, shapes=shapes, sharded=sharded,
-                       why_not_mshape=why, cores=cores if args.device == "cpu" else None,
-                       **{**options, "keep": AUTO_KEEP, "time_limit": AUTO_SOLVE_SECONDS})
+def _print_placements(found, args, n: int, how: str) -> None:
+    """--shape auto: every placement solved, the shortest first."""
+    tried = found.tried
     best = tried[0]
-    if best.best is None:
-        raise InfeasibleError("no placement fits: " + "; ".join(
-            f"{p.label}: {p.reason}" for p in tried), hint="give more memory or devices")
     shared = best.cores is not None
-    print(f"{args.factory}: {len(units)} units ({how}), {args.devices} devices, "
-          f"{options['micro_batches']} micro-batches; placements solved with the measured costs "
-          "(predicted makespan" + (f"; the {args.devices} ranks share {best.cores} CPU cores "
-                                   "here, so an iteration takes at least its compute / "
-                                   f"{best.cores}" if shared else "") + "):")
+    print(f"{args.factory}: {len(found.units)} units ({how}), {args.devices} devices, "
+          f"{n} micro-batches; placements solved with the measured costs (predicted makespan"
+          + (f"; the {args.devices} ranks share {best.cores} CPU cores here, so an iteration "
+             f"takes at least its compute / {best.cores}" if shared else "") + "):")
     for p in tried:
         if p.best is None:
             print(f"  {p.label:24} not applicable: {p.reason}")
@@ -331,32 +192,14 @@ def _auto(units, sharded, why, args, options, how, cores):
         print(f"  {p.label:24} {p.best.makespan_ms:9.2f} ms ({p.best.solution.status}){bound}"
               f"{mark}")
     print(f"{best.label}: the best partitions and even splits, solved:")
-    return list(best.plans), best.shape
 
 
-def _cores() -> int:
-    """The CPU cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def _profile(profile_units, model, inputs, targets, loss, args, measured):
-    """Profile with a progress bar on a terminal (rich), quietly otherwise."""
-    import torch
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise PlanError("--device cuda, but torch sees no GPU", hint="measure with --device cpu")
-    options = dict(optimizer=args.optimizer, repeats=args.repeats, measured=measured,
-                   unit_seconds=args.unit_time_limit,
-                   device=torch.device("cuda", 0) if args.device == "cuda" else
-                   torch.device("cpu"))
+def _measured(partition):
+    """partition(progress) with a progress bar on a terminal (rich), quietly otherwise."""
     if not sys.stderr.isatty():
-        return profile_units(model, inputs, targets, loss, **options)
+        return partition(None)
     from rich.progress import Progress
 
     with Progress(transient=True) as bar:
         task = bar.add_task("profiling units", total=None)
-        return profile_units(model, inputs, targets, loss, **options,
-                             progress=lambda done, total: bar.update(task, completed=done,
-                                                                     total=total))
+        return partition(lambda done, total: bar.update(task, completed=done, total=total))

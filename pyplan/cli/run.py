@@ -283,7 +283,8 @@ def _launch(args: argparse.Namespace) -> int:
 def _session(args, plan, model, fail_at) -> int:
     """What torchrun runs on every rank: init -> build -> train -> close."""
     from pyplan.runtime.checkpoint import CheckpointError
-    from pyplan.runtime.session import Options, Session, summary
+    from pyplan.runtime.report import Options, summary
+    from pyplan.runtime.session import Session
     from pyplan.runtime.training import Training
 
     training = Training(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
@@ -413,11 +414,10 @@ def _print_programs(lowered) -> None:
 
 
 def _json(report, lowered, options) -> dict:
-    from pyplan.runtime.session import timed
+    from pyplan.runtime.report import timed
 
     problem = lowered.problem
-    predicted = lowered.makespan * problem.time_unit_ms / 1e3 \
-        if problem.time_unit_ms is not None else None
+    predicted = report.predicted[0] if report.predicted is not None else None
     return {
         "plan": problem.name,
         "ranks": len(lowered.programs),
@@ -436,6 +436,7 @@ def _json(report, lowered, options) -> dict:
         "tokens_per_second": [report.tokens / s for s in report.seconds]
         if report.tokens else None,
         "predicted_seconds": predicted,
+        "predicted_makespan_seconds": report.predicted[1] if report.predicted else None,
         "median_seconds": statistics.median(timed(report.seconds, report)),
         "census_iteration": report.census_iteration,
         "rank_memory": report.ranks,

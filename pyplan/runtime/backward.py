@@ -183,22 +183,13 @@ def backward_weight(work: WeightWork) -> None:
                     grads.append(g)
         if not edges:
             continue
-        handed_on = {g.untyped_storage().data_ptr() for g in grads}
         # Where this call reaches another start of the piece through the input side, that
         # node gets exactly what B gave it (what arrives there again is already counted).
         pins = [node.register_prehook(lambda _, at=at: at) for node, at, captured in seeds
                 if captured and at and len(seeds) > 1]
-        try:
-            found = torch.autograd.grad(edges, params, grads, retain_graph=True,
-                                        allow_unused=True)
+        try:  # each parameter's gradient added to its .grad as it is made, as a backward does
+            # (a gradient B still holds is referenced here too: autograd copies, never steals it)
+            torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)
         finally:
             for pin in pins:
                 pin.remove()
-        with torch.no_grad():
-            for p, g in zip(params, found):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g.clone() if g.untyped_storage().data_ptr() in handed_on else g
-                else:
-                    p.grad += g

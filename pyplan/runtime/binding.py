@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -314,7 +315,10 @@ def defer_whole(model: Model, seed: int, *, say: bool = True) -> Deferred:
     the same bits for the parameters it materialises. `say`: warn on stderr when the factory
     could not be followed and the model was built whole."""
     seed_everything(seed, "module")
-    deferred = call_user(model, "module", defer, model.whole, seed)
+    if os.environ.get("PYPLAN_BUILD") == "whole":  # every process builds it whole (to compare)
+        deferred = call_user(model, "module", eager_whole, model.whole, seed)
+    else:
+        deferred = call_user(model, "module", defer, model.whole, seed)
     if not isinstance(deferred.model, torch.nn.Module):
         raise _user_error(model, "module", f"returned {type(deferred.model).__name__}, not a "
                           "torch.nn.Module", _HINTS["module"])
@@ -329,6 +333,11 @@ def defer_whole(model: Model, seed: int, *, say: bool = True) -> Deferred:
     return deferred
 
 
+def eager_whole(factory, seed: int) -> Deferred:
+    """The model built by its factory as it is, whole ($PYPLAN_BUILD=whole)."""
+    return Deferred(factory(), seed, None, why_eager="$PYPLAN_BUILD is whole")
+
+
 def build_whole(model: Model, seed: int, device="cpu") -> torch.nn.Module:
     """The user's whole model, every parameter materialised on `device` (the single-process
     reference, consolidate): the same values every rank gives its own."""
@@ -338,12 +347,14 @@ def build_whole(model: Model, seed: int, device="cpu") -> torch.nn.Module:
 
 
 def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None = None,
-          groups: dict[int, Any] | None = None) -> Built:
+          groups: dict[int, Any] | None = None, only: list[int] | None = None) -> Built:
     """The modules of the forward blocks on `rank` (every block when rank is None: the
-    single-process reference, where every block is built whole). A `module:` plan's model is
-    built on the meta device and only the parameters of this rank's stages are materialised."""
+    single-process reference, where every block is built whole; `only` these blocks). A
+    `module:` plan's model is built on the meta device and only the parameters of the blocks
+    built are materialised."""
     blocks = forward_blocks(problem)
-    mine = [b for b in blocks if rank is None or rank in problem.blocks[b].devices]
+    mine = [b for b in blocks if (rank is None or rank in problem.blocks[b].devices) and
+            (only is None or b in only)]
     if model.whole is None:
         modules = {}
         for b in mine:

@@ -360,7 +360,7 @@ class Executor:
                                    for j, x in enumerate(xs)
                                    if x.untyped_storage().data_ptr() in saved.storages}
         if trains and not recomputed:
-            self._free_inputs(b, inputs, leaves)
+            self._free_inputs(b, inputs, leaves, out)
         if loss is not None:
             self.losses.append(loss.detach())
         detached = _detach(out)
@@ -377,12 +377,13 @@ class Executor:
             self.saved[(b, m)] = _Forward(roots, [(t.shape, t.dtype) for t in tensors], loss,
                                           leaves, args if recomputed else None, held)
 
-    def _free_inputs(self, b: int, slots: list[int], leaves) -> None:
-        """Free the storage of the received inputs this forward was the last to use and
-        autograd did not save (their leaves' data is never read again; the leaves stay for
-        their gradients)."""
+    def _free_inputs(self, b: int, slots: list[int], leaves, out) -> None:
+        """Free the storage of the received inputs this forward was the last to use, that
+        autograd did not save and its output does not hand on (their leaves' data is never
+        read again; the leaves stay for their gradients)."""
         last = set(self.drops[self.index])
         kept = self.kept_inputs.get(b, set())
+        handed_on = {t.untyped_storage().data_ptr() for t in flatten(out, "a block")[0]}
         mine = [s for p, s in zip(self.preds[b], slots) if p in self.backs_to[b]]
         self.pinned.update(mine[i] for i, _ in kept)
         for i, ((_, xs), s) in enumerate(zip(leaves, mine)):
@@ -391,16 +392,18 @@ class Executor:
                     s in self.pinned:
                 continue
             for x in xs:
-                x.untyped_storage().resize_(0)
+                if x.untyped_storage().data_ptr() not in handed_on:
+                    x.untyped_storage().resize_(0)
 
     def backward(self, b: int, m: int, grad_slots: list[int], targets: dict[int, int],
                  block: int) -> None:
         state = self.saved.pop((b, m))
         roots, loss = state.roots, state.loss
-        if state.rerun is not None:
+        if state.rerun is not None:  # the rerun's output is not kept either, only its graph
             out, loss = self._call(b, m, state.rerun, True)
             tensors, _ = flatten(out, f"block '{self.blocks[b].name}'")
-            roots = [tensors[i] for i in differentiable(tensors)]
+            roots = [root(tensors[i]) for i in differentiable(tensors)]
+            del out, tensors
         if loss is not None:  # the loss counts once, on the first rank of the last block
             roots = [loss]
             grads = [torch.full((), self.scale * self.loss_scale, dtype=loss.dtype,

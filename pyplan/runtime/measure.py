@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from pyplan.models import Unit
+from pyplan.runtime.backward import backward_input, backward_weight
 from pyplan.runtime.census import Census, storage_bytes
 from pyplan.runtime.values import flatten, rebuild, saved_bytes
 
 __all__ = ["MORE", "SPREAD", "BlockCost", "Measured", "Timer", "block_arguments", "busy",
            "compute_threads", "leaves", "measure", "memory_peaks", "run_threads", "threads",
-           "unit_buffer_bytes",
+           "split_backward", "unit_buffer_bytes", "update_ms",
            "unit_parameters"]
 
 SPREAD = 0.10  # interquartile range / median above which more runs are taken
@@ -230,6 +231,61 @@ def measure(timer: Timer, module, args: list, wrt_inputs: list, params: list, lo
         return timer.ms(start, timer.now())
 
     return forward_ms, timer.median(backward, f"{what} backward"), saved, out
+
+
+def split_backward(timer: Timer, module, args: list, wrt_inputs: list, params: list, loss_fn,
+                   what: str) -> tuple[float, float, int]:
+    """The zero-bubble split of module(*args)'s backward, as the executor runs it
+    (pyplan.runtime.backward): (median ms of B, the input gradients; median ms of W, the
+    weight gradients; the bytes of the gradients B captures for W)."""
+    _gradients_allocated(params)
+    captured = [0]
+
+    def prepared():
+        with torch.enable_grad():
+            roots, seeds = _roots(module(*args), loss_fn)
+        return roots, seeds or [torch.ones((), dtype=r.dtype) for r in roots]
+
+    def b_sample():
+        roots, seeds = prepared()
+        start = timer.now()
+        _, work = backward_input(roots, seeds, wrt_inputs, params)
+        took = timer.ms(start, timer.now())
+        captured[0] = work.captured_bytes
+        return took
+
+    def w_sample():
+        roots, seeds = prepared()
+        _, work = backward_input(roots, seeds, wrt_inputs, params)
+        start = timer.now()
+        backward_weight(work)
+        return timer.ms(start, timer.now())
+
+    b_ms = timer.median(b_sample, f"{what} input gradients")
+    return b_ms, timer.median(w_sample, f"{what} weight gradients"), captured[0]
+
+
+def update_ms(timer: Timer, params: list, optimizer: str, what: str) -> float:
+    """Median ms of one step of `optimizer` over `params` (their gradients allocated), with
+    the gradients zeroed in place as a run zeroes them for the next iteration."""
+    if not params:
+        return 0.0
+    _gradients_allocated(params)
+    kept = [p.detach().clone() for p in params]
+    step = torch.optim.AdamW(params, lr=1e-6) if optimizer == "adam" else \
+        torch.optim.SGD(params, lr=1e-6)
+
+    def sample():
+        start = timer.now()
+        step.step()
+        step.zero_grad(set_to_none=False)
+        return timer.ms(start, timer.now())
+
+    found = timer.median(sample, f"{what} update")  # the warm-up run makes Adam's state
+    with torch.no_grad():  # the unit as it was: later units' inputs do not move
+        for p, value in zip(params, kept):
+            p.copy_(value)
+    return found
 
 
 def _gradients_allocated(params: list) -> None:

@@ -23,7 +23,7 @@ import torch
 from pyplan.lower import check_runnable
 from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Unit, find_units, stage_modules
 from pyplan.models.deferred import Deferred, eager, move
-from pyplan.partition import OPTIMIZER_STATE, UnitCost
+from pyplan.partition import UnitCost, weight_bytes
 from pyplan.problem import BACKWARD, Problem
 from pyplan.runtime.binding import Model, block_inputs, build, loss_function, make_batch
 from pyplan.runtime.data import split_batch, to_device
@@ -31,7 +31,8 @@ from pyplan.runtime.census import storage_bytes
 from pyplan.runtime.limits import DEFAULT_SECONDS, guarded, time_limit
 from pyplan.runtime.measure import (BlockCost, Measured, Timer, block_arguments, busy,
                                     compute_threads, leaves, measure, memory_peaks,
-                                    unit_buffer_bytes, unit_parameters)
+                                    split_backward, unit_buffer_bytes, unit_parameters,
+                                    update_ms)
 from pyplan.runtime.sharded import sharded_blocks
 from pyplan.runtime.values import flatten, nbytes, rebuild
 
@@ -60,17 +61,18 @@ def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, 
     timer = Timer(device, repeats, measured)
     busy(measured)
     output_block = check_runnable(problem)
-    built = build(model, problem, seed=seed, device=device)
-    modules = built.modules
+    forward = [b.index for b in problem.blocks if b.is_forward]
     trains = {problem.by_name[b.layer] for b in problem.blocks if b.kind == BACKWARD}
-    preds = block_inputs(problem, modules)
+    preds = block_inputs(problem, forward)
     inputs, targets = make_batch(model, 0, seed, device)
     inputs = split_batch(inputs, problem.num_micro_batches)[0]
     targets = split_batch(targets, problem.num_micro_batches)[0]
     outputs: dict[int, object] = {}
     costs = {}
-    for b in (b for b in problem.graph.topological_order() if b in modules):
-        module, grad = modules[b], b in trains
+    for b in (b for b in problem.graph.topological_order() if b in forward):
+        # Each block alone in memory (a model built on the meta device materialises only it).
+        built = build(model, problem, seed=seed, device=device, only=[b])
+        module, grad = built.modules[b], b in trains
         params = [p for p in module.parameters() if p.requires_grad]
         args, wrt = block_arguments(b, preds, outputs, inputs, built.wants_inputs, grad)
         whole = (None,) if len(problem.blocks[b].devices) > 1 else ()
@@ -81,10 +83,11 @@ def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, 
         with time_limit(what, unit_seconds, "--block-time-limit"):
             forward_ms, backward_ms, saved, out = measure(timer, guarded(module, what), args,
                                                            wrt, params, loss_fn, what, grad)
-        outputs[b] = out
+        outputs[b] = _detached(out)
         sent = [a for a in args if a is not inputs] if preds[b] else [inputs]
         costs[b] = BlockCost(block.name, block.devices, forward_ms, backward_ms, saved,
                              sum(nbytes(a) for a in sent), nbytes(out))
+        del built, module, params, out
     if getattr(model, "vocab", None) is not None:  # all-device blocks: one rank's share
         costs.update(sharded_blocks(problem, model, seed=seed, device=device, timer=timer,
                                     inputs=inputs, targets=targets, outputs=outputs,
@@ -96,25 +99,26 @@ def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, 
 def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
                   optimizer: str = "sgd", repeats: int = 5, device: torch.device | None = None,
                   progress=None, measured: Measured | None = None,
-                  threads: int | None = None,
+                  threads: int | None = None, split: bool = False,
                   unit_seconds: float | None = DEFAULT_SECONDS) -> tuple[list[UnitCost], Cut]:
     """Costs of each unit of a model on one micro-batch, and how the model is cut (see
     pyplan.models): median forward and backward milliseconds (the backward of exactly that
     unit; the last unit's from the loss), the activation bytes autograd saves, and the weights'
     bytes with their gradients and the optimizer's state, computed with `threads` CPU threads
-    (default: as each rank of a run). A deferred model (built on the meta device) is
-    materialised one unit at a time, so the whole model is never in memory. Each unit's
-    measurement is bounded by `unit_seconds` of CPU time (pyplan.runtime.limits), and the
-    user's forward failing is one error naming the unit."""
+    (default: as each rank of a run); with `split`, the input and weight gradients' times
+    apart (zero bubble). A deferred model (built on the meta device) is materialised one unit
+    at a time, so the whole model is never in memory. Each unit's measurement is bounded by
+    `unit_seconds` of CPU time (pyplan.runtime.limits), and the user's forward failing is one
+    error naming the unit."""
     device = device or torch.device("cpu")
     with compute_threads(device, threads):
         return _profile_units(model, inputs, targets, loss, optimizer=optimizer,
                               repeats=repeats, device=device, progress=progress,
-                              measured=measured, unit_seconds=unit_seconds)
+                              measured=measured, split=split, unit_seconds=unit_seconds)
 
 
 def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int, device,
-                   progress, measured: Measured | None,
+                   progress, measured: Measured | None, split: bool,
                    unit_seconds: float | None) -> tuple[list[UnitCost], Cut]:
     deferred = model if isinstance(model, Deferred) else eager(model)
     measured = measured if measured is not None else Measured()
@@ -149,14 +153,18 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
             forward_ms, backward_ms, saved, out = measure(timer, guarded(module, what), args,
                                                            wrt, params, loss_fn, what)
             peaks = memory_peaks(guarded(module, what), args, wrt, params, loss_fn, device)
-        size = sum(p.numel() * p.element_size() for p in params)
+            update = update_ms(timer, params, optimizer, what)
+            halves = split_backward(timer, guarded(module, what), args, wrt, params, loss_fn,
+                                    what) if split else (None, 0.0, 0)
         buffers = unit_buffer_bytes(module.model, unit) if cut.kind == FORWARD else \
             storage_bytes(module.buffers())
         costs.append(UnitCost(unit.name, forward_ms, backward_ms, saved,
-                              size * (2 + OPTIMIZER_STATE[optimizer]) + buffers,
+                              weight_bytes(params, optimizer) + buffers,
                               nbytes(inputs if received is None else received), nbytes(out),
                               modules=unit.modules, parameters=own[k],
-                              forward_peak_bytes=peaks[0], backward_peak_bytes=peaks[1]))
+                              forward_peak_bytes=peaks[0], backward_peak_bytes=peaks[1],
+                              update_ms=update, input_grad_ms=halves[0],
+                              weight_grad_ms=halves[1], captured_bytes=halves[2]))
         value = _detached(out)
         del module, params, out
         if progress is not None:

@@ -8,11 +8,10 @@ rank 0. A fault watchdog names the first rank that fails.
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
-import statistics
 import time
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,86 +26,14 @@ from pyplan.runtime.comm import TransferError, all_gather_objects
 from pyplan.runtime.faults import Watchdog
 from pyplan.runtime.pipeline import DTYPES, Pipeline
 from pyplan.runtime.logs import Log
-from pyplan.runtime.training import Training, changes
+from pyplan.runtime.report import (TOLERANCE, Options, Report, activation_peaks, header,
+                                   iteration_line, planned_memory, predicted)
+from pyplan.runtime.training import changes
 from pyplan.trace import chrome_trace, write_chrome_trace
 
-__all__ = ["Options", "Report", "Session", "header", "summary"]
+__all__ = ["Session"]
 
 SETUP, REPORT, SAVE, EVAL = -1, -2, -3, -4  # positions outside the iterations (faults)
-
-
-@dataclass(frozen=True)
-class Options:
-    iterations: int = 1
-    seed: int = 0
-    training: Training = Training()
-    blocking: bool = False
-    sync_at_end: bool = False
-    """Start the data-parallel gradient synchronisations after the last block (to compare)."""
-    check: bool = False
-    tolerance: float | None = None
-    """--check's largest difference; None: the dtype's default."""
-    trace: str | None = None
-    fault_timeout: float = 10.0
-    fail_at: tuple[int, int, str] | None = None
-    device: str | None = None
-    """cpu, cuda or auto; None: $PYPLAN_DEVICE, else auto."""
-    dtype: str = "fp32"
-    save: str | None = None
-    save_every: int | None = None
-    keep_last: int | None = None
-    """Checkpoints kept in --save's folder (None: all)."""
-    resume: str | None = None
-    lines: bool = False
-    """Rank 0 prints a line per step as it ends (not with --json)."""
-    log: str | None = None
-    """JSON lines, one per step and per evaluation, appended."""
-    tensorboard: str | None = None
-    eval_every: int | None = None
-    eval_batches: int = 1
-    fail_save: tuple[int, str] | None = None
-    """Testing aid: (rank, "raise" or "kill") fails in the middle of the first save."""
-
-
-TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
-
-
-@dataclass(frozen=True)
-class Report:
-    """What rank 0 prints: per iteration the slowest rank's time and the loss; per rank and
-    iteration the time spent computing blocks (the rest of the iteration is waiting)."""
-
-    first_step: int
-    seconds: list[float]
-    losses: list[float]
-    compute: list[list[float]]
-    iteration_seconds: list[list[float]]
-    peak_activation_bytes: list[int]
-    cuda_max_allocated: list[int] | None
-    samples: int
-    tokens: int | None
-    verdict: Verdict | None
-    backend: str
-    device: str
-    predicted_activation_bytes: list[int] | None = None
-    """The plan's peak of activation memory per device (its peak minus the static memory),
-    when the plan counts memory in bytes."""
-    grad_norms: list[float] | None = None
-    """With clipping: the global gradient norm of each iteration, before clipping."""
-    ties: list[str] = field(default_factory=list)
-    eval_losses: list[tuple[int, float]] = field(default_factory=list)
-    """(step after which it ran, mean loss over the eval batches)."""
-    resumed: dict | None = None
-    """The checkpoint resumed from: path, step, the settings changed since."""
-    saved: str | None = None
-    """The last checkpoint written."""
-    ranks: list[dict] = field(default_factory=list)
-    """Per rank: its memory (`peak_bytes`, `static_bytes` measured by the census, beside the
-    plan's `planned_peak_bytes` and `planned_static_bytes`), `max_rss_bytes` (the process's
-    host memory at its most), `setup_seconds` (building its stages) and `weights_read` (tensors
-    it read from model.weights)."""
-    census_iteration: int | None = None
-    """The iteration (counted from the first of this run) the memory census ran in: not timed."""
 
 
 class Session:
@@ -352,7 +279,7 @@ class Session:
                  "peak_activation_bytes": max(g[2] for g in gathered)}
         if self.pipe.device.type == "cuda":
             entry["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.pipe.device)
-        self.log.step(entry, _iteration_line(step, slowest, loss, samples, tokens, norm))
+        self.log.step(entry, iteration_line(step, slowest, loss, samples, tokens, norm))
 
     def evaluate(self, step: int) -> float:
         """The mean loss over --eval-batches batches of the data's eval split, forward only,
@@ -418,13 +345,15 @@ class Session:
                             cuda_max_allocated=None if cuda is None else [g[3] for g in gathered],
                             samples=samples, tokens=tokens, verdict=verdict,
                             backend=pipe.backend, device=pipe.device.type,
-                            predicted_activation_bytes=_activation_peaks(pipe),
+                            predicted_activation_bytes=activation_peaks(pipe),
                             grad_norms=None if norms[0] is None else norms,
                             ties=[name for name, _, _ in pipe.ties], eval_losses=evals,
                             resumed=self.resumed, saved=self.saved,
                             ranks=[{**g[4], **planned} for g, planned in
-                                   zip(gathered, _planned_memory(pipe))],
-                            census_iteration=self.census_step - first)
+                                   zip(gathered, planned_memory(pipe))],
+                            census_iteration=self.census_step - first,
+                            predicted=predicted(pipe, self.options),
+                            shared_cores=_shared_cores(pipe))
         return all_gather_objects(result)[0]
 
     def check(self, first: int, losses: list[float], grads: dict, evals: list) -> Verdict:
@@ -476,6 +405,13 @@ class _Counting:
         self.session.memory = (peak, self.static)
 
 
+def _shared_cores(pipe: Pipeline) -> tuple[int, int] | None:
+    """(ranks on this machine, its cores) when the CPU ranks outnumber the cores."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", pipe.world))
+    cores = len(os.sched_getaffinity(0))
+    return (ranks, cores) if pipe.device.type == "cpu" and ranks > cores else None
+
+
 def _error(message: str, cause: BaseException) -> PyplanError:
     """This rank's failure: the cause's exit code, position and hint when it has them (the
     user's code failing is a plan error at the line that names it, exit 2)."""
@@ -497,120 +433,6 @@ def _sizes(inputs) -> tuple[int, int | None]:
         return 0, None
     tokens = ids.numel() if ids.dim() == 2 and not ids.is_floating_point() else None
     return ids.shape[0], tokens
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def header(problem, ranks: int, device: str, backend: str, options: Options) -> str:
-    """The line rank 0 prints before the first step."""
-    mode = "blocking" if options.blocking else "non-blocking"
-    return (f"{problem.name}: {options.iterations} iterations on {ranks} ranks ({device}, "
-            f"{backend}, {options.dtype}), {mode} communication, {problem.num_micro_batches} "
-            f"micro-batches, {options.training.describe()}")
-
-
-def _iteration_line(step: int, seconds: float, loss: float, samples: int, tokens: int | None,
-                    norm: float | None) -> str:
-    rate = f"  {samples / seconds:8.1f} samples/s" if samples else ""
-    if tokens:
-        rate += f"  {tokens / seconds:9.0f} tokens/s"
-    if norm is not None:
-        rate += f"  grad norm {norm:.4g}"
-    return f"  iteration {step}: {seconds * 1e3:8.1f} ms  loss {loss:.6f}{rate}"
-
-
-def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
-    """The lines rank 0 prints after the last step (the header and a line per step came
-    before, as they happened)."""
-    problem = lowered.problem
-    lines = []
-    predicted = lowered.makespan * problem.time_unit_ms \
-        if problem.time_unit_ms is not None else None
-    median = statistics.median(timed(report.seconds, report))
-    parts = []
-    for r, (compute, total) in enumerate(zip(report.compute, report.iteration_seconds)):
-        c, t_ = statistics.median(timed(compute, report)), statistics.median(timed(total, report))
-        parts.append(f"{r}: {c * 1e3:.1f}/{max(t_ - c, 0.0) * 1e3:.1f}")
-    lines.append(f"  median iteration {median * 1e3:.1f} ms; compute/rest per rank (ms): "
-                 + "  ".join(parts))
-    if predicted is not None:  # the schedule's makespan, transfers included
-        lines.append(f"  the plan predicts {predicted:.1f} ms (makespan {lowered.makespan} x "
-                     f"{problem.time_unit_ms:g} ms); measured / predicted "
-                     f"{median * 1e3 / predicted:.2f}")
-    if report.ranks and report.ranks[0].get("peak_bytes"):
-        lines.append(f"  memory per rank, measured in iteration "
-                     f"{report.first_step + report.census_iteration} (peak; static: "
-                     "parameters, gradients, optimizer state, buffers)" +
-                     ("" if "planned_peak_bytes" not in report.ranks[0] else
-                      " / the plan's for its device") + ":")
-        for r, x in enumerate(report.ranks):
-            planned = ""
-            if "planned_peak_bytes" in x:
-                ratio = x["peak_bytes"] / max(x["planned_peak_bytes"], 1)
-                planned = f" / {_mib(x['planned_peak_bytes'])} ({ratio:.2f}x)"
-            lines.append(f"    rank {r}: peak {_mib(x['peak_bytes'])}{planned}; static "
-                         f"{_mib(x['static_bytes'])}" + ("" if "planned_static_bytes" not in x
-                                                        else f" / {_mib(x['planned_static_bytes'])}"))
-    if report.ranks:
-        lines.append("  host memory (max RSS) and set-up per rank: " + "  ".join(
-            f"{r}: {_mib(x['max_rss_bytes'])}, {x['setup_seconds']:.1f} s"
-            + (f", {x['weights_read']} tensors read" if x["weights_read"] else "")
-            for r, x in enumerate(report.ranks)))
-    held = "  ".join(f"{r}: {_mib(b)}" for r, b in enumerate(report.peak_activation_bytes))
-    lines.append(f"  peak activations held per rank: {held}")
-    if report.predicted_activation_bytes is not None:
-        lines.append("  the plan's peak activations per device: " + "  ".join(
-            f"{d}: {_mib(b)}" for d, b in enumerate(report.predicted_activation_bytes)))
-    if report.cuda_max_allocated is not None:
-        lines.append("  CUDA max allocated per rank: " + "  ".join(
-            f"{r}: {_mib(b)}" for r, b in enumerate(report.cuda_max_allocated)))
-    if report.ties:
-        lines.append("  tied parameters (gradients summed over their copies): "
-                     + ", ".join(report.ties))
-    if problem.recomputed:
-        lines.append("  recomputed in the backward (its forward rerun first): "
-                     + ", ".join(problem.recomputed))
-    if report.verdict is not None:
-        lines.append(("  check: " if report.verdict.ok else "  check FAILED: ")
-                     + report.verdict.message)
-    if options.trace:
-        lines.append(f"  trace of iteration {report.first_step + len(report.seconds) - 1}: "
-                     f"{options.trace}")
-    if report.saved:
-        lines.append(f"  checkpoint: {report.saved} (step "
-                     f"{report.first_step + len(report.seconds)})")
-    return lines
-
-
-def timed(values: list, report: Report) -> list:
-    """The figures of the iterations whose time counts: all but the census's (when there are
-    others)."""
-    index = report.census_iteration
-    if index is None or len(values) < 2:
-        return values
-    return values[:index] + values[index + 1:]
-
-
-def _planned_memory(pipe: Pipeline) -> list[dict]:
-    """Per rank, the plan's peak and static memory of its device, in bytes (when the plan
-    counts memory in bytes)."""
-    problem = pipe.problem
-    if not problem.memory_is_size:
-        return [{} for _ in range(pipe.world)]
-    peaks, static = pipe.resolved.schedule.peak_memory, problem.static_memory
-    return [{"planned_peak_bytes": peaks[r % problem.num_devices],
-             "planned_static_bytes": static[r % problem.num_devices]}
-            for r in range(pipe.world)]
-
-
-def _activation_peaks(pipe: Pipeline) -> list[int] | None:
-    problem = pipe.problem
-    if not problem.memory_is_size:
-        return None
-    static = problem.static_memory
-    return [peak - base for peak, base in zip(pipe.resolved.schedule.peak_memory, static)]
 
 
 def _checkpoint(directory: str):

@@ -28,11 +28,12 @@ from pyplan.lower import check_runnable
 from pyplan.models import FORWARD, Cut, Unit, stage_modules
 from pyplan.models.deferred import Deferred, eager
 from pyplan.models.vocab import Vocab, parallel_loss, shard
-from pyplan.partition import OPTIMIZER_STATE, UnitCost
+from pyplan.partition import UnitCost, weight_bytes
 from pyplan.problem import BACKWARD
 from pyplan.runtime.binding import block_inputs, build, loss_function
 from pyplan.runtime.measure import (BlockCost, Measured, Timer, block_arguments, leaves,
-                                    measure, unit_parameters)
+                                    unit_parameters)
+from pyplan.runtime.measure import measure as measure_block
 from pyplan.runtime.values import nbytes
 from pyplan.spec.plan import LinkSpec, TopologySpec
 
@@ -203,7 +204,7 @@ def _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices, op
         args = args_of(k, received)
         loss_fn = (lambda out: sharded_loss(out, targets, dist.group.WORLD)) \
             if k == last_k else None
-        forward_ms, backward_ms, saved, out = measure(timer, module, args, wrt, params,
+        forward_ms, backward_ms, saved, out = measure_block(timer, module, args, wrt, params,
                                                        loss_fn, f"unit {unit.name} (sharded)")
         found[unit.name] = _collectives(module, args, loss_fn)
         for p in params:
@@ -211,10 +212,9 @@ def _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices, op
         whole = costs[k]
         if cut.kind == FORWARD and k > 0:  # the model's forward up to the unit, counted once
             forward_ms = max(forward_ms - costs[0].forward_ms, 0.05 * forward_ms)
-        size = sum(p.numel() * p.element_size() for p in params)
         out_costs.append(dataclasses.replace(
             whole, forward_ms=forward_ms, backward_ms=backward_ms, activation_bytes=saved,
-            weight_bytes=size * (2 + OPTIMIZER_STATE[optimizer])))
+            weight_bytes=weight_bytes(params, optimizer)))
         del out
     return out_costs, found
 
@@ -246,7 +246,7 @@ def sharded_blocks(problem, model, *, seed: int, device: torch.device, timer: Ti
             args, wrt = block_arguments(b, preds, outputs, inputs, built.wants_inputs, grad)
             loss_fn = (lambda out: loss_function(model)(out, targets, dist.group.WORLD)) \
                 if b == output_block else None
-            forward_ms, backward_ms, saved, out = measure(
+            forward_ms, backward_ms, saved, out = measure_block(
                 timer, module, args, wrt, params, loss_fn, f"block '{block.name}' (sharded)",
                 grad)
             found[b] = _collectives(module, args, loss_fn) if grad else ()

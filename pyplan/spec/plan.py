@@ -293,6 +293,7 @@ def _build(source: Source) -> PlanSpec:
             memory=memory(raw.get("memory", 0), path + ("memory",)),
             weights=memory(raw.get("weights", 0), path + ("weights",)),
             workspace=memory(raw.get("workspace", 0), path + ("workspace",)),
+            update=raw.get("update", 0),
             transfer=raw.get("transfer"),
             output=size(raw["output"], path + ("output",)) if "output" in raw else None,
             recompute=raw.get("recompute"),

@@ -67,6 +67,9 @@ class BlockSpec:
     workspace: int = 0
     """Memory it needs while it (or its backward) runs, beyond what it holds: temporaries,
     the gradients flowing through it. The largest on a device is reserved there."""
+    update: int = 0
+    """Time of the optimizer's step over its parameters (and of keeping its tied copies
+    equal), once per iteration after its last backward: not scheduled, predicted beside."""
     transfer: int | None = None
     """Time its output (and that output's gradient) takes between devices."""
     output: int | None = None

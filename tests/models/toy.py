@@ -1,5 +1,6 @@
 """A two-block model whose activation memory is known exactly: a Linear layer saves its input
-for the backward (its weight is a parameter and does not count)."""
+for the backward (its weight is a parameter and does not count), the loss the difference it
+squares."""
 
 import torch
 from torch import nn

@@ -1,0 +1,238 @@
+"""`pyplan.partition_model`: from a PyTorch model to solved plans, the library call behind
+`pyplan partition`. The model is built on the meta device (pyplan.models.deferred) and its
+units measured one at a time on one micro-batch of the data, as each rank of a run computes
+(one CPU thread; pyplan.runtime.profile); the units are cut into stages by exact dynamic
+programming (pyplan.partition), the best few partitions and the even splits are solved, and
+the plans come back shortest first. With `shape="mshape"` or `"auto"`, the embedding and head
+are also measured sharded over the vocabulary (pyplan.runtime.sharded) and, for auto, every
+placement that applies is solved (pyplan.placements).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pyplan.api import PartitionPlan, partition_plans
+from pyplan.errors import InfeasibleError, PlanError
+from pyplan.fileio import check_not_input
+from pyplan.models import FORWARD, TRACED, Cut, Unit, everywhere
+from pyplan.partition import UnitCost, ties
+from pyplan.placements import CHUNKS, Placement, Sharded, mshape_plans, placements
+from pyplan.runtime.binding import (Model, defer_whole, import_function, loss_function,
+                                    make_batch)
+from pyplan.runtime.data import batches_from, split_batch
+from pyplan.runtime.limits import DEFAULT_SECONDS
+from pyplan.runtime.measure import Measured
+
+__all__ = ["SHAPES", "Partitioned", "partition_model"]
+
+SHAPES = ("vshape", "interleaved", "mshape", "auto")
+SOLVE_SECONDS = 10.0  # per candidate partition
+AUTO_SOLVE_SECONDS, AUTO_KEEP = 5.0, 2  # shape auto: per candidate, best partitions kept
+
+
+@dataclass(frozen=True)
+class Partitioned:
+    """What partition_model found."""
+
+    plans: list[PartitionPlan]
+    """The placement chosen: its best partitions and even splits, solved, shortest first
+    (plans[0].text is the plan to write)."""
+    shape: str
+    units: list[UnitCost]
+    cut: Cut
+    tried: list[Placement] = field(default_factory=list)
+    """shape auto: every placement solved (or why it does not apply), shortest first."""
+    sharded: Sharded | None = None
+    """The vocabulary-sharded first and last units (M-shape), when measured."""
+    about_sharded: list[str] = field(default_factory=list)
+    """Lines on the sharded units' costs."""
+    warnings: list[str] = field(default_factory=list)
+    ties: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    """(parameter, the blocks holding it) of plans[0]."""
+
+
+def _module_files(*found) -> list[str]:
+    """The source files of the user's modules (named as pkg.mod:fn, or the functions'
+    own): an output onto one of them would overwrite the model's code."""
+    names = [f.partition(":")[0] if isinstance(f, str) else getattr(f, "__module__", None)
+             for f in found]
+    modules = [sys.modules.get(name) for name in names if name]
+    return [m.__file__ for m in modules if getattr(m, "__file__", None)]
+
+
+def partition_model(factory: str, data: str, loss: str, *, devices: int, output: str | Path,
+                    shape: str = "vshape", chunks: int = 2, micro_batches: int | None = None,
+                    memory: int | list[int] | None = None, speeds: list[float] | None = None,
+                    recompute: str = "never", optimizer: str = "sgd",
+                    split_backward: bool = False, weights: str | Path | None = None,
+                    repeats: int = 5, seed: int = 0, device: str = "cpu",
+                    progress=None, unit_seconds: float | None = DEFAULT_SECONDS) -> Partitioned:
+    """Plans for the model `factory` ("pkg.mod:fn" returning the whole nn.Module) trained on
+    `data` ("pkg.mod:fn", batch(step) -> (inputs, targets), or a dataset or loader) with
+    `loss` ("pkg.mod:fn", loss(output, targets)) over `devices` devices, for a plan to be
+    written at `output` (its name; the folders it names are relative to it). `shape`:
+    vshape, interleaved (`chunks` stages per device), mshape or auto. `memory`: bytes per
+    device (or one per device), `speeds` each device's relative speed; `recompute`,
+    `optimizer` (sgd or adam: the state its weights count), `split_backward` (zero bubble:
+    input and weight gradients measured apart), `weights` (a safetensors checkpoint folder the
+    parameters start from), `repeats` (timed runs per measurement), `device` (cpu, or cuda to
+    measure on the first GPU). `progress(done, total)` is called as units are measured;
+    `unit_seconds` bounds each unit's measurement (CPU seconds, pyplan.runtime.limits).
+    PlanError for bad arguments, a model that cannot be cut or an `output` that is one of the
+    model's modules; InfeasibleError when nothing fits."""
+    if shape not in SHAPES:
+        raise PlanError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    stages = devices * (chunks if shape == "interleaved" else 1) + (2 if shape == "mshape"
+                                                                     else 0)
+    n = micro_batches if micro_batches is not None else 2 * devices * (
+        chunks if shape == "interleaved" else 1)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PlanError("device cuda, but torch sees no GPU", hint="measure on the CPU")
+    where = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    output = Path(output)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the factory is imported like `python -c` would
+    here = "run from the folder that holds the model's package"
+    user = Model(None, import_function(data, "data", hint=here,
+                                       check=lambda found: batches_from(found) is not None),
+                 import_function(loss, "loss", hint=here),
+                 whole=import_function(factory, "factory", hint=here),
+                 names={"module": "factory", "data": "data", "loss": "loss"},
+                 weights=None if weights is None else Path(weights))
+    check_not_input(output, *_module_files(factory, data, loss, user.whole, user.data,
+                                           user.loss))
+    deferred = defer_whole(user, seed)
+    inputs, targets = make_batch(user, 0, seed, torch.device("cpu"))
+    inputs, targets = split_batch(inputs, n)[0], split_batch(targets, n)[0]
+    measured = Measured()
+    from pyplan.runtime.profile import profile_units
+
+    units, cut = profile_units(deferred, inputs, targets, loss_function(user),
+                               optimizer=optimizer, repeats=repeats, device=where,
+                               progress=progress, measured=measured, split=split_backward,
+                               unit_seconds=unit_seconds)
+    if len(units) < stages and shape != "auto":
+        raise PlanError(f"{factory} has {len(units)} units "
+                        f"({', '.join(u.name for u in units)}), fewer than the {stages} stages "
+                        "asked for", hint="use fewer devices (or chunks)")
+    shared = everywhere(deferred.model, [Unit(u.name, u.module_names) for u in units]) \
+        if cut.kind == FORWARD else ()
+    folder = output.resolve().parent
+    root = _package_root(sys.modules[factory.partition(":")[0]])
+    options = dict(name=output.name.split(".")[0], factory=factory, data=data, loss=loss,
+                   micro_batches=n, memory=memory, time_limit=SOLVE_SECONDS,
+                   source=str(output), cut=cut.kind,
+                   layer_returns="tuple" if cut.tuples else "tensor", everywhere=shared,
+                   recompute=recompute,
+                   path=None if root is None else os.path.relpath(root, folder),
+                   weights=None if weights is None else os.path.relpath(Path(weights).resolve(),
+                                                                        folder))
+    sharded, why, about = None, None, []
+    if shape in ("mshape", "auto"):
+        try:
+            sharded, why, about = _sharded(deferred, inputs, targets, user, cut, units,
+                                           devices, optimizer, repeats, where, measured)
+        except PlanError as exc:  # auto: the other placements still apply
+            if shape == "mshape":
+                raise
+            why = exc.message
+        if sharded is None and shape == "mshape":
+            raise PlanError(f"shape mshape: {why}", hint="use vshape or interleaved")
+    tried, names = [], None
+    if shape == "auto":
+        shapes = ("vshape", *(f"interleaved-{c}" for c in CHUNKS), "mshape")
+        # Five placements to solve: fewer candidates each, and less time per candidate.
+        tried = placements(units, devices=devices, shapes=shapes, sharded=sharded,
+                           why_not_mshape=why, cores=_cores() if device == "cpu" else None,
+                           **{**options, "keep": AUTO_KEEP, "time_limit": AUTO_SOLVE_SECONDS})
+        if tried[0].best is None:
+            raise InfeasibleError("no placement fits: " + "; ".join(
+                f"{p.label}: {p.reason}" for p in tried), hint="give more memory or devices")
+        plans, chosen = list(tried[0].plans), tried[0].shape
+    elif shape == "mshape":
+        plans, chosen = mshape_plans(units, sharded, devices=devices, **options), "mshape"
+    else:
+        plans = partition_plans(units, devices=devices, speeds=speeds,
+                                chunks=chunks if shape == "interleaved" else 1, **options)
+        chosen = shape
+    if chosen == "mshape":
+        names = ("embed", *(f"stage{s}" for s in range(devices)), "head")
+    warnings = measured.warnings
+    cores = _cores()
+    if device == "cpu" and devices > cores:
+        warnings.append(
+            f"{devices} devices, {cores} CPU cores here: pyplan run on this machine shares "
+            "the cores among its ranks, so its iterations take longer than predicted (the "
+            "prediction gives every device a core), most for placements that keep every "
+            "device busy at once (the M-shape)")
+    return Partitioned(plans, chosen, units, cut, tried, sharded if chosen == "mshape" else None,
+                       about if chosen == "mshape" else [], warnings,
+                       ties(units, plans[0].partition, shared, names))
+
+
+def _package_root(module) -> Path | None:
+    """The folder the plan must put on sys.path to import `module`: the working directory when
+    that is where it was found (else None: it is installed or on the path anyway)."""
+    file = getattr(module, "__file__", None)
+    if file is None or module.__name__.split(".")[0] == "pyplan":  # pyplan's own examples
+        return None
+    root = Path(file).resolve().parent
+    for _ in module.__name__.split(".")[1:]:
+        root = root.parent
+    return root if root == Path.cwd().resolve() else None
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _sharded(deferred, inputs, targets, user, cut, units, devices, optimizer, repeats, device,
+             measured):
+    """(the M-shape's sharded first and last units, None, lines about their costs) or (None,
+    why the model has none, [])."""
+    from pyplan.models.forward import logits, whole_forward
+    from pyplan.models.vocab import check_divisible, find
+    from pyplan.runtime.sharded import profile_sharded
+
+    if cut.kind == TRACED:
+        return None, "the model is cut by torch's tracer, whose pieces cannot be sharded", []
+    if len(units) < devices + 2:
+        return None, (f"{devices} stages between the first and last units need "
+                      f"{devices + 2} units, the model has {len(units)}"), []
+    found_units = [Unit(u.name, u.module_names) for u in units]
+    model = deferred.model
+    with torch.no_grad(), deferred.streaming():
+        was = model.training
+        model.eval()
+        try:
+            out = logits(whole_forward(model, inputs) if cut.kind == FORWARD else model(inputs))
+        finally:
+            model.train(was)
+        vocab = find(model, inputs, found_units[0].modules, found_units[-1].modules, out)
+    if vocab is None:
+        return None, ("the first unit has no token embedding, or the last no head over the "
+                      "vocabulary of the model's output"), []
+    check_divisible(vocab, devices)
+    result = profile_sharded(deferred, inputs, targets, loss_function(user), cut=cut,
+                             units=found_units, costs=units, vocab=vocab, devices=devices,
+                             optimizer=optimizer, repeats=repeats, device=device,
+                             measured=measured, measure=True)
+    where = f"measured among {devices} local processes" if result.measured else \
+        "on the default link: too few GPUs here to measure them"
+    lines = []
+    for unit, whole in ((result.first, units[0]), (result.last, units[-1])):
+        comm = result.collectives[unit.name]
+        lines.append(f"  {unit.name}: per rank of {devices}, {unit.forward_ms:.2f} + "
+                     f"{unit.backward_ms:.2f} ms with {len(comm)} collectives "
+                     f"({sum(c.bytes for c in comm):,} bytes, {where}); whole: "
+                     f"{whole.forward_ms:.2f} + {whole.backward_ms:.2f} ms")
+    return Sharded(result.first, result.last, (vocab.embedding, vocab.head)), None, lines

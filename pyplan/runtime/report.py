@@ -1,0 +1,228 @@
+"""What `pyplan run` is told and tells: its options, and the report rank 0 prints at the end
+(losses, times beside the plan's predicted iteration, each rank's memory beside the plan's,
+throughput, --check's verdict), with the lines it logs as it goes."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from pyplan.lower import Lowered
+from pyplan.runtime.check import Verdict
+from pyplan.runtime.pipeline import Pipeline
+from pyplan.runtime.training import Training
+
+__all__ = ["TOLERANCE", "Options", "Report", "activation_peaks", "header", "iteration_line",
+           "planned_memory", "predicted", "summary", "timed"]
+
+
+@dataclass(frozen=True)
+class Options:
+    iterations: int = 1
+    seed: int = 0
+    training: Training = Training()
+    blocking: bool = False
+    sync_at_end: bool = False
+    """Start the data-parallel gradient synchronisations after the last block (to compare)."""
+    check: bool = False
+    tolerance: float | None = None
+    """--check's largest difference; None: the dtype's default."""
+    trace: str | None = None
+    fault_timeout: float = 10.0
+    fail_at: tuple[int, int, str] | None = None
+    device: str | None = None
+    """cpu, cuda or auto; None: $PYPLAN_DEVICE, else auto."""
+    dtype: str = "fp32"
+    save: str | None = None
+    save_every: int | None = None
+    keep_last: int | None = None
+    """Checkpoints kept in --save's folder (None: all)."""
+    resume: str | None = None
+    lines: bool = False
+    """Rank 0 prints a line per step as it ends (not with --json)."""
+    log: str | None = None
+    """JSON lines, one per step and per evaluation, appended."""
+    tensorboard: str | None = None
+    eval_every: int | None = None
+    eval_batches: int = 1
+    fail_save: tuple[int, str] | None = None
+    """Testing aid: (rank, "raise" or "kill") fails in the middle of the first save."""
+
+
+TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
+
+
+@dataclass(frozen=True)
+class Report:
+    """What rank 0 prints: per iteration the slowest rank's time and the loss; per rank and
+    iteration the time spent computing blocks (the rest of the iteration is waiting)."""
+
+    first_step: int
+    seconds: list[float]
+    losses: list[float]
+    compute: list[list[float]]
+    iteration_seconds: list[list[float]]
+    peak_activation_bytes: list[int]
+    cuda_max_allocated: list[int] | None
+    samples: int
+    tokens: int | None
+    verdict: Verdict | None
+    backend: str
+    device: str
+    predicted_activation_bytes: list[int] | None = None
+    """The plan's peak of activation memory per device (its peak minus the static memory),
+    when the plan counts memory in bytes."""
+    grad_norms: list[float] | None = None
+    """With clipping: the global gradient norm of each iteration, before clipping."""
+    ties: list[str] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step after which it ran, mean loss over the eval batches)."""
+    resumed: dict | None = None
+    """The checkpoint resumed from: path, step, the settings changed since."""
+    saved: str | None = None
+    """The last checkpoint written."""
+    ranks: list[dict] = field(default_factory=list)
+    """Per rank: its memory (`peak_bytes`, `static_bytes` measured by the census, beside the
+    plan's `planned_peak_bytes` and `planned_static_bytes`), `max_rss_bytes` (the process's
+    host memory at its most), `setup_seconds` (building its stages) and `weights_read` (tensors
+    it read from model.weights)."""
+    predicted: tuple[float, float] | None = None
+    """The plan's iteration in seconds, and of it the schedule's makespan (when the plan says
+    what its time unit is)."""
+    shared_cores: tuple[int, int] | None = None
+    """On the CPU, when rank 0's machine runs more ranks than it has cores: (its ranks, its
+    cores)."""
+    census_iteration: int | None = None
+    """The iteration (counted from the first of this run) the memory census ran in: not timed."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def header(problem, ranks: int, device: str, backend: str, options: Options) -> str:
+    """The line rank 0 prints before the first step."""
+    mode = "blocking" if options.blocking else "non-blocking"
+    return (f"{problem.name}: {options.iterations} iterations on {ranks} ranks ({device}, "
+            f"{backend}, {options.dtype}), {mode} communication, {problem.num_micro_batches} "
+            f"micro-batches, {options.training.describe()}")
+
+
+def iteration_line(step: int, seconds: float, loss: float, samples: int, tokens: int | None,
+                    norm: float | None) -> str:
+    rate = f"  {samples / seconds:8.1f} samples/s" if samples else ""
+    if tokens:
+        rate += f"  {tokens / seconds:9.0f} tokens/s"
+    if norm is not None:
+        rate += f"  grad norm {norm:.4g}"
+    return f"  iteration {step}: {seconds * 1e3:8.1f} ms  loss {loss:.6f}{rate}"
+
+
+def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
+    """The lines rank 0 prints after the last step (the header and a line per step came
+    before, as they happened)."""
+    problem = lowered.problem
+    lines = []
+    median = statistics.median(timed(report.seconds, report))
+    parts = []
+    for r, (compute, total) in enumerate(zip(report.compute, report.iteration_seconds)):
+        c, t_ = statistics.median(timed(compute, report)), statistics.median(timed(total, report))
+        parts.append(f"{r}: {c * 1e3:.1f}/{max(t_ - c, 0.0) * 1e3:.1f}")
+    lines.append(f"  median iteration {median * 1e3:.1f} ms; compute/rest per rank (ms): "
+                 + "  ".join(parts))
+    if report.predicted is not None:  # the schedule, transfers included, and the updates
+        iteration, makespan = report.predicted
+        lines.append(f"  the plan predicts {iteration * 1e3:.1f} ms (the schedule's makespan "
+                     f"{makespan * 1e3:.1f} ms, then the optimizer's steps); measured / "
+                     f"predicted {median / iteration:.2f}")
+        if report.shared_cores is not None:
+            ranks, cores = report.shared_cores
+            lines.append(f"  note: {ranks} ranks share {cores} CPU cores here, so an iteration "
+                         "takes longer than the plan predicts (it gives every rank a core)")
+    if report.ranks and report.ranks[0].get("peak_bytes"):
+        lines.append(f"  memory per rank, measured in iteration "
+                     f"{report.first_step + report.census_iteration} (peak; static: "
+                     "parameters, gradients, optimizer state, buffers)" +
+                     ("" if "planned_peak_bytes" not in report.ranks[0] else
+                      " / the plan's for its device") + ":")
+        for r, x in enumerate(report.ranks):
+            planned = ""
+            if "planned_peak_bytes" in x:
+                ratio = x["peak_bytes"] / max(x["planned_peak_bytes"], 1)
+                planned = f" / {_mib(x['planned_peak_bytes'])} ({ratio:.2f}x)"
+            lines.append(f"    rank {r}: peak {_mib(x['peak_bytes'])}{planned}; static "
+                         f"{_mib(x['static_bytes'])}" + ("" if "planned_static_bytes" not in x
+                                                        else f" / {_mib(x['planned_static_bytes'])}"))
+    if report.ranks:
+        lines.append("  host memory (max RSS) and set-up per rank: " + "  ".join(
+            f"{r}: {_mib(x['max_rss_bytes'])}, {x['setup_seconds']:.1f} s"
+            + (f", {x['weights_read']} tensors read" if x["weights_read"] else "")
+            for r, x in enumerate(report.ranks)))
+    held = "  ".join(f"{r}: {_mib(b)}" for r, b in enumerate(report.peak_activation_bytes))
+    lines.append(f"  peak activations held per rank: {held}")
+    if report.predicted_activation_bytes is not None:
+        lines.append("  the plan's peak activations per device: " + "  ".join(
+            f"{d}: {_mib(b)}" for d, b in enumerate(report.predicted_activation_bytes)))
+    if report.cuda_max_allocated is not None:
+        lines.append("  CUDA max allocated per rank: " + "  ".join(
+            f"{r}: {_mib(b)}" for r, b in enumerate(report.cuda_max_allocated)))
+    if report.ties:
+        lines.append("  tied parameters (gradients summed over their copies): "
+                     + ", ".join(report.ties))
+    if problem.recomputed:
+        lines.append("  recomputed in the backward (its forward rerun first): "
+                     + ", ".join(problem.recomputed))
+    if report.verdict is not None:
+        lines.append(("  check: " if report.verdict.ok else "  check FAILED: ")
+                     + report.verdict.message)
+    if options.trace:
+        lines.append(f"  trace of iteration {report.first_step + len(report.seconds) - 1}: "
+                     f"{options.trace}")
+    if report.saved:
+        lines.append(f"  checkpoint: {report.saved} (step "
+                     f"{report.first_step + len(report.seconds)})")
+    return lines
+
+
+def predicted(pipe: Pipeline, options: Options) -> tuple[float, float] | None:
+    """(the plan's iteration, its makespan) in seconds: the schedule, then each device's
+    optimizer step after its last block (after the makespan when clipping synchronises every
+    device first)."""
+    problem, schedule = pipe.problem, pipe.resolved.schedule
+    if problem.time_unit_ms is None:
+        return None
+    unit = problem.time_unit_ms / 1e3
+    clipping = options.training.clip_grad_norm is not None
+    return schedule.iteration(synchronised=clipping) * unit, schedule.makespan * unit
+
+
+def timed(values: list, report: Report) -> list:
+    """The figures of the iterations whose time counts: all but the census's (when there are
+    others)."""
+    index = report.census_iteration
+    if index is None or len(values) < 2:
+        return values
+    return values[:index] + values[index + 1:]
+
+
+def planned_memory(pipe: Pipeline) -> list[dict]:
+    """Per rank, the plan's peak memory of its device and the weights it counts there
+    (parameters, gradients, optimizer state), in bytes (when the plan counts memory in
+    bytes)."""
+    problem = pipe.problem
+    if not problem.memory_is_size:
+        return [{} for _ in range(pipe.world)]
+    weights = [sum(b.weights for b in problem.blocks if d in b.devices)
+               for d in range(problem.num_devices)]
+    peaks = pipe.resolved.schedule.peak_memory
+    return [{"planned_peak_bytes": peaks[r % problem.num_devices],
+             "planned_static_bytes": weights[r % problem.num_devices]}
+            for r in range(pipe.world)]
+
+
+def activation_peaks(pipe: Pipeline) -> list[int] | None:
+    problem = pipe.problem
+    if not problem.memory_is_size:
+        return None
+    static = problem.static_memory
+    return [peak - base for peak, base in zip(pipe.resolved.schedule.peak_memory, static)]
