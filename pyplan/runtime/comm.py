@@ -212,20 +212,20 @@ class _Sent:
 
 class Comm:
     def __init__(self, device: torch.device, channels: list[tuple[int, int, str]], *,
-                 blocking: bool) -> None:
+                 blocking: bool, timeout: timedelta | None = None) -> None:
         """`channels`: every (source rank, destination rank, kind) any program uses, the same
         list on every rank (on NCCL each direction becomes a communicator, created in this
-        order)."""
+        order); `timeout`: of their transfers (None: torch's default)."""
         self.device, self.blocking = device, blocking
         self.nccl = device.type == "cuda"
         self.rank = dist.get_rank()
         # Every rank creates every group in the same order (new_group is collective).
-        self.cpu_group = dist.new_group(backend="gloo")
+        self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         """pyplan's own gloo group over the world: headers, and on the CPU every channel."""
         _CPU_GROUPS.append(self.cpu_group)
         directions = sorted({(src, dst) for src, dst, _ in channels})
-        self.links = {d: dist.new_group(sorted(d), backend="nccl") if self.nccl
-                      else self.cpu_group for d in directions}
+        self.links = {d: dist.new_group(sorted(d), backend="nccl", timeout=timeout)
+                      if self.nccl else self.cpu_group for d in directions}
         """(source, destination) -> the group carrying its tensors."""
         self.sending: list[_Sent] = []
         """The sends not known done."""
