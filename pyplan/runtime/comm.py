@@ -233,6 +233,12 @@ class Comm:
         """Bytes of the tensors whose sends have not completed yet."""
         self.new_iteration()
 
+    def close(self) -> None:
+        """Let go of pyplan's groups (each holds the world's store, whose server would stay up
+        until the groups are collected)."""
+        _CPU_GROUPS[:] = [g for g in _CPU_GROUPS if g is not self.cpu_group]
+        self.cpu_group, self.links = None, {}
+
     def new_iteration(self) -> None:
         """Headers again from here: shapes may differ from the last iteration's."""
         self.announced: dict[tuple[int, int], tuple] = {}

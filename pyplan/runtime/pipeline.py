@@ -420,6 +420,8 @@ class Pipeline:
         return self.train(False)
 
     def close(self) -> None:
+        if getattr(self, "comm", None) is not None:
+            self.comm.close()
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
