@@ -3,39 +3,32 @@ for benchmarks/partition.py on 4 CPU ranks: GPT-2 (tied embeddings, learned posi
 Llama (rotary embeddings, untied head), 8 layers of width 128 and a vocabulary of 8192, so the
 embedding and head weigh more than a layer, as in real models. Llama keeps its config's default
 head_dim (128: the value is not re-derived when hidden_size changes), so its 4 attention heads
-project to 512 wide; the figures in the README were measured so."""
+project to 512 wide; the figures in docs/benchmarks.md were measured so. The configs come from
+tests/models/hf.py's `config`, the tests' tiny models resized."""
 
-import torch
-import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "models"))
+
+import hf  # noqa: E402  (tests/models/hf.py)
 
 VOCAB, SEQUENCE, BATCH = 8192, 64, 16
-
-
-def _build(family: str):
-    cfg = AutoConfig.for_model(family)
-    for key, value in dict(num_hidden_layers=8, hidden_size=128, num_attention_heads=4,
-                           num_key_value_heads=4, intermediate_size=512, vocab_size=VOCAB,
-                           n_layer=8, n_embd=128, n_head=4, max_position_embeddings=SEQUENCE,
-                           n_positions=SEQUENCE, pad_token_id=0, bos_token_id=1,
-                           eos_token_id=2).items():
-        if hasattr(cfg, key):
-            setattr(cfg, key, value)
-    return AutoModelForCausalLM.from_config(cfg)
+SIZE = dict(num_hidden_layers=8, hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
+            intermediate_size=512, head_dim=128, vocab_size=VOCAB, n_layer=8, n_embd=128,
+            n_head=4, max_position_embeddings=SEQUENCE, n_positions=SEQUENCE)
 
 
 def gpt2():
-    return _build("gpt2")
+    return hf.build("gpt2", **SIZE)
 
 
 def llama():
-    return _build("llama")
+    return hf.build("llama", **SIZE)
 
 
 def batch(step: int):
-    tokens = torch.randint(3, VOCAB, (BATCH, SEQUENCE + 1))
-    return tokens[:, :-1], tokens[:, 1:]
+    return hf.tokens(VOCAB, SEQUENCE, BATCH)
 
 
-def loss(logits, labels):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+loss = hf.loss

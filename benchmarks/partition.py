@@ -80,7 +80,8 @@ def _placements(directory: Path) -> dict[str, float]:
     from pyplan.placements import Sharded, placements
     from pyplan.problem import build_problem
     from pyplan.resolved import write_resolved
-    from pyplan.runtime.binding import Model, make_batch, seed_everything, split_batch
+    from pyplan.runtime.binding import Model, make_batch, seed_everything
+    from pyplan.runtime.data import split_batch
     from pyplan.runtime.profile import profile_units
     from pyplan.runtime.sharded import profile_sharded
     from pyplan.solver import solve
@@ -135,7 +136,8 @@ def prepare(directory: Path) -> dict:
     from pyplan.partition import plan_text
     from pyplan.problem import build_problem
     from pyplan.resolved import write_resolved
-    from pyplan.runtime.binding import Model, make_batch, seed_everything, split_batch
+    from pyplan.runtime.binding import Model, make_batch, seed_everything
+    from pyplan.runtime.data import split_batch
     from pyplan.runtime.profile import profile_units
     from pyplan.solver import solve
     from pyplan.spec import spec_from_text

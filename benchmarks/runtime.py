@@ -146,7 +146,8 @@ class TorchScheduleCase:
         import torch
         import torch.distributed as dist
 
-        from pyplan.runtime.binding import make_batch, split_batch
+        from pyplan.runtime.binding import make_batch
+        from pyplan.runtime.data import split_batch
 
         seconds = []
         for step in range(ITERATIONS):

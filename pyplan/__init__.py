@@ -3,7 +3,7 @@ inference."""
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from pyplan._version import __version__
 
 # The Python API (pyplan/api.py), imported on first use so that `import pyplan` stays cheap.
 _API = ("Baseline", "PartitionPlan", "Plan", "ResolvedPlan", "Solution", "load_plan",

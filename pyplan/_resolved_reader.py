@@ -27,6 +27,7 @@ _KINDS = ("forward", "backward", "weight", "other")
 # Fields of a block, the model and the mesh: (type, low or the allowed strings, high).
 _BLOCK = {"name": (str, (), 0), "kind": (str, _KINDS, 0), "time": (int, 1, MAX_TIME),
           "memory": (int, -MAX_MEMORY, MAX_MEMORY), "weights": (int, 0, MAX_MEMORY),
+          "workspace": (int, 0, MAX_MEMORY),
           "recompute": (str, ("never", "always", "auto"), 0),
           "recompute_memory": (int, 0, MAX_MEMORY), "recomputed": (bool, 0, 0),
           "rematerialised": (int, 0, MAX_MEMORY), "devices": (list, 0, 0)}
@@ -91,12 +92,14 @@ class Reader:
                                 "the file was edited; re-run pyplan solve")
             block = Block(i, name, kind, raw["time"], raw.get("memory", 0), devices,
                           layer_of(name, kind), raw.get("weights", 0),
+                          workspace=raw.get("workspace", 0),
                           recompute=raw.get("recompute", "never"),
                           recompute_memory=raw.get("recompute_memory", 0),
                           recomputed=raw.get("recomputed", False),
                           rematerialised=raw.get("rematerialised", 0))
             if not 1 <= block.time <= MAX_TIME or abs(block.memory) > MAX_MEMORY or \
                     not 0 <= block.weights <= MAX_MEMORY or \
+                    not 0 <= block.workspace <= MAX_MEMORY or \
                     block.recompute not in ("never", "always", "auto") or \
                     not 0 <= block.recompute_memory <= MAX_MEMORY or \
                     not 0 <= block.rematerialised <= MAX_MEMORY:

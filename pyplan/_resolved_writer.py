@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from pyplan import __version__
+from pyplan._version import __version__
 from pyplan._seal import seal_lines
 from pyplan.errors import PlanError
 from pyplan.fileio import write_atomic
@@ -106,6 +106,7 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
     ]
     for b in problem.blocks:
         extra = f", weights: {b.weights}" if b.weights else ""
+        extra += f", workspace: {b.workspace}" if b.workspace else ""
         if b.recompute != "never":  # times and memory below already include the choice
             extra += (f", recompute: {b.recompute}, recompute_memory: {b.recompute_memory}, "
                       f"recomputed: {'true' if b.recomputed else 'false'}")

@@ -57,6 +57,10 @@ class UnitCost:
     parameters: tuple[str, ...] = ()
     """The names of its parameters in the model (a parameter two units share, under one
     name): where stages share one, the plan records a tie."""
+    forward_peak_bytes: int = 0
+    """The most its forward allocates at once (what it keeps, its output, temporaries)."""
+    backward_peak_bytes: int = 0
+    """The most its backward allocates at once, with the gradient it receives."""
 
     @property
     def module_names(self) -> tuple[str, ...]:
@@ -95,6 +99,22 @@ class Held:
     its backward holds all its activations again."""
 
 
+def stage_workspace(part: Sequence[UnitCost], receives: bool = True) -> int:
+    """What a stage of these units needs while it runs beyond what its plan holds (block
+    `workspace:`): the plan adds all a micro-batch's activations when its forward starts and
+    frees them when its backward starts, so the most a unit's forward allocates beyond what
+    the units from it on keep, and the most a unit's backward allocates (the activations of
+    the micro-batches held are counted apart); `receives`: with its input, received from
+    another device and held from its arrival until the forward ends."""
+    found, kept_from = 0, sum(u.activation_bytes for u in part)
+    for k, unit in enumerate(part):
+        extra = part[0].input_bytes if receives and k == 0 else 0
+        found = max(found, unit.forward_peak_bytes + extra - kept_from,
+                    unit.backward_peak_bytes)
+        kept_from -= unit.activation_bytes
+    return max(found, 0)
+
+
 def recompute_bytes(part: Sequence[UnitCost]) -> int:
     """What a stage keeps of a micro-batch it recomputes: its input (never more than it saves)."""
     return min(part[0].input_bytes, sum(u.activation_bytes for u in part))
@@ -102,13 +122,14 @@ def recompute_bytes(part: Sequence[UnitCost]) -> int:
 
 def stage_memory(units: list[UnitCost], first: int, last: int, stage: int, num_stages: int,
                  micro_batches: int, held: Held = Held()) -> int:
-    """Bytes stage `stage` needs for units first .. last - 1: weights + the activations
-    `held` counts."""
+    """Bytes stage `stage` needs for units first .. last - 1: weights, the activations
+    `held` counts and its workspace."""
     part = units[first:last]
     activations = sum(u.activation_bytes for u in part)
     count = 1 if held.alone else _in_flight(stage, num_stages, micro_batches)
     waiting = recompute_bytes(part) if held.recompute else activations
-    return sum(u.weight_bytes for u in part) + activations + (count - 1) * waiting
+    return sum(u.weight_bytes for u in part) + activations + (count - 1) * waiting + \
+        stage_workspace(part, receives=first > 0)
 
 
 def _time(units: list[UnitCost], first: int, last: int, speed: float = 1.0) -> float:
@@ -339,8 +360,10 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
         weights = sum(u.weight_bytes for u in part)
         output = f", output: {part[-1].output_bytes}B" if s + 1 < partition.num_stages else ""
         where = "all" if placement[s] is None else f"[{', '.join(map(str, placement[s]))}]"
+        workspace = stage_workspace(part, receives=partition.stage(s).start > 0)
         lines.append(f"  - {{name: {names[s]}, devices: {where}, time: {forward}, "
-                     f"memory: {activations}B, weights: {weights}B{output}, "
+                     f"memory: {activations}B, weights: {weights}B, "
+                     f"workspace: {workspace}B{output}, "
                      f"recompute_memory: {recompute_bytes(part)}B, "
                      f"backward: {{time: {backward}}}}}")
     lines += ["model:", f"  module: {factory}", "  stages:"]

@@ -76,7 +76,8 @@ class _Builder:
                                 "an inference plan", "set task: training or remove the block")
             self.declared[spec.name] = spec
             self.add(spec.name, spec.kind, spec.time, spec.memory, devices, path,
-                     weights=spec.weights, recompute_memory=spec.recompute_memory)
+                     weights=spec.weights, workspace=spec.workspace,
+                     recompute_memory=spec.recompute_memory)
 
     def check_alone(self) -> None:
         """Each block fits the capacity by itself, with the weights resident on its devices

@@ -41,6 +41,9 @@ class Block:
     """The declared block this one derives from (its own name for declared blocks)."""
     weights: int = 0
     """Static memory on each of its devices for the whole run (declared blocks only)."""
+    workspace: int = 0
+    """Memory it needs while it or its backward runs, beyond what it holds (declared blocks
+    only); the largest on a device is reserved there."""
     recompute: str = "never"
     """Forward blocks with a derived backward: never, always or auto (the solver chooses)."""
     recompute_memory: int = 0
@@ -141,13 +144,14 @@ class Problem:
     @cached_property
     def static_memory(self) -> tuple[int, ...]:
         """Per device, the weights resident for the whole run, and room for the largest
-        activations a recomputing backward re-materialises (one block runs at a time)."""
+        workspace of a block, with the activations its backward re-materialises when it is
+        recomputed (one block runs at a time)."""
         out = [0] * self.num_devices
         room = [0] * self.num_devices
         for b in self.blocks:
             for d in b.devices:
                 out[d] += b.weights
-                room[d] = max(room[d], b.rematerialised)
+                room[d] = max(room[d], b.rematerialised + b.workspace)
         return tuple(w + r for w, r in zip(out, room))
 
     @cached_property
@@ -395,7 +399,7 @@ def _memory_sums(problem: Problem) -> list[tuple[int, int]]:
     for b in problem.blocks:
         for d in b.devices:
             weights[d] += b.weights
-            allocated[d] += max(0, b.memory) + b.rematerialised
+            allocated[d] += max(0, b.memory) + b.rematerialised + b.workspace
     return [(w, w + problem.num_micro_batches * a) for w, a in zip(weights, allocated)]
 
 

@@ -204,10 +204,14 @@ def test_every_damage_is_one_line_and_exit_2(one_rank, tmp_path, monkeypatch):
     part.unlink()
     assert "its part __0_0.distcp is missing" in refused(*resume)
     assert "its part __0_0.distcp is missing" in refused("consolidate", one, "ck", "-o", "m.pt")
+    part.write_bytes(bytes((b + 13) % 256 if i % 7 == 0 else b for i, b in enumerate(whole)))
+    damaged = f"error: cannot read the checkpoint {step}, its data is damaged: rank 0: "
+    assert refused(*resume).startswith(damaged)
+    assert refused("consolidate", one, "ck", "-o", "m.pt").startswith(damaged)
     part.write_bytes(whole)
     (step / "pyplan.json").write_text("{")
     assert f"{step}/pyplan.json is damaged" in refused(*resume)
     (step / "pyplan.json").unlink()
-    assert refused(*resume) == (f"error: ck holds no complete checkpoint (hint: give the "
+    assert refused(*resume) == ("error: ck holds no complete checkpoint (hint: give the "
                                 "directory --save wrote)\n")
     assert not (tmp_path / "m.pt").exists()

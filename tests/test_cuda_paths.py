@@ -304,7 +304,7 @@ micro_batches: 4
 training: {backward: {time_ratio: 2}}
 blocks:
   - {name: s0, devices: [0, 1], time: 1, memory: 1}
-  - {name: s1, devices: [LAST], time: 1, memory: 1}
+  - {name: s1, devices: [1], time: 1, memory: 1}
 model:
   module: review:tied
   stages:
@@ -316,18 +316,15 @@ model:
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("last", ["1", "0, 1"], ids=["other-devices", "same-devices"])
-def test_a_tie_held_by_a_block_on_two_devices_is_summed_once(tmp_path, last):
-    """The embedding (in a block on devices 0 and 1) and the head (on device 1, or on 0 and 1
-    too) share a weight: its gradient is each block's once, not the two-device block's twice
-    (the tie's all-reduce, or the blocks' REDUCEs, used to count it again)."""
-    plan = _solved(tmp_path, "tied", TIED.replace("LAST", last))
+def test_a_tie_held_by_a_block_on_two_devices_is_summed_once(tmp_path):
+    """The embedding (in a block on devices 0 and 1) and the head (device 1) share a weight:
+    its gradient is each block's once, not the two-device block's twice."""
+    plan = _solved(tmp_path, "tied", TIED)
     result = _pyplan(tmp_path, "run", plan, "--nproc-per-node", 2, "--device", "cpu",
                      "--check", "--iterations", 3, "--clip-grad-norm", "0.5")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "match the single-process run" in result.stdout
-    summed = "tied parameters (gradients summed over their copies): embed.weight"
-    assert (summed in result.stdout) == (last == "1")  # else one object on each rank
+    assert "tied parameters (gradients summed over their copies): embed.weight" in result.stdout
 
 
 # ---------------------------------------------------------------- 10: start-up grace
@@ -389,7 +386,7 @@ def test_dtensor_parameters_are_refused_in_one_line(tmp_path):
     text = TWO.format(name="tp", last="0, 1", build="dtensor", loss="loss")
     plan = _solved(tmp_path, "tp", text)
     result = _pyplan(tmp_path, "run", plan, "--nproc-per-node", 2, "--device", "cpu")
-    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.returncode == 2, result.stderr[-3000:]  # every worker's: bad input
     line = ("error: block 'b': parameter weight is a DTensor (parallelize_module?); pyplan "
             "handles a block's parameters as plain tensors (hint: keep this rank's chunk as a "
             "plain parameter marked with pyplan.runtime.shard(param, dim))")

@@ -5,6 +5,7 @@ and --effort asks for more."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -32,7 +33,9 @@ search: {time_limit: 60}
 
 def test_default_effort_stops_early_when_the_answer_is_found_early():
     problem = build_problem(spec_from_text(EARLY))
+    cpu = time.process_time()
     default = solve(problem)
+    default_cpu = time.process_time() - cpu  # (CPU time: a busy machine stretches the clock)
     more = solve(problem, effort=4)
     # The answer comes from the fast path: four times the effort finds nothing shorter ...
     assert default.makespan == more.makespan
@@ -41,7 +44,7 @@ def test_default_effort_stops_early_when_the_answer_is_found_early():
     # says why; the status is "feasible", not "time_limit".
     assert default.status == "feasible" and default.period_status == "feasible"
     assert default.stats.work * 2 < more.stats.work
-    assert default.search_seconds < 30
+    assert default_cpu < 30
     assert any(n.startswith("search: no shorter period after") for n in default.stats.notes)
 
 

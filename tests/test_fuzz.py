@@ -11,8 +11,9 @@
   numbers and names they cannot take;
 - api: the Python API called with arguments of the wrong type, NaN, huge or negative.
 
-Every command runs in a worker process under a memory limit (1 GiB of data) and a time limit per
-command, and must end in exit 0, 2 or 3 with error lines only (at most ten) -- never a
+Every command runs in a worker process under a memory limit (1 GiB of data) and a limit of CPU
+time per command (so that a busy machine, which stretches the wall clock, does not trip it), and
+must end in exit 0, 2 or 3 with error lines only (at most ten) -- never a
 traceback, a hang or a signal; an API call returns or raises PlanError/InfeasibleError with a
 one-line message. The extension is called with random arguments too. The test prints how many
 cases it ran. The suite runs a quick profile; a long run (the closing notes quote one):
@@ -23,6 +24,7 @@ cases it ran. The suite runs a quick profile; a long run (the closing notes quot
 from __future__ import annotations
 
 import collections
+import faulthandler
 import io
 import json
 import math
@@ -32,6 +34,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -43,7 +46,8 @@ from pyplan.errors import MAX_REPORTED, PyplanError
 
 CASES = int(os.environ.get("PYPLAN_FUZZ_CASES", "300"))
 SEED = int(os.environ.get("PYPLAN_FUZZ_SEED", "0"))
-CASE_SECONDS = 20         # per command; the solver's own limit in the cases is 2 s
+CASE_SECONDS = 20         # CPU seconds per command; the solver's own limit in the cases is 2 s
+STUCK_SECONDS = 10 * CASE_SECONDS  # wall clock: a command this long without ending is stuck
 MEMORY_BYTES = 2**30      # data segment of the worker (the contract: 1 GiB)
 REPLACEMENTS = ["x", "-1", "0", "99999999999999999999", "1e308", ".nan", "[]", "{}", "null",
                 "'\\0'", "-2147483649", "2147483648", "[1, [2, [3]]]", "!!int x", "*nope",
@@ -59,21 +63,21 @@ class _Hang(BaseException):  # (not caught where user code failing is caught)
     pass
 
 
-def _on_alarm(signum, frame):
+def _on_limit(signum, frame):
     raise _Hang
 
 
 def _watchdog() -> None:
-    """A hang inside C code never returns to Python, where the alarm is raised: past twice the
-    time limit, end the worker, which the test reports (with the case it was at)."""
+    """A command blocked in C code (waiting, using no CPU) never reaches its CPU limit, and one
+    inside C code never returns to Python, where the limit is raised: past STUCK_SECONDS of
+    wall-clock time, end the worker, which the test reports (with the case it was at)."""
     import threading
-    import time
 
     def watch() -> None:
         while True:
             time.sleep(1)
             if _DEADLINE[0] and time.monotonic() > _DEADLINE[0]:
-                print("hang inside native code", file=sys.stderr, flush=True)
+                print(f"stuck for {STUCK_SECONDS} s", file=sys.stderr, flush=True)
                 os._exit(99)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -82,12 +86,19 @@ def _watchdog() -> None:
 _DEADLINE = [0.0]
 
 
-def _alarm(seconds: int) -> None:
-    """signal.alarm, and the watchdog's deadline (0: none)."""
-    import time
+def _limit(seconds: int) -> None:
+    """The next command's limit (0: none): `seconds` of this process's CPU time (SIGPROF), and
+    the watchdog's wall-clock deadline."""
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    _DEADLINE[0] = time.monotonic() + STUCK_SECONDS if seconds else 0.0
 
-    signal.alarm(seconds)
-    _DEADLINE[0] = time.monotonic() + 2 * seconds if seconds else 0.0
+
+def _stopped(failures: list) -> bool:
+    """After a hang the worker stops: the exception that ended it was raised wherever the
+    command was, possibly inside an import (a half-initialised torch or numpy crashes the
+    process the next time the garbage collector meets it), so nothing after it would be a fair
+    test."""
+    return bool(failures) and failures[-1][3] == "hang"
 
 
 def _run(*args) -> tuple[int, str]:
@@ -100,7 +111,7 @@ def _run(*args) -> tuple[int, str]:
 def _check(command: tuple, failures: list, case: int, source: str) -> int | None:
     """Run one command; record a failure (traceback, hang, odd exit, non-error output)."""
     print(case, command[0], source, file=sys.stderr, flush=True)  # where it died, if it does
-    _alarm(CASE_SECONDS)
+    _limit(CASE_SECONDS)
     try:
         code, err = _run(*command)
     except _Hang:
@@ -112,7 +123,7 @@ def _check(command: tuple, failures: list, case: int, source: str) -> int | None
         failures.append((case, command[0], source, repr(exc)[:200]))
         return None
     finally:
-        _alarm(0)
+        _limit(0)
     lines = err.splitlines()
     errors = [line for line in lines if "error: " in line]
     if code not in (0, 2, 3) or len(errors) > MAX_REPORTED or \
@@ -399,7 +410,7 @@ def fuzz_api(rng, failures: list, case: int) -> None:
     ]
     index = rng.randrange(len(calls))
     print(case, "api", index, file=sys.stderr, flush=True)
-    _alarm(CASE_SECONDS)
+    _limit(CASE_SECONDS)
     try:
         calls[index]()
     except (pyplan.PlanError, pyplan.InfeasibleError) as exc:
@@ -410,7 +421,7 @@ def fuzz_api(rng, failures: list, case: int) -> None:
     except Exception as exc:
         failures.append((case, "api", index, repr(exc)[:200]))
     finally:
-        _alarm(0)
+        _limit(0)
 
 
 GENERATORS = {"mutated": gen_mutated, "forged": gen_forged, "features": gen_features,
@@ -427,12 +438,14 @@ def fuzz_inputs(cases: int, seed: int, workdir: Path) -> dict:
     csv = workdir / "source.csv"
     assert _run("export", PLANS / "1f1b-4stage.resolved.yaml", "--format", "torch-csv",
                 "-o", csv)[0] == 0
-    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.signal(signal.SIGPROF, _on_limit)
     counts: collections.Counter = collections.Counter()
     commands = 0
     failures: list = []
     names = list(GENERATORS)
     for case in range(cases):
+        if _stopped(failures):
+            break
         kind = rng.choices(names, [WEIGHTS[k] for k in names])[0]
         counts[kind] += 1
         if kind == "api":
@@ -511,12 +524,14 @@ def fuzz_core(cases: int, seed: int) -> dict:
         lambda: (lambda g: _core.list_schedule_phase(g, [(number(), number())], indices(g),
                                                      devices(), number()))(graph()),
     ]
-    signal.signal(signal.SIGALRM, _on_alarm)
-    failures = []
+    signal.signal(signal.SIGPROF, _on_limit)
+    failures: list = []
     for case in range(cases):
+        if _stopped(failures):
+            break
         index = rng.randrange(len(calls))
         print(case, "core", index, file=sys.stderr, flush=True)  # if it dies
-        _alarm(CASE_SECONDS)
+        _limit(CASE_SECONDS)
         try:
             calls[index]()
         except (ValueError, IndexError, TypeError, StopIteration):
@@ -526,7 +541,7 @@ def fuzz_core(cases: int, seed: int) -> dict:
         except Exception as exc:
             failures.append((case, "core", index, repr(exc)[:200]))
         finally:
-            _alarm(0)
+            _limit(0)
     return {"cases": {"core": cases}, "commands": cases, "failures": failures}
 
 
@@ -539,8 +554,9 @@ def _in_worker(kind: str, tmp_path: Path, capsys) -> None:
     result = subprocess.run([sys.executable, __file__, kind, str(CASES), str(SEED), str(tmp_path)],
                             capture_output=True, text=True, preexec_fn=_limited, cwd=tmp_path,
                             timeout=CASES * CASE_SECONDS * 5)
-    last = result.stderr.splitlines()[-1:]
-    assert result.returncode == 0, f"the worker died ({result.returncode}) at {last}"
+    # (the case it was at, and where it crashed: faulthandler's dump)
+    assert result.returncode == 0, \
+        f"the worker died ({result.returncode}):\n" + "\n".join(result.stderr.splitlines()[-40:])
     found = json.loads(result.stdout.splitlines()[-1])
     ran = sum(found["cases"].values())
     with capsys.disabled():  # the figures, whatever pytest's verbosity
@@ -548,8 +564,8 @@ def _in_worker(kind: str, tmp_path: Path, capsys) -> None:
               + ", ".join(f"{k} {n}" for k, n in sorted(found["cases"].items()))
               + f"), {len(found['failures'])} failures")
     failures = found["failures"]
-    assert ran == (CASES if kind == "inputs" else CASES * 10)
     assert not failures, f"{len(failures)} of {ran} cases failed; first: {failures[:5]}"
+    assert ran == (CASES if kind == "inputs" else CASES * 10)
 
 
 def test_hostile_inputs_fail_cleanly(tmp_path, capsys):
@@ -562,6 +578,7 @@ def test_random_core_arguments_raise_python_errors(tmp_path, capsys):
 
 if __name__ == "__main__":
     kind, cases, seed, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    faulthandler.enable()  # a crash prints where it happened
     _watchdog()
     found = (fuzz_inputs(cases, seed, Path(workdir)) if kind == "inputs" else
              fuzz_core(cases * 10, seed))

@@ -168,17 +168,20 @@ def test_partition_plans_checks_its_arguments(units, change, expected):
 
 # ---------------------------------------------------------------- bounded time and memory
 
-def _pyplan(*args, cwd, seconds: float = 30):
-    """pyplan in a process capped at 2 GiB of address space and `seconds`."""
+def _pyplan(*args, cwd, seconds: int = 30):
+    """pyplan in a process capped at 2 GiB of address space and `seconds` of CPU time (the
+    kernel ends it past them: SIGXCPU); ten times as long on the wall clock catches a process
+    that waits without computing, with room for a busy machine."""
     import resource
     import subprocess
     import sys
 
     def limited() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+        resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 1))
 
     return subprocess.run([sys.executable, "-m", "pyplan", *map(str, args)],
-                          capture_output=True, text=True, timeout=seconds,
+                          capture_output=True, text=True, timeout=10 * seconds,
                           preexec_fn=limited, cwd=cwd)
 
 

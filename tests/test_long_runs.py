@@ -1,7 +1,7 @@
 """Training runs that last: a line per step on a pipe and in `--log FILE` as each step ends;
 learning-rate schedules, gradient accumulation, evaluation on the data's eval split and
 clipping over a rank that holds no parameter, checked against the single-process run; a resume
-with changed settings applies them, says so, and --check replays that history; the README's
+with changed settings applies them, says so, and --check replays that history; docs/training-loop.md's
 own loop saves and resumes through pyplan.runtime.save/load exactly; eval_step on a batch of
 another size; the torchtitan export in torchtitan's current configuration keys."""
 
@@ -83,8 +83,9 @@ def test_lines_as_they_happen_schedules_accumulation_evaluation_and_resume(tmp_p
 
 
 def _readme_resume_loop() -> str:
-    found = re.search(r"```python\n(# resume\.py.*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert found, "the README's loop with save and load"
+    text = (ROOT / "docs" / "training-loop.md").read_text()
+    found = re.search(r"```python\n(# resume\.py.*?)```", text, re.S)
+    assert found, "the loop with save and load in docs/training-loop.md"
     return found.group(1)
 
 
@@ -135,7 +136,7 @@ def test_evaluation_of_another_batch_size_and_what_is_refused(one_rank, tmp_path
     # eval_step on batches of 6 and 1 samples (the plan splits 16 into 4 micro-batches): 3 and
     # 1 micro-batches; the loss and the outputs are the whole model's.
     import longrun
-    from pyplan.runtime import Pipeline
+    from pyplan.runtime import CheckpointError, Pipeline, load, save
     from pyplan.runtime.binding import build_whole
 
     alone(monkeypatch)
@@ -152,6 +153,24 @@ def test_evaluation_of_another_batch_size_and_what_is_refused(one_rank, tmp_path
             assert float(pipe.eval_step(inputs, targets)) == pytest.approx(
                 float(longrun.loss(expected, targets)), abs=1e-6)
         assert sorted(pipe._evaluators) == [1, 3]
+        # The API's save/load: the record, the optimizer's class checked before any tensor.
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+        pipe.train()
+        inputs, targets = longrun.batch(0)
+        pipe.step(inputs, targets)
+        optimizer.step()
+        folder = save(tmp_path / "api", pipe, optimizer, step=1, meta={"note": "mine"})
+        assert folder == tmp_path / "api" / "step-00000001"
+        with pytest.raises(CheckpointError, match=r"holds AdamW's state, and this run's "
+                                                  r"optimizer is SGD"):
+            load(tmp_path / "api", pipe, torch.optim.SGD(pipe.parameters(), lr=0.1))
+        saved = {k: v.clone() for k, v in pipe.state_dict()["model"].items()}
+        with torch.no_grad():
+            for p in pipe.parameters():
+                p.zero_()
+        record = load(tmp_path / "api", pipe, torch.optim.AdamW(pipe.parameters()))
+        assert (record["step"], record["note"], record["iterations"]) == (1, "mine", 1)
+        assert all(torch.equal(v, saved[k]) for k, v in pipe.state_dict()["model"].items())
     finally:
         pipe.close()
 

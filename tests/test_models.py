@@ -147,24 +147,3 @@ def test_llama_interleaved_with_adamw_and_clipping_trains_the_same_model(tmp_pat
         run_args=("--optimizer", "adamw", "--lr", "0.001", "--clip-grad-norm", "0.5"))
     assert "ties:" not in plan and plan.count("{name: stage") == 4
     assert report["check"]["ok"], report
-
-
-@pytest.mark.torchrun
-def test_the_readmes_hugging_face_recipe(tmp_path):
-    import re
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    recipe = re.search(r"```python\n(# mymodel\.py.*?)```", text, re.S)
-    assert recipe, "the README's Hugging Face recipe"
-    (tmp_path / "mymodel.py").write_text(recipe.group(1))
-    command = re.search(r"`(pyplan partition mymodel:model [^`]*)`", text.replace("\n", " "))
-    args = command.group(1).split()[1:]
-    run = lambda *a: subprocess.run([PYPLAN, *a], capture_output=True, text=True,  # noqa
-                                    cwd=tmp_path, timeout=600)
-    (tmp_path / "plans").mkdir()
-    made = run(*args, "--micro-batches", "4", "--repeats", "2")
-    assert made.returncode == 0, made.stderr
-    assert run("solve", "plans/llama.yaml", "--quiet").returncode == 0
-    result = run("run", "plans/llama.resolved.yaml", "--nproc-per-node", "4", "--check",
-                 "--iterations", "2", "--device", "cpu")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "match the single-process run" in result.stdout

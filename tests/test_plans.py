@@ -163,17 +163,6 @@ def test_af2_condition_sets_min_m():
     assert (rule.after_shift, rule.min_m) == (-2, 3)
 
 
-def test_readme_plan_example_validates(cli, tmp_path):
-    readme = (PLANS.parent / "README.md").read_text()
-    example = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
-    assert example.startswith("# yaml-language-server")
-    plan = tmp_path / "example.yaml"
-    plan.write_text(example)
-    code, out, err = cli("validate", plan)
-    assert (code, err) == (0, ""), err
-    assert "gpt-embedding: training, 10 blocks" in out
-
-
 def test_validate_names_replicas_and_weights(cli):
     code, out, err = cli("validate", PLANS / "transformer-vshape-dp2.yaml", PLANS / "gpt24.yaml")
     assert (code, err) == (0, "")

@@ -62,10 +62,10 @@ def test_spread_times_are_repeated_then_named_and_a_busy_machine_is_flagged(monk
     import itertools
     import torch
 
-    from pyplan.runtime import profile
+    from pyplan.runtime import measure
 
-    measured = profile.Measured()
-    timer = profile._Timer(torch.device("cpu"), 5, measured)
+    measured = measure.Measured()
+    timer = measure.Timer(torch.device("cpu"), 5, measured)
     steady = itertools.cycle([1.0, 1.01, 0.99])
     calls = []
     assert timer.median(lambda: calls.append(1) or next(steady), "steady") == 1.0
@@ -73,12 +73,12 @@ def test_spread_times_are_repeated_then_named_and_a_busy_machine_is_flagged(monk
     noisy = itertools.cycle([1.0, 3.0, 0.5, 2.0])
     calls.clear()
     timer.median(lambda: calls.append(1) or next(noisy), "unit x forward")
-    assert len(calls) == 1 + profile.MORE * 5  # runs added up to 8x, still spread
+    assert len(calls) == 1 + measure.MORE * 5  # runs added up to 8x, still spread
     assert measured.warnings[0].startswith("the times of 1 measurements spread more than 10% "
                                            "around their medians however often repeated "
                                            "(worst: unit x forward")
-    monkeypatch.setattr(profile.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
-    monkeypatch.setattr(profile.os, "cpu_count", lambda: 2)
-    profile._busy(measured)
+    monkeypatch.setattr(measure.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    monkeypatch.setattr(measure.os, "cpu_count", lambda: 2)
+    measure.busy(measured)
     assert measured.warnings[-1].startswith("the machine looks busy (load average 9.0 on 2 "
                                             "cores)")

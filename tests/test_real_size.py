@@ -4,6 +4,7 @@ stages' parameters, every copy with the same bits as the single-process model.""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -275,3 +276,50 @@ def test_hybrid_layer_lists_partition_and_train_as_one_process(family, tmp_path)
                  "--iterations", "2", "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1])["check"]["ok"]
+
+
+def test_a_loader_yields_the_same_batches_on_every_rank_pass_after_pass():
+    import loaders
+
+    from pyplan.runtime.binding import seed_everything
+    from pyplan.runtime.data import Source
+
+    def run(steps):
+        src = Source(loaders.loader)
+        return [src.get(s, lambda *parts: seed_everything(0, *parts))[0] for s in steps]
+
+    first = run(range(25))  # 10 batches a pass: two and a half passes
+    assert all(torch.equal(a, b) for a, b in zip(first, run(range(25))))
+    assert not torch.equal(torch.cat(first[:10]), torch.cat(first[10:20]))  # reshuffled
+    assert torch.equal(torch.cat(first[:10]).sort(0)[0], torch.cat(first[10:20]).sort(0)[0])
+    assert torch.equal(run([13])[0], first[13])  # a resumed run skips to its step
+    dataset = Source(loaders.batches)
+    assert torch.equal(dataset.get(4, lambda *parts: None)[0], torch.full((4, 8), 2.0))
+
+
+@pytest.mark.torchrun
+def test_only_the_ranks_that_read_a_batch_call_for_it_and_loaders_train_as_one_process(
+        tmp_path):
+    text = ("pyplan: 1\nname: loaded\ndevices: 3\nmicro_batches: 2\n"
+            "training: {backward: {time_ratio: 2}}\nblocks:\n" +
+            "".join(f"  - {{name: s{i}, devices: [{i}], time: 1, memory: 1}}\n"
+                    for i in range(3)) +
+            "model: {module: 'loaders:model', stages: {s0: ['0'], s1: ['1'], s2: ['2']}, "
+            "data: 'loaders:DATA', loss: 'loaders:loss', path: " + json.dumps(str(MODELS)) +
+            "}\n")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for data in ("noted", "loader", "batches"):
+        plan = tmp_path / f"{data}.yaml"
+        plan.write_text(text.replace("DATA", data))
+        assert subprocess.run([PYPLAN, "solve", str(plan), "--quiet"],
+                              timeout=120).returncode == 0
+        result = subprocess.run(
+            [PYPLAN, "run", str(plan.with_suffix(".resolved.yaml")), "--nproc-per-node", "3",
+             "--check", "--iterations", "3", "--json"], capture_output=True, text=True,
+            timeout=300, env={**os.environ, "PYPLAN_TEST_NOTES": str(notes)})
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert json.loads(result.stdout.strip().splitlines()[-1])["check"]["ok"]
+        if data == "noted":  # the middle stage reads neither inputs nor targets
+            called = sorted(p.name for p in notes.iterdir())
+            assert called == ["rank0", "rank2"], called

@@ -23,7 +23,7 @@ from pyplan.resolved import load_resolved
 
 from pyplan.errors import PlanError
 from pyplan.runtime import torch  # imports torch without its numpy warning
-from pyplan.runtime.binding import split_batch
+from pyplan.runtime.data import split_batch
 from pyplan.runtime.check import compare
 
 

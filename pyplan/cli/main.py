@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-from pyplan import __version__
+from pyplan._version import __version__
 from pyplan.errors import EXIT_INTERRUPTED, PyplanError
 
 __all__ = ["entry", "main"]

@@ -141,14 +141,16 @@ def run(args: argparse.Namespace) -> int:
 
     from pyplan.models import Unit, everywhere
     from pyplan.runtime.binding import (Model, defer_whole, import_function, loss_function,
-                                        make_batch, split_batch)
+                                        make_batch)
+    from pyplan.runtime.data import batches_from, split_batch
     from pyplan.runtime.profile import Measured, profile_units
 
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # FACTORY is imported like `python -c` would
     here = "run from the folder that holds the model's package"
     factory = import_function(args.factory, "FACTORY", hint=here)
-    data = import_function(args.data, "--data", hint=here)
+    data = import_function(args.data, "--data", hint=here,
+                           check=lambda found: batches_from(found) is not None)
     loss = import_function(args.loss, "--loss", hint=here)
     user = Model(None, data, loss, whole=factory,
                  names={"module": "FACTORY", "data": "--data", "loss": "--loss"})

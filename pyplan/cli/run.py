@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import signal
 import sys
@@ -405,6 +406,8 @@ def _print_programs(lowered) -> None:
 
 
 def _json(report, lowered, options) -> dict:
+    from pyplan.runtime.session import timed
+
     problem = lowered.problem
     predicted = lowered.makespan * problem.time_unit_ms / 1e3 \
         if problem.time_unit_ms is not None else None
@@ -426,6 +429,9 @@ def _json(report, lowered, options) -> dict:
         "tokens_per_second": [report.tokens / s for s in report.seconds]
         if report.tokens else None,
         "predicted_seconds": predicted,
+        "median_seconds": statistics.median(timed(report.seconds, report)),
+        "census_iteration": report.census_iteration,
+        "rank_memory": report.ranks,
         "compute_seconds": report.compute,
         "rank_iteration_seconds": report.iteration_seconds,
         "peak_activation_bytes": report.peak_activation_bytes,

@@ -167,7 +167,7 @@ def _holders(model: nn.Module, param: torch.Tensor) -> list[tuple[nn.Module, str
 
 
 def _local(param: torch.Tensor, ranks: int, rank: int) -> nn.Parameter:
-    from pyplan.runtime.binding import shard as mark
+    from pyplan.models.chunks import shard as mark
 
     chunk = param.detach().chunk(ranks, 0)[rank].clone()
     return mark(nn.Parameter(chunk, requires_grad=param.requires_grad), 0)
@@ -233,7 +233,7 @@ def shard(model: nn.Module, vocab: Vocab, group, device: torch.device, *,
 
 
 def shard_dim_of(param: torch.Tensor) -> int | None:
-    from pyplan.runtime.binding import shard_dim
+    from pyplan.models.chunks import shard_dim
 
     return shard_dim(param)
 

@@ -18,7 +18,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
 
-from pyplan.runtime.binding import shard  # noqa: E402
+from pyplan.models.chunks import shard  # noqa: E402
 from pyplan.runtime.checkpoint import CheckpointError, load, save  # noqa: E402
 from pyplan.runtime.pipeline import Pipeline  # noqa: E402
 

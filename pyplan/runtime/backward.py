@@ -29,11 +29,27 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["WeightWork", "backward_input", "backward_weight", "full_backward"]
+__all__ = ["WeightWork", "backward_input", "backward_weight", "full_backward", "root"]
 
 
-def _node(t: torch.Tensor):
+def root(t: torch.Tensor):
+    """What a backward starts from for an output `t`: its gradient edge (the node that makes
+    it and which of its outputs), which does not hold t's data, so the output itself can be
+    freed once sent (Megatron's deallocated outputs); a tensor without a node stays itself."""
+    if t.grad_fn is not None:
+        return GradientEdge(t.grad_fn, t.output_nr)
+    return t
+
+
+def _live(r) -> bool:
+    """Whether a root takes part in the backward."""
+    return isinstance(r, GradientEdge) or r.requires_grad
+
+
+def _node(t):
     """The autograd node that receives t's gradient (a leaf's gradient accumulator)."""
+    if isinstance(t, GradientEdge):
+        return t.node
     if t.grad_fn is not None:
         return t.grad_fn
     if t.requires_grad:
@@ -73,10 +89,17 @@ class WeightWork:
     pieces: list[tuple[list[tuple[object, tuple, bool]], list[torch.Tensor]]]
     """(seeds, parameters); a seed is (node, gradients at its outputs, captured in B)."""
 
+    @property
+    def captured_bytes(self) -> int:
+        """What B keeps for W besides the graph: the gradients it captured."""
+        return sum(g.numel() * g.element_size() for seeds, _ in self.pieces
+                   for _, at, captured in seeds if captured for g in at if g is not None)
 
-def full_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """Input and weight gradients at once (inputs are leaves: their .grad is set)."""
-    pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
+
+def full_backward(roots: list, grads: list[torch.Tensor]) -> None:
+    """Input and weight gradients at once (inputs are leaves: their .grad is set); `roots`:
+    tensors or gradient edges (`root`)."""
+    pairs = [(r, g) for r, g in zip(roots, grads) if _live(r)]
     if pairs:
         torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
 
@@ -84,8 +107,9 @@ def full_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
 def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor],
                    inputs: list[torch.Tensor], params: list[torch.Tensor]
                    ) -> tuple[list[torch.Tensor | None], WeightWork]:
-    """B: the gradients of `inputs` (None where there is none), and the work W still has."""
-    pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
+    """B: the gradients of `inputs` (None where there is none), and the work W still has;
+    `roots`: tensors or gradient edges (`root`)."""
+    pairs = [(r, g) for r, g in zip(roots, grads) if _live(r)]
     nodes = [_node(r) for r, _ in pairs]
     input_nodes = {_node(x) for x in inputs}
     param_index = {_node(p): i for i, p in enumerate(params)}

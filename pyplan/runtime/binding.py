@@ -30,28 +30,15 @@ from pyplan.errors import PlanError, RunError
 from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Tie, stage_modules, ties
 from pyplan.models.deferred import Deferred, defer
 from pyplan.models.weights import open_checkpoint
+from pyplan.runtime.data import (DATA_HINT, Source, batches_from, check_batch, describe,
+                                 split_batch, to_device)
 from pyplan.problem import Problem
 from pyplan.spec import load_yaml
 
-__all__ = ["SHARD_DIM", "Built", "Model", "block_inputs", "block_seeds", "build",
-           "call_user", "check_model", "loss_function", "forward_blocks", "forward_seed", "import_function",
-           "load_model", "make_batch", "seed_everything", "seed_generators", "shard",
-           "shard_dim", "split_batch", "to_device"]
-
-SHARD_DIM = "pyplan_shard_dim"
-
-
-def shard(param: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """Mark `param` of a multi-device block as this rank's chunk of the whole parameter:
-    torch.chunk(whole, group size, dim)[rank in group]. Unmarked parameters of such a block are
-    replicated: pyplan sums their gradients over the block's ranks."""
-    setattr(param, SHARD_DIM, dim)
-    return param
-
-
-def shard_dim(param: torch.Tensor) -> int | None:
-    return getattr(param, SHARD_DIM, None)
-
+__all__ = ["Built", "Model", "block_inputs", "block_seeds", "build", "build_whole",
+           "call_user", "check_model", "defer_whole", "forward_blocks", "forward_seed",
+           "import_function", "load_model", "loss_function", "make_batch", "seed_everything",
+           "seed_generators"]
 
 # ---------------------------------------------------------------- the model's functions
 
@@ -77,6 +64,12 @@ class Model:
     weights: Path | None = None
     """The checkpoint the parameters start from (model.weights, resolved against the plan's
     folder)."""
+    batches: Source | None = field(default=None, compare=False, repr=False)
+    """Global batches by step from `data` (made from it)."""
+
+    def __post_init__(self) -> None:
+        if self.batches is None:
+            object.__setattr__(self, "batches", batches_from(self.data))
 
 
 class UserCodeError(RunError):
@@ -87,7 +80,7 @@ class UserCodeError(RunError):
 
 _HINTS = {"blocks": "build(block_name, group) must return an nn.Module for every declared "
                      "block",
-          "data": "batch(step) returns (inputs, targets) for the global batch",
+          "data": DATA_HINT,
           "loss": "loss(output, targets) returns a scalar tensor, the mean over the micro-batch",
           "module": "the factory returns the whole model, an nn.Module"}
 
@@ -113,7 +106,7 @@ def loss_function(model: Model) -> Callable:
     def loss(output, targets, *group):
         value = call_user(model, "loss", model.loss, output, targets, *group)
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
-            raise _user_error(model, "loss", f"returned {_what(value)}, not a scalar tensor",
+            raise _user_error(model, "loss", f"returned {describe(value)}, not a scalar tensor",
                               _HINTS["loss"])
         return value
     return loss
@@ -153,9 +146,11 @@ def _user_error(model: Model | None, what: str, message: str, hint: str | None =
 
 
 def import_function(text: str, what: str, *, file: str | None = None,
-                    hint: str = "install the model's package or set model.path") -> Callable:
-    """The function an import path "pkg.mod:fn" names; PlanError (about `what`) otherwise.
-    Importing runs the user's module: whatever it raises (or a SyntaxError) is one line."""
+                    hint: str = "install the model's package or set model.path",
+                    check=callable) -> Callable:
+    """The function (or, with another `check`, the object) an import path "pkg.mod:fn" names;
+    PlanError (about `what`) otherwise. Importing runs the user's module: whatever it raises
+    (or a SyntaxError) is one line."""
     module_name, _, attr = text.partition(":")
     if not module_name or not attr:
         raise PlanError(f"{what} {text!r} is not an import path pkg.mod:fn", file=file)
@@ -173,8 +168,9 @@ def import_function(text: str, what: str, *, file: str | None = None,
         raise PlanError(f"{what}: importing {module_name} raised "
                         f"{_describe_exception(exc)}{where}", file=file) from None
     function = getattr(module, attr, None)
-    if not callable(function):
-        raise PlanError(f"{what}: {module_name} has no function {attr!r}", file=file)
+    if function is None or not check(function):
+        kind = "function" if check is callable else "function, dataset or iterable"
+        raise PlanError(f"{what}: {module_name} has no {kind} {attr!r}", file=file)
     return function
 
 
@@ -189,13 +185,14 @@ def load_model(problem: Problem, plan_dir: Path, source: str | None = None) -> M
         if path not in sys.path:
             sys.path.insert(0, path)
 
-    def function(text: str, what: str) -> Callable:
+    def function(text: str, what: str, check=callable) -> Callable:
         try:
-            return import_function(text, f"model.{what}")
+            return import_function(text, f"model.{what}", check=check)
         except PlanError as exc:  # at the line that names the function
             raise located(file, ("model", what), exc.message, exc.hint) from None
 
-    data, loss = function(spec.data, "data"), function(spec.loss, "loss")
+    data = function(spec.data, "data", check=lambda found: batches_from(found) is not None)
+    loss = function(spec.loss, "loss")
     names = {k: f"model.{k}" for k in ("data", "loss", "module", "blocks")}
     if spec.module is not None:
         vocab = getattr(spec, "vocab_parallel", None)
@@ -496,55 +493,15 @@ def shared_across_devices(problem: Problem, modules: dict[int, torch.nn.Module])
 def make_batch(model: Model, step: int, seed: int, device,
                split: str | None = None) -> tuple[Any, Any]:
     """The global batch of iteration `step`, the same on every rank and in the reference;
-    with `split` ("eval"), batch `step` of that split: `data(step, split=split)`."""
-    seed_everything(seed, "data" if split is None else split, step)
-    data = model.data if split is None else functools.partial(model.data, split=split)
-    batch = call_user(model, "data", data, step)
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise _user_error(model, "data", f"returned {_what(batch)}, not (inputs, targets)",
-                          _HINTS["data"])
-    for part, what in zip(batch, ("inputs", "targets")):
-        leaves = torch.utils._pytree.tree_leaves(part)
-        bad = next((x for x in leaves if not isinstance(x, torch.Tensor) or x.dim() == 0), None)
-        if not leaves or bad is not None:
-            raise _user_error(model, "data", f"returned {what} that hold "
-                              f"{_what(bad) if leaves else 'no tensor'}",
-                              "inputs and targets are tensors (or tuples, lists or dicts of "
-                              "them) with the batch along dim 0")
+    with `split` ("eval"), batch `step` of that split (pyplan.runtime.data)."""
+    if model.batches is None:
+        raise _user_error(model, "data", f"is {describe(model.data)}, neither a function nor a "
+                          "dataset or iterable of batches", DATA_HINT)
+    batch = call_user(model, "data", model.batches.get, step,
+                      lambda *parts: seed_everything(seed, *parts), split)
+    why = check_batch(batch)
+    if why is not None:
+        raise _user_error(model, "data", why, DATA_HINT if why.endswith("(inputs, targets)")
+                          else "inputs and targets are tensors (or tuples, lists or dicts of "
+                          "them) with the batch along dim 0")
     return to_device(batch[0], device), to_device(batch[1], device)
-
-
-def _what(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}" if value.dim() else "a 0-dim tensor"
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)}"
-    return f"a {type(value).__name__}"
-
-
-def to_device(tree, device, non_blocking: bool = False):
-    """Every tensor of a batch (a tensor, or tuples, lists and dicts of them) on `device`."""
-    if isinstance(tree, torch.Tensor):
-        return tree.to(device, non_blocking=non_blocking)
-    if isinstance(tree, dict):
-        return {k: to_device(v, device, non_blocking) for k, v in tree.items()}
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(to_device(v, device, non_blocking) for v in tree)
-    return tree
-
-
-def split_batch(tree, n: int) -> list:
-    """Split every tensor of `tree` along dim 0 into n equal micro-batches."""
-    if isinstance(tree, torch.Tensor):
-        if tree.dim() == 0 or tree.shape[0] % n:
-            raise PlanError(f"a batch tensor of shape {tuple(tree.shape)} does not split into "
-                            f"{n} equal micro-batches along dim 0",
-                            hint="make the global batch size a multiple of micro_batches")
-        return list(tree.chunk(n))
-    if isinstance(tree, dict):
-        parts = {k: split_batch(v, n) for k, v in tree.items()}
-        return [{k: parts[k][i] for k in tree} for i in range(n)]
-    if isinstance(tree, (tuple, list)):
-        parts = [split_batch(v, n) for v in tree]
-        return [type(tree)(p[i] for p in parts) for i in range(n)]
-    return [tree] * n

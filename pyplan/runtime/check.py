@@ -20,9 +20,10 @@ import torch.distributed as dist
 from pyplan.models import FORWARD, TRACED
 from pyplan.models.forward import logits, whole_forward
 from pyplan.problem import BACKWARD, Problem
+from pyplan.models.chunks import shard_dim
 from pyplan.runtime.binding import (Model, block_inputs, block_seeds, build, build_whole,
-                                    forward_seed, loss_function, make_batch, seed_generators,
-                                    shard_dim, split_batch)
+                                    forward_seed, loss_function, make_batch, seed_generators)
+from pyplan.runtime.data import split_batch
 from pyplan.runtime.training import Training
 
 __all__ = ["Verdict", "compare", "full_gradients", "reference_run"]

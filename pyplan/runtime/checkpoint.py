@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 
 from pyplan.errors import PlanError, PyplanError
-from pyplan.runtime.binding import shard_dim
+from pyplan.models.chunks import shard_dim
 from pyplan.runtime.comm import all_gather_objects
 
 __all__ = ["CheckpointError", "agree", "consolidate", "find", "load", "load_state_dict",
@@ -242,6 +243,7 @@ class _Writer(dcp.FileSystemWriter):
         if self.fail is not None:
             written.wait()
             if self.fail == "kill":
+                time.sleep(0.5)  # as a save that takes a while: the others saw it start
                 os.kill(os.getpid(), 9)
             raise OSError(5, "failing on purpose (--fail-at RANK:save)")
         return written
@@ -313,7 +315,8 @@ def _cause(exc: CheckpointException) -> str:
         if isinstance(inner, OSError) and inner.strerror:
             return f"rank {rank}: {inner.strerror}" + \
                 (f" ({inner.filename})" if inner.filename else "")
-        return f"rank {rank}: {type(inner).__name__}: {inner}".splitlines()[0]
+        first = str(inner).splitlines()[0].split(". ")[0] if str(inner) else ""
+        return f"rank {rank}: {type(inner).__name__}: {first[:160]}"
     return "unknown failure"
 
 
@@ -341,7 +344,7 @@ def load(directory: str | Path, pipe, optimizer=None, *, scheduler=None) -> dict
             dcp.load(state, checkpoint_id=str(folder))
         failure = None
     except CheckpointException as exc:
-        failure = f"cannot read the checkpoint {folder}: {_cause(exc)}"
+        failure = f"cannot read the checkpoint {folder}, its data is damaged: {_cause(exc)}"
     agree(lambda: _raise(failure))
     load_state_dict(pipe, state, optimizer)
     # The plan iterations done (dropout's random numbers follow them) and fp16's loss scale.
@@ -461,7 +464,8 @@ def consolidate(directory: str | Path, model: nn.Module, names: dict[int, str]) 
             warnings.simplefilter("ignore")
             dcp.load(wanted, checkpoint_id=str(folder), no_dist=True)
     except CheckpointException as exc:
-        raise CheckpointError(f"cannot read the checkpoint {folder}: {_cause(exc)}") from None
+        raise CheckpointError(f"cannot read the checkpoint {folder}, its data is damaged: "
+                              f"{_cause(exc)}") from None
     saved = {k[len("model."):]: v for k, v in wanted.items()}
     whole = {}
     for key in list(saved):

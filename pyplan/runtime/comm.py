@@ -323,8 +323,9 @@ class Comm:
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in shapes]
         return self._receive(buffers, peer, spec)
 
-    def recv_gradients(self, peer: int, like: list[torch.Tensor]) -> Pending:
-        buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
+    def recv_gradients(self, peer: int, shapes: list[tuple[torch.Size, torch.dtype]]) -> Pending:
+        """Gradients of this rank's output tensors, of their `shapes` (and dtypes)."""
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
         return self._receive(buffers, peer, None)
 
     def _receive(self, buffers, peer: int, spec) -> Pending:

@@ -41,8 +41,9 @@ import torch.distributed as dist
 from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, SYNC, WAIT, Lowered,
                           Value, describe, is_gradient)
 from pyplan.problem import BACKWARD, WEIGHT
-from pyplan.runtime.backward import backward_input, backward_weight, full_backward
-from pyplan.runtime.binding import block_seeds, forward_seed, seed_generators, shard_dim
+from pyplan.runtime.backward import backward_input, backward_weight, full_backward, root
+from pyplan.models.chunks import shard_dim
+from pyplan.runtime.binding import block_seeds, forward_seed, seed_generators
 from pyplan.runtime.collectives import all_reduce_
 from pyplan.runtime.comm import Comm, TransferError
 from pyplan.runtime.values import differentiable, flatten, nbytes, rebuild, saved_bytes
@@ -73,9 +74,15 @@ class IterationResult:
 
 @dataclass
 class _Forward:
-    """What a forward keeps for its backward."""
+    """What a forward keeps for its backward: autograd's graph and what starts its backward,
+    not the output itself (freed once sent, unless autograd saved it), nor the logits of the
+    loss's block."""
 
-    out: object
+    roots: list | None
+    """The gradient edges of the output's differentiable tensors (None: the loss is the root,
+    or the forward is rerun)."""
+    shapes: list[tuple[torch.Size, torch.dtype]]
+    """Shape and dtype of each differentiable output tensor: the gradients it receives."""
     loss: torch.Tensor | None
     leaves: list[tuple[int, list[torch.Tensor]]]
     """(producing block, the tensors of its value as this block's leaves)."""
@@ -124,6 +131,8 @@ class Executor:
         """fp16: the loss is multiplied by this before its backward (the caller unscales)."""
         self.fail_at = fail_at if fail_at and fail_at[0] == rank else None
         self.saved_bytes: dict[int, int] = {}
+        self.kept_inputs: dict[int, set[tuple[int, int]]] = {}
+        """Per block, the (input, tensor) positions whose storage autograd saves."""
         self.iteration, self.index = -1, -1  # read by the fault watchdog
         self._compile()
         self.reduced = self._reduced()
@@ -187,6 +196,9 @@ class Executor:
             drops[index].append(s)
         self.steps = steps
         self.drops = drops
+        self.forwarded = {step[1] for step in steps if step[0] == _SEND_ACT}
+        """Slots this rank sends on (a received value handed on)."""
+        self.received = {step[1] for step in steps if step[0] == _RECV_ACT}
         self.num_slots = len(slots)
 
     # -- one iteration
@@ -198,6 +210,7 @@ class Executor:
         self.values: list = [None] * self.num_slots
         self.pending: list = [None] * self.num_slots
         self.saved: dict[tuple[int, int], _Forward] = {}
+        self.pinned: set[int] = set()  # received slots a forward of this iteration saved
         self.weight_work: dict = {}
         self.losses: list[torch.Tensor] = []
         self.outputs: list = []
@@ -233,7 +246,9 @@ class Executor:
                 elif code == _BACKWARD:
                     self.backward(*step[1:])
                 else:
-                    backward_weight(self.weight_work.pop((step[1], step[2])))
+                    work, held = self.weight_work.pop((step[1], step[2]))
+                    backward_weight(work)
+                    self.held -= held
                 marks.append((index, before, clock.mark()))
             elif trace:
                 before = clock.mark()
@@ -256,10 +271,7 @@ class Executor:
             self.pending[step[1]] = self.comm.recv_value(step[2], step[3])
         elif code == _RECV_GRAD:
             _, s, peer, layer, m = step
-            out = self.saved[(layer, m)].out
-            leaves, _ = flatten(out, f"block '{self.blocks[layer].name}'")
-            self.pending[s] = self.comm.recv_gradients(
-                peer, [leaves[i] for i in differentiable(leaves)])
+            self.pending[s] = self.comm.recv_gradients(peer, self.saved[(layer, m)].shapes)
         elif code == _WAIT:
             _, s, peer, seq = step
             self.keep(s, self.comm.wait(self.pending[s], peer, seq))
@@ -332,10 +344,17 @@ class Executor:
             args.insert(0, self.inputs[m])
         recomputed = trains and self.blocks[b].recomputed
         measure = trains and not recomputed and b not in self.saved_bytes
-        with saved_bytes(self.params[b]) if measure else contextlib.nullcontext() as n:
+        with saved_bytes(self.params[b]) if measure else contextlib.nullcontext() as saved:
             out, loss = self._call(b, m, args, trains and not recomputed)
         if measure:
-            self.saved_bytes[b] = n[0]
+            self.saved_bytes[b] = saved.bytes
+            # Which of its inputs autograd keeps (the same in every micro-batch): the others
+            # are freed after their last use, though the graph still holds them as leaves.
+            self.kept_inputs[b] = {(i, j) for i, (_, xs) in enumerate(leaves)
+                                   for j, x in enumerate(xs)
+                                   if x.untyped_storage().data_ptr() in saved.storages}
+        if trains and not recomputed:
+            self._free_inputs(b, inputs, leaves)
         if loss is not None:
             self.losses.append(loss.detach())
         detached = _detach(out)
@@ -343,34 +362,55 @@ class Executor:
         if b == self.output and not keep:
             self.outputs.append(detached)
         if trains:
-            held = 0 if recomputed else self.saved_bytes[b]
+            tensors, _ = flatten(out, f"block '{self.blocks[b].name}'")
+            tensors = [tensors[i] for i in differentiable(tensors)]
+            roots = None if loss is not None or recomputed else [root(t) for t in tensors]
+            held = nbytes(args) if recomputed else self.saved_bytes[b]
             self.held += held
             self.peak = max(self.peak, self.held + self.comm.sending_bytes)
-            self.saved[(b, m)] = _Forward(out, loss, leaves, args if recomputed else None, held)
+            self.saved[(b, m)] = _Forward(roots, [(t.shape, t.dtype) for t in tensors], loss,
+                                          leaves, args if recomputed else None, held)
+
+    def _free_inputs(self, b: int, slots: list[int], leaves) -> None:
+        """Free the storage of the received inputs this forward was the last to use and
+        autograd did not save (their leaves' data is never read again; the leaves stay for
+        their gradients)."""
+        last = set(self.drops[self.index])
+        kept = self.kept_inputs.get(b, set())
+        mine = [s for p, s in zip(self.preds[b], slots) if p in self.backs_to[b]]
+        self.pinned.update(mine[i] for i, _ in kept)
+        for i, ((_, xs), s) in enumerate(zip(leaves, mine)):
+            # Only a received value, last used here, that no forward saved and no send reads.
+            if s not in last or s not in self.received or s in self.forwarded or \
+                    s in self.pinned:
+                continue
+            for x in xs:
+                x.untyped_storage().resize_(0)
 
     def backward(self, b: int, m: int, grad_slots: list[int], targets: dict[int, int],
                  block: int) -> None:
         state = self.saved.pop((b, m))
-        out, loss = state.out, state.loss
+        roots, loss = state.roots, state.loss
         if state.rerun is not None:
             out, loss = self._call(b, m, state.rerun, True)
+            tensors, _ = flatten(out, f"block '{self.blocks[b].name}'")
+            roots = [tensors[i] for i in differentiable(tensors)]
         if loss is not None:  # the loss counts once, on the first rank of the last block
             roots = [loss]
             grads = [torch.full((), self.scale * self.loss_scale, dtype=loss.dtype,
                                 device=loss.device)]
         else:
-            leaves, _ = flatten(out, f"block '{self.blocks[b].name}'")
-            positions = differentiable(leaves)
-            roots = [leaves[i] for i in positions]
-            grads = _summed([self.values[s] for s in grad_slots], roots)
+            grads = _summed([self.values[s] for s in grad_slots], state.shapes, self.device)
         inputs = [x for _, xs in state.leaves for x in xs if x.requires_grad]
-        if b in self.split:
+        if b in self.split:  # the graph stays for W, with the gradients B captured for it
             found, work = backward_input(roots, grads, inputs, self.params[b])
-            self.weight_work[(b, m)] = work
+            self.weight_work[(b, m)] = (work, state.held + work.captured_bytes)
+            self.held += work.captured_bytes
+            self.peak = max(self.peak, self.held + self.comm.sending_bytes)
         else:
             full_backward(roots, grads)
             found = [x.grad for x in inputs]
-        self.held -= state.held
+            self.held -= state.held
         got = iter(found)
         for p, xs in state.leaves:
             if p not in targets:
@@ -502,10 +542,11 @@ def _detach(value):
     return rebuild([t.detach() for t in leaves], spec)
 
 
-def _summed(contributions: list[list[torch.Tensor]], roots: list[torch.Tensor]):
-    """The gradient of each root: the sum of every contribution received (zeros if none)."""
+def _summed(contributions: list[list[torch.Tensor]], shapes: list, device):
+    """The gradient of each output tensor (`shapes`: their shapes and dtypes): the sum of every
+    contribution received (zeros if none)."""
     if not contributions:
-        return [torch.zeros_like(r) for r in roots]
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes]
     if len(contributions) == 1:
         return contributions[0]
     return [sum(parts) for parts in zip(*contributions)]

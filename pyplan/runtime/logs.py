@@ -40,8 +40,8 @@ class Log:
         """One optimizer step: `record` has step, loss, lr, seconds and the optional
         grad_norm, samples_per_second, tokens_per_second, peak_activation_bytes,
         cuda_max_allocated."""
+        self._write(record)  # first: whoever reads the line finds the record already there
         self.say(line)
-        self._write(record)
         if self.board is not None:
             for key in ("loss", "lr", "grad_norm", "tokens_per_second", "samples_per_second"):
                 if record.get(key) is not None:
@@ -49,8 +49,8 @@ class Log:
             self.board.flush()
 
     def evaluation(self, step: int, loss: float, line: str) -> None:
-        self.say(line)
         self._write({"step": step, "eval_loss": loss})
+        self.say(line)
         if self.board is not None:
             self.board.add_scalar("eval/loss", loss, step)
             self.board.flush()

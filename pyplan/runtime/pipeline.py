@@ -37,8 +37,10 @@ from pyplan.errors import PlanError, RunError
 from pyplan.lower import SYNC, Lowered, channels, check_runnable, forward_only, lower
 from pyplan.resolved import ResolvedPlan, load_resolved
 from pyplan.runtime import checkpoint
-from pyplan.runtime.binding import (Built, Model, build, kept_rng, load_model, loss_function,
-                                    shard_dim, shared_across_devices, split_batch, to_device)
+from pyplan.models.chunks import shard_dim
+from pyplan.runtime.binding import (Built, Model, block_inputs, build, kept_rng, load_model,
+                                    loss_function, shared_across_devices)
+from pyplan.runtime.data import split_batch, to_device
 from pyplan.runtime.comm import Comm, TransferError, device_backend, join_world
 from pyplan.runtime.executor import Executor, IterationResult, padded, unflatten_into
 from pyplan.verify import verify
@@ -133,6 +135,12 @@ class Pipeline:
         built: Built = build(self.model, problem, seed=self.seed, device=self.device,
                              rank=self.device_index, groups=self.groups)
         self.built, self.modules = built, built.modules
+        preds = block_inputs(problem, self.modules)
+        self.takes_inputs = any(not preds[b] or b in built.wants_inputs for b in self.modules)
+        """Whether a block of this rank reads the micro-batches' inputs (only these ranks need
+        the batch's inputs)."""
+        self.takes_targets = self.output in self.modules
+        """Whether this rank computes the loss (only these ranks need the targets)."""
         _refuse_dtensors(problem, self.modules)
         if built.whole is None and self.model.whole is None:
             with torch.device("meta"):
@@ -215,6 +223,7 @@ class Pipeline:
         Megatron-LM hand it out. With mesh.shard, `whole_gradients` also gathers each
         parameter's whole averaged gradient into its .grad (to inspect it; the optimizer uses
         the shards)."""
+        self._needs(inputs, targets, "step")
         self.executor.loss_scale = self.loss_scale
         result = self._run(self.executor, inputs, targets, trace=trace,
                            whole_gradients=whole_gradients)
@@ -260,18 +269,21 @@ class Pipeline:
         optimizer.step()
         return True
 
-    def eval_step(self, inputs, targets=None):
+    def eval_step(self, inputs, targets=None, *, loss: bool | None = None):
         """Forward only (no gradients, no dropout randomness beyond the plan's seeding). Without
         targets: the last block's output for the whole batch (its micro-batches concatenated)
-        on the last block's ranks, None on the others; with targets: the batch's loss (the
-        mean over micro-batches and replicas) on every rank. A batch of another size than the
-        training batch runs in fewer micro-batches when it does not split into the plan's
-        number: the most, up to that number, that divide each replica's share."""
-        n = self._eval_micro_batches(inputs)
+        on the last block's ranks, None on the others; with targets (or `loss=True`, on ranks
+        that do not compute the loss and pass None): the batch's loss (the mean over
+        micro-batches and replicas) on every rank. A batch of another size than the training
+        batch runs in fewer micro-batches when it does not split into the plan's number: the
+        most, up to that number, that divide each replica's share (the ranks agree on it)."""
+        loss = targets is not None if loss is None else loss
+        self._needs(inputs, targets if loss else (), "eval_step")
+        n = self._agreed_micro_batches(inputs)
         with torch.no_grad():
             result = self._run(self._evaluator(n), inputs, targets, forward_only=True,
                                training=False, micro_batches=n)
-        if targets is not None:
+        if loss:
             return self._global_loss(result.loss)
         if not result.outputs:
             return None
@@ -279,6 +291,24 @@ class Pipeline:
         if isinstance(outputs[0], torch.Tensor):
             return torch.cat(outputs)
         return outputs
+
+    def _needs(self, inputs, targets, what: str) -> None:
+        """RunError when this rank is given None for what its blocks read."""
+        for given, needed, name in ((inputs, self.takes_inputs, "inputs"),
+                                    (targets, self.takes_targets, "targets")):
+            if given is None and needed:
+                raise RunError(f"Pipeline.{what}: rank {self.rank} runs a block that reads the "
+                               f"{name}, but got None for them",
+                               hint="pass the global batch on the ranks whose takes_inputs / "
+                                    "takes_targets is True (any rank may get it)")
+
+    def _agreed_micro_batches(self, inputs) -> int:
+        """The micro-batches an evaluation batch runs in, the same on every rank (the ranks
+        that take no inputs learn it from those that do)."""
+        n = self._eval_micro_batches(inputs) if self.takes_inputs else 0
+        agreed = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.comm.cpu_group)
+        return int(agreed)
 
     def _eval_micro_batches(self, inputs) -> int:
         replicas, n = self.problem.mesh.data, self.problem.num_micro_batches
@@ -321,29 +351,31 @@ class Pipeline:
     def _run(self, executor: Executor, inputs, targets, *, whole_gradients: bool = False,
              training: bool = True, micro_batches: int | None = None,
              **kwargs) -> IterationResult:
-        problem = self.problem
-        replicas, n = problem.mesh.data, micro_batches or problem.num_micro_batches
-        inputs = to_device(inputs, self.device, non_blocking=True)
-        if replicas > 1:  # this replica's slice of the global batch
-            inputs = split_batch(inputs, replicas)[self.replica]
-        inputs = split_batch(inputs, n)
-        if targets is not None:
-            targets = to_device(targets, self.device, non_blocking=True)
-            if replicas > 1:
-                targets = split_batch(targets, replicas)[self.replica]
-            targets = split_batch(targets, n)
+        n = micro_batches or self.problem.num_micro_batches
+        # Only what this rank's blocks read: the inputs where a block takes them, the targets
+        # where the loss is computed.
+        inputs = self._micro_batches(inputs, n) if self.takes_inputs else [None] * n
+        targets = self._micro_batches(targets, n) \
+            if targets is not None and self.takes_targets else None
         if self.shards is not None:
             self.shards.gather()
         if training:  # an evaluation between two steps does not move the random numbers
             self.iteration += 1
         with kept_rng(self.device):
             result = executor.run(inputs, targets, iteration=max(self.iteration, 0), **kwargs)
-        if targets is not None and training:
+        if training:
             self.parts = executor.finish_syncs(whole=whole_gradients)
             if self.shards is not None:
                 self.shards.take(self.parts)
             self._sum_ties()
         return result
+
+    def _micro_batches(self, tree, n: int) -> list:
+        """This replica's share of a global batch on the device, in n micro-batches."""
+        tree = to_device(tree, self.device, non_blocking=True)
+        if self.problem.mesh.data > 1:  # this replica's slice of the global batch
+            tree = split_batch(tree, self.problem.mesh.data)[self.replica]
+        return split_batch(tree, n)
 
     def _sum_ties(self) -> None:
         for _, param, group in self.ties:

@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import statistics
-import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -29,184 +25,36 @@ from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Unit, find_units, stage_m
 from pyplan.models.deferred import Deferred, eager, move
 from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.problem import BACKWARD, Problem
-from pyplan.runtime.binding import (Model, block_inputs, build, loss_function, make_batch,
-                                    split_batch, to_device)
-from pyplan.runtime.values import flatten, nbytes, rebuild, saved_bytes
+from pyplan.runtime.binding import Model, block_inputs, build, loss_function, make_batch
+from pyplan.runtime.data import split_batch, to_device
+from pyplan.runtime.census import storage_bytes
+from pyplan.runtime.measure import (BlockCost, Measured, Timer, block_arguments, busy,
+                                    compute_threads, leaves, measure, memory_peaks,
+                                    unit_buffer_bytes, unit_parameters)
+from pyplan.runtime.sharded import sharded_blocks
+from pyplan.runtime.values import flatten, nbytes, rebuild
 
 __all__ = ["BlockCost", "Measured", "profile_blocks", "profile_units"]
-
-SPREAD = 0.10  # interquartile range / median above which more runs are taken
-MORE = 8       # at most this many times the asked repeats
-
-
-@dataclass(frozen=True)
-class BlockCost:
-    name: str
-    devices: tuple[int, ...]
-    forward_ms: float
-    backward_ms: float | None
-    """None for a block without a backward (inference, or a no-grad pass)."""
-    activation_bytes: int
-    input_bytes: int = 0
-    """What it keeps when recomputed."""
-    output_bytes: int = 0
-    """What goes to its consumers on other devices (and its gradient back)."""
-
-
-@dataclass
-class Measured:
-    """What the measurements noticed besides the figures."""
-
-    spread: dict[str, float] = field(default_factory=dict)
-    """What was timed -> the spread of its times, where they stayed over SPREAD."""
-    load: float | None = None
-    """The highest load average seen above the cores, if any."""
-
-    @property
-    def warnings(self) -> list[str]:
-        """Lines for the user."""
-        lines = []
-        if self.spread:
-            worst = max(self.spread, key=self.spread.get)
-            lines.append(f"the times of {len(self.spread)} measurements spread more than "
-                         f"{SPREAD:.0%} around their medians however often repeated (worst: "
-                         f"{worst}, {self.spread[worst]:.0%}); the medians count")
-        if self.load is not None:
-            lines.append(f"the machine looks busy (load average {self.load:.1f} on "
-                         f"{os.cpu_count() or 1} cores): other work competing for the cores "
-                         "makes every time too long; measure again when it is idle")
-        return lines
-
-
-def _spread(samples: list[float]) -> float:
-    if len(samples) < 4:
-        return 0.0
-    q = statistics.quantiles(samples, n=4)
-    middle = statistics.median(samples)
-    return (q[2] - q[0]) / middle if middle > 0 else 0.0
-
-
-class _Timer:
-    def __init__(self, device, repeats: int, measured: Measured) -> None:
-        self.device, self.repeats, self.measured = device, repeats, measured
-
-    def now(self):
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def ms(self, start, end) -> float:
-        if self.device.type == "cuda":
-            end.synchronize()
-            return start.elapsed_time(end)
-        return (end - start) * 1e3
-
-    def median(self, sample, what: str) -> float:
-        """Median milliseconds of `sample()` (which times one run and returns ms), after one
-        warm-up run, with runs added while they spread too widely."""
-        sample()
-        samples = [sample() for _ in range(self.repeats)]
-        while _spread(samples) > SPREAD and len(samples) < MORE * self.repeats:
-            samples.append(sample())
-        spread = _spread(samples)
-        if spread > SPREAD:
-            self.measured.spread[what] = spread
-        return statistics.median(samples)
-
-    def call(self, fn, what: str) -> tuple[float, object]:
-        """Median ms of fn() and its last result."""
-        box = [None]
-
-        def sample():
-            start = self.now()
-            box[0] = fn()
-            return self.ms(start, self.now())
-        return self.median(sample, what), box[0]
-
-
-def _busy(measured: Measured) -> None:
-    """Flag a machine whose load average exceeds its cores (before or after measuring)."""
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return
-    if load > (os.cpu_count() or 1) + 0.5:
-        measured.load = max(load, measured.load or 0.0)
-
-
-def block_arguments(b: int, preds: dict, outputs: dict, inputs, wants_inputs, grad: bool):
-    """Block b's arguments from its predecessors' outputs (and the batch's inputs where it
-    takes them), and the leaves to differentiate: inputs from other blocks are leaves here,
-    so the backward stops at this block."""
-    args, wrt = [], []
-    for p in preds[b]:
-        value, leaves = _leaves(outputs[p], grad)
-        args.append(value)
-        wrt += leaves
-    if not preds[b] or b in wants_inputs:
-        args.insert(0, inputs)
-    return args, wrt
-
-
-def _saved_bytes(fn, params) -> int:
-    """Bytes autograd saves for backward while fn runs (pyplan.runtime.values.saved_bytes)."""
-    with saved_bytes(params) as total:
-        fn()
-    return total[0]
-
-
-def _leaves(value, grad: bool):
-    """A value's tensors as fresh leaves (floating ones requiring grad when `grad`)."""
-    if value is None:
-        return None, []
-    tensors, spec = flatten(value, "a block")
-    fresh = [t.detach().requires_grad_(grad and t.is_floating_point()) for t in tensors]
-    return rebuild(fresh, spec), [t for t in fresh if t.requires_grad]
-
-
-def _roots(out, loss_fn):
-    """What a backward starts from: the loss of the output, or each floating output tensor
-    (with ones as its gradient)."""
-    if loss_fn is not None:
-        return [loss_fn(out)], None
-    tensors, _ = flatten(out, "a block")
-    roots = [t for t in tensors if t.is_floating_point() and t.requires_grad]
-    return roots, [torch.ones_like(t) for t in roots]
-
-
-def _measure(timer: _Timer, module, args: list, wrt_inputs: list, params: list, loss_fn,
-             what: str, grad: bool = True) -> tuple[float, float | None, int, object]:
-    """(forward ms, backward ms, saved bytes, output) of module(*args)."""
-    with torch.set_grad_enabled(grad):
-        forward_ms, out = timer.call(lambda: module(*args), f"{what} forward")
-        saved = _saved_bytes(lambda: module(*args), params) if grad else 0
-    if not grad:
-        return forward_ms, None, saved, out
-    wrt = wrt_inputs + params
-
-    def backward():
-        with torch.enable_grad():
-            roots, seeds = _roots(module(*args), loss_fn)
-        start = timer.now()
-        if wrt and any(r.requires_grad for r in roots):
-            torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
-        return timer.ms(start, timer.now())
-
-    return forward_ms, timer.median(backward, f"{what} backward"), saved, out
 
 
 def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: int = 5,
                    device: torch.device | None = None, measured: Measured | None = None,
-                   measure_collectives: bool = False) -> list[BlockCost]:
+                   measure_collectives: bool = False,
+                   threads: int | None = None) -> list[BlockCost]:
     """Costs of every forward block, in plan order (the collectives of vocabulary-sharded
     blocks measured among local processes with `measure_collectives`, else modelled on the
-    default link)."""
+    default link), computed with `threads` CPU threads (default: as each rank of a run)."""
     device = device or torch.device("cpu")
+    with compute_threads(device, threads):
+        return _profile_blocks(problem, model, seed=seed, repeats=repeats, device=device,
+                               measured=measured, measure_collectives=measure_collectives)
+
+
+def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, device,
+                    measured: Measured | None, measure_collectives: bool) -> list[BlockCost]:
     measured = measured if measured is not None else Measured()
-    timer = _Timer(device, repeats, measured)
-    _busy(measured)
+    timer = Timer(device, repeats, measured)
+    busy(measured)
     output_block = check_runnable(problem)
     built = build(model, problem, seed=seed, device=device)
     modules = built.modules
@@ -225,36 +73,43 @@ def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: in
         loss_fn = (lambda out: loss_function(model)(out, targets, *whole)) \
             if b == output_block else None
         block = problem.blocks[b]
-        forward_ms, backward_ms, saved, out = _measure(timer, module, args, wrt, params,
+        forward_ms, backward_ms, saved, out = measure(timer, module, args, wrt, params,
                                                        loss_fn, f"block '{block.name}'", grad)
         outputs[b] = out
         sent = [a for a in args if a is not inputs] if preds[b] else [inputs]
         costs[b] = BlockCost(block.name, block.devices, forward_ms, backward_ms, saved,
                              sum(nbytes(a) for a in sent), nbytes(out))
     if getattr(model, "vocab", None) is not None:  # all-device blocks: one rank's share
-        from pyplan.runtime.sharded import sharded_blocks
-
         costs.update(sharded_blocks(problem, model, seed=seed, device=device, timer=timer,
                                     inputs=inputs, targets=targets, outputs=outputs,
                                     measure=measure_collectives))
-    _busy(measured)
+    busy(measured)
     return [costs[b] for b in sorted(costs)]
 
 
 def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
                   optimizer: str = "sgd", repeats: int = 5, device: torch.device | None = None,
-                  progress=None, measured: Measured | None = None
-                  ) -> tuple[list[UnitCost], Cut]:
+                  progress=None, measured: Measured | None = None,
+                  threads: int | None = None) -> tuple[list[UnitCost], Cut]:
     """Costs of each unit of a model on one micro-batch, and how the model is cut (see
     pyplan.models): median forward and backward milliseconds (the backward of exactly that
     unit; the last unit's from the loss), the activation bytes autograd saves, and the weights'
-    bytes with their gradients and the optimizer's state. A deferred model (built on the meta
-    device) is materialised one unit at a time, so the whole model is never in memory."""
-    deferred = model if isinstance(model, Deferred) else eager(model)
+    bytes with their gradients and the optimizer's state, computed with `threads` CPU threads
+    (default: as each rank of a run). A deferred model (built on the meta device) is
+    materialised one unit at a time, so the whole model is never in memory."""
     device = device or torch.device("cpu")
+    with compute_threads(device, threads):
+        return _profile_units(model, inputs, targets, loss, optimizer=optimizer,
+                              repeats=repeats, device=device, progress=progress,
+                              measured=measured)
+
+
+def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int, device,
+                   progress, measured: Measured | None) -> tuple[list[UnitCost], Cut]:
+    deferred = model if isinstance(model, Deferred) else eager(model)
     measured = measured if measured is not None else Measured()
-    timer = _Timer(device, repeats, measured)
-    _busy(measured)
+    timer = Timer(device, repeats, measured)
+    busy(measured)
     whole = deferred.model
     with deferred.streaming():
         cut, units = find_units(whole, inputs)
@@ -262,7 +117,7 @@ def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
         deferred.materialize(whole, "cpu")
     inputs, targets = to_device(inputs, device), to_device(targets, device)
     names = {id(p): n for n, p in reversed(list(whole.named_parameters(remove_duplicate=False)))}
-    own = [tuple(dict.fromkeys(names[id(p)] for p in _unit_parameters(whole, unit)))
+    own = [tuple(dict.fromkeys(names[id(p)] for p in unit_parameters(whole, unit)))
            for unit in units]
     pieces = _pieces(whole, cut, units, inputs, device) \
         if deferred.eager or cut.kind == TRACED else None
@@ -271,21 +126,25 @@ def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
         module = pieces[k] if pieces is not None else _piece(deferred, cut, units, k, device)
         params = [p for p in module.parameters() if p.requires_grad]
         if cut.kind == FORWARD:  # the stage module holds the whole model: the unit's own
-            params = _unit_parameters(module.model, unit)
-        received, wrt = _leaves(value, True)
+            params = unit_parameters(module.model, unit)
+        received, wrt = leaves(value, True)
         if cut.kind == FORWARD:
             args = [inputs] + ([] if received is None else [received])
         else:
             args = [inputs if received is None else received]
         last = k == len(units) - 1
         loss_fn = (lambda out: loss(out, targets)) if last else None
-        forward_ms, backward_ms, saved, out = _measure(timer, module, args, wrt, params,
+        forward_ms, backward_ms, saved, out = measure(timer, module, args, wrt, params,
                                                        loss_fn, f"unit {unit.name}")
+        peaks = memory_peaks(module, args, wrt, params, loss_fn, device)
         size = sum(p.numel() * p.element_size() for p in params)
+        buffers = unit_buffer_bytes(module.model, unit) if cut.kind == FORWARD else \
+            storage_bytes(module.buffers())
         costs.append(UnitCost(unit.name, forward_ms, backward_ms, saved,
-                              size * (2 + OPTIMIZER_STATE[optimizer]),
+                              size * (2 + OPTIMIZER_STATE[optimizer]) + buffers,
                               nbytes(inputs if received is None else received), nbytes(out),
-                              modules=unit.modules, parameters=own[k]))
+                              modules=unit.modules, parameters=own[k],
+                              forward_peak_bytes=peaks[0], backward_peak_bytes=peaks[1]))
         value = _detached(out)
         del module, params, out
         if progress is not None:
@@ -297,7 +156,7 @@ def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
         costs[1:] = [dataclasses.replace(c, forward_ms=max(c.forward_ms - prefix,
                                                            0.05 * c.forward_ms))
                      for c in costs[1:]]
-    _busy(measured)
+    busy(measured)
     return costs, cut
 
 
@@ -333,11 +192,3 @@ def _piece(deferred: Deferred, cut: Cut, units: list[Unit], k: int,
                          materialize=lambda pruned: deferred.materialize(pruned, device))[k]
 
 
-def _unit_parameters(model: torch.nn.Module, unit: Unit) -> list[torch.Tensor]:
-    """The parameters of a unit's modules (each once)."""
-    found = {}
-    for name in unit.modules:
-        for p in model.get_submodule(name).parameters():
-            if p.requires_grad:
-                found[id(p)] = p
-    return list(found.values())

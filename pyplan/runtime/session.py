@@ -7,6 +7,8 @@ rank 0. A fault watchdog names the first rank that fails.
 
 from __future__ import annotations
 
+import contextlib
+import resource
 import statistics
 import time
 import warnings
@@ -19,6 +21,7 @@ from pyplan.errors import PyplanError, RunError
 from pyplan.lower import COMPUTE, Lowered, describe
 from pyplan.runtime import checkpoint
 from pyplan.runtime.binding import Model, make_batch
+from pyplan.runtime.census import Census
 from pyplan.runtime.check import Verdict, compare, full_gradients, reference_run
 from pyplan.runtime.comm import TransferError, all_gather_objects
 from pyplan.runtime.faults import Watchdog
@@ -97,6 +100,13 @@ class Report:
     """The checkpoint resumed from: path, step, the settings changed since."""
     saved: str | None = None
     """The last checkpoint written."""
+    ranks: list[dict] = field(default_factory=list)
+    """Per rank: its memory (`peak_bytes`, `static_bytes` measured by the census, beside the
+    plan's `planned_peak_bytes` and `planned_static_bytes`), `max_rss_bytes` (the process's
+    host memory at its most), `setup_seconds` (building its stages) and `weights_read` (tensors
+    it read from model.weights)."""
+    census_iteration: int | None = None
+    """The iteration (counted from the first of this run) the memory census ran in: not timed."""
 
 
 class Session:
@@ -107,10 +117,13 @@ class Session:
         self.step_index = SETUP
         self.watchdog = None
         self.resumed = self.saved = None
+        self.memory = (0, 0)
+        started = time.perf_counter()
         self.pipe = Pipeline(plan, device=options.device, seed=options.seed,
                              dtype=options.dtype, blocking=options.blocking,
                              sync_at_end=options.sync_at_end, model=model,
                              fail_at=options.fail_at)
+        self.setup_seconds = time.perf_counter() - started
         pipe = self.pipe
         self.lowered: Lowered = pipe.lowered
         self.problem, self.rank = pipe.problem, pipe.rank
@@ -164,7 +177,7 @@ class Session:
 
     def train(self) -> Report:
         opts, pipe = self.options, self.pipe
-        training, K = opts.training, opts.training.accumulate
+        training = opts.training
         trains = self.problem.training and bool(pipe.parameters())
         steps = self.first_step() + opts.iterations
         optimizer, scheduler = training.build(pipe.parameters(), steps) if trains \
@@ -174,62 +187,88 @@ class Session:
         pipe.iteration = batches - 1
         if opts.resume and optimizer is not None:  # the schedule of this run, at its step
             scheduler = training.switch(optimizer, steps, first)
-        records, grads, eval_losses, samples, tokens = [], {}, [], 0, None
+        self.batches, self.grads, self.samples, self.tokens = batches, {}, 0, None
+        records, eval_losses = [], []
         log = Log(lines=opts.lines and self.rank == 0, path=opts.log if self.rank == 0 else None,
                   tensorboard=opts.tensorboard if self.rank == 0 else None)
         self.log = log
         log.say(header(self.problem, pipe.world, pipe.device.type, pipe.backend, opts))
         if resumed is not None:
             log.say(resumed)
+        last = first + opts.iterations - 1
+        # One step, the second when there are several (everything the run holds exists by
+        # then: gradients, the optimizer's state), is counted by the memory census; its time
+        # does not count (the census costs Python per operation).
+        self.census_step = first + (1 if opts.iterations > 1 else 0)
         try:
-            for step in range(first, first + opts.iterations):
-                if optimizer is not None:
-                    optimizer.zero_grad(set_to_none=True)
+            for step in range(first, last + 1):
                 lr = scheduler.get_last_lr()[0] if scheduler is not None else None
-                seconds, compute, mine, peak = 0.0, 0.0, [], 0
-                for j in range(K):
-                    self.step_index = batches
-                    inputs, targets = make_batch(pipe.model, batches, opts.seed,
-                                                 torch.device("cpu"))
-                    samples, tokens = (x * K if x else x for x in _sizes(inputs))
-                    dist.barrier()
-                    started = time.perf_counter()
-                    pipe.step(inputs, targets, trace=opts.trace is not None and
-                              step == first + opts.iterations - 1 and j == K - 1,
-                              whole_gradients=opts.check and not records and j == 0,
-                              share_loss=False)
-                    if opts.check and not records and j == 0:  # before the step; not timed
-                        self._sync_device()
-                        took = time.perf_counter() - started
-                        grads = full_gradients(self.problem, pipe.modules, pipe.groups,
-                                               pipe.device_index, pipe.built.names) \
-                            if pipe.replica == 0 else {}
-                        started = time.perf_counter() - took
-                    batches += 1
-                    if j < K - 1:
-                        self._sync_device()
-                        seconds += time.perf_counter() - started
-                    result = pipe.last
-                    compute += result.compute
-                    peak = max(peak, result.peak_activation_bytes)
-                    if result.loss is not None:
-                        mine.append(float(result.loss))
-                norm = self.optimizer_step(optimizer, scheduler)
-                self._sync_device()
-                seconds += time.perf_counter() - started
-                own = sum(mine) / K if mine else None  # this replica's, on its loss rank
-                records.append((seconds, compute, own, peak, norm))
-                self.progress(step, records[-1], lr, samples, tokens)
+                with self.census(optimizer) if step == self.census_step else \
+                        contextlib.nullcontext():
+                    records.append(self.one_step(optimizer, scheduler, trace=step == last,
+                                                 check=opts.check and not records))
+                self.progress(step, records[-1], lr)
                 if opts.eval_every and (step + 1) % opts.eval_every == 0:
                     eval_losses.append((step + 1, self.evaluate(step + 1)))
                 if opts.save and ((opts.save_every and (step + 1) % opts.save_every == 0)
-                                  or step == first + opts.iterations - 1):
-                    self.save(optimizer, step + 1, batches, history, steps)
+                                  or step == last):
+                    self.save(optimizer, step + 1, history, steps)
         finally:
             log.close()
         self.step_index = REPORT
         events = pipe.last.events if opts.trace else []
-        return self.report(first, records, events, grads, samples, tokens, eval_losses)
+        return self.report(first, records, events, self.grads, self.samples, self.tokens,
+                           eval_losses)
+
+    def one_step(self, optimizer, scheduler, *, trace: bool, check: bool) -> tuple:
+        """One optimizer step over --accumulate global batches: (seconds, compute seconds,
+        this replica's mean loss on its loss rank else None, peak activation bytes, the
+        gradient norm before clipping)."""
+        opts, pipe, K = self.options, self.pipe, self.options.training.accumulate
+        if optimizer is not None:  # the gradients stay allocated: static memory
+            optimizer.zero_grad(set_to_none=False)
+        seconds, compute, mine, peak = 0.0, 0.0, [], 0
+        for j in range(K):
+            self.step_index = self.batches
+            inputs, targets = self.batch(self.batches)
+            if inputs is not None:
+                self.samples, self.tokens = (x * K if x else x for x in _sizes(inputs))
+            dist.barrier()
+            started = time.perf_counter()
+            pipe.step(inputs, targets, trace=opts.trace is not None and trace and j == K - 1,
+                      whole_gradients=check and j == 0, share_loss=False)
+            if check and j == 0:  # the gradients before the step changes them; not timed
+                self._sync_device()
+                took = time.perf_counter() - started
+                self.grads = full_gradients(self.problem, pipe.modules, pipe.groups,
+                                            pipe.device_index, pipe.built.names) \
+                    if pipe.replica == 0 else {}
+                started = time.perf_counter() - took
+            self.batches += 1
+            if j < K - 1:
+                self._sync_device()
+                seconds += time.perf_counter() - started
+            compute += pipe.last.compute
+            peak = max(peak, pipe.last.peak_activation_bytes)
+            if pipe.last.loss is not None:
+                mine.append(float(pipe.last.loss))
+        norm = self.optimizer_step(optimizer, scheduler)
+        self._sync_device()
+        seconds += time.perf_counter() - started
+        return (seconds, compute, sum(mine) / K if mine else None, peak, norm)
+
+    def census(self, optimizer):
+        """A context counting what this rank holds at most while it runs (pyplan.runtime.census
+        on the CPU, torch.cuda's peak on a GPU): `self.memory` = (peak, static) bytes, where
+        static is what existed when it began (parameters, gradients, optimizer state,
+        buffers)."""
+        pipe = self.pipe
+        tensors = [*pipe.parameters(), *(p.grad for p in pipe.parameters()
+                                         if p.grad is not None),
+                   *(t for state in (optimizer.state.values() if optimizer else ())
+                     for t in state.values() if isinstance(t, torch.Tensor)),
+                   *(b for m in pipe.modules.values() for b in m.buffers())]
+        return _Counting(self, pipe.device, tensors)
 
     def first_step(self) -> int:
         """The step a resumed run starts at (0 otherwise), agreed by every rank."""
@@ -280,11 +319,22 @@ class Session:
                 scheduler.step()
         return None if norm is None else float(norm)  # read after the step: no sync before
 
-    def progress(self, step: int, record, lr, samples: int, tokens: int | None) -> None:
+    def batch(self, step: int, split: str | None = None):
+        """The global batch of `step` where this rank's blocks read it, else (None, None): only
+        the ranks that take the inputs or compute the loss call the data."""
+        pipe = self.pipe
+        if not (pipe.takes_inputs or pipe.takes_targets):
+            return None, None
+        return make_batch(pipe.model, step, self.options.seed, torch.device("cpu"), split=split)
+
+    def progress(self, step: int, record, lr) -> None:
         """Rank 0 logs the step as it ends: the global loss, the slowest rank's time, the
         largest peak of activations (one small gather)."""
         seconds, _, own, peak, norm = record
-        gathered = all_gather_objects((own, seconds, peak, lr, norm))
+        gathered = all_gather_objects((own, seconds, peak, lr, norm, self.samples, self.tokens))
+        # The batch's size from a rank that read it (a rank that reads none has no batch).
+        samples = self.samples = max(g[5] for g in gathered)
+        tokens = self.tokens = max((g[6] for g in gathered if g[6]), default=None)
         if self.rank != 0:
             return
         owned = [g[0] for g in gathered if g[0] is not None]
@@ -308,20 +358,19 @@ class Session:
         pipe.eval()
         total = 0.0
         for i in range(opts.eval_batches):
-            inputs, targets = make_batch(pipe.model, i, opts.seed, torch.device("cpu"),
-                                         split="eval")
-            total += float(pipe.eval_step(inputs, targets))
+            inputs, targets = self.batch(i, split="eval")
+            total += float(pipe.eval_step(inputs, targets, loss=True))
         pipe.train()
         loss = total / opts.eval_batches
         self.log.evaluation(step, loss, f"  eval after step {step}: loss {loss:.6f} "
                             f"({opts.eval_batches} batches)")
         return loss
 
-    def save(self, optimizer, step: int, batches: int, history: list, steps: int) -> None:
+    def save(self, optimizer, step: int, history: list, steps: int) -> None:
         opts, pipe = self.options, self.pipe
         self.step_index = SAVE
         fail = opts.fail_save[1] if opts.fail_save and opts.fail_save[0] == self.rank else None
-        meta = {"seed": opts.seed, "batches": batches,
+        meta = {"seed": opts.seed, "batches": self.batches,
                 "training": {**opts.training.record(), "steps": steps}, "history": history}
         folder = checkpoint.save(opts.save, pipe, optimizer, step=step, meta=meta,
                                  keep_last=opts.keep_last, fail=fail)
@@ -335,7 +384,10 @@ class Session:
         pipe = self.pipe
         cuda = torch.cuda.max_memory_allocated(pipe.device) \
             if pipe.device.type == "cuda" else None
-        gathered = all_gather_objects((records, events, grads, cuda))
+        mine = {"peak_bytes": self.memory[0], "static_bytes": self.memory[1],
+                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "setup_seconds": self.setup_seconds, "weights_read": len(pipe.built.read)}
+        gathered = all_gather_objects((records, events, grads, cuda, mine))
         result = None
         if self.rank == 0:
             by_rank = [g[0] for g in gathered]
@@ -365,7 +417,10 @@ class Session:
                             predicted_activation_bytes=_activation_peaks(pipe),
                             grad_norms=None if norms[0] is None else norms,
                             ties=[name for name, _, _ in pipe.ties], eval_losses=evals,
-                            resumed=self.resumed, saved=self.saved)
+                            resumed=self.resumed, saved=self.saved,
+                            ranks=[{**g[4], **planned} for g, planned in
+                                   zip(gathered, _planned_memory(pipe))],
+                            census_iteration=self.census_step - first)
         return all_gather_objects(result)[0]
 
     def check(self, first: int, losses: list[float], grads: dict, evals: list) -> Verdict:
@@ -388,6 +443,33 @@ class Session:
             self.watchdog.close()
         if self.pipe is not None:
             self.pipe.close()
+
+
+class _Counting:
+    """Session.census's context."""
+
+    def __init__(self, session: Session, device: torch.device, tensors: list) -> None:
+        self.session, self.device, self.tensors = session, device, tensors
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.static = torch.cuda.memory_allocated(self.device)
+            return self
+        self.census = Census(self.device)
+        self.census.__enter__()
+        self.census.track(self.tensors)
+        self.static = self.census.bytes
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.census.__exit__(*exc)
+            peak = self.census.peak
+        self.session.memory = (peak, self.static)
 
 
 def _error(message: str, cause: BaseException) -> PyplanError:
@@ -442,10 +524,10 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
     lines = []
     predicted = lowered.makespan * problem.time_unit_ms \
         if problem.time_unit_ms is not None else None
-    median = statistics.median(report.seconds)
+    median = statistics.median(timed(report.seconds, report))
     parts = []
     for r, (compute, total) in enumerate(zip(report.compute, report.iteration_seconds)):
-        c, t_ = statistics.median(compute), statistics.median(total)
+        c, t_ = statistics.median(timed(compute, report)), statistics.median(timed(total, report))
         parts.append(f"{r}: {c * 1e3:.1f}/{max(t_ - c, 0.0) * 1e3:.1f}")
     lines.append(f"  median iteration {median * 1e3:.1f} ms; compute/rest per rank (ms): "
                  + "  ".join(parts))
@@ -453,6 +535,25 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
         lines.append(f"  the plan predicts {predicted:.1f} ms (makespan {lowered.makespan} x "
                      f"{problem.time_unit_ms:g} ms); measured / predicted "
                      f"{median * 1e3 / predicted:.2f}")
+    if report.ranks and report.ranks[0].get("peak_bytes"):
+        lines.append(f"  memory per rank, measured in iteration "
+                     f"{report.first_step + report.census_iteration} (peak; static: "
+                     "parameters, gradients, optimizer state, buffers)" +
+                     ("" if "planned_peak_bytes" not in report.ranks[0] else
+                      " / the plan's for its device") + ":")
+        for r, x in enumerate(report.ranks):
+            planned = ""
+            if "planned_peak_bytes" in x:
+                ratio = x["peak_bytes"] / max(x["planned_peak_bytes"], 1)
+                planned = f" / {_mib(x['planned_peak_bytes'])} ({ratio:.2f}x)"
+            lines.append(f"    rank {r}: peak {_mib(x['peak_bytes'])}{planned}; static "
+                         f"{_mib(x['static_bytes'])}" + ("" if "planned_static_bytes" not in x
+                                                        else f" / {_mib(x['planned_static_bytes'])}"))
+    if report.ranks:
+        lines.append("  host memory (max RSS) and set-up per rank: " + "  ".join(
+            f"{r}: {_mib(x['max_rss_bytes'])}, {x['setup_seconds']:.1f} s"
+            + (f", {x['weights_read']} tensors read" if x["weights_read"] else "")
+            for r, x in enumerate(report.ranks)))
     held = "  ".join(f"{r}: {_mib(b)}" for r, b in enumerate(report.peak_activation_bytes))
     lines.append(f"  peak activations held per rank: {held}")
     if report.predicted_activation_bytes is not None:
@@ -477,6 +578,27 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
         lines.append(f"  checkpoint: {report.saved} (step "
                      f"{report.first_step + len(report.seconds)})")
     return lines
+
+
+def timed(values: list, report: Report) -> list:
+    """The figures of the iterations whose time counts: all but the census's (when there are
+    others)."""
+    index = report.census_iteration
+    if index is None or len(values) < 2:
+        return values
+    return values[:index] + values[index + 1:]
+
+
+def _planned_memory(pipe: Pipeline) -> list[dict]:
+    """Per rank, the plan's peak and static memory of its device, in bytes (when the plan
+    counts memory in bytes)."""
+    problem = pipe.problem
+    if not problem.memory_is_size:
+        return [{} for _ in range(pipe.world)]
+    peaks, static = pipe.resolved.schedule.peak_memory, problem.static_memory
+    return [{"planned_peak_bytes": peaks[r % problem.num_devices],
+             "planned_static_bytes": static[r % problem.num_devices]}
+            for r in range(pipe.world)]
 
 
 def _activation_peaks(pipe: Pipeline) -> list[int] | None:

@@ -30,8 +30,10 @@ from pyplan.models.deferred import Deferred, eager
 from pyplan.models.vocab import Vocab, parallel_loss, shard
 from pyplan.partition import OPTIMIZER_STATE, UnitCost
 from pyplan.problem import BACKWARD
-from pyplan.runtime.profile import (Measured, _leaves, _measure, _Timer, _unit_parameters,
-                                    block_arguments)
+from pyplan.runtime.binding import block_inputs, build, loss_function
+from pyplan.runtime.measure import (BlockCost, Measured, Timer, block_arguments, leaves,
+                                    measure, unit_parameters)
+from pyplan.runtime.values import nbytes
 from pyplan.spec.plan import LinkSpec, TopologySpec
 
 __all__ = ["Collective", "ShardedUnits", "collective_ms", "measure_collectives", "profile_sharded",
@@ -156,7 +158,7 @@ def profile_sharded(model: torch.nn.Module, inputs, targets, loss, *, cut: Cut,
     dist.init_process_group("fake", rank=0, world_size=devices)
     try:
         ends, found = _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices,
-                               optimizer, _Timer(device, repeats, measured), device)
+                               optimizer, Timer(device, repeats, measured), device)
     finally:
         dist.destroy_process_group()
     times = measure_collectives([c for f in found.values() for c in f], devices, device) \
@@ -195,13 +197,13 @@ def _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices, op
     out_costs, found = [], {}
     for k, received_value in ((0, None), (last_k, value)):
         unit, module = units[k], pieces[k]
-        params = _unit_parameters(module.model, unit) if cut.kind == FORWARD else \
+        params = unit_parameters(module.model, unit) if cut.kind == FORWARD else \
             [p for p in module.parameters() if p.requires_grad]
-        received, wrt = _leaves(received_value, True)
+        received, wrt = leaves(received_value, True)
         args = args_of(k, received)
         loss_fn = (lambda out: sharded_loss(out, targets, dist.group.WORLD)) \
             if k == last_k else None
-        forward_ms, backward_ms, saved, out = _measure(timer, module, args, wrt, params,
+        forward_ms, backward_ms, saved, out = measure(timer, module, args, wrt, params,
                                                        loss_fn, f"unit {unit.name} (sharded)")
         found[unit.name] = _collectives(module, args, loss_fn)
         for p in params:
@@ -217,7 +219,7 @@ def _profile(model, inputs, targets, loss, cut, units, costs, vocab, devices, op
     return out_costs, found
 
 
-def sharded_blocks(problem, model, *, seed: int, device: torch.device, timer: _Timer, inputs,
+def sharded_blocks(problem, model, *, seed: int, device: torch.device, timer: Timer, inputs,
                    targets, outputs: dict, link: LinkSpec = TopologySpec().within_node,
                    measure: bool = False) -> dict[int, "BlockCost"]:
     """`pyplan profile` of a plan whose all-device blocks shard the vocabulary
@@ -225,9 +227,6 @@ def sharded_blocks(problem, model, *, seed: int, device: torch.device, timer: _T
     builds that rank's blocks, beside a fake process group of their devices, their
     collectives measured among local processes (`measure`) or timed on `link`. `outputs`:
     every block's output, measured whole (what the sharded blocks receive)."""
-    from pyplan.runtime.binding import block_inputs, build, loss_function
-    from pyplan.runtime.profile import BlockCost
-    from pyplan.runtime.values import nbytes
 
     multi = [b for b in problem.blocks if b.is_forward and len(b.devices) > 1]
     if not multi or len({b.devices for b in multi}) > 1 or dist.is_initialized():
@@ -247,7 +246,7 @@ def sharded_blocks(problem, model, *, seed: int, device: torch.device, timer: _T
             args, wrt = block_arguments(b, preds, outputs, inputs, built.wants_inputs, grad)
             loss_fn = (lambda out: loss_function(model)(out, targets, dist.group.WORLD)) \
                 if b == output_block else None
-            forward_ms, backward_ms, saved, out = _measure(
+            forward_ms, backward_ms, saved, out = measure(
                 timer, module, args, wrt, params, loss_fn, f"block '{block.name}' (sharded)",
                 grad)
             found[b] = _collectives(module, args, loss_fn) if grad else ()

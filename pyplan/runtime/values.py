@@ -9,6 +9,7 @@ leaf order; both sides of a boundary know which leaves those are from the value 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,8 +17,8 @@ from torch.utils import _pytree as pytree
 
 from pyplan.errors import RunError
 
-__all__ = ["Value", "differentiable", "flatten", "nbytes", "plain", "rebuild", "saved_bytes",
-           "spec_text", "structure"]
+__all__ = ["Saved", "Value", "differentiable", "flatten", "nbytes", "plain", "rebuild",
+           "saved_bytes", "spec_text", "structure"]
 
 Value = Any  # a tensor or a (nested) tuple, list or dict of tensors
 
@@ -70,22 +71,34 @@ def plain(t: torch.Tensor) -> list[torch.Tensor]:
     return [x for y in inner if isinstance(y, torch.Tensor) for x in plain(y)]
 
 
+@dataclass
+class Saved:
+    """What autograd saved while a body ran (filled when it ends)."""
+
+    bytes: int = 0
+    """Each saved tensor once, parameters (and views of them) excluded; tensor sizes, not
+    storages, as a micro-batch is a view of the whole batch."""
+    storages: frozenset[int] = frozenset()
+    """The data pointers of the storages those tensors live in."""
+
+
 @contextlib.contextmanager
 def saved_bytes(params: list[torch.Tensor]):
-    """Counts the bytes autograd saves while the body runs (yields a one-item list, filled
-    when it ends): each tensor once, parameters (and views of them) excluded; tensor sizes,
-    not storages, as a micro-batch is a view of the whole batch. What a forward holds until
-    its backward."""
+    """What autograd saves while the body runs (yields a Saved, filled when it ends): what a
+    forward holds until its backward."""
     skip = {p.untyped_storage().data_ptr() for p in params}
     seen: dict[tuple, int] = {}
-    total = [0]
+    storages: set[int] = set()
+    found = Saved()
 
     def pack(t: torch.Tensor):
         for x in plain(t):  # a DTensor's local tensor: the wrapper has no storage
-            if x.untyped_storage().data_ptr() not in skip:
+            storage = x.untyped_storage().data_ptr()
+            if storage not in skip:
                 seen[(x.data_ptr(), tuple(x.shape), x.dtype)] = x.numel() * x.element_size()
+                storages.add(storage)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield total
-    total[0] = sum(seen.values())
+        yield found
+    found.bytes, found.storages = sum(seen.values()), frozenset(storages)

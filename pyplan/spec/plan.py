@@ -282,6 +282,7 @@ def _build(source: Source) -> PlanSpec:
             name=raw["name"], kind=raw.get("kind", "forward"), time=raw["time"],
             memory=memory(raw.get("memory", 0), path + ("memory",)),
             weights=memory(raw.get("weights", 0), path + ("weights",)),
+            workspace=memory(raw.get("workspace", 0), path + ("workspace",)),
             transfer=raw.get("transfer"),
             output=size(raw["output"], path + ("output",)) if "output" in raw else None,
             recompute=raw.get("recompute"),

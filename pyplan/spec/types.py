@@ -63,6 +63,9 @@ class BlockSpec:
     weights: int = 0
     """Static memory on each of its devices for the whole run (parameters, gradients,
     optimizer state)."""
+    workspace: int = 0
+    """Memory it needs while it (or its backward) runs, beyond what it holds: temporaries,
+    the gradients flowing through it. The largest on a device is reserved there."""
     transfer: int | None = None
     """Time its output (and that output's gradient) takes between devices."""
     output: int | None = None

@@ -1,6 +1,8 @@
-"""Hugging Face causal LMs as users build them (from a config, nothing downloaded), tiny, for
+"""Hugging Face causal LMs as users build them (from a config, nothing downloaded), for
 `pyplan partition`: a factory per family, the batch and the loss. The factories are the only
-model code: no per-model adapter."""
+model code: no per-model adapter. Tiny here (4 layers, width 32) for the tests;
+benchmarks/hf_models.py builds larger ones from the same `config`, the one place that sizes a
+family's config."""
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,8 @@ FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "ge
 
 
 def config(family: str, **changes):
-    """A tiny config of `family` (4 layers, width 32)."""
+    """A tiny config of `family` (4 layers, width 32), with `changes` (keys the family does not
+    have are left out)."""
     small = dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=2,
                  num_key_value_heads=1, intermediate_size=64, vocab_size=VOCAB, head_dim=16,
                  n_layer=4, n_embd=32, n_head=2, ffn_dim=64, word_embed_proj_dim=32,
@@ -73,9 +76,15 @@ def zamba2():
         bos_token_id=1, eos_token_id=2))
 
 
+def tokens(vocab: int, sequence: int, size: int):
+    """`size` random sequences of `sequence` tokens (ids 3 and up: 0-2 are pad, bos and eos) and
+    their labels, the next tokens."""
+    drawn = torch.randint(3, vocab, (size, sequence + 1))
+    return drawn[:, :-1], drawn[:, 1:]
+
+
 def batch(step: int):
-    tokens = torch.randint(3, VOCAB, (BATCH, SEQUENCE + 1))
-    return tokens[:, :-1], tokens[:, 1:]
+    return tokens(VOCAB, SEQUENCE, BATCH)
 
 
 def loss(logits, labels):
