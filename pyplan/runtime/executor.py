@@ -354,7 +354,7 @@ class Executor:
                                    for j, x in enumerate(xs)
                                    if x.untyped_storage().data_ptr() in saved.storages}
         if trains and not recomputed:
-            self._free_inputs(b, inputs, leaves)
+            self._free_inputs(b, inputs, leaves, out)
         if loss is not None:
             self.losses.append(loss.detach())
         detached = _detach(out)
@@ -371,10 +371,12 @@ class Executor:
             self.saved[(b, m)] = _Forward(roots, [(t.shape, t.dtype) for t in tensors], loss,
                                           leaves, args if recomputed else None, held)
 
-    def _free_inputs(self, b: int, slots: list[int], leaves) -> None:
+    def _free_inputs(self, b: int, slots: list[int], leaves, out) -> None:
         """Free the storage of the received inputs this forward was the last to use and
         autograd did not save (their leaves' data is never read again; the leaves stay for
-        their gradients)."""
+        their gradients), unless its output holds them (a skip connection handed on as it
+        came: it is sent or used later)."""
+        handed_on = {t.untyped_storage().data_ptr() for t in flatten(out, "a block")[0]}
         last = set(self.drops[self.index])
         kept = self.kept_inputs.get(b, set())
         mine = [s for p, s in zip(self.preds[b], slots) if p in self.backs_to[b]]
@@ -385,7 +387,8 @@ class Executor:
                     s in self.pinned:
                 continue
             for x in xs:
-                x.untyped_storage().resize_(0)
+                if x.untyped_storage().data_ptr() not in handed_on:
+                    x.untyped_storage().resize_(0)
 
     def backward(self, b: int, m: int, grad_slots: list[int], targets: dict[int, int],
                  block: int) -> None:
