@@ -296,6 +296,18 @@ def test_w_does_not_leave_a_weight_gradient_aliasing_what_b_handed_on():
     assert torch.equal(p.grad, sent[0][1] + sent[1][1])
 
 
+@pytest.mark.torchrun
+def test_an_input_a_stage_hands_on_unchanged_is_not_freed_before_it_is_sent(tmp_path):
+    """b returns its second input as it came (a skip connection past it): that tensor's memory
+    must outlive b's forward, as b sends it on (freed there, the send read freed memory)."""
+    plan = _solved(tmp_path, "relay", THREE.format(name="relay", split="", build="relay",
+                                                   loss="loss"))
+    result = _pyplan(tmp_path, "run", plan, "--nproc-per-node", 3, "--check", "--iterations",
+                     2, "--device", "cpu", "--fault-timeout", 30)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "match the single-process run" in result.stdout
+
+
 TIED = """\
 pyplan: 1
 name: tied

@@ -212,26 +212,32 @@ class _Sent:
 
 class Comm:
     def __init__(self, device: torch.device, channels: list[tuple[int, int, str]], *,
-                 blocking: bool) -> None:
+                 blocking: bool, timeout: timedelta | None = None) -> None:
         """`channels`: every (source rank, destination rank, kind) any program uses, the same
         list on every rank (on NCCL each direction becomes a communicator, created in this
-        order)."""
+        order); `timeout`: of their transfers (None: torch's default)."""
         self.device, self.blocking = device, blocking
         self.nccl = device.type == "cuda"
         self.rank = dist.get_rank()
         # Every rank creates every group in the same order (new_group is collective).
-        self.cpu_group = dist.new_group(backend="gloo")
+        self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         """pyplan's own gloo group over the world: headers, and on the CPU every channel."""
         _CPU_GROUPS.append(self.cpu_group)
         directions = sorted({(src, dst) for src, dst, _ in channels})
-        self.links = {d: dist.new_group(sorted(d), backend="nccl") if self.nccl
-                      else self.cpu_group for d in directions}
+        self.links = {d: dist.new_group(sorted(d), backend="nccl", timeout=timeout)
+                      if self.nccl else self.cpu_group for d in directions}
         """(source, destination) -> the group carrying its tensors."""
         self.sending: list[_Sent] = []
         """The sends not known done."""
         self.sending_bytes = 0
         """Bytes of the tensors whose sends have not completed yet."""
         self.new_iteration()
+
+    def close(self) -> None:
+        """Let go of pyplan's groups (each holds the world's store, whose server would stay up
+        until the groups are collected)."""
+        _CPU_GROUPS[:] = [g for g in _CPU_GROUPS if g is not self.cpu_group]
+        self.cpu_group, self.links = None, {}
 
     def new_iteration(self) -> None:
         """Headers again from here: shapes may differ from the last iteration's."""

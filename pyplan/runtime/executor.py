@@ -136,6 +136,7 @@ class Executor:
         """Per block, the (input, tensor) positions whose storage autograd saves."""
         self.iteration, self.index = -1, -1  # read by the fault watchdog
         self._compile()
+        self.reduced = self._reduced()
 
     # -- compiling the program into steps over slots
 
@@ -431,8 +432,19 @@ class Executor:
                     grads_p.append(torch.zeros_like(x) if g is None else g)
             self.keep(targets[p], grads_p)
 
+    def _reduced(self) -> dict[int, list[torch.Tensor]]:
+        """block -> the replicated parameters its REDUCE sums over the block's ranks: each at
+        the last REDUCE of a block holding it (blocks on the same devices may share one, a
+        tie), none that a tie's all-reduce sums anyway."""
+        last = {}
+        for ins in self.program:
+            if ins.op == REDUCE:
+                last.update((id(p), ins.block) for p in self.params[ins.block])
+        return {b: [p for p in self.params[b] if last[id(p)] == b and shard_dim(p) is None
+                    and id(p) not in self.tied] for b in set(last.values())}
+
     def reduce(self, block: int) -> None:
-        params = [p for p in self.params[block] if shard_dim(p) is None and id(p) not in self.tied]
+        params = self.reduced.get(block)
         if not params:
             return
         flat = flat_gradients(params)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import timedelta
 from dataclasses import replace
 from pathlib import Path
 
@@ -108,6 +109,7 @@ class Pipeline:
         self.executor: Executor | None = None
         self.iteration = -1
         self.closed = False
+        self.timeout = timedelta(seconds=timeout)
         try:
             self._build(blocking, sync_at_end, fail_at)
         except BaseException:
@@ -124,12 +126,12 @@ class Pipeline:
         # default group's backend), the data-parallel slices', the ties', the channels' (the
         # device's backend: a group pyplan alone uses carries only what pyplan sends).
         sets = sorted({b.devices for b in problem.blocks if len(b.devices) > 1})
-        made = {(r, ds): dist.new_group([d + r * devices for d in ds])
+        made = {(r, ds): self._group([d + r * devices for d in ds])
                 for r in range(replicas) for ds in sets}
         self.groups = {b.index: made[(self.replica, b.devices)] for b in problem.blocks
                        if len(b.devices) > 1}
         backend = device_backend(self.device)
-        slices = [dist.new_group([d + r * devices for r in range(replicas)], backend=backend)
+        slices = [self._group([d + r * devices for r in range(replicas)], backend)
                   for d in range(devices)] if replicas > 1 else None
         self.dp_group = slices[self.device_index] if slices else None
         built: Built = build(self.model, problem, seed=self.seed, device=self.device,
@@ -147,7 +149,8 @@ class Pipeline:
                 everything = build(self.model, problem, seed=self.seed, device="meta")
             shared_across_devices(problem, everything.modules)
         self.ties = self._tie_groups(built)
-        self.comm = Comm(self.device, channels(self.lowered), blocking=blocking)
+        self.comm = Comm(self.device, channels(self.lowered), blocking=blocking,
+                         timeout=self.timeout)
         synced = {id(p) for x in self.lowered.programs[self.rank] if x.op == SYNC
                   for p in self.modules[x.block].parameters()}
         self.shards = _Shards(self.modules, self.lowered.programs[self.rank], self.replica,
@@ -165,6 +168,11 @@ class Pipeline:
                                   self.comm, loss, self.output, **options)
         self._evaluators: dict[int, Executor] = {}
 
+    def _group(self, ranks: list[int], backend: str | None = None):
+        """A new group (every rank calls this in the same order) whose collectives time out
+        as the Pipeline's do; `backend` None: the default group's."""
+        return dist.new_group(ranks, backend=backend, timeout=self.timeout)
+
     def _tie_groups(self, built: Built) -> list[tuple[str, torch.Tensor, object]]:
         """(name, parameter, group of the ranks holding a copy) for each tie this rank holds
         a copy of, in the same order on every rank."""
@@ -181,10 +189,10 @@ class Pipeline:
                 continue
             ranks = sorted({d + self.replica * devices for b in holders
                             for d in problem.blocks[b].devices})
-            groups = {r: dist.new_group([d + r * devices for d in
-                                         sorted({d for b in holders
-                                                 for d in problem.blocks[b].devices})],
-                                        backend=device_backend(self.device))
+            groups = {r: self._group([d + r * devices for d in
+                                      sorted({d for b in holders
+                                              for d in problem.blocks[b].devices})],
+                                     device_backend(self.device))
                       for r in range(problem.mesh.data)} if len(ranks) > 1 else {}
             if self.rank in ranks and len(ranks) > 1:
                 mine.append((tie.parameter, by_name[tie.parameter], groups[self.replica]))
@@ -484,6 +492,8 @@ class Pipeline:
         """Leave the process group this Pipeline created (if it did); the Pipeline cannot
         step after."""
         self.closed = True
+        if getattr(self, "comm", None) is not None:
+            self.comm.close()
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
