@@ -50,13 +50,21 @@ SAFE_PATH_MARK = "PYPLAN_FORKSERVER_SAFE_PATH"
 def launch(args: argparse.Namespace, worker_arguments: list[str]) -> int:
     """Start args.nproc_per_node workers running `pyplan *worker_arguments` and wait for them;
     the exit code (2 when the first worker to fail refused its input and said why)."""
+    if args.nproc_per_node < 1:
+        raise PlanError("--nproc-per-node must be at least 1")
+    global launched
+    launched = True
+    # The forkserver imports while this process imports torch's launcher.
+    with _forkserver(args.nproc_per_node):
+        return _launch(args, worker_arguments)
+
+
+def _launch(args: argparse.Namespace, worker_arguments: list[str]) -> int:
     require_torch("run", runtime=False)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
-    if args.nproc_per_node < 1:
-        raise PlanError("--nproc-per-node must be at least 1")
     options = ["--nproc-per-node", str(args.nproc_per_node)]
     given = {o: getattr(args, o.replace("-", "_")) for o in LAUNCH_OPTIONS}
     for option, value in given.items():
@@ -68,10 +76,8 @@ def launch(args: argparse.Namespace, worker_arguments: list[str]) -> int:
         [*options, "--start-method", "forkserver", "--run-path", WORKER])
     # Set apart from the launcher's parser, which would take --log for its own --log-dir.
     launcher.training_script_args = worker_arguments
-    global launched
-    launched = True
     try:
-        with _forkserver(), _quiet_failures():
+        with _quiet_failures():
             torchrun(launcher)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
@@ -101,10 +107,10 @@ def leave(code: int) -> NoReturn:
 
 
 @contextlib.contextmanager
-def _forkserver():
-    """multiprocessing's forkserver, preloaded with PRELOAD, for one launch: torch's launcher
-    starts it at the first worker, with this process's environment of then (OMP_NUM_THREADS
-    set, which OpenMP reads once, when torch is imported); stopped at the end."""
+def _forkserver(workers: int):
+    """multiprocessing's forkserver for one launch, preloaded with PRELOAD and started now, with
+    this process's environment (and OMP_NUM_THREADS=1 for several workers, as torch's launcher
+    sets it: OpenMP reads it once, when torch is imported); stopped at the end."""
     import multiprocessing
     from multiprocessing import forkserver
 
@@ -115,12 +121,17 @@ def _forkserver():
     multiprocessing.set_forkserver_preload(PRELOAD)
     added = {} if "PYTHONSAFEPATH" in os.environ else {"PYTHONSAFEPATH": "1",
                                                        SAFE_PATH_MARK: "1"}
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        added["OMP_NUM_THREADS"] = "1"
     os.environ.update(added)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for name in added:
+            del os.environ[name]
     try:
         yield
     finally:
-        for name in added:
-            os.environ.pop(name, None)
         if server._forkserver_pid is not None:  # its workers are done: end it without the
             os.kill(server._forkserver_pid, signal.SIGTERM)  # teardown of torch (~0.7 s CPU)
         server._stop()
