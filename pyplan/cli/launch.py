@@ -25,7 +25,8 @@ from typing import NoReturn
 from pyplan.cli._torch import require_torch
 from pyplan.errors import EXIT_BAD_INPUT, PlanError, RunError
 
-__all__ = ["LAUNCH_OPTIONS", "launch", "launched", "leave"]
+__all__ = ["LAUNCH_OPTIONS", "PRELOAD", "forkserver", "launch", "launched", "leave",
+           "worker_environment"]
 
 # torchrun options passed through by `pyplan run --nproc-per-node` (multi-node rendezvous).
 LAUNCH_OPTIONS = ("nnodes", "node-rank", "rdzv-backend", "rdzv-endpoint", "rdzv-id",
@@ -43,7 +44,7 @@ WORKER = str(Path(__file__).with_name("worker.py"))
 launched = False
 """Whether this process has launched workers (and waited for them)."""
 
-# Set for the forkserver's own start only; the worker takes it off again (worker.py).
+# Set for the forkserver's own start only; each worker takes it off (worker_environment).
 SAFE_PATH_MARK = "PYPLAN_FORKSERVER_SAFE_PATH"
 
 
@@ -55,7 +56,7 @@ def launch(args: argparse.Namespace, worker_arguments: list[str]) -> int:
     global launched
     launched = True
     # The forkserver imports while this process imports torch's launcher.
-    with _forkserver(args.nproc_per_node):
+    with forkserver(args.nproc_per_node):
         return _launch(args, worker_arguments)
 
 
@@ -107,25 +108,25 @@ def leave(code: int) -> NoReturn:
 
 
 @contextlib.contextmanager
-def _forkserver(workers: int):
-    """multiprocessing's forkserver for one launch, preloaded with PRELOAD and started now, with
+def forkserver(workers: int, preload: list[str] = PRELOAD):
+    """multiprocessing's forkserver for one launch, preloaded with `preload`, started now with
     this process's environment (and OMP_NUM_THREADS=1 for several workers, as torch's launcher
     sets it: OpenMP reads it once, when torch is imported); stopped at the end."""
     import multiprocessing
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver as module
 
-    server = forkserver._forkserver
+    server = module._forkserver
     if server._forkserver_pid is not None:  # started before, with another environment
         server._stop()
     previous = server._preload_modules
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    multiprocessing.set_forkserver_preload(preload)
     added = {} if "PYTHONSAFEPATH" in os.environ else {"PYTHONSAFEPATH": "1",
                                                        SAFE_PATH_MARK: "1"}
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         added["OMP_NUM_THREADS"] = "1"
     os.environ.update(added)
     try:
-        forkserver.ensure_running()
+        module.ensure_running()
     finally:
         for name in added:
             del os.environ[name]
@@ -136,6 +137,16 @@ def _forkserver(workers: int):
             os.kill(server._forkserver_pid, signal.SIGTERM)  # teardown of torch (~0.7 s CPU)
         server._stop()
         multiprocessing.set_forkserver_preload(previous)
+
+
+def worker_environment() -> None:
+    """In a worker forked from `forkserver`: the launcher's environment (PYTHONSAFEPATH only if
+    it was set there) and sys.path without the working directory (multiprocessing gave the
+    worker the launcher's sys.path), so a source tree does not shadow what the forkserver
+    imported."""
+    if os.environ.pop(SAFE_PATH_MARK, None):
+        os.environ.pop("PYTHONSAFEPATH", None)
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]
 
 
 @contextlib.contextmanager
