@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pyplan.partition import UnitCost
+from warm_torchrun import torchrun
 
 MODELS = Path(__file__).resolve().parent / "models"
 PYPLAN = str(Path(sys.executable).with_name("pyplan"))
@@ -358,9 +359,7 @@ def test_a_loss_is_fused_only_when_it_is_exactly_a_mean_cross_entropy():
 @pytest.mark.torchrun
 def test_the_vocabulary_parallel_loss_and_all_reduces_match_one_process():
     script = MODELS / "vocab_losses.py"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                             "4", str(script)], capture_output=True, text=True, timeout=300,
-                            cwd=tempfile.gettempdir())
+    result = torchrun(script, nproc=4, cwd=tempfile.gettempdir())
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(m) for m in re.findall(r"\{[^{}]*\}", result.stdout)]
     assert len(rows) == 4 * 11, result.stdout
