@@ -11,7 +11,9 @@ from pyplan.cli.launch import worker_environment
 worker_environment()
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(script))
+# sys.path as `python SCRIPT` has it: the script's folder first, not the launcher's (tests/).
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(script)] + [p for p in sys.path if os.path.abspath(p) != here]
 # A script's comm.leave(code) (os._exit: no teardown) would end this process before torch's
 # launcher has its return value; exiting through SystemExit, the process still ends without
 # teardown (multiprocessing ends it with os._exit).
