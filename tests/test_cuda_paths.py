@@ -21,6 +21,7 @@ import pytest
 from pyplan.runtime import torch
 from pyplan.runtime import comm
 from pyplan.runtime.backward import backward_input, backward_weight
+from warm_torchrun import torchrun
 
 MODELS = Path(__file__).resolve().parent / "models"
 PYPLAN = str(Path(sys.executable).with_name("pyplan"))
@@ -68,9 +69,7 @@ def _solved(tmp_path, name: str, text: str) -> str:
 
 def _torchrun(tmp_path, script: str, *args, nproc: int = 2, timeout=300):
     (tmp_path / "script.py").write_text(textwrap.dedent(script))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", str(nproc), "script.py", *map(str, args)],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=timeout)
+    return torchrun("script.py", *args, nproc=nproc, cwd=tmp_path, timeout=timeout)
 
 
 # ---------------------------------------------------------------- 1: every rank, every collective

@@ -16,7 +16,9 @@ A block that cannot run here (installing into a fresh virtualenv, several machin
 benchmarks) says why on the line before it, `<!-- not run: REASON -->`; there are few.
 
 To keep this quick, `pyplan partition` times each unit once (`--repeats 1`, where the guide gives
-no --repeats): what it prints is the same but for the figures.
+no --repeats): what it prints is the same but for the figures; and `torchrun` is torch's
+launcher with warm workers (tests/warm_torchrun.py: forked from a process that has imported
+torch, each running the script as under torchrun), not a new interpreter per worker.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import doctest
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -44,6 +47,7 @@ _FENCE = re.compile(r"^```(\S*)\s*$")
 _NOT_RUN = re.compile(r"^<!-- not run: (.+) -->$")
 _FILE = re.compile(r"^# ([\w./-]+\.(?:py|yaml))$")
 _CHECK = doctest.OutputChecker()
+WARM_TORCHRUN = Path(__file__).resolve().parent / "warm_torchrun.py"
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,8 @@ def _quicker(command: str) -> str:
         if re.match(r"\s*pyplan partition ", line) and "--repeats" not in line:
             code, hash_, comment = line.partition(" #")
             lines[i] = f"{code.rstrip()} --repeats 1" + (f" #{comment}" if hash_ else "")
+        warm = f"{shlex.quote(sys.executable)} {shlex.quote(str(WARM_TORCHRUN))} "
+        lines[i] = re.sub(r"^(\s*)torchrun ", lambda m: m[1] + warm, lines[i])
     return "\n".join(lines)
 
 

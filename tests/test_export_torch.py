@@ -15,6 +15,7 @@ from conftest import PLANS, solved
 from pyplan.export.torch_csv import read_torch_csv, torch_stages
 from pyplan.problem import load_problem
 from pyplan.solver.templates import baselines
+from warm_torchrun import torchrun
 
 SEARCHED = ["1f1b-4stage", "1f1b-8stage", "interleaved-1f1b", "zero-bubble"]
 TEMPLATES = [("1f1b-4stage", "gpipe"), ("1f1b-4stage", "1f1b"), ("1f1b-8stage", "1f1b"),
@@ -326,8 +327,8 @@ def test_an_exported_schedule_trains_the_same_losses_in_torchs_runtime(tmp_path,
     run("export", resolved, "--format", "torch-csv", "-o", "schedule.csv")
     ours = json.loads(run("run", resolved, "--nproc-per-node", ranks, "--iterations", 3,
                           "--json", "--device", "cpu").splitlines()[-1])["losses"]
-    theirs = [float(x) for x in re.findall(r"loss ([0-9.]+)", run(
-        "--standalone", "--nproc-per-node", ranks, "torch_runtime.py", resolved,
-        "schedule.csv", 3, command=(sys.executable, "-m", "torch.distributed.run")))]
+    done = torchrun("torch_runtime.py", resolved, "schedule.csv", 3, nproc=ranks, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = [float(x) for x in re.findall(r"loss ([0-9.]+)", done.stdout)]
     assert len(theirs) == 3
     assert theirs == pytest.approx(ours, abs=1e-5)

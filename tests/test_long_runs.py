@@ -21,6 +21,7 @@ import pytest
 from test_checkpoints import THREE, UNITS, alone, launch, one_rank, report, solved  # noqa: F401
 
 from pyplan.runtime import torch
+from warm_torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPLAN = str(Path(sys.executable).with_name("pyplan"))
@@ -96,10 +97,8 @@ def test_the_readmes_loop_saves_and_resumes_exactly(tmp_path):
         (tmp_path / name).write_text((ROOT / "plans" / name).read_text())
 
     def losses(*args) -> dict[int, str]:
-        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                 "--nproc-per-node", "4", "resume.py",
-                                 "transformer-vshape.resolved.yaml", "ck", *args],
-                                capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        result = torchrun("resume.py", "transformer-vshape.resolved.yaml", "ck", *args,
+                          nproc=4, cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
         return {int(s): v for s, v in re.findall(r"step (\d+) loss ([0-9.]+)", result.stdout)}
 

@@ -15,6 +15,7 @@ import pytest
 from pyplan.errors import RunError
 from pyplan.runtime import torch  # noqa: F401  (torch without its numpy warning)
 from pyplan.runtime.comm import choose_cuda
+from warm_torchrun import torchrun
 
 MODELS = Path(__file__).resolve().parent / "models"
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +41,8 @@ def test_the_world_runs_on_cuda_only_when_every_rank_has_a_gpu():
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
 def test_the_world_is_gone_after_destroy_even_once_dynamo_is_imported():
     # A group that outlives destroy_process_group is torn down with the interpreter, which now
-    # and then aborts a finished run with SIGABRT.
+    # and then aborts a finished run with SIGABRT. (A new interpreter, not warm_torchrun's
+    # workers, which have imported torch._dynamo before anything.)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              "--nproc-per-node", "1", str(MODELS / "world_teardown.py")],
                             capture_output=True, text=True, timeout=120)
@@ -127,9 +129,7 @@ def test_the_loss_is_shared_with_every_rank_unless_declined(tmp_path):
     (tmp_path / "wide4.yaml").write_text(WIDE_PLAN.format(n=4))
     assert _run(tmp_path, "solve", "wide4.yaml", "--quiet").returncode == 0
     (tmp_path / "own.py").write_text(OWN_LOSS)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", "2", "own.py", "wide4.resolved.yaml"],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    result = torchrun("own.py", "wide4.resolved.yaml", nproc=2, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = sorted(line.split()[1:] for line in result.stdout.splitlines()
                    if line.startswith("rank "))

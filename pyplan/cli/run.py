@@ -4,7 +4,8 @@
     torchrun --nproc-per-node D -m pyplan run PLAN.resolved.yaml [...]     (multi-node too)
 
 With --nproc-per-node and not under torchrun, pyplan starts the workers itself through torch's
-launcher (torch.distributed.run: the same rendezvous, log prefixes and exit codes). Every rank
+launcher (torch.distributed.run: the same rendezvous, log lines and exit codes), forked from a
+process that has imported torch already (pyplan.cli.launch). Every rank
 loads the plan, lowers it to per-rank programs and verifies them before anything runs; then
 init -> build -> train (pyplan.runtime.session over pyplan.runtime.Pipeline) -> close.
 """
@@ -15,12 +16,11 @@ import argparse
 import json
 import statistics
 import os
-import signal
-import sys
 from pathlib import Path
 
 from pyplan.cli._torch import require_torch
-from pyplan.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILED, PlanError, RunError
+from pyplan.cli.launch import LAUNCH_OPTIONS, launch
+from pyplan.errors import EXIT_RUN_FAILED, PlanError, RunError
 from pyplan.fileio import check_not_input
 from pyplan.lower import COMPUTE, RECV, SEND, SYNC, WAIT, check_runnable, describe, lower
 from pyplan.resolved import load_resolved
@@ -116,18 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "launching (torchrun's options; used when pyplan run starts the workers itself)")
     launch.add_argument("--nproc-per-node", type=int, metavar="D",
                         help="start D worker processes on this machine through torch's launcher")
-    for option in _LAUNCH_OPTIONS:
+    for option in LAUNCH_OPTIONS:
         launch.add_argument(f"--{option}", metavar="VALUE", help=argparse.SUPPRESS)
-
-
-# torchrun options passed through by `pyplan run --nproc-per-node` (multi-node rendezvous).
-_LAUNCH_OPTIONS = ("nnodes", "node-rank", "rdzv-backend", "rdzv-endpoint", "rdzv-id",
-                   "master-addr", "master-port", "max-restarts", "log-dir")
-
-# What each launched worker runs: pyplan's CLI, with the working directory off sys.path so a
-# source tree without a build cannot shadow the installed package.
-_WORKER = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
-           "from pyplan.cli.main import entry; entry()")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         require_torch("run --tensorboard")
         _check_tensorboard()
     if args.nproc_per_node is not None and "RANK" not in os.environ:
-        return _launch(args)
+        return launch(args, _worker_arguments(args))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RunError("pyplan run runs one process per device under torchrun",
                        hint=f"launch it with: {command}")
@@ -240,44 +230,6 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
             out += [f"--{option.replace('_', '-')}",
                     repr(value) if isinstance(value, float) else str(value)]
     return out
-
-
-def _launch(args: argparse.Namespace) -> int:
-    """Start the workers through torch's launcher, as torchrun would, and wait for them."""
-    require_torch("run")
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as torchrun
-    if args.nproc_per_node < 1:
-        raise PlanError("--nproc-per-node must be at least 1")
-    options = ["--nproc-per-node", str(args.nproc_per_node)]
-    given = {o: getattr(args, o.replace("-", "_")) for o in _LAUNCH_OPTIONS}
-    for option, value in given.items():
-        if value is not None:
-            options += [f"--{option}", value]
-    if all(given[o] is None for o in ("nnodes", "rdzv-endpoint", "master-port", "master-addr")):
-        options.append("--standalone")  # one machine: a free port, no fixed 29500
-    launcher = get_args_parser().parse_args([*options, "--no-python", sys.executable])
-    # Set apart from the launcher's parser, which would take --log for its own --log-dir.
-    launcher.training_script_args = ["-c", _WORKER, *_worker_arguments(args)]
-    try:
-        torchrun(launcher)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        # Every rank refused the input and said why, in one line (or was stopped by the
-        # launcher after the first one did, before it could say it).
-        codes = {f.exitcode for f in exc.failures.values()}
-        if failure.exitcode == EXIT_BAD_INPUT and \
-                codes <= {EXIT_BAD_INPUT, -signal.SIGTERM, -signal.SIGKILL}:
-            return EXIT_BAD_INPUT
-        raise RunError(f"{len(exc.failures)} worker(s) failed; the first, rank {rank}, exited "
-                       f"with {failure.exitcode}", hint="its own message is above") from None
-    except SignalException as exc:
-        if exc.sigval == signal.SIGINT:
-            raise KeyboardInterrupt from None
-        raise RunError(f"the launcher got signal {exc.sigval.name}") from None
-    return 0
 
 
 def _session(args, plan, model, fail_at) -> int:

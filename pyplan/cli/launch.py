@@ -1,0 +1,167 @@
+"""`pyplan run --nproc-per-node D`: start the workers through torch's launcher, as torchrun would
+(the same rendezvous and multi-node options, log lines and exit codes), from a warm process.
+
+torchrun starts each worker as a new interpreter, and every one of them imports torch,
+torch._dynamo and pyplan's runtime again: about 2 s of CPU per rank before it does anything.
+Here the launcher starts a forkserver that imports them once, and torch's launcher forks each
+worker from it (its own option: a script run in the same interpreter, --run-path, with
+--start-method forkserver); each worker then runs pyplan/cli/worker.py with its torchrun
+environment. The forkserver is single-threaded Python (fork from it is safe), started with the
+launcher's environment and stopped when the run ends, and its imports come from the installed
+package: it starts with the working directory off sys.path (PYTHONSAFEPATH), so a source tree
+without a build cannot shadow it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from pyplan.cli._torch import require_torch
+from pyplan.errors import EXIT_BAD_INPUT, PlanError, RunError
+
+__all__ = ["LAUNCH_OPTIONS", "PRELOAD", "forkserver", "launch", "launched", "leave",
+           "worker_environment"]
+
+# torchrun options passed through by `pyplan run --nproc-per-node` (multi-node rendezvous).
+LAUNCH_OPTIONS = ("nnodes", "node-rank", "rdzv-backend", "rdzv-endpoint", "rdzv-id",
+                  "master-addr", "master-port", "max-restarts", "log-dir")
+
+# What every worker imports anyway: once, in the forkserver.
+# (pyplan.runtime first: it imports torch without torch's warning about a missing numpy)
+PRELOAD = ["pyplan.runtime", "torch._dynamo", "torch.multiprocessing.spawn",
+           "torch.distributed.elastic.multiprocessing.api", "torch.distributed.checkpoint",
+           "pyplan.cli.main", "pyplan.cli.run", "pyplan.runtime.binding",
+           "pyplan.runtime.session"]
+
+WORKER = str(Path(__file__).with_name("worker.py"))
+
+launched = False
+"""Whether this process has launched workers (and waited for them)."""
+
+# Set for the forkserver's own start only; each worker takes it off (worker_environment).
+SAFE_PATH_MARK = "PYPLAN_FORKSERVER_SAFE_PATH"
+
+
+def launch(args: argparse.Namespace, worker_arguments: list[str]) -> int:
+    """Start args.nproc_per_node workers running `pyplan *worker_arguments` and wait for them;
+    the exit code (2 when the first worker to fail refused its input and said why)."""
+    if args.nproc_per_node < 1:
+        raise PlanError("--nproc-per-node must be at least 1")
+    global launched
+    launched = True
+    # The forkserver imports while this process imports torch's launcher.
+    with forkserver(args.nproc_per_node):
+        return _launch(args, worker_arguments)
+
+
+def _launch(args: argparse.Namespace, worker_arguments: list[str]) -> int:
+    require_torch("run", runtime=False)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+    options = ["--nproc-per-node", str(args.nproc_per_node)]
+    given = {o: getattr(args, o.replace("-", "_")) for o in LAUNCH_OPTIONS}
+    for option, value in given.items():
+        if value is not None:
+            options += [f"--{option}", value]
+    if all(given[o] is None for o in ("nnodes", "rdzv-endpoint", "master-port", "master-addr")):
+        options.append("--standalone")  # one machine: a free port, no fixed 29500
+    launcher = get_args_parser().parse_args(
+        [*options, "--start-method", "forkserver", "--run-path", WORKER])
+    # Set apart from the launcher's parser, which would take --log for its own --log-dir.
+    launcher.training_script_args = worker_arguments
+    try:
+        with _quiet_failures():
+            torchrun(launcher)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        if failure.exitcode == EXIT_BAD_INPUT:
+            return EXIT_BAD_INPUT  # the ranks refused the input and said why, in one line
+        code = failure.exitcode
+        how = (f"was killed by {signal.Signals(-code).name}"
+               if code < 0 and -code in signal.valid_signals() else f"exited with {code}")
+        raise RunError(f"the first worker to fail, rank {rank}, {how}",
+                       hint="the ranks' own messages are above") from None
+    except SignalException as exc:
+        if exc.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise RunError(f"the launcher got signal {exc.sigval.name}") from None
+    return 0
+
+
+def leave(code: int) -> NoReturn:
+    """End the launcher with exit code `code`, without Python's teardown (nothing is left to
+    clean up once the workers have ended)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a closed pipe: nothing more to say
+            pass
+    os._exit(code)
+
+
+@contextlib.contextmanager
+def forkserver(workers: int, preload: list[str] = PRELOAD):
+    """multiprocessing's forkserver for one launch, preloaded with `preload`, started now with
+    this process's environment (and OMP_NUM_THREADS=1 for several workers, as torch's launcher
+    sets it: OpenMP reads it once, when torch is imported); stopped at the end."""
+    import multiprocessing
+    from multiprocessing import forkserver as module
+
+    server = module._forkserver
+    if server._forkserver_pid is not None:  # started before, with another environment
+        server._stop()
+    previous = server._preload_modules
+    multiprocessing.set_forkserver_preload(preload)
+    added = {} if "PYTHONSAFEPATH" in os.environ else {"PYTHONSAFEPATH": "1",
+                                                       SAFE_PATH_MARK: "1"}
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        added["OMP_NUM_THREADS"] = "1"
+    os.environ.update(added)
+    try:
+        module.ensure_running()
+    finally:
+        for name in added:
+            del os.environ[name]
+    try:
+        yield
+    finally:
+        if server._forkserver_pid is not None:  # its workers are done: end it without the
+            os.kill(server._forkserver_pid, signal.SIGTERM)  # teardown of torch (~0.7 s CPU)
+        server._stop()
+        multiprocessing.set_forkserver_preload(previous)
+
+
+def worker_environment() -> None:
+    """In a worker forked from `forkserver`: the launcher's environment (PYTHONSAFEPATH only if
+    it was set there) and sys.path without the working directory (multiprocessing gave the
+    worker the launcher's sys.path), so a source tree does not shadow what the forkserver
+    imported."""
+    if os.environ.pop(SAFE_PATH_MARK, None):
+        os.environ.pop("PYTHONSAFEPATH", None)
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]
+
+
+@contextlib.contextmanager
+def _quiet_failures():
+    """torch's launcher logs a failed worker with the traceback of its own bookkeeping
+    (ProcessExitedException); the line without it is the message."""
+    import logging
+
+    def drop_traceback(record: logging.LogRecord) -> bool:
+        record.exc_info = record.exc_text = None
+        return True
+
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    logger.addFilter(drop_traceback)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop_traceback)
