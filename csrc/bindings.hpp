@@ -34,3 +34,4 @@ void register_repetend(py::module_& m);
 void register_modulo(py::module_& m);
 void register_phases(py::module_& m);
 void register_templates(py::module_& m);
+void register_exhaustive(py::module_& m);

@@ -9,4 +9,5 @@ PYBIND11_MODULE(_core, m) {
     register_modulo(m);
     register_phases(m);
     register_templates(m);
+    register_exhaustive(m);
 }

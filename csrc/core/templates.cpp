@@ -153,8 +153,9 @@ void check_stages(const Graph& g, const std::vector<StageBlocks>& stages) {
 
 }  // namespace
 
-TemplateOrders one_f_one_b_orders(const Graph& g, const std::vector<std::vector<StageBlocks>>& chains,
-                                  int n, const std::vector<int>& limits,
+TemplateOrders one_f_one_b_orders(const Graph& g,
+                                  const std::vector<std::vector<StageBlocks>>& chains, int n,
+                                  const std::vector<int>& limits,
                                   const std::vector<int>& weight_after) {
     if (chains.size() > 2) throw std::invalid_argument("one chain (1F1B) or two (Chimera)");
     if (!weight_after.empty() && static_cast<int>(weight_after.size()) != g.num_blocks())

@@ -30,8 +30,9 @@ struct TemplateOrders {
 // second's ops after the first's at the same step). Instances are ordered by their op's step,
 // then chain, then position inside the stage, so every device agrees with one global order.
 // weight_after[b] (when not empty): the W block run right after B block b, or -1.
-TemplateOrders one_f_one_b_orders(const Graph& g, const std::vector<std::vector<StageBlocks>>& chains,
-                                  int n, const std::vector<int>& limits,
+TemplateOrders one_f_one_b_orders(const Graph& g,
+                                  const std::vector<std::vector<StageBlocks>>& chains, int n,
+                                  const std::vector<int>& limits,
                                   const std::vector<int>& weight_after);
 
 // ZB-H1: 1F1B's F/B order with stage s running W(m) right after B(m + s), the last s W passes

@@ -330,7 +330,9 @@ def baselines(problem: Problem, budget: Budget = Budget()) -> dict[str, Baseline
                                  "longer to lay out than the time limit allows")
             continue
         if budget.expired():
-            out[name] = Baseline(name, reason="not evaluated: the time limit ran out")
+            out[name] = Baseline(name, reason="not evaluated: the time limit ran out"
+                                 if budget.timed_out() else
+                                 "not evaluated: the search's work allowance ran out")
             continue
         try:
             orders = template_orders(problem, name)
