@@ -32,6 +32,7 @@ RECOMPUTE_LADDER = 16           # recomputation sets scored with the templates
 RECOMPUTE_SOLVED = 2            # and of those, solved in full besides none and all
 RECOMPUTE_WORK = 200_000_000    # effort units for all of those solves together (x effort)
 CLIMB_WORK = 10_000_000         # instance evaluations for the local search (about 0.3 s)
+SETTLED_SEARCH = 16_384         # instances: above this a template that meets the bound ends it
 
 
 @dataclass(frozen=True)
@@ -188,15 +189,22 @@ def _solve(problem: Problem, budget: Budget, progress: Progress | None) -> Solut
         held = incumbents(problem, templates)
     incumbent = min(held.items(), key=lambda item: _held(item[1]), default=None)
     # A template that meets the lower bound is optimal: then look only for a repetend as good
-    # (it extends to any N), without Z3.
+    # (it extends to any N, and may hold less memory), without Z3, and only where that is
+    # cheap: on a large plan the search stops at once.
     settled = incumbent is not None and incumbent[1].makespan <= lower_bound
     exact = problem.search.exact and not settled
+    instances = len(problem.blocks) * problem.num_micro_batches
+    if settled and instances > SETTLED_SEARCH:
+        origin, schedule = incumbent
+        return Solution(schedule, "optimal", lower_bound, problem.period_bound(),
+                        time.monotonic() - started, templates, SearchStats(
+                            notes=[f"completion: the {origin} template meets the lower bound; "
+                                   "no search"]), origin, None, clock.seconds)
     # A tiny problem is searched whole right after the cheap completions: usually that proves
     # the best of them optimal. Up to WINDOW_LIMIT instances, Z3 reorders windows of the whole
     # schedule instead of solving its warmup and cooldown (the phases seldom pay there, and
     # their allowance is what the NN-shape's search spent most of its time on).
     tiny = exact and whole_applies(problem)
-    instances = len(problem.blocks) * problem.num_micro_batches
     stats = SearchStats()
     found = None
     # The search leaves time for laying out the completion, which is linear in the instances.
