@@ -215,9 +215,12 @@ def _solve(problem: Problem, budget: Budget, progress: Progress | None) -> Solut
                              incumbent=incumbent[1].makespan if incumbent else None)
     early = None  # the fast path's repetend completed, before a search for a shorter period
 
-    def fast(result: RepetendSearch) -> None:
+    def fast(result: RepetendSearch) -> bool:
+        """Complete the fast path's repetend; True when that meets the lower bound (then no
+        shorter period can give a shorter schedule: the search ends at once)."""
         nonlocal early
         early = completion.run(result, first_step=True)
+        return early[0] is not None and early[0].makespan <= lower_bound
 
     budget.progress()  # the templates are the first incumbents
     try:

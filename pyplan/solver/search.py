@@ -136,7 +136,8 @@ def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: Sea
     """The repetend with the least period found; `thorough=False` stops after the fast path
     when it finds any (the caller already holds an optimal schedule). `fast(search)` is told
     what the fast path found before a longer search for a shorter period starts (the caller
-    completes it into an incumbent, so that the effort has work to compare with). Beyond the
+    completes it into an incumbent, so that the effort has work to compare with); when it
+    answers True (that completion meets the makespan's lower bound) the search ends. Beyond the
     fast path, the search goes on while the budget's effort allows: every shorter period, and
     every period Z3 rules out, is progress. `clock` counts Z3's part as the proof's."""
     graph = problem.graph
@@ -172,7 +173,7 @@ def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: Sea
             break
     timed_out = False
     if best is not None and best.period > bound and thorough and fast is not None:
-        fast(RepetendSearch(best, bound, False, False))
+        thorough = not fast(RepetendSearch(best, bound, False, False))
     budget.progress()  # (what follows must pay for itself)
     if best is None or (best.period > bound and thorough):
         work = evaluation_work(problem)
@@ -203,7 +204,8 @@ def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: Sea
         raise InfeasibleError("no schedule satisfies the memory capacity and order rules",
                               hint="raise memory:, relax constraints: or enable search.exact")
     proven = best is not None and best.period <= bound
-    if not proven and exact and not timed_out and (best is None or not budget.stalled):
+    if not proven and exact and thorough and not timed_out and \
+            (best is None or not budget.stalled):
         with clock("proof") if clock is not None else contextlib.nullcontext():
             proven, timed_out, found = _exact_period(problem, best, bound, max_nr, budget,
                                                      stats, report)
