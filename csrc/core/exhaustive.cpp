@@ -13,11 +13,19 @@ constexpr int kMaxInstances = 4096;  // the search recurses once per instance
 class Exhaustive {
   public:
     Exhaustive(const Graph& g, int n, int64_t target, const std::vector<int64_t>& headroom,
-               const std::vector<char>& is_forward, int64_t sync, int64_t budget)
+               const std::vector<char>& is_forward, int64_t sync, int64_t budget,
+               const std::vector<std::pair<int, int>>& after)
         : g_(g), K_(g.num_blocks()), n_(n), N_(g.num_blocks() * n), D_(g.num_devices()),
           target_(target), headroom_(headroom), budget_(budget) {
-        const auto tails = g.tails();
+        kept_.resize(N_);
+        for (auto [x, y] : after) kept_[y].push_back(x);
         topo_ = g.topological_order();
+        // Instances in an order every precedence (dependencies, micro-batch order, the kept
+        // pairs) goes forward in: release times are computed along it.
+        for (int m = 0; m < n; ++m)
+            for (int b : topo_) order_.push_back(m * K_ + b);
+        if (!after.empty()) order_ = instance_order();
+        const auto tails = g.tails();
         after_.resize(K_);
         for (int b = 0; b < K_; ++b) {
             const int64_t own = g.block(b).time + (is_forward[b] ? 0 : sync);
@@ -36,6 +44,10 @@ class Exhaustive {
 
     ExhaustiveResult run() {
         ExhaustiveResult out;
+        if (static_cast<int>(order_.size()) < N_) {  // the kept pairs close a cycle
+            out.status = ExhaustiveResult::kNone;
+            return out;
+        }
         bool found = dfs(0, -1, -1);
         out.nodes = nodes_;
         if (found) {
@@ -48,6 +60,31 @@ class Exhaustive {
     }
 
   private:
+    // Kahn's algorithm over the instances and every precedence between them (shorter than
+    // N_ when there is a cycle).
+    std::vector<int> instance_order() const {
+        std::vector<std::vector<int>> next(N_);
+        std::vector<int> indegree(N_, 0);
+        auto edge = [&](int x, int y) {
+            next[x].push_back(y);
+            ++indegree[y];
+        };
+        for (int m = 0; m < n_; ++m)
+            for (int b = 0; b < K_; ++b) {
+                for (int p : g_.predecessors(b)) edge(m * K_ + p, m * K_ + b);
+                if (m > 0) edge((m - 1) * K_ + b, m * K_ + b);
+            }
+        for (int y = 0; y < N_; ++y)
+            for (int x : kept_[y]) edge(x, y);
+        std::vector<int> out;
+        for (int i = 0; i < N_; ++i)
+            if (indegree[i] == 0) out.push_back(i);
+        for (size_t at = 0; at < out.size(); ++at)
+            for (int y : next[out[at]])
+                if (--indegree[y] == 0) out.push_back(y);
+        return out;
+    }
+
     // The earliest instance i can start now, from its scheduled inputs and devices; -1 when an
     // input (or the block's previous micro-batch) is not scheduled yet.
     int64_t ready(int i) const {
@@ -60,6 +97,10 @@ class Exhaustive {
             const int j = m * K_ + preds[x];
             if (start_[j] < 0) return -1;
             est = std::max(est, start_[j] + g_.block(preds[x]).time + delays[x]);
+        }
+        for (int x : kept_[i]) {
+            if (start_[x] < 0) return -1;
+            est = std::max(est, start_[x] + g_.block(x % K_).time);
         }
         for (int d : g_.block(b).devices) est = std::max(est, free_[d]);
         return est;
@@ -81,9 +122,8 @@ class Exhaustive {
         std::vector<int64_t>& least_tail = device_tail_;
         earliest.assign(D_, INT64_MAX);
         least_tail.assign(D_, INT64_MAX);
-        for (int m = 0; m < n_; ++m)
-            for (int b : topo_) {
-                const int i = m * K_ + b;
+        for (int i : order_) {
+                const int b = i % K_, m = i / K_;
                 if (start_[i] >= 0) continue;
                 int64_t r = std::max<int64_t>(last, 0);
                 if (m > 0) {
@@ -98,6 +138,9 @@ class Exhaustive {
                     r = std::max(r, (start_[j] >= 0 ? start_[j] : release_[j]) +
                                         g_.block(preds[x]).time + delays[x]);
                 }
+                for (int x : kept_[i])
+                    r = std::max(r, (start_[x] >= 0 ? start_[x] : release_[x]) +
+                                        g_.block(x % K_).time);
                 for (int d : g_.block(b).devices) r = std::max(r, free_[d]);
                 release_[i] = r;
                 bound = std::max(bound, r + after_[b]);
@@ -106,7 +149,7 @@ class Exhaustive {
                     earliest[d] = std::min(earliest[d], r);
                     least_tail[d] = std::min(least_tail[d], tail);
                 }
-            }
+        }
         for (int d = 0; d < D_; ++d)
             if (earliest[d] != INT64_MAX)
                 bound = std::max(bound, earliest[d] + remaining_[d] + least_tail[d]);
@@ -163,7 +206,8 @@ class Exhaustive {
     const int64_t target_;
     const std::vector<int64_t>& headroom_;
     const int64_t budget_;
-    std::vector<int> topo_;
+    std::vector<int> topo_, order_;
+    std::vector<std::vector<int>> kept_;  // per instance: instances it must follow
     std::vector<int64_t> after_, start_, release_, free_, used_, remaining_;
     std::vector<int64_t> device_release_, device_tail_;
     std::vector<std::vector<std::pair<int64_t, int>>> candidates_;  // per depth
@@ -178,7 +222,8 @@ class Exhaustive {
 ExhaustiveResult schedule_within(const Graph& g, int n, int64_t target,
                                  const std::vector<int64_t>& headroom,
                                  const std::vector<char>& is_forward, int64_t sync_time,
-                                 int64_t node_budget) {
+                                 int64_t node_budget,
+                                 const std::vector<std::pair<int, int>>& after) {
     if (n < 1) throw std::invalid_argument("need at least one micro-batch");
     if (int64_t{g.num_blocks()} * n > kMaxInstances)
         throw std::invalid_argument("more than 4096 instances: too many to search exhaustively");
@@ -190,7 +235,11 @@ ExhaustiveResult schedule_within(const Graph& g, int n, int64_t target,
     if (sync_time < 0 || sync_time > kMaxTime) throw std::invalid_argument("bad sync time");
     if (static_cast<int>(g.topological_order().size()) != g.num_blocks())
         throw std::invalid_argument("the dependency graph has a cycle");
-    Exhaustive search(g, n, target, headroom, is_forward, sync_time, node_budget);
+    const int N = g.num_blocks() * n;
+    for (auto [x, y] : after)
+        if (x < 0 || x >= N || y < 0 || y >= N || x == y)
+            throw std::out_of_range("an order pair names an instance out of range");
+    Exhaustive search(g, n, target, headroom, is_forward, sync_time, node_budget, after);
     return search.run();
 }
 

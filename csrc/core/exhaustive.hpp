@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/graph.hpp"
@@ -23,12 +24,14 @@ struct ExhaustiveResult {
 // plus sync_time. Dependencies with their transfer delays, devices run one block at a time, a
 // block's memory delta applies on its devices at its start and must stay within headroom[d]
 // (< 0: unlimited), and instances of a block run in micro-batch order (no order rules: the
-// caller asks Z3 where there are some). Depth-first over semi-active schedules listed in order
-// of (start, instance), pruned by release-time and per-device load bounds; stops after
-// node_budget nodes (status unknown).
+// caller asks Z3 where there are some). `after` holds pairs of instances [mb * K + block]
+// (x, y): y starts after x ends (the orders a schedule keeps outside a window). Depth-first
+// over semi-active schedules listed in order of (start, instance), pruned by release-time
+// and per-device load bounds; stops after node_budget nodes (status unknown).
 ExhaustiveResult schedule_within(const Graph& g, int n, int64_t target,
                                  const std::vector<int64_t>& headroom,
                                  const std::vector<char>& is_forward, int64_t sync_time,
-                                 int64_t node_budget);
+                                 int64_t node_budget,
+                                 const std::vector<std::pair<int, int>>& after = {});
 
 }  // namespace pyplan

@@ -22,7 +22,8 @@ from pyplan.spec.units import count
 
 __all__ = ["EXACT_LIMIT", "PHASE_EFFORT", "WHOLE_LIMIT", "WINDOW_LIMIT", "cheap_completion",
            "climb", "climb_step_work", "complete", "complete_whole", "exact_applies",
-           "improve_in_windows", "search_whole", "whole_applies", "window_bound"]
+           "improve_in_windows", "kept_pairs", "search_whole", "whole_applies",
+           "window_bound"]
 
 EXACT_LIMIT = 160          # instances: above this the exact warmup/cooldown solve is skipped
 WHOLE_LIMIT = 48           # instances: up to this the whole problem is also solved exactly
@@ -31,6 +32,7 @@ CLIMB_TRIED = 4            # neighbours completed per local-search step
 WINDOW_LIMIT = 160         # instances: up to this many, Z3 reorders windows of the schedule
 WINDOW = 24                # instances Z3 may reorder at once
 WINDOW_EFFORT = 1_000_000  # Z3 resource units for one window (those that pay took 0.06-0.72M)
+WINDOW_NODES = 20_000      # exhaustive-search nodes that may settle a window before Z3
 COMPLETION_COST = 20       # a cheap completion costs about this many periodic evaluations
 EXHAUSTIVE_EFFORT = 4_000_000  # effort units for the exhaustive search of a tiny problem
 NODE_WORK = 4              # effort units per node of that search (about 200 ns here)
@@ -463,6 +465,44 @@ _FOUND = "completion: whole schedule found by an exhaustive search, shorter than
     "repetend or template"
 
 
+def kept_pairs(problem: Problem, orders, free) -> list[tuple[int, int]]:
+    """The orders a window keeps, as pairs of instances [m * K + b] (x, y): y after x. Every
+    device keeps its order except among the free instances (as reoptimise's model)."""
+    k = len(problem.blocks)
+    loose = set(map(tuple, free))
+    pairs = []
+    for order in orders:
+        ids = [(b, m) for b, m in order]
+        kept = [x for x in ids if x not in loose]
+        pairs += [(x[1] * k + x[0], y[1] * k + y[0]) for x, y in zip(kept, kept[1:])]
+        before = None  # the kept instance before the current position
+        for p, x in enumerate(ids):
+            if x not in loose:
+                before = x
+                continue
+            after = next((y for y in ids[p + 1:] if y not in loose), None)
+            if before is not None:
+                pairs.append((before[1] * k + before[0], x[1] * k + x[0]))
+            if after is not None:
+                pairs.append((x[1] * k + x[0], after[1] * k + after[0]))
+    return pairs
+
+
+def _window_searched(problem: Problem, schedule: Schedule, free, budget: Budget) -> bool:
+    """Whether the core's exhaustive search proves, within WINDOW_NODES, that no reordering of
+    the window is shorter (no order rules: Z3 decides those)."""
+    if problem.rules:
+        return False
+    head = [-1 if problem.headroom(d) is None else problem.headroom(d)
+            for d in range(problem.num_devices)]
+    status, _, nodes = _core.schedule_within(
+        problem.graph, problem.num_micro_batches, schedule.makespan - 1, head,
+        [b.is_forward for b in problem.blocks], problem.sync_time, WINDOW_NODES,
+        kept_pairs(problem, schedule.orders, free))
+    budget.charge(nodes * NODE_WORK)
+    return status == "none"
+
+
 def improve_in_windows(problem: Problem, best: Schedule, *, budget: Budget, target: int,
                        notes: list[str]) -> Schedule:
     """Large-neighbourhood search with Z3 for schedules of a few hundred instances: a window
@@ -481,7 +521,8 @@ def improve_in_windows(problem: Problem, best: Schedule, *, budget: Budget, targ
         improved = False
         for low in range(0, max(1, count_ - size // 2), max(1, size // 2)):
             free = [(b, m) for _, m, b in instances[low:low + size]]
-            if window_bound(problem, schedule.orders, free) >= schedule.makespan:
+            if window_bound(problem, schedule.orders, free) >= schedule.makespan or \
+                    _window_searched(problem, schedule, free, budget):
                 continue  # no reordering of this window can be shorter: no need to ask Z3
             result = reoptimise(problem, schedule.orders, free, upper_bound=schedule.makespan,
                                 budget=budget.slice(budget.units(WINDOW_EFFORT)))
