@@ -56,7 +56,11 @@ class ModuloSearch {
             if (g.block(b).devices.size() == 1) order_.push_back(b);
         offset_.assign(k, -1);
         start_.assign(k, kUnknown);
-        busy_.assign(g.num_devices(), {});
+        for (const Block& blk : g.blocks()) cells_ = cells_ && blk.time <= kShortBlock;
+        if (cells_)
+            table_.assign(g.num_devices(), std::vector<int>(static_cast<size_t>(T_), -1));
+        else
+            busy_.assign(g.num_devices(), {});
         for (size_t i = 0; i < g.rules().size(); ++i) {
             rules_of_.resize(k);
             rules_of_[g.rules()[i].before].push_back(static_cast<int>(i));
@@ -76,17 +80,26 @@ class ModuloSearch {
 
   private:
     static constexpr int64_t kUnknown = INT64_MIN;
+    static constexpr int64_t kShortBlock = 16;  // time steps: up to this, cells are cheaper
     struct Busy {
         int64_t off, time;
         int who;
     };
 
     // How many offsets from `off` on (at most T) block b cannot start at, because it would
-    // overlap a placed block modulo the period: 0 when it fits at `off`. Occupancy is kept as
-    // intervals, so a check costs the blocks placed on its devices, not the block's time (a
-    // slow device's blocks are long).
+    // overlap a placed block modulo the period: 0 when it fits at `off`. Short blocks are
+    // checked on a table of cells (one per time step of the period) one offset at a time; where
+    // some block is long (a slow device's, or measured costs), occupancy is kept as intervals
+    // instead, so that a check costs the blocks placed on its devices, not the block's time,
+    // and a run of offsets that cannot fit is skipped at once. Both answer the same.
     int64_t blocked(int b, int64_t off) const {
         const int64_t len = g_.block(b).time;
+        if (cells_) {
+            for (int d : g_.block(b).devices)
+                for (int64_t t = 0; t < len; ++t)
+                    if (table_[d][(off + t) % T_] >= 0) return 1;
+            return 0;
+        }
         int64_t pos = off;
         for (bool moved = true; moved && pos - off < T_;) {
             moved = false;
@@ -106,7 +119,9 @@ class ModuloSearch {
     }
     void mark(int b, int64_t off, int who) {
         for (int d : g_.block(b).devices) {
-            if (who >= 0) {
+            if (cells_) {
+                for (int64_t t = 0; t < g_.block(b).time; ++t) table_[d][(off + t) % T_] = who;
+            } else if (who >= 0) {
                 busy_[d].push_back({off % T_, g_.block(b).time, who});
             } else {
                 for (size_t i = busy_[d].size(); i-- > 0;)
@@ -301,6 +316,8 @@ class ModuloSearch {
     std::vector<int> order_;
     std::vector<int64_t> offset_, start_;
     std::vector<int> resolved_;
+    bool cells_ = true;                       // every block short: the table, else busy_
+    std::vector<std::vector<int>> table_;     // per device and time step: the block there
     std::vector<std::vector<Busy>> busy_;  // per device: placed blocks' offsets modulo T
     std::vector<std::vector<int>> rules_of_;
 };

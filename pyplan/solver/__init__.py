@@ -57,9 +57,9 @@ class Solution:
     """For a schedule with a repetend: optimal (no shorter period exists among repetends of at
     most max_repetend_micro_batches), feasible or time_limit."""
     phase_seconds: dict[str, float] = field(default_factory=dict)
-    """Wall seconds by phase: templates, search (the repetend), completion, proof (Z3: the
-    period, windows of the schedule, the whole problem). For reports: no decision of the
-    search depends on time, only on counted work."""
+    """Wall seconds by phase: templates, search (the repetend), completion, proof (Z3 on the
+    period, the core's exhaustive search and Z3 on windows of the schedule or the whole
+    problem). For reports: no decision of the search depends on time, only on counted work."""
 
     @property
     def gap(self) -> float:
@@ -342,10 +342,6 @@ class _Completion:
         return self.done[key]
 
     def run(self, found: RepetendSearch, *, first_step: bool) -> tuple[Schedule, list[str]]:
-        with self.clock("completion"):
-            return self._run(found, first_step=first_step)
-
-    def _run(self, found: RepetendSearch, *, first_step: bool) -> tuple[Schedule, list[str]]:
         """The best completion of repetends with `found`'s period. The pool grows in steps
         (ranked within the search budget) while no completion meets the lower bound and the
         effort allows: the modulo schedules of each N_R, then Tessel's best candidates of
@@ -355,6 +351,10 @@ class _Completion:
         POOL_WORK // 3 on, the best of all candidates seen so far also get Z3's warmup and
         cooldown, which cost more than ranking that many candidates. `first_step`: the first
         step only."""
+        with self.clock("completion"):
+            return self._run(found, first_step=first_step)
+
+    def _run(self, found: RepetendSearch, *, first_step: bool) -> tuple[Schedule, list[str]]:
         problem, budget = self.problem, self.budget
         seen: dict = {}  # repetend -> (its rank by cheap completion, the repetend)
         schedule, best_notes = None, []

@@ -9,6 +9,11 @@ that meet the repetend as a rigid periodic block (compaction at the boundaries, 
 under the memory the other phases leave; the better composition wins, and its times are the
 earliest its orders allow. With fewer micro-batches than the repetend spans there is no
 steady state: the whole problem is solved time-optimally instead.
+
+Small schedules are then improved as a whole: tiny ones (WHOLE_LIMIT instances) searched
+exhaustively by the core (`search_whole`), then by Z3 (`complete_whole`); up to WINDOW_LIMIT
+instances, windows of the schedule reordered (`improve_in_windows`), each first bounded by a
+relaxation and by the core's search, Z3 asked only where those cannot settle it.
 """
 
 from __future__ import annotations
