@@ -273,7 +273,7 @@ def repetend_bound(graph: Graph, indices: collections.abc.Sequence[typing.Suppor
     ...
 def repetend_from_starts(graph: Graph, start: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], period: typing.SupportsInt | typing.SupportsIndex) -> Repetend:
     ...
-def schedule_within(graph: Graph, num_micro_batches: typing.SupportsInt | typing.SupportsIndex, makespan: typing.SupportsInt | typing.SupportsIndex, headroom: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], is_forward: collections.abc.Sequence[bool], sync_time: typing.SupportsInt | typing.SupportsIndex, node_budget: typing.SupportsInt | typing.SupportsIndex) -> tuple[str, list[int], int]:
+def schedule_within(graph: Graph, num_micro_batches: typing.SupportsInt | typing.SupportsIndex, makespan: typing.SupportsInt | typing.SupportsIndex, headroom: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], is_forward: collections.abc.Sequence[bool], sync_time: typing.SupportsInt | typing.SupportsIndex, node_budget: typing.SupportsInt | typing.SupportsIndex, after: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]] = []) -> tuple[str, list[int], int]:
     """
     Is there a schedule of the whole problem within the makespan? ("none" | "found" | "unknown", starts [mb * K + block] when found, nodes searched); see csrc/core/exhaustive.hpp.
     """
