@@ -358,22 +358,12 @@ class _TimeModel:
         solver = self.solver()
         objective = self.variable(self.OBJECTIVE)
         best, proven = None, True
-        if top_first and lo <= hi and not budget.spent:
-            # Asked before any push, which keeps Z3 on its non-incremental solver (about twice
-            # as fast on these models); every later probe is below `hi` anyway.
-            solver.add(objective <= hi)
-            outcome = budget.check(solver)
-            if outcome == z3.unknown:
-                return TimeOptimal("unknown")
-            if outcome == z3.unsat:
-                return TimeOptimal("none")
-            best = solver.model()
-            hi = best.eval(objective).as_long() - 1
         while lo <= hi:
             if budget.spent:
                 proven = False
                 break
-            mid = (lo + hi) // 2
+            mid = hi if top_first else (lo + hi) // 2
+            top_first = False
             solver.push()
             solver.add(objective <= mid)
             left = budget.units_left()
