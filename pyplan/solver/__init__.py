@@ -32,7 +32,6 @@ RECOMPUTE_LADDER = 16           # recomputation sets scored with the templates
 RECOMPUTE_SOLVED = 2            # and of those, solved in full besides none and all
 RECOMPUTE_WORK = 200_000_000    # effort units for all of those solves together (x effort)
 CLIMB_WORK = 10_000_000         # instance evaluations for the local search (about 0.3 s)
-SETTLED_SEARCH = 16_384         # instances: above this a template that meets the bound ends it
 
 
 @dataclass(frozen=True)
@@ -189,17 +188,12 @@ def _solve(problem: Problem, budget: Budget, progress: Progress | None) -> Solut
         held = incumbents(problem, templates)
     incumbent = min(held.items(), key=lambda item: _held(item[1]), default=None)
     # A template that meets the lower bound is optimal: then look only for a repetend as good
-    # (it extends to any N, and may hold less memory), without Z3, and only where that is
-    # cheap: on a large plan the search stops at once.
+    # (the fast path and its cheap completion, without Z3): it extends to any N, may hold less
+    # memory, and written as a repetend it stays small (100,000 micro-batches of a template's
+    # orders are a resolved plan too large to read).
     settled = incumbent is not None and incumbent[1].makespan <= lower_bound
     exact = problem.search.exact and not settled
     instances = len(problem.blocks) * problem.num_micro_batches
-    if settled and instances > SETTLED_SEARCH:
-        origin, schedule = incumbent
-        return Solution(schedule, "optimal", lower_bound, problem.period_bound(),
-                        time.monotonic() - started, templates, SearchStats(
-                            notes=[f"completion: the {origin} template meets the lower bound; "
-                                   "no search"]), origin, None, clock.seconds)
     # A tiny problem is searched whole right after the cheap completions: usually that proves
     # the best of them optimal. Up to WINDOW_LIMIT instances, Z3 reorders windows of the whole
     # schedule instead of solving its warmup and cooldown (the phases seldom pay there, and
