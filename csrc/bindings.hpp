@@ -33,3 +33,5 @@ void register_evaluate(py::module_& m);
 void register_repetend(py::module_& m);
 void register_modulo(py::module_& m);
 void register_phases(py::module_& m);
+void register_templates(py::module_& m);
+void register_exhaustive(py::module_& m);

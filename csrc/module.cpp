@@ -8,4 +8,6 @@ PYBIND11_MODULE(_core, m) {
     register_repetend(m);
     register_modulo(m);
     register_phases(m);
+    register_templates(m);
+    register_exhaustive(m);
 }

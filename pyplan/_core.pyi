@@ -6,7 +6,7 @@ pyplan's C++ scheduling core: graphs, schedule evaluation, repetends
 from __future__ import annotations
 import collections.abc
 import typing
-__all__: list[str] = ['Block', 'Evaluation', 'Graph', 'ModuloStats', 'OrderRule', 'Orders', 'Repetend', 'RepetendEnumerator', 'RepetendSearchStats', 'cooldown_blocks', 'evaluate', 'evaluate_repetend', 'extend', 'list_schedule_phase', 'list_schedule_repetend', 'longest_paths', 'memory_fits', 'modulo_schedule', 'periodic_makespan', 'periodic_orders', 'rank_repetends', 'repetend_bound', 'repetend_from_starts', 'search_repetends', 'warmup_blocks']
+__all__: list[str] = ['Block', 'Evaluation', 'Graph', 'ModuloStats', 'OrderRule', 'Orders', 'Repetend', 'RepetendEnumerator', 'RepetendSearchStats', 'cooldown_blocks', 'evaluate', 'evaluate_repetend', 'extend', 'greedy_orders', 'list_schedule_phase', 'list_schedule_repetend', 'longest_paths', 'memory_fits', 'modulo_schedule', 'one_f_one_b_orders', 'periodic_makespan', 'periodic_orders', 'rank_repetends', 'repetend_bound', 'repetend_from_starts', 'schedule_within', 'search_repetends', 'warmup_blocks', 'zb_h1_orders']
 class Block:
     def __init__(self, name: str, time: typing.SupportsInt | typing.SupportsIndex, memory: typing.SupportsInt | typing.SupportsIndex, devices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None:
         ...
@@ -238,6 +238,10 @@ def extend(graph: Graph, warmup: collections.abc.Sequence[collections.abc.Sequen
     """
     The full orders, prepared for evaluate (Orders.tolist() gives them as lists).
     """
+def greedy_orders(graph: Graph, stages: collections.abc.Sequence[tuple[collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]]], stage_device: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], num_micro_batches: typing.SupportsInt | typing.SupportsIndex, split: bool, in_flight: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], program_device: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> list[list[tuple[int, int]]] | None:
+    """
+    Unit-time list scheduling of a chain of stages (ZB-H2, ZB-V) as per-device orders, or None (see csrc/core/templates.hpp).
+    """
 def list_schedule_phase(graph: Graph, phase: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], start: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], free: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], num_micro_batches: typing.SupportsInt | typing.SupportsIndex, reverse: bool = False) -> list[list[tuple[int, int]]]:
     """
     Per-device orders of a phase list-scheduled against the rest of a schedule (see csrc/core/phases.hpp).
@@ -255,6 +259,10 @@ def memory_fits(graph: Graph, repetend: Repetend, capacity: typing.SupportsInt |
     ...
 def modulo_schedule(graph: Graph, period: typing.SupportsInt | typing.SupportsIndex, max_micro_batches: typing.SupportsInt | typing.SupportsIndex, memory_capacity: typing.SupportsInt | typing.SupportsIndex = -1, node_budget: typing.SupportsInt | typing.SupportsIndex = 200000, seconds: typing.SupportsFloat = 0.0, work_budget: typing.SupportsInt | typing.SupportsIndex = 0) -> tuple[Repetend, ModuloStats]:
     ...
+def one_f_one_b_orders(graph: Graph, chains: collections.abc.Sequence[collections.abc.Sequence[tuple[collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]]]], num_micro_batches: typing.SupportsInt | typing.SupportsIndex, limits: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], weight_after: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = []) -> list[list[tuple[int, int]]] | None:
+    """
+    1F1B (one chain of stages) or Chimera (two) as per-device orders, or None (see csrc/core/templates.hpp).
+    """
 def periodic_makespan(graph: Graph, repetend: Repetend, num_micro_batches: typing.SupportsInt | typing.SupportsIndex, memory_capacity: typing.SupportsInt | typing.SupportsIndex = -1) -> int:
     ...
 def periodic_orders(graph: Graph, repetend: Repetend, num_micro_batches: typing.SupportsInt | typing.SupportsIndex) -> list[list[tuple[int, int]]]:
@@ -265,7 +273,15 @@ def repetend_bound(graph: Graph, indices: collections.abc.Sequence[typing.Suppor
     ...
 def repetend_from_starts(graph: Graph, start: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], period: typing.SupportsInt | typing.SupportsIndex) -> Repetend:
     ...
+def schedule_within(graph: Graph, num_micro_batches: typing.SupportsInt | typing.SupportsIndex, makespan: typing.SupportsInt | typing.SupportsIndex, headroom: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], is_forward: collections.abc.Sequence[bool], sync_time: typing.SupportsInt | typing.SupportsIndex, node_budget: typing.SupportsInt | typing.SupportsIndex, after: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]] = []) -> tuple[str, list[int], int]:
+    """
+    Is there a schedule of the whole problem within the makespan? ("none" | "found" | "unknown", starts [mb * K + block] when found, nodes searched); see csrc/core/exhaustive.hpp.
+    """
 def search_repetends(graph: Graph, num_micro_batches: typing.SupportsInt | typing.SupportsIndex, memory_capacity: typing.SupportsInt | typing.SupportsIndex = -1, best_period: typing.SupportsInt | typing.SupportsIndex = 0, target: typing.SupportsInt | typing.SupportsIndex = 0, max_candidates: typing.SupportsInt | typing.SupportsIndex = 0, seconds: typing.SupportsFloat | typing.SupportsIndex = 0.0) -> tuple[Repetend, RepetendSearchStats]:
     ...
 def warmup_blocks(indices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> list[tuple[int, int]]:
     ...
+def zb_h1_orders(graph: Graph, stages: collections.abc.Sequence[tuple[collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]]], num_micro_batches: typing.SupportsInt | typing.SupportsIndex) -> list[list[tuple[int, int]]] | None:
+    """
+    ZB-H1 as per-device orders, or None (see csrc/core/templates.hpp).
+    """

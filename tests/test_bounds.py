@@ -161,3 +161,24 @@ def test_synchronisation_bound_meets_the_dp_optimum_at_every_n():
         solution = solve(problem)
         assert problem.makespan_bound() == solution.schedule.makespan == 6 * n + 9
         assert solution.status == "optimal"
+
+
+@settings(max_examples=40, deadline=None)
+@given(small_plans(), st.randoms())
+def test_window_bound_never_above_a_schedule_the_window_allows(problem, rng):
+    # The relaxation that lets the windows' large-neighbourhood search skip Z3: a lower bound
+    # on every schedule that keeps the orders outside the window.
+    from pyplan.solver import solve
+    from pyplan.solver.complete import window_bound
+
+    assume(fits(problem))
+    schedule = solve(problem).schedule
+    instances = [(b.index, m) for m in range(problem.num_micro_batches) for b in problem.blocks]
+    window = rng.sample(instances, rng.randrange(len(instances) + 1))
+    assert window_bound(problem, schedule.orders, window) <= schedule.makespan
+    if not problem.transfers and problem.sync_time == 0:  # the orders' own longest path
+        assert window_bound(problem, schedule.orders, []) == schedule.makespan
+    if len(instances) <= 7:  # everything free: never above the optimum
+        optimum = exhaustive_optimum(problem)
+        if optimum is not None:
+            assert window_bound(problem, schedule.orders, instances) <= optimum

@@ -81,3 +81,12 @@ def test_effort_in_the_plan_and_on_the_command_line(cli, tmp_path):
     bad.write_text(EARLY.replace("time_limit: 60", "effort: 0"))
     code, out, err = cli("validate", bad)
     assert code == 2 and "effort" in err and err.count("\n") == 1
+
+
+def test_the_time_split_covers_the_search():
+    # benchmarks/search.py prints it: where a solve spent its time, by phase.
+    problem = build_problem(spec_from_text(EARLY))
+    solution = solve(problem)
+    assert set(solution.phase_seconds) <= {"templates", "search", "completion", "proof"}
+    assert {"templates", "search", "completion"} <= set(solution.phase_seconds)
+    assert 0 <= sum(solution.phase_seconds.values()) <= solution.search_seconds + 1e-3

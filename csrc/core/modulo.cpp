@@ -56,7 +56,11 @@ class ModuloSearch {
             if (g.block(b).devices.size() == 1) order_.push_back(b);
         offset_.assign(k, -1);
         start_.assign(k, kUnknown);
-        table_.assign(g.num_devices(), std::vector<int>(static_cast<size_t>(T_), -1));
+        for (const Block& blk : g.blocks()) cells_ = cells_ && blk.time <= kShortBlock;
+        if (cells_)
+            table_.assign(g.num_devices(), std::vector<int>(static_cast<size_t>(T_), -1));
+        else
+            busy_.assign(g.num_devices(), {});
         for (size_t i = 0; i < g.rules().size(); ++i) {
             rules_of_.resize(k);
             rules_of_[g.rules()[i].before].push_back(static_cast<int>(i));
@@ -76,16 +80,57 @@ class ModuloSearch {
 
   private:
     static constexpr int64_t kUnknown = INT64_MIN;
+    static constexpr int64_t kShortBlock = 16;  // time steps: up to this, cells are cheaper
+    struct Busy {
+        int64_t off, time;
+        int who;
+    };
 
-    bool fits(int b, int64_t off) const {
-        for (int d : g_.block(b).devices)
-            for (int64_t t = 0; t < g_.block(b).time; ++t)
-                if (table_[d][(off + t) % T_] >= 0) return false;
-        return true;
+    // How many offsets from `off` on (at most T) block b cannot start at, because it would
+    // overlap a placed block modulo the period: 0 when it fits at `off`. Short blocks are
+    // checked on a table of cells (one per time step of the period) one offset at a time; where
+    // some block is long (a slow device's, or measured costs), occupancy is kept as intervals
+    // instead, so that a check costs the blocks placed on its devices, not the block's time,
+    // and a run of offsets that cannot fit is skipped at once. Both answer the same.
+    int64_t blocked(int b, int64_t off) const {
+        const int64_t len = g_.block(b).time;
+        if (cells_) {
+            for (int d : g_.block(b).devices)
+                for (int64_t t = 0; t < len; ++t)
+                    if (table_[d][(off + t) % T_] >= 0) return 1;
+            return 0;
+        }
+        int64_t pos = off;
+        for (bool moved = true; moved && pos - off < T_;) {
+            moved = false;
+            for (int d : g_.block(b).devices)
+                for (const Busy& x : busy_[d]) {
+                    // x's first occurrence at or after pos, and the one before it
+                    int64_t r = ((x.off - pos) % T_ + T_) % T_;
+                    int64_t end = r < len ? pos + r + x.time
+                                          : (r - T_ + x.time > 0 ? pos + r - T_ + x.time : pos);
+                    if (end > pos) {
+                        pos = end;  // every start before x ends overlaps it too
+                        moved = true;
+                    }
+                }
+        }
+        return std::min(pos - off, T_);
     }
     void mark(int b, int64_t off, int who) {
-        for (int d : g_.block(b).devices)
-            for (int64_t t = 0; t < g_.block(b).time; ++t) table_[d][(off + t) % T_] = who;
+        for (int d : g_.block(b).devices) {
+            if (cells_) {
+                for (int64_t t = 0; t < g_.block(b).time; ++t) table_[d][(off + t) % T_] = who;
+            } else if (who >= 0) {
+                busy_[d].push_back({off % T_, g_.block(b).time, who});
+            } else {
+                for (size_t i = busy_[d].size(); i-- > 0;)
+                    if (busy_[d][i].who == b) {
+                        busy_[d].erase(busy_[d].begin() + static_cast<std::ptrdiff_t>(i));
+                        break;
+                    }
+            }
+        }
     }
 
     // Forward checking: the unplaced blocks of a device must still pack into its free slots.
@@ -105,8 +150,12 @@ class ModuloSearch {
         if (i == rest.size() || ++pack_steps_ > kPackSteps || over()) return true;
         const int b = rest[i];
         for (int64_t off = 0; off < T_; ++off) {
+            if (int64_t skip = std::min(blocked(b, off), T_ - off)) {
+                stats_.work += skip;  // (each offset tried counts, as it always has)
+                off += skip - 1;
+                continue;
+            }
             ++stats_.work;
-            if (!fits(b, off)) continue;
             mark(b, off, b);
             bool ok = pack(rest, i + 1);
             mark(b, off, -1);
@@ -166,7 +215,10 @@ class ModuloSearch {
         const Block& blk = g_.block(b);
         if (blk.devices.size() > 1) {
             for (int64_t off = 0; off < T_; ++off) {
-                if (!fits(b, off)) continue;
+                if (int64_t skip = blocked(b, off)) {
+                    off += skip - 1;
+                    continue;
+                }
                 ++stats_.nodes;
                 ++stats_.work;
                 offset_[b] = off;
@@ -197,7 +249,10 @@ class ModuloSearch {
         for (int64_t delta = 0; delta < T_ && !ok; ++delta) {
             int64_t s = earliest + delta;
             int64_t off = s % T_;
-            if (!fits(b, off)) continue;
+            if (int64_t skip = blocked(b, off)) {
+                delta += skip - 1;
+                continue;
+            }
             ++stats_.nodes;
             ++stats_.work;
             offset_[b] = off;
@@ -261,7 +316,9 @@ class ModuloSearch {
     std::vector<int> order_;
     std::vector<int64_t> offset_, start_;
     std::vector<int> resolved_;
-    std::vector<std::vector<int>> table_;
+    bool cells_ = true;                       // every block short: the table, else busy_
+    std::vector<std::vector<int>> table_;     // per device and time step: the block there
+    std::vector<std::vector<Busy>> busy_;  // per device: placed blocks' offsets modulo T
     std::vector<std::vector<int>> rules_of_;
 };
 

@@ -49,7 +49,7 @@ def summary_text(solution: Solution, output: str | None) -> str:
     show = problem.show_memory
     if solution.status == "optimal":
         proof = ("meets the lower bound" if schedule.makespan <= solution.lower_bound
-                 else f"proven by Z3; lower bound {solution.lower_bound}")
+                 else f"no shorter schedule exists; lower bound {solution.lower_bound}")
         quality = f"optimal ({proof})"
     else:
         quality = (f"lower bound {solution.lower_bound}, gap {solution.gap:.1%}, not proven "

@@ -11,10 +11,10 @@ from pyplan.errors import InfeasibleError
 from pyplan.problem import Problem
 from pyplan.schedule import Schedule, build_schedule
 from pyplan.solver.bounds import check_fits, min_memory
-from pyplan.solver.budget import LAYOUT_SECONDS, Budget, Effort
-from pyplan.solver.complete import (COMPLETION_COST, cheap_completion, climb, climb_step_work,
-                                    complete, complete_whole, exact_applies,
-                                    improve_in_windows)
+from pyplan.solver.budget import LAYOUT_SECONDS, Budget, Clock, Effort
+from pyplan.solver.complete import (COMPLETION_COST, WINDOW_LIMIT, cheap_completion, climb,
+                                    climb_step_work, complete, complete_whole, exact_applies,
+                                    improve_in_windows, search_whole, whole_applies)
 from pyplan.solver.explain import explain
 from pyplan.solver.search import (POOL_SIZE, POOL_WORK, Progress, RepetendSearch, SearchStats,
                                   candidate_pool, max_repetend_micro_batches, pool_steps,
@@ -30,6 +30,7 @@ WHOLE_EFFORT = 80_000_000       # and for solving a tiny problem (<= 48 blocks) 
 WINDOWS_EFFORT = 20_000_000     # and for reordering windows of a small one (<= 160 instances)
 RECOMPUTE_LADDER = 16           # recomputation sets scored with the templates
 RECOMPUTE_SOLVED = 2            # and of those, solved in full besides none and all
+RECOMPUTE_WORK = 200_000_000    # effort units for all of those solves together (x effort)
 CLIMB_WORK = 10_000_000         # instance evaluations for the local search (about 0.3 s)
 
 
@@ -54,6 +55,10 @@ class Solution:
     period_status: str | None = None
     """For a schedule with a repetend: optimal (no shorter period exists among repetends of at
     most max_repetend_micro_batches), feasible or time_limit."""
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    """Wall seconds by phase: templates, search (the repetend), completion, proof (Z3 on the
+    period, the core's exhaustive search and Z3 on windows of the schedule or the whole
+    problem). For reports: no decision of the search depends on time, only on counted work."""
 
     @property
     def gap(self) -> float:
@@ -139,18 +144,24 @@ def solve_recompute(problem: Problem, *, progress: Progress | None = None) -> So
     chosen = list(dict.fromkeys(chosen))
     bound = problem.with_recompute(problem.recompute_choices(), rerun=False).makespan_bound()
     results, failure = [], None
+    # Each choice its own effort, and a share of RECOMPUTE_WORK as its cap: however large the
+    # plan, the work is bounded and the same on every machine (the time limit stays a cap
+    # too, shared out the same way).
+    left = int(RECOMPUTE_WORK * problem.search.effort)
     for k, rung in enumerate(chosen):
         if results:
             best = min((s.schedule.makespan, len(r)) for s, r in results)
             if (problem.with_recompute(rung).makespan_bound(), len(rung)) >= best:
                 continue
-        share = Budget(max(0.0, budget.remaining()) / (len(chosen) - k),
-                       effort=Effort(problem.search.effort))  # each choice its own effort
+        effort = Effort(problem.search.effort, cap=max(1, left // (len(chosen) - k)))
+        share = Budget(max(0.0, budget.remaining()) / (len(chosen) - k), effort=effort)
         try:
             results.append((_solve(problem.with_recompute(rung), share, progress), rung))
         except InfeasibleError as exc:
             failure = exc if failure is None or rung == ladder[-1] else failure
             continue
+        finally:
+            left -= effort.work
         if results[-1][0].schedule.makespan <= bound:
             break  # no choice does better
     if not results:
@@ -161,7 +172,7 @@ def solve_recompute(problem: Problem, *, progress: Progress | None = None) -> So
                        for s, r in results if r != rung)]
     best.stats.notes.extend(notes)
     proven = best.schedule.makespan <= bound
-    timed_out = budget.expired() or any(s.status == "time_limit" for s, _ in results)
+    timed_out = budget.timed_out() or any(s.status == "time_limit" for s, _ in results)
     return dataclasses.replace(
         best, status="optimal" if proven else "time_limit" if timed_out else "feasible",
         lower_bound=bound, search_seconds=time.monotonic() - started)
@@ -169,62 +180,69 @@ def solve_recompute(problem: Problem, *, progress: Progress | None = None) -> So
 
 def _solve(problem: Problem, budget: Budget, progress: Progress | None) -> Solution:
     started = time.monotonic()
+    clock = Clock()
     check_fits(problem)
     lower_bound = problem.makespan_bound()
-    templates = baselines(problem, budget)
-    held = incumbents(problem, templates)
+    with clock("templates"):
+        templates = baselines(problem, budget)
+        held = incumbents(problem, templates)
     incumbent = min(held.items(), key=lambda item: _held(item[1]), default=None)
     # A template that meets the lower bound is optimal: then look only for a repetend as good
-    # (it extends to any N), without Z3.
+    # (the fast path and its cheap completion, without Z3): it extends to any N, may hold less
+    # memory, and written as a repetend it stays small (100,000 micro-batches of a template's
+    # orders are a resolved plan too large to read).
     settled = incumbent is not None and incumbent[1].makespan <= lower_bound
     exact = problem.search.exact and not settled
+    instances = len(problem.blocks) * problem.num_micro_batches
+    # A tiny problem is searched whole right after the cheap completions: usually that proves
+    # the best of them optimal. Up to WINDOW_LIMIT instances, Z3 reorders windows of the whole
+    # schedule instead of solving its warmup and cooldown (the phases seldom pay there, and
+    # their allowance is what the NN-shape's search spent most of its time on).
+    tiny = exact and whole_applies(problem)
     stats = SearchStats()
     found = None
     # The search leaves time for laying out the completion, which is linear in the instances.
-    instances = len(problem.blocks) * problem.num_micro_batches
     search = budget.reserving(min(budget.seconds / 2, instances * LAYOUT_SECONDS))
-    completion = _Completion(problem, budget, search, stats, exact=exact, target=lower_bound,
-                             progress=progress,
+    completion = _Completion(problem, budget, search, stats,
+                             exact=exact and instances > WINDOW_LIMIT, target=lower_bound,
+                             progress=progress, clock=clock,
                              incumbent=incumbent[1].makespan if incumbent else None)
     early = None  # the fast path's repetend completed, before a search for a shorter period
 
-    def fast(result: RepetendSearch) -> None:
+    def fast(result: RepetendSearch) -> bool:
+        """Complete the fast path's repetend; True when that meets the lower bound (then no
+        shorter period can give a shorter schedule: the search ends at once)."""
         nonlocal early
         early = completion.run(result, first_step=True)
+        return early[0] is not None and early[0].makespan <= lower_bound
 
     budget.progress()  # the templates are the first incumbents
     try:
-        found = search_repetend(problem, budget=search, exact=exact, stats=stats,
-                                progress=progress, thorough=not settled, fast=fast)
+        with clock("search"):
+            found = search_repetend(problem, budget=search, exact=exact, stats=stats,
+                                    progress=progress, thorough=not settled, fast=fast,
+                                    clock=clock)
     except InfeasibleError:
         if incumbent is None:
             raise explain(problem, budget) from None
-    schedule, notes = None, []
-    if found is not None:
-        schedule, notes = completion.run(found, first_step=settled)
-        # A longer period completed first stays only if it is strictly shorter.
-        if early is not None and early[0] is not None and \
-                early[0].makespan < schedule.makespan:
-            schedule, notes = early
-    origin = "search"
-    # At the same makespan the one that holds less memory wins (the search, on a tie).
-    if incumbent is not None and (schedule is None or _held(incumbent[1]) < _held(schedule)):
-        origin, schedule = incumbent
-        notes = [f"completion: the {origin} template; no searched schedule is shorter "
-                 "(or as short in less memory)"]
+    schedule, notes, origin = _best(found, completion, early, incumbent, first_step=settled)
     proven = schedule.makespan <= lower_bound
+    if tiny and not proven:
+        with clock("proof"):
+            searched, proven = search_whole(problem, schedule, budget=budget, notes=notes)
+        if searched is not schedule:
+            schedule, origin = searched, "search"
     if problem.search.exact and not proven:
-        shorter = improve_in_windows(problem, schedule, budget=budget.slice(
-            budget.units(WINDOWS_EFFORT), fixed=True), target=lower_bound, notes=notes)
+        with clock("proof"):
+            shorter = improve_in_windows(problem, schedule, budget=budget.slice(
+                budget.units(WINDOWS_EFFORT), fixed=True), target=lower_bound, notes=notes)
         if shorter is not schedule:
             schedule, origin = shorter, "search"
             proven = schedule.makespan <= lower_bound
     if problem.search.exact and not proven:
-        whole, proven = complete_whole(problem, schedule, budget=budget.slice(
-            budget.units(WHOLE_EFFORT), fixed=True), notes=notes)
-        if whole is not schedule:
-            schedule, origin = whole, "search"
-    timed_out = budget.expired() or (found is not None and found.timed_out)
+        with clock("proof"):
+            schedule, origin, proven = _whole(problem, budget, schedule, origin, notes)
+    timed_out = budget.timed_out() or (found is not None and found.timed_out)
     if found is not None and found.stalled and schedule.repetend is not None:
         notes.append(f"search: no shorter period after {_work(found.stalled)} units of work "
                      f"without progress (effort {budget.effort.scale:g})")
@@ -238,7 +256,39 @@ def _solve(problem: Problem, budget: Budget, progress: Progress | None) -> Solut
         period_status = ("optimal" if minimal else
                          "time_limit" if found.timed_out else "feasible")
     return Solution(schedule, status, lower_bound, problem.period_bound(),
-                    time.monotonic() - started, templates, stats, origin, period_status)
+                    time.monotonic() - started, templates, stats, origin, period_status,
+                    clock.seconds)
+
+
+def _best(found: RepetendSearch | None, completion: _Completion, early, incumbent, *,
+          first_step: bool) -> tuple[Schedule, list[str], str]:
+    """The best of the search's completion (its first step only, or all of it), the fast
+    path's completion and the best template that fits: its schedule, notes and origin. At
+    the same makespan the one that holds less memory wins (the search, on a tie)."""
+    schedule, notes = None, []
+    if found is not None:
+        schedule, notes = completion.run(found, first_step=first_step)
+        # A longer period completed first stays only if it is strictly shorter.
+        if early is not None and early[0] is not None and \
+                early[0].makespan < schedule.makespan:
+            schedule, notes = early
+    origin = "search"
+    if incumbent is not None and (schedule is None or _held(incumbent[1]) < _held(schedule)):
+        origin, schedule = incumbent
+        notes = [f"completion: the {origin} template; no searched schedule is shorter "
+                 "(or as short in less memory)"]
+    return schedule, notes, origin
+
+
+def _whole(problem: Problem, budget: Budget, schedule: Schedule, origin: str,
+           notes: list[str]) -> tuple[Schedule, str, bool]:
+    """The whole problem with Z3 (tiny problems): a shorter schedule, or a proof that there is
+    none; the schedule, its origin and whether it is proven optimal."""
+    whole, proven = complete_whole(problem, schedule, budget=budget.slice(
+        budget.units(WHOLE_EFFORT), fixed=True), notes=notes)
+    if whole is not schedule:
+        return whole, "search", proven
+    return schedule, origin, proven or schedule.makespan <= problem.makespan_bound()
 
 
 def _work(units: int) -> str:
@@ -253,9 +303,10 @@ class _Completion:
     for the first is not completed again."""
 
     def __init__(self, problem: Problem, budget: Budget, search: Budget, stats: SearchStats,
-                 *, exact: bool, target: int, progress: Progress | None,
+                 *, exact: bool, target: int, progress: Progress | None, clock: Clock,
                  incumbent: int | None) -> None:
         self.problem, self.budget, self.search, self.stats = problem, budget, search, stats
+        self.clock = clock
         self.exact, self.target, self.progress = exact, target, progress
         self.shortest = incumbent  # the shortest makespan seen in this solve (progress)
         self.slice = budget.slice(budget.units(COMPLETION_EFFORT), fixed=True)
@@ -294,6 +345,10 @@ class _Completion:
         POOL_WORK // 3 on, the best of all candidates seen so far also get Z3's warmup and
         cooldown, which cost more than ranking that many candidates. `first_step`: the first
         step only."""
+        with self.clock("completion"):
+            return self._run(found, first_step=first_step)
+
+    def _run(self, found: RepetendSearch, *, first_step: bool) -> tuple[Schedule, list[str]]:
         problem, budget = self.problem, self.budget
         seen: dict = {}  # repetend -> (its rank by cheap completion, the repetend)
         schedule, best_notes = None, []

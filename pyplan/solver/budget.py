@@ -5,14 +5,16 @@ the search once more work stops paying) and cancellation (Ctrl-C during a Z3 che
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import z3
 
 __all__ = ["EFFORT_FLOOR", "EFFORT_STRETCH", "LAYOUT_SECONDS", "TEMPLATE_RATE", "Budget",
-           "Effort", "check"]
+           "Clock", "Effort", "check"]
 
 TEMPLATE_RATE = 100_000  # instances a template lays out per second of time limit, at most
 LAYOUT_SECONDS = 6e-7    # per instance: ranking a pool and laying out one completion (here)
@@ -27,12 +29,20 @@ EFFORT_STRETCH = 1.0
 class Effort:
     """Work done by one solve, in deterministic units (counts, never the clock), and when it
     last made progress. `scale` (the plan's search.effort, --effort) multiplies how long the
-    search may go on without progress, and the fixed allowances of its stages (`units`)."""
+    search may go on without progress, and the fixed allowances of its stages (`units`).
+    `cap`: units the whole solve may spend at most, whatever progress it makes (a search made
+    of many solves, such as the choice of blocks to recompute, stays bounded that way)."""
 
-    def __init__(self, scale: float = 1.0) -> None:
+    def __init__(self, scale: float = 1.0, cap: int | None = None) -> None:
         self.scale = scale
+        self.cap = cap
         self.work = 0
         self.mark = 0
+
+    @property
+    def capped(self) -> bool:
+        """The cap is spent: every stage winds down as at the time limit."""
+        return self.cap is not None and self.work >= self.cap
 
     def charge(self, units: float) -> None:
         self.work += max(0, int(units))
@@ -44,7 +54,8 @@ class Effort:
     def left(self) -> int:
         """Units the search may still spend without progress (<= 0: it has stalled)."""
         stretch = self.scale * (EFFORT_FLOOR + EFFORT_STRETCH * self.mark)
-        return int(stretch) - (self.work - self.mark)
+        left = int(stretch) - (self.work - self.mark)
+        return left if self.cap is None else min(left, self.cap - self.work)
 
     @property
     def stalled(self) -> bool:
@@ -110,6 +121,11 @@ class Budget:
     # -- wall time
 
     def expired(self) -> bool:
+        """Out of time, or out of work where the effort has a cap: stop now."""
+        return self.timed_out() or (self.effort is not None and self.effort.capped)
+
+    def timed_out(self) -> bool:
+        """The time limit ran out (a status of its own: the result depends on the machine)."""
         return self.deadline is not None and time.monotonic() >= self.deadline
 
     def remaining(self) -> float:
@@ -133,8 +149,9 @@ class Budget:
 
     @property
     def spent(self) -> bool:
-        """No Z3 units left (here or in a parent), or the search has stalled."""
-        if self.stalled:
+        """No Z3 units left (here or in a parent), the search has stalled or the effort's cap
+        is spent."""
+        if self.stalled or (self.effort is not None and self.effort.capped):
             return True
         budget: Budget | None = self
         while budget is not None:
@@ -182,7 +199,45 @@ class Budget:
             budget = budget._parent
         if self.effort is not None and not self.fixed:
             lefts.append(self.effort.left() // rate)
+        elif self.effort is not None and self.effort.cap is not None:
+            lefts.append((self.effort.cap - self.effort.work) // rate)
         return min(lefts) if lefts else None
+
+
+class Clock:
+    """Wall seconds spent in each phase of a solve, for reports and benchmarks (what the
+    search decides depends on counted work, never on these). A phase entered inside another
+    pauses it: each second counts once, in the innermost phase."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._open: list[list] = []  # [phase, since] from the outermost in
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        now = time.monotonic()
+        if self._open:
+            self._lap(now)
+        self.seconds.setdefault(phase, 0.0)
+        self._open.append([phase, now])
+        try:
+            yield
+        finally:
+            self._lap(time.monotonic())
+            self._open.pop()
+
+    def _lap(self, now: float) -> None:
+        """Count the innermost open phase up to now."""
+        current = self._open[-1]
+        self.seconds[current[0]] += now - current[1]
+        current[1] = now
+        if len(self._open) > 1:
+            self._open[-2][1] = now
+
+    def add(self, seconds: dict[str, float]) -> None:
+        """Another solve's phases counted here too (a recomputation choice's)."""
+        for phase, value in seconds.items():
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + value
 
 
 def check(solver, *assumptions):

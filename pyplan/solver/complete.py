@@ -9,6 +9,11 @@ that meet the repetend as a rigid periodic block (compaction at the boundaries, 
 under the memory the other phases leave; the better composition wins, and its times are the
 earliest its orders allow. With fewer micro-batches than the repetend spans there is no
 steady state: the whole problem is solved time-optimally instead.
+
+Small schedules are then improved as a whole: tiny ones (WHOLE_LIMIT instances) searched
+exhaustively by the core (`search_whole`), then by Z3 (`complete_whole`); up to WINDOW_LIMIT
+instances, windows of the schedule reordered (`improve_in_windows`), each first bounded by a
+relaxation and by the core's search, Z3 asked only where those cannot settle it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from pyplan.spec.units import count
 
 __all__ = ["EXACT_LIMIT", "PHASE_EFFORT", "WHOLE_LIMIT", "WINDOW_LIMIT", "cheap_completion",
            "climb", "climb_step_work", "complete", "complete_whole", "exact_applies",
-           "improve_in_windows"]
+           "improve_in_windows", "kept_pairs", "search_whole", "whole_applies",
+           "window_bound"]
 
 EXACT_LIMIT = 160          # instances: above this the exact warmup/cooldown solve is skipped
 WHOLE_LIMIT = 48           # instances: up to this the whole problem is also solved exactly
@@ -30,8 +36,11 @@ PHASE_EFFORT = 1_000_000   # Z3 resource units for one phase (about 0.05 s here)
 CLIMB_TRIED = 4            # neighbours completed per local-search step
 WINDOW_LIMIT = 160         # instances: up to this many, Z3 reorders windows of the schedule
 WINDOW = 24                # instances Z3 may reorder at once
-WINDOW_EFFORT = 2_000_000  # Z3 resource units for one window
+WINDOW_EFFORT = 1_000_000  # Z3 resource units for one window (those that pay took 0.06-0.72M)
+WINDOW_NODES = 20_000      # exhaustive-search nodes that may settle a window before Z3
 COMPLETION_COST = 20       # a cheap completion costs about this many periodic evaluations
+EXHAUSTIVE_EFFORT = 4_000_000  # effort units for the exhaustive search of a tiny problem
+NODE_WORK = 4              # effort units per node of that search (about 200 ns here)
 CLIMB_FULL = 16_384        # instances: above this, neighbours are ranked on fewer micro-batches
 
 
@@ -283,7 +292,8 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, budget: Budg
     if not exact or max(len(warm), len(cool)) > EXACT_LIMIT or budget.spent or \
             budget.expired():
         reason = ("" if not exact else ", exact effort used up" if budget.spent else
-                  ", the time limit ran out" if budget.expired() else
+                  ", the time limit ran out" if budget.timed_out() else
+                  ", the work allowance ran out" if budget.expired() else
                   f", above the exact limit of {EXACT_LIMIT}")
         notes.append(f"completion: {how} {phases}{reason}")
         return cheap, False
@@ -319,19 +329,24 @@ def complete(problem: Problem, rep: _core.Repetend, *, exact: bool, budget: Budg
     return best, cut
 
 
+def whole_applies(problem: Problem) -> bool:
+    """Whether the problem is small enough to be solved whole with Z3 (complete_whole)."""
+    return len(problem.blocks) * problem.num_micro_batches <= WHOLE_LIMIT
+
+
 def complete_whole(problem: Problem, best: Schedule, *, budget: Budget,
                    notes: list[str]) -> tuple[Schedule, bool]:
     """For small problems: the whole schedule time-optimal, if that beats `best`; and whether
     the schedule returned is proven optimal (Z3 found none shorter)."""
-    n = problem.num_micro_batches
-    if len(problem.blocks) * n > WHOLE_LIMIT or budget.spent:
+    if not whole_applies(problem) or budget.spent:
         return best, False
-    everything = [(b.index, m) for m in range(n) for b in problem.blocks]
+    everything = [(b.index, m) for m in range(problem.num_micro_batches)
+                  for b in problem.blocks]
     # Ordering each block's instances by micro-batch loses no schedule without order rules
     # (relabel the k-th instance in time as micro-batch k); a rule with a shift can need others.
     result = time_optimal(problem, everything, upper_bound=best.makespan,
                           lower_bound=problem.makespan_bound(), budget=budget,
-                          symmetry=not problem.rules)
+                          symmetry=not problem.rules, top_first=True)
     if not result.orders:
         if result.status == "none":
             notes.append("completion: Z3 proved that no shorter schedule exists")
@@ -346,6 +361,151 @@ def complete_whole(problem: Problem, best: Schedule, *, budget: Budget,
                 if proven else
                 "completion: whole schedule improved by Z3, not proven optimal"]
     return schedule, proven
+
+
+def window_bound(problem: Problem, orders, free) -> int:
+    """A lower bound on the makespan of any schedule in which every device keeps `orders`
+    except among the instances in `free` (what `reoptimise` searches): the longest path
+    through the dependencies and the kept orders, and on each device the free instances run
+    one at a time between the earliest any of them can start and the least time any of them
+    leaves after it. Memory and order rules left out, it only bounds from below: a window it
+    puts at or above the makespan cannot give a shorter schedule."""
+    blocks, n = problem.blocks, problem.num_micro_batches
+    k = len(blocks)
+    time_of = [b.time for b in blocks]
+    count_ = k * n
+    succ: list[list[tuple[int, int]]] = [[] for _ in range(count_)]  # instance m * k + b
+
+    def after(x: int, y: int, gap: int) -> None:
+        succ[x].append((y, gap))
+
+    for a, c in problem.edges:
+        gap = time_of[a] + problem.transfer.get((a, c), 0)
+        for m in range(n):
+            after(m * k + a, m * k + c, gap)
+    loose = {m * k + b for b, m in free}
+    for order in orders:
+        ids = [m * k + b for b, m in order]
+        kept = [x for x in ids if x not in loose]
+        for x, y in zip(kept, kept[1:]):
+            after(x, y, time_of[x % k])
+        position = {x: p for p, x in enumerate(ids)}
+        for x in ids:  # a free instance keeps its place among the kept ones
+            if x in loose:
+                for y in kept:
+                    if position[y] < position[x]:
+                        after(y, x, time_of[y % k])
+                    else:
+                        after(x, y, time_of[x % k])
+    indegree = [0] * count_
+    for edges in succ:
+        for y, _ in edges:
+            indegree[y] += 1
+    topological = [x for x in range(count_) if indegree[x] == 0]
+    head = [0] * count_
+    for x in topological:  # (grows while it is walked)
+        for y, gap in succ[x]:
+            head[y] = max(head[y], head[x] + gap)
+            indegree[y] -= 1
+            if indegree[y] == 0:
+                topological.append(y)
+    if len(topological) < count_:
+        return 0  # the kept orders contradict the dependencies: no bound
+    sync = problem.sync_time
+    tail = [0] * count_  # from the instance's start to the end it forces
+    for x in reversed(topological):
+        own = time_of[x % k] + (0 if blocks[x % k].is_forward else sync)
+        tail[x] = max([own] + [gap + tail[y] for y, gap in succ[x]])
+    bound = max(head[x] + tail[x] for x in range(count_))
+    for d in range(problem.num_devices):
+        on = [x for x in loose if d in blocks[x % k].devices]
+        if on:
+            bound = max(bound, min(head[x] for x in on) + sum(time_of[x % k] for x in on)
+                        + min(tail[x] - time_of[x % k] for x in on))
+    return bound
+
+
+def search_whole(problem: Problem, best: Schedule, *, budget: Budget,
+                 notes: list[str]) -> tuple[Schedule, bool]:
+    """For tiny problems without order rules (whole_applies): the core's exhaustive search
+    for a schedule shorter than `best`, again below each one it finds, within
+    EXHAUSTIVE_EFFORT; the best schedule and whether it is proven optimal (the search ran
+    out of schedules, not of effort). It settles most tiny problems in milliseconds, where Z3
+    (complete_whole) takes longer to start than this takes to finish."""
+    if not whole_applies(problem) or problem.rules:
+        return best, False
+    head = [-1 if problem.headroom(d) is None else problem.headroom(d)
+            for d in range(problem.num_devices)]
+    forward = [b.is_forward for b in problem.blocks]
+    k, n = len(problem.blocks), problem.num_micro_batches
+    nodes = max(1, budget.units(EXHAUSTIVE_EFFORT) // NODE_WORK)
+    start = best
+    while nodes > 0 and not budget.expired():
+        status, starts, used = _core.schedule_within(
+            problem.graph, n, best.makespan - 1, head, forward, problem.sync_time, nodes)
+        nodes -= used
+        budget.charge(used * NODE_WORK)
+        if status == "none":
+            if best is not start:
+                notes[:] = [_FOUND]
+            notes.append("completion: an exhaustive search proved that no shorter schedule "
+                         "exists")
+            return best, True
+        if status == "unknown":
+            break
+        orders = [sorted(((b, m) for m in range(n) for b in range(k)
+                          if d in problem.blocks[b].devices),
+                         key=lambda x: (starts[x[1] * k + x[0]], x[1], x[0]))
+                  for d in range(problem.num_devices)]
+        schedule = build_schedule(problem, orders, None, ())
+        if schedule.makespan >= best.makespan:  # (synchronisations queue: Z3 decides)
+            break
+        best = schedule
+    if best is not start:
+        notes[:] = [_FOUND]
+    return best, False
+
+
+_FOUND = "completion: whole schedule found by an exhaustive search, shorter than any " \
+    "repetend or template"
+
+
+def kept_pairs(problem: Problem, orders, free) -> list[tuple[int, int]]:
+    """The orders a window keeps, as pairs of instances [m * K + b] (x, y): y after x. Every
+    device keeps its order except among the free instances (as reoptimise's model)."""
+    k = len(problem.blocks)
+    loose = set(map(tuple, free))
+    pairs = []
+    for order in orders:
+        ids = [(b, m) for b, m in order]
+        kept = [x for x in ids if x not in loose]
+        pairs += [(x[1] * k + x[0], y[1] * k + y[0]) for x, y in zip(kept, kept[1:])]
+        before = None  # the kept instance before the current position
+        for p, x in enumerate(ids):
+            if x not in loose:
+                before = x
+                continue
+            after = next((y for y in ids[p + 1:] if y not in loose), None)
+            if before is not None:
+                pairs.append((before[1] * k + before[0], x[1] * k + x[0]))
+            if after is not None:
+                pairs.append((x[1] * k + x[0], after[1] * k + after[0]))
+    return pairs
+
+
+def _window_searched(problem: Problem, schedule: Schedule, free, budget: Budget) -> bool:
+    """Whether the core's exhaustive search proves, within WINDOW_NODES, that no reordering of
+    the window is shorter (no order rules: Z3 decides those)."""
+    if problem.rules:
+        return False
+    head = [-1 if problem.headroom(d) is None else problem.headroom(d)
+            for d in range(problem.num_devices)]
+    status, _, nodes = _core.schedule_within(
+        problem.graph, problem.num_micro_batches, schedule.makespan - 1, head,
+        [b.is_forward for b in problem.blocks], problem.sync_time, WINDOW_NODES,
+        kept_pairs(problem, schedule.orders, free))
+    budget.charge(nodes * NODE_WORK)
+    return status == "none"
 
 
 def improve_in_windows(problem: Problem, best: Schedule, *, budget: Budget, target: int,
@@ -366,6 +526,9 @@ def improve_in_windows(problem: Problem, best: Schedule, *, budget: Budget, targ
         improved = False
         for low in range(0, max(1, count_ - size // 2), max(1, size // 2)):
             free = [(b, m) for _, m, b in instances[low:low + size]]
+            if window_bound(problem, schedule.orders, free) >= schedule.makespan or \
+                    _window_searched(problem, schedule, free, budget):
+                continue  # no reordering of this window can be shorter: no need to ask Z3
             result = reoptimise(problem, schedule.orders, free, upper_bound=schedule.makespan,
                                 budget=budget.slice(budget.units(WINDOW_EFFORT)))
             if result.orders:

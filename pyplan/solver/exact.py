@@ -348,10 +348,13 @@ class _TimeModel:
         transfers = sum(self.problem.transfers) * len({m for _, m in self.inst})
         return lo, sum(self.time) + transfers + max([0, floor] + waits)
 
-    def minimise(self, lo: int, hi: int, budget: Budget) -> TimeOptimal:
+    def minimise(self, lo: int, hi: int, budget: Budget, *, top_first: bool = False
+                 ) -> TimeOptimal:
         """Bisection on the objective with push/pop; proven unless the budget cut it short. A
         probe Z3 cannot settle with half the units left gives up on that target and the ones
-        below it (no longer a proof) and tries above it with the rest."""
+        below it (no longer a proof) and tries above it with the rest. `top_first`: probe `hi`
+        first (where `hi` is just below a schedule in hand, which is usually optimal: one
+        unsat answer proves it, and the tightest probe is the costly one anyway)."""
         solver = self.solver()
         objective = self.variable(self.OBJECTIVE)
         best, proven = None, True
@@ -359,7 +362,8 @@ class _TimeModel:
             if budget.spent:
                 proven = False
                 break
-            mid = (lo + hi) // 2
+            mid = hi if top_first else (lo + hi) // 2
+            top_first = False
             solver.push()
             solver.add(objective <= mid)
             left = budget.units_left()
@@ -411,14 +415,14 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
                  initial_memory: list[int] | None = None, lower_bound: int = 0,
                  upper_bound: int | None = None, anchor: Anchor | None = None,
                  symmetry: bool = True, budget: Budget = Budget(),
-                 method: str = "bisection") -> TimeOptimal:
+                 method: str = "bisection", top_first: bool = False) -> TimeOptimal:
     """Least makespan of `instances` (block, micro-batch), strictly below `upper_bound`; with an
     anchor, the least warmup origin or cooldown end instead.
 
     Dependencies to instances outside the set count as already done (or are given by the
     anchor); memory starts at `initial_memory` per device; `symmetry` orders instances of one
     block by micro-batch (Tessel Property 4.1). status "none" means proven: no schedule below
-    `upper_bound`.
+    `upper_bound`. `top_first`: ask first whether anything is below `upper_bound` at all.
     """
     model = _TimeModel(problem, instances)
     model.add_dependencies()
@@ -431,7 +435,9 @@ def time_optimal(problem: Problem, instances: list[tuple[int, int]], *,
     lo, hi = model.bounds(lower_bound, upper_bound, anchor)
     if lo > hi:
         return TimeOptimal("none")
-    return model.optimise(hi, budget) if method == "optimize" else model.minimise(lo, hi, budget)
+    if method == "optimize":
+        return model.optimise(hi, budget)
+    return model.minimise(lo, hi, budget, top_first=top_first and upper_bound is not None)
 
 
 def reoptimise(problem: Problem, orders, free, *, upper_bound: int,

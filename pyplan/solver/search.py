@@ -16,13 +16,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pyplan import _core
 from pyplan.errors import InfeasibleError
 from pyplan.problem import Problem
-from pyplan.solver.budget import Budget
+from pyplan.solver.budget import Budget, Clock
 from pyplan.solver.exact import modulo_repetend
 
 __all__ = ["Progress", "RepetendSearch", "SearchStats", "candidate_pool", "evaluation_work",
@@ -131,13 +132,14 @@ def _visit_work(problem: Problem) -> int:
 
 def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: SearchStats,
                     progress: Progress | None = None, thorough: bool = True,
-                    fast=None) -> RepetendSearch:
+                    fast=None, clock: Clock | None = None) -> RepetendSearch:
     """The repetend with the least period found; `thorough=False` stops after the fast path
     when it finds any (the caller already holds an optimal schedule). `fast(search)` is told
     what the fast path found before a longer search for a shorter period starts (the caller
-    completes it into an incumbent, so that the effort has work to compare with). Beyond the
+    completes it into an incumbent, so that the effort has work to compare with); when it
+    answers True (that completion meets the makespan's lower bound) the search ends. Beyond the
     fast path, the search goes on while the budget's effort allows: every shorter period, and
-    every period Z3 rules out, is progress."""
+    every period Z3 rules out, is progress. `clock` counts Z3's part as the proof's."""
     graph = problem.graph
     capacity = problem.capacity
     bound = problem.period_bound()  # the load, and memory-time over the capacity
@@ -171,13 +173,13 @@ def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: Sea
             break
     timed_out = False
     if best is not None and best.period > bound and thorough and fast is not None:
-        fast(RepetendSearch(best, bound, False, False))
+        thorough = not fast(RepetendSearch(best, bound, False, False))
     budget.progress()  # (what follows must pay for itself)
     if best is None or (best.period > bound and thorough):
         work = evaluation_work(problem)
         for nr in range(1, max_nr + 1):
             if budget.expired():
-                timed_out = True
+                timed_out = budget.timed_out()
                 break
             # Without any repetend yet the enumeration goes on: the search needs one.
             left = budget.effort.left() if budget.effort is not None and best is not None \
@@ -202,9 +204,11 @@ def search_repetend(problem: Problem, *, budget: Budget, exact: bool, stats: Sea
         raise InfeasibleError("no schedule satisfies the memory capacity and order rules",
                               hint="raise memory:, relax constraints: or enable search.exact")
     proven = best is not None and best.period <= bound
-    if not proven and exact and not timed_out and (best is None or not budget.stalled):
-        proven, timed_out, found = _exact_period(problem, best, bound, max_nr, budget, stats,
-                                                 report)
+    if not proven and exact and thorough and not timed_out and \
+            (best is None or not budget.stalled):
+        with clock("proof") if clock is not None else contextlib.nullcontext():
+            proven, timed_out, found = _exact_period(problem, best, bound, max_nr, budget,
+                                                     stats, report)
         if found is not None:
             best = found
     if best is None:
@@ -244,7 +248,7 @@ def _exact_period(problem: Problem, best: _core.Repetend | None, bound: int, max
             lo = period + 1
             budget.progress()
         else:
-            return False, budget.expired(), found
+            return False, budget.timed_out(), found
     return proven, False, found
 
 

@@ -16,17 +16,18 @@ from operator import itemgetter
 
 from pyplan import _core
 from pyplan.errors import PlanError, did_you_mean
-from pyplan.problem import BACKWARD, FORWARD, WEIGHT, Problem
+from pyplan.problem import BACKWARD, WEIGHT, Problem
 from pyplan.schedule import Schedule, schedule_from_orders, with_syncs
 from pyplan.solver.budget import Budget
+from pyplan.solver.stages import (NotApplicable, backward_of, forward_chains, in_flight_limits,
+                                  require_training, single_chain_stages, stage_blocks,
+                                  stage_device, stage_ops, stages_of, wave_stages,
+                                  weight_after)
 
-__all__ = ["TEMPLATES", "Baseline", "baselines", "template_orders", "template_schedule"]
+__all__ = ["TEMPLATES", "Baseline", "NotApplicable", "baselines", "template_orders",
+           "template_schedule"]
 
 TEMPLATE_WORK = 5  # effort units per instance a template lays out (in Python) and evaluates
-
-
-class NotApplicable(Exception):
-    """The template does not fit this placement."""
 
 
 @dataclass(frozen=True)
@@ -43,190 +44,6 @@ class Baseline:
     @property
     def applicable(self) -> bool:
         return self.reason is None
-
-
-# ---------------------------------------------------------------- structure of the placement
-
-def _forward_chains(problem: Problem) -> list[list[int]]:
-    """Connected chains of forward blocks, each in dependency order."""
-    fwd = {b.index for b in problem.blocks if b.kind == FORWARD}
-    succ = {b: [c for a, c in problem.edges if a == b and c in fwd] for b in fwd}
-    pred = {b: [a for a, c in problem.edges if c == b and a in fwd] for b in fwd}
-    chains = []
-    for head in sorted(b for b in fwd if not pred[b]):
-        chain = [head]
-        while True:
-            nxt = succ[chain[-1]]
-            if len(nxt) > 1 or any(len(pred[n]) > 1 for n in nxt):
-                raise NotApplicable("the forward blocks branch or join")
-            if not nxt:
-                break
-            chain.append(nxt[0])
-        chains.append(chain)
-    if sum(map(len, chains)) != len(fwd):
-        raise NotApplicable("the forward blocks do not form chains")
-    return chains
-
-
-def _stages(problem: Problem, chain: list[int]) -> list[list[int]]:
-    """Group a chain into stages: each single-device block with the spanning blocks glued to it
-    (those before the first stage block go with it, others with the stage before them)."""
-    stages: list[list[int]] = []
-    pending: list[int] = []
-    for b in chain:
-        if len(problem.blocks[b].devices) == 1:
-            stages.append(pending + [b])
-            pending = []
-        elif stages:
-            stages[-1].append(b)
-        else:
-            pending.append(b)
-    if not stages:
-        raise NotApplicable("no single-device stage blocks")
-    stages[-1].extend(pending)
-    return stages
-
-
-def _stage_device(problem: Problem, stage: list[int]) -> int:
-    return next(problem.blocks[b].devices[0] for b in stage
-                if len(problem.blocks[b].devices) == 1)
-
-
-def _backward_of(problem: Problem, block: int, kind: str) -> int | None:
-    name = problem.blocks[block].name + (".b" if kind == BACKWARD else ".w")
-    return problem.by_name.get(name)
-
-
-def _require_training(problem: Problem, every_forward: bool = True,
-                      split: bool = False) -> None:
-    """Backward blocks for every forward one (or some), split into B and W when asked."""
-    if not problem.training:
-        raise NotApplicable("an inference plan has no backward blocks")
-    for b in problem.blocks:
-        if every_forward and b.kind == FORWARD and \
-                _backward_of(problem, b.index, BACKWARD) is None:
-            raise NotApplicable(f"forward block '{b.name}' has no derived backward")
-    if split and not any(b.kind == WEIGHT for b in problem.blocks):
-        raise NotApplicable("needs a split backward (training.backward.weight_time_ratio)")
-
-
-# ---------------------------------------------------------------- stage-level simulation
-
-def _one_f_one_b(num_stages: int, n: int, limits: list[int] | None = None
-                 ) -> tuple[list[list[tuple[str, int]]], list[list[int]]]:
-    """Unit-time 1F1B of `num_stages` stages, F flowing down and B back up: at each step a
-    stage runs a backward as soon as one is ready, otherwise a forward while it holds fewer
-    than num_stages - s micro-batches (or limits[s], if fewer). Each stage runs each op's
-    micro-batches in order. Returns each stage's ops and the step of each of them: a stage
-    runs its next op as soon as it is ready, so these are the ops' unit times."""
-    caps = [num_stages - s if limits is None else min(num_stages - s, limits[s])
-            for s in range(num_stages)]
-    f, b = [0] * num_stages, [0] * num_stages
-    last = num_stages - 1
-    orders: list[list[tuple[str, int]]] = [[] for _ in range(num_stages)]
-    steps: list[list[int]] = [[] for _ in range(num_stages)]
-    remaining = num_stages * n * 2
-    step = 0
-    while remaining:
-        chosen = []
-        for s in range(num_stages):  # what each stage runs, from the counts before the step
-            fs, bs = f[s], b[s]
-            if bs < n and fs > bs and (s == last or b[s + 1] > bs):
-                chosen.append(("B", s, bs))
-            elif fs < n and (s == 0 or f[s - 1] > fs) and fs - bs < caps[s]:
-                chosen.append(("F", s, fs))
-        if not chosen:  # nothing can run now, so nothing ever will
-            raise NotApplicable("the template does not make progress")
-        for op, s, m in chosen:
-            (f if op == "F" else b)[s] += 1
-            orders[s].append((op, m))
-            steps[s].append(step)
-        remaining -= len(chosen)
-        step += 1
-    return orders, steps
-
-
-def _in_flight_limits(problem: Problem, stages: list[list[int]]) -> list[int] | None:
-    """How many micro-batches each stage may hold within the memory capacity: 1F1B with
-    fewer warmup forwards where its usual p - s do not fit (at least one)."""
-    if not problem.limited:
-        return None
-    limits = []
-    for stage in stages:
-        device = _stage_device(problem, stage)
-        held = sum(max(0, problem.blocks[b].memory) for st in stages
-                   if _stage_device(problem, st) == device for b in st)
-        room = problem.headroom(device)
-        limits.append(max(1, room // held) if held > 0 and room is not None else len(stages))
-    return limits
-
-
-def _chain_template(problem: Problem, stage_orders, stages: list[list[int]], tag: int = 0,
-                    times: list[list[int]] | None = None) -> list[tuple[int, tuple[int, int]]]:
-    """Real instances keyed by the unit-time step of their stage op, then chain (tag 0 or 1),
-    then position inside the stage, so sorting all keys gives one global order every device
-    agrees with. The key is one integer (sorting a million of them is several times faster
-    than tuples), even, so that _glue_weights can slot a weight pass right after its key."""
-    assert tag in (0, 1)
-    times = times or _unit_times(stage_orders)
-    width = len(problem.blocks) + 1  # positions inside a stage
-    keyed = []
-    for s, order in enumerate(stage_orders):
-        members = {op: [(2 * pos + 2 * tag * width, b)  # the key's position and chain parts
-                        for pos, b in enumerate(_stage_ops(problem, stages[s], op))]
-                   for op in "FBW"}
-        keyed += [(step * 4 * width + part, (b, m))
-                  for (op, m), step in zip(order, times[s]) for part, b in members[op]]
-    return keyed
-
-
-def _unit_times(stage_orders) -> list[list[int]]:
-    """Start step of each stage's ops when every op takes one step."""
-    num = len(stage_orders)
-    pos = [0] * num
-    free = [0] * num
-    end = {op: [{} for _ in range(num)] for op in "FBW"}  # op -> stage -> mb -> end step
-    progress = True
-    while progress:
-        progress = False
-        for s in range(num):
-            order = stage_orders[s]
-            while pos[s] < len(order):  # as far as this stage's inputs allow
-                op, m = order[pos[s]]
-                if op == "F":
-                    deps = (end["F"][s - 1],) if s > 0 else ()
-                elif op == "B":
-                    deps = (end["F"][s], end["B"][s + 1]) if s < num - 1 else (end["F"][s],)
-                else:
-                    deps = (end["B"][s],)
-                if any(m not in d for d in deps):
-                    break
-                start = max([free[s]] + [d[m] for d in deps])
-                end[op][s][m] = free[s] = start + 1
-                pos[s] += 1
-                progress = True
-    return [[end[op][s][m] - 1 for op, m in order] for s, order in enumerate(stage_orders)]
-
-
-def _orders_from_keys(problem: Problem, keyed) -> list[list[tuple[int, int]]]:
-    keyed.sort(key=itemgetter(0))
-    orders: list[list[tuple[int, int]]] = [[] for _ in range(problem.num_devices)]
-    appends = [[orders[d].append for d in b.devices] for b in problem.blocks]
-    for _, instance in keyed:
-        for append in appends[instance[0]]:
-            append(instance)
-    return orders
-
-
-def _single_chain_stages(problem: Problem, one_per_device: bool = True) -> list[list[int]]:
-    chains = _forward_chains(problem)
-    if len(chains) != 1:
-        raise NotApplicable(f"the forward blocks form {len(chains)} chains, not one")
-    stages = _stages(problem, chains[0])
-    devices = [_stage_device(problem, s) for s in stages]
-    if one_per_device and len(set(devices)) != len(devices):
-        raise NotApplicable("a device holds several stages (see interleaved-1f1b)")
-    return stages
 
 
 # ---------------------------------------------------------------- the templates
@@ -254,76 +71,63 @@ def _gpipe(problem: Problem):
     return orders
 
 
+def _split(problem: Problem) -> bool:
+    return any(b.kind == WEIGHT for b in problem.blocks)
+
+
+def _made(orders: list | None) -> list:
+    """The core's orders of a template, or NotApplicable where its program stalls."""
+    if orders is None:
+        raise NotApplicable("the template does not make progress")
+    return orders
+
+
 def _1f1b(problem: Problem):
-    _require_training(problem)
-    stages = _single_chain_stages(problem)
-    split = any(b.kind == WEIGHT for b in problem.blocks)
-    order, steps = _one_f_one_b(len(stages), problem.num_micro_batches,
-                                _in_flight_limits(problem, stages))
-    keyed = _chain_template(problem, order, stages, times=steps)
-    if split:  # 1F1B runs a split backward's two halves back to back
-        keyed = _glue_weights(problem, keyed)
-    return _orders_from_keys(problem, keyed)
-
-
-def _glue_weights(problem: Problem, keyed):
-    out = []
-    for key, (b, m) in keyed:
-        out.append((key, (b, m)))
-        if problem.blocks[b].kind == BACKWARD:
-            w = _backward_of(problem, problem.by_name[problem.blocks[b].layer], WEIGHT)
-            if w is not None:
-                out.append((key + 1, (w, m)))
-    return out
+    """Unit-time 1F1B: each stage runs a backward as soon as one is ready, otherwise a forward
+    while it holds fewer than p - s micro-batches (fewer where memory is short); a split
+    backward's two halves run back to back."""
+    require_training(problem)
+    stages = single_chain_stages(problem)
+    return _made(_core.one_f_one_b_orders(
+        problem.graph, [[stage_blocks(problem, s) for s in stages]], problem.num_micro_batches,
+        in_flight_limits(problem, stages) or [],
+        weight_after(problem) if _split(problem) else []))
 
 
 def _zb_h1(problem: Problem):
-    _require_training(problem, split=True)
-    stages = _single_chain_stages(problem)
-    n = problem.num_micro_batches
-    one_f_one_b, _ = _one_f_one_b(len(stages), n)
-    # ZB-H1: 1F1B's F/B order, with stage s running W(m) right after B(m + s); the W passes
-    # deferred this way fill the cooldown bubbles at 1F1B's activation memory.
-    order = []
-    for s, stage_order in enumerate(one_f_one_b):
-        ops = []
-        for op, m in stage_order:
-            ops.append((op, m))
-            if op == "B" and m - s >= 0:
-                ops.append(("W", m - s))
-        ops += [("W", m) for m in range(max(0, n - s), n)]
-        order.append(ops)
-    return _orders_from_keys(problem, _chain_template(problem, order, stages))
+    """ZB-H1: 1F1B's F/B order, with stage s running W(m) right after B(m + s); the W passes
+    deferred this way fill the cooldown bubbles at 1F1B's activation memory."""
+    require_training(problem, split=True)
+    stages = single_chain_stages(problem)
+    return _made(_core.zb_h1_orders(problem.graph, [stage_blocks(problem, s) for s in stages],
+                                    problem.num_micro_batches))
 
 
 def _chimera(problem: Problem):
-    _require_training(problem)
-    chains = _forward_chains(problem)
+    """Chimera: 1F1B on both chains of an X-shape, the second's ops after the first's."""
+    require_training(problem)
+    chains = forward_chains(problem)
     if len(chains) != 2:
         raise NotApplicable("needs two chains of stages in opposite directions (an X-shape)")
-    keyed = []
-    simulated: dict = {}  # by number of stages (both chains usually have the same)
-    for tag, chain in enumerate(chains):
-        stages = _stages(problem, chain)
-        devices = [_stage_device(problem, s) for s in stages]
+    staged = []
+    for chain in chains:
+        stages = stages_of(problem, chain)
+        devices = [stage_device(problem, s) for s in stages]
         if sorted(devices) != list(range(problem.num_devices)):
             raise NotApplicable("each chain must visit every device once")
-        if len(stages) not in simulated:
-            simulated[len(stages)] = _one_f_one_b(len(stages), problem.num_micro_batches)
-        order, steps = simulated[len(stages)]
-        keyed += _chain_template(problem, order, stages, tag, times=steps)
-    if any(b.kind == WEIGHT for b in problem.blocks):
-        keyed = _glue_weights(problem, keyed)
-    return _orders_from_keys(problem, keyed)
+        staged.append([stage_blocks(problem, s) for s in stages])
+    return _made(_core.one_f_one_b_orders(
+        problem.graph, staged, problem.num_micro_batches, [],
+        weight_after(problem) if _split(problem) else []))
 
 
 def _interleaved(problem: Problem):
-    _require_training(problem)
+    require_training(problem)
     D, n = problem.num_devices, problem.num_micro_batches
-    stages = _single_chain_stages(problem, one_per_device=False)
+    stages = single_chain_stages(problem, one_per_device=False)
     if len(stages) % D or len(stages) == D:
         raise NotApplicable("needs several stages per device (stage s on device s mod D)")
-    if any(_stage_device(problem, st) != s % D for s, st in enumerate(stages)):
+    if any(stage_device(problem, st) != s % D for s, st in enumerate(stages)):
         raise NotApplicable("stage s must run on device s mod D")
     if any(len(st) != 1 for st in stages):
         raise NotApplicable("blocks spanning several devices are not supported")
@@ -352,15 +156,15 @@ def _interleaved(problem: Problem):
             chunk, m = forward_op(k) if op == "F" else backward_op(k)
             block = stages[chunk * D + r][0]
             if op == "B":
-                block = _backward_of(problem, block, BACKWARD)
+                block = backward_of(problem, block, BACKWARD)
             order.append((block, m))
         orders.append(order)
     return orders
 
 
 def _3f1b(problem: Problem):
-    _require_training(problem, every_forward=False)  # the first two passes have no backward
-    stages = _single_chain_stages(problem, one_per_device=False)
+    require_training(problem, every_forward=False)  # the first two passes have no backward
+    stages = single_chain_stages(problem, one_per_device=False)
     if any(len(st) != 1 for st in stages) or len(stages) % 3:
         raise NotApplicable("needs three forward passes over the same single-device stages")
     S = len(stages) // 3
@@ -368,15 +172,15 @@ def _3f1b(problem: Problem):
     devices = [[problem.blocks[b].devices[0] for b in ps] for ps in passes]
     if not devices[0] == devices[1] == devices[2] or len(set(devices[0])) != S:
         raise NotApplicable("the three passes must visit the same devices in the same order")
-    if any(_backward_of(problem, b, BACKWARD) is not None for b in passes[0] + passes[1]) or \
-            any(_backward_of(problem, b, BACKWARD) is None for b in passes[2]):
+    if any(backward_of(problem, b, BACKWARD) is not None for b in passes[0] + passes[1]) or \
+            any(backward_of(problem, b, BACKWARD) is None for b in passes[2]):
         raise NotApplicable("only the third pass may have a backward")
     n = problem.num_micro_batches
     orders: list[list[tuple[int, int]]] = [[] for _ in range(problem.num_devices)]
     for i in range(S):
         ofst = S - i - 1  # nnScaler Table 7 with stages counted from 0
         f1, f2, f3 = passes[0][i], passes[1][i], passes[2][i]
-        b = _backward_of(problem, f3, BACKWARD)
+        b = backward_of(problem, f3, BACKWARD)
         order = orders[devices[0][i]]
         for r in range(n + ofst + 3):
             for block, m in ((f1, r), (f2, r - 1), (f3, r - 2), (b, r - 2 - ofst)):
@@ -387,13 +191,28 @@ def _3f1b(problem: Problem):
 
 # ---------------------------------------------------------------- device-level programs
 
-def _stage_ops(problem: Problem, stage: list[int], op: str) -> list[int]:
-    """The blocks one op of a stage runs: F its forwards, B its (input-)gradient blocks in
-    reverse, W its weight-gradient blocks (none without a split backward)."""
-    if op == "F":
-        return list(stage)
-    kind = BACKWARD if op == "B" else WEIGHT
-    return [x for x in (_backward_of(problem, b, kind) for b in reversed(stage)) if x is not None]
+def _zb_h2(problem: Problem):
+    """ZB-H2: about twice 1F1B's warmup forwards (2(p - s) - 1 in flight on stage s), so the
+    warmup has no bubble; deferred W passes fill the cooldown."""
+    require_training(problem, split=True)
+    stages = single_chain_stages(problem)
+    p = len(stages)
+    return _made(_core.greedy_orders(
+        problem.graph, [stage_blocks(problem, s) for s in stages], list(range(p)),
+        problem.num_micro_batches, True, [2 * (p - s) - 1 for s in range(p)],
+        [stage_device(problem, st) for st in stages]))
+
+
+def _zb_v(problem: Problem):
+    """ZB-V: 1F1B's activation memory (D micro-batches of the whole model, 2D stage
+    activations per device), the V placement making every device's first B come early."""
+    require_training(problem, split=True)
+    stages = wave_stages(problem)
+    D = problem.num_devices
+    return _made(_core.greedy_orders(
+        problem.graph, [stage_blocks(problem, s) for s in stages],
+        [stage_device(problem, st) for st in stages], problem.num_micro_batches, True,
+        [2 * D] * D, list(range(D))))
 
 
 def _device_orders(problem: Problem, stages: list[list[int]], programs) -> list[list]:
@@ -401,88 +220,8 @@ def _device_orders(problem: Problem, stages: list[list[int]], programs) -> list[
     orders: list[list[tuple[int, int]]] = [[] for _ in range(problem.num_devices)]
     for d, program in enumerate(programs):
         for op, s, m in program:
-            orders[d] += [(b, m) for b in _stage_ops(problem, stages[s], op)]
+            orders[d] += [(b, m) for b in stage_ops(problem, stages[s], op)]
     return orders
-
-
-def _greedy(stage_device: list[int], n: int, split: bool, in_flight: list[int]):
-    """Unit-time list scheduling of a chain of stages (F down, B back up, W after B) on
-    devices: each step a device runs a ready B (latest stage first), else a ready F while it
-    holds fewer than in_flight[d] stage activations (latest stage first), else a deferred W
-    (oldest first). Deferred W passes fill what would be bubbles (zero bubble, Qi et al.)."""
-    S, D = len(stage_device), max(stage_device) + 1
-    done: set[tuple[str, int, int]] = set()
-    nxt = {(op, s): 0 for op in "FBW" for s in range(S)}
-    held = [0] * D
-    programs: list[list[tuple[str, int, int]]] = [[] for _ in range(D)]
-    total = S * n * (3 if split else 2)
-    on = [sorted((s for s in range(S) if stage_device[s] == d), reverse=True) for d in range(D)]
-    for _ in range(4 * total + 10):
-        if len(done) == total:
-            return programs
-        chosen = []
-        for d in range(D):
-            for op in "BFW":
-                ready = []
-                for s in on[d]:
-                    m = nxt[(op, s)]
-                    if m >= n:
-                        continue
-                    if op == "F" and (s == 0 or ("F", s - 1, m) in done) and \
-                            held[d] < in_flight[d]:
-                        ready.append(s)
-                    if op == "B" and ("F", s, m) in done and \
-                            (s == S - 1 or ("B", s + 1, m) in done):
-                        ready.append(s)
-                    if op == "W" and split and ("B", s, m) in done:
-                        ready.append(s)
-                if ready:
-                    s = min(ready, key=lambda x: nxt[("W", x)]) if op == "W" else ready[0]
-                    chosen.append((d, op, s, nxt[(op, s)]))
-                    break
-        if not chosen:
-            break
-        for d, op, s, m in chosen:
-            done.add((op, s, m))
-            nxt[(op, s)] += 1
-            held[d] += {"F": 1, "B": -1, "W": 0}[op]
-            programs[d].append((op, s, m))
-    raise NotApplicable("the template does not make progress")
-
-
-def _wave_stages(problem: Problem) -> list[list[int]]:
-    """Stages of a wave placement: 2D stages, stage s on device s, then back up."""
-    D = problem.num_devices
-    stages = _single_chain_stages(problem, one_per_device=False)
-    devices = [_stage_device(problem, st) for st in stages]
-    if devices != list(range(D)) + list(range(D - 1, -1, -1)):
-        raise NotApplicable("needs a wave placement: 2 x devices stages, down the devices and "
-                            "back up (shape: {kind: wave})")
-    return stages
-
-
-def _zb_h2(problem: Problem):
-    _require_training(problem, split=True)
-    stages = _single_chain_stages(problem)
-    p = len(stages)
-    # ZB-H2: about twice 1F1B's warmup forwards (2(p - s) - 1 in flight on stage s), so the
-    # warmup has no bubble; deferred W passes fill the cooldown.
-    programs = _greedy(list(range(p)), problem.num_micro_batches, True,
-                       [2 * (p - s) - 1 for s in range(p)])
-    device_of = [_stage_device(problem, st) for st in stages]
-    return _device_orders(problem, stages, [programs[device_of.index(d)] if d in device_of
-                                            else [] for d in range(problem.num_devices)])
-
-
-def _zb_v(problem: Problem):
-    _require_training(problem, split=True)
-    stages = _wave_stages(problem)
-    D = problem.num_devices
-    # ZB-V: 1F1B's activation memory (D micro-batches of the whole model, 2D stage
-    # activations per device), the V placement making every device's first B come early.
-    programs = _greedy([_stage_device(problem, st) for st in stages],
-                       problem.num_micro_batches, True, [2 * D] * D)
-    return _device_orders(problem, stages, programs)
 
 
 def _dualpipe_v(problem: Problem):
@@ -490,8 +229,8 @@ def _dualpipe_v(problem: Problem):
     chunk 0 (stage r) and chunk 1 (stage 2D-1-r) in eight phases; the steady state pairs a
     forward of one chunk with a backward of the other, which a runtime can overlap to hide
     communication. Backward passes are split into B and W where the plan splits them."""
-    _require_training(problem)
-    stages = _wave_stages(problem)
+    require_training(problem)
+    stages = wave_stages(problem)
     D, n = problem.num_devices, problem.num_micro_batches
     if n < 2 * D:
         raise NotApplicable(f"needs at least {2 * D} micro-batches (2 x devices)")
@@ -560,9 +299,9 @@ TEMPLATES = tuple(_BUILDERS)  # names, in the order they are listed and tried
 def template_orders(problem: Problem, name: str) -> list[list[tuple[int, int]]]:
     """Per-device orders of a template; raises NotApplicable when it does not fit."""
     orders = _BUILDERS[name](problem)
-    placed = {(b, d) for d, order in enumerate(orders) for b, _ in order}
+    placed = [set(map(itemgetter(0), order)) for order in orders]  # blocks on each device
     for block in problem.blocks:  # (a template lays out the stages: kind: other, say, not)
-        if any((block.index, d) not in placed for d in block.devices):
+        if any(d >= len(placed) or block.index not in placed[d] for d in block.devices):
             raise NotApplicable(f"it has no place for block '{block.name}'")
     return orders
 
@@ -591,7 +330,9 @@ def baselines(problem: Problem, budget: Budget = Budget()) -> dict[str, Baseline
                                  "longer to lay out than the time limit allows")
             continue
         if budget.expired():
-            out[name] = Baseline(name, reason="not evaluated: the time limit ran out")
+            out[name] = Baseline(name, reason="not evaluated: the time limit ran out"
+                                 if budget.timed_out() else
+                                 "not evaluated: the search's work allowance ran out")
             continue
         try:
             orders = template_orders(problem, name)
