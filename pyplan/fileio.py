@@ -28,8 +28,11 @@ def read_capped(path: str | Path, limit: int) -> bytes:
 def check_output(path: str | Path, what: str = "") -> Path:
     """The file to write for the output `path`: its target when it is a symlink (the link
     stays). PyplanError when it exists and is not a regular file (a device such as /dev/full,
-    a named pipe, a directory): renaming over it would replace the user's node with a file."""
+    a named pipe, a directory): renaming over it would replace the user's node with a file.
+    /dev/null is accepted: what is written there is discarded (`-o /dev/null`)."""
     path = Path(path)
+    if _discarded(path):
+        return path
     target = Path(os.path.realpath(path)) if path.is_symlink() else path
     try:
         mode = target.stat().st_mode
@@ -52,6 +55,8 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
     (over its target when `path` is a symlink). An existing `path` that is not a regular file
     is refused (check_output)."""
     path = check_output(path)
+    if _discarded(path):
+        return
     raw = data.encode("utf-8") if isinstance(data, str) else data
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
@@ -79,6 +84,13 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _discarded(path: Path) -> bool:
+    try:
+        return os.path.samefile(path, os.devnull)
+    except (OSError, ValueError):
+        return False
 
 
 def check_not_input(output: str | Path, *inputs: str | Path | None) -> None:

@@ -118,22 +118,22 @@ def user(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("factory, data, loss, message", [
     ("usermodel:raises", "usermodel:batch", "usermodel:loss",
-     "error: FACTORY (usermodel:raises) raised RuntimeError: out of coffee (hint: the factory "
+     "error: factory (usermodel:raises) raised RuntimeError: out of coffee (hint: the factory "
      "returns the whole model, an nn.Module)"),
     ("usermodel:exits", "usermodel:batch", "usermodel:loss",
-     "error: FACTORY (usermodel:exits) raised SystemExit(3) (it called sys.exit)"),
+     "error: factory (usermodel:exits) raised SystemExit(3) (it called sys.exit)"),
     ("usermodel:not_a_module", "usermodel:batch", "usermodel:loss",
-     "error: FACTORY (usermodel:not_a_module) returned dict, not a torch.nn.Module"),
+     "error: factory (usermodel:not_a_module) returned dict, not a torch.nn.Module"),
     ("broken_syntax:model", "usermodel:batch", "usermodel:loss",
-     "error: FACTORY: importing broken_syntax raised SyntaxError: invalid syntax"),
+     "error: factory: importing broken_syntax raised SyntaxError: invalid syntax"),
     ("usermodel:model", "usermodel:batch_one", "usermodel:loss",
-     "error: --data (usermodel:batch_one) raised TypeError: batch_one() takes 0 positional "
+     "error: data (usermodel:batch_one) raised TypeError: batch_one() takes 0 positional "
      "arguments but 1 was given"),
     ("usermodel:model", "usermodel:batch_single", "usermodel:loss",
-     "error: --data (usermodel:batch_single) returned a tensor of shape (8, 4), not (inputs, "
+     "error: data (usermodel:batch_single) returned a tensor of shape (8, 4), not (inputs, "
      "targets)"),
     ("usermodel:model", "usermodel:batch", "usermodel:loss_raises",
-     "error: --loss (usermodel:loss_raises) raised ValueError: labels missing"),
+     "error: loss (usermodel:loss_raises) raised ValueError: labels missing"),
     # round 4: the model's own forward, its outputs and the loss's value
     ("usermodel:exits_in_forward", "usermodel:batch", "usermodel:loss",
      "error: the model's forward raised SystemExit(0) (it called sys.exit) on one micro-batch "
@@ -147,16 +147,16 @@ def user(tmp_path, monkeypatch):
      "error: unit 1 returned a NoneType inside its output; a block returns a tensor or a "
      "tuple, list or dict of tensors"),
     ("usermodel:model", "usermodel:batch_empty", "usermodel:loss",
-     "error: --data (usermodel:batch_empty) returned inputs of no sample (a tensor of shape "
+     "error: data (usermodel:batch_empty) returned inputs of no sample (a tensor of shape "
      "(0, 4)): an empty batch"),
     ("usermodel:model", "usermodel:batch", "usermodel:loss_complex",
-     "error: --loss (usermodel:loss_complex) returned a scalar of dtype complex64, not a real "
+     "error: loss (usermodel:loss_complex) returned a scalar of dtype complex64, not a real "
      "floating-point one"),
     ("usermodel:model", "usermodel:batch", "usermodel:loss_int",
-     "error: --loss (usermodel:loss_int) returned a scalar of dtype int64, not a real "
+     "error: loss (usermodel:loss_int) returned a scalar of dtype int64, not a real "
      "floating-point one"),
     ("usermodel:model", "usermodel:batch", "usermodel:loss_detached",
-     "error: --loss (usermodel:loss_detached) returned a loss that does not require grad: it "
+     "error: loss (usermodel:loss_detached) returned a loss that does not require grad: it "
      "is cut off from the output"),
 ])
 def test_partition_names_the_users_function(cli, user, factory, data, loss, message):

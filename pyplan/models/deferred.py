@@ -74,7 +74,8 @@ class DeferredParameter(nn.Parameter):
 
     def __deepcopy__(self, memo):
         if id(self) not in memo:
-            copy = type(self)(self.data.clone(), self.requires_grad)
+            with torch._C.DisableTorchFunction():  # a copy on meta, even while streaming
+                copy = type(self)(self.data.clone(), self.requires_grad)
             copy.__dict__.update(self.__dict__)
             memo[id(self)] = copy
         return memo[id(self)]
@@ -373,10 +374,26 @@ class _Streaming(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = _name(func)
+        if name == "__deepcopy__":  # its memo holds the parameters copied so far: not operands
+            return func(*args, **kwargs)
         if any(isinstance(x, DeferredParameter) for x in pytree.tree_leaves((args, kwargs))):
+            if name in _SAME_ON_META:  # asked of the parameter, not its value: not made for it
+                return func(*args, **kwargs)
+            if name == "__get__device":
+                return _CPU
+            if name == "__get__is_meta":
+                return False
             args, kwargs = pytree.tree_map_only(DeferredParameter, self._value,
                                                 (args, kwargs))
         return func(*args, **kwargs)
+
+
+# What a meta parameter answers as its value would.
+_SAME_ON_META = frozenset({"__get__shape", "__get__dtype", "__get__ndim", "__get__requires_grad",
+                           "__get__is_leaf", "__get__layout", "size", "dim", "numel",
+                           "element_size", "is_floating_point", "is_complex", "__len__",
+                           "requires_grad_"})
 
 
 def defer(factory: Callable[[], nn.Module], seed: int) -> Deferred:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 
 import torch
 
@@ -167,6 +168,7 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
                               weight_grad_ms=halves[1], captured_bytes=halves[2]))
         value = _detached(out)
         del module, params, out
+        gc.collect()  # the piece's modules hold cycles: its weights go now, not units later
         if progress is not None:
             progress(k + 1, len(units))
     if cut.kind == FORWARD and len(costs) > 1:

@@ -141,7 +141,9 @@ def saved_bytes(params: list[torch.Tensor]):
             if storage not in skip:
                 seen[(x.data_ptr(), tuple(x.shape), x.dtype)] = x.numel() * x.element_size()
                 storages.add(storage)
-        return t
+        # Not t itself: a saved output would hold its own grad_fn, a cycle through C++ that
+        # Python's collector never sees (the graph, and every weight it reads, leaked).
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield found
