@@ -78,6 +78,10 @@ class UnitCost:
     """Split backward: the weight gradients' time (W)."""
     captured_bytes: int = 0
     """Split backward: the gradients B keeps for W."""
+    released_bytes: int = 0
+    """Split backward: what the graph above W's pieces saved (a loss's log-probabilities),
+    freed once B is done with the unit's outputs. Only a stage's last unit's is freed: above
+    the others sit the next units, which W's pieces keep."""
 
     @property
     def module_names(self) -> tuple[str, ...]:
@@ -387,9 +391,9 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
         if split:
             b = max(1, round(sum(u.input_grad_ms for u in part) / time_unit_ms))
             w = max(1, round(sum(u.weight_grad_ms for u in part) / time_unit_ms))
-            captured = sum(u.captured_bytes for u in part)
-            backward_costs = (f"time: {b}, weight_time: {w}, memory: {captured}B, "
-                              f"weight_memory: -{activations + captured}B")
+            held = sum(u.captured_bytes for u in part) - part[-1].released_bytes
+            backward_costs = (f"time: {b}, weight_time: {w}, memory: {held}B, "
+                              f"weight_memory: {-(activations + held)}B")
         else:
             backward_costs = f"time: {backward}"
         lines.append(f"  - {{name: {names[s]}, devices: {where}, time: {forward}, "

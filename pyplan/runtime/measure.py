@@ -234,12 +234,12 @@ def measure(timer: Timer, module, args: list, wrt_inputs: list, params: list, lo
 
 
 def split_backward(timer: Timer, module, args: list, wrt_inputs: list, params: list, loss_fn,
-                   what: str) -> tuple[float, float, int]:
+                   what: str) -> tuple[float, float, int, int]:
     """The zero-bubble split of module(*args)'s backward, as the executor runs it
     (pyplan.runtime.backward): (median ms of B, the input gradients; median ms of W, the
-    weight gradients; the bytes of the gradients B captures for W)."""
+    weight gradients; the bytes of the gradients B captures for W; what the census sees
+    freed when B lets go of the outputs: the graph above W's pieces)."""
     _gradients_allocated(params)
-    captured = [0]
 
     def prepared():
         with torch.enable_grad():
@@ -249,10 +249,8 @@ def split_backward(timer: Timer, module, args: list, wrt_inputs: list, params: l
     def b_sample():
         roots, seeds = prepared()
         start = timer.now()
-        _, work = backward_input(roots, seeds, wrt_inputs, params)
-        took = timer.ms(start, timer.now())
-        captured[0] = work.captured_bytes
-        return took
+        backward_input(roots, seeds, wrt_inputs, params)
+        return timer.ms(start, timer.now())
 
     def w_sample():
         roots, seeds = prepared()
@@ -261,8 +259,21 @@ def split_backward(timer: Timer, module, args: list, wrt_inputs: list, params: l
         backward_weight(work)
         return timer.ms(start, timer.now())
 
+    census = Census(params[0].device if params else "cpu")
+    with census:
+        roots, seeds = prepared()
+        grads, work = backward_input(roots, seeds, wrt_inputs, params)
+        del grads
+        for x in wrt_inputs:
+            x.grad = None
+        before = census.bytes
+        # The executor lets go of the roots after B: what only the graph above W's pieces
+        # saved (a loss's log-probabilities) goes with them.
+        del roots, seeds
+        released = before - census.bytes
     b_ms = timer.median(b_sample, f"{what} input gradients")
-    return b_ms, timer.median(w_sample, f"{what} weight gradients"), captured[0]
+    return (b_ms, timer.median(w_sample, f"{what} weight gradients"), work.captured_bytes,
+            released)
 
 
 def update_ms(timer: Timer, params: list, optimizer: str, what: str) -> float:

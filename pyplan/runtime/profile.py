@@ -156,7 +156,7 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
             peaks = memory_peaks(guarded(module, what), args, wrt, params, loss_fn, device)
             update = update_ms(timer, params, optimizer, what)
             halves = split_backward(timer, guarded(module, what), args, wrt, params, loss_fn,
-                                    what) if split else (None, 0.0, 0)
+                                    what) if split else (None, 0.0, 0, 0)
         buffers = unit_buffer_bytes(module.model, unit) if cut.kind == FORWARD else \
             storage_bytes(module.buffers())
         costs.append(UnitCost(unit.name, forward_ms, backward_ms, saved,
@@ -165,7 +165,8 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
                               modules=unit.modules, parameters=own[k],
                               forward_peak_bytes=peaks[0], backward_peak_bytes=peaks[1],
                               update_ms=update, input_grad_ms=halves[0],
-                              weight_grad_ms=halves[1], captured_bytes=halves[2]))
+                              weight_grad_ms=halves[1], captured_bytes=halves[2],
+                              released_bytes=halves[3]))
         value = _detached(out)
         del module, params, out
         gc.collect()  # the piece's modules hold cycles: its weights go now, not units later
