@@ -32,6 +32,8 @@ CASES = {  # name: (factory, partition options, run options)
                                               "--recompute", "always"], []),
     "mlp-adamw": ("fidelity_models:mlp", ["--data", "fidelity_models:mlp_batch",
                                           "--optimizer", "adam"], ["--optimizer", "adamw"]),
+    "mlp-split": ("fidelity_models:mlp", ["--data", "fidelity_models:mlp_batch",
+                                          "--split-backward"], []),
     "gpt2": ("fidelity_models:gpt2", [], []),
     "gpt2-recompute": ("fidelity_models:gpt2", ["--recompute", "always"], []),
     "llama": ("fidelity_models:llama", [], []),
