@@ -11,6 +11,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -82,6 +83,21 @@ def _spread(samples: list[float]) -> float:
     return (q[2] - q[0]) / middle if middle > 0 else 0.0
 
 
+def _cache_bytes(device) -> int:
+    """Twice the last-level cache (what writing that much evicts): the CPU's from sysfs
+    (64 MiB when it says nothing), a GPU's L2 (256 MiB covers any so far)."""
+    if device.type == "cuda":
+        return 256 * 2**20
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+            sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20}[text[-1]])
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return 2 * max(sizes, default=32 * 2**20)
+
+
 class Timer:
     """Times on `device`: CUDA events; on the CPU with one thread (as each rank of a run
     computes: torchrun gives every process one), the CPU time of this thread, which other
@@ -91,6 +107,26 @@ class Timer:
         self.device, self.repeats, self.measured = device, repeats, measured
         measured.cpu_time = device.type == "cpu" and torch.get_num_threads() == 1
         self.clock = time.thread_time if measured.cpu_time else time.perf_counter
+        self.cold = False
+        self._flush: torch.Tensor | None = None
+
+    def cold_for(self, param_bytes: int) -> None:
+        """Time cold (start()) when a model's parameters (`param_bytes`) and their gradients
+        take more than half the last-level cache: beside the activations and the other ranks
+        sharing that cache, a run cannot keep them there (an MLP of 15 MB ran 1.6x as long
+        per block as timed warm)."""
+        self.cold = 2 * param_bytes > _cache_bytes(self.device) // 4
+
+    def start(self):
+        """now(); when `cold`, with the caches emptied first: in a run whose weights do not fit
+        the cache, a block finds its weights where the blocks between left them (out of it),
+        not where its last repeat did."""
+        if self.cold:
+            if self._flush is None:
+                self._flush = torch.zeros(_cache_bytes(self.device) // 4, dtype=torch.int32,
+                                          device=self.device)
+            self._flush.add_(1)
+        return self.now()
 
     def now(self):
         if self.device.type == "cuda":
@@ -122,7 +158,7 @@ class Timer:
         box = [None]
 
         def sample():
-            start = self.now()
+            start = self.start()
             box[0] = fn()
             return self.ms(start, self.now())
         return self.median(sample, what), box[0]
@@ -225,7 +261,7 @@ def measure(timer: Timer, module, args: list, wrt_inputs: list, params: list, lo
             roots, seeds = _roots(module(*args), loss_fn)
         for x in wrt_inputs:
             x.grad = None
-        start = timer.now()
+        start = timer.start()
         if wrt and any(r.requires_grad for r in roots):
             torch.autograd.backward(roots, seeds, inputs=wrt)
         return timer.ms(start, timer.now())
@@ -248,14 +284,14 @@ def split_backward(timer: Timer, module, args: list, wrt_inputs: list, params: l
 
     def b_sample():
         roots, seeds = prepared()
-        start = timer.now()
+        start = timer.start()
         backward_input(roots, seeds, wrt_inputs, params)
         return timer.ms(start, timer.now())
 
     def w_sample():
         roots, seeds = prepared()
         _, work = backward_input(roots, seeds, wrt_inputs, params)
-        start = timer.now()
+        start = timer.start()
         backward_weight(work)
         return timer.ms(start, timer.now())
 
@@ -287,7 +323,7 @@ def update_ms(timer: Timer, params: list, optimizer: str, what: str) -> float:
         torch.optim.SGD(params, lr=1e-6)
 
     def sample():
-        start = timer.now()
+        start = timer.start()
         step.step()
         step.zero_grad(set_to_none=False)
         return timer.ms(start, timer.now())

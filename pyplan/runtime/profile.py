@@ -75,6 +75,8 @@ def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, 
         built = build(model, problem, seed=seed, device=device, only=[b])
         module, grad = built.modules[b], b in trains
         params = [p for p in module.parameters() if p.requires_grad]
+        # The blocks' parameters fit the cache together if about this many do.
+        timer.cold_for(len(forward) * sum(p.numel() * p.element_size() for p in params))
         args, wrt = block_arguments(b, preds, outputs, inputs, built.wants_inputs, grad)
         whole = (None,) if len(problem.blocks[b].devices) > 1 else ()
         loss_fn = (lambda out: loss_function(model)(out, targets, *whole)) \
@@ -128,6 +130,7 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
     whole = deferred.model
     with deferred.streaming(), time_limit("the model's forward", unit_seconds):
         cut, units = find_units(whole, inputs)
+    timer.cold_for(sum(p.numel() * p.element_size() for p in whole.parameters()))
     if cut.kind == TRACED and not deferred.eager:  # torch's tracer needs the whole model
         deferred.materialize(whole, "cpu")
     inputs, targets = to_device(inputs, device), to_device(targets, device)

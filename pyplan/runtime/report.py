@@ -128,7 +128,8 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
     for r, (compute, total) in enumerate(zip(report.compute, report.iteration_seconds)):
         c, t_ = statistics.median(timed(compute, report)), statistics.median(timed(total, report))
         parts.append(f"{r}: {c * 1e3:.1f}/{max(t_ - c, 0.0) * 1e3:.1f}")
-    lines.append(f"  median iteration {median * 1e3:.1f} ms; compute/rest per rank (ms): "
+    lines.append(f"  median iteration {median * 1e3:.1f} ms (the first and the census's left "
+                 "out); compute/rest per rank (ms): "
                  + "  ".join(parts))
     if report.predicted is not None:  # the schedule, transfers included, and the updates
         iteration, makespan = report.predicted
@@ -197,12 +198,12 @@ def predicted(pipe: Pipeline, options: Options) -> tuple[float, float] | None:
 
 
 def timed(values: list, report: Report) -> list:
-    """The figures of the iterations whose time counts: all but the census's (when there are
-    others)."""
+    """The figures of the iterations whose time counts: all but the census's and the first
+    (a warm-up: first-touch allocations, the transports' first messages), as long as one is
+    left."""
     index = report.census_iteration
-    if index is None or len(values) < 2:
-        return values
-    return values[:index] + values[index + 1:]
+    not_census = [v for i, v in enumerate(values) if i != index] if len(values) > 1 else values
+    return not_census[1:] if len(not_census) > 1 else not_census
 
 
 def planned_memory(pipe: Pipeline) -> list[dict]:
