@@ -249,6 +249,7 @@ class Executor:
                 else:
                     work, held = self.weight_work.pop((step[1], step[2]))
                     backward_weight(work)
+                    del work  # its graph goes now, not at the next W (that rebinds the name)
                     self.held -= held
                 marks.append((index, before, clock.mark()))
             elif trace:
