@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pyplan.errors import PlanError
 from pyplan.problem import BACKWARD, WEIGHT, Problem
 from pyplan.schedule import Schedule
 from pyplan.spec.source import error_at

@@ -5,7 +5,6 @@ bound (load, memory-time over capacity) against Z3's least repetend period."""
 
 from __future__ import annotations
 
-import itertools
 
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st

@@ -8,7 +8,6 @@ iteration. tests/test_gpu.py runs the rest on GPUs."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from pyplan.errors import PlanError, RunError
 from pyplan.lower import SYNC, Lowered, channels, check_runnable, forward_only, lower
 from pyplan.resolved import ResolvedPlan, load_resolved
-from pyplan.runtime import checkpoint
+import pyplan.runtime.checkpoint as checkpoint
 from pyplan.models.chunks import shard_dim
 from pyplan.runtime.binding import (Built, Model, block_inputs, build, kept_rng, load_model,
                                     loss_function, shared_across_devices)

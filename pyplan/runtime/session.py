@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from pyplan.errors import EXIT_RUN_FAILED, PyplanError, RunError
 from pyplan.lower import COMPUTE, Lowered, describe
-from pyplan.runtime import checkpoint
+import pyplan.runtime.checkpoint as checkpoint
 from pyplan.runtime.binding import Model, make_batch
 from pyplan.runtime.census import Census
 from pyplan.runtime.check import Verdict, compare, full_gradients, reference_run

@@ -101,7 +101,7 @@ def climb(problem: Problem, rep: _core.Repetend, start: tuple[Schedule, str], *,
     Spends at most `work` instance evaluations (a count, so the same on every run). Returns
     the repetends it moved to, each with its completion."""
     graph, capacity = problem.graph, problem.capacity
-    n, k = problem.num_micro_batches, len(problem.blocks)
+    k = len(problem.blocks)
     ranked_n = _ranked_micro_batches(problem, max_micro_batches)
     before, after = _closures(problem)
     neighbours: dict[tuple, tuple[int, _core.Repetend] | None] = {}
@@ -161,7 +161,7 @@ def climb_step_work(problem: Problem, max_micro_batches: int) -> int:
     """What one step of the local search costs: 2 k neighbours' periodic schedules of k
     instances per micro-batch ranked, and CLIMB_TRIED of them completed (laid out in Python,
     phases list-scheduled: about COMPLETION_COST evaluations per instance)."""
-    n, k = problem.num_micro_batches, len(problem.blocks)
+    k = len(problem.blocks)
     return (2 * k * _ranked_micro_batches(problem, max_micro_batches)
             + CLIMB_TRIED * COMPLETION_COST * n) * k
 

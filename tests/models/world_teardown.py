@@ -3,7 +3,6 @@ pyplan's world (comm.join_world) is destroyed, once torch._dynamo has been impor
 
 import gc
 import glob
-import sys
 
 import torch
 import torch.distributed as dist
