@@ -132,7 +132,7 @@ def test_mshape_needs_units_between_the_ends():
 # ---------------------------------------------------------------- with torch
 
 def test_the_vocabulary_modules_are_found_in_the_models_own_terms():
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     sys.path.insert(0, str(MODELS))
     import hf
 
@@ -331,7 +331,7 @@ def test_show_draws_the_sharded_blocks_on_every_device(cli):
 
 
 def test_a_loss_is_fused_only_when_it_is_exactly_a_mean_cross_entropy():
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
     from pyplan.models.vocab import _cross_entropy_form

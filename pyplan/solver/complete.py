@@ -161,7 +161,7 @@ def climb_step_work(problem: Problem, max_micro_batches: int) -> int:
     """What one step of the local search costs: 2 k neighbours' periodic schedules of k
     instances per micro-batch ranked, and CLIMB_TRIED of them completed (laid out in Python,
     phases list-scheduled: about COMPLETION_COST evaluations per instance)."""
-    k = len(problem.blocks)
+    n, k = problem.num_micro_batches, len(problem.blocks)
     return (2 * k * _ranked_micro_batches(problem, max_micro_batches)
             + CLIMB_TRIED * COMPLETION_COST * n) * k
 
