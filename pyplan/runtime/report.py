@@ -128,9 +128,9 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
     for r, (compute, total) in enumerate(zip(report.compute, report.iteration_seconds)):
         c, t_ = statistics.median(timed(compute, report)), statistics.median(timed(total, report))
         parts.append(f"{r}: {c * 1e3:.1f}/{max(t_ - c, 0.0) * 1e3:.1f}")
-    lines.append(f"  median iteration {median * 1e3:.1f} ms (the first and the census's left "
-                 "out); compute/rest per rank (ms): "
-                 + "  ".join(parts))
+    left_out = " (the first and the census's left out)" if len(report.seconds) > 2 else ""
+    lines.append(f"  median iteration {median * 1e3:.1f} ms{left_out}; compute/rest per rank "
+                 "(ms): " + "  ".join(parts))
     if report.predicted is not None:  # the schedule, transfers included, and the updates
         iteration, makespan = report.predicted
         lines.append(f"  the plan predicts {iteration * 1e3:.1f} ms (the schedule's makespan "
