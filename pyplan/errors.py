@@ -9,6 +9,9 @@ their traceback.
 from __future__ import annotations
 
 import difflib
+import os
+import sys
+from typing import NoReturn
 
 __all__ = [
     "EXIT_BAD_INPUT",
@@ -97,3 +100,15 @@ def did_you_mean(word: str, choices) -> str | None:
     """A "did you mean 'x'?" hint for a misspelt name, or None."""
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
     return f"did you mean '{close[0]}'?" if close else None
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with exit code `code` once stdout and stderr are flushed, without
+    Python's teardown (a rank: pyplan.runtime.comm.leave; a launcher whose workers ended:
+    pyplan.cli.launch)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a closed pipe: nothing more to say
+            pass
+    os._exit(code)

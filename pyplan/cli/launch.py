@@ -20,12 +20,11 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 from pyplan.cli._torch import require_torch
 from pyplan.errors import EXIT_BAD_INPUT, PlanError, RunError
 
-__all__ = ["LAUNCH_OPTIONS", "PRELOAD", "forkserver", "launch", "launched", "leave",
+__all__ = ["LAUNCH_OPTIONS", "PRELOAD", "forkserver", "launch", "launched",
            "worker_environment"]
 
 # torchrun options passed through by `pyplan run --nproc-per-node` (multi-node rendezvous).
@@ -94,17 +93,6 @@ def _launch(args: argparse.Namespace, worker_arguments: list[str]) -> int:
             raise KeyboardInterrupt from None
         raise RunError(f"the launcher got signal {exc.sigval.name}") from None
     return 0
-
-
-def leave(code: int) -> NoReturn:
-    """End the launcher with exit code `code`, without Python's teardown (nothing is left to
-    clean up once the workers have ended)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed, or a closed pipe: nothing more to say
-            pass
-    os._exit(code)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ import os
 import sys
 
 from pyplan._version import __version__
-from pyplan.errors import EXIT_INTERRUPTED, PyplanError
+from pyplan.errors import EXIT_INTERRUPTED, PyplanError, exit_now
 
 __all__ = ["entry", "main"]
 
@@ -74,7 +74,7 @@ def entry() -> None:
         leave(code)
     launcher = sys.modules.get("pyplan.cli.launch")
     if launcher is not None and launcher.launched:
-        launcher.leave(code)
+        exit_now(code)
     sys.exit(code)
 
 

@@ -50,7 +50,6 @@ import importlib
 import os
 import pickle
 import socket
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -58,7 +57,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from pyplan.errors import RunError, UserCodeError
+from pyplan.errors import RunError, UserCodeError, exit_now
 from pyplan.runtime.values import flatten, rebuild, spec_text, structure, value_text
 
 __all__ = ["CUDA_BACKEND", "Comm", "DEVICES", "Pending", "TransferError", "all_gather_objects",
@@ -415,12 +414,7 @@ def leave(code: int) -> NoReturn:
     process group torch still holds (DTensor's meshes do) is otherwise destroyed during the
     teardown, and that now and then aborts a finished run ("terminate called without an active
     exception", SIGABRT)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed, or a closed pipe: nothing more to say
-            pass
-    os._exit(code)
+    exit_now(code)
 
 
 def all_gather_objects(obj) -> list:

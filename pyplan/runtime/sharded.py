@@ -35,7 +35,7 @@ from pyplan.runtime.measure import (BlockCost, Measured, Timer, block_arguments,
                                     unit_parameters)
 from pyplan.runtime.measure import measure as measure_block
 from pyplan.runtime.values import nbytes
-from pyplan.spec.plan import LinkSpec, TopologySpec
+from pyplan.spec.types import LinkSpec, TopologySpec
 
 __all__ = ["Collective", "ShardedUnits", "collective_ms", "measure_collectives", "profile_sharded",
            "sharded_blocks"]

@@ -21,24 +21,7 @@ from pyplan.spec.types import (FORMAT_VERSION, BackwardOverride, BackwardSpec, B
                                SearchSpec, ShapeSpec, TopologySpec)
 from pyplan.spec.units import parse_memory
 
-__all__ = [
-    "FORMAT_VERSION",
-    "BackwardOverride",
-    "BackwardSpec",
-    "BlockSpec",
-    "CostSpec",
-    "LinkSpec",
-    "MeshSpec",
-    "ModelSpec",
-    "OrderSpec",
-    "PlanSpec",
-    "SearchSpec",
-    "ShapeSpec",
-    "TopologySpec",
-    "load_spec",
-    "parse_spec",
-    "spec_from_text",
-]
+__all__ = ["load_spec", "parse_spec", "spec_from_text"]
 
 
 # Amounts a block holds (never frees): each is at least 0, used by the plan or not.
