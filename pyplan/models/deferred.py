@@ -90,9 +90,10 @@ class _Op:
     """The result's tensors (meta ones are what later operations read)."""
     roots: frozenset[int]
     target: int | None
-    """In-place: the root whose tensor (or a view of it) it writes."""
+    """In-place: the root whose storage it writes (the root itself, a view or `.data` of
+    it); None when it writes a tensor of its own (a temporary made from a root)."""
     overwrites: bool
-    """It writes the whole of a root itself (not a view)."""
+    """It writes the whole of its target's storage without reading what was there."""
 
 
 @dataclass
@@ -156,11 +157,16 @@ class _Recorder(TorchFunctionMode):
         in_place = _in_place(name)
         if not roots and not produced or not produced and not in_place:
             return out  # real tensors only; or a size, a dtype, a comparison
-        target_tensor = args[0] if args else next(iter(kwargs.values()), None)
-        family = self.family.get(id(target_tensor), frozenset()) if in_place else frozenset()
-        target = next(iter(family)) if len(family) == 1 else None
-        overwrites = target is not None and id(target_tensor) == target and (
-            name in _OVERWRITES or name == "__set__data")
+        written = (args[0] if args else next(iter(kwargs.values()), None)) if in_place \
+            else None
+        target = self._root_of(written)
+        # What the operation reads besides the tensor it writes: copy_(p / 2) reads p.
+        sources = frozenset().union(*(self.family[id(t)] for t in pytree.tree_leaves(
+            (args[1:] if args else (), kwargs)) if isinstance(t, torch.Tensor)
+            and id(t) in self.family))
+        overwrites = target is not None and target not in sources and (
+            name in _OVERWRITES or name == "__set__data") and \
+            written.numel() == self.roots[target].meta.numel()
         result = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         index = len(self.tape)
         self.tape.append(_Op(func, args, kwargs, result, roots, target, overwrites))
@@ -172,9 +178,36 @@ class _Recorder(TorchFunctionMode):
             else:  # made from constants on the meta device: a root of its own
                 self.roots[id(t)] = _Root(t, None, made=True, ops=[index])
                 self.family[id(t)] = frozenset((id(t),))
-        if overwrites and target is not None:
+        if overwrites:
             self.roots[target].initial = None  # its pages can go
         return out
+
+    def _root_of(self, written) -> int | None:
+        """The root whose storage `written` is (itself, a view, its `.data`), else None."""
+        if not isinstance(written, torch.Tensor) or id(written) not in self.family:
+            return None
+        storage = written.untyped_storage()._cdata
+        return next((r for r in self.family[id(written)]
+                     if self.roots[r].meta.untyped_storage()._cdata == storage), None)
+
+
+def _dead_writes(recorder: _Recorder) -> frozenset[int]:
+    """The operations whose writes nothing reads: each root's operations walked from its last
+    (whose value the model keeps) back; a write to the root is dead when a later whole
+    overwrite comes before any read of what it wrote (`reset_parameters()`'s init that
+    `_init_weights` then replaces), live otherwise (`p.copy_(f(p))` reads it)."""
+    dead = set()
+    for root_id, root in recorder.roots.items():
+        live = True  # the value the root ends with is wanted
+        for index in reversed(root.ops):
+            op = recorder.tape[index]
+            if op.target != root_id:
+                live = True  # reads the root (into a temporary, another root, a size)
+            elif not live:
+                dead.add(index)
+            else:
+                live = not op.overwrites  # a partial or reading write needs what was there
+    return frozenset(dead)
 
 
 def _seed(seed: int, name: str, k: int) -> int:
@@ -206,11 +239,7 @@ class Deferred:
         self.checkpoint = None
         self._stored: dict[int, str] = {}
         """Tensor -> its name in the checkpoint the model starts from (`start_from`)."""
-        self._last: dict[int, int] = {}
-        if recorder is not None:
-            for index, op in enumerate(recorder.tape):
-                if op.overwrites:
-                    self._last[op.target] = index
+        self._dead = _dead_writes(recorder) if recorder is not None else frozenset()
 
     @property
     def eager(self) -> bool:
@@ -287,8 +316,8 @@ class Deferred:
                 names = sorted(self.first[r] for r in op.roots if r in self.first)
                 key = names[0] if names else f"#{index}"
                 counts[key] = counts.get(key, 0) + 1
-                if op.target is not None and index < self._last.get(op.target, -1):
-                    continue  # overwritten later: its effect is lost anyway
+                if index in self._dead:
+                    continue  # overwritten before anything reads it: its effect is lost
                 torch.manual_seed(_seed(self.seed, key, counts[key]))
                 args, kwargs = pytree.tree_map(real, (op.args, op.kwargs))
                 if "generator" in kwargs:

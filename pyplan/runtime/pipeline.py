@@ -227,6 +227,7 @@ class Pipeline:
         the shards)."""
         self._open("step")
         self._needs(inputs, targets, "step")
+        self._before_accumulating()
         self.executor.loss_scale = self.loss_scale
         result = self._run(self.executor, inputs, targets, trace=trace,
                            whole_gradients=whole_gradients)
@@ -234,6 +235,27 @@ class Pipeline:
         if self.dtype == "fp16":
             self._unscale()
         return self._global_loss(result.loss) if share_loss else result.loss
+
+    def _before_accumulating(self) -> None:
+        """Make the step's sums and unscaling apply to this step's gradient only, when .grad
+        already holds earlier steps' (accumulation). After a step each copy of a tied
+        parameter holds the sum over its copies, and each rank of a multi-device block the sum
+        of a replicated parameter over the block's ranks: summing those again would count the
+        earlier steps once per copy. So the sum stays on the one rank that keeps it (the one
+        clip_grad_norm_ counts) and the others start from zero. fp16: the kept gradient is
+        scaled back up (a power of two: exact) so that the step's unscale divides it once."""
+        for _, param, group in self.ties:
+            if param.grad is not None and dist.get_process_group_ranks(group)[0] != self.rank:
+                param.grad.zero_()
+        for block, params in self.executor.reduced.items():
+            if self.problem.blocks[block].devices[0] != self.device_index:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.zero_()
+        if self.dtype == "fp16":
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, self.loss_scale)
 
     def _unscale(self) -> None:
         """fp16: every gradient divided by the loss scale and checked for inf/NaN at once

@@ -13,6 +13,11 @@ FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "ge
             "phi3", "phi", "opt", "gpt_neox", "falcon", "bloom", "gptj", "gpt_neo",
             "gpt_bigcode", "olmo2", "starcoder2", "granite", "cohere", "mixtral", "qwen3_moe",
             "smollm3", "mamba")
+# Families whose `_init_weights` derives a parameter from its own value (`p.copy_(f(p))`:
+# Mamba's A_log and dt_bias, Nemotron-H's scaled out_proj) or that mix layer kinds.
+HYBRIDS = ("mamba2", "nemotron_h", "bamba", "falcon_h1", "olmo_hybrid", "bailing_hybrid",
+           "kimi_linear", "qwen3_next", "lfm2", "minimax", "granitemoehybrid", "deepseek_v3",
+           "gpt_oss", "olmo3", "glm4", "cohere2", "exaone4", "ernie4_5", "seed_oss")
 
 
 def config(family: str, **changes):
