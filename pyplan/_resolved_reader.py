@@ -36,7 +36,8 @@ _MODEL = {"blocks": (str, (), 0), "module": (str, (), 0), "stages": (dict, 0, 0)
           "layer_returns": (str, ("tensor", "tuple"), 0), "ties": (list, 0, 0),
           "data": (str, (), 0), "loss": (str, (), 0), "path": (str, (), 0),
           "vocab_parallel": (dict, 0, 0), "weights": (str, (), 0)}
-_MESH = {"data": (int, 1, MAX_DEVICES), "shard": (bool, 0, 0), "sync": (int, 0, MAX_TIME)}
+_MESH = {"data": (int, 1, MAX_DEVICES), "shard": (bool, 0, 0), "sync": (int, 0, MAX_TIME),
+         "tensor": (int, 1, MAX_DEVICES)}
 
 
 class Reader:
@@ -168,11 +169,12 @@ class Reader:
                               loss=raw["loss"], path=raw.get("path"))
         mesh = MeshSpec()
         if self.doc.get("mesh") is not None:
-            self.typed(self.get("mesh", dict), ("mesh",), _MESH, set(_MESH))
+            self.typed(self.get("mesh", dict), ("mesh",), _MESH, set(_MESH) - {"tensor"})
             mesh = MeshSpec(data=self.get("data", int, ("mesh",), low=1,
                                           high=MAX_DEVICES // num_devices),
                             shard=self.get("shard", bool, ("mesh",)),
-                            sync=self.get("sync", int, ("mesh",), low=0, high=MAX_TIME))
+                            sync=self.get("sync", int, ("mesh",), low=0, high=MAX_TIME),
+                            tensor=self.doc["mesh"].get("tensor", 1))
         unit = self.doc.get("time_unit_ms")
         if unit is not None and (type(unit) not in (int, float) or not 0 < unit <= 1e6):
             raise self.fail(("time_unit_ms",), "'time_unit_ms' must be a positive number",

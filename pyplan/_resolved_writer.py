@@ -143,10 +143,11 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
                      + (f", path: {_quoted(m.path)}" if m.path else "") + "}")
     if problem.time_unit_ms is not None:
         lines.append(f"time_unit_ms: {_float(problem.time_unit_ms)}")
-    if problem.mesh.data > 1:
+    if problem.mesh.data > 1 or problem.mesh.tensor > 1:
         mesh = problem.mesh
         lines.append(f"mesh: {{data: {mesh.data}, shard: {'true' if mesh.shard else 'false'}, "
-                     f"sync: {mesh.sync}}}")
+                     f"sync: {mesh.sync}" + (f", tensor: {mesh.tensor}" if mesh.tensor > 1
+                                             else "") + "}")
     lines += [
         f"status: {solution.status}",
         f"origin: {solution.origin}",

@@ -175,15 +175,18 @@ def _device_orders(problem: Problem, stages: list[list[int]], programs) -> list[
     return orders
 
 
-def _greedy(stage_device: list[int], n: int, split: bool, in_flight: list[int]):
+def _greedy(stage_device: list[int], n: int, split: bool, in_flight: list[int],
+            delta: list[dict] | None = None):
     """Unit-time list scheduling of a chain of stages (F down, B back up, W after B) on
     devices: each step a device runs a ready B (latest stage first), else a ready F while it
     holds fewer than in_flight[d] stage activations (latest stage first), else a deferred W
-    (oldest first). Deferred W passes fill what would be bubbles (zero bubble, Qi et al.)."""
+    (oldest first). Deferred W passes fill what would be bubbles (zero bubble, Qi et al.).
+    With `delta` (each stage's memory change per op, every forward allocating), what a device
+    holds is memory: at most in_flight[d] forwards' worth."""
     S, D = len(stage_device), max(stage_device) + 1
     done: set[tuple[str, int, int]] = set()
     nxt = {(op, s): 0 for op in "FBW" for s in range(S)}
-    held = [0] * D
+    held, used = [0] * D, [0] * D
     programs: list[list[tuple[str, int, int]]] = [[] for _ in range(D)]
     total = S * n * (3 if split else 2)
     on = [sorted((s for s in range(S) if stage_device[s] == d), reverse=True) for d in range(D)]
@@ -198,8 +201,9 @@ def _greedy(stage_device: list[int], n: int, split: bool, in_flight: list[int]):
                     m = nxt[(op, s)]
                     if m >= n:
                         continue
-                    if op == "F" and (s == 0 or ("F", s - 1, m) in done) and \
-                            held[d] < in_flight[d]:
+                    room = held[d] < in_flight[d] if delta is None else \
+                        used[d] + delta[s]["F"] <= in_flight[d] * delta[s]["F"]
+                    if op == "F" and (s == 0 or ("F", s - 1, m) in done) and room:
                         ready.append(s)
                     if op == "B" and ("F", s, m) in done and \
                             (s == S - 1 or ("B", s + 1, m) in done):
@@ -216,8 +220,16 @@ def _greedy(stage_device: list[int], n: int, split: bool, in_flight: list[int]):
             done.add((op, s, m))
             nxt[(op, s)] += 1
             held[d] += {"F": 1, "B": -1, "W": 0}[op]
+            used[d] += 0 if delta is None else delta[s][op]
             programs[d].append((op, s, m))
     raise NotApplicable("the template does not make progress")
+
+
+def _deltas(problem: Problem, stages) -> list[dict] | None:
+    """Each stage's memory change per op, when every forward allocates (else None)."""
+    delta = [{op: sum(problem.blocks[b].memory for b in stage_ops(problem, st, op))
+              for op in "FBW"} for st in stages]
+    return delta if all(d["F"] > 0 for d in delta) else None
 
 
 def zb_h2(problem: Problem):
@@ -227,7 +239,7 @@ def zb_h2(problem: Problem):
     # ZB-H2: about twice 1F1B's warmup forwards (2(p - s) - 1 in flight on stage s), so the
     # warmup has no bubble; deferred W passes fill the cooldown.
     programs = _greedy(list(range(p)), problem.num_micro_batches, True,
-                       [2 * (p - s) - 1 for s in range(p)])
+                       [2 * (p - s) - 1 for s in range(p)], _deltas(problem, stages))
     device_of = [stage_device(problem, st) for st in stages]
     return _device_orders(problem, stages, [programs[device_of.index(d)] if d in device_of
                                             else [] for d in range(problem.num_devices)])
@@ -240,5 +252,5 @@ def zb_v(problem: Problem):
     # ZB-V: 1F1B's activation memory (D micro-batches of the whole model, 2D stage
     # activations per device), the V placement making every device's first B come early.
     programs = _greedy([stage_device(problem, st) for st in stages],
-                       problem.num_micro_batches, True, [2 * D] * D)
+                       problem.num_micro_batches, True, [2 * D] * D, _deltas(problem, stages))
     return _device_orders(problem, stages, programs)

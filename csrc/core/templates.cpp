@@ -1,6 +1,7 @@
 #include "core/templates.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <stdexcept>
 #include <utility>
@@ -233,6 +234,18 @@ TemplateOrders greedy_orders(const Graph& g, const std::vector<StageBlocks>& sta
     std::vector<std::vector<int>> on(D);
     for (int s = S - 1; s >= 0; --s) on[stage_device[s]].push_back(s);  // latest stage first
     std::vector<int64_t> held(D, 0);
+    // Where every forward allocates memory, "in flight" is memory: a device holds at most
+    // in_flight[d] forwards' worth, what B frees and what W frees (a split backward may keep
+    // the GEMMs' inputs until W) taken off as they run; W passes deferred without end would
+    // otherwise pile up what they keep. Without memory, it counts forwards not yet backward.
+    std::vector<std::array<int64_t, 3>> delta(S, {0, 0, 0});
+    bool by_memory = true;
+    for (int s = 0; s < S; ++s) {
+        for (int op : {F, B, W})
+            for (int b : members(stages[s], op)) delta[s][op] += g.block(b).memory;
+        by_memory = by_memory && delta[s][F] > 0;
+    }
+    std::vector<int64_t> bytes(D, 0);
     std::vector<std::vector<std::pair<int, int>>> programs(D);  // (op, stage)
     const int64_t total = int64_t{S} * n * (split ? 3 : 2);
     int64_t done = 0;
@@ -256,7 +269,9 @@ TemplateOrders greedy_orders(const Graph& g, const std::vector<StageBlocks>& sta
                     if (m >= n) continue;
                     bool ready = false;
                     if (op == F)
-                        ready = (s == 0 || count[F][s - 1] > m) && held[d] < in_flight[d];
+                        ready = (s == 0 || count[F][s - 1] > m) &&
+                                (by_memory ? bytes[d] + delta[s][F] <= in_flight[d] * delta[s][F]
+                                           : held[d] < in_flight[d]);
                     else if (op == B)
                         ready = count[F][s] > m && (s == S - 1 || count[B][s + 1] > m);
                     else
@@ -278,6 +293,7 @@ TemplateOrders greedy_orders(const Graph& g, const std::vector<StageBlocks>& sta
             programs[c.d].push_back({c.op, c.s});
             ++count[c.op][c.s];
             held[c.d] += c.op == F ? 1 : c.op == B ? -1 : 0;
+            bytes[c.d] += delta[c.s][c.op];
             ++done;
         }
     }

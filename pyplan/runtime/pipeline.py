@@ -80,6 +80,11 @@ class Pipeline:
         source = resolved.plan_path if resolved.plan_path is not None and \
             resolved.plan_path.is_file() else resolved.path
         self.model = model or load_model(problem, plan_dir, str(source))
+        if problem.mesh.tensor > 1:
+            raise PlanError(f"the plan's mesh has tensor: {problem.mesh.tensor}, which pyplan "
+                            "run does not run yet", hint="solve, show and export it; run it "
+                            "with mesh.tensor 1", file=resolved.plan_path and
+                            str(resolved.plan_path))
         world = problem.num_devices * problem.mesh.data
         if "RANK" not in os.environ and not dist.is_initialized():
             raise RunError("a Pipeline runs in one process per device, under torchrun",

@@ -320,10 +320,11 @@ def _build(source: Source) -> PlanSpec:
                         effort=float(search_raw.get("effort", 1.0)))
     mesh_raw = doc.get("mesh", {})
     mesh = MeshSpec(data=mesh_raw.get("data", 1), shard=mesh_raw.get("shard", False),
-                    sync=mesh_raw.get("sync", 0))
-    if mesh.data * num_devices > MAX_DEVICES:
-        raise source.error(("mesh", "data"), f"{mesh.data} replicas of {num_devices} devices "
-                           f"exceed {MAX_DEVICES} devices", "use fewer replicas")
+                    sync=mesh_raw.get("sync", 0), tensor=mesh_raw.get("tensor", 1))
+    if mesh.data * mesh.tensor * num_devices > MAX_DEVICES:
+        raise source.error(("mesh", "data"), f"{mesh.data} replicas of {num_devices} devices"
+                           + (f" of {mesh.tensor} GPUs" if mesh.tensor > 1 else "") +
+                           f" exceed {MAX_DEVICES} devices", "use fewer replicas")
     model = None
     if "model" in doc:
         raw = doc["model"]

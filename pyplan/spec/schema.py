@@ -29,19 +29,20 @@ _TYPE_NAMES = {"integer": "an integer", "number": "a number", "string": "a strin
                "array": "a list", "object": "a mapping", "boolean": "true or false"}
 
 
-def schema_path() -> Path:
-    """The plan schema: installed beside the package, or in the source tree's schemas/."""
+def schema_path(name: str = "plan") -> Path:
+    """A schema (plan, cluster): installed beside the package, or in the source tree's
+    schemas/."""
     here = Path(__file__).resolve().parent.parent
-    for candidate in (here / "schemas" / "plan.schema.json",
-                      here.parent / "schemas" / "plan.schema.json"):
+    for candidate in (here / "schemas" / f"{name}.schema.json",
+                      here.parent / "schemas" / f"{name}.schema.json"):
         if candidate.is_file():
             return candidate
-    raise FileNotFoundError("plan.schema.json is missing from the pyplan installation")
+    raise FileNotFoundError(f"{name}.schema.json is missing from the pyplan installation")
 
 
-@lru_cache(maxsize=1)
-def load_schema() -> dict:
-    return json.loads(schema_path().read_text(encoding="utf-8"))
+@lru_cache(maxsize=None)
+def load_schema(name: str = "plan") -> dict:
+    return json.loads(schema_path(name).read_text(encoding="utf-8"))
 
 
 def _is_integer(checker, instance) -> bool:
@@ -49,11 +50,11 @@ def _is_integer(checker, instance) -> bool:
     return isinstance(instance, int) and not isinstance(instance, bool)
 
 
-@lru_cache(maxsize=1)
-def _validator():
+@lru_cache(maxsize=None)
+def _validator(name: str):
     import jsonschema
 
-    schema = load_schema()
+    schema = load_schema(name)
     jsonschema.Draft202012Validator.check_schema(schema)
     draft = jsonschema.Draft202012Validator
     plan_validator = jsonschema.validators.extend(
@@ -61,7 +62,7 @@ def _validator():
     return plan_validator(schema)
 
 
-def _passed_marker(source: Source) -> Path | None:
+def _passed_marker(source: Source, name: str) -> Path | None:
     """Where the cache remembers that this text passed this schema (None: no cache)."""
     where = os.environ.get("PYPLAN_CACHE_DIR")
     if where == "":
@@ -71,13 +72,13 @@ def _passed_marker(source: Source) -> Path | None:
                                               Path.home() / ".cache") / "pyplan"
     except (RuntimeError, KeyError):  # no home directory to be found
         return None
-    key = hashlib.sha256(f"{_schema_sha256()}:{source.sha256}".encode())
+    key = hashlib.sha256(f"{_schema_sha256(name)}:{source.sha256}".encode())
     return root / "valid-plans" / key.hexdigest()
 
 
-@lru_cache(maxsize=1)
-def _schema_sha256() -> str:
-    return hashlib.sha256(schema_path().read_bytes()).hexdigest()
+@lru_cache(maxsize=None)
+def _schema_sha256(name: str) -> str:
+    return hashlib.sha256(schema_path(name).read_bytes()).hexdigest()
 
 
 def _show_path(path: tuple) -> str:
@@ -197,16 +198,16 @@ def _to_plan_error(source: Source, error: jsonschema.ValidationError) -> PlanErr
     return source.error(path, f"{where} has the wrong form: {_describe(value)}", _hint(error))
 
 
-def check_schema(source: Source) -> None:
-    """Raise a PlanError for the first schema violation in file order, carrying the next ones
-    (each place once) for a compiler-like report."""
-    marker = _passed_marker(source)
+def check_schema(source: Source, name: str = "plan") -> None:
+    """Raise a PlanError for the first violation of schemas/NAME.schema.json in file order,
+    carrying the next ones (each place once) for a compiler-like report."""
+    marker = _passed_marker(source, name)
     try:
         if marker is not None and marker.is_file():
             return
     except OSError:  # a path the system refuses (too long, unreadable): no cache
         marker = None
-    errors = list(_validator().iter_errors(source.data))
+    errors = list(_validator(name).iter_errors(source.data))
     if not errors:
         if marker is not None:
             try:

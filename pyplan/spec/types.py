@@ -146,6 +146,8 @@ class MeshSpec:
     data: int = 1
     shard: bool = False
     sync: int = 0
+    tensor: int = 1
+    """Tensor-parallel GPUs per pipeline device."""
 
 
 @dataclass(frozen=True, kw_only=True)

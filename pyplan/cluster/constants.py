@@ -1,0 +1,52 @@
+"""The cost model's constants: each a physical quantity, with where its value comes from.
+
+Fitted (least squares on `../shared/cluster`'s rows only, `benchmarks/cluster.py --fit`):
+the large-GEMM efficiency and the memory-bound kernels' share of HBM bandwidth, from the zero
+bubble paper's measured per-stage F/B/W times (W is GEMMs alone; F and B add the element-wise
+work). Everything else is a first-principles or spec-sheet value, and a cluster file may
+override each per GPU or per link.
+"""
+
+# GPU (A100 defaults; presets override what differs)
+SMS = 108
+"""Streaming multiprocessors: a GEMM's output tiles run in waves of this many (A100: 108,
+H100 SXM: 132)."""
+TILE = 128
+"""Output tile edge of the tensor-core GEMM kernels (cuBLAS/CUTLASS 128 x 128 for 16-bit):
+a matrix edge that is not a multiple of it wastes the rest of its last tile."""
+MATMUL_EFFICIENCY = 0.77
+"""Fraction of the dense tensor-core peak a large, well-shaped GEMM reaches. Fitted: the zero
+bubble paper's W passes (pure GEMMs) run at 238-252 TFLOP/s on A100 (0.76-0.81 of 312)."""
+ATTENTION_EFFICIENCY = 0.55
+"""Fraction of peak a fused (flash) attention kernel reaches on the FLOPs it computes
+(FlashAttention-2 reports 50-73% of A100 peak forward and backward at head dim 128)."""
+MEMORY_EFFICIENCY = 0.45
+"""Fraction of HBM bandwidth that memory-bound kernels (norms, activations, softmax, dropout,
+layout copies) reach, with pyplan's count of what each reads and writes. Fitted on the zero
+bubble paper's F - W and B - W times."""
+STREAM_EFFICIENCY = 0.90
+"""Fraction of HBM bandwidth a large contiguous pass reaches: a memory-bound GEMM (attention's
+s x s products), the loss's passes over the logits (STREAM benchmarks: ~90% on A100 and H100)."""
+KERNEL_US = 4.0
+"""Fixed cost of one kernel launch and its tail, microseconds (what makes tiny layers slow)."""
+RESERVED_GIB = 2.0
+"""What a GPU holds besides the model's tensors: CUDA context and cuBLAS workspace (~0.6 GiB),
+NCCL buffers (~0.5 GiB per communicator set) and the caching allocator's fragmentation."""
+
+# Links (NCCL ring bandwidth as a share of the spec-sheet one-direction bandwidth)
+LINK_EFFICIENCY = 0.78
+"""NVLink/NVSwitch: nccl-tests' all-reduce bus bandwidth on DGX A100 is ~230-240 GB/s of 300."""
+NETWORK_EFFICIENCY = 0.90
+"""InfiniBand: ~22-23 GB/s of a 200 Gb/s HDR port's 25 GB/s in nccl-tests across nodes."""
+LINK_LATENCY_US = 8.0
+"""Per ring step inside a node (NCCL's simple protocol over NVLink, launch included)."""
+NETWORK_LATENCY_US = 20.0
+"""Per ring step across nodes (InfiniBand round trip, NCCL proxy)."""
+
+# Work the model counts per element
+BACKWARD_ELEMENTWISE = 0.7
+"""An element-wise op's backward moves about twice its forward's bytes (it reads the incoming
+gradient and what the forward saved, and writes a gradient)."""
+OPTIMIZER_BYTES = 24
+"""HBM bytes Adam moves per parameter at its step (fp32 master weight, two moments and the
+gradient read, three written, the 16-bit copy written): a memory-bound pass."""

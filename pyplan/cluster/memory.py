@@ -1,0 +1,129 @@
+"""Bytes per GPU: the model's state (weights, gradients, optimizer) by dtype and sharding, and
+one micro-batch's activations per layer by recomputation, tensor and sequence parallelism and
+flash attention (Korthikanti et al. 2022's counts, generalised to grouped key/value heads,
+gated MLPs, experts and runs without dropout). How many micro-batches a stage holds at once
+is not a closed form here: the schedule pyplan's solver evaluates holds them.
+
+These rules are the one memory model of a mesh: `pyplan plan` costs a cluster with them and
+`pyplan run` divides a stage's state by its tensor and shard degrees the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyplan.cluster.layout import Batch, Layout
+from pyplan.cluster.model import Transformer
+
+__all__ = ["Activations", "State", "activations", "state_bytes_per_parameter"]
+
+
+def state_bytes_per_parameter(dtype: str, optimizer: str = "adam", shards: int = 1,
+                              sharded_gradients: bool = False) -> dict[str, float]:
+    """What one parameter costs for the whole run, by part: mixed precision keeps a 16-bit
+    weight, a gradient (fp32 for bf16, as Megatron-LM's main gradients; 16-bit for fp16) and
+    fp32 master weights with Adam's two moments (with fp16 also an fp32 copy of the
+    gradient); fp32 keeps the weight, its gradient and the moments. The optimizer's state is
+    divided over `shards` data-parallel ranks (a distributed optimizer, ZeRO-1, FSDP); with
+    `sharded_gradients` the gradient too (ZeRO-2/3, FSDP)."""
+    moments = {"adam": 8, "adamw": 8, "sgd": 0, "momentum": 4}[optimizer]
+    if dtype == "fp32":
+        weight, gradient, optimizer_state = 4, 4, moments
+    elif dtype == "bf16":
+        weight, gradient, optimizer_state = 2, 4, 4 + moments
+    else:  # fp16: 16-bit gradients, fp32 master weights and their gradient copy
+        weight, gradient, optimizer_state = 2, 2, 8 + moments
+    return {"weights": weight,
+            "gradients": gradient / (shards if sharded_gradients else 1),
+            "optimizer": optimizer_state / shards}
+
+
+@dataclass(frozen=True)
+class Activations:
+    """One micro-batch of one layer (or end) on one rank, bytes."""
+
+    held: float
+    """Kept from its forward until its backward."""
+    weight_held: float
+    """Of `held`, what the weight-gradient pass (W) still needs after B: each GEMM's input."""
+    working: float
+    """Needed only while its backward runs (a fully recomputed layer's activations)."""
+
+
+def activations(model: Transformer, layout: Layout, batch: Batch, moe: bool) -> Activations:
+    """A layer's activations for one micro-batch on one tensor-parallel rank."""
+    t, e = layout.tp, (4 if batch.dtype == "fp32" else 2)
+    T = layout.micro_batch * batch.sequence
+    sp = layout.sequence_parallel
+    h, q, kv = model.hidden, model.q_dim, model.kv_dim
+    kv_rank = kv / t if model.kv_heads % t == 0 else model.head_dim * max(1, model.kv_heads // t)
+    rep = T * h / (t if sp else 1)  # one tensor of the replicated region, elements
+    mask = 1 if model.dropout else 0  # bytes per element of a dropout mask
+
+    norms = 2 * rep * e                          # the two norms' inputs
+    gemm_inputs = 2 * rep * e + T * q / t * e    # QKV's and the first MLP matrix's, out-proj's
+    qkv = T * (q / t + 2 * kv_rank) * e          # q and k for the scores, v for PV
+    residual_masks = 2 * rep * mask
+    scores = 0.0
+    if not batch.flash_attention and layout.recompute == "none":
+        heads = model.heads / t
+        s = batch.sequence
+        scores = layout.micro_batch * heads * s * s * (e + mask + (e if mask else 0))
+    elif batch.flash_attention:
+        scores = layout.micro_batch * model.heads / t * batch.sequence * 4  # log-sum-exp
+
+    def mlp(tokens: float, width: float) -> tuple[float, float]:
+        """(held, what W needs) of an MLP over `tokens` with inner `width` per rank."""
+        inner = tokens * width / t * e
+        held = (3 if model.gated else 1) * inner + inner  # activation inputs; down's input
+        return held, inner
+    if not moe:
+        mlp_held, mlp_w = mlp(T, model.ffn)
+    else:
+        routed = T * model.top_k
+        mlp_held, mlp_w = mlp(routed, model.expert_ffn)
+        mlp_held += routed * h * e                # the tokens as the experts got them
+        mlp_w += routed * h * e
+        if model.shared_ffn:
+            held, w = mlp(T, model.shared_ffn)
+            mlp_held, mlp_w = mlp_held + held, mlp_w + w
+    held = norms + gemm_inputs + qkv + residual_masks + scores + mlp_held
+    weight_held = gemm_inputs + mlp_w
+    if layout.recompute == "full":
+        layer_input = rep * e
+        return Activations(layer_input, 0.0, held)
+    return Activations(held, weight_held, 0.0)
+
+
+def ends(model: Transformer, layout: Layout, batch: Batch) -> tuple[Activations, Activations]:
+    """(embedding, head): the embedding keeps its dropout mask; the head its input and the
+    loss's fp32 softmax over the vocabulary shard (4 s b V / t bytes)."""
+    t, e = layout.tp, (4 if batch.dtype == "fp32" else 2)
+    T = layout.micro_batch * batch.sequence
+    rep = T * model.hidden / (t if layout.sequence_parallel else 1)
+    embedding = Activations(rep * (1 if model.dropout else 0), 0.0, 0.0)
+    logits = 4 * T * model.vocab / t
+    head = Activations(2 * rep * e + logits, rep * e, logits)
+    return embedding, head
+
+
+@dataclass(frozen=True)
+class State:
+    """A stage's parameters on one rank and what they cost, bytes by part."""
+
+    parameters: float
+    weights: float
+    gradients: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+
+def stage_state(parameters: float, batch: Batch, layout: Layout,
+                optimizer: str = "adam") -> State:
+    per = state_bytes_per_parameter(batch.dtype, optimizer,
+                                    layout.dp if layout.distributed_optimizer else 1)
+    return State(parameters, parameters * per["weights"], parameters * per["gradients"],
+                 parameters * per["optimizer"])

@@ -1,0 +1,269 @@
+"""The pipeline dimension, solved rather than approximated: a layout's per-stage block costs
+become a pyplan plan (one pipeline of the mesh: its pp devices, each chunk a block with its
+forward, input- and weight-gradient times, activations, static memory, workspace, the send to
+the next stage and the data-parallel gradient synchronisation), and pyplan's own templates (or
+its search) lay out and evaluate the schedule. So interleaved, zero-bubble and V schedules are
+priced exactly, and the memory a stage holds is what the schedule holds, not a closed form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyplan.cluster.costs import Costs, Work
+from pyplan.cluster.hardware import Cluster
+from pyplan.cluster.layout import SPLIT_BACKWARD, Batch, Layout
+from pyplan.cluster.memory import activations, ends, stage_state
+from pyplan.cluster.model import Transformer
+
+__all__ = ["Chunk", "Priced", "chunks", "plan_text", "price", "split_layers"]
+
+UNITS = 20_000  # time units the longest block gets: times are integers, so ~0.005% apart
+BYTES_UNIT = 2**20  # the plan's memory unit: one MiB
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A pipeline stage (a model chunk) on one rank: its layers and what they cost."""
+
+    index: int
+    device: int
+    layers: tuple[int, ...]
+    first: bool
+    last: bool
+    forward: Work
+    backward: Work
+    weight: Work
+    held: float
+    """Activation bytes one micro-batch keeps from F to B."""
+    weight_held: float
+    """Of those, what W still needs after B."""
+    working: float
+    """Bytes only while its backward runs (recomputed activations, the loss's logits)."""
+    parameters: float
+    """Parameters on one rank (its tensor-parallel shard)."""
+    state: float
+    """Their weights, gradients and optimizer state, bytes."""
+    send: float
+    """Seconds to send its output to the next stage (0 for the last)."""
+    sync: float
+    """Seconds of its data-parallel gradient reduction."""
+    update: float
+    """Seconds of the optimizer's step over its parameters."""
+
+
+def split_layers(model: Transformer, stages: int, costs: Costs,
+                 given: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Layers per stage: `given`, else contiguous counts that balance the stages' time with
+    the embedding on the first and the head on the last (the fewest stages over the least
+    bottleneck; an exact search over the counts)."""
+    if given is not None:
+        return given
+    kinds = {moe: costs.layer(moe) for moe in {model.is_moe(i) for i in range(model.layers)}}
+    per_kind = {moe: p.forward.seconds + p.backward.seconds + p.weight.seconds
+                for moe, p in kinds.items()}
+    layer_time = [per_kind[model.is_moe(i)] for i in range(model.layers)]
+    head, embedding = costs.head(), costs.embedding()
+    extra = {0: sum(w.seconds for w in (embedding.forward, embedding.backward,
+                                        embedding.weight))}
+    extra[stages - 1] = extra.get(stages - 1, 0.0) + sum(
+        w.seconds for w in (head.forward, head.backward, head.weight))
+    # The least bottleneck: a binary search over it, each candidate checked by filling the
+    # stages in order as far as it allows (optimal for contiguous stages), each with a layer.
+    prefix = [0.0]
+    for x in layer_time:
+        prefix.append(prefix[-1] + x)
+    layers = model.layers
+
+    def fill(limit: float) -> tuple[int, ...] | None:
+        counts, start = [], 0
+        for s in range(stages):
+            end = layers if s == stages - 1 else start
+            while end < layers - (stages - s - 1) and \
+                    prefix[end + 1] - prefix[start] + extra.get(s, 0.0) <= limit:
+                end += 1
+            if end == start or prefix[end] - prefix[start] + extra.get(s, 0.0) > limit:
+                return None
+            counts.append(end - start)
+            start = end
+        return tuple(counts)
+    low, high = 0.0, prefix[-1] + sum(extra.values())
+    best = fill(high) or _even(layers, stages)
+    for _ in range(50):
+        middle = (low + high) / 2
+        found = fill(middle)
+        if found is not None:
+            best, high = found, middle
+        else:
+            low = middle
+    return best
+
+
+def _even(layers: int, stages: int) -> tuple[int, ...]:
+    base, extra = divmod(layers, stages)
+    return tuple(base + (1 if s < extra else 0) for s in range(stages))
+
+
+def device_of(chunk: int, layout: Layout) -> int:
+    """Interleaved: chunk c on rank c mod pp; the V of zb-v: down the ranks and back."""
+    pp = layout.pp
+    if layout.schedule == "zb-v":
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
+    return chunk % pp
+
+
+def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
+           counts: tuple[int, ...]) -> list[Chunk]:
+    costs = Costs(model, cluster, layout, batch)
+    dense, moe = costs.layer(False), costs.layer(True) if model.moe_layers else None
+    dense_act = activations(model, layout, batch, False)
+    moe_act = activations(model, layout, batch, True) if model.moe_layers else None
+    embedding_act, head_act = ends(model, layout, batch)
+    embedding, head = costs.embedding(), costs.head()
+    t = layout.tp
+    out, first_layer = [], 0
+    stages = len(counts)
+    boundary = batch.sequence * layout.micro_batch * model.hidden * costs.bytes / t
+    # Consecutive pipeline ranks are tp x dp ranks apart: across nodes when that fills one.
+    across = layout.tp * layout.dp >= cluster.gpus_per_node
+    dp_per_node = max(1, min(layout.dp, cluster.gpus_per_node // layout.tp))
+    grad_bytes = 2 if batch.dtype == "fp16" else 4
+    for c, count in enumerate(counts):
+        layers = tuple(range(first_layer, first_layer + count))
+        first_layer += count
+        pieces = [moe if model.is_moe(i) else dense for i in layers]
+        acts = [moe_act if model.is_moe(i) else dense_act for i in layers]
+        params = sum(model.layer_params(model.is_moe(i)) for i in layers) / t
+        if c == 0:
+            pieces.insert(0, embedding)
+            acts.insert(0, embedding_act)
+            params += model.embedding_params / t
+        if c == stages - 1:
+            pieces.append(head)
+            acts.append(head_act)
+            params += model.head_params / t
+        f, b, w = Work(), Work(), Work()
+        for p in pieces:
+            f, b, w = f + p.forward, b + p.backward, w + p.weight
+        working = max((a.working for a in acts), default=0.0)
+        if layout.dp > 1:
+            if layout.distributed_optimizer:
+                sync = (cluster.all_gather(params * grad_bytes, layout.dp, dp_per_node) +
+                        cluster.all_gather(params * costs.bytes, layout.dp, dp_per_node))
+            else:
+                sync = cluster.all_reduce(params * grad_bytes, layout.dp, dp_per_node)
+        else:
+            sync = 0.0
+        state = stage_state(params, batch, layout)
+        shards = layout.dp if layout.distributed_optimizer else 1
+        update = costs.moved(params / shards * _ADAM_BYTES[batch.dtype])
+        out.append(Chunk(c, device_of(c, layout), layers, c == 0, c == stages - 1, f, b, w,
+                         sum(a.held for a in acts), sum(a.weight_held for a in acts),
+                         working, params, state.total,
+                         0.0 if c == stages - 1 else cluster.send(boundary, across),
+                         sync, update))
+    return out
+
+
+# HBM bytes Adam moves per parameter at its step: fp32 master weight, two moments and the
+# gradient read, the three written back, and the 16-bit copy of the weight written.
+_ADAM_BYTES = {"bf16": 4 * 4 + 3 * 4 + 2, "fp16": 4 * 4 + 3 * 4 + 2, "fp32": 4 * 4 + 3 * 4}
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A layout's iteration as the schedule runs it."""
+
+    seconds: float
+    makespan: float
+    """The pipeline's schedule, gradient synchronisations included."""
+    compute_makespan: float
+    """When its last block ends (without the synchronisations after it)."""
+    update: float
+    peak_bytes: tuple[float, ...]
+    """Per pipeline rank: static + the activations the schedule holds at most + workspace."""
+    busy: tuple[float, ...]
+    schedule: str
+    text: str
+
+
+def time_unit(chunk_list: list[Chunk]) -> float:
+    """Seconds per plan time unit: the longest block gets about UNITS units."""
+    longest = max(max(c.forward.seconds, c.backward.seconds + c.weight.seconds, c.sync)
+                  for c in chunk_list)
+    return longest / UNITS
+
+
+def plan_text(name: str, chunk_list: list[Chunk], layout: Layout, micro_batches: int,
+              capacity: float | None, unit: float, description: str = "") -> str:
+    """The pipeline as a pyplan plan (times in units of `unit` seconds, memory in bytes)."""
+    split = layout.schedule in SPLIT_BACKWARD
+
+    def units(seconds: float) -> int:
+        return max(1, round(seconds / unit))
+    lines = ["pyplan: 1", f"name: {name}"]
+    if description:
+        lines += ["description: >", *("  " + line for line in _wrap(description))]
+    lines += [f"devices: {layout.pp}"] + ([f"memory: {int(capacity)}B"] if capacity else []) + [
+              f"micro_batches: {micro_batches}", "training:",
+              "  backward: {time_ratio: 1" + (", weight_time_ratio: 1}" if split else "}"),
+              f"topology: {{time_unit_ms: {unit * 1e3:.9g}}}"]
+    sync = max(c.sync for c in chunk_list)
+    mesh = [f"data: {layout.dp}"] if layout.dp > 1 else []
+    if layout.tp > 1:
+        mesh.append(f"tensor: {layout.tp}")
+    if sync > 0:
+        mesh.append(f"sync: {units(sync)}")
+    if mesh:
+        lines.append(f"mesh: {{{', '.join(mesh)}}}")
+    lines.append("blocks:")
+    for c in chunk_list:
+        held = int(c.held)
+        if split:
+            w_held = int(min(c.weight_held, held))
+            backward = (f"time: {units(c.backward.seconds)}, memory: {-(held - w_held)}B, "
+                        f"weight_time: {units(c.weight.seconds)}, weight_memory: {-w_held}B")
+        else:
+            backward = f"time: {units(c.backward.seconds + c.weight.seconds)}"
+        send = f", transfer: {units(c.send)}" if c.send > 0 else ""
+        lines.append(f"  - {{name: stage{c.index}, devices: [{c.device}], "
+                     f"time: {units(c.forward.seconds)}, memory: {held}B, "
+                     f"weights: {int(c.state)}B, workspace: {int(c.working)}B, "
+                     f"update: {units(c.update)}{send}, backward: {{{backward}}}}}")
+    return "\n".join(lines) + "\n"
+
+
+def _wrap(text: str) -> list[str]:
+    import textwrap
+    return textwrap.wrap(text, 94)
+
+
+def price(chunk_list: list[Chunk], layout: Layout, micro_batches: int, capacity: float,
+          name: str = "pipeline", time_limit: float = 10.0) -> Priced:
+    """Lay out the layout's schedule on its plan and evaluate it."""
+    from pyplan.problem import build_problem
+    from pyplan.solver.templates import template_schedule
+    from pyplan.spec.plan import spec_from_text
+
+    unit = time_unit(chunk_list)
+    # Priced without a capacity (templates report memory, they do not enforce it); the plan
+    # written for the user carries the GPU's.
+    problem = build_problem(spec_from_text(
+        plan_text(name, chunk_list, layout, micro_batches, None, unit), f"<{name}>"))
+    text = plan_text(name, chunk_list, layout, micro_batches, capacity, unit)
+    if layout.schedule == "search":
+        from pyplan.solver import solve
+        schedule = solve(problem).schedule  # (memory enforced: it fits or raises)
+    else:
+        schedule = template_schedule(problem, layout.schedule)
+    makespan = schedule.makespan * unit
+    times = [b.time for b in problem.blocks]
+    k = len(times)
+    last = max(start + times[i % k] for i, start in enumerate(schedule.start))
+    per_device = [0.0] * layout.pp
+    for c in chunk_list:
+        per_device[c.device] += c.update
+    update = max(per_device)
+    peak = tuple(float(p) for p in schedule.peak_memory)
+    return Priced(makespan + update, makespan, last * unit, update, peak,
+                  tuple(b * unit for b in schedule.busy), layout.schedule, text)

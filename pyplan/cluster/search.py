@@ -1,0 +1,240 @@
+"""The search over layouts: every degree and setting the user left open, pruned by bounds so
+that only layouts that might win have their pipeline solved.
+
+Each candidate first gets a lower bound on its iteration: the busiest pipeline rank's work
+(every micro-batch's F, B and W, tensor-parallel waits included) plus its optimizer step, which
+no schedule can shorten; and a memory floor: its static memory and one micro-batch of its
+activations. Candidates whose floor exceeds the GPU are dropped; the rest are priced exactly
+(schedule laid out and evaluated by pyplan's solver) in the order of their bounds, until the
+next bound cannot beat the K-th best layout that fits. A layout that recomputes more is
+skipped once the same layout recomputing less fits (it is never faster in this model).
+When the distributed optimizer and sequence parallelism are not fixed, they are taken where
+they apply: they move the same bytes as their alternatives and hold less.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, replace
+from functools import cache
+
+from pyplan.cluster.costs import Costs
+from pyplan.cluster.hardware import Cluster
+from pyplan.cluster.layout import RECOMPUTE, Batch, Layout, check_layout
+from pyplan.cluster.memory import activations, ends, stage_state
+from pyplan.cluster.model import Transformer
+from pyplan.cluster.predict import Prediction, predict
+from pyplan.cluster.pipeline import device_of, split_layers
+
+__all__ = ["SEARCHED_SCHEDULES", "Fixed", "candidates", "search"]
+
+SEARCHED_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
+CHUNKS = (2, 3, 4, 6, 8)  # chunks per GPU the search tries for interleaved 1F1B
+MAX_MICRO_BATCH = 64
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """What the user fixed (None: searched)."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    vpp: int | None = None
+    micro_batch: int | None = None
+    recompute: str | None = None
+    sequence_parallel: bool | None = None
+    schedule: str | None = None
+    distributed_optimizer: bool | None = None
+
+    @property
+    def everything(self) -> bool:
+        return all(getattr(self, name) is not None for name in (
+            "tp", "pp", "dp", "micro_batch", "recompute", "schedule"))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(model: Transformer, cluster: Cluster, batch: Batch, gpus: int,
+               fixed: Fixed) -> list[Layout]:
+    """Every layout the fixed choices allow that can run the model (check_layout)."""
+    out = []
+    node = cluster.gpus_per_node
+    tps = [fixed.tp] if fixed.tp else [t for t in _divisors(min(node, gpus)) if gpus % t == 0]
+    for tp in tps:
+        pps = [fixed.pp] if fixed.pp else [p for p in _divisors(gpus // tp)
+                                           if p <= model.layers]
+        for pp in pps:
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            if fixed.dp and dp != fixed.dp:
+                continue
+            if batch.global_batch % dp:
+                continue
+            mbs = [fixed.micro_batch] if fixed.micro_batch else \
+                [b for b in _divisors(batch.global_batch // dp) if b <= MAX_MICRO_BATCH]
+            schedules = [fixed.schedule] if fixed.schedule else \
+                (SEARCHED_SCHEDULES if pp > 1 else ("1f1b",))
+            for schedule, mb in itertools.product(schedules, mbs):
+                if fixed.vpp:
+                    vpps = [fixed.vpp]
+                elif schedule == "interleaved-1f1b":
+                    vpps = [v for v in CHUNKS if pp * v <= model.layers]
+                elif schedule == "zb-v":
+                    vpps = [2]
+                else:
+                    vpps = [1]
+                sps = [fixed.sequence_parallel] if fixed.sequence_parallel is not None \
+                    else [tp > 1]
+                dos = [fixed.distributed_optimizer] \
+                    if fixed.distributed_optimizer is not None else [dp > 1]
+                recomputes = [fixed.recompute] if fixed.recompute else list(RECOMPUTE)
+                for vpp, sp, do, recompute in itertools.product(vpps, sps, dos, recomputes):
+                    layout = Layout(tp, pp, dp, vpp, mb, recompute, sp, schedule, do)
+                    if check_layout(layout, model, batch, gpus, node) is None:
+                        out.append(layout)
+    return out
+
+
+@dataclass(frozen=True)
+class _Bound:
+    seconds: float
+    memory: float
+
+
+class _Bounds:
+    """Lower bounds of candidates, sharing the per-layer costs of equal settings."""
+
+    def __init__(self, model: Transformer, cluster: Cluster, batch: Batch) -> None:
+        self.model, self.cluster, self.batch = model, cluster, batch
+        self.capacity = cluster.gpu.memory_bytes - cluster.gpu.reserved_gib * 2**30
+        self._layer = cache(self._layer)
+        self._split = cache(self._split)
+
+    def _layer(self, tp: int, sp: bool, mb: int, recompute: str) -> tuple:
+        """(costs, per-layer seconds, per-layer held bytes, embedding and head seconds): none
+        depends on the pipeline or data degrees."""
+        layout = Layout(tp, 1, 1, 1, mb, recompute, sp, "1f1b", False)
+        costs = Costs(self.model, self.cluster, layout, self.batch)
+        total, held, forward, params = {}, {}, {}, {}
+        for moe in ({False, True} if self.model.moe_layers else {False}):
+            pieces = costs.layer(moe)
+            total[moe] = sum(w.seconds for w in (pieces.forward, pieces.backward,
+                                                 pieces.weight))
+            forward[moe] = pieces.forward.seconds
+            held[moe] = activations(self.model, layout, self.batch, moe).held
+            params[moe] = self.model.layer_params(moe) / tp
+        embedding, head = costs.embedding(), costs.head()
+        ends_seconds = tuple(sum(w.seconds for w in (p.forward, p.backward, p.weight))
+                             for p in (embedding, head))
+        return costs, total, held, ends_seconds, forward, params
+
+    def _split(self, tp: int, sp: bool, mb: int, recompute: str,
+               stages: int) -> tuple[int, ...]:
+        costs = self._layer(tp, sp, mb, recompute)[0]
+        return split_layers(self.model, stages, costs)
+
+    def bound(self, layout: Layout) -> _Bound:
+        key = (layout.tp, layout.sequence_parallel, layout.micro_batch, layout.recompute)
+        _, total, held, (embedding, head), forward, per_layer = self._layer(*key)
+        counts = self._split(*key, layout.stages)
+        model = self.model
+        work, params = [0.0] * layout.pp, [0.0] * layout.pp
+        first_held = [0.0] * layout.pp
+        fill = [None] * layout.pp  # forward time before the device's first block can start
+        before, layer = 0.0, 0
+        for c, count in enumerate(counts):
+            d = device_of(c, layout)
+            layers = range(layer, layer + count)
+            layer += count
+            moe = sum(1 for i in layers if model.is_moe(i))
+            seconds = (count - moe) * total[False] + (moe and moe * total[True])
+            params_c = (count - moe) * per_layer[False] + (moe and moe * per_layer[True])
+            chunk_forward = (count - moe) * forward[False] + (moe and moe * forward[True])
+            if c == 0:
+                seconds += embedding
+                params_c += model.embedding_params / layout.tp
+            if c == len(counts) - 1:
+                seconds += head
+                params_c += model.head_params / layout.tp
+            work[d] += seconds
+            params[d] += params_c
+            if fill[d] is None:
+                fill[d] = before
+                first_held[d] = (count - moe) * held[False] + (moe and moe * held[True])
+            before += chunk_forward
+        m = layout.micro_batches(self.batch)
+        seconds = max(fill[d] + m * work[d] for d in range(layout.pp))
+        memory = max(stage_state(p, self.batch, layout).total +
+                     first_held[d] * _in_flight(layout, d, m) for d, p in enumerate(params))
+        return _Bound(seconds, memory)
+
+
+def _in_flight(layout: Layout, device: int, m: int) -> int:
+    """Chunk activations the schedule's template holds at least on `device` at its peak:
+    its warmup's forwards and one more (1F1B: p - d micro-batches; interleaved: Megatron-LM's
+    2(p - d - 1) + (v - 1) p + 1 chunks; the V: p chunks, half its limit)."""
+    p, v = layout.pp, layout.vpp
+    if layout.schedule == "interleaved-1f1b":
+        return min(m * v, 2 * (p - device - 1) + (v - 1) * p + 1)
+    if layout.schedule == "zb-v":
+        return min(2 * m, p)
+    if layout.schedule in ("1f1b", "zb-h1", "zb-h2"):
+        return min(m, p - device)
+    return 1
+
+
+def search(model: Transformer, cluster: Cluster, batch: Batch, gpus: int, fixed: Fixed,
+           top: int = 1) -> tuple[list[Prediction], int, int]:
+    """The `top` fastest layouts that fit (when none fits: the least memory first), the
+    number of candidates and how many were priced exactly."""
+    bounds = _Bounds(model, cluster, batch)
+    found = candidates(model, cluster, batch, gpus, fixed)
+    heap, smallest = [], None
+    for i, layout in enumerate(found):
+        b = bounds.bound(layout)
+        if b.memory <= bounds.capacity or fixed.everything:
+            heapq.heappush(heap, (b.seconds, i, layout))
+        elif smallest is None or b.memory < smallest[0]:
+            smallest = (b.memory, i, layout)
+    if not heap and smallest is not None:  # nothing fits: show the least memory
+        heapq.heappush(heap, (0.0, smallest[1], smallest[2]))
+    best: list[Prediction] = []
+    over: list[Prediction] = []
+    fitting: set[tuple] = set()
+    priced = 0
+    while heap:
+        seconds, _, layout = heapq.heappop(heap)
+        if len(best) >= top and seconds >= best[top - 1].seconds:
+            break
+        lesser = RECOMPUTE[:RECOMPUTE.index(layout.recompute)]
+        if any(_key(replace(layout, recompute=r)) in fitting for r in lesser):
+            continue
+        prediction = predict(model, cluster, layout, batch)
+        priced += 1
+        if prediction.fits:
+            fitting.add(_key(layout))
+            best.append(prediction)
+            best.sort(key=lambda p: (p.seconds, _order(p.layout)))
+            del best[top:]
+        else:
+            over.append(prediction)
+    if best:
+        return best, len(found), priced
+    over.sort(key=lambda p: (p.memory_bytes, p.seconds))
+    return over[:top], len(found), priced
+
+
+def _key(layout: Layout) -> tuple:
+    return (layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch,
+            layout.sequence_parallel, layout.schedule, layout.distributed_optimizer)
+
+
+def _order(layout: Layout) -> tuple:
+    """Ties go to the simpler layout."""
+    return (layout.tp, layout.pp, layout.vpp, -layout.micro_batch, layout.schedule,
+            RECOMPUTE.index(layout.recompute))
