@@ -26,6 +26,8 @@ _COMMANDS = {
     "partition": ("partition", "profile a PyTorch model and cut it into pipeline stages: a plan"),
     "consolidate": ("consolidate", "write a checkpoint of pyplan run as the whole model's state "
                                    "dict"),
+    "plan": ("plan", "plan a training run on a cluster that is not here: layout, schedule, "
+                     "time, memory"),
 }
 
 

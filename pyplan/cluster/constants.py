@@ -38,10 +38,11 @@ LINK_EFFICIENCY = 0.78
 """NVLink/NVSwitch: nccl-tests' all-reduce bus bandwidth on DGX A100 is ~230-240 GB/s of 300."""
 NETWORK_EFFICIENCY = 0.90
 """InfiniBand: ~22-23 GB/s of a 200 Gb/s HDR port's 25 GB/s in nccl-tests across nodes."""
-LINK_LATENCY_US = 8.0
-"""Per ring step inside a node (NCCL's simple protocol over NVLink, launch included)."""
+LINK_LATENCY_US = 10.0
+"""Latency of one collective inside a node (NCCL over NVLink, small messages: ~10 us)."""
 NETWORK_LATENCY_US = 20.0
-"""Per ring step across nodes (InfiniBand round trip, NCCL proxy)."""
+"""Latency of one collective step across nodes (InfiniBand, NCCL's proxy): paid 1 + log2(nodes)
+times."""
 
 # Work the model counts per element
 BACKWARD_ELEMENTWISE = 0.7

@@ -3,16 +3,17 @@ nodes, read from a YAML file (schemas/cluster.schema.json) or a preset by name
 (pyplan/cluster/presets/), and the time its collectives take.
 
 Collectives are rings (NCCL's algorithm for large messages): an all-reduce of S bytes over n
-ranks moves 2(n-1)/n S through each rank's busiest link in 2(n-1) steps, an all-gather or a
-reduce-scatter half that. Inside a node the link is NVLink/NVSwitch; a group that spans nodes
+ranks moves 2(n-1)/n S through each rank's busiest link, an all-gather or a reduce-scatter
+half that. Inside a node the link is NVLink/NVSwitch; a group that spans nodes
 crosses the network once per node on each ring, and NCCL spreads its rings over the node's
 network interfaces, so the bytes crossing it share the bandwidth of the group's GPUs on that
-node (a data-parallel group of one GPU per node gets one GPU's share). Each step also pays
-the link's latency, which is what makes small messages slow.
+node (a data-parallel group of one GPU per node gets one GPU's share). Each collective also
+pays the link's latency, which is what makes small messages slow.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -60,7 +61,8 @@ class Cluster:
     """NVLink/NVSwitch bandwidth per GPU, one direction."""
     network_gbs: float
     """Network bandwidth per GPU between nodes, one direction."""
-    nodes: int = 1
+    nodes: int | None = None
+    """None: as many as asked for (a preset describes a node type)."""
     link_latency_us: float = constants.LINK_LATENCY_US
     network_latency_us: float = constants.NETWORK_LATENCY_US
     link_efficiency: float = constants.LINK_EFFICIENCY
@@ -68,17 +70,20 @@ class Cluster:
     source: str = field(default="", compare=False)
 
     @property
-    def gpus(self) -> int:
-        return self.gpus_per_node * self.nodes
+    def gpus(self) -> int | None:
+        return None if self.nodes is None else self.gpus_per_node * self.nodes
 
     def bandwidth(self, ranks: int, per_node: int) -> tuple[float, float]:
-        """(bytes per second, seconds of latency per step) of a ring over `ranks` GPUs with
-        `per_node` of them on each node."""
+        """(bytes per second, seconds of latency) of a collective over `ranks` GPUs with
+        `per_node` of them on each node. A large message is cut into chunks that the ring
+        pipelines, so latency is paid about once inside a node; across nodes NCCL's trees make
+        it grow with the logarithm of the nodes."""
         inside = self.link_gbs * 1e9 * self.link_efficiency
         if per_node >= ranks:
             return inside, self.link_latency_us * 1e-6
         across = self.network_gbs * 1e9 * self.network_efficiency * per_node
-        return min(inside, across), self.network_latency_us * 1e-6
+        nodes = -(-ranks // per_node)
+        return min(inside, across), self.network_latency_us * 1e-6 * (1 + math.log2(nodes))
 
     def all_reduce(self, nbytes: float, ranks: int, per_node: int) -> float:
         return self._ring(nbytes, ranks, per_node, 2)
@@ -91,8 +96,7 @@ class Cluster:
         if ranks <= 1 or nbytes <= 0:
             return 0.0
         bandwidth, latency = self.bandwidth(ranks, per_node)
-        steps = passes * (ranks - 1)
-        return steps * latency + passes * (ranks - 1) / ranks * nbytes / bandwidth
+        return passes * latency + passes * (ranks - 1) / ranks * nbytes / bandwidth
 
     def send(self, nbytes: float, across_nodes: bool) -> float:
         """One point-to-point message between two GPUs."""
@@ -137,4 +141,4 @@ def load_cluster(where: str) -> Cluster:
                    network_gbs=doc["network"]["gbs_per_gpu"],
                    network_latency_us=doc["network"].get("latency_us",
                                                          constants.NETWORK_LATENCY_US),
-                   nodes=doc.get("nodes", 1), source=str(path))
+                   nodes=doc.get("nodes"), source=str(path))

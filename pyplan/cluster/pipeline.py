@@ -246,14 +246,15 @@ def price(chunk_list: list[Chunk], layout: Layout, micro_batches: int, capacity:
     from pyplan.spec.plan import spec_from_text
 
     unit = time_unit(chunk_list)
-    # Priced without a capacity (templates report memory, they do not enforce it); the plan
-    # written for the user carries the GPU's.
-    problem = build_problem(spec_from_text(
-        plan_text(name, chunk_list, layout, micro_batches, None, unit), f"<{name}>"))
+    # A template is priced without a capacity (it reports memory, it does not enforce it);
+    # pyplan's search keeps within it; the plan written for the user carries the GPU's.
     text = plan_text(name, chunk_list, layout, micro_batches, capacity, unit)
-    if layout.schedule == "search":
+    search = layout.schedule == "search"
+    problem = build_problem(spec_from_text(text if search else plan_text(
+        name, chunk_list, layout, micro_batches, None, unit), f"<{name}>"))
+    if search:
         from pyplan.solver import solve
-        schedule = solve(problem).schedule  # (memory enforced: it fits or raises)
+        schedule = solve(problem).schedule
     else:
         schedule = template_schedule(problem, layout.schedule)
     makespan = schedule.makespan * unit

@@ -1,0 +1,223 @@
+"""`pyplan plan MODEL --cluster CLUSTER`: which tensor, pipeline and data degrees, chunks,
+micro-batch, recomputation and schedule train MODEL fastest on CLUSTER, how long a step takes
+and whether it fits; with -o, the layout's pipeline as a plan `pyplan solve` takes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import replace
+
+from pyplan.errors import InfeasibleError, PlanError
+from pyplan.fileio import check_not_input, check_output, write_atomic
+from pyplan.spec.units import count
+
+__all__ = ["add_arguments", "run"]
+
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pyplan.cluster import RECOMPUTE, SCHEDULES
+
+    parser.add_argument("model", metavar="MODEL",
+                        help="a Hugging Face config.json, or a folder holding one")
+    parser.add_argument("--cluster", required=True, metavar="CLUSTER",
+                        help="a cluster YAML file (schemas/cluster.schema.json) or a preset: "
+                        "dgx-a100-80gb, dgx-h100")
+    parser.add_argument("--gpus", type=int, metavar="N",
+                        help="GPUs to use (default: all of the cluster's)")
+    parser.add_argument("--global-batch", type=int, required=True, metavar="SEQUENCES",
+                        help="sequences per optimizer step")
+    parser.add_argument("--seq", type=int, required=True, metavar="TOKENS",
+                        help="tokens per sequence")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16",
+                        help="training precision (default bf16: 16-bit weights and "
+                        "activations, fp32 gradients and optimizer state)")
+    group = parser.add_argument_group("the layout (each fixed when given, searched when not)")
+    group.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree")
+    group.add_argument("--pp", type=int, metavar="N", help="pipeline-parallel degree")
+    group.add_argument("--dp", type=int, metavar="N", help="data-parallel degree")
+    group.add_argument("--vpp", type=int, metavar="N", help="model chunks per GPU")
+    group.add_argument("--micro-batch", type=int, metavar="N",
+                       help="sequences per micro-batch")
+    group.add_argument("--recompute", choices=RECOMPUTE,
+                       help="activation recomputation: none, selective (attention's core) "
+                       "or full (each layer)")
+    group.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
+                       help="Megatron-LM's sequence parallelism inside tensor-parallel groups")
+    group.add_argument("--schedule", choices=SCHEDULES,
+                       help="pipeline schedule (pyplan's templates; search: pyplan's own "
+                       "search, on the best layout's degrees); default: the best of the "
+                       "templates")
+    group.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction,
+                       help="shard the optimizer's state over the data-parallel ranks")
+    group.add_argument("--flash-attention", action=argparse.BooleanOptionalAction,
+                       default=True, help="fused attention (default on); off: the s x s "
+                       "scores go through memory, as in Megatron-LM before 2023")
+    parser.add_argument("--top", type=int, default=1, metavar="K",
+                        help="list the K best layouts (default 1)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object instead of the summary")
+    parser.add_argument("-o", "--output", metavar="PLAN",
+                        help="write the best layout's pipeline as a plan (YAML)")
+
+
+def _positive(args: argparse.Namespace, name: str, high: int = 10**9) -> None:
+    value = getattr(args, name)
+    if value is not None and not 1 <= value <= high:
+        flag = "--" + name.replace("_", "-")
+        raise PlanError(f"{flag} must be an integer in 1 .. {high:,}, got {value}",
+                        hint=f"give a positive {flag}, or leave it out to let pyplan plan "
+                        "search it" if name in ("tp", "pp", "dp", "vpp", "micro_batch") else None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pyplan.cluster import Batch, Fixed, load_cluster, predict, read_model, search
+
+    for name in ("gpus", "global_batch", "seq", "tp", "pp", "dp", "vpp", "micro_batch"):
+        _positive(args, name, 10**6 if name != "seq" else 10**7)
+    _positive(args, "top", 1000)
+    if args.output:
+        check_output(args.output, "-o")
+        check_not_input(args.output, args.model, args.cluster)
+    model = read_model(args.model)
+    cluster = load_cluster(args.cluster)
+    gpus = args.gpus or cluster.gpus
+    if gpus is None:
+        raise PlanError(f"--gpus: the cluster {cluster.name} does not say how many nodes it "
+                        "has", hint=f"give --gpus N (whole nodes of {cluster.gpus_per_node}) or "
+                        "nodes: in the cluster file")
+    if cluster.gpus is not None and gpus > cluster.gpus:
+        raise PlanError(f"--gpus {gpus}: the cluster {cluster.name} has {cluster.gpus} GPUs "
+                        f"({count(cluster.nodes, 'node')} of {cluster.gpus_per_node})",
+                        hint="raise nodes: in the cluster file, or use fewer GPUs")
+    if gpus > cluster.gpus_per_node and gpus % cluster.gpus_per_node:
+        raise PlanError(f"--gpus {gpus} is not a whole number of nodes of "
+                        f"{cluster.gpus_per_node} GPUs", hint="use whole nodes")
+    batch = Batch(args.global_batch, args.seq, args.dtype, args.flash_attention)
+    fixed = Fixed(args.tp, args.pp, args.dp, args.vpp, args.micro_batch, args.recompute,
+                  args.sequence_parallel, args.schedule, args.distributed_optimizer)
+    _check_fixed(fixed, model, batch, gpus, cluster)
+    started = time.perf_counter()
+    if fixed.schedule == "search":  # pyplan's own search: on the templates' best layout
+        best, count, priced = search(model, cluster, batch, gpus,
+                                     replace(fixed, schedule=None), 1)
+        best = [predict(model, cluster, replace(best[0].layout, schedule="search", vpp=1),
+                        batch)] if best else []
+    else:
+        best, count, priced = search(model, cluster, batch, gpus, fixed, args.top)
+    seconds = time.perf_counter() - started
+    if not best:
+        raise InfeasibleError(f"no layout of {model.family} runs on {gpus} GPUs with a global "
+                              f"batch of {args.global_batch}",
+                              hint="fix fewer degrees, or change the batch or GPU count")
+    if args.output:
+        write_atomic(args.output, _plan_file(best[0], model, cluster, batch, args))
+    if args.json:
+        print(json.dumps(_json(best, model, cluster, batch, gpus, count, priced, seconds),
+                         sort_keys=True))
+    else:
+        sys.stdout.write(_text(best, model, cluster, batch, gpus, count, priced, seconds,
+                               args.output))
+    if not best[0].fits and not fixed.everything:
+        raise InfeasibleError(f"no layout fits {cluster.gpu.memory_gib:g} GiB per GPU; the "
+                              f"one shown needs {best[0].memory_bytes / 2**30:.1f} GiB",
+                              hint="use more GPUs, a smaller micro-batch or global batch, or "
+                              "allow recomputation")
+    return 0
+
+
+def _check_fixed(fixed, model, batch, gpus, cluster) -> None:
+    """Degrees the user fixed that cannot work, before any search: one line naming the
+    flags."""
+    product = math.prod(x for x in (fixed.tp, fixed.pp, fixed.dp) if x)
+    if fixed.tp and fixed.pp and fixed.dp and product != gpus:
+        raise PlanError(f"--tp {fixed.tp} x --pp {fixed.pp} x --dp {fixed.dp} = {product} "
+                        f"GPUs, not the {gpus} given", hint="degrees multiply to --gpus")
+    if gpus % product:
+        raise PlanError(f"the fixed degrees ({product} GPUs) do not divide {gpus} GPUs",
+                        hint="give degrees whose product divides --gpus")
+    if fixed.tp and model.heads % fixed.tp:
+        raise PlanError(f"--tp {fixed.tp}: {model.heads} attention heads do not divide over "
+                        f"{fixed.tp} GPUs", hint="use a tensor degree that divides the heads")
+    if fixed.tp and fixed.tp > cluster.gpus_per_node:
+        raise PlanError(f"--tp {fixed.tp}: more than a node's {cluster.gpus_per_node} GPUs",
+                        hint="tensor parallelism stays inside a node")
+    if fixed.dp and batch.global_batch % fixed.dp:
+        raise PlanError(f"--global-batch {batch.global_batch} does not split over --dp "
+                        f"{fixed.dp} replicas", hint="use a multiple of the data degree")
+    if fixed.micro_batch and batch.global_batch % fixed.micro_batch:
+        raise PlanError(f"--global-batch {batch.global_batch} is not a multiple of "
+                        f"--micro-batch {fixed.micro_batch}")
+    if fixed.pp and fixed.pp > model.layers:
+        raise PlanError(f"--pp {fixed.pp}: more pipeline stages than the model's "
+                        f"{model.layers} layers")
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f}"
+
+
+def _text(best, model, cluster, batch, gpus, count, priced, seconds, output) -> str:
+    from pyplan.cluster.model import parameters_text
+
+    first = best[0]
+    lines = [f"{model.family} ({parameters_text(model)}) on {gpus} GPUs of {cluster.name} "
+             f"({cluster.gpu.name}), global batch {batch.global_batch} x {batch.sequence} "
+             f"tokens, {batch.dtype}",
+             f"  {count:,} layouts considered, {priced} priced exactly, in {seconds:.1f} s"]
+    lines.append(("best: " if len(best) > 1 or count > 1 else "layout: ") +
+                 first.layout.describe())
+    lines += _details(first, cluster)
+    if len(best) > 1:
+        lines.append(f"top {len(best)}:")
+        lines.append(f"  {'#':>2}  {'iteration':>9}  {'MFU':>6}  {'GiB':>5}  layout")
+        for i, p in enumerate(best, 1):
+            lines.append(f"  {i:>2}  {p.seconds:8.3f}s  {p.mfu:6.1%}  {_gib(p.memory_bytes):>5}"
+                         f"  {p.layout.describe()}")
+    if output:
+        lines.append(f"wrote {output}")
+    return "\n".join(lines) + "\n"
+
+
+def _details(p, cluster) -> list[str]:
+    memory, b = p.memory, p.breakdown
+    fits = "fits" if p.fits else "DOES NOT FIT"
+    return [f"  iteration {p.seconds:.3f} s, {p.tokens_per_second_per_gpu:,.0f} tokens/s per "
+            f"GPU, MFU {p.mfu:.1%} (HFU {p.hfu:.1%})",
+            f"  memory {_gib(p.memory_bytes)} of {cluster.gpu.memory_gib:g} GiB per GPU "
+            f"({fits}): weights {_gib(memory['weights'])}, gradients "
+            f"{_gib(memory['gradients'])}, optimizer {_gib(memory['optimizer'])}, activations "
+            f"{_gib(memory['activations'])}, buffers {_gib(memory['buffers'])}",
+            f"  iteration by part: compute {b['compute']:.3f} s, tensor-parallel "
+            f"communication {b['tp_communication']:.3f} s, pipeline bubble "
+            f"{b['pipeline_bubble']:.3f} s, data-parallel communication "
+            f"{b['dp_communication']:.3f} s, optimizer {b['optimizer']:.3f} s"]
+
+
+def _json(best, model, cluster, batch, gpus, count, priced, seconds) -> dict:
+    out = best[0].as_json()
+    out.update({"model": {"family": model.family, "parameters": model.params,
+                          "active_parameters": model.active_params, "layers": model.layers,
+                          "hidden": model.hidden},
+                "cluster": cluster.name, "gpus": gpus,
+                "batch": {"global_batch": batch.global_batch, "sequence": batch.sequence,
+                          "dtype": batch.dtype, "flash_attention": batch.flash_attention},
+                "search": {"layouts": count, "priced": priced, "seconds": seconds},
+                "top": [p.as_json() for p in best]})
+    return out
+
+
+def _plan_file(p, model, cluster, batch, args) -> str:
+    layout = p.layout
+    header = (f"# Written by pyplan plan: {model.family} on {layout.gpus} GPUs of {cluster.name}"
+              f", {layout.describe()}.\n"
+              f"# Predicted: {p.seconds:.3f} s per iteration, MFU {p.mfu:.1%}, "
+              f"{_gib(p.memory_bytes)} GiB per GPU. Blocks: one pipeline stage (model chunk) "
+              "each, times from the cost model, memory in bytes; mesh: the data and tensor "
+              "degrees.\n")
+    return header + p.plan
