@@ -182,11 +182,16 @@ def _greedy(stage_device: list[int], n: int, split: bool, in_flight: list[int],
     holds fewer than in_flight[d] stage activations (latest stage first), else a deferred W
     (oldest first). Deferred W passes fill what would be bubbles (zero bubble, Qi et al.).
     With `delta` (each stage's memory change per op, every forward allocating), what a device
-    holds is memory: at most in_flight[d] forwards' worth."""
+    holds is memory: at most in_flight[d] times its largest forward's."""
     S, D = len(stage_device), max(stage_device) + 1
     done: set[tuple[str, int, int]] = set()
     nxt = {(op, s): 0 for op in "FBW" for s in range(S)}
     held, used = [0] * D, [0] * D
+    unit = [max((delta[s]["F"] for s in range(S) if stage_device[s] == d), default=0)
+            for d in range(D)] if delta is not None else None
+    # (an earlier stage's forward leaves room for one of each later stage on its device)
+    later = [sum(delta[t]["F"] for t in range(s + 1, S) if stage_device[t] == stage_device[s])
+             for s in range(S)] if delta is not None else None
     programs: list[list[tuple[str, int, int]]] = [[] for _ in range(D)]
     total = S * n * (3 if split else 2)
     on = [sorted((s for s in range(S) if stage_device[s] == d), reverse=True) for d in range(D)]
@@ -202,7 +207,7 @@ def _greedy(stage_device: list[int], n: int, split: bool, in_flight: list[int],
                     if m >= n:
                         continue
                     room = held[d] < in_flight[d] if delta is None else \
-                        used[d] + delta[s]["F"] <= in_flight[d] * delta[s]["F"]
+                        used[d] + delta[s]["F"] + later[s] <= in_flight[d] * unit[d]
                     if op == "F" and (s == 0 or ("F", s - 1, m) in done) and room:
                         ready.append(s)
                     if op == "B" and ("F", s, m) in done and \

@@ -235,9 +235,10 @@ TemplateOrders greedy_orders(const Graph& g, const std::vector<StageBlocks>& sta
     for (int s = S - 1; s >= 0; --s) on[stage_device[s]].push_back(s);  // latest stage first
     std::vector<int64_t> held(D, 0);
     // Where every forward allocates memory, "in flight" is memory: a device holds at most
-    // in_flight[d] forwards' worth, what B frees and what W frees (a split backward may keep
-    // the GEMMs' inputs until W) taken off as they run; W passes deferred without end would
-    // otherwise pile up what they keep. Without memory, it counts forwards not yet backward.
+    // in_flight[d] of its largest forward's worth, what B frees and what W frees (a split
+    // backward may keep the GEMMs' inputs until W) taken off as they run; W passes deferred
+    // without end would otherwise pile up what they keep. Without memory, it counts forwards
+    // not yet backward.
     std::vector<std::array<int64_t, 3>> delta(S, {0, 0, 0});
     bool by_memory = true;
     for (int s = 0; s < S; ++s) {
@@ -245,7 +246,15 @@ TemplateOrders greedy_orders(const Graph& g, const std::vector<StageBlocks>& sta
             for (int b : members(stages[s], op)) delta[s][op] += g.block(b).memory;
         by_memory = by_memory && delta[s][F] > 0;
     }
-    std::vector<int64_t> bytes(D, 0);
+    std::vector<int64_t> bytes(D, 0), unit(D, 0);  // unit: the device's largest forward
+    for (int s = 0; s < S; ++s)
+        unit[stage_device[s]] = std::max(unit[stage_device[s]], delta[s][F]);
+    // A forward of an earlier stage leaves room for one of each later stage on its device:
+    // those drain the device (their backward frees what the earlier forwards hold).
+    std::vector<int64_t> later(S, 0);
+    for (int s = 0; s < S; ++s)
+        for (int t = s + 1; t < S; ++t)
+            if (stage_device[t] == stage_device[s]) later[s] += delta[t][F];
     std::vector<std::vector<std::pair<int, int>>> programs(D);  // (op, stage)
     const int64_t total = int64_t{S} * n * (split ? 3 : 2);
     int64_t done = 0;
@@ -270,7 +279,8 @@ TemplateOrders greedy_orders(const Graph& g, const std::vector<StageBlocks>& sta
                     bool ready = false;
                     if (op == F)
                         ready = (s == 0 || count[F][s - 1] > m) &&
-                                (by_memory ? bytes[d] + delta[s][F] <= in_flight[d] * delta[s][F]
+                                (by_memory ? bytes[d] + delta[s][F] + later[s] <=
+                                                 in_flight[d] * unit[d]
                                            : held[d] < in_flight[d]);
                     else if (op == B)
                         ready = count[F][s] > m && (s == S - 1 || count[B][s + 1] > m);

@@ -134,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
 def _check_fixed(fixed, model, batch, gpus, cluster) -> None:
     """Degrees the user fixed that cannot work, before any search: one line naming the
     flags."""
+    if fixed.tp and model.heads % fixed.tp:
+        raise PlanError(f"--tp {fixed.tp}: {model.heads} attention heads do not divide over "
+                        f"{fixed.tp} GPUs", hint="use a tensor degree that divides the heads")
     product = math.prod(x for x in (fixed.tp, fixed.pp, fixed.dp) if x)
     if fixed.tp and fixed.pp and fixed.dp and product != gpus:
         raise PlanError(f"--tp {fixed.tp} x --pp {fixed.pp} x --dp {fixed.dp} = {product} "
@@ -141,9 +144,6 @@ def _check_fixed(fixed, model, batch, gpus, cluster) -> None:
     if gpus % product:
         raise PlanError(f"the fixed degrees ({product} GPUs) do not divide {gpus} GPUs",
                         hint="give degrees whose product divides --gpus")
-    if fixed.tp and model.heads % fixed.tp:
-        raise PlanError(f"--tp {fixed.tp}: {model.heads} attention heads do not divide over "
-                        f"{fixed.tp} GPUs", hint="use a tensor degree that divides the heads")
     if fixed.tp and fixed.tp > cluster.gpus_per_node:
         raise PlanError(f"--tp {fixed.tp}: more than a node's {cluster.gpus_per_node} GPUs",
                         hint="tensor parallelism stays inside a node")

@@ -18,7 +18,7 @@ from pyplan.cluster.model import Transformer
 
 __all__ = ["Chunk", "Priced", "chunks", "plan_text", "price", "split_layers"]
 
-UNITS = 20_000  # time units the longest block gets: times are integers, so ~0.005% apart
+UNITS = 1_000  # time units the longest block gets: times are integers, rounded by <= 0.05%
 BYTES_UNIT = 2**20  # the plan's memory unit: one MiB
 
 
