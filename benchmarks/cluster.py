@@ -143,7 +143,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def report(gpu: dict | None = None) -> dict:
     started = time.perf_counter()
-    print(f"Megatron-LM, Narayanan et al. SC21 (DGX A100, fp16, full recompute): iteration "
+    print("Megatron-LM, Narayanan et al. SC21 (DGX A100, fp16, full recompute): iteration "
           "seconds")
     errors = []
     for name, layout, measured, priced in narayanan(gpu):

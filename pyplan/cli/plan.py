@@ -104,12 +104,12 @@ def run(args: argparse.Namespace) -> int:
     _check_fixed(fixed, model, batch, gpus, cluster)
     started = time.perf_counter()
     if fixed.schedule == "search":  # pyplan's own search: on the templates' best layout
-        best, count, priced = search(model, cluster, batch, gpus,
+        best, considered, priced = search(model, cluster, batch, gpus,
                                      replace(fixed, schedule=None), 1)
         best = [predict(model, cluster, replace(best[0].layout, schedule="search", vpp=1),
                         batch)] if best else []
     else:
-        best, count, priced = search(model, cluster, batch, gpus, fixed, args.top)
+        best, considered, priced = search(model, cluster, batch, gpus, fixed, args.top)
     seconds = time.perf_counter() - started
     if not best:
         raise InfeasibleError(f"no layout of {model.family} runs on {gpus} GPUs with a global "
@@ -118,10 +118,10 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         write_atomic(args.output, _plan_file(best[0], model, cluster, batch, args))
     if args.json:
-        print(json.dumps(_json(best, model, cluster, batch, gpus, count, priced, seconds),
+        print(json.dumps(_json(best, model, cluster, batch, gpus, considered, priced, seconds),
                          sort_keys=True))
     else:
-        sys.stdout.write(_text(best, model, cluster, batch, gpus, count, priced, seconds,
+        sys.stdout.write(_text(best, model, cluster, batch, gpus, considered, priced, seconds,
                                args.output))
     if not best[0].fits and not fixed.everything:
         raise InfeasibleError(f"no layout fits {cluster.gpu.memory_gib:g} GiB per GPU; the "
@@ -162,15 +162,15 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f}"
 
 
-def _text(best, model, cluster, batch, gpus, count, priced, seconds, output) -> str:
+def _text(best, model, cluster, batch, gpus, considered, priced, seconds, output) -> str:
     from pyplan.cluster.model import parameters_text
 
     first = best[0]
     lines = [f"{model.family} ({parameters_text(model)}) on {gpus} GPUs of {cluster.name} "
              f"({cluster.gpu.name}), global batch {batch.global_batch} x {batch.sequence} "
              f"tokens, {batch.dtype}",
-             f"  {count:,} layouts considered, {priced} priced exactly, in {seconds:.1f} s"]
-    lines.append(("best: " if len(best) > 1 or count > 1 else "layout: ") +
+             f"  {considered:,} layouts considered, {priced} priced exactly, in {seconds:.1f} s"]
+    lines.append(("best: " if len(best) > 1 or considered > 1 else "layout: ") +
                  first.layout.describe())
     lines += _details(first, cluster)
     if len(best) > 1:
@@ -199,7 +199,7 @@ def _details(p, cluster) -> list[str]:
             f"{b['dp_communication']:.3f} s, optimizer {b['optimizer']:.3f} s"]
 
 
-def _json(best, model, cluster, batch, gpus, count, priced, seconds) -> dict:
+def _json(best, model, cluster, batch, gpus, considered, priced, seconds) -> dict:
     out = best[0].as_json()
     out.update({"model": {"family": model.family, "parameters": model.params,
                           "active_parameters": model.active_params, "layers": model.layers,
@@ -207,7 +207,7 @@ def _json(best, model, cluster, batch, gpus, count, priced, seconds) -> dict:
                 "cluster": cluster.name, "gpus": gpus,
                 "batch": {"global_batch": batch.global_batch, "sequence": batch.sequence,
                           "dtype": batch.dtype, "flash_attention": batch.flash_attention},
-                "search": {"layouts": count, "priced": priced, "seconds": seconds},
+                "search": {"layouts": considered, "priced": priced, "seconds": seconds},
                 "top": [p.as_json() for p in best]})
     return out
 

@@ -48,6 +48,7 @@ times."""
 BACKWARD_ELEMENTWISE = 0.7
 """An element-wise op's backward moves about twice its forward's bytes (it reads the incoming
 gradient and what the forward saved, and writes a gradient)."""
-OPTIMIZER_BYTES = 24
-"""HBM bytes Adam moves per parameter at its step (fp32 master weight, two moments and the
-gradient read, three written, the 16-bit copy written): a memory-bound pass."""
+ADAM_BYTES = {"bf16": 30, "fp16": 30, "fp32": 28}
+"""HBM bytes Adam moves per parameter at its step, a memory-bound pass: the fp32 master weight,
+its two moments and the gradient read (16), the three written back (12), and with mixed
+precision the 16-bit weight written (2)."""

@@ -11,7 +11,6 @@ attention + MLP block (multi-head latent attention, state-space layers) is refus
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -286,4 +285,4 @@ def parameters_text(model: Transformer) -> str:
     text = f"{short(model.params)} parameters"
     if model.experts:
         text += f" ({short(model.active_params)} active)"
-    return text if math.isfinite(model.params) else text
+    return text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pyplan.cluster import constants
 from pyplan.cluster.costs import Costs, Work
 from pyplan.cluster.hardware import Cluster
 from pyplan.cluster.layout import SPLIT_BACKWARD, Batch, Layout
@@ -156,18 +157,13 @@ def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
             sync = 0.0
         state = stage_state(params, batch, layout)
         shards = layout.dp if layout.distributed_optimizer else 1
-        update = costs.moved(params / shards * _ADAM_BYTES[batch.dtype])
+        update = costs.moved(params / shards * constants.ADAM_BYTES[batch.dtype])
         out.append(Chunk(c, device_of(c, layout), layers, c == 0, c == stages - 1, f, b, w,
                          sum(a.held for a in acts), sum(a.weight_held for a in acts),
                          working, params, state.total,
                          0.0 if c == stages - 1 else cluster.send(boundary, across),
                          sync, update))
     return out
-
-
-# HBM bytes Adam moves per parameter at its step: fp32 master weight, two moments and the
-# gradient read, the three written back, and the 16-bit copy of the weight written.
-_ADAM_BYTES = {"bf16": 4 * 4 + 3 * 4 + 2, "fp16": 4 * 4 + 3 * 4 + 2, "fp32": 4 * 4 + 3 * 4}
 
 
 @dataclass(frozen=True)

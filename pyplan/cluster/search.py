@@ -22,7 +22,7 @@ from functools import cache
 from pyplan.cluster.costs import Costs
 from pyplan.cluster.hardware import Cluster
 from pyplan.cluster.layout import RECOMPUTE, Batch, Layout, check_layout
-from pyplan.cluster.memory import activations, ends, stage_state
+from pyplan.cluster.memory import activations, stage_state
 from pyplan.cluster.model import Transformer
 from pyplan.cluster.predict import Prediction, predict
 from pyplan.cluster.pipeline import device_of, split_layers
