@@ -3,7 +3,29 @@ inference."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 from pyplan._version import __version__
+
+
+def _borrow_core() -> None:
+    """Python started in a source checkout (its root is on sys.path first) imports this
+    folder, which has no compiled core unless it was built in place: take the core of the
+    pyplan installed in the environment (`pip install .` put it in site-packages), so the
+    repository's root works as any other folder does."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if any(name.startswith("_core.") for name in os.listdir(here)):
+        return
+    for entry in sys.path:
+        folder = os.path.join(os.path.abspath(entry or os.curdir), "pyplan")
+        if folder != here and os.path.isdir(folder) and any(
+                name.startswith("_core.") for name in os.listdir(folder)):
+            __path__.append(folder)  # noqa: F821 (the package's own search path)
+            return
+
+
+_borrow_core()
 
 # The Python API (pyplan/api.py), imported on first use so that `import pyplan` stays cheap.
 _API = ("Baseline", "PartitionPlan", "Plan", "ResolvedPlan", "Solution", "load_plan",
