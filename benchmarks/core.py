@@ -16,7 +16,7 @@ import time
 from pyplan import _core
 from pyplan import reference as ref
 from pyplan.problem import build_problem
-from pyplan.spec import spec_from_text
+from pyplan.planfile import spec_from_text
 
 
 def shape_problem(kind: str, devices: int):

@@ -53,9 +53,9 @@ def counterpart(directory: Path) -> tuple[str, float]:
     """The 2-node V-shape's 4-rank counterpart: plans/transformer-vshape.yaml's model in 4
     stages on two nodes of two ranks, with block costs and the link measured here."""
     from pyplan.problem import load_problem
-    from pyplan.runtime.binding import load_model
-    from pyplan.runtime.links import measure_link
-    from pyplan.runtime.profile import profile_blocks
+    from pyplan.run.binding import load_model
+    from pyplan.measure.links import measure_link
+    from pyplan.measure.profile import profile_blocks
 
     problem = load_problem(ROOT / "plans" / "transformer-vshape.yaml")
     costs = profile_blocks(problem, load_model(problem, ROOT / "plans"), repeats=7)
@@ -89,7 +89,7 @@ def prepare(directory: Path) -> dict:
     from pyplan.problem import build_problem, load_problem
     from pyplan.resolved import write_resolved
     from pyplan.solver import solve
-    from pyplan.spec import spec_from_text
+    from pyplan.planfile import spec_from_text
 
     info: dict = {"aware": {}, "recompute": {}, "predicted": {}}
     two_nodes = load_problem(ROOT / "plans" / "transformer-2node.yaml")

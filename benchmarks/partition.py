@@ -80,12 +80,12 @@ def _placements(directory: Path) -> dict[str, float]:
     from pyplan.placements import Sharded, placements
     from pyplan.problem import build_problem
     from pyplan.resolved import write_resolved
-    from pyplan.runtime.binding import Model, make_batch, seed_everything
-    from pyplan.runtime.data import split_batch
-    from pyplan.runtime.profile import profile_units
-    from pyplan.runtime.sharded import profile_sharded
+    from pyplan.run.binding import Model, make_batch, seed_everything
+    from pyplan.run.data import split_batch
+    from pyplan.measure.profile import profile_units
+    from pyplan.measure.sharded import profile_sharded
     from pyplan.solver import solve
-    from pyplan.spec import spec_from_text
+    from pyplan.planfile import spec_from_text
 
     _enlarge()
     module = __import__(VOCAB_MODEL, fromlist=["model"])
@@ -136,11 +136,11 @@ def prepare(directory: Path) -> dict:
     from pyplan.partition import plan_text
     from pyplan.problem import build_problem
     from pyplan.resolved import write_resolved
-    from pyplan.runtime.binding import Model, make_batch, seed_everything
-    from pyplan.runtime.data import split_batch
-    from pyplan.runtime.profile import profile_units
+    from pyplan.run.binding import Model, make_batch, seed_everything
+    from pyplan.run.data import split_batch
+    from pyplan.measure.profile import profile_units
     from pyplan.solver import solve
-    from pyplan.spec import spec_from_text
+    from pyplan.planfile import spec_from_text
 
     torch.set_num_threads(1)  # as each torchrun worker (OMP_NUM_THREADS=1)
     info = {"placements": _placements(directory)}

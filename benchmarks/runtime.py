@@ -125,8 +125,8 @@ def prepare(directory: Path) -> dict[str, Path]:
 class PyplanCase:
     def __init__(self, name: str, resolved: Path, *, blocking: bool,
                  sync_at_end: bool = False) -> None:
-        from pyplan.runtime.report import Options
-        from pyplan.runtime.session import Session
+        from pyplan.train.report import Options
+        from pyplan.train.session import Session
 
         self.name = name
         self.session = Session(resolved, None, Options(iterations=ITERATIONS,
@@ -151,8 +151,8 @@ class TorchScheduleCase:
         import torch
         import torch.distributed as dist
 
-        from pyplan.runtime.binding import make_batch
-        from pyplan.runtime.data import split_batch
+        from pyplan.run.binding import make_batch
+        from pyplan.run.data import split_batch
 
         seconds = []
         for step in range(ITERATIONS):
@@ -181,7 +181,7 @@ class TorchCase(TorchScheduleCase):
         import torch.distributed as dist
         from torch.distributed import pipelining
 
-        from pyplan.runtime.binding import Model, seed_everything
+        from pyplan.run.binding import Model, seed_everything
 
         self.name = name
         module = __import__(f"pyplan.examples.{example}", fromlist=["batch"])
@@ -229,7 +229,7 @@ class TorchModelCase(TorchScheduleCase):
         from torch.distributed import pipelining
 
         from pyplan.models.chain import stage
-        from pyplan.runtime.binding import Model, seed_everything
+        from pyplan.run.binding import Model, seed_everything
 
         self.name = name
         module = __import__(module_name, fromlist=["model"])
@@ -268,7 +268,7 @@ class TorchDDPCase(TorchScheduleCase):
         from torch.nn.parallel import DistributedDataParallel
 
         import pyplan.examples.transformer as module
-        from pyplan.runtime.binding import Model, seed_everything
+        from pyplan.run.binding import Model, seed_everything
 
         self.name = name
         self.model = Model(module.build_two, module.batch, module.loss)
@@ -478,7 +478,7 @@ def launch(script: str, description: str, prepare, worker, *, rank_counts=(4,),
     parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        from pyplan.runtime.comm import leave
+        from pyplan.run.comm import leave
 
         worker(Path(args.worker), args.rounds)
         leave(0)  # a rank: no interpreter teardown (see leave)
@@ -503,7 +503,7 @@ def split_backward(rounds: int = 5, repeats: int = 20) -> None:
     from torch.distributed.pipelining._backward import (stage_backward_input,
                                                         stage_backward_weight)
 
-    from pyplan.runtime.backward import backward_input, backward_weight
+    from pyplan.run.backward import backward_input, backward_weight
 
     torch.manual_seed(0)
     stage = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(8)))

@@ -54,7 +54,7 @@ from pyplan.problem import build_problem, load_problem
 from pyplan.solver import incumbents, solve
 from pyplan.solver.budget import Budget
 from pyplan.solver.exact import modulo_repetend, time_optimal
-from pyplan.spec import spec_from_text
+from pyplan.planfile import spec_from_text
 
 PLANS = Path(__file__).resolve().parent.parent / "plans"
 

@@ -31,7 +31,7 @@ _borrow_core()
 _API = ("Baseline", "PartitionPlan", "Plan", "ResolvedPlan", "Solution", "load_plan",
         "load_resolved", "partition_plans", "solve", "templates", "with_overrides")
 _ERRORS = ("InfeasibleError", "PlanError", "PyplanError")
-_TORCH = ("partition_model",)  # needs torch (pyplan.runtime.partitioner)
+_TORCH = ("partition_model",)  # needs torch (pyplan.measure.partitioner)
 __all__ = ["__version__", *_API, *_ERRORS, *_TORCH]
 
 
@@ -43,7 +43,7 @@ def __getattr__(name: str):
         from pyplan import errors
         return getattr(errors, name)
     if name in _TORCH:
-        from pyplan.runtime import partitioner
+        from pyplan.measure import partitioner
         return getattr(partitioner, name)
     raise AttributeError(f"module 'pyplan' has no attribute {name!r}")
 

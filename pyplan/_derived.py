@@ -15,8 +15,8 @@ import dataclasses
 from pathlib import Path
 
 from pyplan.problem import Problem, load_problem
-from pyplan.spec import MeshSpec
-from pyplan.spec.source import Source
+from pyplan.planfile import MeshSpec
+from pyplan.planfile.source import Source
 
 __all__ = ["compare_with_plan"]
 

@@ -15,9 +15,9 @@ from pyplan.constraints import RuleSyntaxError
 from pyplan.errors import PlanError
 from pyplan.problem_ir import Block, Problem, layer_of, resolve_rule
 from pyplan.schedule import Schedule
-from pyplan.spec import MeshSpec, ModelSpec, load_yaml
-from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_TIME
-from pyplan.spec.units import MAX_MEMORY
+from pyplan.planfile import MeshSpec, ModelSpec, load_yaml
+from pyplan.planfile.plan import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_TIME
+from pyplan.planfile.units import MAX_MEMORY
 
 __all__ = ["Reader", "check_recorded"]
 

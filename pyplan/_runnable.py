@@ -8,7 +8,7 @@ from pathlib import Path
 from pyplan.errors import PlanError
 from pyplan.lower import check_runnable
 from pyplan.problem import Problem
-from pyplan.spec import load_yaml
+from pyplan.planfile import load_yaml
 
 __all__ = ["check_model"]
 

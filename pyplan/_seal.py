@@ -18,7 +18,7 @@ from json.encoder import encode_basestring_ascii
 
 import yaml
 
-from pyplan.spec.source import Source, parse_yaml
+from pyplan.planfile.source import Source, parse_yaml
 
 __all__ = ["SEAL", "check_seal", "reseal", "seal_lines"]
 

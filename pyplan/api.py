@@ -27,9 +27,9 @@ from pyplan.resolved import load_resolved as _load_resolved
 from pyplan.solver import Solution as _Solved
 from pyplan.solver import solve as _solve
 from pyplan.solver.templates import Baseline, baselines
-from pyplan.spec import format_memory, load_yaml, parse_memory, spec_from_text
-from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES
-from pyplan.spec.units import MAX_MEMORY
+from pyplan.planfile import format_memory, load_yaml, parse_memory, spec_from_text
+from pyplan.planfile.plan import MAX_DEVICES, MAX_MICRO_BATCHES
+from pyplan.planfile.units import MAX_MEMORY
 
 __all__ = ["Baseline", "PartitionPlan", "Plan", "ResolvedPlan", "Solution", "load_plan",
            "load_resolved", "partition_plans", "solve", "templates", "with_overrides"]

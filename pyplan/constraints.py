@@ -15,7 +15,7 @@ import itertools
 import re
 from dataclasses import dataclass
 
-from pyplan.spec.plan import MAX_SHIFT
+from pyplan.planfile.plan import MAX_SHIFT
 
 __all__ = ["ParsedRule", "RuleSyntaxError", "expand_template", "parse_rule"]
 

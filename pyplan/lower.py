@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from pyplan.problem import BACKWARD, WEIGHT, Problem
 from pyplan.schedule import Schedule
-from pyplan.spec.source import error_at
+from pyplan.planfile.source import error_at
 
 __all__ = ["ACTIVATION", "COMPUTE", "GRADIENT", "RECV", "REDUCE", "SEND", "SYNC", "WAIT",
            "Instruction", "Lowered", "Value", "channels", "check_runnable", "describe",

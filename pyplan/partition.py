@@ -17,7 +17,7 @@ solved and the shortest makespan wins: `solve` has the last word on what fits. D
 differ (mixed GPU types): a stage's capacity is its device's, and its time is the units' time
 divided by its device's speed, so slower or smaller devices get fewer units.
 
-Nothing here needs torch: the costs come from pyplan.runtime.profile.
+Nothing here needs torch: the costs come from pyplan.measure.profile.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ share CPU cores), by the longer of the makespan and the iteration's total comput
 the cores, which no schedule can beat there.
 
 The M-shape's first and last units cost what one of their ranks spends, collectives included
-(pyplan.runtime.sharded measures them); the units between them are cut by the same dynamic
+(pyplan.measure.sharded measures them); the units between them are cut by the same dynamic
 programme and even splits as the V-shape, within the memory the sharded units leave.
 
 Nothing here needs torch.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pyplan.api import UNITS_PER_STAGE, PartitionPlan, partition_plans, solved_plans
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.partition import Partition, UnitCost, candidates, plan_text, smallest_capacity
-from pyplan.spec import format_memory
+from pyplan.planfile import format_memory
 
 __all__ = ["CHUNKS", "Placement", "Sharded", "mshape_plans", "placements"]
 

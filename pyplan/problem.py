@@ -16,8 +16,8 @@ from pyplan.errors import PlanError, did_you_mean
 from pyplan.problem_ir import (BACKWARD, FORWARD, OTHER, WEIGHT, Block, OrderRule, Problem,
                                RuleError, layer_of, reaches, resolve_rule)
 from pyplan.shapes import expand_blocks
-from pyplan.spec import BackwardSpec, BlockSpec, PlanSpec, format_memory, load_spec
-from pyplan.spec.plan import MAX_TIME
+from pyplan.planfile import BackwardSpec, BlockSpec, PlanSpec, format_memory, load_spec
+from pyplan.planfile.plan import MAX_TIME
 
 __all__ = ["FORWARD", "BACKWARD", "WEIGHT", "OTHER", "Block", "OrderRule", "Problem",
            "build_problem", "layer_of", "load_problem", "reaches", "resolve_rule"]

@@ -15,9 +15,9 @@ from functools import cached_property
 from pyplan import _core
 from pyplan.constraints import RuleSyntaxError, parse_rule
 from pyplan.errors import did_you_mean
-from pyplan.spec import MeshSpec, ModelSpec, SearchSpec, format_memory
-from pyplan.spec.plan import MAX_INSTANCES
-from pyplan.spec.units import MAX_MEMORY
+from pyplan.planfile import MeshSpec, ModelSpec, SearchSpec, format_memory
+from pyplan.planfile.plan import MAX_INSTANCES
+from pyplan.planfile.units import MAX_MEMORY
 
 __all__ = ["FORWARD", "BACKWARD", "WEIGHT", "OTHER", "Block", "OrderRule", "Problem",
            "RuleError", "layer_of", "reaches", "resolve_rule"]

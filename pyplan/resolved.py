@@ -26,7 +26,7 @@ from pyplan.errors import PlanError
 from pyplan.fileio import read_capped
 from pyplan.problem_ir import Problem
 from pyplan.schedule import Schedule, build_schedule, repetend_from_core
-from pyplan.spec.source import MAX_FILE_BYTES
+from pyplan.planfile.source import MAX_FILE_BYTES
 
 __all__ = ["FORMAT", "ResolvedPlan", "is_resolved", "load_resolved", "render_resolved",
            "resolved_path", "write_resolved"]

@@ -7,7 +7,7 @@ blocks), xshape uses down0.. and up0.., kshape uses left0.., right0.. and cross.
 
 from __future__ import annotations
 
-from pyplan.spec import BlockSpec, CostSpec, PlanSpec, ShapeSpec
+from pyplan.planfile import BlockSpec, CostSpec, PlanSpec, ShapeSpec
 
 __all__ = ["SHAPES", "expand_blocks"]
 

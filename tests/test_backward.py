@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pyplan.runtime import torch
-from pyplan.runtime.backward import backward_input, backward_weight
+from pyplan.run.backward import backward_input, backward_weight
 from torch.utils.flop_counter import FlopCounterMode
 
 nn = torch.nn

@@ -13,7 +13,7 @@ from pyplan.problem import build_problem
 from pyplan.schedule import schedule_from_orders
 from pyplan.solver.budget import Budget
 from pyplan.solver.exact import modulo_repetend, time_optimal
-from pyplan.spec import spec_from_text
+from pyplan.planfile import spec_from_text
 
 
 @st.composite

@@ -12,7 +12,7 @@ from pyplan import _core
 from pyplan.problem import build_problem, load_problem
 from pyplan.solver.stages import NotApplicable, stage_blocks
 from pyplan.solver.templates import template_orders
-from pyplan.spec import spec_from_text
+from pyplan.planfile import spec_from_text
 
 PLANS = Path(__file__).resolve().parent.parent / "plans"
 REFERENCE = {"1f1b": ref.one_f_one_b, "zb-h1": ref.zb_h1, "chimera": ref.chimera,

@@ -18,7 +18,7 @@ from pyplan._seal import reseal
 from pyplan.resolved import load_resolved, write_resolved
 from pyplan.schedule import schedule_from_orders
 from pyplan.solver import solve
-from pyplan.spec import spec_from_text
+from pyplan.planfile import spec_from_text
 
 
 def vshape(devices: int, *, stage: str, memory: int | None = None, micro_batches: int = 1,

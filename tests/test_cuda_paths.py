@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from pyplan.runtime import torch
-from pyplan.runtime import comm
-from pyplan.runtime.backward import backward_input, backward_weight
+from pyplan.run import comm
+from pyplan.run.backward import backward_input, backward_weight
 from warm_torchrun import torchrun
 
 MODELS = Path(__file__).resolve().parent / "models"
@@ -106,7 +106,7 @@ CALLERS_GROUP = """\
     import torch.distributed as dist
 
     from pyplan.runtime import Pipeline
-    from pyplan.runtime.comm import all_gather_objects
+    from pyplan.run.comm import all_gather_objects
 
     dist.init_process_group("cpu:gloo")  # the caller's group, with one side only
     pipe = Pipeline(sys.argv[1])
@@ -348,7 +348,7 @@ WATCHDOG = """\
 
     import torch.distributed as dist
 
-    from pyplan.runtime.faults import Watchdog
+    from pyplan.train.faults import Watchdog
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
     store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True,

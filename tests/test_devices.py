@@ -14,7 +14,7 @@ from pyplan.resolved import load_resolved
 from pyplan.solver import solve
 from pyplan.solver.budget import Budget
 from pyplan.solver.exact import modulo_repetend, time_optimal
-from pyplan.spec import spec_from_text
+from pyplan.planfile import spec_from_text
 
 
 def plan(devices: str, memory: str = "", n: int = 8, time: int = 2, ratio: float = 1.5,

@@ -205,7 +205,7 @@ def _yaml(block: Block, cwd: Path) -> None:
     data = yaml.safe_load(block.text)
     if isinstance(data, dict) and data.get("pyplan") == 1:
         from pyplan.problem import build_problem
-        from pyplan.spec import spec_from_text
+        from pyplan.planfile import spec_from_text
 
         build_problem(spec_from_text(block.text, block.where))
 

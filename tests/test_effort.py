@@ -11,7 +11,7 @@ import pytest
 
 from pyplan.api import PlanError, solve
 from pyplan.problem import build_problem
-from pyplan.spec import spec_from_text
+from pyplan.planfile import spec_from_text
 
 # An M-shape under a memory that 1F1B exactly fills: the fast path finds a repetend of period
 # 6 at once; period 5 (the load) can neither be found nor ruled out cheaply. Before the effort,

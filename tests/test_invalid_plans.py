@@ -145,7 +145,7 @@ def test_a_plan_that_passed_the_schema_skips_it_next_time(tmp_path):
     plan.write_text((PLANS / "tessel-vshape.yaml").read_text())
     bad = tmp_path / "bad.yaml"
     bad.write_text((PLANS / "tessel-vshape.yaml").read_text() + "surprise: 1\n")
-    code = ("import sys; from pyplan.spec import load_spec\n"
+    code = ("import sys; from pyplan.planfile import load_spec\n"
             "try:\n    load_spec(sys.argv[1]); print('ok')\n"
             "except Exception as exc: print(type(exc).__name__)\n"
             "print('jsonschema' in sys.modules)")

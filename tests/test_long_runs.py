@@ -136,7 +136,7 @@ def test_evaluation_of_another_batch_size_and_what_is_refused(one_rank, tmp_path
     # 1 micro-batches; the loss and the outputs are the whole model's.
     import longrun
     from pyplan.runtime import CheckpointError, Pipeline, load, save
-    from pyplan.runtime.binding import build_whole
+    from pyplan.run.binding import build_whole
 
     alone(monkeypatch)
     pipe = Pipeline(str(one), device="cpu")

@@ -19,7 +19,7 @@ from pyplan.problem import FORWARD, Block, Problem, load_problem
 from pyplan.resolved import load_resolved
 from pyplan.schedule import build_schedule
 from pyplan.solver import solve
-from pyplan.spec import spec_from_text
+from pyplan.planfile import spec_from_text
 from pyplan.problem import build_problem
 from pyplan.verify import verify
 

@@ -94,7 +94,7 @@ def test_ties_are_found_by_identity():
 
 def test_hand_written_blocks_sharing_a_parameter_across_devices_are_refused():
     from pyplan.problem import load_problem
-    from pyplan.runtime.binding import build, shared_across_devices
+    from pyplan.run.binding import build, shared_across_devices
 
     shared = torch.nn.Linear(4, 4)
     plan = Path(__file__).parent / "plans" / "_shared.yaml"

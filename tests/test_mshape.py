@@ -98,7 +98,7 @@ def test_ranks_sharing_cores_rank_the_placements_by_what_the_cores_can_do():
 def test_mshape_plan_puts_the_sharded_units_on_all_devices_and_records_the_tie():
     from pyplan.placements import mshape_plans
     from pyplan.problem import build_problem
-    from pyplan.spec import spec_from_text
+    from pyplan.planfile import spec_from_text
 
     units = _units(1.0, 8.0)
     units[-1] = UnitCost("head", 4.0, 8.0, 1000, 5000, parameters=("embed.weight",))
@@ -165,9 +165,9 @@ def test_sharded_units_cost_a_share_and_their_collectives():
     from pyplan.examples import gpt
     from pyplan.models import find_units
     from pyplan.models.vocab import Vocab
-    from pyplan.runtime.profile import profile_units
-    from pyplan.runtime.sharded import collective_ms, profile_sharded
-    from pyplan.spec.plan import LinkSpec
+    from pyplan.measure.profile import profile_units
+    from pyplan.measure.sharded import collective_ms, profile_sharded
+    from pyplan.planfile.plan import LinkSpec
 
     model = gpt.model()
     inputs, targets = gpt.batch(0)
@@ -200,8 +200,8 @@ def test_sharded_units_cost_a_share_and_their_collectives():
 
 def test_collectives_are_timed_as_measured_where_measured():
     pytest.importorskip("torch")
-    from pyplan.runtime.sharded import Collective, collective_ms, measure_collectives
-    from pyplan.spec.plan import LinkSpec
+    from pyplan.measure.sharded import Collective, collective_ms, measure_collectives
+    from pyplan.planfile.plan import LinkSpec
 
     found = [Collective("all_reduce", 64, False), Collective("all_reduce", 4096, True),
              Collective("all_gather_into_tensor", 4096, False)]
@@ -219,7 +219,7 @@ def test_measuring_is_not_shadowed_by_a_source_tree_on_sys_path(tmp_path, monkey
     """The CLI puts the working directory on sys.path for the user's model; from a pyplan
     checkout without a build, the spawned measuring processes must still import this pyplan."""
     pytest.importorskip("torch")
-    from pyplan.runtime.links import _without_other_pyplans, measure_all_reduces
+    from pyplan.measure.links import _without_other_pyplans, measure_all_reduces
 
     (tmp_path / "pyplan").mkdir()
     (tmp_path / "pyplan" / "__init__.py").write_text("raise ImportError('not this pyplan')\n")

@@ -92,7 +92,7 @@ def test_partition_and_solve_agree_on_what_fits(seed, chunks):
     from pyplan.errors import InfeasibleError
     from pyplan.problem import build_problem
     from pyplan.solver.bounds import min_memory
-    from pyplan.spec import format_memory, spec_from_text
+    from pyplan.planfile import format_memory, spec_from_text
 
     rng = random.Random(seed)
     units = _costly_units(rng, 8)

@@ -10,9 +10,9 @@ import pytest
 from conftest import PLANS, example_plans, spec_plans
 from pyplan._seal import reseal
 from pyplan.problem import load_problem
-from pyplan.spec import spec_from_text
+from pyplan.planfile import spec_from_text
 from pyplan.problem import build_problem
-from pyplan.spec.schema import schema_path
+from pyplan.planfile.schema import schema_path
 
 
 def test_schema_is_valid_json_schema():

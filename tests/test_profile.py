@@ -63,7 +63,7 @@ def test_spread_times_are_repeated_then_named_and_a_busy_machine_is_flagged(monk
     import itertools
     import torch
 
-    from pyplan.runtime import measure
+    from pyplan.measure import measure
 
     measured = measure.Measured()
     timer = measure.Timer(torch.device("cpu"), 5, measured)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from conftest import spec_plans
 from pyplan.errors import PlanError
 from pyplan.problem import build_problem
-from pyplan.spec import spec_from_text
+from pyplan.planfile import spec_from_text
 
 PLAN_DATA = [yaml.safe_load(p.read_text()) for p in spec_plans()]
 

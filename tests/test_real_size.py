@@ -15,8 +15,8 @@ from torch import nn
 
 from pyplan.models.deferred import DeferredParameter, defer
 from pyplan.problem import build_problem
-from pyplan.runtime.binding import Model, build, build_whole
-from pyplan.spec import spec_from_text
+from pyplan.run.binding import Model, build, build_whole
+from pyplan.planfile import spec_from_text
 
 MODELS = Path(__file__).resolve().parent / "models"
 sys.path.insert(0, str(MODELS))
@@ -185,7 +185,7 @@ def test_pretrained_weights_are_read_per_stage_under_the_models_names(tmp_path):
 
     _pretrained_plan(tmp_path)
     from pyplan.problem import load_problem
-    from pyplan.runtime.binding import load_model
+    from pyplan.run.binding import load_model
 
     problem = load_problem(tmp_path / "plan.yaml")
     model = load_model(problem, tmp_path)
@@ -281,8 +281,8 @@ def test_hybrid_layer_lists_partition_and_train_as_one_process(family, tmp_path)
 def test_a_loader_yields_the_same_batches_on_every_rank_pass_after_pass():
     import loaders
 
-    from pyplan.runtime.binding import seed_everything
-    from pyplan.runtime.data import Source
+    from pyplan.run.binding import seed_everything
+    from pyplan.run.data import Source
 
     def run(steps):
         src = Source(loaders.loader)

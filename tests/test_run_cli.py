@@ -149,9 +149,9 @@ assert main(["run", {str(out)!r}]) == 1
 def test_the_clis_choices_are_the_runtimes():
     pytest.importorskip("torch")
     from pyplan.cli import run
-    from pyplan.runtime.comm import DEVICES
-    from pyplan.runtime.pipeline import DTYPES
-    from pyplan.runtime.training import OPTIMIZERS, SCHEDULES
+    from pyplan.run.comm import DEVICES
+    from pyplan.run.pipeline import DTYPES
+    from pyplan.train.training import OPTIMIZERS, SCHEDULES
 
     assert (run.DEVICES, run.DTYPES, run.OPTIMIZERS, run.SCHEDULES) == \
         (DEVICES, tuple(DTYPES), OPTIMIZERS, SCHEDULES)

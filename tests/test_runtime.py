@@ -24,8 +24,8 @@ from pyplan.resolved import load_resolved
 
 from pyplan.errors import PlanError
 from pyplan.runtime import torch  # imports torch without its numpy warning
-from pyplan.runtime.data import split_batch
-from pyplan.runtime.check import compare
+from pyplan.run.data import split_batch
+from pyplan.train.check import compare
 
 
 def _free_port() -> int:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from conftest import PLANS, spec_plans
 from pyplan.errors import InfeasibleError
 from pyplan.problem import build_problem
-from pyplan.spec import spec_from_text
+from pyplan.planfile import spec_from_text
 from pyplan import _core
 from pyplan.problem import load_problem
 from pyplan.resolved import load_resolved, render_resolved, resolved_path, write_resolved

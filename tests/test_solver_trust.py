@@ -26,7 +26,7 @@ from pyplan.solver.exact import time_optimal
 from pyplan.solver.search import SearchStats, candidate_pool, search_repetend
 from pyplan.solver.templates import baselines as baselines_of
 from pyplan.solver.templates import template_orders
-from pyplan.spec import spec_from_text
+from pyplan.planfile import spec_from_text
 
 
 def exact_optimum(problem) -> int | None:

@@ -75,7 +75,7 @@ def test_checkpoints_resume_exactly_reshard_and_consolidate(tmp_path):
     sys.path.insert(0, str(tmp_path))
     try:
         import hf
-        from pyplan.runtime.binding import Model, make_batch
+        from pyplan.run.binding import Model, make_batch
 
         torch.manual_seed(1)
         model = hf.llama()

@@ -272,7 +272,7 @@ def test_the_time_limit_lets_a_slow_unit_finish():
     sleeps past the idle bound is stopped, one computing past the CPU limit too."""
     import time
 
-    from pyplan.runtime.limits import TimeLimitError, time_limit
+    from pyplan.measure.limits import TimeLimitError, time_limit
 
     with time_limit("unit slow", 60, idle=0.6):
         end = time.process_time() + 2.5

@@ -23,7 +23,7 @@ from pyplan.resolved import load_resolved
 
 __all__ = ["add_arguments", "run"]
 
-META = "pyplan.json"  # pyplan.runtime.checkpoint.META (this module parses without torch)
+META = "pyplan.json"  # pyplan.train.checkpoint.META (this module parses without torch)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
     require_torch("consolidate")
     import torch
 
-    from pyplan.runtime.binding import build, build_whole, load_model
-    from pyplan.runtime.checkpoint import consolidate, find
+    from pyplan.run.binding import build, build_whole, load_model
+    from pyplan.train.checkpoint import consolidate, find
 
     source = plan.plan_path if plan.plan_path is not None and plan.plan_path.is_file() \
         else plan.path

@@ -15,7 +15,7 @@ from pyplan.export.torch_csv import render_torch_csv, torch_stages
 from pyplan.export.trainers import megatron_layout, torchtitan_config
 from pyplan.fileio import check_not_input, write_atomic
 from pyplan.schedule import Schedule
-from pyplan.spec.units import count
+from pyplan.planfile.units import count
 
 __all__ = ["FORMATS", "add_arguments", "run"]
 

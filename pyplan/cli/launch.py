@@ -35,8 +35,8 @@ LAUNCH_OPTIONS = ("nnodes", "node-rank", "rdzv-backend", "rdzv-endpoint", "rdzv-
 # (pyplan.runtime first: it imports torch without torch's warning about a missing numpy)
 PRELOAD = ["pyplan.runtime", "torch._dynamo", "torch.multiprocessing.spawn",
            "torch.distributed.elastic.multiprocessing.api", "torch.distributed.checkpoint",
-           "pyplan.cli.main", "pyplan.cli.run", "pyplan.runtime.binding",
-           "pyplan.runtime.session"]
+           "pyplan.cli.main", "pyplan.cli.run", "pyplan.run.binding",
+           "pyplan.train.session"]
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 

@@ -67,11 +67,11 @@ def _core_problem() -> PyplanError | None:
 
 def entry() -> None:
     """The `pyplan` command: main()'s exit code. A rank under torchrun leaves without Python's
-    teardown (pyplan.runtime.comm.leave says why), and so does a launcher whose workers have
+    teardown (pyplan.run.comm.leave says why), and so does a launcher whose workers have
     ended (pyplan.cli.launch: the teardown of torch would cost it a second of CPU)."""
     code = main()
     if "RANK" in os.environ and "torch.distributed" in sys.modules:
-        from pyplan.runtime.comm import leave
+        from pyplan.run.comm import leave
 
         leave(code)
     launcher = sys.modules.get("pyplan.cli.launch")

@@ -15,12 +15,12 @@ from pyplan.cli.profile import MAX_REPEATS, check_time_limit
 from pyplan.errors import PlanError
 from pyplan.fileio import write_atomic
 from pyplan.partition import OPTIMIZER_STATE
-from pyplan.spec import parse_memory
-from pyplan.spec.plan import MAX_DEVICES, MAX_MICRO_BATCHES
+from pyplan.planfile import parse_memory
+from pyplan.planfile.plan import MAX_DEVICES, MAX_MICRO_BATCHES
 
 __all__ = ["add_arguments", "run"]
 
-UNIT_SECONDS = 300.0  # pyplan.runtime.limits.DEFAULT_SECONDS (this module parses without torch)
+UNIT_SECONDS = 300.0  # pyplan.measure.limits.DEFAULT_SECONDS (this module parses without torch)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,7 +133,7 @@ def _speed(text: str) -> float:
 def run(args: argparse.Namespace) -> int:
     stages, n, memory, speeds = _options(args)
     require_torch("partition")
-    from pyplan.runtime.partitioner import partition_model
+    from pyplan.measure.partitioner import partition_model
 
     out = Path(args.output)
     found = _measured(lambda progress: partition_model(

@@ -10,13 +10,13 @@ from pathlib import Path
 from pyplan.cli._torch import require_torch
 from pyplan.errors import PlanError
 from pyplan.problem import load_problem
-from pyplan.spec import format_memory
-from pyplan.spec.plan import MAX_TIME
+from pyplan.planfile import format_memory
+from pyplan.planfile.plan import MAX_TIME
 
 __all__ = ["MAX_REPEATS", "add_arguments", "check_time_limit", "run", "suggestions"]
 
 MAX_REPEATS = 1000  # timed runs per measurement (8x that when they spread): bounded time
-BLOCK_SECONDS = 300.0  # pyplan.runtime.limits.DEFAULT_SECONDS (this module parses without torch)
+BLOCK_SECONDS = 300.0  # pyplan.measure.limits.DEFAULT_SECONDS (this module parses without torch)
 MAX_LIMIT = 1e6       # seconds: past this a limit is no bound (and past float's exact range)
 MIN_UNIT_MS, MAX_UNIT_MS = 1e-6, 1e6  # topology.time_unit_ms's range (schemas/plan.schema.json)
 
@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
                         hint="add model: {blocks: ..., data: ..., loss: ...}",
                         file=problem.source_path)
     require_torch("profile")
-    from pyplan.runtime.binding import load_model  # torch only from here on
-    from pyplan.runtime.profile import Measured, profile_blocks
+    from pyplan.run.binding import load_model  # torch only from here on
+    from pyplan.measure.profile import Measured, profile_blocks
 
     import torch
 
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                         hint=f"give --unit-ms {longest / MAX_TIME:.3g} or more")
     link = None
     if args.links:
-        from pyplan.runtime.links import measure_link
+        from pyplan.measure.links import measure_link
         link = measure_link(args.device)
     if args.json:
         extra = {} if link is None else {"link": {"bandwidth": link[0], "latency_ms": link[1]}}

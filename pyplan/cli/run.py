@@ -7,7 +7,7 @@ With --nproc-per-node and not under torchrun, pyplan starts the workers itself t
 launcher (torch.distributed.run: the same rendezvous, log lines and exit codes), forked from a
 process that has imported torch already (pyplan.cli.launch). Every rank
 loads the plan, lowers it to per-rank programs and verifies them before anything runs; then
-init -> build -> train (pyplan.runtime.session over pyplan.runtime.Pipeline) -> close.
+init -> build -> train (pyplan.train.session over pyplan.runtime.Pipeline) -> close.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pyplan.verify import verify
 
 __all__ = ["DEVICES", "DTYPES", "OPTIMIZERS", "SCHEDULES", "add_arguments", "run"]
 
-# The runtime's choices (pyplan.runtime.comm, .pipeline, .training), spelled here so that the
-# CLI parses without importing torch (tests/test_run_cli.py checks they agree).
+# The runtime's choices (pyplan.run.comm, pyplan.run.pipeline, pyplan.train.training), spelled
+# here so that the CLI parses without importing torch (tests/test_run_cli.py checks they agree).
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                        f"started {os.environ['WORLD_SIZE']}", hint=f"launch it with: {command}")
     require_torch("run")
     from torch.distributed.elastic.multiprocessing.errors import record
-    from pyplan.runtime.binding import load_model
+    from pyplan.run.binding import load_model
 
     model = load_model(problem, plan_dir, _source(plan))
     if args.eval_every is not None:
@@ -179,7 +179,7 @@ def _check_eval_split(model, problem) -> None:
     """--eval-every reads batches of the data's eval split: data(i, split="eval")."""
     import inspect
 
-    from pyplan.runtime.binding import located
+    from pyplan.run.binding import located
 
     try:
         inspect.signature(model.data).bind(0, split="eval")
@@ -205,7 +205,7 @@ def _model_check(problem, plan_dir: Path, source: str) -> str:
         require_torch("run --dry-run")
     except RunError:
         return "model: not imported (torch is not installed)"
-    from pyplan.runtime.binding import check_model
+    from pyplan.run.binding import check_model
 
     count = check_model(problem, plan_dir, source)
     return (f"model: {problem.model.builder} built all {count} declared blocks (on the meta "
@@ -234,10 +234,10 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
 
 def _session(args, plan, model, fail_at) -> int:
     """What torchrun runs on every rank: init -> build -> train -> close."""
-    from pyplan.runtime.checkpoint import CheckpointError
-    from pyplan.runtime.report import Options, summary
-    from pyplan.runtime.session import Session
-    from pyplan.runtime.training import Training
+    from pyplan.train.checkpoint import CheckpointError
+    from pyplan.train.report import Options, summary
+    from pyplan.train.session import Session
+    from pyplan.train.training import Training
 
     training = Training(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
                         clip_grad_norm=args.clip_grad_norm, lr_warmup=args.lr_warmup,
@@ -366,7 +366,7 @@ def _print_programs(lowered) -> None:
 
 
 def _json(report, lowered, options) -> dict:
-    from pyplan.runtime.report import timed
+    from pyplan.train.report import timed
 
     problem = lowered.problem
     predicted = report.predicted[0] if report.predicted is not None else None

@@ -12,7 +12,7 @@ from pyplan.api import Solution, load_plan, solve
 from pyplan.cli._progress import live_progress
 from pyplan.fileio import check_not_input
 from pyplan.resolved import resolved_path
-from pyplan.spec.units import count
+from pyplan.planfile.units import count
 
 __all__ = ["add_arguments", "run", "summary_text"]
 

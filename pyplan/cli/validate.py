@@ -10,7 +10,7 @@ from pyplan._runnable import check_model
 from pyplan.errors import EXIT_BAD_INPUT, PlanError
 from pyplan.problem import Problem, load_problem
 from pyplan.resolved import is_resolved, load_resolved
-from pyplan.spec.units import count
+from pyplan.planfile.units import count
 
 __all__ = ["add_arguments", "run", "summary"]
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from pyplan.runtime import shard
 from pyplan.models.vocab import cross_entropy
-from pyplan.runtime.collectives import all_sum
+from pyplan.models.collectives import all_sum
 
 __all__ = ["ColumnParallelLinear", "Embed", "Head", "Layer", "RowParallelLinear",
            "VocabParallelEmbedding", "VocabParallelHead", "all_sum",

@@ -12,7 +12,7 @@ from pyplan.export._layout import device_chunks, memory_steps, repetitions, time
 from pyplan.fileio import write_atomic
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT
 from pyplan.schedule import Schedule
-from pyplan.spec.units import count
+from pyplan.planfile.units import count
 
 __all__ = ["render_svg", "write_svg"]
 

@@ -27,8 +27,8 @@ from pyplan.export._layout import time_step
 from pyplan.fileio import read_capped, write_atomic
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT, Problem
 from pyplan.schedule import Instance, Schedule
-from pyplan.spec.plan import MAX_MICRO_BATCHES
-from pyplan.spec.source import MAX_FILE_BYTES
+from pyplan.planfile.plan import MAX_MICRO_BATCHES
+from pyplan.planfile.source import MAX_FILE_BYTES
 
 __all__ = ["TorchCsv", "TorchStage", "read_torch_csv", "render_torch_csv", "torch_csv_rows",
            "torch_stages", "write_torch_csv"]

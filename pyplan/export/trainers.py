@@ -17,7 +17,7 @@ import textwrap
 
 from pyplan.errors import PlanError
 from pyplan.problem import Problem
-from pyplan.spec.source import error_at
+from pyplan.planfile.source import error_at
 
 __all__ = ["megatron_layout", "torchtitan_config", "torchtitan_fqns"]
 

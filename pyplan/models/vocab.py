@@ -26,10 +26,10 @@ A multi-device block in pyplan is one SPMD program whose output gradient may arr
 its ranks (the pipeline hands it to one of them) and whose input and replicated-parameter
 gradients are summed over its ranks. DTensor's autograd assumes replicated gradients instead, so
 where a sharded computation meets the rest of the block the split gradient is summed
-(pyplan.runtime.collectives): after the embedding's sum and on the loss (pyplan seeds it on the
+(pyplan.models.collectives): after the embedding's sum and on the loss (pyplan seeds it on the
 block's first rank only). The head's input gradient stays each rank's share (its rows'
 contribution), which pyplan sums. Every all-reduce here, DTensor's included, goes through
-pyplan.runtime.collectives, which keeps small ones off gloo's slow ring.
+pyplan.models.collectives, which keeps small ones off gloo's slow ring.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyplan.errors import PlanError
-from pyplan.runtime.collectives import all_reduce_, all_sum, summed_gradient
+from pyplan.models.collectives import all_reduce_, all_sum, summed_gradient
 
 __all__ = ["Vocab", "check_divisible", "check_modules", "cross_entropy", "find", "mesh_of",
            "parallel_loss", "shard"]
@@ -359,7 +359,7 @@ class _ParallelLoss(torch.autograd.Function):
     def backward(ctx, grad):
         from torch.distributed.tensor.parallel import loss_parallel
 
-        from pyplan.runtime.collectives import Star
+        from pyplan.models.collectives import Star
 
         leaf, loss = ctx.leaf, ctx.loss
         ctx.leaf = ctx.loss = None
@@ -389,7 +389,7 @@ def parallel_loss(loss: Callable) -> Callable:
         from torch.distributed.tensor import DTensor, Shard
         from torch.distributed.tensor.parallel import loss_parallel
 
-        from pyplan.runtime.collectives import Star
+        from pyplan.models.collectives import Star
 
         mesh = mesh_of(group, output.device)
         shape, stride = whole, torch.empty(whole, device="meta").stride()

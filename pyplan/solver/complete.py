@@ -23,7 +23,7 @@ from pyplan.problem import Problem
 from pyplan.schedule import Instance, Schedule, build_schedule, repetend_from_core
 from pyplan.solver.budget import Budget
 from pyplan.solver.exact import Anchor, reoptimise, time_optimal
-from pyplan.spec.units import count
+from pyplan.planfile.units import count
 
 __all__ = ["EXACT_LIMIT", "PHASE_EFFORT", "WHOLE_LIMIT", "WINDOW_LIMIT", "cheap_completion",
            "climb", "climb_step_work", "complete", "complete_whole", "exact_applies",

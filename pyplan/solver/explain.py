@@ -7,7 +7,7 @@ from pyplan.errors import InfeasibleError
 from pyplan.problem import Problem
 from pyplan.solver.budget import Budget
 from pyplan.solver.exact import infeasibility_core
-from pyplan.spec.units import count
+from pyplan.planfile.units import count
 
 __all__ = ["EXPLAIN_LIMIT", "explain"]
 

@@ -16,8 +16,8 @@ from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 from pyplan.models import stage_modules
 from pyplan.resolved import load_resolved
-from pyplan.runtime.binding import build_whole, load_model, make_batch
-from pyplan.runtime.comm import leave
+from pyplan.run.binding import build_whole, load_model, make_batch
+from pyplan.run.comm import leave
 
 
 def main() -> None:
@@ -56,4 +56,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    leave(0)  # a rank: no interpreter teardown (see pyplan.runtime.comm.leave)
+    leave(0)  # a rank: no interpreter teardown (see pyplan.run.comm.leave)

@@ -7,7 +7,7 @@ import glob
 import torch
 import torch.distributed as dist
 
-from pyplan.runtime.comm import join_world
+from pyplan.run.comm import join_world
 
 
 def threads() -> list[str]:

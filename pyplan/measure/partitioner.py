@@ -1,10 +1,10 @@
 """`pyplan.partition_model`: from a PyTorch model to solved plans, the library call behind
 `pyplan partition`. The model is built on the meta device (pyplan.models.deferred) and its
 units measured one at a time on one micro-batch of the data, as each rank of a run computes
-(one CPU thread; pyplan.runtime.profile); the units are cut into stages by exact dynamic
+(one CPU thread; pyplan.measure.profile); the units are cut into stages by exact dynamic
 programming (pyplan.partition), the best few partitions and the even splits are solved, and
 the plans come back shortest first. With `shape="mshape"` or `"auto"`, the embedding and head
-are also measured sharded over the vocabulary (pyplan.runtime.sharded) and, for auto, every
+are also measured sharded over the vocabulary (pyplan.measure.sharded) and, for auto, every
 placement that applies is solved (pyplan.placements).
 """
 
@@ -23,11 +23,11 @@ from pyplan.fileio import check_not_input
 from pyplan.models import FORWARD, TRACED, Cut, Unit, everywhere
 from pyplan.partition import UnitCost, ties
 from pyplan.placements import CHUNKS, Placement, Sharded, mshape_plans, placements
-from pyplan.runtime.binding import (Model, defer_whole, import_function, loss_function,
+from pyplan.run.binding import (Model, defer_whole, import_function, loss_function,
                                     make_batch)
-from pyplan.runtime.data import batches_from, split_batch
-from pyplan.runtime.limits import DEFAULT_SECONDS
-from pyplan.runtime.measure import Measured
+from pyplan.run.data import batches_from, split_batch
+from pyplan.measure.limits import DEFAULT_SECONDS
+from pyplan.measure.measure import Measured
 
 __all__ = ["SHAPES", "Partitioned", "partition_model"]
 
@@ -83,7 +83,7 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     input and weight gradients measured apart), `weights` (a safetensors checkpoint folder the
     parameters start from), `repeats` (timed runs per measurement), `device` (cpu, or cuda to
     measure on the first GPU). `progress(done, total)` is called as units are measured;
-    `unit_seconds` bounds each unit's measurement (CPU seconds, pyplan.runtime.limits).
+    `unit_seconds` bounds each unit's measurement (CPU seconds, pyplan.measure.limits).
     PlanError for bad arguments, a model that cannot be cut or an `output` that is one of the
     model's modules; InfeasibleError when nothing fits."""
     if shape not in SHAPES:
@@ -111,7 +111,7 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     inputs, targets = make_batch(user, 0, seed, torch.device("cpu"))
     inputs, targets = split_batch(inputs, n)[0], split_batch(targets, n)[0]
     measured = Measured()
-    from pyplan.runtime.profile import profile_units
+    from pyplan.measure.profile import profile_units
 
     units, cut = profile_units(deferred, inputs, targets, loss_function(user),
                                optimizer=optimizer, repeats=repeats, device=where,
@@ -201,7 +201,7 @@ def _sharded(deferred, inputs, targets, user, cut, units, devices, optimizer, re
     why the model has none, [])."""
     from pyplan.models.forward import logits, whole_forward
     from pyplan.models.vocab import check_divisible, find
-    from pyplan.runtime.sharded import profile_sharded
+    from pyplan.measure.sharded import profile_sharded
 
     if cut.kind == TRACED:
         return None, "the model is cut by torch's tracer, whose pieces cannot be sharded", []

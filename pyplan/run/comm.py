@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from pyplan.errors import RunError, UserCodeError, exit_now
-from pyplan.runtime.values import flatten, rebuild, spec_text, structure, value_text
+from pyplan.run.values import flatten, rebuild, spec_text, structure, value_text
 
 __all__ = ["CUDA_BACKEND", "Comm", "DEVICES", "Pending", "TransferError", "all_gather_objects",
            "choose_cuda", "device_backend", "gpu_identity", "has_cpu_side", "join_world",

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pyplan.errors import MAX_REPORTED, PlanError, PyplanError, did_you_mean
 from pyplan.fileio import write_atomic
-from pyplan.spec.source import Source
+from pyplan.planfile.source import Source
 
 if TYPE_CHECKING:
     import jsonschema

@@ -21,11 +21,11 @@ from pyplan.models import FORWARD, TRACED
 from pyplan.models.forward import logits, whole_forward
 from pyplan.problem import BACKWARD, Problem
 from pyplan.models.chunks import shard_dim
-from pyplan.runtime.binding import (Model, block_inputs, block_seeds, build, build_whole,
+from pyplan.run.binding import (Model, block_inputs, block_seeds, build, build_whole,
                                     forward_seed, loss_function, make_batch, seed_generators)
-from pyplan.runtime.data import split_batch
-from pyplan.runtime.values import concatenated
-from pyplan.runtime.training import Training
+from pyplan.run.data import split_batch
+from pyplan.run.values import concatenated
+from pyplan.train.training import Training
 
 __all__ = ["Verdict", "compare", "full_gradients", "reference_run"]
 

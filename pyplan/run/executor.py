@@ -5,14 +5,14 @@ synchronisation across data-parallel replicas.
 
 The program is compiled once into steps over numbered slots (one per value the rank holds at
 some point), so an iteration does list indexing, not dictionary traffic. A value is a tensor or
-a tuple, list or dict of tensors (pyplan.runtime.values); gradients travel for its floating
+a tuple, list or dict of tensors (pyplan.run.values); gradients travel for its floating
 tensors only.
 
 Every block's inputs are detached leaves, so a backward block runs autograd for exactly its
 block: from the saved forward output (or the loss, in the last block) back to those leaves,
 whose gradients go to the blocks that produced the inputs. With a weight block (NAME.w, the
 zero-bubble split) NAME.b computes only the input gradients and NAME.w the weight gradients
-from what B captured (pyplan.runtime.backward): together one backward's work. A recomputed
+from what B captured (pyplan.run.backward): together one backward's work. A recomputed
 block runs its forward without autograd, keeps its inputs, and reruns the forward (same random
 numbers) at the start of its backward, so B and W share one rerun.
 
@@ -42,12 +42,12 @@ from pyplan.errors import PyplanError, UserCodeError, describe_exception
 from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, SYNC, WAIT, Lowered,
                           Value, describe, is_gradient)
 from pyplan.problem import BACKWARD, WEIGHT
-from pyplan.runtime.backward import backward_input, backward_weight, full_backward, root
+from pyplan.run.backward import backward_input, backward_weight, full_backward, root
 from pyplan.models.chunks import shard_dim
-from pyplan.runtime.binding import block_seeds, forward_seed, seed_generators
-from pyplan.runtime.collectives import all_reduce_
-from pyplan.runtime.comm import Comm, TransferError
-from pyplan.runtime.values import differentiable, flatten, nbytes, rebuild, saved_bytes
+from pyplan.run.binding import block_seeds, forward_seed, seed_generators
+from pyplan.models.collectives import all_reduce_
+from pyplan.run.comm import Comm, TransferError
+from pyplan.run.values import differentiable, flatten, nbytes, rebuild, saved_bytes
 from pyplan.trace import TraceEvent
 
 __all__ = ["Executor", "IterationResult", "flat_gradients", "padded", "set_gradients",

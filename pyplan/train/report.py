@@ -8,9 +8,9 @@ import statistics
 from dataclasses import dataclass, field
 
 from pyplan.lower import Lowered
-from pyplan.runtime.check import Verdict
-from pyplan.runtime.pipeline import Pipeline
-from pyplan.runtime.training import Training
+from pyplan.train.check import Verdict
+from pyplan.run.pipeline import Pipeline
+from pyplan.train.training import Training
 
 __all__ = ["TOLERANCE", "Options", "Report", "activation_peaks", "header", "iteration_line",
            "planned_memory", "predicted", "summary", "timed"]

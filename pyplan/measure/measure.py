@@ -1,8 +1,8 @@
 """Measuring one piece of a model on this machine: its forward and backward times (medians of
 repeated runs taken until stable, on CUDA with events), the bytes autograd saves, and the
 warnings a measurement owes its reader (times that stay spread, a busy machine). Shared by
-`pyplan profile` and `pyplan partition` (pyplan.runtime.profile) and by the vocabulary-sharded
-units' measurements (pyplan.runtime.sharded)."""
+`pyplan profile` and `pyplan partition` (pyplan.measure.profile) and by the vocabulary-sharded
+units' measurements (pyplan.measure.sharded)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from pyplan.models import Unit
-from pyplan.runtime.backward import backward_input, backward_weight
-from pyplan.runtime.census import Census, storage_bytes
-from pyplan.runtime.values import flatten, rebuild, saved_bytes
+from pyplan.run.backward import backward_input, backward_weight
+from pyplan.run.census import Census, storage_bytes
+from pyplan.run.values import flatten, rebuild, saved_bytes
 
 __all__ = ["MORE", "SPREAD", "BlockCost", "Measured", "Timer", "block_arguments", "busy",
            "compute_threads", "leaves", "measure", "memory_peaks", "run_threads", "threads",
@@ -217,7 +217,7 @@ def block_arguments(b: int, preds: dict, outputs: dict, inputs, wants_inputs, gr
 
 
 def _saved_bytes(fn, params) -> int:
-    """Bytes autograd saves for backward while fn runs (pyplan.runtime.values.saved_bytes)."""
+    """Bytes autograd saves for backward while fn runs (pyplan.run.values.saved_bytes)."""
     with saved_bytes(params) as saved:
         fn()
     return saved.bytes
@@ -272,7 +272,7 @@ def measure(timer: Timer, module, args: list, wrt_inputs: list, params: list, lo
 def split_backward(timer: Timer, module, args: list, wrt_inputs: list, params: list, loss_fn,
                    what: str) -> tuple[float, float, int, int]:
     """The zero-bubble split of module(*args)'s backward, as the executor runs it
-    (pyplan.runtime.backward): (median ms of B, the input gradients; median ms of W, the
+    (pyplan.run.backward): (median ms of B, the input gradients; median ms of W, the
     weight gradients; the bytes of the gradients B captures for W; what the census sees
     freed when B lets go of the outputs: the graph above W's pieces)."""
     _gradients_allocated(params)

@@ -8,7 +8,7 @@ over NCCL between the first two GPUs, timed with CUDA events; `ping_pong` runs i
 two-rank group, e.g. one rank per node under torchrun for the link across nodes.
 
 `measure_all_reduces` times all-reduces the same way among D local processes, as pyplan run
-issues them (pyplan.runtime.collectives): what a multi-device block's collectives cost here,
+issues them (pyplan.models.collectives): what a multi-device block's collectives cost here,
 where a model of one link can be far off (gloo's ring with more ranks than cores).
 """
 
@@ -82,7 +82,7 @@ def all_reduce_times(sizes, repeats: int = 7, group=None,
     """Milliseconds of one all-reduce (a sum of float32) of each size over `group`, as pyplan
     run issues it: the median over the repeats (unlike a transfer, an all-reduce on a shared
     machine costs what its slowest rank brings, and the run pays that too)."""
-    from pyplan.runtime.collectives import all_reduce_
+    from pyplan.models.collectives import all_reduce_
 
     device = device or torch.device("cpu")
     group = group or dist.group.WORLD

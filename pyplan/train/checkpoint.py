@@ -1,11 +1,10 @@
 """Checkpoints through torch.distributed.checkpoint (DCP): every rank writes the parameters,
 buffers and optimizer state it holds, keyed by the model's own parameter names, so a
 checkpoint saved under one plan loads under another plan of the same model (other stages,
-another device count): DCP reads each rank's keys wherever they were written. A tied
-parameter, or a replicated one (data-parallel replicas, multi-device blocks), is one key
-written once. The chunks of a sharded parameter of a hand-written multi-device block, and the
-flat shards of a sharded mesh, are saved as they are (`NAME.__shard<i>of<n>`,
-`BLOCK.flat_shard.__replica<i>of<n>`): those load under a plan that shards them the same way.
+another device count): DCP reads each rank's keys wherever they were written. The keys are
+pyplan.run.state's (the engine's `Pipeline.state_dict`): a tied or replicated parameter is one
+key written once; sharded chunks and flat shards load under a plan that shards them the same
+way.
 
 A checkpoint is one folder per step, `DIR/step-00000020`: DCP's files (a part per rank and
 `.metadata`) and `pyplan.json` (the step, the plan's name and seal, the model, the optimizer and
@@ -36,18 +35,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
 
 from pyplan.errors import PlanError, PyplanError
-from pyplan.models.chunks import shard_dim
-from pyplan.runtime.comm import all_gather_objects
+from pyplan.run.comm import all_gather_objects
+from pyplan.run.state import SHARD, load_state_dict, state_dict
 
-__all__ = ["CheckpointError", "agree", "consolidate", "find", "load", "load_state_dict",
-           "locate", "read_meta", "save", "state_dict"]
+__all__ = ["CheckpointError", "agree", "consolidate", "find", "load", "locate", "read_meta",
+           "save"]
 
-_SHARD = ".__shard{}of{}dim{}"
-_REPLICA = ".__replica{}of{}"
 STEP = "step-{:08d}"
 _STEP = re.compile(r"step-(\d{8,})")
 META = "pyplan.json"
@@ -57,94 +52,6 @@ FORMAT = 1
 class CheckpointError(PlanError):
     """A checkpoint that cannot be written or used (exit 2). Raised on every rank at once: the
     ranks agree on it before any raises, so no rank waits for the others in a collective."""
-
-
-class _Named(nn.Module):
-    """Parameters and buffers under given dotted names (the model's own), the same tensor
-    objects the pipeline trains: what torch's state-dict helpers key the model and the
-    optimizer state by."""
-
-    def __init__(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
-        super().__init__()
-        for name, tensor in list(params.items()) + list(buffers.items()):
-            holder = self
-            *path, leaf = name.split(".")
-            for part in path:
-                if part not in holder._modules:
-                    holder.add_module(part, nn.Module())
-                holder = holder._modules[part]
-            if name in params:
-                holder.register_parameter(leaf, tensor)
-            else:
-                holder.register_buffer(leaf, tensor)
-
-
-def _view(pipe) -> _Named:
-    """This rank's state under its keys: trainable and frozen parameters, persistent buffers."""
-    block_of = {id(p): b for b, m in pipe.modules.items() for p in m.parameters()}
-    named = list(pipe.named_parameters())
-    seen = {id(p) for _, p in named}
-    for b, module in pipe.modules.items():  # frozen parameters: not trained, still the model's
-        for n, p in module.named_parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                named.append((pipe.built.names.get(id(p), f"{pipe.problem.blocks[b].name}.{n}"),
-                              p))
-    params = {}
-    for name, param in named:
-        block = block_of.get(id(param))
-        if block is not None and len(pipe.problem.blocks[block].devices) > 1 and \
-                shard_dim(param) is not None:
-            devices = pipe.problem.blocks[block].devices
-            name += _SHARD.format(devices.index(pipe.device_index), len(devices),
-                                  shard_dim(param))
-        elif name.endswith(".flat_shard"):
-            name += _REPLICA.format(pipe.replica, pipe.problem.mesh.data)
-        params[name] = param
-    buffers = {}
-    whole = pipe.built.whole
-    if whole is not None:
-        for name, buffer in whole.named_buffers():
-            module = whole.get_submodule(name.rpartition(".")[0]) if "." in name else whole
-            if name.rpartition(".")[2] not in module._non_persistent_buffers_set:
-                buffers[name] = buffer
-    else:
-        for b, module in pipe.modules.items():
-            for name, buffer in module.named_buffers():
-                buffers[f"{pipe.problem.blocks[b].name}.{name}"] = buffer
-    return _Named(params, buffers)
-
-
-def _options() -> StateDictOptions:
-    # Optimizer state and hyperparameters keyed by parameter name: every rank writes its own
-    # keys (a list of parameter groups would be one key that DCP writes from one rank only).
-    return StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
-
-
-def state_dict(pipe, optimizer=None) -> dict:
-    """This rank's part of the model (and optimizer) state: {"model": ..., "optimizer": ...},
-    keyed by the model's names, ready for torch.distributed.checkpoint.save/load."""
-    view = _view(pipe)
-    if not view.state_dict():  # a stage of parameter-free modules: nothing, but it takes part
-        return {"model": {}, "optimizer": {}} if optimizer is not None else {"model": {}}
-    with warnings.catch_warnings():  # DCP's notices about its own internals
-        warnings.simplefilter("ignore")
-        model, optim = get_state_dict(view, () if optimizer is None else optimizer,
-                                      options=_options())
-    return {"model": model, "optimizer": optim} if optimizer is not None else {"model": model}
-
-
-def load_state_dict(pipe, state: dict, optimizer=None) -> None:
-    """Put a state `state_dict` returned (and DCP filled) into this rank's tensors."""
-    view = _view(pipe)
-    if not view.state_dict():
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        set_state_dict(view, () if optimizer is None else optimizer,
-                       model_state_dict=state["model"],
-                       optim_state_dict=state.get("optimizer", {}) if optimizer is not None
-                       else {}, options=_options())
 
 
 # -- the folders
@@ -472,7 +379,7 @@ def consolidate(directory: str | Path, model: nn.Module, names: dict[int, str]) 
         base, marker, rest = key.partition(".__shard")
         if marker:
             count, dim = (int(x) for x in rest.partition("of")[2].split("dim"))
-            parts = [saved.get(base + _SHARD.format(i, count, dim)) for i in range(count)]
+            parts = [saved.get(base + SHARD.format(i, count, dim)) for i in range(count)]
             if any(p is None for p in parts):
                 raise CheckpointError(f"the checkpoint {folder} lacks chunks of {base}")
             whole[base] = torch.cat(parts, dim)

@@ -30,12 +30,12 @@ from pyplan.models.deferred import Deferred, eager
 from pyplan.models.vocab import Vocab, parallel_loss, shard
 from pyplan.partition import UnitCost, weight_bytes
 from pyplan.problem import BACKWARD
-from pyplan.runtime.binding import block_inputs, build, loss_function
-from pyplan.runtime.measure import (BlockCost, Measured, Timer, block_arguments, leaves,
+from pyplan.run.binding import block_inputs, build, loss_function
+from pyplan.measure.measure import (BlockCost, Measured, Timer, block_arguments, leaves,
                                     unit_parameters)
-from pyplan.runtime.measure import measure as measure_block
-from pyplan.runtime.values import nbytes
-from pyplan.spec.types import LinkSpec, TopologySpec
+from pyplan.measure.measure import measure as measure_block
+from pyplan.run.values import nbytes
+from pyplan.planfile.types import LinkSpec, TopologySpec
 
 __all__ = ["Collective", "ShardedUnits", "collective_ms", "measure_collectives", "profile_sharded",
            "sharded_blocks"]
@@ -84,7 +84,7 @@ def collective_ms(found: tuple[Collective, ...], devices: int, link: LinkSpec,
 def measure_collectives(found, devices: int, device: torch.device) -> dict[int, float] | None:
     """bytes -> ms of each all-reduce in `found` (Collectives), measured among `devices` local
     processes (None where this machine cannot: fewer GPUs than devices)."""
-    from pyplan.runtime.links import measure_all_reduces
+    from pyplan.measure.links import measure_all_reduces
 
     sizes = sorted({c.bytes for c in found if c.kind == "all_reduce"})
     if not sizes:
@@ -102,7 +102,7 @@ def _with_collectives(cost, found, devices: int, link: LinkSpec, measured):
 
 class _Record(TorchDispatchMode):
     """Records the collectives dispatched while it is active: DTensor's (torch's functional
-    collectives) and pyplan.runtime.collectives' all-reduces (c10d's in-place one)."""
+    collectives) and pyplan.models.collectives' all-reduces (c10d's in-place one)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -149,7 +149,7 @@ def profile_sharded(model: torch.nn.Module, inputs, targets, loss, *, cut: Cut,
                     link: LinkSpec = TopologySpec().within_node,
                     measure: bool = False) -> ShardedUnits:
     """Per-rank costs of the first and last units with the vocabulary sharded over `devices`
-    (`costs`: the units measured whole, by pyplan.runtime.profile.profile_units), their
+    (`costs`: the units measured whole, by pyplan.measure.profile.profile_units), their
     collectives measured among local processes (`measure`) or timed on `link`."""
     device = device or torch.device("cpu")
     measured = measured if measured is not None else Measured()

@@ -1,5 +1,6 @@
-"""Reading a plan document into the typed spec (pyplan.spec.types, whose names are importable
-from here too): format version, key and number checks, JSON Schema, then the typed view.
+"""Reading a plan document into the typed spec (pyplan.planfile.types, whose names are
+importable from here too): format version, key and number checks, JSON Schema, then the typed
+view.
 
 Only checks that need nothing but the document itself live here (version, one memory unit,
 blocks xor shape, training options only for training plans); checks that need the expanded
@@ -14,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from pyplan.errors import PlanError
-from pyplan.spec.schema import check_schema
-from pyplan.spec.source import Source, load_yaml, parse_yaml
-from pyplan.spec.types import (FORMAT_VERSION, BackwardOverride, BackwardSpec, BlockSpec,
+from pyplan.planfile.schema import check_schema
+from pyplan.planfile.source import Source, load_yaml, parse_yaml
+from pyplan.planfile.types import (FORMAT_VERSION, BackwardOverride, BackwardSpec, BlockSpec,
                                CostSpec, LinkSpec, MeshSpec, ModelSpec, OrderSpec, PlanSpec,
                                SearchSpec, ShapeSpec, TopologySpec)
-from pyplan.spec.units import parse_memory
+from pyplan.planfile.units import parse_memory
 
 __all__ = ["load_spec", "parse_spec", "spec_from_text"]
 

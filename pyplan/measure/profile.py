@@ -26,16 +26,16 @@ from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Unit, find_units, stage_m
 from pyplan.models.deferred import Deferred, eager, move
 from pyplan.partition import UnitCost, weight_bytes
 from pyplan.problem import BACKWARD, Problem
-from pyplan.runtime.binding import Model, block_inputs, build, loss_function, make_batch
-from pyplan.runtime.data import split_batch, to_device
-from pyplan.runtime.census import storage_bytes
-from pyplan.runtime.limits import DEFAULT_SECONDS, guarded, time_limit
-from pyplan.runtime.measure import (BlockCost, Measured, Timer, block_arguments, busy,
+from pyplan.run.binding import Model, block_inputs, build, loss_function, make_batch
+from pyplan.run.data import split_batch, to_device
+from pyplan.run.census import storage_bytes
+from pyplan.measure.limits import DEFAULT_SECONDS, guarded, time_limit
+from pyplan.measure.measure import (BlockCost, Measured, Timer, block_arguments, busy,
                                     compute_threads, leaves, measure, memory_peaks,
                                     split_backward, unit_buffer_bytes, unit_parameters,
                                     update_ms)
-from pyplan.runtime.sharded import sharded_blocks
-from pyplan.runtime.values import flatten, nbytes, rebuild
+from pyplan.measure.sharded import sharded_blocks
+from pyplan.run.values import flatten, nbytes, rebuild
 
 __all__ = ["BlockCost", "Measured", "profile_blocks", "profile_units"]
 
@@ -47,7 +47,7 @@ def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: in
     """Costs of every forward block, in plan order (the collectives of vocabulary-sharded
     blocks measured among local processes with `measure_collectives`, else modelled on the
     default link), computed with `threads` CPU threads (default: as each rank of a run),
-    each block's measurement within `unit_seconds` of CPU time (pyplan.runtime.limits)."""
+    each block's measurement within `unit_seconds` of CPU time (pyplan.measure.limits)."""
     device = device or torch.device("cpu")
     with compute_threads(device, threads):
         return _profile_blocks(problem, model, seed=seed, repeats=repeats, device=device,
@@ -111,7 +111,7 @@ def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
     (default: as each rank of a run); with `split`, the input and weight gradients' times
     apart (zero bubble). A deferred model (built on the meta device) is materialised one unit
     at a time, so the whole model is never in memory. Each unit's measurement is bounded by
-    `unit_seconds` of CPU time (pyplan.runtime.limits), and the user's forward failing is one
+    `unit_seconds` of CPU time (pyplan.measure.limits), and the user's forward failing is one
     error naming the unit."""
     device = device or torch.device("cpu")
     with compute_threads(device, threads):

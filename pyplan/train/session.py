@@ -18,17 +18,17 @@ import torch.distributed as dist
 
 from pyplan.errors import EXIT_RUN_FAILED, PyplanError, RunError
 from pyplan.lower import COMPUTE, Lowered, describe
-import pyplan.runtime.checkpoint as checkpoint
-from pyplan.runtime.binding import Model, make_batch
-from pyplan.runtime.census import Census
-from pyplan.runtime.check import Verdict, compare, full_gradients, reference_run
-from pyplan.runtime.comm import TransferError, all_gather_objects
-from pyplan.runtime.faults import Watchdog
-from pyplan.runtime.pipeline import DTYPES, Pipeline
-from pyplan.runtime.logs import Log
-from pyplan.runtime.report import (TOLERANCE, Options, Report, activation_peaks, header,
+import pyplan.train.checkpoint as checkpoint
+from pyplan.run.binding import Model, make_batch
+from pyplan.run.census import Census
+from pyplan.train.check import Verdict, compare, full_gradients, reference_run
+from pyplan.run.comm import TransferError, all_gather_objects
+from pyplan.train.faults import Watchdog
+from pyplan.run.pipeline import DTYPES, Pipeline
+from pyplan.train.logs import Log
+from pyplan.train.report import (TOLERANCE, Options, Report, activation_peaks, header,
                                    iteration_line, planned_memory, predicted)
-from pyplan.runtime.training import changes
+from pyplan.train.training import changes
 from pyplan.trace import chrome_trace, write_chrome_trace
 
 __all__ = ["Session"]
@@ -189,7 +189,7 @@ class Session:
         return (seconds, compute, sum(mine) / K if mine else None, peak, norm)
 
     def census(self, optimizer):
-        """A context counting what this rank holds at most while it runs (pyplan.runtime.census
+        """A context counting what this rank holds at most while it runs (pyplan.run.census
         on the CPU, torch.cuda's peak on a GPU): `self.memory` = (peak, static) bytes, where
         static is what existed when it began (parameters, gradients, optimizer state,
         buffers)."""

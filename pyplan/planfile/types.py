@@ -1,6 +1,7 @@
 """The typed, immutable view of a plan: one frozen dataclass per part of the document.
 
-pyplan.spec.plan reads a document into these; the problem IR (pyplan.problem) is built from them.
+pyplan.planfile.plan reads a document into these; the problem IR (pyplan.problem) is built from
+them.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from fractions import Fraction
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pyplan.spec.source import Source
+from pyplan.planfile.source import Source
 
 __all__ = [
     "FORMAT_VERSION",

@@ -92,7 +92,7 @@ def guarded(module, what: str):
     """module(*args) as the user's code: an exception (SystemExit too) is a UserCodeError
     naming `what` (e.g. "unit layers.3"), and so is an output that is not a tensor or a
     tuple, list or dict of tensors."""
-    from pyplan.runtime.values import flatten
+    from pyplan.run.values import flatten
 
     def call(*args):
         try:

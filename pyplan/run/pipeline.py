@@ -36,14 +36,14 @@ import torch.distributed as dist
 from pyplan.errors import PlanError, RunError
 from pyplan.lower import SYNC, Lowered, channels, check_runnable, forward_only, lower
 from pyplan.resolved import ResolvedPlan, load_resolved
-import pyplan.runtime.checkpoint as checkpoint
+import pyplan.run.state as state_dicts
 from pyplan.models.chunks import shard_dim
-from pyplan.runtime.binding import (Built, Model, block_inputs, build, kept_rng, load_model,
+from pyplan.run.binding import (Built, Model, block_inputs, build, kept_rng, load_model,
                                     loss_function, shared_across_devices)
-from pyplan.runtime.data import describe, split_batch, to_device
-from pyplan.runtime.comm import Comm, TransferError, device_backend, join_world
-from pyplan.runtime.executor import Executor, IterationResult, padded, unflatten_into
-from pyplan.runtime.values import concatenated
+from pyplan.run.data import describe, split_batch, to_device
+from pyplan.run.comm import Comm, TransferError, device_backend, join_world
+from pyplan.run.executor import Executor, IterationResult, padded, unflatten_into
+from pyplan.run.values import concatenated
 from pyplan.verify import verify
 
 __all__ = ["DTYPES", "Pipeline"]
@@ -395,7 +395,7 @@ class Pipeline:
         (`dcp.save(pipe.state_dict(opt), checkpoint_id=DIR)`; pyplan.runtime.save does that
         safely, in step folders). Every rank calls it, one without an optimizer too."""
         self._open("state_dict")
-        return checkpoint.state_dict(self, optimizer)
+        return state_dicts.state_dict(self, optimizer)
 
     def load_state_dict(self, state: dict, optimizer=None) -> None:
         """Put `state` (a state_dict() that DCP loaded into) into this rank's parameters,
@@ -404,7 +404,7 @@ class Pipeline:
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
             raise RunError(f"Pipeline.load_state_dict: got {describe(state)}, not what "
                            "state_dict() returns ({'model': ..., 'optimizer': ...})")
-        checkpoint.load_state_dict(self, state, optimizer)
+        state_dicts.load_state_dict(self, state, optimizer)
 
     def _run(self, executor: Executor, inputs, targets, *, whole_gradients: bool = False,
              training: bool = True, micro_batches: int | None = None,

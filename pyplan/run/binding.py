@@ -32,10 +32,10 @@ from pyplan.errors import describe_exception as _describe_exception
 from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Tie, stage_modules, ties
 from pyplan.models.deferred import Deferred, defer
 from pyplan.models.weights import open_checkpoint
-from pyplan.runtime.data import (DATA_HINT, Source, batches_from, check_batch, describe,
+from pyplan.run.data import (DATA_HINT, Source, batches_from, check_batch, describe,
                                  split_batch, to_device)
 from pyplan.problem import Problem
-from pyplan.spec import load_yaml
+from pyplan.planfile import load_yaml
 
 __all__ = ["Built", "Model", "block_inputs", "block_seeds", "build", "build_whole",
            "call_user", "check_model", "defer_whole", "forward_blocks", "forward_seed",
@@ -529,7 +529,7 @@ def shared_across_devices(problem: Problem, modules: dict[int, torch.nn.Module])
 def make_batch(model: Model, step: int, seed: int, device,
                split: str | None = None) -> tuple[Any, Any]:
     """The global batch of iteration `step`, the same on every rank and in the reference;
-    with `split` ("eval"), batch `step` of that split (pyplan.runtime.data)."""
+    with `split` ("eval"), batch `step` of that split (pyplan.run.data)."""
     if model.batches is None:
         raise _user_error(model, "data", f"is {describe(model.data)}, neither a function nor a "
                           "dataset or iterable of batches", DATA_HINT)
