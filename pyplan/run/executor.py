@@ -4,9 +4,9 @@ gradients of a multi-device block over its ranks, SYNC starts a stage's gradient
 synchronisation across data-parallel replicas.
 
 The program is compiled once into steps over numbered slots (one per value the rank holds at
-some point), so an iteration does list indexing, not dictionary traffic. A value is a tensor or
-a tuple, list or dict of tensors (pyplan.run.values); gradients travel for its floating
-tensors only.
+some point; pyplan.run.steps), so an iteration does list indexing, not dictionary traffic. The
+REDUCEs and SYNCs are pyplan.run.gradients' Reductions. A value is a tensor or a tuple, list
+or dict of tensors (pyplan.run.values); gradients travel for its floating tensors only.
 
 Every block's inputs are detached leaves, so a backward block runs autograd for exactly its
 block: from the saved forward output (or the loss, in the last block) back to those leaves,
@@ -39,23 +39,19 @@ import torch
 import torch.distributed as dist
 
 from pyplan.errors import PyplanError, UserCodeError, describe_exception
-from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, SYNC, WAIT, Lowered,
-                          Value, describe, is_gradient)
+from pyplan.lower import COMPUTE, Lowered, describe, is_gradient
 from pyplan.problem import BACKWARD, WEIGHT
 from pyplan.run.backward import backward_input, backward_weight, full_backward, root
-from pyplan.models.chunks import shard_dim
 from pyplan.run.binding import block_seeds, forward_seed, seed_generators
-from pyplan.models.collectives import all_reduce_
-from pyplan.run.comm import Comm, TransferError
+from pyplan.run.comm import Comm
+from pyplan.run.gradients import Reductions
+from pyplan.run.steps import (STEP_BACKWARD, STEP_FORWARD, STEP_RECV_ACT, STEP_RECV_GRAD,
+                              STEP_REDUCE, STEP_SEND_ACT, STEP_SEND_GRAD, STEP_WAIT, STEP_WEIGHT,
+                              compile_steps)
 from pyplan.run.values import differentiable, flatten, nbytes, rebuild, saved_bytes
 from pyplan.trace import TraceEvent
 
-__all__ = ["Executor", "IterationResult", "flat_gradients", "padded", "set_gradients",
-           "unflatten_into"]
-
-# Step codes.
-_FORWARD, _BACKWARD, _WEIGHT, _SEND_ACT, _SEND_GRAD, _RECV_ACT, _RECV_GRAD, _WAIT, _REDUCE, \
-    _SYNC = range(10)
+__all__ = ["Executor", "IterationResult"]
 
 
 @dataclass
@@ -101,16 +97,11 @@ class Executor:
         self.lowered, self.rank, self.modules, self.groups = lowered, rank, modules, groups
         self.comm, self.loss_fn, self.output = comm, loss_fn, output_block
         self.device = comm.device
-        self.seed, self.dp_group, self.autocast = seed, dp_group, autocast
+        self.seed, self.autocast = seed, autocast
         self.wants_inputs = wants_inputs
-        self.tied = tied
-        """ids of tied parameters whose gradients the tie's all-reduce sums over every rank
-        holding them (REDUCE leaves them alone, or a multi-device holder counts its ranks')."""
         self.replica, device = divmod(rank, problem.num_devices)
         # Micro-batch m of this replica is micro-batch replica x N + m of the global batch.
         self.first_micro_batch = self.replica * problem.num_micro_batches
-        self.syncing: list = []  # gradient synchronisations started, not yet finished
-        self.sync_at_end, self.deferred = sync_at_end, []
         self.program = lowered.programs[rank]
         self.blocks = problem.blocks
         self.layer = [problem.by_name[b.layer] for b in problem.blocks]
@@ -136,71 +127,20 @@ class Executor:
         """Per block, the (input, tensor) positions whose storage autograd saves."""
         self.iteration, self.index = -1, -1  # read by the fault watchdog
         self._compile()
-        self.reduced = self._reduced()
+        self.reductions = Reductions(self.program, self.params, groups, problem.mesh,
+                                     dp_group=dp_group, tied=tied, sync_at_end=sync_at_end)
+        """The program's REDUCEs and SYNCs (pyplan.run.gradients); the caller finishes the
+        SYNCs after the iteration (reductions.finish)."""
 
-    # -- compiling the program into steps over slots
+    # -- compiling the program into steps over slots (pyplan.run.steps)
 
     def _compile(self) -> None:
-        slots: dict[Value, int] = {}
-
-        def slot(value: Value) -> int:
-            return slots.setdefault(value, len(slots))
-
-        last: dict[int, int] = {}
-        made: dict[int, int] = {}  # slot -> the step that produces it
-        sent_at: dict[Value, int] = {}  # a received value -> its send's global position
-        steps = []
-        by_name = self.lowered.problem.by_name
-        for index, ins in enumerate(self.program):
-            if ins.op == COMPUTE:
-                kind = self.blocks[ins.block].kind
-                b, m = self.layer[ins.block], ins.micro_batch
-                if kind == WEIGHT:
-                    steps.append((_WEIGHT, b, m))
-                elif kind == BACKWARD:
-                    grads = [slot(v) for v in ins.inputs if v.kind == GRADIENT]
-                    targets = {p: slot(Value(GRADIENT, ins.block, m,
-                                             by_name[f"{self.blocks[p].name}.b"], self.rank))
-                               for p in self.backs_to[b]}
-                    steps.append((_BACKWARD, b, m, grads, targets, ins.block))
-                    made.update((t, index) for t in targets.values())
-                else:
-                    out = slot(Value(ACTIVATION, b, m))
-                    steps.append((_FORWARD, b, m, [slot(v) for v in ins.inputs], out))
-                    made[out] = index
-                # A backward keeps its forward's graph itself: only what it receives is an
-                # input here (its forward's output is not held for it).
-                for v in ins.inputs:
-                    if kind not in (BACKWARD, WEIGHT) or v.kind == GRADIENT:
-                        last[slots[v]] = index
-            elif ins.op == SEND:
-                code = _SEND_ACT if ins.value.kind == ACTIVATION else _SEND_GRAD
-                what = f"block '{self.blocks[ins.value.block].name}' " \
-                    f"(micro-batch {ins.value.micro_batch})"
-                steps.append((code, slot(ins.value), ins.peer, ins.value.block, ins.seq, what))
-                last[slots[ins.value]] = index
-            elif ins.op == RECV:
-                sent_at[ins.value] = ins.seq
-                if ins.value.kind == ACTIVATION:
-                    steps.append((_RECV_ACT, slot(ins.value), ins.peer, ins.value.block))
-                else:
-                    steps.append((_RECV_GRAD, slot(ins.value), ins.peer,
-                                  self.layer[ins.value.consumer], ins.value.micro_batch))
-            elif ins.op == WAIT:
-                steps.append((_WAIT, slot(ins.value), ins.peer, sent_at[ins.value]))
-            elif ins.op == REDUCE:
-                steps.append((_REDUCE, ins.block))
-            elif ins.op == SYNC:
-                steps.append((_SYNC, ins.block))
-        drops: list[list[int]] = [[] for _ in steps]
-        for s, index in {**made, **last}.items():  # what nobody uses goes at once
-            drops[index].append(s)
-        self.steps = steps
-        self.drops = drops
-        self.forwarded = {step[1] for step in steps if step[0] == _SEND_ACT}
+        compiled = compile_steps(self.program, self.lowered.problem, self.layer, self.backs_to,
+                                 self.rank)
+        self.steps, self.drops, self.num_slots = compiled.steps, compiled.drops, compiled.slots
+        self.forwarded = compiled.forwarded
         """Slots this rank sends on (a received value handed on)."""
-        self.received = {step[1] for step in steps if step[0] == _RECV_ACT}
-        self.num_slots = len(slots)
+        self.received = compiled.received
 
     # -- one iteration
 
@@ -226,7 +166,7 @@ class Executor:
         self.comm.finish()
         end = clock.mark()
         clock.finish()
-        compute = sum(clock.seconds(a, b) for i, a, b in marks if self.steps[i][0] <= _WEIGHT)
+        compute = sum(clock.seconds(a, b) for i, a, b in marks if self.steps[i][0] <= STEP_WEIGHT)
         events = [self.event(i, clock.seconds(start, a), clock.seconds(a, b))
                   for i, a, b in marks] if trace else []
         loss = torch.stack(self.losses).mean() if self.loss_owner and self.losses else None
@@ -240,11 +180,11 @@ class Executor:
             if self.fail_at and self.fail_at[1] == index and iteration == 0:
                 _inject(self.fail_at[2])
             code = step[0]
-            if code <= _WEIGHT:
+            if code <= STEP_WEIGHT:
                 before = clock.mark()
-                if code == _FORWARD:
+                if code == STEP_FORWARD:
                     self.forward(*step[1:], keep=not forward_only)
-                elif code == _BACKWARD:
+                elif code == STEP_BACKWARD:
                     self.backward(*step[1:])
                 else:
                     work, held = self.weight_work.pop((step[1], step[2]))
@@ -263,27 +203,25 @@ class Executor:
 
     def communicate(self, step) -> None:
         code = step[0]
-        if code == _SEND_ACT:
+        if code == STEP_SEND_ACT:
             _, s, peer, block, seq, what = step
             self.comm.send_value(self.values[s], what, peer, block, seq)
-        elif code == _SEND_GRAD:
+        elif code == STEP_SEND_GRAD:
             _, s, peer, _, seq, _ = step
             self.comm.send_gradients(self.values[s], peer, seq)
-        elif code == _RECV_ACT:
+        elif code == STEP_RECV_ACT:
             self.pending[step[1]] = self.comm.recv_value(step[2], step[3])
-        elif code == _RECV_GRAD:
+        elif code == STEP_RECV_GRAD:
             _, s, peer, layer, m = step
             self.pending[s] = self.comm.recv_gradients(peer, self.saved[(layer, m)].shapes)
-        elif code == _WAIT:
+        elif code == STEP_WAIT:
             _, s, peer, seq = step
             self.keep(s, self.comm.wait(self.pending[s], peer, seq))
             self.pending[s] = None
-        elif code == _REDUCE:
-            self.reduce(step[1])
-        elif self.sync_at_end:
-            self.deferred.append(step[1])
+        elif code == STEP_REDUCE:
+            self.reductions.reduce(step[1])
         else:
-            self.sync(step[1])
+            self.reductions.sync(step[1])
 
     # -- what the rank holds
 
@@ -433,74 +371,6 @@ class Executor:
                     grads_p.append(torch.zeros_like(x) if g is None else g)
             self.keep(targets[p], grads_p)
 
-    def _reduced(self) -> dict[int, list[torch.Tensor]]:
-        """block -> the replicated parameters its REDUCE sums over the block's ranks: each at
-        the last REDUCE of a block holding it (blocks on the same devices may share one, a
-        tie), none that a tie's all-reduce sums anyway."""
-        last = {}
-        for ins in self.program:
-            if ins.op == REDUCE:
-                last.update((id(p), ins.block) for p in self.params[ins.block])
-        return {b: [p for p in self.params[b] if last[id(p)] == b and shard_dim(p) is None
-                    and id(p) not in self.tied] for b in set(last.values())}
-
-    def reduce(self, block: int) -> None:
-        params = self.reduced.get(block)
-        if not params:
-            return
-        flat = flat_gradients(params)
-        try:
-            all_reduce_(flat, self.groups[block])
-        except RuntimeError as exc:
-            raise TransferError(f"{exc}".splitlines()[0]) from exc
-        set_gradients(params, flat)
-
-    def sync(self, block: int) -> None:
-        """Start the synchronisation of a stage's gradients across the replicas, on its own
-        (gloo or NCCL) stream: all-reduce, or reduce-scatter when sharded (mesh.shard)."""
-        params = self.params[block]
-        if not params:
-            return
-        flat = flat_gradients(params)
-        replicas = self.lowered.problem.mesh.data
-        try:
-            if self.lowered.problem.mesh.shard:
-                flat = padded(flat, replicas)
-                part = flat.new_empty(len(flat) // replicas)
-                handle = dist.reduce_scatter_tensor(part, flat, group=self.dp_group,
-                                                    async_op=True)
-            else:
-                part = None
-                handle = dist.all_reduce(flat, group=self.dp_group, async_op=True)
-        except RuntimeError as exc:
-            raise TransferError(f"{exc}".splitlines()[0]) from exc
-        self.syncing.append((block, handle, params, flat, part))
-
-    def finish_syncs(self, *, whole: bool = False) -> dict[int, torch.Tensor]:
-        """Wait for the synchronisations: all-reduced gradients, averaged, go back to the
-        parameters; sharded, this replica's averaged part of each stage's flat gradient is
-        returned (and with `whole`, the whole gradient is gathered back too)."""
-        for block in self.deferred:
-            self.sync(block)
-        self.deferred = []
-        parts = {}
-        replicas = self.lowered.problem.mesh.data
-        try:
-            for block, handle, params, flat, part in self.syncing:
-                handle.wait()
-                if part is not None:
-                    parts[block] = part.div_(replicas)
-                    if not whole:
-                        continue
-                    dist.all_gather_into_tensor(flat, part, group=self.dp_group)
-                else:
-                    flat.div_(replicas)
-                set_gradients(params, flat)
-        except RuntimeError as exc:
-            raise TransferError(f"{exc}".splitlines()[0]) from exc
-        self.syncing = []
-        return parts
-
     def event(self, index: int, start: float, seconds: float) -> TraceEvent:
         ins = self.program[index]
         if ins.op == COMPUTE:
@@ -561,32 +431,6 @@ def _summed(contributions: list[list[torch.Tensor]], shapes: list, device):
     if len(contributions) == 1:
         return contributions[0]
     return [sum(parts) for parts in zip(*contributions)]
-
-
-def flat_gradients(params: list[torch.Tensor]) -> torch.Tensor:
-    """The parameters' gradients (zeros where none) in one flat tensor: one collective each."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    return torch.cat([p.grad.reshape(-1) for p in params])
-
-
-def padded(flat: torch.Tensor, parts: int) -> torch.Tensor:
-    """`flat` with zeros at the end, so that it splits into `parts` equal parts."""
-    return torch.nn.functional.pad(flat, (0, -len(flat) % parts))
-
-
-def unflatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy consecutive slices of `flat` into the tensors (the inverse of flattening them)."""
-    offset = 0
-    with torch.no_grad():
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-
-def set_gradients(params: list[torch.Tensor], flat: torch.Tensor) -> None:
-    unflatten_into([p.grad for p in params], flat)
 
 
 def _inject(mode: str) -> None:

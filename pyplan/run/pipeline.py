@@ -20,11 +20,13 @@ parameters, and torch.optim refuses an empty list): each may enter a collective.
 
 Parameters are named as in the user's model (`module:` plans: the whole model's names, a tied
 parameter under the first of its names; `blocks:` plans: `block.parameter`).
+
+What a step does with the gradients (ties, accumulation, fp16's unscaling, `clip_grad_norm_`)
+is the base class pyplan.run.gradients.PipelineGradients; the state dicts are pyplan.run.state's.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from datetime import timedelta
 from dataclasses import replace
@@ -37,12 +39,12 @@ from pyplan.errors import PlanError, RunError
 from pyplan.lower import SYNC, Lowered, channels, check_runnable, forward_only, lower
 from pyplan.resolved import ResolvedPlan, load_resolved
 import pyplan.run.state as state_dicts
-from pyplan.models.chunks import shard_dim
 from pyplan.run.binding import (Built, Model, block_inputs, build, kept_rng, load_model,
-                                    loss_function, shared_across_devices)
+                                loss_function, shared_across_devices)
 from pyplan.run.data import describe, split_batch, to_device
-from pyplan.run.comm import Comm, TransferError, device_backend, join_world
-from pyplan.run.executor import Executor, IterationResult, padded, unflatten_into
+from pyplan.run.comm import Comm, device_backend, join_world
+from pyplan.run.executor import Executor, IterationResult
+from pyplan.run.gradients import PipelineGradients, Shards
 from pyplan.run.values import concatenated
 from pyplan.verify import verify
 
@@ -51,7 +53,7 @@ __all__ = ["DTYPES", "Pipeline"]
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Pipeline:
+class Pipeline(PipelineGradients):
     def __init__(self, plan: str | Path | ResolvedPlan, *, device: str | None = None,
                  seed: int = 0, dtype: str = "fp32", blocking: bool = False,
                  sync_at_end: bool = False, model: Model | None = None,
@@ -158,8 +160,8 @@ class Pipeline:
                          timeout=self.timeout)
         synced = {id(p) for x in self.lowered.programs[self.rank] if x.op == SYNC
                   for p in self.modules[x.block].parameters()}
-        self.shards = _Shards(self.modules, self.lowered.programs[self.rank], self.replica,
-                              replicas, self.dp_group) if problem.mesh.shard else None
+        self.shards = Shards(self.modules, self.lowered.programs[self.rank], self.replica,
+                             replicas, self.dp_group) if problem.mesh.shard else None
         self._params = list({id(p): p for m in self.modules.values() for p in m.parameters()
                              if p.requires_grad and not (self.shards and id(p) in synced)
                              }.values())
@@ -177,34 +179,6 @@ class Pipeline:
         """A new group (every rank calls this in the same order) whose collectives time out
         as the Pipeline's do; `backend` None: the default group's."""
         return dist.new_group(ranks, backend=backend, timeout=self.timeout)
-
-    def _tie_groups(self, built: Built) -> list[tuple[str, torch.Tensor, object]]:
-        """(name, parameter, group of the ranks holding a copy) for each tie this rank holds
-        a copy of, in the same order on every rank."""
-        problem, devices = self.problem, self.problem.num_devices
-        by_name = {name: p for b, m in self.modules.items() for p in m.parameters()
-                   for name in [built.names.get(id(p))] if name is not None}
-        mine = []
-        for tie in built.ties:
-            holders = sorted({problem.by_name[s] for s in tie.stages})
-            if len({problem.blocks[b].devices for b in holders}) == 1:
-                # Blocks on the same devices (the M-shape's embedding and head): each rank
-                # holds one object for all of them, its gradients already added up there
-                # (different chunks of a vocabulary-sharded weight, which must not be summed).
-                continue
-            ranks = sorted({d + self.replica * devices for b in holders
-                            for d in problem.blocks[b].devices})
-            groups = {r: self._group([d + r * devices for d in
-                                      sorted({d for b in holders
-                                              for d in problem.blocks[b].devices})],
-                                     device_backend(self.device))
-                      for r in range(problem.mesh.data)} if len(ranks) > 1 else {}
-            if self.rank in ranks and len(ranks) > 1:
-                mine.append((tie.parameter, by_name[tie.parameter], groups[self.replica]))
-        if mine and problem.mesh.shard:
-            raise RunError("tied parameters with a sharded data-parallel mesh (mesh.shard) are "
-                           "not supported", hint="use mesh: {shard: false}")
-        return mine
 
     # -- what the user's loop sees
 
@@ -240,53 +214,6 @@ class Pipeline:
         if self.dtype == "fp16":
             self._unscale()
         return self._global_loss(result.loss) if share_loss else result.loss
-
-    def _before_accumulating(self) -> None:
-        """Make the step's sums and unscaling apply to this step's gradient only, when .grad
-        already holds earlier steps' (accumulation). After a step each copy of a tied
-        parameter holds the sum over its copies, and each rank of a multi-device block the sum
-        of a replicated parameter over the block's ranks: summing those again would count the
-        earlier steps once per copy. So the sum stays on the one rank that keeps it (the one
-        clip_grad_norm_ counts) and the others start from zero. fp16: the kept gradient is
-        scaled back up (a power of two: exact) so that the step's unscale divides it once."""
-        for _, param, group in self.ties:
-            if param.grad is not None and dist.get_process_group_ranks(group)[0] != self.rank:
-                param.grad.zero_()
-        for block, params in self.executor.reduced.items():
-            if self.problem.blocks[block].devices[0] != self.device_index:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.zero_()
-        if self.dtype == "fp16":
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, self.loss_scale)
-
-    def _unscale(self) -> None:
-        """fp16: every gradient divided by the loss scale and checked for inf/NaN at once
-        (torch's foreach kernel, as GradScaler), the verdict all-reduced over every rank (a
-        rank without parameters too) and read once, after the iteration."""
-        params = [p for p in self.parameters() if p.grad is not None]
-        found = torch.zeros((), device=self.device)
-        inverse = torch.full((), 1.0 / self.loss_scale, device=self.device)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        self.overflow = bool(found)
-        self._overflowed |= self.overflow
-        if self.overflow:  # nothing for an optimizer to apply: torch.optim skips p.grad None
-            self.loss_scale /= 2
-            self._clean_steps = 0
-            for p in params:
-                p.grad = None
-        else:
-            self._clean_steps += 1
-            if self._clean_steps == 2000:
-                self.loss_scale *= 2
-                self._clean_steps = 0
 
     def step_optimizer(self, optimizer) -> bool:
         """`optimizer.step()`, unless the gradients of a step since the last call overflowed
@@ -422,7 +349,7 @@ class Pipeline:
         with kept_rng(self.device):
             result = executor.run(inputs, targets, iteration=max(self.iteration, 0), **kwargs)
         if training:
-            self.parts = executor.finish_syncs(whole=whole_gradients)
+            self.parts = executor.reductions.finish(whole=whole_gradients)
             if self.shards is not None:
                 self.shards.take(self.parts)
             self._sum_ties()
@@ -435,15 +362,6 @@ class Pipeline:
             tree = split_batch(tree, self.problem.mesh.data)[self.replica]
         return split_batch(tree, n)
 
-    def _sum_ties(self) -> None:
-        for _, param, group in self.ties:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            try:
-                dist.all_reduce(param.grad, group=group)
-            except RuntimeError as exc:
-                raise TransferError(f"{exc}".splitlines()[0]) from exc
-
     def _global_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The loss of the global batch on every rank: each replica's (owned by one rank)
         summed over the world, divided by the replicas."""
@@ -451,60 +369,6 @@ class Pipeline:
             else loss.detach().float().reshape(())
         dist.all_reduce(value)
         return value / self.problem.mesh.data
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale every gradient so that the norm over the whole model (all stages, every
-        parameter once) is at most max_norm; returns that norm before clipping, on every rank,
-        as a tensor on the device (reading it synchronises the host: not needed to step).
-        The same as torch.nn.utils.clip_grad_norm_ on the model in one process; every rank
-        must call it (an all-reduce), whatever its stages hold. max_norm is positive and
-        finite, norm_type positive (inf: the largest absolute value)."""
-        self._open("clip_grad_norm_")
-        max_norm, norm_type = _norm_argument("max_norm", max_norm), \
-            _norm_argument("norm_type", norm_type)
-        if max_norm == math.inf:
-            raise RunError("Pipeline.clip_grad_norm_: max_norm inf clips nothing",
-                           hint="give a positive, finite max_norm")
-        local = self._counted_gradients()
-        total = torch.nn.utils.get_total_norm(local, norm_type).float().to(self.device) \
-            if local else torch.zeros((), device=self.device)
-        if norm_type == math.inf:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX)
-        else:
-            total = total ** norm_type
-            dist.all_reduce(total)
-            total = total ** (1.0 / norm_type)
-        torch.nn.utils.clip_grads_with_norm_([p for p in self.parameters()
-                                              if p.grad is not None], max_norm, total)
-        return total
-
-    def _counted_gradients(self) -> list[torch.Tensor]:
-        """Each gradient of the model once over the world: replica 0's; a tied parameter's on
-        the lowest rank holding it; a replicated parameter of a multi-device block on the
-        block's first rank; every rank's chunk of a sharded one; with mesh.shard, every
-        replica's own shard."""
-        if self.shards is not None:
-            return [p.grad for p in self.shards.parts() if p.grad is not None] + \
-                ([p.grad for p in self._params if p.grad is not None]
-                 if self.replica == 0 else [])
-        if self.replica != 0:
-            return []
-        tied_here = {id(param): group for _, param, group in self.ties}
-        seen, out = set(), []
-        for b, module in self.modules.items():
-            block = self.problem.blocks[b]
-            for p in module.parameters():
-                if id(p) in seen or p.grad is None or not p.requires_grad:
-                    continue
-                seen.add(id(p))
-                if id(p) in tied_here and dist.get_process_group_ranks(tied_here[id(p)])[0] \
-                        != self.rank:
-                    continue
-                if len(block.devices) > 1 and shard_dim(p) is None and \
-                        block.devices[0] != self.device_index:
-                    continue
-                out.append(p.grad)
-        return out
 
     def train(self, mode: bool = True) -> "Pipeline":
         """Training mode for every module of this rank (dropout on), as nn.Module.train."""
@@ -524,19 +388,6 @@ class Pipeline:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
-
-
-def _norm_argument(name: str, value) -> float:
-    """A clip_grad_norm_ argument as a float: positive (not NaN), else RunError."""
-    try:
-        number = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        number = math.nan
-    if not number > 0:  # also NaN
-        raise RunError(f"Pipeline.clip_grad_norm_: {name} {value!r} is not a positive number",
-                       hint="max_norm: the largest norm allowed, e.g. 1.0; norm_type: 2.0 "
-                            "(default), 1.0 or inf")
-    return number
 
 
 def _first_micro_batches(lowered: Lowered, n: int) -> Lowered:
@@ -561,45 +412,3 @@ def _refuse_dtensors(problem, modules: dict) -> None:
                                 hint="keep this rank's chunk as a plain parameter marked "
                                      "with pyplan.runtime.shard(param, dim)")
 
-
-class _Shards:
-    """Sharded data parallelism (mesh.shard, ZeRO): for each synchronised stage on this rank,
-    the replica's part of its flattened parameters, a Parameter the user's optimizer updates;
-    after the gradients are reduce-scattered into the parts, and before the next forward, the
-    parts are all-gathered back into the stage's parameters."""
-
-    def __init__(self, modules: dict, program, replica: int, replicas: int, group) -> None:
-        self.group, self.stages = group, {}
-        for ins in program:
-            if ins.op != SYNC:
-                continue
-            params = [p for p in modules[ins.block].parameters() if p.requires_grad]
-            if not params:
-                continue
-            flat = padded(torch.cat([p.detach().reshape(-1) for p in params]), replicas)
-            size = len(flat) // replicas
-            part = torch.nn.Parameter(flat[replica * size:(replica + 1) * size].clone())
-            self.stages[ins.block] = (params, flat, part)
-
-    def parts(self) -> list[torch.nn.Parameter]:
-        return [part for _, _, part in self.stages.values()]
-
-    def named_parts(self, problem) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(f"{problem.blocks[b].name}.flat_shard", part)
-                for b, (_, _, part) in self.stages.items()]
-
-    def take(self, grads: dict[int, torch.Tensor]) -> None:
-        for block, (_, _, part) in self.stages.items():
-            if part.grad is None:
-                part.grad = grads[block].clone()
-            else:
-                part.grad += grads[block]
-
-    def gather(self) -> None:
-        """The updated parts back into the parameters, whose own gradients start afresh (the
-        user's optimizer zeroes only the parts)."""
-        for params, flat, part in self.stages.values():
-            dist.all_gather_into_tensor(flat, part.detach(), group=self.group)
-            unflatten_into(params, flat)
-            for p in params:
-                p.grad = None
