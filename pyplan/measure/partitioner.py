@@ -23,8 +23,7 @@ from pyplan.fileio import check_not_input
 from pyplan.models import FORWARD, TRACED, Cut, Unit, everywhere
 from pyplan.partition import UnitCost, ties
 from pyplan.placements import CHUNKS, Placement, Sharded, mshape_plans, placements
-from pyplan.run.binding import (Model, defer_whole, import_function, loss_function,
-                                    make_batch)
+from pyplan.run.binding import Model, defer_whole, import_function, loss_function, make_batch
 from pyplan.run.data import batches_from, split_batch
 from pyplan.measure.limits import DEFAULT_SECONDS
 from pyplan.measure.measure import Measured

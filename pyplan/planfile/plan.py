@@ -18,8 +18,8 @@ from pyplan.errors import PlanError
 from pyplan.planfile.schema import check_schema
 from pyplan.planfile.source import Source, load_yaml, parse_yaml
 from pyplan.planfile.types import (FORMAT_VERSION, BackwardOverride, BackwardSpec, BlockSpec,
-                               CostSpec, LinkSpec, MeshSpec, ModelSpec, OrderSpec, PlanSpec,
-                               SearchSpec, ShapeSpec, TopologySpec)
+                                   CostSpec, LinkSpec, MeshSpec, ModelSpec, OrderSpec, PlanSpec,
+                                   SearchSpec, ShapeSpec, TopologySpec)
 from pyplan.planfile.units import parse_memory
 
 __all__ = ["load_spec", "parse_spec", "spec_from_text"]

@@ -32,8 +32,8 @@ from pyplan.errors import describe_exception as _describe_exception
 from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Tie, stage_modules, ties
 from pyplan.models.deferred import Deferred, defer
 from pyplan.models.weights import open_checkpoint
-from pyplan.run.data import (DATA_HINT, Source, batches_from, check_batch, describe,
-                                 split_batch, to_device)
+from pyplan.run.data import (DATA_HINT, Source, batches_from, check_batch, describe, split_batch,
+                             to_device)
 from pyplan.problem import Problem
 from pyplan.planfile import load_yaml
 

@@ -21,8 +21,8 @@ from pyplan.models import FORWARD, TRACED
 from pyplan.models.forward import logits, whole_forward
 from pyplan.problem import BACKWARD, Problem
 from pyplan.models.chunks import shard_dim
-from pyplan.run.binding import (Model, block_inputs, block_seeds, build, build_whole,
-                                    forward_seed, loss_function, make_batch, seed_generators)
+from pyplan.run.binding import (Model, block_inputs, block_seeds, build, build_whole, forward_seed,
+                                loss_function, make_batch, seed_generators)
 from pyplan.run.data import split_batch
 from pyplan.run.values import concatenated
 from pyplan.train.training import Training

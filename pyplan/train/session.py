@@ -27,7 +27,7 @@ from pyplan.train.faults import Watchdog
 from pyplan.run.pipeline import DTYPES, Pipeline
 from pyplan.train.logs import Log
 from pyplan.train.report import (TOLERANCE, Options, Report, activation_peaks, header,
-                                   iteration_line, planned_memory, predicted)
+                                 iteration_line, planned_memory, predicted)
 from pyplan.train.training import changes
 from pyplan.trace import chrome_trace, write_chrome_trace
 
