@@ -20,7 +20,7 @@ from pyplan.planfile.plan import MAX_INSTANCES
 from pyplan.planfile.units import MAX_MEMORY
 
 __all__ = ["FORWARD", "BACKWARD", "WEIGHT", "OTHER", "Block", "OrderRule", "Problem",
-           "RuleError", "layer_of", "reaches", "resolve_rule"]
+           "RuleError", "is_gradient_kind", "layer_of", "reaches", "resolve_rule"]
 
 FORWARD, BACKWARD, WEIGHT, OTHER = "forward", "backward", "weight", "other"
 
@@ -59,12 +59,19 @@ class Block:
     @property
     def is_forward(self) -> bool:
         """A declared block (forward or other), not a derived backward or weight gradient."""
-        return self.kind not in (BACKWARD, WEIGHT)
+        return not is_gradient_kind(self.kind)
+
+
+def is_gradient_kind(kind: str) -> bool:
+    """Whether blocks of this kind compute gradients: backward (the input gradients, or the
+    whole backward) or weight (the weight gradients of a split backward). The one place that
+    says so; a Block asks through `is_forward`."""
+    return kind in (BACKWARD, WEIGHT)
 
 
 def layer_of(name: str, kind: str) -> str:
     """The declared block a block derives from: NAME for NAME.b and NAME.w."""
-    return name.rsplit(".", 1)[0] if kind in (BACKWARD, WEIGHT) else name
+    return name.rsplit(".", 1)[0] if is_gradient_kind(kind) else name
 
 
 @dataclass(frozen=True)
@@ -307,7 +314,7 @@ class Problem:
         for d in range(self.num_devices):
             layers: dict[int, list[int]] = {}
             for b in graph.blocks_on(d):
-                if blocks[b].kind in (BACKWARD, WEIGHT):
+                if not blocks[b].is_forward:
                     layers.setdefault(self.by_name[blocks[b].layer], []).append(b)
             layers_on.append(layers)
         count = sum(map(len, layers_on))

@@ -16,7 +16,7 @@ from typing import Sequence
 
 from pyplan import _core
 from pyplan.errors import PlanError
-from pyplan.problem import BACKWARD, WEIGHT, Problem, reaches
+from pyplan.problem import Problem, reaches
 
 __all__ = ["Evaluated", "Instance", "Repetend", "Schedule", "Sync", "build_schedule",
            "gradient_syncs", "repetend_from_core", "schedule_from_orders", "with_syncs"]
@@ -74,7 +74,7 @@ def gradient_syncs(problem: Problem, orders: Orders, start: Sequence[int]) -> tu
     for d, order in enumerate(orders):
         ready: dict[int, int] = {}
         for b, m in order:
-            if blocks[b].kind in (BACKWARD, WEIGHT):
+            if not blocks[b].is_forward:
                 layer = problem.by_name[blocks[b].layer]
                 ready[layer] = max(ready.get(layer, 0), start[m * k + b] + blocks[b].time)
         # A block on several devices first sums its replicated gradients over them, after

@@ -2,12 +2,14 @@
 the rank holds at some point, so that an iteration does list indexing, not dictionary traffic
 (pyplan.run.executor runs the steps).
 
-A step is a tuple whose first item is its code: (STEP_FORWARD, block, micro-batch, input slots,
-output slot), (STEP_BACKWARD, layer, micro-batch, gradient slots, {producer: slot}, block),
-(STEP_WEIGHT, layer, micro-batch), (STEP_SEND_ACT / STEP_SEND_GRAD, slot, peer, block, seq,
-what), (STEP_RECV_ACT, slot, peer, block), (STEP_RECV_GRAD, slot, peer, layer, micro-batch),
-(STEP_WAIT, slot, peer, the send's seq), (STEP_REDUCE, block), (STEP_SYNC, block). The codes of
-compute steps come first: `code <= STEP_WEIGHT` is a block's work.
+A step is a tuple whose first item is its code:
+- (STEP_FORWARD, block, micro-batch, input slots, output slot)
+- (STEP_BACKWARD, layer, micro-batch, gradient slots, {producer: slot}, block)
+- (STEP_WEIGHT, layer, micro-batch)
+- (STEP_SEND_ACT or STEP_SEND_GRAD, slot, peer, block, seq, what)
+- (STEP_RECV_ACT, slot, peer, block), (STEP_RECV_GRAD, slot, peer, layer, micro-batch)
+- (STEP_WAIT, slot, peer, the send's seq), (STEP_REDUCE, block), (STEP_SYNC, block)
+The codes of compute steps come first: `code <= STEP_WEIGHT` is a block's work.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, SYN
                           Instruction, Value)
 from pyplan.problem import BACKWARD, WEIGHT, Problem
 
-__all__ = ["STEP_BACKWARD", "STEP_FORWARD", "STEP_RECV_ACT", "STEP_RECV_GRAD", "STEP_REDUCE",
-           "STEP_SEND_ACT", "STEP_SEND_GRAD", "STEP_SYNC", "STEP_WAIT", "STEP_WEIGHT", "Steps",
-           "compile_steps"]
+__all__ = ["STEP_BACKWARD", "STEP_FORWARD", "STEP_RECV_ACT", "STEP_RECV_GRAD",
+           "STEP_REDUCE", "STEP_SEND_ACT", "STEP_SEND_GRAD", "STEP_SYNC", "STEP_WAIT",
+           "STEP_WEIGHT", "Steps", "compile_steps"]
 
 STEP_FORWARD, STEP_BACKWARD, STEP_WEIGHT, STEP_SEND_ACT, STEP_SEND_GRAD, STEP_RECV_ACT, \
     STEP_RECV_GRAD, STEP_WAIT, STEP_REDUCE, STEP_SYNC = range(10)
@@ -73,7 +75,7 @@ def compile_steps(program: tuple[Instruction, ...], problem: Problem, layer: lis
             # A backward keeps its forward's graph itself: only what it receives is an
             # input here (its forward's output is not held for it).
             for v in ins.inputs:
-                if kind not in (BACKWARD, WEIGHT) or v.kind == GRADIENT:
+                if blocks[ins.block].is_forward or v.kind == GRADIENT:
                     last[slots[v]] = index
         elif ins.op == SEND:
             code = STEP_SEND_ACT if ins.value.kind == ACTIVATION else STEP_SEND_GRAD
