@@ -289,6 +289,18 @@ class Problem:
         """A training plan with data-parallel replicas: each stage's gradients are synchronised."""
         return self.training and self.mesh.data > 1
 
+    @cached_property
+    def trained_layers(self) -> frozenset[int]:
+        """The declared blocks that train: those a backward block derives from (their forward
+        keeps autograd's graph for it)."""
+        return frozenset(self.by_name[b.layer] for b in self.blocks if b.kind == BACKWARD)
+
+    @cached_property
+    def split_layers(self) -> frozenset[int]:
+        """The declared blocks whose backward is split into B (input gradients) and a weight
+        block W (weight gradients; zero-bubble schedules); empty when no backward is split."""
+        return frozenset(self.by_name[b.layer] for b in self.blocks if b.kind == WEIGHT)
+
     def makespan_bound(self) -> int:
         """No schedule of the plan's micro-batches within its memory is shorter than this."""
         bound = self.graph.makespan_bound(self.num_micro_batches, self.capacity)

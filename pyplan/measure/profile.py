@@ -25,7 +25,7 @@ from pyplan.lower import check_runnable
 from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Unit, find_units, stage_modules
 from pyplan.models.deferred import Deferred, eager, move
 from pyplan.partition import UnitCost, weight_bytes
-from pyplan.problem import BACKWARD, Problem
+from pyplan.problem import Problem
 from pyplan.run.binding import Model, block_inputs, build, loss_function, make_batch
 from pyplan.run.data import split_batch, to_device
 from pyplan.run.census import storage_bytes
@@ -63,7 +63,7 @@ def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, 
     busy(measured)
     output_block = check_runnable(problem)
     forward = [b.index for b in problem.blocks if b.is_forward]
-    trains = {problem.by_name[b.layer] for b in problem.blocks if b.kind == BACKWARD}
+    trains = problem.trained_layers
     preds = block_inputs(problem, forward)
     inputs, targets = make_batch(model, 0, seed, device)
     inputs = split_batch(inputs, problem.num_micro_batches)[0]

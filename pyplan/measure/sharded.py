@@ -29,7 +29,6 @@ from pyplan.models import FORWARD, Cut, Unit, stage_modules
 from pyplan.models.deferred import Deferred, eager
 from pyplan.models.vocab import Vocab, parallel_loss, shard
 from pyplan.partition import UnitCost, weight_bytes
-from pyplan.problem import BACKWARD
 from pyplan.run.binding import block_inputs, build, loss_function
 from pyplan.measure.measure import (BlockCost, Measured, Timer, block_arguments, leaves,
                                     unit_parameters)
@@ -238,7 +237,7 @@ def sharded_blocks(problem, model, *, seed: int, device: torch.device, timer: Ti
         groups = {b.index: dist.group.WORLD for b in problem.blocks if len(b.devices) > 1}
         built = build(model, problem, seed=seed, device=device, rank=devices[0], groups=groups)
         preds = block_inputs(problem, built.modules)
-        trains = {problem.by_name[b.layer] for b in problem.blocks if b.kind == BACKWARD}
+        trains = problem.trained_layers
         output_block = check_runnable(problem)
         for block in multi:
             b, module, grad = block.index, built.modules[block.index], block.index in trains

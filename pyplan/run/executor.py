@@ -40,7 +40,6 @@ import torch.distributed as dist
 
 from pyplan.errors import PyplanError, UserCodeError, describe_exception
 from pyplan.lower import COMPUTE, Lowered, describe, is_gradient
-from pyplan.problem import BACKWARD, WEIGHT
 from pyplan.run.backward import backward_input, backward_weight, full_backward, root
 from pyplan.run.binding import block_seeds, forward_seed, seed_generators
 from pyplan.run.comm import Comm
@@ -105,8 +104,7 @@ class Executor:
         self.program = lowered.programs[rank]
         self.blocks = problem.blocks
         self.layer = [problem.by_name[b.layer] for b in problem.blocks]
-        self.trains = {self.layer[b.index] for b in problem.blocks if b.kind == BACKWARD}
-        self.split = {self.layer[b.index] for b in problem.blocks if b.kind == WEIGHT}
+        self.trains, self.split = problem.trained_layers, problem.split_layers
         self.preds: list[list[int]] = [[] for _ in problem.blocks]
         self.backs_to: list[set[int]] = [set() for _ in problem.blocks]
         for a, c in problem.edges:

@@ -81,7 +81,7 @@ def require_training(problem: Problem, every_forward: bool = True,
         if every_forward and b.kind == FORWARD and \
                 backward_of(problem, b.index, BACKWARD) is None:
             raise NotApplicable(f"forward block '{b.name}' has no derived backward")
-    if split and not any(b.kind == WEIGHT for b in problem.blocks):
+    if split and not problem.split_layers:
         raise NotApplicable("needs a split backward (training.backward.weight_time_ratio)")
 
 

@@ -16,7 +16,7 @@ from operator import itemgetter
 
 from pyplan import _core
 from pyplan.errors import PlanError, did_you_mean
-from pyplan.problem import BACKWARD, WEIGHT, Problem
+from pyplan.problem import BACKWARD, Problem
 from pyplan.schedule import Schedule, schedule_from_orders, with_syncs
 from pyplan.solver.budget import Budget
 from pyplan.solver.stages import (NotApplicable, backward_of, forward_chains, in_flight_limits,
@@ -71,10 +71,6 @@ def _gpipe(problem: Problem):
     return orders
 
 
-def _split(problem: Problem) -> bool:
-    return any(b.kind == WEIGHT for b in problem.blocks)
-
-
 def _made(orders: list | None) -> list:
     """The core's orders of a template, or NotApplicable where its program stalls."""
     if orders is None:
@@ -91,7 +87,7 @@ def _1f1b(problem: Problem):
     return _made(_core.one_f_one_b_orders(
         problem.graph, [[stage_blocks(problem, s) for s in stages]], problem.num_micro_batches,
         in_flight_limits(problem, stages) or [],
-        weight_after(problem) if _split(problem) else []))
+        weight_after(problem) if problem.split_layers else []))
 
 
 def _zb_h1(problem: Problem):
@@ -118,7 +114,7 @@ def _chimera(problem: Problem):
         staged.append([stage_blocks(problem, s) for s in stages])
     return _made(_core.one_f_one_b_orders(
         problem.graph, staged, problem.num_micro_batches, [],
-        weight_after(problem) if _split(problem) else []))
+        weight_after(problem) if problem.split_layers else []))
 
 
 def _interleaved(problem: Problem):
@@ -133,7 +129,7 @@ def _interleaved(problem: Problem):
         raise NotApplicable("blocks spanning several devices are not supported")
     if n % D:
         raise NotApplicable(f"needs micro-batches divisible by devices ({D})")
-    if any(b.kind == WEIGHT for b in problem.blocks):
+    if problem.split_layers:
         raise NotApplicable("a split backward is not supported")
     v = len(stages) // D
     total = n * v
@@ -234,7 +230,7 @@ def _dualpipe_v(problem: Problem):
     D, n = problem.num_devices, problem.num_micro_batches
     if n < 2 * D:
         raise NotApplicable(f"needs at least {2 * D} micro-batches (2 x devices)")
-    split = any(b.kind == WEIGHT for b in problem.blocks)
+    split = bool(problem.split_layers)
     programs = []
     for r in range(D):
         chunk = (r, 2 * D - 1 - r)

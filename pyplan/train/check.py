@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from pyplan.models import FORWARD, TRACED
 from pyplan.models.forward import logits, whole_forward
-from pyplan.problem import BACKWARD, Problem
+from pyplan.problem import Problem
 from pyplan.models.chunks import shard_dim
 from pyplan.run.binding import (Model, block_inputs, block_seeds, build, build_whole, forward_seed,
                                 loss_function, make_batch, seed_generators)
@@ -147,7 +147,7 @@ class _forward:
         blocks = [b for b in problem.blocks if b.is_forward]
         self.seeds = dict(zip((b.index for b in blocks),
                               block_seeds(seed, [b.name for b in blocks])))
-        self.trains = {problem.by_name[b.layer] for b in problem.blocks if b.kind == BACKWARD}
+        self.trains = problem.trained_layers
         if model.whole is not None and model.cut.kind != TRACED:
             self.whole = build_whole(model, seed).to(device)
             self.named = list(self.whole.named_parameters())
