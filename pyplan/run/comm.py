@@ -62,7 +62,7 @@ from pyplan.run.values import flatten, rebuild, spec_text, structure, value_text
 
 __all__ = ["CUDA_BACKEND", "Comm", "DEVICES", "Pending", "TransferError", "all_gather_objects",
            "choose_cuda", "device_backend", "gpu_identity", "has_cpu_side", "join_world",
-           "leave", "local_gpu"]
+           "leave", "local_gpu", "transfer_error"]
 
 DEVICES = ("auto", "cpu", "cuda")
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
@@ -79,6 +79,12 @@ MAX_PENDING = 8
 
 class TransferError(RuntimeError):
     """A send, receive or reduction failed, most likely because a peer failed first."""
+
+
+def transfer_error(exc: RuntimeError) -> TransferError:
+    """What a failed send, receive or collective raises (`raise transfer_error(exc) from exc`):
+    a TransferError with the first line of torch's message."""
+    return TransferError(f"{exc}".splitlines()[0])
 
 
 def local_gpu(local_rank: int) -> int | None:
@@ -355,7 +361,7 @@ class Comm:
         try:
             return op(tensor, peer, group=group)
         except RuntimeError as exc:
-            raise TransferError(f"{exc}".splitlines()[0]) from exc
+            raise transfer_error(exc) from exc
 
     @staticmethod
     def _wait(work) -> None:
@@ -364,7 +370,7 @@ class Comm:
         try:
             work.wait()
         except RuntimeError as exc:
-            raise TransferError(f"{exc}".splitlines()[0]) from exc
+            raise transfer_error(exc) from exc
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from pyplan.lower import REDUCE, SYNC
 from pyplan.models.chunks import shard_dim
 from pyplan.models.collectives import all_reduce_
 from pyplan.run.binding import Built
-from pyplan.run.comm import TransferError, device_backend
+from pyplan.run.comm import device_backend, transfer_error
 
 __all__ = ["PipelineGradients", "Reductions", "Shards", "flat_gradients", "norm_argument",
            "padded", "set_gradients", "unflatten_into"]
@@ -84,7 +84,7 @@ class Reductions:
         try:
             all_reduce_(flat, self.groups[block])
         except RuntimeError as exc:
-            raise TransferError(f"{exc}".splitlines()[0]) from exc
+            raise transfer_error(exc) from exc
         set_gradients(params, flat)
 
     def sync(self, block: int) -> None:
@@ -113,7 +113,7 @@ class Reductions:
                 part = None
                 handle = dist.all_reduce(flat, group=self.dp_group, async_op=True)
         except RuntimeError as exc:
-            raise TransferError(f"{exc}".splitlines()[0]) from exc
+            raise transfer_error(exc) from exc
         self.syncing.append((block, handle, params, flat, part))
 
     def finish(self, *, whole: bool = False) -> dict[int, torch.Tensor]:
@@ -137,7 +137,7 @@ class Reductions:
                     flat.div_(replicas)
                 set_gradients(params, flat)
         except RuntimeError as exc:
-            raise TransferError(f"{exc}".splitlines()[0]) from exc
+            raise transfer_error(exc) from exc
         self.syncing = []
         return parts
 
@@ -247,7 +247,7 @@ class PipelineGradients:
             try:
                 dist.all_reduce(param.grad, group=group)
             except RuntimeError as exc:
-                raise TransferError(f"{exc}".splitlines()[0]) from exc
+                raise transfer_error(exc) from exc
 
     def _unscale(self) -> None:
         """fp16: every gradient divided by the loss scale and checked for inf/NaN at once
