@@ -155,3 +155,14 @@ def test_the_clis_choices_are_the_runtimes():
 
     assert (run.DEVICES, run.DTYPES, run.OPTIMIZERS, run.SCHEDULES) == \
         (DEVICES, tuple(DTYPES), OPTIMIZERS, SCHEDULES)
+
+
+def test_the_clis_torch_free_copies_are_the_runtimes():
+    """What the CLI spells again so that it parses without torch: the time limit of a
+    measurement (profile, partition) and the name of a checkpoint's record (consolidate)."""
+    pytest.importorskip("torch")
+    from pyplan.cli import consolidate, profile
+    from pyplan.measure.limits import DEFAULT_SECONDS
+    from pyplan.train.checkpoint import META
+
+    assert (profile.TIME_LIMIT, consolidate.META) == (DEFAULT_SECONDS, META)

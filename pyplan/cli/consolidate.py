@@ -23,7 +23,8 @@ from pyplan.resolved import load_resolved
 
 __all__ = ["add_arguments", "run"]
 
-META = "pyplan.json"  # pyplan.train.checkpoint.META (this module parses without torch)
+META = "pyplan.json"  # pyplan.train.checkpoint.META, spelled here: this module parses without
+#                      torch (tests/test_run_cli.py checks they agree)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

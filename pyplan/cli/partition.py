@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from pyplan.cli._torch import require_torch
-from pyplan.cli.profile import MAX_REPEATS, check_time_limit
+from pyplan.cli.profile import MAX_REPEATS, add_time_limit, check_time_limit
 from pyplan.errors import PlanError
 from pyplan.fileio import write_atomic
 from pyplan.partition import OPTIMIZER_STATE
@@ -19,8 +19,6 @@ from pyplan.planfile import parse_memory
 from pyplan.planfile.plan import MAX_DEVICES, MAX_MICRO_BATCHES
 
 __all__ = ["add_arguments", "run"]
-
-UNIT_SECONDS = 300.0  # pyplan.measure.limits.DEFAULT_SECONDS (this module parses without torch)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,10 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optimizer whose state counts in the weights' memory")
     parser.add_argument("--repeats", type=int, default=5, metavar="K",
                         help="timed runs per unit and direction; the median counts")
-    parser.add_argument("--unit-time-limit", type=float, default=UNIT_SECONDS, metavar="S",
-                        help="CPU seconds measuring one unit may take (default "
-                        f"{UNIT_SECONDS:g}); a unit computing nothing for S/30 s, at least "
-                        "10 s (a sleep, a wait), is stopped too")
+    add_time_limit(parser, "unit")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="measure the units on this device (cuda: the first GPU, timed "

@@ -13,10 +13,12 @@ from pyplan.problem import load_problem
 from pyplan.planfile import format_memory
 from pyplan.planfile.plan import MAX_TIME
 
-__all__ = ["MAX_REPEATS", "add_arguments", "check_time_limit", "run", "suggestions"]
+__all__ = ["MAX_REPEATS", "TIME_LIMIT", "add_arguments", "add_time_limit", "check_time_limit",
+           "run", "suggestions"]
 
 MAX_REPEATS = 1000  # timed runs per measurement (8x that when they spread): bounded time
-BLOCK_SECONDS = 300.0  # pyplan.measure.limits.DEFAULT_SECONDS (this module parses without torch)
+TIME_LIMIT = 300.0  # pyplan.measure.limits.DEFAULT_SECONDS, spelled here so that the CLI parses
+#                    without importing torch (tests/test_run_cli.py checks they agree)
 MAX_LIMIT = 1e6       # seconds: past this a limit is no bound (and past float's exact range)
 MIN_UNIT_MS, MAX_UNIT_MS = 1e-6, 1e6  # topology.time_unit_ms's range (schemas/plan.schema.json)
 
@@ -28,10 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unit-ms", type=float, metavar="MS",
                         help="milliseconds per time unit of the suggested costs (default: the "
                         "fastest forward block)")
-    parser.add_argument("--block-time-limit", type=float, default=BLOCK_SECONDS, metavar="S",
-                        help="CPU seconds measuring one block may take (default "
-                        f"{BLOCK_SECONDS:g}); a block computing nothing for S/30 s, at least "
-                        "10 s (a sleep, a wait), is stopped too")
+    add_time_limit(parser, "block")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="measure on this device (cuda: the first GPU, timed with CUDA "
@@ -67,6 +66,15 @@ def suggestions(problem, costs, unit_ms: float) -> list[str]:
             entry += f", backward: {{time: {max(1, round(c.backward_ms / unit_ms))}}}"
         lines.append(entry + "}")
     return lines
+
+
+def add_time_limit(parser: argparse.ArgumentParser, what: str) -> None:
+    """--WHAT-time-limit S: the CPU seconds measuring one WHAT (a block, a unit) may take
+    (`pyplan profile` and `pyplan partition`; check_time_limit checks it)."""
+    parser.add_argument(f"--{what}-time-limit", type=float, default=TIME_LIMIT, metavar="S",
+                        help=f"CPU seconds measuring one {what} may take (default "
+                        f"{TIME_LIMIT:g}); a {what} computing nothing for S/30 s, at least "
+                        "10 s (a sleep, a wait), is stopped too")
 
 
 def check_time_limit(seconds: float, option: str) -> None:
