@@ -145,7 +145,9 @@ def run(args: argparse.Namespace) -> int:
     command = f"pyplan run {args.plan} --nproc-per-node {devices}"
     if args.tensorboard is not None:
         require_torch("run --tensorboard")
-        _check_tensorboard()
+        from pyplan.train.logs import summary_writer
+
+        summary_writer()  # a missing tensorboard package is said before any worker starts
     if args.nproc_per_node is not None and "RANK" not in os.environ:
         return launch(args, _worker_arguments(args))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -164,15 +166,6 @@ def run(args: argparse.Namespace) -> int:
     if args.eval_every is not None:
         _check_eval_split(model, problem)
     return record(_session)(args, plan, model, fail_at)
-
-
-def _check_tensorboard() -> None:
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError:
-        raise PlanError("--tensorboard needs the tensorboard package, which is not installed",
-                        hint="pip install tensorboard, or log JSON lines with --log FILE") \
-            from None
 
 
 def _check_eval_split(model, problem) -> None:

@@ -11,18 +11,25 @@ import sys
 
 from pyplan.errors import PlanError
 
-__all__ = ["Log", "tensorboard_writer"]
+__all__ = ["Log", "summary_writer", "tensorboard_writer"]
 
 
-def tensorboard_writer(directory: str):
-    """torch.utils.tensorboard's SummaryWriter, or a PlanError saying what to install."""
+def summary_writer():
+    """torch.utils.tensorboard's SummaryWriter class, or a PlanError saying what to install
+    (`pyplan run --tensorboard` asks before it starts any worker)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise PlanError("--tensorboard needs the tensorboard package, which is not installed",
                         hint="pip install tensorboard, or log JSON lines with --log FILE") \
             from None
-    return SummaryWriter(directory)
+    return SummaryWriter
+
+
+def tensorboard_writer(directory: str):
+    """torch.utils.tensorboard's SummaryWriter on `directory`, or a PlanError saying what to
+    install."""
+    return summary_writer()(directory)
 
 
 class Log:
