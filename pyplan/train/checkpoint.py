@@ -328,8 +328,13 @@ def _check_model(folder: Path, meta: dict, stored: dict, mine: dict, everyone: s
         if entry.properties.dtype != tensor.dtype:
             raise CheckpointError(f"{key} is {entry.properties.dtype} in the checkpoint "
                                   f"{folder}, {tensor.dtype} in this model", hint=hint)
-    extra = sorted(k[len("model."):] for k in stored
-                   if k.startswith("model.") and k[len("model."):] not in everyone)
+    _refuse_extra(folder, sorted(k[len("model."):] for k in stored
+                                 if k.startswith("model.") and k[len("model."):] not in everyone),
+                  hint)
+
+
+def _refuse_extra(folder: Path, extra: list[str], hint: str) -> None:
+    """CheckpointError when the checkpoint holds names (`extra`, sorted) this model lacks."""
     if extra:
         raise CheckpointError(f"the checkpoint {folder} holds {extra[0]!r}, which this model "
                               f"does not have ({len(extra)} such entries): another model's",
@@ -397,9 +402,5 @@ def consolidate(directory: str | Path, model: nn.Module, names: dict[int, str]) 
                                   f"checkpoint, {tuple(value.shape)} in the model", hint=hint)
         out[key] = whole[name].to(value.dtype)
         used.add(name)
-    extra = sorted(set(whole) - used)
-    if extra:
-        raise CheckpointError(f"the checkpoint {folder} holds {extra[0]!r}, which this model "
-                              f"does not have ({len(extra)} such entries): another model's",
-                              hint=hint)
+    _refuse_extra(folder, sorted(set(whole) - used), hint)
     return out
