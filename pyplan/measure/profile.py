@@ -26,7 +26,8 @@ from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Unit, find_units, stage_m
 from pyplan.models.deferred import Deferred, eager, move
 from pyplan.partition import UnitCost, weight_bytes
 from pyplan.problem import Problem
-from pyplan.run.binding import Model, block_inputs, build, loss_function, make_batch
+from pyplan.run.binding import (Model, block_inputs, build, forward_blocks, loss_function,
+                                make_batch)
 from pyplan.run.data import split_batch, to_device
 from pyplan.run.census import storage_bytes
 from pyplan.measure.limits import DEFAULT_SECONDS, guarded, time_limit
@@ -62,7 +63,7 @@ def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, 
     timer = Timer(device, repeats, measured)
     busy(measured)
     output_block = check_runnable(problem)
-    forward = [b.index for b in problem.blocks if b.is_forward]
+    forward = forward_blocks(problem)
     trains = problem.trained_layers
     preds = block_inputs(problem, forward)
     inputs, targets = make_batch(model, 0, seed, device)

@@ -21,8 +21,9 @@ from pyplan.models import FORWARD, TRACED
 from pyplan.models.forward import logits, whole_forward
 from pyplan.problem import Problem
 from pyplan.models.chunks import shard_dim
-from pyplan.run.binding import (Model, block_inputs, block_seeds, build, build_whole, forward_seed,
-                                loss_function, make_batch, seed_generators)
+from pyplan.run.binding import (Model, block_inputs, block_seeds, build, build_whole,
+                                forward_blocks, forward_seed, loss_function, make_batch,
+                                seed_generators)
 from pyplan.run.data import split_batch
 from pyplan.run.values import concatenated
 from pyplan.train.training import Training
@@ -172,7 +173,7 @@ class _forward:
         """Reseed where each block starts: its first module (the whole model's call for the
         first block of a forward cut, which starts before its first module runs)."""
         problem, model = self.problem, self.model
-        for b in [b.index for b in problem.blocks if b.is_forward]:
+        for b in forward_blocks(problem):
             first = model.stages[problem.blocks[b].name][0]
             target = self.whole if (model.cut.kind == FORWARD and b == min(self.seeds)) \
                 else self.whole.get_submodule(first)
