@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import pyplan
 from pyplan.errors import PlanError
 
 __all__ = ["SIZES", "all_reduce_times", "fit_link", "measure_all_reduces", "measure_link",
@@ -139,7 +138,7 @@ def _without_other_pyplans(paths: list[str]) -> list[str]:
     """`paths` without folders holding a pyplan package other than this one: the working
     directory the CLI puts on sys.path for the user's model may be a source tree without a
     build, which would shadow the installed package in a fresh process."""
-    here = Path(pyplan.__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # this pyplan package's folder
 
     def other(path: str) -> bool:
         candidate = Path(path or ".") / "pyplan"
