@@ -14,7 +14,7 @@ def require_torch(command: str, *, runtime: bool = True) -> None:
     all that `pyplan run --nproc-per-node` needs itself), or raise a one-line RunError."""
     try:
         with warnings.catch_warnings():
-            # torch warns at import when numpy is absent (as in pyplan.runtime)
+            # torch warns at import when numpy is absent (as in pyplan.run)
             warnings.filterwarnings("ignore", message="Failed to initialize NumPy",
                                     category=UserWarning)
             import torch  # noqa: F401
