@@ -33,7 +33,7 @@ pyplan.lower pyplan.partition
 pyplan.verify
 pyplan._runnable
 pyplan.api
-pyplan.placements
+pyplan.placements pyplan.cluster
 pyplan.export pyplan.models
 pyplan.run
 pyplan.measure pyplan.train

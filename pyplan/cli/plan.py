@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.fileio import check_not_input, check_output, write_atomic
-from pyplan.spec.units import count
+from pyplan.planfile.units import count
 
 __all__ = ["add_arguments", "run"]
 

@@ -118,8 +118,8 @@ def preset_names() -> list[str]:
 
 def load_cluster(where: str) -> Cluster:
     """A cluster file, or a preset's name (dgx-a100-80gb, dgx-h100, ...)."""
-    from pyplan.spec.schema import check_schema
-    from pyplan.spec.source import load_yaml
+    from pyplan.planfile.schema import check_schema
+    from pyplan.planfile.source import load_yaml
 
     path = Path(where)
     if not path.exists() and (PRESETS / f"{where}.yaml").is_file():

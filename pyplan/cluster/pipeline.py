@@ -239,7 +239,7 @@ def price(chunk_list: list[Chunk], layout: Layout, micro_batches: int, capacity:
     """Lay out the layout's schedule on its plan and evaluate it."""
     from pyplan.problem import build_problem
     from pyplan.solver.templates import template_schedule
-    from pyplan.spec.plan import spec_from_text
+    from pyplan.planfile.plan import spec_from_text
 
     unit = time_unit(chunk_list)
     # A template is priced without a capacity (it reports memory, it does not enforce it);
