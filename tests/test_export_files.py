@@ -112,7 +112,7 @@ def test_unknown_format(cli, tmp_path):
     code, _, err = cli("export", PLANS / "1f1b-4stage.yaml", "--format", "png",
                        "-o", tmp_path / "x")
     assert err == ("error: unknown export format 'png' (hint: choose svg, chrome, torch-csv, "
-                   "megatron-layout, torchtitan)\n")
+                   "megatron-layout, megatron-args, torchtitan)\n")
     assert not (tmp_path / "x").exists()
 
 

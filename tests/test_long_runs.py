@@ -3,7 +3,7 @@ learning-rate schedules, gradient accumulation, evaluation on the data's eval sp
 clipping over a rank that holds no parameter, checked against the single-process run; a resume
 with changed settings applies them, says so, and --check replays that history; docs/training-loop.md's
 own loop saves and resumes through pyplan.runtime.save/load exactly; eval_step on a batch of
-another size; the torchtitan export in torchtitan's current configuration keys."""
+another size. (The torchtitan export is tested with torchtitan's own code in test_clients.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -172,58 +171,3 @@ def test_evaluation_of_another_batch_size_and_what_is_refused(one_rank, tmp_path
         assert all(torch.equal(v, saved[k]) for k, v in pipe.state_dict()["model"].items())
     finally:
         pipe.close()
-
-
-# ---------------------------------------------------------------- torchtitan
-
-# torchtitan's ParallelismConfig keys the export sets (torchtitan/config/configs.py, read at
-# pytorch/torchtitan b5bcd76, August 2026): used when torchtitan is not installed.
-TORCHTITAN_KEYS = {"pipeline_parallel_degree", "module_fqns_per_model_part",
-                   "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv",
-                   "num_pp_microbatches"}
-
-
-def _torchtitan_keys() -> set[str]:
-    try:
-        from torchtitan.config.configs import ParallelismConfig
-    except ImportError:
-        return TORCHTITAN_KEYS
-    import dataclasses
-
-    return {f.name for f in dataclasses.fields(ParallelismConfig)}
-
-
-def test_torchtitan_export_sets_current_keys_with_its_module_names(cli, tmp_path):
-    units = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2",
-             "model.layers.3", "model.norm", "lm_head"]
-    stages = [units[:2], units[2:4], units[4:6], units[6:]]
-    plan = tmp_path / "llama.yaml"
-    plan.write_text(
-        "pyplan: 1\nname: llama-4\ndevices: 4\nmicro_batches: 8\n"
-        "training: {backward: {time_ratio: 2}}\nblocks:\n" +
-        "".join(f"  - {{name: s{i}, devices: [{i}], time: 1, memory: 1}}\n" for i in range(4)) +
-        "model:\n  module: hf:llama\n  cut: forward\n  stages:\n" +
-        "".join(f"    s{i}: {json.dumps(u)}\n" for i, u in enumerate(stages)) +
-        "  data: hf:batch\n  loss: hf:loss\n")
-    code, out, err = cli("export", plan, "--format", "torchtitan", "-o", tmp_path / "tt.py")
-    assert code == 0, err
-    keys = _torchtitan_keys()
-
-    class Parallelism:  # takes torchtitan's keys only
-        def __setattr__(self, name, value):
-            if name not in keys:
-                raise AttributeError(f"torchtitan has no parallelism.{name}")
-            object.__setattr__(self, name, value)
-
-    namespace: dict = {}
-    exec(compile((tmp_path / "tt.py").read_text(), "tt.py", "exec"), namespace)
-    config = namespace["pipeline"](types.SimpleNamespace(parallelism=Parallelism()))
-    assert vars(config.parallelism) == {
-        "pipeline_parallel_degree": 4,
-        "module_fqns_per_model_part": [["tok_embeddings", "layers.0"], ["layers.1", "layers.2"],
-                                       ["layers.3", "norm"], ["lm_head"]],
-        "pipeline_parallel_schedule": "1F1B",
-        "pipeline_parallel_schedule_csv": "llama-4.csv",
-        "num_pp_microbatches": 8}
-    assert "Hugging Face Llama-family names mapped to torchtitan's" in \
-        " ".join((tmp_path / "tt.py").read_text().split())

@@ -1,5 +1,6 @@
-"""`pyplan export PLAN|RESOLVED --format svg|chrome|torch-csv -o FILE`: the schedule as a
-picture, a Chrome/Perfetto trace or torch.distributed.pipelining's schedule CSV."""
+"""`pyplan export PLAN|RESOLVED --format FORMAT -o FILE`: the schedule as a picture, a
+Chrome/Perfetto trace or torch.distributed.pipelining's schedule CSV; the plan's layout as
+torchtitan's configuration, Megatron-LM's layout string or its pretrain_gpt.py arguments."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from pyplan.errors import PlanError, did_you_mean
 from pyplan.export.chrome import schedule_trace
 from pyplan.export.svg import render_svg
 from pyplan.export.torch_csv import render_torch_csv, torch_stages
-from pyplan.export.trainers import megatron_layout, torchtitan_config
+from pyplan.export.trainers import (MEGATRON_CORE, MEGATRON_LM, TORCHTITAN,
+                                    megatron_arguments, megatron_layout,
+                                    torchtitan_config)
 from pyplan.fileio import check_not_input, write_atomic
 from pyplan.schedule import Schedule
 from pyplan.planfile.units import count
+from pyplan.solver.templates import template_schedule
 
 __all__ = ["FORMATS", "add_arguments", "run"]
 
@@ -25,8 +29,11 @@ def _chrome(schedule: Schedule) -> str:
 
 
 FORMATS = {"svg": render_svg, "chrome": _chrome, "torch-csv": render_torch_csv}
-# Formats of the plan's stages alone (no schedule needed).
-LAYOUTS = {"megatron-layout": megatron_layout, "torchtitan": torchtitan_config}
+# Formats of the plan's layout (no schedule needed): (export, the client it is for).
+LAYOUTS = {"megatron-layout": (lambda problem, template: megatron_layout(problem),
+                               f"megatron-core {MEGATRON_CORE}"),
+           "megatron-args": (megatron_arguments, f"Megatron-LM {MEGATRON_LM}"),
+           "torchtitan": (torchtitan_config, f"torchtitan {TORCHTITAN}")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,13 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", required=True, metavar="FORMAT",
                         help="svg (timeline picture), chrome (Chrome/Perfetto trace JSON), "
                              "torch-csv (torch.distributed.pipelining schedule), "
-                             "megatron-layout (Megatron-LM's pipeline layout string) or "
-                             "torchtitan (a Python module setting its pipeline)")
+                             "megatron-layout (Megatron-LM's pipeline layout string), "
+                             "megatron-args (Megatron-LM's pretrain_gpt.py arguments) or "
+                             "torchtitan (a Python module setting its Trainer.Config)")
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
                         help="file to write, '-' for standard output")
     parser.add_argument("--template", metavar="NAME",
                         help="export a hand-written schedule (gpipe, 1f1b, ...) on the plan's "
-                             "placement instead")
+                             "placement instead (torchtitan, megatron-args: name it as the "
+                             "schedule to run)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,12 +63,15 @@ def run(args: argparse.Namespace) -> int:
     if args.output != "-":
         check_not_input(args.output, args.plan, resolved and resolved.plan_path)
     if args.format in LAYOUTS:
-        text = LAYOUTS[args.format](problem)
+        export, client = LAYOUTS[args.format]
+        if args.template is not None:
+            template_schedule(problem, args.template)  # the template fits the plan
+        text = export(problem, args.template)
         if args.output == "-":
             sys.stdout.write(text)
         else:
             write_atomic(args.output, text)
-            print(f"wrote {args.output}: {args.format}, {problem.name}")
+            print(f"wrote {args.output}: {args.format}, {problem.name}, for {client}")
         return 0
     if args.format == "torch-csv":
         torch_stages(problem)  # fail before solving when torch cannot run this placement
