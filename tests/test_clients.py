@@ -76,7 +76,28 @@ LAYOUTS = {
     "gpipe": TrainerLayout(name="g", tp=4, pp=2, micro_batches=4, schedule="gpipe",
                            stage_layers=(2, 2)),
 }
-MEGATRON_LAYOUTS = ("tp2-pp4-dp2-vpp2", "hsdp-1f1b")  # the rest are schedules it has not
+
+
+def _planned(**fixed) -> TrainerLayout:
+    """A layout as pyplan's cluster planner prices it (pyplan plan): the layers it gives each
+    stage of a 16-layer GPT on DGX H100s, a global batch of 16 sequences of 4096 tokens."""
+    from pyplan.cluster import Batch, Layout, load_cluster, predict
+    from pyplan.cluster.model import gpt
+
+    batch, layout = Batch(16, 4096), Layout(**fixed)
+    priced = predict(gpt(16, 1024, 16, sequence=4096), load_cluster("dgx-h100"), layout, batch)
+    return TrainerLayout.planned(priced.layout, name="planned", stage_layers=priced.
+                                 layers_per_stage, micro_batches=layout.micro_batches(batch),
+                                 sequence_length=batch.sequence)
+
+
+LAYOUTS["planner-tp2-pp4-dp2-vpp2"] = _planned(
+    tp=2, pp=4, dp=2, vpp=2, recompute="selective", sequence_parallel=True,
+    schedule="interleaved-1f1b", distributed_optimizer=True)
+LAYOUTS["planner-zb-v"] = _planned(tp=2, pp=4, dp=2, vpp=2, recompute="full",
+                                   schedule="zb-v")
+# the rest are schedules Megatron-LM has not
+MEGATRON_LAYOUTS = ("tp2-pp4-dp2-vpp2", "hsdp-1f1b", "planner-tp2-pp4-dp2-vpp2")
 # torch's schedule class torchtitan builds for each (with a CSV: torch's runtime runs it)
 TORCH_CLASSES = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "1f1b": "Schedule1F1B",
                  "zb-h1": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble",
@@ -92,10 +113,10 @@ PLANS = {
     "llama-loop": dict(devices=4, stages=[_LLAMA[:2], _LLAMA[2:4], _LLAMA[4:6], _LLAMA[6:]],
                        micro_batches=8),
     # two stages per rank, two replicas sharding the state (mesh shard: FSDP, distributed
-    # optimizer)
+    # optimizer), each stage over 2 tensor-parallel GPUs
     "gpt-interleaved-dp": dict(devices=2, stages=[["embed", "layers.0"], ["layers.1"],
                                                   ["layers.2"], ["layers.3", "head"]],
-                               micro_batches=4, mesh="{data: 2, shard: true}"),
+                               micro_batches=4, dp=2, tp=2),
     # the V with a split backward: torch's ZBVZeroBubble places it
     "gpt-v": dict(devices=2, stages=[["embed", "layers.0"], ["layers.1"], ["layers.2"],
                                      ["layers.3", "head"]],
@@ -181,11 +202,14 @@ def _in_client(site: Path, check: str, cases: dict, cwd: Path) -> dict:
 
 
 def _plan(path: Path, name: str, devices: int, stages: list, micro_batches: int,
-          placement: list | None = None, split: bool = False, mesh: str | None = None) -> Path:
+          placement: list | None = None, split: bool = False, dp: int = 1,
+          tp: int = 1) -> Path:
+    """A plan as pyplan partition writes it; dp replicas shard the state (mesh shard)."""
     placement = placement or [s % devices for s in range(len(stages))]
     backward = "{time_ratio: 2" + (", weight_time_ratio: 1}" if split else "}")
+    mesh = f"mesh: {{data: {dp}, shard: {'true' if dp > 1 else 'false'}, tensor: {tp}}}\n"
     text = (f"pyplan: 1\nname: {name}\ndevices: {devices}\nmicro_batches: {micro_batches}\n"
-            f"training: {{backward: {backward}}}\n" + (f"mesh: {mesh}\n" if mesh else "") +
+            f"training: {{backward: {backward}}}\n" + mesh +
             "blocks:\n" +
             "".join(f"  - {{name: s{s}, devices: [{d}], time: 1, memory: 1}}\n"
                     for s, d in enumerate(placement)) +
@@ -217,7 +241,7 @@ def torchtitan_runs(client_site, tmp_path_factory) -> dict:
         plan = _plan(work / f"{key}.yaml", key, **given)
         _export("export", plan, "--format", "torchtitan", "-o", work / f"{key}.py")
         _export("export", plan, "--format", "torch-csv", "-o", work / f"{key}.csv")
-        world = given["devices"] * (2 if given.get("mesh") else 1)
+        world = given["devices"] * given.get("dp", 1) * given.get("tp", 1)
         cases[key] = {"path": f"{key}.py", "world": world}
     return _in_client(site, "torchtitan", cases, work)
 
@@ -259,9 +283,9 @@ def test_torchtitan_runs_a_plans_order_from_its_csv(key, torchtitan_runs):
     given = PLANS[key]
     facts = torchtitan_runs[key]
     assert "error" not in facts, facts.get("error")
-    dp = 2 if given.get("mesh") else 1
-    assert facts["dims"] == {"dp_replicate": 1, "dp_shard": dp, "cp": 1, "tp": 1,
-                             "pp": given["devices"], "world_size": given["devices"] * dp}
+    dp, tp = given.get("dp", 1), given.get("tp", 1)
+    assert facts["dims"] == {"dp_replicate": 1, "dp_shard": dp, "cp": 1, "tp": tp,
+                             "pp": given["devices"], "world_size": given["devices"] * dp * tp}
     # torch's runtime runs pyplan's CSV; the named schedule placed the stages
     assert facts["schedule"] == "_PipelineScheduleRuntime" and facts["csv_actions"] > 0
     assert facts["micro_batches"] == given["micro_batches"]
@@ -294,7 +318,7 @@ def megatron_runs(client_site, tmp_path_factory) -> dict:
         plan = _plan(work / f"{key}.yaml", key, **given)
         _export("export", plan, "--format", "megatron-args", "-o", work / f"{key}.args")
         _export("export", plan, "--format", "megatron-layout", "-o", work / f"{key}.layout")
-        world = given["devices"] * (2 if given.get("mesh") else 1)
+        world = given["devices"] * given.get("dp", 1) * given.get("tp", 1)
         cases[key] = {"path": f"{key}.args", "world": world, "layout": f"{key}.layout",
                       "pp": given["devices"]}
     return _in_client(site, "megatron", cases, work)
@@ -344,9 +368,9 @@ def test_megatron_accepts_a_plans_layout_and_arguments(key, megatron_runs):
     layers = [sum(u.rsplit(".", 1)[-1].isdigit() for u in units) for units in given["stages"]]
     assert facts["stages"] == _megatron_stages(tuple(layers))
     assert facts["layout_stages"] == facts["stages"]  # --format megatron-layout, parsed alone
-    dp = 2 if given.get("mesh") else 1
+    dp = given.get("dp", 1)
     vpp = len(given["stages"]) // given["devices"]
-    assert facts["groups"] == {"tp": 1, "pp": given["devices"], "dp": dp,
+    assert facts["groups"] == {"tp": given.get("tp", 1), "pp": given["devices"], "dp": dp,
                                "vpp": vpp if vpp > 1 else None}
     assert facts["micro_batches"] == given["micro_batches"]
     assert facts["use_distributed_optimizer"] == (dp > 1)

@@ -210,8 +210,8 @@ def test_megatron_args_of_a_plan(cli, tmp_path):
         "--global-batch-size 8")
     assert "Schedule: Megatron-LM's 1F1B (pyplan's own order is not one Megatron-LM runs" in \
         " ".join(line.lstrip("# ") for line in out.splitlines())
-    # a mesh with sharding: data parallel 2, Megatron-LM's distributed optimizer
-    plan = _plan(tmp_path, extra="mesh: {data: 2, shard: true}\n")
+    # a mesh with sharding: data parallel 2, Megatron-LM's distributed optimizer; tensor 2
+    plan = _plan(tmp_path, extra="mesh: {data: 2, shard: true, tensor: 2}\n")
     code, out, err = cli("export", plan, "--format", "megatron-args", "-o", tmp_path / "a.txt")
     assert (code, err) == (0, "")
     assert out == (f"wrote {tmp_path / 'a.txt'}: megatron-args, p, for Megatron-LM "
@@ -220,6 +220,7 @@ def test_megatron_args_of_a_plan(cli, tmp_path):
     assert line.endswith("--micro-batch-size 1 --global-batch-size 8 "
                          "--use-distributed-optimizer")
     assert "--pipeline-model-parallel-layout 'E,t|t|t|t,L'" in line
+    assert line.startswith("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 ")
 
 
 def test_a_plans_refusals_point_at_its_line(cli, tmp_path):

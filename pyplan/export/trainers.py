@@ -334,21 +334,24 @@ _TRAINERS = {"torchtitan": "torchtitan", "megatron": "Megatron-LM"}
 def plan_layout(problem: Problem, trainer: str, template: str | None = None) -> TrainerLayout:
     """The layout of a plan `pyplan partition` wrote, for `trainer` (torchtitan or megatron):
     its devices are the pipeline ranks, its stages the model's submodules, its `mesh:` the data
-    parallelism (`shard: true`: sharded), no tensor parallelism, micro-batches of one sequence.
-    The schedule is `template`, or pyplan's order from its torch CSV (`NAME.csv`)."""
+    parallelism (`shard: true`: sharded) and the tensor parallelism (`tensor`), micro-batches
+    of one sequence. The schedule is `template`, or pyplan's order from its torch CSV
+    (`NAME.csv`)."""
     name = _TRAINERS[trainer]
     stages = _stages(problem)
     d = problem.num_devices
     style = _placement(problem, (LOOP, V) if trainer == "torchtitan" and len(stages) == 2 * d
                        else (LOOP,), name)
     mesh = problem.mesh
-    data, shard = (mesh.data, mesh.shard) if mesh is not None else (1, False)
+    data, shard, tensor = ((mesh.data, mesh.shard, getattr(mesh, "tensor", 1))
+                           if mesh is not None else (1, False, 1))
     if template is not None and template not in SCHEDULES:
         raise PlanError(f"unknown template '{template}'", hint=did_you_mean(template, SCHEDULES)
                         or f"choose one of {', '.join(SCHEDULES[:-1])}")
     try:
         return TrainerLayout(
-            name=problem.name, pp=d, vpp=max(1, len(stages) // d), stage_modules=tuple(stages),
+            name=problem.name, pp=d, tp=tensor, vpp=max(1, len(stages) // d),
+            stage_modules=tuple(stages),
             micro_batches=problem.num_micro_batches, dp_replicate=1 if shard else data,
             dp_shard=data if shard else 1, schedule=template or "search",
             schedule_csv=None if template else f"{problem.name}.csv", placement=style,
