@@ -39,7 +39,7 @@ def compare_with_plan(problem: Problem, plan: Path, source: Source) -> None:
                             f"the plan {plan}: {what}", hint, key=True)
 
     derived = load_problem(plan)
-    if derived.mesh.data == 1:  # (one replica: nothing to synchronise, no mesh recorded)
+    if derived.mesh.data_parallel == 1 and derived.mesh.tensor == 1:  # (no mesh recorded)
         derived = dataclasses.replace(derived, mesh=MeshSpec())
     if [b.name for b in derived.blocks] != [b.name for b in problem.blocks]:
         raise fail("blocks", "other blocks")

@@ -36,7 +36,7 @@ _MODEL = {"blocks": (str, (), 0), "module": (str, (), 0), "stages": (dict, 0, 0)
           "layer_returns": (str, ("tensor", "tuple"), 0), "ties": (list, 0, 0),
           "data": (str, (), 0), "loss": (str, (), 0), "path": (str, (), 0),
           "vocab_parallel": (dict, 0, 0), "weights": (str, (), 0)}
-_MESH = {"data": (int, 1, MAX_DEVICES), "shard": (bool, 0, 0), "sync": (int, 0, MAX_TIME),
+_MESH = {"data": (int, 1, MAX_DEVICES), "sync": (int, 0, MAX_TIME),
          "tensor": (int, 1, MAX_DEVICES)}
 
 
@@ -169,10 +169,15 @@ class Reader:
                               loss=raw["loss"], path=raw.get("path"))
         mesh = MeshSpec()
         if self.doc.get("mesh") is not None:
-            self.typed(self.get("mesh", dict), ("mesh",), _MESH, set(_MESH) - {"tensor"})
+            raw_mesh = dict(self.get("mesh", dict))
+            shard = raw_mesh.pop("shard", None)
+            if not (type(shard) is bool or (type(shard) is int and 1 <= shard <= MAX_DEVICES)):
+                raise self.fail(("mesh", "shard"), f"'shard' cannot be {shard!r} here",
+                                "the file was edited; re-run pyplan solve")
+            self.typed(raw_mesh, ("mesh",), _MESH, set(_MESH) - {"tensor"})
             mesh = MeshSpec(data=self.get("data", int, ("mesh",), low=1,
                                           high=MAX_DEVICES // num_devices),
-                            shard=self.get("shard", bool, ("mesh",)),
+                            shard=shard,
                             sync=self.get("sync", int, ("mesh",), low=0, high=MAX_TIME),
                             tensor=self.doc["mesh"].get("tensor", 1))
         unit = self.doc.get("time_unit_ms")

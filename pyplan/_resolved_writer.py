@@ -143,11 +143,11 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
                      + (f", path: {_quoted(m.path)}" if m.path else "") + "}")
     if problem.time_unit_ms is not None:
         lines.append(f"time_unit_ms: {_float(problem.time_unit_ms)}")
-    if problem.mesh.data > 1 or problem.mesh.tensor > 1:
-        mesh = problem.mesh
-        lines.append(f"mesh: {{data: {mesh.data}, shard: {'true' if mesh.shard else 'false'}, "
-                     f"sync: {mesh.sync}" + (f", tensor: {mesh.tensor}" if mesh.tensor > 1
-                                             else "") + "}")
+    mesh = problem.mesh
+    if mesh.data_parallel > 1 or mesh.tensor > 1:
+        shard = str(mesh.shard).lower() if type(mesh.shard) is bool else mesh.shard
+        lines.append(f"mesh: {{data: {mesh.data}, shard: {shard}, sync: {mesh.sync}"
+                     + (f", tensor: {mesh.tensor}" if mesh.tensor > 1 else "") + "}")
     lines += [
         f"status: {solution.status}",
         f"origin: {solution.origin}",

@@ -13,12 +13,14 @@ lowest device of P. A gradient is computed by every device of a backward block; 
 contribution goes back the way the activation came (to itself when it is also a device of the
 receiving block, else to that block's lowest device), where all contributions are summed.
 
-With data-parallel replicas (`mesh: {data: R}`) the world is R copies of the pipeline, rank =
-replica x devices + device, every replica running the same program (its peers and groups moved
-to its ranks). Each stage's gradients are synchronised across the replicas by a SYNC, a
-collective of the ranks holding that device in every replica, issued in the order the
-schedule's gradient synchronisations take on the device, each after the stage's last gradient
-block there and what it sends (and after its REDUCE, for a block on several devices).
+With a mesh (`mesh: {data, shard, tensor}`) each pipeline device is data_parallel x tensor
+ranks (rank = (device x data_parallel + data_index) x tensor + tensor_index, MeshSpec), and
+every one of them runs its device's program, its peers and groups moved to the ranks of its own
+data and tensor index: a tensor rank sends to its peer in the next stage, 1:1. Each stage's
+gradients are synchronised across the data-parallel ranks by a SYNC, a collective of the ranks
+holding that device with the same tensor index, issued in the order the schedule's gradient
+synchronisations take on the device, each after the stage's last gradient block there and what
+it sends (and after its REDUCE, for a block on several devices).
 """
 
 from __future__ import annotations
@@ -103,8 +105,10 @@ def lower(problem: Problem, schedule: Schedule) -> Lowered:
     every data-parallel replica."""
     pipeline = _pipeline(problem, schedule)
     programs = [_with_syncs(problem, schedule, d, program) for d, program in enumerate(pipeline)]
-    world = [_moved(program, r * problem.num_devices)
-             for r in range(problem.mesh.data) for program in programs]
+    mesh = problem.mesh
+    world = [_moved(programs[device], mesh, device, data_index, tensor_index)
+             for device, data_index, tensor_index in
+             map(mesh.coords, range(mesh.world(problem.num_devices)))]
     return Lowered(problem, global_order(problem, schedule), tuple(world), schedule.makespan)
 
 
@@ -112,7 +116,7 @@ def _with_syncs(problem: Problem, schedule: Schedule, device: int,
                 program: list[Instruction]) -> tuple[Instruction, ...]:
     """A device's program with its SYNCs, in the order of the schedule's synchronisations."""
     program = list(program)
-    replicas = tuple(r * problem.num_devices + device for r in range(problem.mesh.data))
+    replicas = tuple(range(problem.mesh.data_parallel))  # data indices, moved with the rest
     after = -1
     for sync in (x for x in schedule.syncs if x.device == device):
         layer = problem.blocks[sync.layer]
@@ -130,20 +134,27 @@ def _with_syncs(problem: Problem, schedule: Schedule, device: int,
     return tuple(program)
 
 
-def _moved(program: tuple[Instruction, ...], offset: int) -> tuple[Instruction, ...]:
-    """A replica's copy of a pipeline program: its peers, groups and gradient origins moved by
-    `offset` ranks (a SYNC's group spans the replicas already)."""
-    if offset == 0:
+def _moved(program: tuple[Instruction, ...], mesh, device: int, data_index: int,
+           tensor_index: int) -> tuple[Instruction, ...]:
+    """A rank's copy of its device's program: peers, groups and gradient origins (devices) moved
+    to the ranks of its data and tensor index; a SYNC's group (data indices) to the ranks of its
+    device and tensor index."""
+    if mesh.data_parallel * mesh.tensor == 1:
         return program
 
-    def value(v: Value | None) -> Value | None:
-        return v if v is None or v.kind != GRADIENT else replace(v, origin=v.origin + offset)
+    def rank(other: int) -> int:
+        return mesh.rank(other, data_index, tensor_index)
 
-    return tuple(ins if ins.op == SYNC else
-                 replace(ins, peer=ins.peer + offset if ins.peer >= 0 else -1,
-                         group=tuple(g + offset for g in ins.group), value=value(ins.value),
-                         inputs=tuple(value(v) for v in ins.inputs))
-                 for ins in program)
+    def value(v: Value | None) -> Value | None:
+        return v if v is None or v.kind != GRADIENT else replace(v, origin=rank(v.origin))
+
+    return tuple(
+        replace(ins, group=tuple(mesh.rank(device, d, tensor_index) for d in ins.group))
+        if ins.op == SYNC else
+        replace(ins, peer=rank(ins.peer) if ins.peer >= 0 else -1,
+                group=tuple(rank(g) for g in ins.group), value=value(ins.value),
+                inputs=tuple(value(v) for v in ins.inputs))
+        for ins in program)
 
 
 def _pipeline(problem: Problem, schedule: Schedule) -> list[list[Instruction]]:

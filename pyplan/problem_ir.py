@@ -287,7 +287,7 @@ class Problem:
     @property
     def syncs_gradients(self) -> bool:
         """A training plan with data-parallel replicas: each stage's gradients are synchronised."""
-        return self.training and self.mesh.data > 1
+        return self.training and self.mesh.data_parallel > 1
 
     @cached_property
     def trained_layers(self) -> frozenset[int]:

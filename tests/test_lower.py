@@ -245,14 +245,16 @@ def test_a_replica_issuing_its_syncs_in_another_order_is_refused():
 
 def test_replicas_talk_within_their_own_pipeline():
     lowered = lower(*_resolved("transformer-vshape-dp2"))
-    devices = lowered.problem.num_devices
+    mesh = lowered.problem.mesh
+    # Ranks run pipeline-major: device d's two replicas are ranks 2d and 2d + 1.
+    assert [mesh.coords(r) for r in range(4)] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
     for rank, program in enumerate(lowered.programs):
-        replica = rank // devices
+        device, replica, _ = mesh.coords(rank)
         for ins in program:
             if ins.op in (SEND, RECV, WAIT):
-                assert ins.peer // devices == replica
+                assert mesh.coords(ins.peer)[1] == replica
             if ins.op == SYNC:
-                assert ins.group == tuple(r * devices + rank % devices for r in range(2))
+                assert ins.group == (2 * device, 2 * device + 1)
     _pairs_in_order(lowered)
     verify(lowered)
 
@@ -335,7 +337,7 @@ def test_blocks_on_several_devices_sync_after_their_reduce():
     schedule = solve(problem).schedule
     lowered = lower(problem, schedule)
     verify(lowered)
-    program = lowered.programs[problem.num_devices + 1]  # replica 1, device 1
+    program = lowered.programs[problem.mesh.rank(1, 1)]  # device 1, replica 1
     order = [(i.op, lowered.name(i.block)) for i in program if i.op in (SYNC, REDUCE)]
     assert order == [(SYNC, "stage1"), (REDUCE, "embed"), (SYNC, "embed"), (REDUCE, "head"),
                      (SYNC, "head")]

@@ -73,14 +73,15 @@ def test_dry_run_verifies_every_replica_and_its_gradient_syncs(cli, outside_torc
     code, out, err = cli("run", PLANS / "transformer-vshape-dp2.resolved.yaml", "--dry-run")
     assert (code, err) == (0, "")
     lines = out.splitlines()
-    assert lines[0].startswith("transformer-vshape-dp2: 16 block instances on 2 ranks in each "
-                               "of 2 replicas; verified:")
+    # Ranks run pipeline-major: device 1's replicas are ranks 2 and 3.
+    assert lines[0].startswith("transformer-vshape-dp2: 16 block instances on 2 devices x 2 "
+                               "replicas (4 ranks); verified:")
     assert "rank 3: 21 instructions (8 compute, 4 send, 4 recv, 4 wait, 1 sync)" in lines
     assert lines[lines.index("rank 3: 21 instructions (8 compute, 4 send, 4 recv, 4 wait, "
                              "1 sync)") + 20:][:2] == [
-        "    19 send gradient stage1.b->stage0.b@3 of rank 3 to rank 2",
-        "    20 sync stage1 gradients across replicas on ranks 1,3"]
-    assert "     5 send gradient stage1.b->stage0.b@0 of rank 3 to rank 2" in lines
+        "    19 send gradient stage1.b->stage0.b@3 of rank 3 to rank 1",
+        "    20 sync stage1 gradients across replicas on ranks 2,3"]
+    assert "     5 send gradient stage1.b->stage0.b@0 of rank 3 to rank 1" in lines
 
 
 def test_dry_run_builds_the_model_and_names_a_broken_block(cli, outside_torchrun, tmp_path):

@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         _print_programs(lowered)
         print(_model_check(problem, plan_dir, _source(plan)))
         return 0
-    devices = problem.num_devices * problem.mesh.data
+    devices = problem.mesh.world(problem.num_devices)
     command = f"pyplan run {args.plan} --nproc-per-node {devices}"
     if args.tensorboard is not None:
         require_torch("run --tensorboard")
@@ -154,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
         raise RunError("pyplan run runs one process per device under torchrun",
                        hint=f"launch it with: {command}")
     if int(os.environ["WORLD_SIZE"]) != devices:
-        layout = (f"devices: {devices}" if problem.mesh.data == 1 else
-                  f"{problem.mesh.data} replicas of {problem.num_devices} devices")
+        layout = (f"devices: {devices}" if devices == problem.num_devices else
+                  problem.mesh.describe(problem.num_devices))
         raise RunError(f"the plan needs {devices} processes ({layout}) but torchrun "
                        f"started {os.environ['WORLD_SIZE']}", hint=f"launch it with: {command}")
     require_torch("run")
@@ -343,9 +343,11 @@ def _check_save(path: Path) -> None:
 
 def _print_programs(lowered) -> None:
     problem = lowered.problem
-    replicas = "" if problem.mesh.data == 1 else f" in each of {problem.mesh.data} replicas"
-    print(f"{problem.name}: {len(lowered.order)} block instances on {problem.num_devices} "
-          f"ranks{replicas}; verified: no send/recv pair can cross or block forever, and every "
+    ranks = len(lowered.programs)
+    where = f"{ranks} ranks" if ranks == problem.num_devices else \
+        f"{problem.mesh.describe(problem.num_devices)} ({ranks} ranks)"
+    print(f"{problem.name}: {len(lowered.order)} block instances on {where}; "
+          "verified: no send/recv pair can cross or block forever, and every "
           "collective is reached by all its ranks in the same order (non-blocking and "
           "blocking)")
     for rank, program in enumerate(lowered.programs):

@@ -27,8 +27,10 @@ def summary(problem: Problem) -> str:
     loads = " ".join(str(x) for x in problem.device_loads())
     task = "training" if problem.training else "inference"
     rules = f", {len(problem.rules)} order rules" if problem.rules else ""
-    replicas = (f" x {problem.mesh.data} data-parallel replicas" if problem.mesh.data > 1
-                else "")
+    mesh = problem.mesh
+    replicas = "".join(f" x {n} {what}" for n, what in (
+        (mesh.replicas, "data-parallel replicas"), (mesh.shards, "shards"),
+        (mesh.tensor, "tensor ranks")) if n > 1)
     speeds = f", speeds [{problem.show_speeds()}]" if problem.show_speeds() else ""
     resident = " ".join(map(problem.show_memory, problem.static_memory))
     weights = f", weights per device [{resident}]" if any(problem.static_memory) else ""

@@ -251,13 +251,21 @@ def _legend(schedule: Schedule, grid: _Grid, cut: tuple | None) -> list[str]:
         lines.append(f"~: {periods} periods elided (t={start * grid.unit}.."
                      f"{(start + length) * grid.unit}); they repeat the period before, each "
                      "one micro-batch later")
+    mesh = problem.mesh
+    if mesh.data_parallel * mesh.tensor > 1:
+        order = f"device x {mesh.data_parallel} + data index" if mesh.data_parallel > 1 \
+            else "device"
+        if mesh.tensor > 1:
+            order = f"({order}) x {mesh.tensor} + tensor index" if mesh.data_parallel > 1 \
+                else f"{order} x {mesh.tensor} + tensor index"
+        lines.append(f"mesh: {mesh.describe(problem.num_devices)}; world rank = {order}")
     if schedule.syncs:
-        mesh = problem.mesh
-        what = "reduce-scattered" if mesh.shard else "all-reduced"
+        what = "reduce-scattered" if mesh.shards > 1 else "all-reduced"
         each = ", ".join(f"d{x.device} {problem.blocks[x.layer].name} t={x.start}..{x.end}"
                          for x in schedule.syncs)
-        lines.append(f"dp: {mesh.data} replicas; each stage's gradients are {what} across "
-                     f"them after its last backward, beside the compute: {each}")
+        lines.append(f"dp: {mesh.data_parallel} data-parallel ranks; each stage's gradients "
+                     f"are {what} across them after its last backward, beside the compute: "
+                     f"{each}")
     if problem.transfer:
         lines.append(f"> idle while data is on its way: a transfer takes "
                      f"{problem.show_transfers()} time units "

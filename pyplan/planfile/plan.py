@@ -322,10 +322,10 @@ def _build(source: Source) -> PlanSpec:
     mesh_raw = doc.get("mesh", {})
     mesh = MeshSpec(data=mesh_raw.get("data", 1), shard=mesh_raw.get("shard", False),
                     sync=mesh_raw.get("sync", 0), tensor=mesh_raw.get("tensor", 1))
-    if mesh.data * mesh.tensor * num_devices > MAX_DEVICES:
-        raise source.error(("mesh", "data"), f"{mesh.data} replicas of {num_devices} devices"
-                           + (f" of {mesh.tensor} GPUs" if mesh.tensor > 1 else "") +
-                           f" exceed {MAX_DEVICES} devices", "use fewer replicas")
+    if mesh.world(num_devices) > MAX_DEVICES:
+        raise source.error(("mesh",), f"the mesh's {mesh.world(num_devices)} GPUs ({num_devices} "
+                           f"devices x {mesh.data_parallel} data-parallel x {mesh.tensor} "
+                           f"tensor) exceed {MAX_DEVICES}", "use fewer replicas")
     model = None
     if "model" in doc:
         raw = doc["model"]

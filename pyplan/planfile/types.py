@@ -139,16 +139,62 @@ class SearchSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class MeshSpec:
-    """The plan is one pipeline of a device mesh: `data` replicas of it train on slices of the
-    global batch and synchronise each stage's gradients once per iteration, `sync` time units
-    after the stage's last backward on a device (overlapped with the remaining work);
-    `shard` shards gradients and parameters over the replicas (reduce-scatter + all-gather)."""
+    """The plan is one pipeline of a device mesh. Each pipeline device is `data` x `shard` x
+    `tensor` GPUs: `data` replicas of the pipeline (and with `shard: N`, N shards of each,
+    HSDP) train on slices of the global batch and synchronise each stage's gradients once per
+    iteration, `sync` time units after the stage's last backward on a device (overlapped with
+    the remaining work); `shard` shards parameters, gradients and optimizer state (FSDP2):
+    `true` over all `data` ranks, N over N ranks inside each of `data` replicas; `tensor`
+    GPUs split each stage's layers (tensor parallelism). World ranks run pipeline-major with
+    tensor parallelism innermost, as Megatron-LM and torchtitan order them: rank =
+    (device x data_parallel + data_index) x tensor + tensor_index, data_index = replica x
+    shards + shard."""
 
     data: int = 1
-    shard: bool = False
+    shard: bool | int = False
     sync: int = 0
     tensor: int = 1
     """Tensor-parallel GPUs per pipeline device."""
+
+    @property
+    def replicas(self) -> int:
+        """Copies of the parameters (dp_replicate)."""
+        return 1 if self.shard is True else self.data
+
+    @property
+    def shards(self) -> int:
+        """Parts each copy is sharded into (dp_shard)."""
+        if self.shard is True:
+            return self.data
+        return self.shard if type(self.shard) is int and self.shard > 1 else 1
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks per pipeline device and tensor rank that train on different data."""
+        return self.replicas * self.shards
+
+    def world(self, devices: int) -> int:
+        return devices * self.data_parallel * self.tensor
+
+    def rank(self, device: int, data_index: int = 0, tensor_index: int = 0) -> int:
+        return (device * self.data_parallel + data_index) * self.tensor + tensor_index
+
+    def describe(self, devices: int) -> str:
+        """'4 devices', '2 devices x 2 replicas x 2 shards x 2 tensor ranks'."""
+        parts = [f"{devices} device" + ("s" if devices != 1 else "")]
+        if self.replicas > 1:
+            parts.append(f"{self.replicas} replicas")
+        if self.shards > 1:
+            parts.append(f"{self.shards} shards")
+        if self.tensor > 1:
+            parts.append(f"{self.tensor} tensor ranks")
+        return " x ".join(parts)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(device, data index, tensor index) of a world rank."""
+        rest, tensor_index = divmod(rank, self.tensor)
+        device, data_index = divmod(rest, self.data_parallel)
+        return device, data_index, tensor_index
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -98,9 +98,9 @@ class Executor:
         self.device = comm.device
         self.seed, self.autocast = seed, autocast
         self.wants_inputs = wants_inputs
-        self.replica, device = divmod(rank, problem.num_devices)
-        # Micro-batch m of this replica is micro-batch replica x N + m of the global batch.
-        self.first_micro_batch = self.replica * problem.num_micro_batches
+        device, self.data_index, _ = problem.mesh.coords(rank)
+        # Micro-batch m of data-parallel rank i is micro-batch i x N + m of the global batch.
+        self.first_micro_batch = self.data_index * problem.num_micro_batches
         self.program = lowered.programs[rank]
         self.blocks = problem.blocks
         self.layer = [problem.by_name[b.layer] for b in problem.blocks]

@@ -102,9 +102,9 @@ class Reductions:
         if not params:
             return
         flat = flat_gradients(params)
-        replicas = self.mesh.data
+        replicas = self.mesh.data_parallel
         try:
-            if self.mesh.shard:
+            if self.mesh.shards > 1:
                 flat = padded(flat, replicas)
                 part = flat.new_empty(len(flat) // replicas)
                 handle = dist.reduce_scatter_tensor(part, flat, group=self.dp_group,
@@ -124,7 +124,7 @@ class Reductions:
             self._start(block)
         self.deferred = []
         parts = {}
-        replicas = self.mesh.data
+        replicas = self.mesh.data_parallel
         try:
             for block, handle, params, flat, part in self.syncing:
                 handle.wait()
@@ -187,14 +187,14 @@ class Shards:
 
 class PipelineGradients:
     """What `Pipeline` does with the gradients around the schedule's iteration (a base class of
-    pyplan.run.pipeline.Pipeline, whose attributes these methods read: problem, rank, replica,
+    pyplan.run.pipeline.Pipeline, whose attributes these methods read: problem, rank, data_index,
     device, ties, executor, shards, ...): the ties' groups and sums, the accumulation of
     several steps, fp16's unscaling, and clipping over the whole model."""
 
     def _tie_groups(self, built: Built) -> list[tuple[str, torch.Tensor, object]]:
         """(name, parameter, group of the ranks holding a copy) for each tie this rank holds
         a copy of, in the same order on every rank."""
-        problem, devices = self.problem, self.problem.num_devices
+        problem = self.problem
         by_name = {name: p for b, m in self.modules.items() for p in m.parameters()
                    for name in [built.names.get(id(p))] if name is not None}
         mine = []
@@ -205,16 +205,17 @@ class PipelineGradients:
                 # holds one object for all of them, its gradients already added up there
                 # (different chunks of a vocabulary-sharded weight, which must not be summed).
                 continue
-            ranks = sorted({d + self.replica * devices for b in holders
-                            for d in problem.blocks[b].devices})
-            groups = {r: self._group([d + r * devices for d in
-                                      sorted({d for b in holders
-                                              for d in problem.blocks[b].devices})],
-                                     device_backend(self.device))
-                      for r in range(problem.mesh.data)} if len(ranks) > 1 else {}
-            if self.rank in ranks and len(ranks) > 1:
-                mine.append((tie.parameter, by_name[tie.parameter], groups[self.replica]))
-        if mine and problem.mesh.shard:
+            mesh = problem.mesh
+            devices = sorted({d for b in holders for d in problem.blocks[b].devices})
+            if len(devices) < 2:
+                continue
+            groups = {(i, t): self._group([mesh.rank(d, i, t) for d in devices],
+                                          device_backend(self.device))
+                      for i in range(mesh.data_parallel) for t in range(mesh.tensor)}
+            if self.device_index in devices:
+                mine.append((tie.parameter, by_name[tie.parameter],
+                             groups[(self.data_index, self.tensor_index)]))
+        if mine and problem.mesh.shards > 1:
             raise RunError("tied parameters with a sharded data-parallel mesh (mesh.shard) are "
                            "not supported", hint="use mesh: {shard: false}")
         return mine
@@ -309,8 +310,8 @@ class PipelineGradients:
         if self.shards is not None:
             return [p.grad for p in self.shards.parts() if p.grad is not None] + \
                 ([p.grad for p in self._params if p.grad is not None]
-                 if self.replica == 0 else [])
-        if self.replica != 0:
+                 if self.data_index == 0 else [])
+        if self.data_index != 0:
             return []
         tied_here = {id(param): group for _, param, group in self.ties}
         seen, out = set(), []

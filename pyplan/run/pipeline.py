@@ -87,7 +87,8 @@ class Pipeline(PipelineGradients):
                             "run does not run yet", hint="solve, show and export it; run it "
                             "with mesh.tensor 1", file=resolved.plan_path and
                             str(resolved.plan_path))
-        world = problem.num_devices * problem.mesh.data
+        mesh = problem.mesh
+        world = mesh.world(problem.num_devices)
         if "RANK" not in os.environ and not dist.is_initialized():
             raise RunError("a Pipeline runs in one process per device, under torchrun",
                            hint=f"torchrun --nproc-per-node {world} your_script.py")
@@ -97,11 +98,10 @@ class Pipeline(PipelineGradients):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world != world:
             self.close()
-            layout = (f"devices: {world}" if problem.mesh.data == 1 else
-                      f"{problem.mesh.data} replicas of {problem.num_devices} devices")
-            raise RunError(f"the plan needs {world} processes ({layout}) but the world has "
-                           f"{self.world}", hint=f"launch it with --nproc-per-node {world}")
-        self.replica, self.device_index = divmod(self.rank, problem.num_devices)
+            raise RunError(f"the plan needs {world} processes ({mesh.describe(problem.num_devices)}) but the "
+                           f"world has {self.world}",
+                           hint=f"launch it with --nproc-per-node {world}")
+        self.device_index, self.data_index, self.tensor_index = mesh.coords(self.rank)
         self.autocast = DTYPES[dtype]
         self.dtype = dtype
         # fp16 (dynamic loss scaling, as torch.amp.GradScaler): the loss is scaled up before
@@ -126,21 +126,22 @@ class Pipeline(PipelineGradients):
     # -- building
 
     def _build(self, blocking: bool, sync_at_end: bool, fail_at) -> None:
-        problem = self.problem
-        replicas, devices = problem.mesh.data, problem.num_devices
+        problem, mesh = self.problem, self.problem.mesh
+        replicas, devices = mesh.data_parallel, problem.num_devices
         # Every rank creates every group, in the same order, as new_group requires: the
-        # multi-device blocks' groups of every replica (the user's build gets them: the
-        # default group's backend), the data-parallel slices', the ties', the channels' (the
-        # device's backend: a group pyplan alone uses carries only what pyplan sends).
+        # multi-device blocks' groups of every data and tensor index (the user's build gets
+        # them: the default group's backend), the data-parallel slices', the ties', the
+        # channels' (the device's backend: a group pyplan alone uses carries only what pyplan
+        # sends).
         sets = sorted({b.devices for b in problem.blocks if len(b.devices) > 1})
-        made = {(r, ds): self._group([d + r * devices for d in ds])
-                for r in range(replicas) for ds in sets}
-        self.groups = {b.index: made[(self.replica, b.devices)] for b in problem.blocks
-                       if len(b.devices) > 1}
+        made = {(i, t, ds): self._group([mesh.rank(d, i, t) for d in ds])
+                for i in range(replicas) for t in range(mesh.tensor) for ds in sets}
+        self.groups = {b.index: made[(self.data_index, self.tensor_index, b.devices)]
+                       for b in problem.blocks if len(b.devices) > 1}
         backend = device_backend(self.device)
-        slices = [self._group([d + r * devices for r in range(replicas)], backend)
-                  for d in range(devices)] if replicas > 1 else None
-        self.dp_group = slices[self.device_index] if slices else None
+        slices = {(d, t): self._group([mesh.rank(d, i, t) for i in range(replicas)], backend)
+                  for d in range(devices) for t in range(mesh.tensor)} if replicas > 1 else None
+        self.dp_group = slices[(self.device_index, self.tensor_index)] if slices else None
         built: Built = build(self.model, problem, seed=self.seed, device=self.device,
                              rank=self.device_index, groups=self.groups)
         self.built, self.modules = built, built.modules
@@ -160,8 +161,8 @@ class Pipeline(PipelineGradients):
                          timeout=self.timeout)
         synced = {id(p) for x in self.lowered.programs[self.rank] if x.op == SYNC
                   for p in self.modules[x.block].parameters()}
-        self.shards = Shards(self.modules, self.lowered.programs[self.rank], self.replica,
-                             replicas, self.dp_group) if problem.mesh.shard else None
+        self.shards = Shards(self.modules, self.lowered.programs[self.rank], self.data_index,
+                             replicas, self.dp_group) if mesh.shards > 1 else None
         self._params = list({id(p): p for m in self.modules.values() for p in m.parameters()
                              if p.requires_grad and not (self.shards and id(p) in synced)
                              }.values())
@@ -288,7 +289,7 @@ class Pipeline(PipelineGradients):
         return int(agreed)
 
     def _eval_micro_batches(self, inputs) -> int:
-        replicas, n = self.problem.mesh.data, self.problem.num_micro_batches
+        replicas, n = self.problem.mesh.data_parallel, self.problem.num_micro_batches
         leaves = [x for x in torch.utils._pytree.tree_leaves(inputs)
                   if isinstance(x, torch.Tensor) and x.dim() > 0]
         if not leaves:
@@ -358,8 +359,8 @@ class Pipeline(PipelineGradients):
     def _micro_batches(self, tree, n: int) -> list:
         """This replica's share of a global batch on the device, in n micro-batches."""
         tree = to_device(tree, self.device, non_blocking=True)
-        if self.problem.mesh.data > 1:  # this replica's slice of the global batch
-            tree = split_batch(tree, self.problem.mesh.data)[self.replica]
+        if self.problem.mesh.data_parallel > 1:  # this rank's slice of the global batch
+            tree = split_batch(tree, self.problem.mesh.data_parallel)[self.data_index]
         return split_batch(tree, n)
 
     def _global_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
@@ -368,7 +369,7 @@ class Pipeline(PipelineGradients):
         value = torch.zeros((), dtype=torch.float32, device=self.device) if loss is None \
             else loss.detach().float().reshape(())
         dist.all_reduce(value)
-        return value / self.problem.mesh.data
+        return value / self.problem.mesh.data_parallel
 
     def train(self, mode: bool = True) -> "Pipeline":
         """Training mode for every module of this rank (dropout on), as nn.Module.train."""

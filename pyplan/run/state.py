@@ -66,7 +66,7 @@ def _view(pipe) -> _Named:
             name += SHARD.format(devices.index(pipe.device_index), len(devices),
                                   shard_dim(param))
         elif name.endswith(".flat_shard"):
-            name += _REPLICA.format(pipe.replica, pipe.problem.mesh.data)
+            name += _REPLICA.format(pipe.data_index, pipe.problem.mesh.data_parallel)
         params[name] = param
     buffers = {}
     whole = pipe.built.whole

@@ -173,7 +173,7 @@ class Session:
                 took = time.perf_counter() - started
                 self.grads = full_gradients(self.problem, pipe.modules, pipe.groups,
                                             pipe.device_index, pipe.built.names) \
-                    if pipe.replica == 0 else {}
+                    if pipe.data_index == 0 else {}
                 started = time.perf_counter() - took
             self.batches += 1
             if j < K - 1:
@@ -269,7 +269,7 @@ class Session:
         if self.rank != 0:
             return
         owned = [g[0] for g in gathered if g[0] is not None]
-        loss = sum(owned) / self.problem.mesh.data
+        loss = sum(owned) / self.problem.mesh.data_parallel
         slowest = max(g[1] for g in gathered)
         lr = next((g[3] for g in gathered if g[3] is not None), None)
         norm = next((g[4] for g in gathered if g[4] is not None), None)
@@ -328,7 +328,7 @@ class Session:
                                      title=f"pyplan run {self.problem.name}", time_unit="us",
                                      num_devices=pipe.world)
                 write_chrome_trace(self.options.trace, trace)
-            replicas = self.problem.mesh.data
+            replicas = self.problem.mesh.data_parallel
             losses = [sum(r[i][2] for r in by_rank if r[i][2] is not None) / replicas
                       for i in iterations]
             verdict = None
@@ -358,7 +358,7 @@ class Session:
 
     def check(self, first: int, losses: list[float], grads: dict, evals: list) -> Verdict:
         opts, pipe = self.options, self.pipe
-        replicas = self.problem.mesh.data
+        replicas = self.problem.mesh.data_parallel
         history = self.history
         evaluation = (opts.eval_every, opts.eval_batches,
                       lambda inputs: pipe._eval_micro_batches(inputs) * replicas) \
