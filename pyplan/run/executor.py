@@ -43,7 +43,7 @@ from pyplan.lower import COMPUTE, Lowered, describe, is_gradient
 from pyplan.run.backward import backward_input, backward_weight, full_backward, root
 from pyplan.run.binding import block_seeds, forward_seed, seed_generators
 from pyplan.run.comm import Comm
-from pyplan.run.gradients import Reductions
+from pyplan.run.gradients import Reductions, Slots
 from pyplan.run.steps import (STEP_BACKWARD, STEP_FORWARD, STEP_RECV_ACT, STEP_RECV_GRAD,
                               STEP_REDUCE, STEP_SEND_ACT, STEP_SEND_GRAD, STEP_WAIT, STEP_WEIGHT,
                               compile_steps)
@@ -90,7 +90,8 @@ class _Forward:
 class Executor:
     def __init__(self, lowered: Lowered, rank: int, modules: dict, groups: dict, comm: Comm,
                  loss_fn, output_block: int, *, seed: int, wants_inputs=frozenset(),
-                 dp_group=None, sync_at_end: bool = False, autocast: torch.dtype | None = None,
+                 data_parallel=None, sync_at_end: bool = False,
+                 autocast: torch.dtype | None = None,
                  fail_at: tuple[int, int, str] | None = None, tied=frozenset()):
         problem = lowered.problem
         self.lowered, self.rank, self.modules, self.groups = lowered, rank, modules, groups
@@ -112,8 +113,8 @@ class Executor:
                 self.backs_to[self.layer[a]].add(self.layer[c])
             elif problem.blocks[c].is_forward:
                 self.preds[c].append(a)
-        self.params = {b: [p for p in m.parameters() if p.requires_grad]
-                       for b, m in modules.items()}
+        self.params = Slots(modules)
+        """Each block's trainable parameters, as they are now (FSDP swaps the objects)."""
         self.seeds = block_seeds(seed, [b.name for b in problem.blocks])
         self.loss_owner = problem.blocks[output_block].devices[0] == device
         self.scale = 1 / problem.num_micro_batches if self.loss_owner else 0.0
@@ -125,8 +126,9 @@ class Executor:
         """Per block, the (input, tensor) positions whose storage autograd saves."""
         self.iteration, self.index = -1, -1  # read by the fault watchdog
         self._compile()
-        self.reductions = Reductions(self.program, self.params, groups, problem.mesh,
-                                     dp_group=dp_group, tied=tied, sync_at_end=sync_at_end)
+        self.reductions = Reductions(self.program, self.params, groups,
+                                     data_parallel=data_parallel, tied=tied,
+                                     sync_at_end=sync_at_end)
         """The program's REDUCEs and SYNCs (pyplan.run.gradients); the caller finishes the
         SYNCs after the iteration (reductions.finish)."""
 
@@ -288,7 +290,8 @@ class Executor:
             args.insert(0, self.inputs[m])
         recomputed = trains and self.blocks[b].recomputed
         measure = trains and not recomputed and b not in self.saved_bytes
-        with saved_bytes(self.params[b]) if measure else contextlib.nullcontext() as saved:
+        with saved_bytes(lambda: self.params[b]) if measure else \
+                contextlib.nullcontext() as saved:
             out, loss = self._call(b, m, args, trains and not recomputed)
         if measure:
             self.saved_bytes[b] = saved.bytes

@@ -1,6 +1,7 @@
 """Gradients between ranks: one flat tensor per collective, the executor's REDUCE and SYNC
-(Reductions), sharded data parallelism's parts (Shards, mesh.shard) and what the Pipeline does
-with the gradients around an iteration (PipelineGradients: ties, accumulation, fp16, clipping).
+(Reductions; SYNC is FSDP2's, pyplan.run.mesh) and what the Pipeline does with the gradients
+around an iteration (PipelineGradients: ties, accumulation, fp16, clipping). Gradients may be
+DTensors (FSDP2's shards): what crosses ranks here is each rank's local part.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from pyplan.errors import RunError
 from pyplan.lower import REDUCE, SYNC
@@ -17,8 +19,13 @@ from pyplan.models.collectives import all_reduce_
 from pyplan.run.binding import Built
 from pyplan.run.comm import device_backend, transfer_error
 
-__all__ = ["PipelineGradients", "Reductions", "Shards", "flat_gradients", "norm_argument",
-           "padded", "set_gradients", "unflatten_into"]
+__all__ = ["PipelineGradients", "Reductions", "Slots", "flat_gradients", "local",
+           "norm_argument", "padded", "set_gradients", "unflatten_into"]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's part on this rank (a DTensor's local shard; a plain tensor itself)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def flat_gradients(params: list[torch.Tensor]) -> torch.Tensor:
@@ -47,37 +54,64 @@ def set_gradients(params: list[torch.Tensor], flat: torch.Tensor) -> None:
     unflatten_into([p.grad for p in params], flat)
 
 
+class Slots:
+    """Where each block's trainable parameters live (owner module, attribute name), resolved
+    to the objects there now: FSDP swaps the objects (sharded between iterations, unsharded
+    while one runs), not the places."""
+
+    def __init__(self, modules: dict[int, nn.Module]) -> None:
+        self.slots = {}
+        for b, module in modules.items():
+            mine = []
+            for name, p in module.named_parameters():
+                if p.requires_grad:
+                    path, _, attr = name.rpartition(".")
+                    mine.append((module.get_submodule(path) if path else module, attr))
+            self.slots[b] = mine
+
+    def __getitem__(self, block: int) -> list[torch.Tensor]:
+        return [owner._parameters[attr] for owner, attr in self.slots[block]]
+
+    def items(self):
+        return ((b, self[b]) for b in self.slots)
+
+
 class Reductions:
     """The REDUCE and SYNC instructions of a rank's program (pyplan.lower), for the executor:
     REDUCE sums the gradients of a multi-device block's replicated parameters over the block's
-    ranks; SYNC starts a stage's gradient synchronisation across the data-parallel replicas
-    (all-reduce, or reduce-scatter with mesh.shard) and `finish` waits for them all."""
+    ranks; SYNC reduces a stage's gradients across the data-parallel ranks (FSDP2, pyplan.run.
+    mesh.DataParallel: reduce-scatter, all-reduce across replicas) and `finish` waits for them
+    all."""
 
-    def __init__(self, program, params: dict[int, list[torch.Tensor]], groups: dict, mesh, *,
-                 dp_group=None, tied=frozenset(), sync_at_end: bool = False) -> None:
-        self.program, self.params, self.groups, self.mesh = program, params, groups, mesh
-        self.dp_group = dp_group
+    def __init__(self, program, params: Slots, groups: dict, *, data_parallel=None,
+                 tied=frozenset(), sync_at_end: bool = False) -> None:
+        self.program, self.params, self.groups = program, params, groups
+        self.data_parallel = data_parallel
         self.tied = tied
         """ids of tied parameters whose gradients the tie's all-reduce sums over every rank
         holding them (REDUCE leaves them alone, or a multi-device holder counts its ranks')."""
-        self.syncing: list = []  # gradient synchronisations started, not yet finished
         self.sync_at_end, self.deferred = sync_at_end, []
         self.reduced = self._reduced()
 
-    def _reduced(self) -> dict[int, list[torch.Tensor]]:
+    def _reduced(self) -> dict[int, list[tuple[nn.Module, str]]]:
         """block -> the replicated parameters its REDUCE sums over the block's ranks: each at
         the last REDUCE of a block holding it (blocks on the same devices may share one, a
         tie), none that a tie's all-reduce sums anyway."""
         last = {}
         for ins in self.program:
             if ins.op == REDUCE:
-                last.update((id(p), ins.block) for p in self.params[ins.block])
-        return {b: [p for p in self.params[b] if last[id(p)] == b and shard_dim(p) is None
-                    and id(p) not in self.tied] for b in set(last.values())}
+                last.update(((id(o), a), ins.block) for o, a in self.params.slots[ins.block])
+        return {b: [(o, a) for o, a in self.params.slots[b] if last[(id(o), a)] == b
+                    and shard_dim(o._parameters[a]) is None
+                    and id(o._parameters[a]) not in self.tied]
+                for b in set(last.values())}
+
+    def reduced_params(self, block: int) -> list[torch.Tensor]:
+        return [o._parameters[a] for o, a in self.reduced.get(block, ())]
 
     def reduce(self, block: int) -> None:
         """A REDUCE: sum the block's replicated parameters' gradients over its ranks."""
-        params = self.reduced.get(block)
+        params = self.reduced_params(block)
         if not params:
             return
         flat = flat_gradients(params)
@@ -88,101 +122,30 @@ class Reductions:
         set_gradients(params, flat)
 
     def sync(self, block: int) -> None:
-        """A SYNC: start the synchronisation of a stage's gradients across the replicas now, or
-        with sync_at_end, when the iteration's blocks are done (in finish)."""
+        """A SYNC: reduce the stage's gradients across the data-parallel ranks now, or with
+        sync_at_end, when the iteration's blocks are done (in finish)."""
+        if self.data_parallel is None:
+            return
         if self.sync_at_end:
             self.deferred.append(block)
-        else:
-            self._start(block)
-
-    def _start(self, block: int) -> None:
-        """Start the synchronisation of a stage's gradients across the replicas, on its own
-        (gloo or NCCL) stream: all-reduce, or reduce-scatter when sharded (mesh.shard)."""
-        params = self.params[block]
-        if not params:
             return
-        flat = flat_gradients(params)
-        replicas = self.mesh.data_parallel
         try:
-            if self.mesh.shards > 1:
-                flat = padded(flat, replicas)
-                part = flat.new_empty(len(flat) // replicas)
-                handle = dist.reduce_scatter_tensor(part, flat, group=self.dp_group,
-                                                    async_op=True)
-            else:
-                part = None
-                handle = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+            self.data_parallel.reduce(block)
         except RuntimeError as exc:
             raise transfer_error(exc) from exc
-        self.syncing.append((block, handle, params, flat, part))
 
-    def finish(self, *, whole: bool = False) -> dict[int, torch.Tensor]:
-        """Wait for the synchronisations: all-reduced gradients, averaged, go back to the
-        parameters; sharded, this replica's averaged part of each stage's flat gradient is
-        returned (and with `whole`, the whole gradient is gathered back too)."""
-        for block in self.deferred:
-            self._start(block)
+    def finish(self) -> None:
+        """Wait for the synchronisations: every gradient averaged over the data-parallel ranks
+        into its (sharded) parameter's .grad."""
+        if self.data_parallel is None:
+            return
+        try:
+            for block in self.deferred:
+                self.data_parallel.reduce(block)
+            self.data_parallel.finish()
+        except RuntimeError as exc:
+            raise transfer_error(exc) from exc
         self.deferred = []
-        parts = {}
-        replicas = self.mesh.data_parallel
-        try:
-            for block, handle, params, flat, part in self.syncing:
-                handle.wait()
-                if part is not None:
-                    parts[block] = part.div_(replicas)
-                    if not whole:
-                        continue
-                    dist.all_gather_into_tensor(flat, part, group=self.dp_group)
-                else:
-                    flat.div_(replicas)
-                set_gradients(params, flat)
-        except RuntimeError as exc:
-            raise transfer_error(exc) from exc
-        self.syncing = []
-        return parts
-
-
-class Shards:
-    """Sharded data parallelism (mesh.shard, ZeRO): for each synchronised stage on this rank,
-    the replica's part of its flattened parameters, a Parameter the user's optimizer updates;
-    after the gradients are reduce-scattered into the parts, and before the next forward, the
-    parts are all-gathered back into the stage's parameters."""
-
-    def __init__(self, modules: dict, program, replica: int, replicas: int, group) -> None:
-        self.group, self.stages = group, {}
-        for ins in program:
-            if ins.op != SYNC:
-                continue
-            params = [p for p in modules[ins.block].parameters() if p.requires_grad]
-            if not params:
-                continue
-            flat = padded(torch.cat([p.detach().reshape(-1) for p in params]), replicas)
-            size = len(flat) // replicas
-            part = torch.nn.Parameter(flat[replica * size:(replica + 1) * size].clone())
-            self.stages[ins.block] = (params, flat, part)
-
-    def parts(self) -> list[torch.nn.Parameter]:
-        return [part for _, _, part in self.stages.values()]
-
-    def named_parts(self, problem) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(f"{problem.blocks[b].name}.flat_shard", part)
-                for b, (_, _, part) in self.stages.items()]
-
-    def take(self, grads: dict[int, torch.Tensor]) -> None:
-        for block, (_, _, part) in self.stages.items():
-            if part.grad is None:
-                part.grad = grads[block].clone()
-            else:
-                part.grad += grads[block]
-
-    def gather(self) -> None:
-        """The updated parts back into the parameters, whose own gradients start afresh (the
-        user's optimizer zeroes only the parts)."""
-        for params, flat, part in self.stages.values():
-            dist.all_gather_into_tensor(flat, part.detach(), group=self.group)
-            unflatten_into(params, flat)
-            for p in params:
-                p.grad = None
 
 
 class PipelineGradients:
@@ -215,9 +178,6 @@ class PipelineGradients:
             if self.device_index in devices:
                 mine.append((tie.parameter, by_name[tie.parameter],
                              groups[(self.data_index, self.tensor_index)]))
-        if mine and problem.mesh.shards > 1:
-            raise RunError("tied parameters with a sharded data-parallel mesh (mesh.shard) are "
-                           "not supported", hint="use mesh: {shard: false}")
         return mine
 
     def _before_accumulating(self) -> None:
@@ -231,13 +191,14 @@ class PipelineGradients:
         for _, param, group in self.ties:
             if param.grad is not None and dist.get_process_group_ranks(group)[0] != self.rank:
                 param.grad.zero_()
-        for block, params in self.executor.reductions.reduced.items():
+        reductions = self.executor.reductions
+        for block in reductions.reduced:
             if self.problem.blocks[block].devices[0] != self.device_index:
-                for p in params:
+                for p in reductions.reduced_params(block):
                     if p.grad is not None:
                         p.grad.zero_()
         if self.dtype == "fp16":
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            grads = [local(p.grad) for p in self.parameters() if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, self.loss_scale)
 
@@ -246,7 +207,7 @@ class PipelineGradients:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             try:
-                dist.all_reduce(param.grad, group=group)
+                dist.all_reduce(local(param.grad), group=group)
             except RuntimeError as exc:
                 raise transfer_error(exc) from exc
 
@@ -259,7 +220,7 @@ class PipelineGradients:
         inverse = torch.full((), 1.0 / self.loss_scale, device=self.device)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+            by_dtype.setdefault(p.grad.dtype, []).append(local(p.grad))
         for grads in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
@@ -289,29 +250,28 @@ class PipelineGradients:
         if max_norm == math.inf:
             raise RunError("Pipeline.clip_grad_norm_: max_norm inf clips nothing",
                            hint="give a positive, finite max_norm")
-        local = self._counted_gradients()
-        total = torch.nn.utils.get_total_norm(local, norm_type).float().to(self.device) \
-            if local else torch.zeros((), device=self.device)
+        counted = self._counted_gradients()
+        total = torch.nn.utils.get_total_norm(counted, norm_type).float().to(self.device) \
+            if counted else torch.zeros((), device=self.device)
         if norm_type == math.inf:
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
         else:
             total = total ** norm_type
             dist.all_reduce(total)
             total = total ** (1.0 / norm_type)
-        torch.nn.utils.clip_grads_with_norm_([p for p in self.parameters()
-                                              if p.grad is not None], max_norm, total)
+        # (torch's clip_grads_with_norm_, on the local parts: a DTensor shard and the plain
+        # coefficient do not mix)
+        grads = [local(p.grad) for p in self.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
     def _counted_gradients(self) -> list[torch.Tensor]:
-        """Each gradient of the model once over the world: replica 0's; a tied parameter's on
-        the lowest rank holding it; a replicated parameter of a multi-device block on the
-        block's first rank; every rank's chunk of a sharded one; with mesh.shard, every
-        replica's own shard."""
-        if self.shards is not None:
-            return [p.grad for p in self.shards.parts() if p.grad is not None] + \
-                ([p.grad for p in self._params if p.grad is not None]
-                 if self.data_index == 0 else [])
-        if self.data_index != 0:
+        """Each gradient of the model once over the world, as this rank's local parts: the
+        first replica's (every shard of it); a tied parameter's on the lowest rank holding it;
+        a replicated parameter of a multi-device block on the block's first rank; every
+        rank's chunk of a sharded one."""
+        if self.data_index // self.problem.mesh.shards != 0:
             return []
         tied_here = {id(param): group for _, param, group in self.ties}
         seen, out = set(), []
@@ -327,7 +287,7 @@ class PipelineGradients:
                 if len(block.devices) > 1 and shard_dim(p) is None and \
                         block.devices[0] != self.device_index:
                     continue
-                out.append(p.grad)
+                out.append(local(p.grad))
         return out
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from pyplan.errors import PlanError, RunError
+from pyplan.models import FORWARD, TRACED
 from pyplan.lower import SYNC, Lowered, channels, check_runnable, forward_only, lower
 from pyplan.resolved import ResolvedPlan, load_resolved
 import pyplan.run.state as state_dicts
@@ -44,7 +45,8 @@ from pyplan.run.binding import (Built, Model, block_inputs, build, kept_rng, loa
 from pyplan.run.data import describe, split_batch, to_device
 from pyplan.run.comm import Comm, device_backend, join_world
 from pyplan.run.executor import Executor, IterationResult
-from pyplan.run.gradients import PipelineGradients, Shards
+from pyplan.run.gradients import PipelineGradients
+from pyplan.run.mesh import DataParallel, world_mesh
 from pyplan.run.values import concatenated
 from pyplan.verify import verify
 
@@ -138,20 +140,20 @@ class Pipeline(PipelineGradients):
                 for i in range(replicas) for t in range(mesh.tensor) for ds in sets}
         self.groups = {b.index: made[(self.data_index, self.tensor_index, b.devices)]
                        for b in problem.blocks if len(b.devices) > 1}
-        backend = device_backend(self.device)
-        slices = {(d, t): self._group([mesh.rank(d, i, t) for i in range(replicas)], backend)
-                  for d in range(devices) for t in range(mesh.tensor)} if replicas > 1 else None
-        self.dp_group = slices[(self.device_index, self.tensor_index)] if slices else None
+        self.mesh = world_mesh(problem, self.device) \
+            if mesh.data_parallel * mesh.tensor > 1 else None
         built: Built = build(self.model, problem, seed=self.seed, device=self.device,
                              rank=self.device_index, groups=self.groups)
         self.built, self.modules = built, built.modules
+        _refuse_dtensors(problem, self.modules)  # (the user's; pyplan makes its own below)
+        self.data_parallel = self._data_parallel() \
+            if problem.training and replicas > 1 else None
         preds = block_inputs(problem, self.modules)
         self.takes_inputs = any(not preds[b] or b in built.wants_inputs for b in self.modules)
         """Whether a block of this rank reads the micro-batches' inputs (only these ranks need
         the batch's inputs)."""
         self.takes_targets = self.output in self.modules
         """Whether this rank computes the loss (only these ranks need the targets)."""
-        _refuse_dtensors(problem, self.modules)
         if built.whole is None and self.model.whole is None:
             with torch.device("meta"):
                 everything = build(self.model, problem, seed=self.seed, device="meta")
@@ -159,22 +161,42 @@ class Pipeline(PipelineGradients):
         self.ties = self._tie_groups(built)
         self.comm = Comm(self.device, channels(self.lowered), blocking=blocking,
                          timeout=self.timeout)
-        synced = {id(p) for x in self.lowered.programs[self.rank] if x.op == SYNC
-                  for p in self.modules[x.block].parameters()}
-        self.shards = Shards(self.modules, self.lowered.programs[self.rank], self.data_index,
-                             replicas, self.dp_group) if mesh.shards > 1 else None
         self._params = list({id(p): p for m in self.modules.values() for p in m.parameters()
-                             if p.requires_grad and not (self.shards and id(p) in synced)
-                             }.values())
+                             if p.requires_grad}.values())
         options = dict(seed=self.seed, wants_inputs=built.wants_inputs, autocast=self.autocast)
         loss = loss_function(self.model)
         self.executor = Executor(self.lowered, self.rank, self.modules, self.groups, self.comm,
-                                 loss, self.output, dp_group=self.dp_group,
+                                 loss, self.output, data_parallel=self.data_parallel,
                                  sync_at_end=sync_at_end, fail_at=fail_at,
                                  tied=frozenset(id(p) for _, p, _ in self.ties), **options)
         self.evaluator = Executor(self.evaluation, self.rank, self.modules, self.groups,
                                   self.comm, loss, self.output, **options)
         self._evaluators: dict[int, Executor] = {}
+
+    def _data_parallel(self) -> DataParallel:
+        """FSDP2 over this rank's stages: each stage's listed modules a unit (with the stage's
+        own module after them, where it is its own), a model cut in its own forward (one pruned
+        copy per rank, shared by its stages) the root; parameter names follow the objects
+        FSDP puts in their places."""
+        model, built = self.model, self.built
+        places = [(owner, attr, built.names.get(id(p))) for module in self.modules.values()
+                  for name, p in module.named_parameters(remove_duplicate=False)
+                  for path, _, attr in [name.rpartition(".")]
+                  for owner in [module.get_submodule(path) if path else module]]
+        units, shared = {}, []
+        for b, module in self.modules.items():
+            listed = model.stages.get(self.problem.blocks[b].name, ()) \
+                if model.whole is not None and model.cut.kind != TRACED else ()
+            whole = built.whole
+            units[b] = [whole.get_submodule(name) for name in listed] + (
+                [] if model.cut.kind == FORWARD and listed else [module])
+        if model.whole is not None and model.cut.kind == FORWARD:
+            shared = [built.whole]
+        data_parallel = DataParallel(units, shared, self.mesh, self.autocast)
+        for owner, attr, name in places:  # (FSDP swapped the parameter objects)
+            if name is not None:
+                built.names[id(owner._parameters[attr])] = name
+        return data_parallel
 
     def _group(self, ranks: list[int], backend: str | None = None):
         """A new group (every rank calls this in the same order) whose collectives time out
@@ -184,33 +206,27 @@ class Pipeline(PipelineGradients):
     # -- what the user's loop sees
 
     def parameters(self) -> list[torch.Tensor]:
-        """This rank's trainable parameters (with mesh.shard: this replica's flat shards of
-        each synchronised stage's parameters, which the step gathers back)."""
-        return list(self._params) + ([] if self.shards is None else self.shards.parts())
+        """This rank's trainable parameters (with data parallelism: FSDP2's DTensors, each
+        this rank's shard; `.full_tensor()` gathers the whole)."""
+        return list(self._params)
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         names = self.built.names
-        out = [(names.get(id(p), f"parameter{i}"), p) for i, p in enumerate(self._params)]
-        if self.shards is not None:
-            out += self.shards.named_parts(self.problem)
-        return out
+        return [(names.get(id(p), f"parameter{i}"), p) for i, p in enumerate(self._params)]
 
-    def step(self, inputs, targets, *, trace: bool = False, whole_gradients: bool = False,
+    def step(self, inputs, targets, *, trace: bool = False,
              share_loss: bool = True) -> torch.Tensor | None:
         """One iteration of the schedule on the global batch: forward and backward of every
         micro-batch; gradients accumulate into .grad (zero them between steps, as usual).
         Returns the global batch's loss on every rank; with `share_loss=False` the collective
         that shares it is skipped: the rank that computes a replica's loss gets that replica's
         mean loss and the others None, as torch.distributed.pipelining's schedules and
-        Megatron-LM hand it out. With mesh.shard, `whole_gradients` also gathers each
-        parameter's whole averaged gradient into its .grad (to inspect it; the optimizer uses
-        the shards)."""
+        Megatron-LM hand it out."""
         self._open("step")
         self._needs(inputs, targets, "step")
         self._before_accumulating()
         self.executor.loss_scale = self.loss_scale
-        result = self._run(self.executor, inputs, targets, trace=trace,
-                           whole_gradients=whole_gradients)
+        result = self._run(self.executor, inputs, targets, trace=trace)
         self.last = result
         if self.dtype == "fp16":
             self._unscale()
@@ -334,8 +350,7 @@ class Pipeline(PipelineGradients):
                            "state_dict() returns ({'model': ..., 'optimizer': ...})")
         state_dicts.load_state_dict(self, state, optimizer)
 
-    def _run(self, executor: Executor, inputs, targets, *, whole_gradients: bool = False,
-             training: bool = True, micro_batches: int | None = None,
+    def _run(self, executor: Executor, inputs, targets, *, training: bool = True, micro_batches: int | None = None,
              **kwargs) -> IterationResult:
         n = micro_batches or self.problem.num_micro_batches
         # Only what this rank's blocks read: the inputs where a block takes them, the targets
@@ -343,16 +358,12 @@ class Pipeline(PipelineGradients):
         inputs = self._micro_batches(inputs, n) if self.takes_inputs else [None] * n
         targets = self._micro_batches(targets, n) \
             if targets is not None and self.takes_targets else None
-        if self.shards is not None:
-            self.shards.gather()
         if training:  # an evaluation between two steps does not move the random numbers
             self.iteration += 1
         with kept_rng(self.device):
             result = executor.run(inputs, targets, iteration=max(self.iteration, 0), **kwargs)
         if training:
-            self.parts = executor.reductions.finish(whole=whole_gradients)
-            if self.shards is not None:
-                self.shards.take(self.parts)
+            executor.reductions.finish()
             self._sum_ties()
         return result
 

@@ -2,10 +2,11 @@
 torch.distributed.checkpoint (DCP): what `Pipeline.state_dict` / `load_state_dict` hand out and
 take back, and what pyplan.train.checkpoint saves and loads in step folders.
 
-A tied parameter, or a replicated one (data-parallel replicas, multi-device blocks), is one key.
-The chunks of a sharded parameter of a hand-written multi-device block, and the flat shards of
-a sharded mesh, are keyed as they are (`NAME.__shard<i>of<n>dim<d>`,
-`BLOCK.flat_shard.__replica<i>of<n>`): they load under a plan that shards them the same way.
+A tied parameter, or a replicated one (data-parallel replicas, multi-device blocks), is one key;
+a data- or tensor-parallel shard is a DTensor that DCP saves and reshards itself (save under one
+mesh, load under another). The chunks of a sharded parameter of a hand-written multi-device
+block are keyed as they are (`NAME.__shard<i>of<n>dim<d>`): they load under a plan that shards
+them the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ __all__ = ["SHARD", "load_state_dict", "state_dict"]
 
 SHARD = ".__shard{}of{}dim{}"
 """The suffix of a sharded parameter's chunk: the chunk's index, the chunks, the dimension."""
-_REPLICA = ".__replica{}of{}"
 
 
 class _Named(nn.Module):
@@ -65,8 +65,6 @@ def _view(pipe) -> _Named:
             devices = pipe.problem.blocks[block].devices
             name += SHARD.format(devices.index(pipe.device_index), len(devices),
                                   shard_dim(param))
-        elif name.endswith(".flat_shard"):
-            name += _REPLICA.format(pipe.data_index, pipe.problem.mesh.data_parallel)
         params[name] = param
     buffers = {}
     whole = pipe.built.whole

@@ -127,15 +127,20 @@ class Saved:
 
 
 @contextlib.contextmanager
-def saved_bytes(params: list[torch.Tensor]):
+def saved_bytes(params):
     """What autograd saves while the body runs (yields a Saved, filled when it ends): what a
-    forward holds until its backward."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
+    forward holds until its backward. `params`: the parameters, or a function giving them as
+    they are while the body runs (FSDP2 unshards them inside the forward)."""
+    skip: set[int] = set()
     seen: dict[tuple, int] = {}
     storages: set[int] = set()
     found = Saved()
 
     def pack(t: torch.Tensor):
+        if not skip:  # the parameters as the forward uses them, once it has begun
+            skip.update(x.untyped_storage().data_ptr() for p in
+                        (params() if callable(params) else params) for x in plain(p))
+            skip.add(-1)  # (known, even with no parameters)
         for x in plain(t):  # a DTensor's local tensor: the wrapper has no storage
             storage = x.untyped_storage().data_ptr()
             if storage not in skip:

@@ -33,14 +33,16 @@ __all__ = ["Verdict", "compare", "full_gradients", "reference_run"]
 
 def full_gradients(problem: Problem, modules: dict, groups: dict, rank: int,
                    names: dict[int, str]) -> dict:
-    """This rank's part of the model's gradients, whole and under the model's names: shards
-    are gathered over their block's group; a multi-device block's gradients are kept by its
-    first rank."""
+    """This rank's part of the model's gradients, whole and under the model's names: a data-
+    or tensor-parallel DTensor gathered whole (every rank of its mesh calls this), a
+    multi-device block's chunks gathered over the block's group and kept by its first rank."""
     grads = {}
     for b, module in modules.items():
         block = problem.blocks[b]
         for name, param in module.named_parameters():
             grad = torch.zeros_like(param) if param.grad is None else param.grad.detach()
+            if hasattr(grad, "full_tensor"):
+                grad = grad.full_tensor()
             dim = shard_dim(param)
             if len(block.devices) > 1 and dim is not None:
                 parts = [torch.empty_like(grad) for _ in block.devices]

@@ -167,13 +167,13 @@ class Session:
             dist.barrier()
             started = time.perf_counter()
             pipe.step(inputs, targets, trace=opts.trace is not None and trace and j == K - 1,
-                      whole_gradients=check and j == 0, share_loss=False)
+                      share_loss=False)
             if check and j == 0:  # the gradients before the step changes them; not timed
                 self._sync_device()
                 took = time.perf_counter() - started
-                self.grads = full_gradients(self.problem, pipe.modules, pipe.groups,
-                                            pipe.device_index, pipe.built.names) \
-                    if pipe.data_index == 0 else {}
+                grads = full_gradients(self.problem, pipe.modules, pipe.groups,
+                                       pipe.device_index, pipe.built.names)  # (collectives)
+                self.grads = grads if pipe.data_index == 0 else {}
                 started = time.perf_counter() - took
             self.batches += 1
             if j < K - 1:

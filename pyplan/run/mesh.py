@@ -1,0 +1,97 @@
+"""The plan's world as torch's DeviceMesh, and data parallelism over it with FSDP2.
+
+The mesh has the dims (pp, dp_replicate, dp_shard, tp), pipeline outermost and tensor
+parallelism innermost, as torchtitan names and orders them (MeshSpec.rank gives the same
+order). Data parallelism is torch's `fully_shard` on the 2-D (dp_replicate, dp_shard) sub-mesh:
+HSDP, which with one shard replicates (gradients all-reduced, as DDP) and with one replica
+shards (FSDP, ZeRO-3).
+
+Each stage's listed modules (a plan's `model.stages`, or a block module itself) become FSDP
+units. A pipeline runs a stage's forward once per micro-batch, so the units stay unsharded
+from their first forward to the iteration's end (reshard_after_forward=False, torchtitan's
+choice under pipeline parallelism): one all-gather per iteration, not per micro-batch, at the
+cost of holding the stage's whole parameters meanwhile. Gradients accumulate unsharded over the
+micro-batches (gradient sync off) and are reduce-scattered (all-reduced across replicas) once,
+at the stage's SYNC right after its last backward on this rank, as torch.distributed.pipelining
+does for its REDUCE_GRAD; the iteration's end waits for them and reshards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["DataParallel", "world_mesh"]
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def world_mesh(problem, device: torch.device):
+    """The plan's world as a DeviceMesh (every rank calls it: it creates each dim's groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = problem.mesh
+    return init_device_mesh(device.type, (problem.num_devices, mesh.replicas, mesh.shards,
+                                          mesh.tensor), mesh_dim_names=DIMS)
+
+
+class DataParallel:
+    """FSDP2 over this rank's stages. `units[block]`: the modules whose gradients the block's
+    SYNC reduces, innermost first (a stage's layers, then the stage's own module); `shared`:
+    modules several of this rank's stages hold (a model cut in its own forward keeps one
+    pruned copy per rank), reduced at the iteration's end, after every stage's SYNC."""
+
+    def __init__(self, units: dict[int, list[nn.Module]], shared: list[nn.Module], mesh,
+                 compute_dtype) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self._fully_shard = fully_shard
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) \
+            if compute_dtype is not None else MixedPrecisionPolicy()
+        dp = mesh["dp_replicate", "dp_shard"]
+        done: set[int] = set()
+
+        def shard(modules: list[nn.Module]) -> list[nn.Module]:
+            out = []
+            for module in modules:
+                if id(module) in done or not any(p.requires_grad for p in module.parameters()):
+                    continue
+                done.add(id(module))
+                fully_shard(module, mesh=dp, reshard_after_forward=False, mp_policy=policy)
+                out.append(module)
+            return out
+        self.units = {block: shard(modules) for block, modules in units.items()}
+        self.shared = shard(shared)
+        self.modules = [m for ms in self.units.values() for m in ms] + self.shared
+        self._arm()
+
+    def _arm(self) -> None:
+        """Gradients accumulate unsharded over the iteration's micro-batches."""
+        for module in self.modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+            module.set_reshard_after_backward(False, recurse=False)
+            module.set_is_last_backward(False)
+
+    def reduce(self, block: int) -> None:
+        """The block's SYNC: reduce-scatter (and all-reduce across replicas) the gradients its
+        units accumulated, averaged over the data-parallel ranks, into their sharded
+        gradients, and reshard them."""
+        self._reduce(self.units.get(block, ()))
+
+    def _reduce(self, modules) -> None:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)
+            module.set_reshard_after_backward(True, recurse=False)
+            module.set_is_last_backward(True)
+            for group in self._fully_shard.state(module)._fsdp_param_groups:
+                group.post_backward()
+
+    def finish(self) -> None:
+        """The iteration's end: the shared modules reduced, every reduction done (and on the
+        default stream), the units resharded, gradient sync off again."""
+        self._reduce(self.shared)
+        for module in self.modules:
+            state = self._fully_shard.state(module)
+            if state._is_root:
+                state._root_post_backward_final_callback()
+        self._arm()
