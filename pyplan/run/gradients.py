@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pyplan.errors import RunError
-from pyplan.lower import REDUCE, SYNC
+from pyplan.lower import REDUCE
 from pyplan.models.chunks import shard_dim
 from pyplan.models.collectives import all_reduce_
 from pyplan.run.binding import Built

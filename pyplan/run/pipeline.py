@@ -37,13 +37,13 @@ import torch.distributed as dist
 
 from pyplan.errors import PlanError, RunError
 from pyplan.models import FORWARD, TRACED
-from pyplan.lower import SYNC, Lowered, channels, check_runnable, forward_only, lower
+from pyplan.lower import Lowered, channels, check_runnable, forward_only, lower
 from pyplan.resolved import ResolvedPlan, load_resolved
 import pyplan.run.state as state_dicts
 from pyplan.run.binding import (Built, Model, block_inputs, build, kept_rng, load_model,
                                 loss_function, shared_across_devices)
 from pyplan.run.data import describe, split_batch, to_device
-from pyplan.run.comm import Comm, device_backend, join_world
+from pyplan.run.comm import Comm, join_world
 from pyplan.run.executor import Executor, IterationResult
 from pyplan.run.gradients import PipelineGradients
 from pyplan.run.mesh import DataParallel, world_mesh
@@ -129,7 +129,7 @@ class Pipeline(PipelineGradients):
 
     def _build(self, blocking: bool, sync_at_end: bool, fail_at) -> None:
         problem, mesh = self.problem, self.problem.mesh
-        replicas, devices = mesh.data_parallel, problem.num_devices
+        replicas = mesh.data_parallel
         # Every rank creates every group, in the same order, as new_group requires: the
         # multi-device blocks' groups of every data and tensor index (the user's build gets
         # them: the default group's backend), the data-parallel slices', the ties', the
