@@ -171,6 +171,11 @@ class Reader:
         if self.doc.get("mesh") is not None:
             raw_mesh = dict(self.get("mesh", dict))
             shard = raw_mesh.pop("shard", None)
+            tensor_plan = raw_mesh.pop("tensor_plan", {})
+            if not isinstance(tensor_plan, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in tensor_plan.items()):
+                raise self.fail(("mesh", "tensor_plan"), "'tensor_plan' must map module paths "
+                                "to styles", "the file was edited; re-run pyplan solve")
             if not (type(shard) is bool or (type(shard) is int and 1 <= shard <= MAX_DEVICES)):
                 raise self.fail(("mesh", "shard"), f"'shard' cannot be {shard!r} here",
                                 "the file was edited; re-run pyplan solve")
@@ -179,7 +184,8 @@ class Reader:
                                           high=MAX_DEVICES // num_devices),
                             shard=shard,
                             sync=self.get("sync", int, ("mesh",), low=0, high=MAX_TIME),
-                            tensor=self.doc["mesh"].get("tensor", 1))
+                            tensor=self.doc["mesh"].get("tensor", 1),
+                            tensor_plan=tuple(sorted(tensor_plan.items())))
         unit = self.doc.get("time_unit_ms")
         if unit is not None and (type(unit) not in (int, float) or not 0 < unit <= 1e6):
             raise self.fail(("time_unit_ms",), "'time_unit_ms' must be a positive number",

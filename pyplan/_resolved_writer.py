@@ -146,8 +146,10 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
     mesh = problem.mesh
     if mesh.data_parallel > 1 or mesh.tensor > 1:
         shard = str(mesh.shard).lower() if type(mesh.shard) is bool else mesh.shard
+        plan = ", ".join(f"{_quoted(k)}: {v}" for k, v in mesh.tensor_plan)
         lines.append(f"mesh: {{data: {mesh.data}, shard: {shard}, sync: {mesh.sync}"
-                     + (f", tensor: {mesh.tensor}" if mesh.tensor > 1 else "") + "}")
+                     + (f", tensor: {mesh.tensor}" if mesh.tensor > 1 else "")
+                     + (f", tensor_plan: {{{plan}}}" if plan else "") + "}")
     lines += [
         f"status: {solution.status}",
         f"origin: {solution.origin}",

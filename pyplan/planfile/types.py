@@ -155,6 +155,8 @@ class MeshSpec:
     sync: int = 0
     tensor: int = 1
     """Tensor-parallel GPUs per pipeline device."""
+    tensor_plan: tuple[tuple[str, str], ...] = ()
+    """(module path pattern, style) pairs added to (or overriding) the model's own plan."""
 
     @property
     def replicas(self) -> int:

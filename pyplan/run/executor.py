@@ -99,7 +99,7 @@ class Executor:
         self.device = comm.device
         self.seed, self.autocast = seed, autocast
         self.wants_inputs = wants_inputs
-        device, self.data_index, _ = problem.mesh.coords(rank)
+        device, self.data_index, tensor_index = problem.mesh.coords(rank)
         # Micro-batch m of data-parallel rank i is micro-batch i x N + m of the global batch.
         self.first_micro_batch = self.data_index * problem.num_micro_batches
         self.program = lowered.programs[rank]
@@ -118,6 +118,8 @@ class Executor:
         self.seeds = block_seeds(seed, [b.name for b in problem.blocks])
         self.loss_owner = problem.blocks[output_block].devices[0] == device
         self.scale = 1 / problem.num_micro_batches if self.loss_owner else 0.0
+        self.reports_loss = self.loss_owner and tensor_index == 0
+        """Every tensor rank computes the loss (and runs its backward); one reports it."""
         self.loss_scale = 1.0
         """fp16: the loss is multiplied by this before its backward (the caller unscales)."""
         self.fail_at = fail_at if fail_at and fail_at[0] == rank else None
@@ -169,7 +171,7 @@ class Executor:
         compute = sum(clock.seconds(a, b) for i, a, b in marks if self.steps[i][0] <= STEP_WEIGHT)
         events = [self.event(i, clock.seconds(start, a), clock.seconds(a, b))
                   for i, a, b in marks] if trace else []
-        loss = torch.stack(self.losses).mean() if self.loss_owner and self.losses else None
+        loss = torch.stack(self.losses).mean() if self.reports_loss and self.losses else None
         return IterationResult(loss, clock.seconds(start, end), compute, self.peak,
                                self.outputs, events)
 

@@ -23,6 +23,14 @@ __all__ = ["PipelineGradients", "Reductions", "Slots", "flat_gradients", "local"
            "norm_argument", "padded", "set_gradients", "unflatten_into"]
 
 
+def tensor_sharded(p: torch.Tensor) -> bool:
+    """Whether each tensor-parallel rank holds its own part of `p` (a DTensor sharded on the
+    mesh's tp dim); else every tensor rank holds the same."""
+    mesh = getattr(p, "device_mesh", None)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    return "tp" in names and p.placements[names.index("tp")].is_shard()
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """A tensor's part on this rank (a DTensor's local shard; a plain tensor itself)."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -270,7 +278,7 @@ class PipelineGradients:
         """Each gradient of the model once over the world, as this rank's local parts: the
         first replica's (every shard of it); a tied parameter's on the lowest rank holding it;
         a replicated parameter of a multi-device block on the block's first rank; every
-        rank's chunk of a sharded one."""
+        rank's chunk of a sharded one; one not sharded over the tensor ranks on the first."""
         if self.data_index // self.problem.mesh.shards != 0:
             return []
         tied_here = {id(param): group for _, param, group in self.ties}
@@ -287,6 +295,8 @@ class PipelineGradients:
                 if len(block.devices) > 1 and shard_dim(p) is None and \
                         block.devices[0] != self.device_index:
                     continue
+                if self.tensor_index != 0 and not tensor_sharded(p):
+                    continue  # (the same on every tensor rank)
                 out.append(local(p.grad))
         return out
 

@@ -47,6 +47,7 @@ from pyplan.run.comm import Comm, join_world
 from pyplan.run.executor import Executor, IterationResult
 from pyplan.run.gradients import PipelineGradients
 from pyplan.run.mesh import DataParallel, world_mesh
+from pyplan.run.tensor import parallelize, tensor_plan
 from pyplan.run.values import concatenated
 from pyplan.verify import verify
 
@@ -84,11 +85,6 @@ class Pipeline(PipelineGradients):
         source = resolved.plan_path if resolved.plan_path is not None and \
             resolved.plan_path.is_file() else resolved.path
         self.model = model or load_model(problem, plan_dir, str(source))
-        if problem.mesh.tensor > 1:
-            raise PlanError(f"the plan's mesh has tensor: {problem.mesh.tensor}, which pyplan "
-                            "run does not run yet", hint="solve, show and export it; run it "
-                            "with mesh.tensor 1", file=resolved.plan_path and
-                            str(resolved.plan_path))
         mesh = problem.mesh
         world = mesh.world(problem.num_devices)
         if "RANK" not in os.environ and not dist.is_initialized():
@@ -146,8 +142,19 @@ class Pipeline(PipelineGradients):
                              rank=self.device_index, groups=self.groups)
         self.built, self.modules = built, built.modules
         _refuse_dtensors(problem, self.modules)  # (the user's; pyplan makes its own below)
+        # Tensor, then data parallelism (torchtitan's order); both put new parameter objects
+        # where the old ones were: names follow the places.
+        places = [(owner, attr, built.names.get(id(p))) for module in self.modules.values()
+                  for name, p in module.named_parameters(remove_duplicate=False)
+                  for path, _, attr in [name.rpartition(".")]
+                  for owner in [module.get_submodule(path) if path else module]]
+        if mesh.tensor > 1:
+            self._tensor_parallel()
         self.data_parallel = self._data_parallel() \
             if problem.training and replicas > 1 else None
+        for owner, attr, name in places:
+            if name is not None:
+                built.names[id(owner._parameters[attr])] = name
         preds = block_inputs(problem, self.modules)
         self.takes_inputs = any(not preds[b] or b in built.wants_inputs for b in self.modules)
         """Whether a block of this rank reads the micro-batches' inputs (only these ranks need
@@ -179,10 +186,6 @@ class Pipeline(PipelineGradients):
         copy per rank, shared by its stages) the root; parameter names follow the objects
         FSDP puts in their places."""
         model, built = self.model, self.built
-        places = [(owner, attr, built.names.get(id(p))) for module in self.modules.values()
-                  for name, p in module.named_parameters(remove_duplicate=False)
-                  for path, _, attr in [name.rpartition(".")]
-                  for owner in [module.get_submodule(path) if path else module]]
         units, shared = {}, []
         for b, module in self.modules.items():
             listed = model.stages.get(self.problem.blocks[b].name, ()) \
@@ -192,11 +195,27 @@ class Pipeline(PipelineGradients):
                 [] if model.cut.kind == FORWARD and listed else [module])
         if model.whole is not None and model.cut.kind == FORWARD:
             shared = [built.whole]
-        data_parallel = DataParallel(units, shared, self.mesh, self.autocast)
-        for owner, attr, name in places:  # (FSDP swapped the parameter objects)
-            if name is not None:
-                built.names[id(owner._parameters[attr])] = name
-        return data_parallel
+        return DataParallel(units, shared, self.mesh, self.autocast)
+
+    def _tensor_parallel(self) -> None:
+        """Each stage's layers sharded over the tensor ranks (pyplan.run.tensor): a model cut
+        into its own modules (model: {module: ...}), with a plan of its own or the plan's."""
+        problem, model = self.problem, self.model
+        where = str(self.resolved.plan_path or self.resolved.path)
+        if model.whole is None or model.cut.kind == TRACED:
+            raise PlanError(f"{where}: mesh.tensor needs a model given as one module cut into "
+                            "its own submodules (model: {module, stages})",
+                            hint="partition the model with pyplan partition")
+        shared = next((b for b in problem.blocks if len(b.devices) > 1), None)
+        if shared is not None:
+            raise PlanError(f"{where}: block '{shared.name}' runs on several devices, which "
+                            "mesh.tensor does not combine with", hint="use mesh.tensor: 1")
+        plan = tensor_plan(self.built.whole, dict(problem.mesh.tensor_plan))
+        sharded = parallelize(self.built.whole, plan, self.mesh["tp"], where=where)
+        if not sharded:
+            raise PlanError(f"{where}: {type(self.built.whole).__name__} has no tensor-parallel "
+                            "plan pyplan can read (a Hugging Face config's base_model_tp_plan)",
+                            hint="give mesh.tensor_plan: {MODULE_PATH: colwise|rowwise, ...}")
 
     def _group(self, ranks: list[int], backend: str | None = None):
         """A new group (every rank calls this in the same order) whose collectives time out
