@@ -291,13 +291,14 @@ def _plain_plan(name: str, devices: list[int], units: list[list[str]], n: int, s
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("placement", ["interleaved", "zb-v"])
+@pytest.mark.parametrize("placement", ["interleaved", "zb-v", "zb-v-fsdp"])
 def test_an_exported_schedule_trains_the_same_losses_in_torchs_runtime(tmp_path, placement):
-    """torch-csv of an interleaved plan (8 stages on 4 ranks) and of a ZB-V plan (the wave
-    placement with a split backward: 4 stages on 2 ranks, I and W actions) runs in
-    torch.distributed.pipelining's _PipelineScheduleRuntime, which torchtitan uses for
-    `pipeline_parallel_schedule_csv`, with the same modules, batches and SGD: the same losses
-    as `pyplan run`."""
+    """torch-csv of an interleaved plan (8 stages on 4 ranks), of a ZB-V plan (the wave
+    placement with a split backward: 4 stages on 2 ranks, I and W actions) and of the same
+    with two FSDP2 shards of each stage (2 x 2 ranks: the stage modules wrapped by
+    fully_shard) runs in torch.distributed.pipelining's _PipelineScheduleRuntime, which
+    torchtitan uses for `pipeline_parallel_schedule_csv`, with the same modules, batches and
+    SGD: the same losses as `pyplan run`."""
     import shutil
     import subprocess
     import sys
@@ -311,9 +312,11 @@ def test_an_exported_schedule_trains_the_same_losses_in_torchs_runtime(tmp_path,
         text = _plain_plan(placement, [s % 4 for s in range(8)], units, 8, "")
     else:
         units = [["embed"] + layers[:2], layers[2:4], layers[4:6], layers[6:] + ["head"]]
-        text = _plain_plan(placement, [0, 1, 1, 0], units, 4, ", weight_time_ratio: 1")
+        text = _plain_plan("zb-v", [0, 1, 1, 0], units, 4, ", weight_time_ratio: 1")
+        if placement == "zb-v-fsdp":
+            text = text.replace("micro_batches: ", "mesh: {data: 2, shard: true}\nmicro_batches: ")
     (tmp_path / f"{placement}.yaml").write_text(text)
-    ranks = 4 if placement == "interleaved" else 2
+    ranks = 2 if placement == "zb-v" else 4
     pyplan = str(Path(sys.executable).with_name("pyplan"))
 
     def run(*args, command=(pyplan,)):

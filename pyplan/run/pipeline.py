@@ -210,6 +210,13 @@ class Pipeline(PipelineGradients):
         if shared is not None:
             raise PlanError(f"{where}: block '{shared.name}' runs on several devices, which "
                             "mesh.tensor does not combine with", hint="use mesh.tensor: 1")
+        config = getattr(self.built.whole, "config", None)
+        for key in ("num_attention_heads", "num_key_value_heads", "hidden_size"):
+            count = getattr(config, key, None)
+            if isinstance(count, int) and count % problem.mesh.tensor:
+                raise PlanError(f"{where}: mesh.tensor {problem.mesh.tensor} does not divide "
+                                f"the model's {key} ({count})",
+                                hint="use a tensor degree that divides the heads and the width")
         plan = tensor_plan(self.built.whole, dict(problem.mesh.tensor_plan))
         sharded = parallelize(self.built.whole, plan, self.mesh["tp"], where=where)
         if not sharded:

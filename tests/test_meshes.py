@@ -1,0 +1,126 @@
+"""Tensor and data parallelism inside pipeline stages on torch's own libraries (DeviceMesh,
+parallelize_module, FSDP2's fully_shard), each layout trained with AdamW, clipping and
+accumulation against single-process training (`pyplan run --check`) on 4 gloo ranks:
+TP 2 x PP 2 with a zero-bubble split backward (Llama), FSDP 2 x PP 2 with a tie across
+stages (GPT-2), HSDP 2 x 2 and TP 2 x FSDP 2 (Llama); a checkpoint saved under one mesh
+resumes under another to the same losses; bad meshes get one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+MODELS = Path(__file__).resolve().parent / "models"
+PYPLAN = str(Path(sys.executable).with_name("pyplan"))
+TRAIN = ("--optimizer", "adamw", "--lr", "0.003", "--clip-grad-norm", "0.5", "--accumulate",
+         "2", "--device", "cpu")
+
+MESHED = '''\
+import hf
+
+
+def llama():
+    """4 heads over 2 key/value groups: both divide over 2 tensor ranks."""
+    return hf.build("llama", num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+gpt2 = hf.gpt2
+batch = hf.batch
+loss = hf.loss
+'''
+
+
+def _pyplan(cwd, *args, timeout=300):
+    return subprocess.run([PYPLAN, *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def partitioned(tmp_path_factory):
+    """Llama (2 stages, split backward; 1 stage) and GPT-2 (2 stages) partitioned once."""
+    folder = tmp_path_factory.mktemp("meshes")
+    shutil.copy(MODELS / "hf.py", folder / "hf.py")
+    (folder / "meshed.py").write_text(MESHED)
+    for name, factory, devices, extra in (("llama2", "llama", 2, ("--split-backward",)),
+                                          ("llama1", "llama", 1, ()),
+                                          ("gpt2", "gpt2", 2, ())):
+        made = _pyplan(folder, "partition", f"meshed:{factory}", "--data", "meshed:batch",
+                       "--loss", "meshed:loss", "--devices", devices, "--repeats", "1",
+                       "-o", f"{name}.yaml", *extra)
+        assert made.returncode == 0, made.stderr
+    return folder
+
+
+def _meshed(folder: Path, plan: str, mesh: str, name: str) -> str:
+    text = (folder / f"{plan}.yaml").read_text()
+    (folder / f"{name}.yaml").write_text(text.replace("\ntraining:", f"\nmesh: {mesh}\ntraining:"))
+    solved = _pyplan(folder, "solve", f"{name}.yaml", "--quiet")
+    assert solved.returncode == 0, solved.stderr
+    return f"{name}.resolved.yaml"
+
+
+def _checked(folder: Path, resolved: str, *extra) -> dict:
+    done = _pyplan(folder, "run", resolved, "--nproc-per-node", 4, "--iterations", 3,
+                   "--check", "--json", *TRAIN, *extra)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["check"]["ok"], report["check"]
+    return report
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("plan, mesh", [
+    ("llama2", "{tensor: 2}"),                       # TP 2 x PP 2, zero-bubble split backward
+    ("gpt2", "{data: 2, shard: true}"),              # FSDP 2 x PP 2, a tie across the stages
+    ("llama1", "{data: 2, shard: 2}"),               # HSDP: 2 replicas of 2 shards
+    ("llama1", "{tensor: 2, data: 2, shard: true}"),  # TP 2 x FSDP 2
+])
+def test_a_meshed_layout_trains_the_single_process_model(partitioned, plan, mesh):
+    name = f"{plan}-" + "".join(c for c in mesh if c.isalnum())
+    report = _checked(partitioned, _meshed(partitioned, plan, mesh, name))
+    if plan == "gpt2":
+        assert report["ties"] == ["transformer.wte.weight"]
+
+
+@pytest.mark.torchrun
+def test_a_checkpoint_resumes_under_another_mesh_to_the_same_losses(partitioned):
+    """Saved by 2 replicas (the gradients all-reduced), resumed by 2 FSDP shards: DCP reshards
+    the parameters and AdamW's moments; the losses are an uninterrupted run's."""
+    replicated = _meshed(partitioned, "gpt2", "{data: 2}", "gpt2-replicated")
+    sharded = _meshed(partitioned, "gpt2", "{data: 1, shard: 2}", "gpt2-sharded")
+    options = ("--json", "--optimizer", "adamw", "--device", "cpu")
+
+    def losses(resolved, iterations, *extra):
+        done = _pyplan(partitioned, "run", resolved, "--nproc-per-node", 4, "--iterations",
+                       iterations, *options, *extra)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])["losses"]
+    whole = losses(replicated, 4)
+    first = losses(replicated, 2, "--save", "ck")
+    second = losses(sharded, 2, "--resume", "ck")
+    assert first + second == whole
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("plan, mesh, message", [
+    ("gpt2", "{tensor: 2}", "GPT2LMHeadModel has no tensor-parallel plan pyplan can read"),
+    ("llama1", "{tensor: 3}", "mesh.tensor 3 does not divide the model's num_attention_heads "
+                              "(4)"),
+])
+def test_a_mesh_the_model_cannot_take_is_one_line(partitioned, plan, mesh, message):
+    name = f"bad-{plan}-" + "".join(c for c in mesh if c.isalnum())
+    resolved = _meshed(partitioned, plan, mesh, name)
+    ranks = 4 if plan == "gpt2" else 3
+    done = _pyplan(partitioned, "run", resolved, "--nproc-per-node", ranks, "--device", "cpu")
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")
+              or ": error:" in line]
+    assert errors and all(message in line for line in errors), done.stderr[-3000:]
