@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 MODELS = Path(__file__).resolve().parent / "models"
@@ -124,3 +124,36 @@ def test_a_mesh_the_model_cannot_take_is_one_line(partitioned, plan, mesh, messa
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")
               or ": error:" in line]
     assert errors and all(message in line for line in errors), done.stderr[-3000:]
+
+
+def test_dropout_in_a_tensor_parallel_region_draws_each_ranks_own_masks():
+    """Between a column-wise layer and the row-wise one that closes its region, each tensor
+    rank draws its own dropout masks; outside, every rank the same; a rerun from the block's
+    seed (recomputation) draws the forward's masks again."""
+    from torch import nn
+
+    from pyplan.run.tensor import TensorRandom
+
+    def masks(tensor_index: int, seed: int):
+        model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5), nn.Linear(64, 64),
+                              nn.Dropout(0.5))
+        for layer in (model[0], model[2]):
+            nn.init.eye_(layer.weight)
+            nn.init.zeros_(layer.bias)
+        random = TensorRandom(tensor_index, torch.device("cpu"))
+        random.watch(model, {"0": "colwise", "2": "rowwise"})
+        seen = []
+        model[1].register_forward_hook(lambda m, i, o: seen.append(o != 0))
+        model[3].register_forward_hook(lambda m, i, o: seen.append(o != 0))
+        torch.manual_seed(seed)
+        random.begin(seed)
+        with torch.no_grad():
+            model(torch.ones(8, 64))
+        return seen
+
+    local0, shared0 = masks(0, 7)
+    local1, shared1 = masks(1, 7)
+    assert not torch.equal(local0, local1)        # each rank's own part: its own masks
+    assert torch.equal(shared0[local0 & local1], shared1[local0 & local1])
+    again = masks(0, 7)
+    assert torch.equal(again[0], local0) and torch.equal(again[1], shared0)

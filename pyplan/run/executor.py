@@ -90,7 +90,7 @@ class _Forward:
 class Executor:
     def __init__(self, lowered: Lowered, rank: int, modules: dict, groups: dict, comm: Comm,
                  loss_fn, output_block: int, *, seed: int, wants_inputs=frozenset(),
-                 data_parallel=None, sync_at_end: bool = False,
+                 data_parallel=None, tensor_random=None, sync_at_end: bool = False,
                  autocast: torch.dtype | None = None,
                  fail_at: tuple[int, int, str] | None = None, tied=frozenset()):
         problem = lowered.problem
@@ -98,6 +98,8 @@ class Executor:
         self.comm, self.loss_fn, self.output = comm, loss_fn, output_block
         self.device = comm.device
         self.seed, self.autocast = seed, autocast
+        self.tensor_random = tensor_random
+        """Tensor-parallel regions' own random stream (pyplan.run.tensor.TensorRandom)."""
         self.wants_inputs = wants_inputs
         device, self.data_index, tensor_index = problem.mesh.coords(rank)
         # Micro-batch m of data-parallel rank i is micro-batch i x N + m of the global batch.
@@ -244,8 +246,10 @@ class Executor:
     def _numbers(self, b: int, m: int):
         """Random numbers of block b on micro-batch m (the same in a rerun and in the
         reference), and autocast when asked for."""
-        seed_generators(forward_seed(self.seeds[b], self.iteration, self.first_micro_batch + m),
-                        self.device)
+        seed = forward_seed(self.seeds[b], self.iteration, self.first_micro_batch + m)
+        seed_generators(seed, self.device)
+        if self.tensor_random is not None:
+            self.tensor_random.begin(seed)
         if self.autocast is None:
             yield
         else:

@@ -47,7 +47,7 @@ from pyplan.run.comm import Comm, join_world
 from pyplan.run.executor import Executor, IterationResult
 from pyplan.run.gradients import PipelineGradients
 from pyplan.run.mesh import DataParallel, world_mesh
-from pyplan.run.tensor import parallelize, tensor_plan
+from pyplan.run.tensor import TensorRandom, parallelize, tensor_plan
 from pyplan.run.values import concatenated
 from pyplan.verify import verify
 
@@ -148,6 +148,8 @@ class Pipeline(PipelineGradients):
                   for name, p in module.named_parameters(remove_duplicate=False)
                   for path, _, attr in [name.rpartition(".")]
                   for owner in [module.get_submodule(path) if path else module]]
+        self.tensor_random = TensorRandom(self.tensor_index, self.device) \
+            if mesh.tensor > 1 else None
         if mesh.tensor > 1:
             self._tensor_parallel()
         self.data_parallel = self._data_parallel() \
@@ -170,7 +172,8 @@ class Pipeline(PipelineGradients):
                          timeout=self.timeout)
         self._params = list({id(p): p for m in self.modules.values() for p in m.parameters()
                              if p.requires_grad}.values())
-        options = dict(seed=self.seed, wants_inputs=built.wants_inputs, autocast=self.autocast)
+        options = dict(seed=self.seed, wants_inputs=built.wants_inputs, autocast=self.autocast,
+                       tensor_random=self.tensor_random)
         loss = loss_function(self.model)
         self.executor = Executor(self.lowered, self.rank, self.modules, self.groups, self.comm,
                                  loss, self.output, data_parallel=self.data_parallel,
@@ -219,6 +222,7 @@ class Pipeline(PipelineGradients):
                                 hint="use a tensor degree that divides the heads and the width")
         plan = tensor_plan(self.built.whole, dict(problem.mesh.tensor_plan))
         sharded = parallelize(self.built.whole, plan, self.mesh["tp"], where=where)
+        self.tensor_random.watch(self.built.whole, sharded)
         if not sharded:
             raise PlanError(f"{where}: {type(self.built.whole).__name__} has no tensor-parallel "
                             "plan pyplan can read (a Hugging Face config's base_model_tp_plan)",
@@ -356,7 +360,8 @@ class Pipeline(PipelineGradients):
             self._evaluators[n] = Executor(lowered, self.rank, self.modules, self.groups,
                                            self.comm, self.evaluator.loss_fn, self.output,
                                            seed=self.seed, wants_inputs=self.built.wants_inputs,
-                                           autocast=self.autocast)
+                                           autocast=self.autocast,
+                                           tensor_random=self.tensor_random)
         return self._evaluators[n]
 
     def state_dict(self, optimizer=None) -> dict:

@@ -7,17 +7,26 @@ gate column-wise and down row-wise), which pyplan reads as data and maps onto to
 a plan's `mesh.tensor_plan` adds to it or overrides it per module path (`*` matches one name).
 Activations between those pairs stay whole on every tensor rank (no sequence parallelism), so
 a stage hands each tensor rank's copy to its peer in the next stage, 1:1.
+
+Randomness follows Megatron-LM's RNG tracker: between a column-wise layer and the row-wise one
+that closes its region (attention's heads, the MLP's inner width) each tensor rank holds its
+own part of the activations, and dropout there draws from a stream of its own, seeded from the
+block's seed, the tensor rank and how many regions the block has opened; everywhere else
+(whole activations) every tensor rank draws the same masks. A recomputed block reseeds the same
+way, so its masks are its forward's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 
+import torch
 from torch import nn
 
 from pyplan.errors import PlanError
 
-__all__ = ["STYLES", "parallelize", "tensor_plan"]
+__all__ = ["STYLES", "TensorRandom", "parallelize", "tensor_plan"]
 
 STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output",
           "embedding_rowwise", "replicate")
@@ -56,10 +65,11 @@ def tensor_plan(model: nn.Module, overrides: dict[str, str] | None = None) -> di
     return plan
 
 
-def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str) -> list[str]:
+def parallelize(root: nn.Module, plan: dict[str, str], mesh, *,
+                where: str) -> dict[str, str]:
     """Apply `plan` to the modules of `root` its patterns match (modules a rank does not hold
-    match nothing); returns the paths sharded. PlanError naming a module whose style pyplan
-    does not know."""
+    match nothing); returns the sharded modules' paths and styles. PlanError naming a module
+    whose style pyplan does not know."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     modules = dict(root.named_modules())
@@ -80,7 +90,50 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str) -> l
                             f"torch's {style} parallelism does not shard",
                             hint="tensor parallelism shards nn.Linear layers; give "
                             "mesh.tensor_plan without it, or mesh.tensor: 1")
-    styles = {path: _style(style) for path, style in chosen.items() if style not in _WHOLE}
-    if styles:
-        parallelize_module(root, mesh, styles)
-    return sorted(styles)
+    sharded = {path: style for path, style in sorted(chosen.items()) if style not in _WHOLE}
+    if sharded:
+        parallelize_module(root, mesh, {path: _style(s) for path, s in sharded.items()})
+    return sharded
+
+
+class TensorRandom:
+    """The tensor-parallel regions' random stream (see the module's docstring): `begin` at each
+    block call (with the seed the executor gives the block), `watch` the sharded modules."""
+
+    def __init__(self, tensor_index: int, device: torch.device) -> None:
+        self.tensor_index, self.device = tensor_index, device
+        self.seed, self.regions, self.saved = 0, 0, None
+
+    def begin(self, seed: int) -> None:
+        self.leave()
+        self.seed, self.regions = seed, 0
+
+    def enter(self, *_) -> None:
+        if self.saved is not None:
+            return
+        cuda = self.device.type == "cuda"
+        self.saved = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda
+                      else None)
+        self.regions += 1
+        text = f"{self.seed}:tensor:{self.tensor_index}:{self.regions}".encode()
+        seed = int.from_bytes(hashlib.sha256(text).digest()[:7], "big")
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
+
+    def leave(self, *_) -> None:
+        if self.saved is None:
+            return
+        torch.set_rng_state(self.saved[0])
+        if self.saved[1] is not None:
+            torch.cuda.set_rng_state(self.saved[1], self.device)
+        self.saved = None
+
+    def watch(self, root: nn.Module, plan: dict[str, str]) -> None:
+        """A column-wise layer opens a region (after it runs), a row-wise one closes it."""
+        modules = dict(root.named_modules())
+        for path, style in plan.items():
+            if style.startswith("colwise"):
+                modules[path].register_forward_hook(self.enter)
+            elif style.startswith("rowwise"):
+                modules[path].register_forward_hook(self.leave)

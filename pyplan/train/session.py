@@ -54,6 +54,12 @@ class Session:
         pipe = self.pipe
         self.lowered: Lowered = pipe.lowered
         self.problem, self.rank = pipe.problem, pipe.rank
+        if options.check and self.problem.mesh.tensor > 1 and _drops(pipe):
+            raise RunError("--check with mesh.tensor: the model has dropout, whose masks inside "
+                           "tensor-parallel regions are each tensor rank's own, so no single-"
+                           "process run draws the same",
+                           hint="check with the model's dropout set to 0 (what --check "
+                           "compares is exact then), or with mesh.tensor: 1")
         if watch:
             self.watchdog = Watchdog(self.rank, pipe.world, options.fault_timeout,
                                      self.position, self.where)
@@ -403,6 +409,17 @@ class _Counting:
             self.census.__exit__(*exc)
             peak = self.census.peak
         self.session.memory = (peak, self.static)
+
+
+def _drops(pipe: Pipeline) -> bool:
+    """Whether the rank's stages drop out anything (nn.Dropout, or an attention dropout its
+    model's config sets)."""
+    config = getattr(pipe.built.whole, "config", None)
+    if any(isinstance(getattr(config, key, 0), float) and getattr(config, key) > 0
+           for key in ("attention_dropout", "attn_pdrop", "resid_pdrop", "hidden_dropout")):
+        return True
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0
+               for module in pipe.modules.values() for m in module.modules())
 
 
 def _shared_cores(pipe: Pipeline) -> tuple[int, int] | None:
