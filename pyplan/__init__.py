@@ -14,13 +14,18 @@ def _borrow_core() -> None:
     folder, which has no compiled core unless it was built in place: take the core of the
     pyplan installed in the environment (`pip install .` put it in site-packages), so the
     repository's root works as any other folder does."""
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    def has_core(folder: str) -> bool:
+        return any(os.path.isfile(os.path.join(folder, "_core" + suffix))
+                   for suffix in EXTENSION_SUFFIXES)
+
     here = os.path.dirname(os.path.abspath(__file__))
-    if any(name.startswith("_core.") for name in os.listdir(here)):
+    if has_core(here):
         return
     for entry in sys.path:
         folder = os.path.join(os.path.abspath(entry or os.curdir), "pyplan")
-        if folder != here and os.path.isdir(folder) and any(
-                name.startswith("_core.") for name in os.listdir(folder)):
+        if folder != here and has_core(folder):
             __path__.append(folder)  # noqa: F821 (the package's own search path)
             return
 

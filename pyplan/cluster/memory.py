@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pyplan.cluster.layout import Batch, Layout
 from pyplan.cluster.model import Transformer
 
-__all__ = ["Activations", "State", "activations", "state_bytes_per_parameter"]
+__all__ = ["Activations", "State", "activations", "mesh_state_bytes",
+           "state_bytes_per_parameter"]
 
 
 def state_bytes_per_parameter(dtype: str, optimizer: str = "adam", shards: int = 1,
@@ -127,3 +128,17 @@ def stage_state(parameters: float, batch: Batch, layout: Layout,
                                     layout.dp if layout.distributed_optimizer else 1)
     return State(parameters, parameters * per["weights"], parameters * per["gradients"],
                  parameters * per["optimizer"])
+
+
+def mesh_state_bytes(state_bytes: float, state_tensors: int, *, tensor: int = 1,
+                     shards: int = 1) -> float:
+    """What one rank of a mesh holds at its peak of a stage's `state_bytes` (parameters,
+    gradients and optimizer state: `state_tensors` tensors of the parameters' size, as pyplan
+    partition counts them): everything divided by the tensor degree (its sharded layers);
+    with FSDP's shards under a pipeline, the parameters and gradients whole over the data
+    ranks from the first forward to the last backward (pyplan.run.mesh: one all-gather per
+    iteration) beside their shards, and the optimizer's state sharded."""
+    per_tensor = state_bytes / max(state_tensors, 1) / tensor
+    if shards <= 1:
+        return per_tensor * state_tensors
+    return 2 * per_tensor + per_tensor * state_tensors / shards

@@ -7,7 +7,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from pyplan.cluster.memory import mesh_state_bytes
 from pyplan.lower import Lowered
+from pyplan.partition import OPTIMIZER_STATE
 from pyplan.train.check import Verdict
 from pyplan.run.pipeline import Pipeline
 from pyplan.train.training import Training
@@ -206,19 +208,26 @@ def timed(values: list, report: Report) -> list:
     return not_census[1:] if len(not_census) > 1 else not_census
 
 
-def planned_memory(pipe: Pipeline) -> list[dict]:
+def planned_memory(pipe: Pipeline, optimizer: str) -> list[dict]:
     """Per rank, the plan's peak memory of its device and the weights it counts there
     (parameters, gradients, optimizer state), in bytes (when the plan counts memory in
-    bytes)."""
-    problem = pipe.problem
+    bytes); on a mesh, each rank's share of the weights (pyplan.cluster.memory's rule, with
+    the run's optimizer's state tensors)."""
+    problem, mesh = pipe.problem, pipe.problem.mesh
     if not problem.memory_is_size:
         return [{} for _ in range(pipe.world)]
     weights = [sum(b.weights for b in problem.blocks if d in b.devices)
                for d in range(problem.num_devices)]
     peaks = pipe.resolved.schedule.peak_memory
-    return [{"planned_peak_bytes": peaks[r % problem.num_devices],
-             "planned_static_bytes": weights[r % problem.num_devices]}
-            for r in range(pipe.world)]
+    tensors = 2 + OPTIMIZER_STATE.get("adam" if optimizer == "adamw" else optimizer, 0)
+    out = []
+    for r in range(pipe.world):
+        device = mesh.coords(r)[0]
+        mine = mesh_state_bytes(weights[device], tensors, tensor=mesh.tensor,
+                                shards=mesh.shards)
+        out.append({"planned_peak_bytes": peaks[device] - weights[device] + mine,
+                    "planned_static_bytes": mine})
+    return out
 
 
 def activation_peaks(pipe: Pipeline) -> list[int] | None:

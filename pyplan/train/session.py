@@ -356,7 +356,7 @@ class Session:
                             ties=[name for name, _, _ in pipe.ties], eval_losses=evals,
                             resumed=self.resumed, saved=self.saved,
                             ranks=[{**g[4], **planned} for g, planned in
-                                   zip(gathered, planned_memory(pipe))],
+                                   zip(gathered, planned_memory(pipe, self.options.training.optimizer))],
                             census_iteration=self.census_step - first,
                             predicted=predicted(pipe, self.options),
                             shared_cores=_shared_cores(pipe))
