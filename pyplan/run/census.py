@@ -14,8 +14,10 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+
+from pyplan.run.values import plain
 
 __all__ = ["Census", "storage_bytes"]
 
@@ -47,6 +49,10 @@ class Census(TorchDispatchMode):
 
     def _count(self, t: torch.Tensor) -> None:
         if t.device != self.device or t.is_meta:
+            return
+        if is_traceable_wrapper_subclass(t):  # a DTensor: its local tensor holds the bytes
+            for inner in plain(t):
+                self._count(inner)
             return
         storage = t.untyped_storage()
         key = id(storage)
@@ -92,8 +98,8 @@ class Census(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # A view (or the tensor an in-place operation returns) lives in an input's storage:
         # nothing new, whether or not that storage is counted.
-        given = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))
-                 if isinstance(t, torch.Tensor) and not t.is_meta}
+        given = {id(x.untyped_storage()) for t in tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor) and not t.is_meta for x in plain(t)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not t.is_meta and \
                     id(t.untyped_storage()) not in given:

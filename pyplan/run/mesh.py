@@ -7,13 +7,14 @@ HSDP, which with one shard replicates (gradients all-reduced, as DDP) and with o
 shards (FSDP, ZeRO-3).
 
 Each stage's listed modules (a plan's `model.stages`, or a block module itself) become FSDP
-units. A pipeline runs a stage's forward once per micro-batch, so the units stay unsharded
-from their first forward to the iteration's end (reshard_after_forward=False, torchtitan's
-choice under pipeline parallelism): one all-gather per iteration, not per micro-batch, at the
-cost of holding the stage's whole parameters meanwhile. Gradients accumulate unsharded over the
-micro-batches (gradient sync off) and are reduce-scattered (all-reduced across replicas) once,
-at the stage's SYNC right after its last backward on this rank, as torch.distributed.pipelining
-does for its REDUCE_GRAD; the iteration's end waits for them and reshards.
+units. A pipeline runs a stage's forward and backward once per micro-batch. Sharded (`shard`),
+a unit is all-gathered for each of them and resharded after (FSDP's own default): the least
+memory, two all-gathers per unit and micro-batch. Replicated only (one shard), resharding
+would gather nothing, so the units stay whole (torchtitan's choice under pipeline
+parallelism). Either way gradients accumulate unsharded over the micro-batches (gradient sync
+off) and are reduce-scattered (all-reduced across replicas) once, at the stage's SYNC right
+after its last backward on this rank, as torch.distributed.pipelining does for its REDUCE_GRAD;
+the iteration's end waits for them.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class DataParallel:
     pruned copy per rank), reduced at the iteration's end, after every stage's SYNC."""
 
     def __init__(self, units: dict[int, list[nn.Module]], shared: list[nn.Module], mesh,
-                 compute_dtype) -> None:
+                 compute_dtype, *, reshard: bool) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self._fully_shard = fully_shard
@@ -57,19 +58,20 @@ class DataParallel:
                 if id(module) in done or not any(p.requires_grad for p in module.parameters()):
                     continue
                 done.add(id(module))
-                fully_shard(module, mesh=dp, reshard_after_forward=False, mp_policy=policy)
+                fully_shard(module, mesh=dp, reshard_after_forward=reshard, mp_policy=policy)
                 out.append(module)
             return out
         self.units = {block: shard(modules) for block, modules in units.items()}
         self.shared = shard(shared)
         self.modules = [m for ms in self.units.values() for m in ms] + self.shared
+        self.reshard = reshard
         self._arm()
 
     def _arm(self) -> None:
         """Gradients accumulate unsharded over the iteration's micro-batches."""
         for module in self.modules:
             module.set_requires_gradient_sync(False, recurse=False)
-            module.set_reshard_after_backward(False, recurse=False)
+            module.set_reshard_after_backward(self.reshard, recurse=False)
             module.set_is_last_backward(False)
 
     def reduce(self, block: int) -> None:

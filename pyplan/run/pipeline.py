@@ -198,7 +198,8 @@ class Pipeline(PipelineGradients):
                 [] if model.cut.kind == FORWARD and listed else [module])
         if model.whole is not None and model.cut.kind == FORWARD:
             shared = [built.whole]
-        return DataParallel(units, shared, self.mesh, self.autocast)
+        return DataParallel(units, shared, self.mesh, self.autocast,
+                            reshard=self.problem.mesh.shards > 1)
 
     def _tensor_parallel(self) -> None:
         """Each stage's layers sharded over the tensor ranks (pyplan.run.tensor): a model cut
