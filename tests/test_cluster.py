@@ -289,3 +289,25 @@ def test_gpt3_on_512_gpus_searches_everything_in_seconds():
                                 top=1)
     assert count > 1000 and exact < 100 and best[0].fits
     assert 0.3 < best[0].mfu < 0.8 and not math.isnan(best[0].seconds)
+
+
+def test_plan_writes_the_layout_for_torchtitan_and_megatron(tmp_path):
+    config = _config(tmp_path, "llama", **LLAMA)
+    result = _pyplan("plan", config, "--cluster", "dgx-a100-80gb", "--gpus", "64",
+                     "--global-batch", "512", "--seq", "4096", "--tp", "2", "--pp", "4",
+                     "--schedule", "interleaved-1f1b", "--vpp", "2", "--torchtitan", "tt.py",
+                     "--megatron", "megatron.txt", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    layout = json.loads(result.stdout)["layout"]
+    line = (tmp_path / "megatron.txt").read_text().splitlines()[-1]
+    assert f"--tensor-model-parallel-size {layout['tp']}" in line
+    assert "--pipeline-model-parallel-size 4" in line and "--global-batch-size 512" in line
+    module = (tmp_path / "tt.py").read_text()
+    assert "parallelism.tensor_parallel_degree = 2" in module
+    assert "Interleaved1F1B" in module
+    # Megatron-LM has no zero-bubble schedule: one line, nothing written
+    refused = _pyplan("plan", config, "--cluster", "dgx-a100-80gb", "--gpus", "64",
+                      "--global-batch", "512", "--seq", "4096", "--schedule", "zb-h1",
+                      "--megatron", "zb.txt", cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert not (tmp_path / "zb.txt").exists()

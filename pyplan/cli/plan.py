@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print one JSON object instead of the summary")
     parser.add_argument("-o", "--output", metavar="PLAN",
                         help="write the best layout's pipeline as a plan (YAML)")
+    parser.add_argument("--torchtitan", metavar="FILE",
+                        help="write the best layout as torchtitan's settings (a Python module, "
+                        "as pyplan export --format torchtitan writes them)")
+    parser.add_argument("--megatron", metavar="FILE",
+                        help="write the best layout as Megatron-LM's arguments (one line; '-' "
+                        "for standard output)")
 
 
 def _positive(args: argparse.Namespace, name: str, high: int = 10**9) -> None:
@@ -81,9 +87,11 @@ def run(args: argparse.Namespace) -> int:
     for name in ("gpus", "global_batch", "seq", "tp", "pp", "dp", "vpp", "micro_batch"):
         _positive(args, name, 10**6 if name != "seq" else 10**7)
     _positive(args, "top", 1000)
-    if args.output:
-        check_output(args.output, "-o")
-        check_not_input(args.output, args.model, args.cluster)
+    for flag, path in (("-o", args.output), ("--torchtitan", args.torchtitan),
+                       ("--megatron", args.megatron)):
+        if path and path != "-":
+            check_output(path, flag)
+            check_not_input(path, args.model, args.cluster)
     model = read_model(args.model)
     cluster = load_cluster(args.cluster)
     gpus = args.gpus or cluster.gpus
@@ -115,8 +123,14 @@ def run(args: argparse.Namespace) -> int:
         raise InfeasibleError(f"no layout of {model.family} runs on {gpus} GPUs with a global "
                               f"batch of {args.global_batch}",
                               hint="fix fewer degrees, or change the batch or GPU count")
+    exports = _exports(best[0], model, batch, args)  # (refused in one line before writing)
     if args.output:
         write_atomic(args.output, _plan_file(best[0], model, cluster, batch, args))
+    for path, text in exports:
+        if path == "-":
+            sys.stdout.write(text)
+        else:
+            write_atomic(path, text)
     if args.json:
         print(json.dumps(_json(best, model, cluster, batch, gpus, considered, priced, seconds),
                          sort_keys=True))
@@ -209,6 +223,24 @@ def _json(best, model, cluster, batch, gpus, considered, priced, seconds) -> dic
                           "dtype": batch.dtype, "flash_attention": batch.flash_attention},
                 "search": {"layouts": considered, "priced": priced, "seconds": seconds},
                 "top": [p.as_json() for p in best]})
+    return out
+
+
+def _exports(p, model, batch, args) -> list[tuple[str, str]]:
+    """(path, text) of the trainer settings asked for, of the layout `p`."""
+    if not (args.torchtitan or args.megatron):
+        return []
+    from pyplan.export.trainers import TrainerLayout, megatron_arguments, torchtitan_config
+
+    layout = TrainerLayout.planned(p.layout, name=model.family,
+                                   micro_batches=p.layout.micro_batches(batch),
+                                   stage_layers=p.layers_per_stage,
+                                   sequence_length=batch.sequence)
+    out = []
+    if args.torchtitan:
+        out.append((args.torchtitan, torchtitan_config(layout)))
+    if args.megatron:
+        out.append((args.megatron, megatron_arguments(layout)))
     return out
 
 
