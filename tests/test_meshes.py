@@ -33,6 +33,13 @@ def llama():
 
 
 gpt2 = hf.gpt2
+
+
+def gpt2_without_dropout():
+    """(--check with tensor parallelism needs a model without dropout)"""
+    return hf.build("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
 batch = hf.batch
 loss = hf.loss
 '''
@@ -51,7 +58,8 @@ def partitioned(tmp_path_factory):
     (folder / "meshed.py").write_text(MESHED)
     for name, factory, devices, extra in (("llama2", "llama", 2, ("--split-backward",)),
                                           ("llama1", "llama", 1, ()),
-                                          ("gpt2", "gpt2", 2, ())):
+                                          ("gpt2", "gpt2", 2, ()),
+                                          ("gpt2-nodrop", "gpt2_without_dropout", 2, ())):
         made = _pyplan(folder, "partition", f"meshed:{factory}", "--data", "meshed:batch",
                        "--loss", "meshed:loss", "--devices", devices, "--repeats", "1",
                        "-o", f"{name}.yaml", *extra)
@@ -82,6 +90,7 @@ def _checked(folder: Path, resolved: str, *extra) -> dict:
     ("gpt2", "{data: 2, shard: true}"),              # FSDP 2 x PP 2, a tie across the stages
     ("llama1", "{data: 2, shard: 2}"),               # HSDP: 2 replicas of 2 shards
     ("llama1", "{tensor: 2, data: 2, shard: true}"),  # TP 2 x FSDP 2
+    ("gpt2-nodrop", "{tensor: 2}"),                  # GPT-2's packed q, k, v in Conv1D
 ])
 def test_a_meshed_layout_trains_the_single_process_model(partitioned, plan, mesh):
     name = f"{plan}-" + "".join(c for c in mesh if c.isalnum())
@@ -110,16 +119,18 @@ def test_a_checkpoint_resumes_under_another_mesh_to_the_same_losses(partitioned)
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("plan, mesh, message", [
-    ("gpt2", "{tensor: 2}", "GPT2LMHeadModel has no tensor-parallel plan pyplan can read"),
-    ("llama1", "{tensor: 3}", "mesh.tensor 3 does not divide the model's num_attention_heads "
-                              "(4)"),
+@pytest.mark.parametrize("plan, mesh, extra, message", [
+    ("gpt2", "{tensor: 2}", ("--check",), "the model has dropout, whose masks inside "
+                                          "tensor-parallel regions are each tensor rank's own"),
+    ("llama1", "{tensor: 3}", (), "mesh.tensor 3 does not divide the model's "
+                                  "num_attention_heads (4)"),
 ])
-def test_a_mesh_the_model_cannot_take_is_one_line(partitioned, plan, mesh, message):
+def test_a_mesh_the_model_cannot_take_is_one_line(partitioned, plan, mesh, extra, message):
     name = f"bad-{plan}-" + "".join(c for c in mesh if c.isalnum())
     resolved = _meshed(partitioned, plan, mesh, name)
     ranks = 4 if plan == "gpt2" else 3
-    done = _pyplan(partitioned, "run", resolved, "--nproc-per-node", ranks, "--device", "cpu")
+    done = _pyplan(partitioned, "run", resolved, "--nproc-per-node", ranks, "--device", "cpu",
+                   *extra)
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")
               or ": error:" in line]

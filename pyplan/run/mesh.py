@@ -50,19 +50,27 @@ class DataParallel:
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) \
             if compute_dtype is not None else MixedPrecisionPolicy()
         dp = mesh["dp_replicate", "dp_shard"]
-        done: set[int] = set()
-
-        def shard(modules: list[nn.Module]) -> list[nn.Module]:
-            out = []
+        # Modules sharing a parameter (a tie inside a rank: GPT-2's embedding and head) are
+        # one unit, as FSDP requires; a unit several stages hold is reduced at the end.
+        owners: list[tuple[int | None, nn.Module]] = []
+        seen: set[int] = set()
+        for block, modules in [*units.items(), (None, shared)]:
             for module in modules:
-                if id(module) in done or not any(p.requires_grad for p in module.parameters()):
-                    continue
-                done.add(id(module))
-                fully_shard(module, mesh=dp, reshard_after_forward=reshard, mp_policy=policy)
-                out.append(module)
-            return out
-        self.units = {block: shard(modules) for block, modules in units.items()}
-        self.shared = shard(shared)
+                if id(module) not in seen and any(p.requires_grad for p in module.parameters()):
+                    seen.add(id(module))
+                    owners.append((block, module))
+        groups = _tied(owners)
+        self.units = {block: [] for block in units}
+        self.shared = []
+        for group in sorted(groups, key=lambda g: min(owners.index(x) for x in g)):
+            group.sort(key=owners.index)
+            modules = [m for _, m in group]
+            fully_shard(modules if len(modules) > 1 else modules[0], mesh=dp,
+                        reshard_after_forward=reshard, mp_policy=policy)
+            blocks = {b for b, _ in group}
+            target = self.units[blocks.pop()] if len(blocks) == 1 and None not in blocks \
+                else self.shared
+            target.append(modules[0])  # (a group's modules share one FSDP state)
         self.modules = [m for ms in self.units.values() for m in ms] + self.shared
         self.reshard = reshard
         self._arm()
@@ -97,3 +105,20 @@ class DataParallel:
             if state._is_root:
                 state._root_post_backward_final_callback()
         self._arm()
+
+
+def _tied(owners: list) -> list[list]:
+    """(block, module) pairs grouped where their modules share a parameter; a module and one
+    nested in it stay apart (the inner one's parameters are its own unit's)."""
+    groups: list[list] = []
+    for owner in owners:
+        mine = {id(p) for p in owner[1].parameters()}
+        merged = [g for g in groups if not any(_related(owner[1], m) for _, m in g)
+                  and mine & {id(p) for _, m in g for p in m.parameters()}]
+        rest = [g for g in groups if all(g is not m for m in merged)]
+        groups = rest + [[owner] + [x for g in merged for x in g]]
+    return groups
+
+
+def _related(a: nn.Module, b: nn.Module) -> bool:
+    return any(m is b for m in a.modules()) or any(m is a for m in b.modules())

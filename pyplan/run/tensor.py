@@ -23,18 +23,26 @@ import re
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from pyplan.errors import PlanError
+from pyplan.models.collectives import all_reduce_, summed_gradient
 
 __all__ = ["STYLES", "TensorRandom", "parallelize", "tensor_plan"]
 
-STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output",
-          "embedding_rowwise", "replicate")
+STYLES = ("colwise", "rowwise", "packed_colwise", "colwise_rep", "rowwise_rep",
+          "colwise_gather_output", "embedding_rowwise", "replicate")
 """The style names pyplan maps onto torch.distributed.tensor.parallel (Hugging Face's names).
 `embedding_rowwise` keeps the embedding whole on every tensor rank, as `replicate` does:
 torch's row-wise nn.Embedding leaves its weight's gradient replicated (whole on every rank)
 where the weight is sharded, so clipping and FSDP would see it once per tensor rank."""
 _WHOLE = ("replicate", "embedding_rowwise")
+# Modules without a plan of their own, by class: GPT-2's attention packs q, k and v into one
+# Conv1D (c_attn), which each tensor rank holds a third of each of (torch's _StridedShard), its
+# MLP two Conv1Ds; `split_size` (where c_attn's output is cut into q, k, v) is then a rank's.
+_BY_CLASS = {"GPT2Attention": {"c_attn": "packed_colwise:3", "c_proj": "rowwise"},
+             "GPT2MLP": {"c_fc": "colwise", "c_proj": "rowwise"}}
+_RESIZED = {"GPT2Attention": ("split_size",)}
 
 
 def _style(name: str):
@@ -61,6 +69,10 @@ def tensor_plan(model: nn.Module, overrides: dict[str, str] | None = None) -> di
     elif base:
         plan.update(base)
     plan.update(getattr(model, "_tp_plan", None) or {})
+    if not plan:
+        for path, module in model.named_modules():
+            for child, style in _BY_CLASS.get(type(module).__name__, {}).items():
+                plan[f"{path}.{child}"] = style
     plan.update(overrides or {})
     return plan
 
@@ -80,20 +92,95 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *,
                       if match.fullmatch(path) and any(  # (a stand-in holds none)
                           p is not None for p in module._parameters.values()))
     for path, style in sorted(chosen.items()):
-        if style not in STYLES:
+        if style.partition(":")[0] not in STYLES:
             raise PlanError(f"{where}: module {path} asks for tensor-parallel style {style!r}, "
                             "which pyplan does not run", hint="styles: " + ", ".join(STYLES) +
                             "; give mesh.tensor_plan for this module, or mesh.tensor: 1")
         module = modules[path]
-        if style not in _WHOLE and not isinstance(module, nn.Linear):
+        if style not in _WHOLE and not _shardable(module, style):
             raise PlanError(f"{where}: module {path} is a {type(module).__name__}, which "
-                            f"torch's {style} parallelism does not shard",
-                            hint="tensor parallelism shards nn.Linear layers; give "
-                            "mesh.tensor_plan without it, or mesh.tensor: 1")
+                            f"the {style} style does not shard",
+                            hint="tensor parallelism shards nn.Linear and Conv1D layers (packed "
+                            "ones too); give mesh.tensor_plan without it, or mesh.tensor: 1")
     sharded = {path: style for path, style in sorted(chosen.items()) if style not in _WHOLE}
     if sharded:
-        parallelize_module(root, mesh, {path: _style(s) for path, s in sharded.items()})
+        parallelize_module(root, mesh, {path: _style(s) if isinstance(modules[path], nn.Linear)
+                                        and not s.startswith("packed") else _Local(s)
+                                        for path, s in sharded.items()})
+    for path in {p.rpartition(".")[0] for p in sharded}:
+        parent = modules.get(path)
+        for attr in _RESIZED.get(type(parent).__name__, ()):
+            setattr(parent, attr, getattr(parent, attr) // mesh.size())
     return sharded
+
+
+def _shardable(module: nn.Module, style: str) -> bool:
+    conv = type(module).__name__ == "Conv1D"
+    if style.startswith("packed"):
+        return conv or isinstance(module, nn.Linear)
+    return conv or isinstance(module, nn.Linear)
+
+
+class _Local(ParallelStyle):
+    """A layer computed on each tensor rank's own part of its weights (their DTensors' local
+    tensors), the collectives at its edges written out: column-wise, each rank makes its part
+    of the output and the input's gradient is summed over the ranks; row-wise, each rank's
+    partial product is summed, then the bias added once. For GPT-2's Conv1D (weight: in x out)
+    and packed layers (q, k, v or gate and up in one matrix: `packed_colwise:N` gives each
+    rank the same part of each of the N, torch's _StridedShard), which torch's styles do not
+    shard."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        name, _, parts = style.partition(":")
+        self.rowwise = name == "rowwise"
+        self.parts = int(parts) if parts else (2 if name == "packed_colwise" else 1)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        conv = type(module).__name__ == "Conv1D"
+        out_dim = 1 if conv else 0  # the weight's output features
+        for name, param in list(module.named_parameters(recurse=False)):
+            dim = out_dim if name == "weight" else 0
+            if self.rowwise:
+                placement = Replicate() if name == "bias" else Shard(1 - out_dim)
+            elif self.parts > 1:
+                placement = _StridedShard(dim, split_factor=self.parts)
+            else:
+                placement = Shard(dim)
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(param, device_mesh, [placement]),
+                requires_grad=param.requires_grad))
+        module.forward = _local_forward(module, conv, self.rowwise, device_mesh.get_group())
+        return module
+
+
+def _local_forward(module: nn.Module, conv: bool, rowwise: bool, group):
+    def forward(x):
+        weight = module.weight.to_local()
+        bias = module.bias.to_local() if module.bias is not None else None
+        if not rowwise:
+            x = summed_gradient(x, group)
+        out = x @ (weight if conv else weight.t())
+        if rowwise:
+            out = _Summed.apply(out, group)
+        return out if bias is None else out + bias
+    return forward
+
+
+class _Summed(torch.autograd.Function):
+    """Summed over the tensor ranks forward; backward, the (whole, identical) gradient as it
+    is."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce_(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 class TensorRandom:

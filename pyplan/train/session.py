@@ -16,7 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from pyplan.errors import EXIT_RUN_FAILED, PyplanError, RunError
+from pyplan.errors import EXIT_RUN_FAILED, PlanError, PyplanError, RunError
 from pyplan.lower import COMPUTE, Lowered, describe
 import pyplan.train.checkpoint as checkpoint
 from pyplan.run.binding import Model, make_batch
@@ -55,7 +55,7 @@ class Session:
         self.lowered: Lowered = pipe.lowered
         self.problem, self.rank = pipe.problem, pipe.rank
         if options.check and self.problem.mesh.tensor > 1 and _drops(pipe):
-            raise RunError("--check with mesh.tensor: the model has dropout, whose masks inside "
+            raise PlanError("--check with mesh.tensor: the model has dropout, whose masks inside "
                            "tensor-parallel regions are each tensor rank's own, so no single-"
                            "process run draws the same",
                            hint="check with the model's dropout set to 0 (what --check "
