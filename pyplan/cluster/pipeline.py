@@ -20,7 +20,6 @@ from pyplan.cluster.model import Transformer
 __all__ = ["Chunk", "Priced", "chunks", "plan_text", "price", "split_layers"]
 
 UNITS = 1_000  # time units the longest block gets: times are integers, rounded by <= 0.05%
-BYTES_UNIT = 2**20  # the plan's memory unit: one MiB
 
 
 @dataclass(frozen=True)
@@ -191,21 +190,20 @@ def time_unit(chunk_list: list[Chunk]) -> float:
 
 
 def plan_text(name: str, chunk_list: list[Chunk], layout: Layout, micro_batches: int,
-              capacity: float | None, unit: float, description: str = "") -> str:
+              capacity: float | None, unit: float) -> str:
     """The pipeline as a pyplan plan (times in units of `unit` seconds, memory in bytes)."""
     split = layout.schedule in SPLIT_BACKWARD
 
     def units(seconds: float) -> int:
         return max(1, round(seconds / unit))
-    lines = ["pyplan: 1", f"name: {name}"]
-    if description:
-        lines += ["description: >", *("  " + line for line in _wrap(description))]
-    lines += [f"devices: {layout.pp}"] + ([f"memory: {int(capacity)}B"] if capacity else []) + [
+    lines = ["pyplan: 1", f"name: {name}", f"devices: {layout.pp}"] + ([f"memory: {int(capacity)}B"] if capacity else []) + [
               f"micro_batches: {micro_batches}", "training:",
               "  backward: {time_ratio: 1" + (", weight_time_ratio: 1}" if split else "}"),
               f"topology: {{time_unit_ms: {unit * 1e3:.9g}}}"]
     sync = max(c.sync for c in chunk_list)
     mesh = [f"data: {layout.dp}"] if layout.dp > 1 else []
+    if layout.dp > 1 and layout.distributed_optimizer:  # (the optimizer's state sharded)
+        mesh.append("shard: true")
     if layout.tp > 1:
         mesh.append(f"tensor: {layout.tp}")
     if sync > 0:
@@ -229,13 +227,8 @@ def plan_text(name: str, chunk_list: list[Chunk], layout: Layout, micro_batches:
     return "\n".join(lines) + "\n"
 
 
-def _wrap(text: str) -> list[str]:
-    import textwrap
-    return textwrap.wrap(text, 94)
-
-
 def price(chunk_list: list[Chunk], layout: Layout, micro_batches: int, capacity: float,
-          name: str = "pipeline", time_limit: float = 10.0) -> Priced:
+          name: str = "pipeline") -> Priced:
     """Lay out the layout's schedule on its plan and evaluate it."""
     from pyplan.problem import build_problem
     from pyplan.solver.templates import template_schedule
