@@ -241,6 +241,9 @@ def test_plan_json_has_the_contracted_keys_and_is_the_same_under_any_hash_seed(t
     (["--micro-batch", "0"], "--micro-batch must be an integer in 1 .. 1,000,000, got 0"),
     (["--tp", "16"], "--tp 16: more than a node's 8 GPUs"),
     (["--global-batch", "30", "--dp", "4"], "--global-batch 30 does not split over --dp 4"),
+    (["--tp", "2", "--pp", "2", "--dp", "4", "--micro-batch", "1", "--recompute", "none",
+      "--schedule", "interleaved-1f1b", "--vpp", "1"],
+     "the layout given cannot run: interleaved-1f1b needs 2 or more chunks per GPU (--vpp)"),
 ])
 def test_bad_layouts_get_one_line_naming_the_flag(tmp_path, arguments, message, capsys):
     config = _config(tmp_path, "llama", **LLAMA)

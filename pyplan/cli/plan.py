@@ -120,6 +120,14 @@ def run(args: argparse.Namespace) -> int:
         best, considered, priced = search(model, cluster, batch, gpus, fixed, args.top)
     seconds = time.perf_counter() - started
     if not best:
+        if fixed.everything:  # the layout asked for cannot run: say why
+            from pyplan.cluster.layout import Layout, check_layout
+            layout = Layout(fixed.tp, fixed.pp, fixed.dp, fixed.vpp or 1, fixed.micro_batch,
+                            fixed.recompute, bool(fixed.sequence_parallel), fixed.schedule,
+                            bool(fixed.distributed_optimizer))
+            reason = check_layout(layout, model, batch, gpus, cluster.gpus_per_node)
+            raise PlanError(f"the layout given cannot run: {reason}",
+                            hint="change the degrees, the schedule or --vpp")
         raise InfeasibleError(f"no layout of {model.family} runs on {gpus} GPUs with a global "
                               f"batch of {args.global_batch}",
                               hint="fix fewer degrees, or change the batch or GPU count")

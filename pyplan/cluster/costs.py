@@ -55,8 +55,6 @@ class Work:
     def __add__(self, other: "Work") -> "Work":
         return Work({k: self.parts[k] + other.parts[k] for k in PARTS})
 
-    def scaled(self, factor: float) -> "Work":
-        return Work({k: v * factor for k, v in self.parts.items()})
 
 
 @dataclass(frozen=True)
@@ -82,9 +80,6 @@ class Costs:
         # kernels and layout copies get the fitted, lower share.
         self.stream_hbm = gpu.memory_bandwidth_gbs * 1e9 * constants.STREAM_EFFICIENCY
         self.tokens = layout.micro_batch * batch.sequence
-        t = layout.tp
-        # The tensor-parallel group: t consecutive ranks of one node.
-        self.tp_group = (t, t)
 
     # -- primitives
 

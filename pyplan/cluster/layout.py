@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from pyplan.cluster.model import Transformer
-from pyplan.errors import PlanError
 
 __all__ = ["RECOMPUTE", "SCHEDULES", "Batch", "Layout", "check_layout"]
 
@@ -108,7 +107,3 @@ def check_layout(layout: Layout, model: Transformer, batch: Batch, gpus: int,
     if layout.pp == 1 and layout.schedule not in ("1f1b", "search"):
         return f"{layout.schedule} needs pipeline stages (pp > 1)"
     return None
-
-
-def layout_error(reason: str, flag: str = "--tp/--pp/--dp") -> PlanError:
-    return PlanError(f"{flag}: {reason}", hint="leave a degree out to let pyplan plan search it")

@@ -11,7 +11,7 @@ attention + MLP block (multi-head latent attention, state-space layers) is refus
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from pyplan.errors import PlanError
@@ -268,11 +268,6 @@ def gpt(layers: int, hidden: int, heads: int, *, vocab: int = 51200, sequence: i
                        kv_heads=heads, head_dim=hidden // heads, ffn=4 * hidden, vocab=vocab,
                        gated=False, norm="layernorm", biases=True, tied=True,
                        positions=sequence, dropout=dropout)
-
-
-def scaled(model: Transformer, **changes) -> Transformer:
-    """The same family with other sizes (tests and benchmarks)."""
-    return replace(model, **changes)
 
 
 def parameters_text(model: Transformer) -> str:

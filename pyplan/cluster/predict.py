@@ -103,12 +103,3 @@ def _recomputed_flops(model: Transformer, layout: Layout, batch: Batch) -> float
     if layout.recompute == "selective":
         return 4.0 * model.layers * model.q_dim * batch.sequence
     return 0.0
-
-
-def per_device_work(chunk_list: list[Chunk], layout: Layout) -> list[float]:
-    """Seconds each pipeline rank computes (and waits on tensor-parallel collectives) per
-    micro-batch: the part of an iteration no schedule can hide."""
-    work = [0.0] * layout.pp
-    for c in chunk_list:
-        work[c.device] += c.forward.seconds + c.backward.seconds + c.weight.seconds
-    return work
