@@ -10,9 +10,9 @@ Each stage's listed modules (a plan's `model.stages`, or a block module itself) 
 units. A pipeline runs a stage's forward and backward once per micro-batch. Sharded (`shard`),
 a unit is all-gathered for each of them and resharded after (FSDP's own default): the least
 memory, two all-gathers per unit and micro-batch. Replicated only (one shard), resharding
-would gather nothing, so the units stay whole (torchtitan's choice under pipeline
-parallelism). Either way gradients accumulate unsharded over the micro-batches (gradient sync
-off) and are reduce-scattered (all-reduced across replicas) once, at the stage's SYNC right
+would gather nothing, and with a split backward W runs apart from B, where no FSDP hook gathers
+the parameters again: the units stay whole (torchtitan's choice under pipeline parallelism).
+Either way gradients accumulate unsharded over the micro-batches (gradient sync off) and are reduce-scattered (all-reduced across replicas) once, at the stage's SYNC right
 after its last backward on this rank, as torch.distributed.pipelining does for its REDUCE_GRAD;
 the iteration's end waits for them.
 """

@@ -198,8 +198,11 @@ class Pipeline(PipelineGradients):
                 [] if model.cut.kind == FORWARD and listed else [module])
         if model.whole is not None and model.cut.kind == FORWARD:
             shared = [built.whole]
+        # (A split backward's W runs apart from its B, where no FSDP hook gathers the
+        # parameters again: with one, units stay whole.)
         return DataParallel(units, shared, self.mesh, self.autocast,
-                            reshard=self.problem.mesh.shards > 1)
+                            reshard=self.problem.mesh.shards > 1
+                            and not self.problem.split_layers)
 
     def _tensor_parallel(self) -> None:
         """Each stage's layers sharded over the tensor ranks (pyplan.run.tensor): a model cut
