@@ -12,9 +12,10 @@ a unit is all-gathered for each of them and resharded after (FSDP's own default)
 memory, two all-gathers per unit and micro-batch. Replicated only (one shard), resharding
 would gather nothing, and with a split backward W runs apart from B, where no FSDP hook gathers
 the parameters again: the units stay whole (torchtitan's choice under pipeline parallelism).
-Either way gradients accumulate unsharded over the micro-batches (gradient sync off) and are reduce-scattered (all-reduced across replicas) once, at the stage's SYNC right
-after its last backward on this rank, as torch.distributed.pipelining does for its REDUCE_GRAD;
-the iteration's end waits for them.
+Either way gradients accumulate unsharded over the micro-batches (gradient sync off) and are
+reduce-scattered (all-reduced across replicas) once, at the stage's SYNC right after its last
+backward on this rank, as torch.distributed.pipelining does for its REDUCE_GRAD; the
+iteration's end waits for them.
 """
 
 from __future__ import annotations
