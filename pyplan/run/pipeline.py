@@ -128,9 +128,9 @@ class Pipeline(PipelineGradients):
         replicas = mesh.data_parallel
         # Every rank creates every group, in the same order, as new_group requires: the
         # multi-device blocks' groups of every data and tensor index (the user's build gets
-        # them: the default group's backend), the data-parallel slices', the ties', the
-        # channels' (the device's backend: a group pyplan alone uses carries only what pyplan
-        # sends).
+        # them: the default group's backend), the mesh's (DeviceMesh: each of its dims), the
+        # ties', the channels' (the device's backend: a group pyplan alone uses carries only
+        # what pyplan sends).
         sets = sorted({b.devices for b in problem.blocks if len(b.devices) > 1})
         made = {(i, t, ds): self._group([mesh.rank(d, i, t) for d in ds])
                 for i in range(replicas) for t in range(mesh.tensor) for ds in sets}
