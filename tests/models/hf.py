@@ -45,8 +45,8 @@ SPECIFIC = {
     "kimi_linear": dict(LATENT, q_lora_rank=None, layer_types=MIXED,
                         mlp_layer_types=["dense", "sparse"] * 2, num_local_experts=4,
                         linear_head_dim=16, linear_num_heads=2),
-    "olmo_hybrid": dict(linear_num_key_heads=2, linear_num_value_heads=2,
-                        linear_key_head_dim=16, linear_value_head_dim=16),
+    "olmo_hybrid": dict(linear_num_key_heads=2, linear_num_value_heads=8,
+                        linear_key_head_dim=16, linear_value_head_dim=8),
     # Jamba's layer list mixes classes: Mamba layers, and attention in every second one.
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, num_experts=2, mamba_dt_rank=8),
     # Zamba2 alternates Mamba layers and hybrid ones, whose shared attention block (one module
