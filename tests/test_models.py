@@ -1,8 +1,6 @@
-"""pyplan.models: how a model is cut into stages. Hugging Face causal LMs of every family the
-installed transformers offers are cut in their own forward with no per-model code: each stage,
-pruned as on its own rank, chained with the others, computes exactly the whole model's logits;
-tied embeddings are found; partition -> solve -> run --check on 4 ranks trains the same model
-as the unmodified one in one process (dropout included)."""
+"""pyplan.models: how a model is cut into stages. Tied embeddings are found; partition -> solve
+-> run --check on 4 ranks trains the same model as the unmodified one in one process (dropout
+included). Every Hugging Face family tried is cut and trained in tests/test_families.py."""
 
 from __future__ import annotations
 
@@ -17,8 +15,7 @@ import pytest
 
 from pyplan.runtime import torch
 from pyplan.errors import RunError
-from pyplan.models import CHAIN, FORWARD, Unit, find_units, stage_modules, ties
-from pyplan.models.forward import logits, whole_forward
+from pyplan.models import CHAIN, Unit, find_units, stage_modules, ties
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
