@@ -122,3 +122,38 @@ def test_llama_interleaved_with_adamw_and_clipping_trains_the_same_model(tmp_pat
         run_args=("--optimizer", "adamw", "--lr", "0.001", "--clip-grad-norm", "0.5"))
     assert "ties:" not in plan and plan.count("{name: stage") == 4
     assert report["check"]["ok"], report
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("rooted", "error: the model cannot be cut: not at its layers (it has no nn.ModuleList of "
+               "layers), and torch's tracer makes stages of its children, but its parameter "
+               "scale belongs to none of them (hint: move the parameter into one of the "
+               "model's submodules, or make the forward call its list of layers"),
+    ("branchy", "error: the model cannot be cut: not at its layers (its forward does not call "
+                "the 4 layers of layers once each, in order (called: 3, 2, 1, 0)), and torch's "
+                "pipeline tracer stops at GuardOnDataDependentSymNode: Could not guard on "
+                "data-dependent expression"),
+])
+def test_a_model_no_cut_runs_is_refused_by_partition_in_one_line(factory, message, tmp_path):
+    """Not a plan that `pyplan run` refuses later ("parameter scale is in none of them"); the
+    cause first, torch's generic words ("cannot capture your model as a full graph") at most in
+    the hint, and none of the graphs torch prints on the way."""
+    shutil.copy(MODELS / "uncuttable.py", tmp_path / "uncuttable.py")
+    made = subprocess.run([PYPLAN, "partition", f"uncuttable:{factory}", "--data",
+                           "uncuttable:batch", "--loss", "uncuttable:loss", "--devices", "2",
+                           "--repeats", "1", "-o", "plan.yaml"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert made.returncode == 2 and made.stdout == "", made.stderr
+    assert made.stderr.startswith(message) and made.stderr.count("\n") == 1, made.stderr
+    assert "full graph" not in made.stderr and len(made.stderr) < 600
+    assert not (tmp_path / "plan.yaml").exists()
+
+
+def test_the_plans_layer_returns_name_the_structure_stand_ins_return():
+    from pyplan.models import FORWARD, Cut
+    from pyplan.planfile.types import LAYER_RETURNS
+
+    for text in LAYER_RETURNS:
+        assert Cut.of(FORWARD, text).layer_returns == text
+    assert Cut.of(FORWARD, "tuple of 3").returns == 3 and Cut.of(FORWARD).returns == 0
+    assert Cut.of(FORWARD, "tuple").returns == 1  # plans written before: (hidden,) as then
