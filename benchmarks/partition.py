@@ -158,7 +158,7 @@ def prepare(directory: Path) -> dict:
         path = None if folder is None else os.path.relpath(folder, directory)
         kwargs = dict(factory=f"{module_name}:{factory}", data=f"{module_name}:batch",
                       loss=f"{module_name}:loss", path=path, cut=cut.kind,
-                      layer_returns="tuple" if cut.tuples else "tensor", everywhere=shared)
+                      layer_returns=cut.layer_returns, everywhere=shared)
         best = partition_plans(units, devices=DEVICES, name=f"{name}-pyplan",
                                micro_batches=MICRO_BATCHES, **kwargs)[0]
         unit_ms = best.makespan_ms / best.solution.schedule.makespan

@@ -17,6 +17,7 @@ from pyplan.problem_ir import Block, Problem, layer_of, resolve_rule
 from pyplan.schedule import Schedule
 from pyplan.planfile import MeshSpec, ModelSpec, load_yaml
 from pyplan.planfile.plan import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_TIME
+from pyplan.planfile.types import LAYER_RETURNS
 from pyplan.planfile.units import MAX_MEMORY
 
 __all__ = ["Reader", "check_recorded"]
@@ -33,7 +34,7 @@ _BLOCK = {"name": (str, (), 0), "kind": (str, _KINDS, 0), "time": (int, 1, MAX_T
           "rematerialised": (int, 0, MAX_MEMORY), "devices": (list, 0, 0)}
 _MODEL = {"blocks": (str, (), 0), "module": (str, (), 0), "stages": (dict, 0, 0),
           "traced": (bool, 0, 0), "cut": (str, ("chain", "forward", "traced"), 0),
-          "layer_returns": (str, ("tensor", "tuple"), 0), "ties": (list, 0, 0),
+          "layer_returns": (str, LAYER_RETURNS, 0), "ties": (list, 0, 0),
           "data": (str, (), 0), "loss": (str, (), 0), "path": (str, (), 0),
           "vocab_parallel": (dict, 0, 0), "weights": (str, (), 0)}
 _MESH = {"data": (int, 1, MAX_DEVICES), "sync": (int, 0, MAX_TIME),

@@ -29,6 +29,7 @@ from pyplan.solver import solve as _solve
 from pyplan.solver.templates import Baseline, baselines
 from pyplan.planfile import format_memory, load_yaml, parse_memory, spec_from_text
 from pyplan.planfile.plan import MAX_DEVICES, MAX_MICRO_BATCHES
+from pyplan.planfile.types import LAYER_RETURNS
 from pyplan.planfile.units import MAX_MEMORY
 
 __all__ = ["Baseline", "PartitionPlan", "Plan", "ResolvedPlan", "Solution", "load_plan",
@@ -369,9 +370,9 @@ def _check_partition_arguments(units, *, devices, name, factory, data, loss, mic
         raise PlanError(f"weights must name a checkpoint folder, got {weights!r}")
     if not isinstance(source, str):
         raise PlanError("source must be a string")
-    if cut not in ("chain", "forward", "traced") or layer_returns not in ("tensor", "tuple"):
-        raise PlanError(f"cut must be chain, forward or traced and layer_returns tensor or "
-                        f"tuple, got {cut!r} and {layer_returns!r}")
+    if cut not in ("chain", "forward", "traced") or layer_returns not in LAYER_RETURNS:
+        raise PlanError(f"cut must be chain, forward or traced and layer_returns one of "
+                        f"{', '.join(LAYER_RETURNS)}, got {cut!r} and {layer_returns!r}")
     if not isinstance(everywhere, (list, tuple)) or \
             not all(isinstance(x, str) and x for x in everywhere):
         raise PlanError("everywhere must list parameter names")

@@ -1,8 +1,6 @@
-"""pyplan.models: how a model is cut into stages. Hugging Face causal LMs of every family the
-installed transformers offers are cut in their own forward with no per-model code: each stage,
-pruned as on its own rank, chained with the others, computes exactly the whole model's logits;
-tied embeddings are found; partition -> solve -> run --check on 4 ranks trains the same model
-as the unmodified one in one process (dropout included)."""
+"""pyplan.models: how a model is cut into stages. Tied embeddings are found; partition -> solve
+-> run --check on 4 ranks trains the same model as the unmodified one in one process (dropout
+included). Every Hugging Face family tried is cut and trained in tests/test_families.py."""
 
 from __future__ import annotations
 
@@ -17,8 +15,7 @@ import pytest
 
 from pyplan.runtime import torch
 from pyplan.errors import RunError
-from pyplan.models import CHAIN, FORWARD, Unit, find_units, stage_modules, ties
-from pyplan.models.forward import logits, whole_forward
+from pyplan.models import CHAIN, Unit, find_units, stage_modules, ties
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -34,28 +31,6 @@ def _stages(units: list[Unit], count: int) -> list[tuple[str, tuple[str, ...]]]:
     per = -(-len(units) // count)
     return [(f"stage{s}", tuple(m for u in units[s * per:(s + 1) * per] for m in u.modules))
             for s in range(count) if units[s * per:(s + 1) * per]]
-
-
-@pytest.mark.parametrize("family", hf.FAMILIES)
-def test_every_family_is_cut_in_its_own_forward(family):
-    torch.manual_seed(0)
-    model = hf.build(family).eval()
-    ids = torch.randint(3, hf.VOCAB, (2, 8))
-    with torch.no_grad():
-        want = logits(whole_forward(model, ids))
-    cut, units = find_units(model, ids)
-    assert cut.kind == FORWARD
-    assert len(units) == 6  # the embeddings, 4 layers, the final norm and head
-    stages = _stages(units, 3)
-    hidden = None
-    for s in range(len(stages)):  # each stage on a copy pruned as its own rank prunes it
-        stage = stage_modules(copy.deepcopy(model), cut, stages, [s], "cpu")[s].eval()
-        with torch.no_grad():
-            hidden = stage(ids) if s == 0 else stage(ids, hidden)
-    torch.testing.assert_close(hidden, want, rtol=0, atol=1e-5)
-    tied = {t.parameter for t in ties(model, stages)}
-    embedding = model.get_input_embeddings().weight
-    assert bool(tied) == (model.get_output_embeddings().weight is embedding), tied
 
 
 def test_a_stage_holds_only_its_own_parameters():
@@ -147,3 +122,38 @@ def test_llama_interleaved_with_adamw_and_clipping_trains_the_same_model(tmp_pat
         run_args=("--optimizer", "adamw", "--lr", "0.001", "--clip-grad-norm", "0.5"))
     assert "ties:" not in plan and plan.count("{name: stage") == 4
     assert report["check"]["ok"], report
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("rooted", "error: the model cannot be cut: not at its layers (it has no nn.ModuleList of "
+               "layers), and torch's tracer makes stages of its children, but its parameter "
+               "scale belongs to none of them (hint: move the parameter into one of the "
+               "model's submodules, or make the forward call its list of layers"),
+    ("branchy", "error: the model cannot be cut: not at its layers (its forward does not call "
+                "the 4 layers of layers once each, in order (called: 3, 2, 1, 0)), and torch's "
+                "pipeline tracer stops at GuardOnDataDependentSymNode: Could not guard on "
+                "data-dependent expression"),
+])
+def test_a_model_no_cut_runs_is_refused_by_partition_in_one_line(factory, message, tmp_path):
+    """Not a plan that `pyplan run` refuses later ("parameter scale is in none of them"); the
+    cause first, torch's generic words ("cannot capture your model as a full graph") at most in
+    the hint, and none of the graphs torch prints on the way."""
+    shutil.copy(MODELS / "uncuttable.py", tmp_path / "uncuttable.py")
+    made = subprocess.run([PYPLAN, "partition", f"uncuttable:{factory}", "--data",
+                           "uncuttable:batch", "--loss", "uncuttable:loss", "--devices", "2",
+                           "--repeats", "1", "-o", "plan.yaml"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert made.returncode == 2 and made.stdout == "", made.stderr
+    assert made.stderr.startswith(message) and made.stderr.count("\n") == 1, made.stderr
+    assert "full graph" not in made.stderr and len(made.stderr) < 600
+    assert not (tmp_path / "plan.yaml").exists()
+
+
+def test_the_plans_layer_returns_name_the_structure_stand_ins_return():
+    from pyplan.models import FORWARD, Cut
+    from pyplan.planfile.types import LAYER_RETURNS
+
+    for text in LAYER_RETURNS:
+        assert Cut.of(FORWARD, text).layer_returns == text
+    assert Cut.of(FORWARD, "tuple of 3").returns == 3 and Cut.of(FORWARD).returns == 0
+    assert Cut.of(FORWARD, "tuple").returns == 1  # plans written before: (hidden,) as then

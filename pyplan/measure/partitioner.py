@@ -127,7 +127,7 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     options = dict(name=output.name.split(".")[0], factory=factory, data=data, loss=loss,
                    micro_batches=n, memory=memory, time_limit=SOLVE_SECONDS,
                    source=str(output), cut=cut.kind,
-                   layer_returns="tuple" if cut.tuples else "tensor", everywhere=shared,
+                   layer_returns=cut.layer_returns, everywhere=shared,
                    recompute=recompute,
                    path=None if root is None else os.path.relpath(root, folder),
                    weights=None if weights is None else os.path.relpath(Path(weights).resolve(),

@@ -56,30 +56,64 @@ class Cut:
     """How a model is cut, as the plan records it (model.cut, model.layer_returns)."""
 
     kind: str = CHAIN
-    tuples: bool = False
-    """Forward cut: the model's layers return tuples (hidden states first)."""
+    returns: int = 0
+    """Forward cut: what the model's layers return: 0 the hidden states, n a tuple of n values
+    (hidden states first)."""
     why: str = ""
     """Traced cut, as partition found it: why the model's own forward could not be followed."""
+
+    @property
+    def layer_returns(self) -> str:
+        """`returns` as the plan writes it (one of pyplan.planfile.types.LAYER_RETURNS)."""
+        return "tensor" if not self.returns else "tuple" if self.returns == 1 else \
+            f"tuple of {self.returns}"
+
+    @staticmethod
+    def of(kind: str, layer_returns: str = "tensor") -> Cut:
+        """The cut a plan records (model.cut, model.layer_returns)."""
+        returns = 0 if layer_returns == "tensor" else 1 if layer_returns == "tuple" else \
+            int(layer_returns.rpartition(" ")[2])
+        return Cut(kind, returns)
+
+
+_REWRITE = "make the forward call its list of layers (an nn.ModuleList) once each, in " \
+    "order, between the embeddings and the head, or build each block yourself (model: " \
+    "{blocks: ...})"
 
 
 def find_units(model: nn.Module, inputs) -> tuple[Cut, list[Unit]]:
     """How the model can be cut, and its units in order. UserCodeError when the model's own
-    forward fails on the micro-batch `inputs`: its failure, not a cut's."""
+    forward fails on the micro-batch `inputs`: its failure, not a cut's; PlanError when no cut
+    applies (a cut that `pyplan run` would refuse is never returned)."""
     _runs(model, inputs)
     names = chain.units(model)
     if names and chain.is_chain(model, names, inputs):
+        _held_by_units(model, names, "its forward runs its children in a row, but")
         return Cut(CHAIN), [Unit(n, (n,)) for n in names]
     why = "it has no nn.ModuleList of layers"
     if forward.decoder_layers(model) is not None:
         found = forward.units(model, inputs)
         if not isinstance(found, str):
-            units, tuples = found
-            return Cut(FORWARD, tuples), [Unit(n, m) for n, m in units]
+            units, returns = found
+            return Cut(FORWARD, returns), [Unit(n, m) for n, m in units]
         why = found
     if not names:
-        raise PlanError(f"the model has no children to split into stages, and its forward "
-                        f"cannot be cut at its layers: {why}")
+        raise PlanError(f"the model cannot be cut: not at its layers ({why}), and it has no "
+                        "children for torch's tracer to make stages of", hint=_REWRITE)
+    _held_by_units(model, names, f"not at its layers ({why}), and torch's tracer makes stages "
+                                 "of its children, but")
     return Cut(TRACED, why=why), [Unit(n, (n,)) for n in names]
+
+
+def _held_by_units(model: nn.Module, names: list[str], why: str) -> None:
+    """PlanError unless every parameter of the model belongs to one of the units `names` (the
+    chain and traced cuts run nothing but their units)."""
+    owners = dict.fromkeys(names, 0)
+    for name, _ in model.named_parameters():
+        if forward._owner(name.rpartition(".")[0], owners) is None:
+            raise PlanError(f"the model cannot be cut: {why} its parameter {name} belongs to "
+                            "none of them", hint="move the parameter into one of the model's "
+                            f"submodules, or {_REWRITE}")
 
 
 def _runs(model: nn.Module, inputs) -> None:
@@ -108,18 +142,16 @@ def stage_modules(model: nn.Module, cut: Cut, stages: list[tuple[str, tuple[str,
     once it has dropped what other stages hold (the chain and traced cuts need the caller to
     have materialised their stages' parameters first)."""
     if cut.kind == FORWARD:
-        return forward.prune(model, [m for _, m in stages], mine, device, tuples=cut.tuples,
-                             materialize=materialize)
+        return forward.prune(model, [m for _, m in stages], mine, device,
+                             returns=cut.returns, materialize=materialize)
     if cut.kind == TRACED:
         try:
             pieces = traced.pieces(model, [m[0] for _, m in stages], inputs)
         except PlanError as exc:
             if not cut.why:
                 raise
-            raise PlanError(f"pyplan cannot cut the model in its own forward ({cut.why}), and "
-                            f"{exc.message}", hint="make the forward call its list of layers "
-                            "once each, in order, between the embeddings and the head; or "
-                            "build each block yourself (model: {blocks: ...})") from None
+            raise PlanError(f"the model cannot be cut: not at its layers ({cut.why}), and "
+                            f"{exc.message}", hint=f"{_REWRITE}; {exc.hint}") from None
         return {s: pieces[s].to(device) for s in mine}
     stages_of = {s: chain.stage(model, stages[s][1]) for s in mine}
     for module in stages_of.values():

@@ -252,8 +252,8 @@ class Deferred:
         params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         checkpoint.check({n: (tuple(t.shape), t.dtype) for n, t in keys.items()},
                          {n: self.first[id(t)] for n, t in keys.items()},
-                         {n for n in keys if n not in params})
-        stored = set(checkpoint.files)
+                         {n for n in keys if n not in params}, model=self.model)
+        stored = set(checkpoint.provides)
         for name, tensor in keys.items():
             if name in stored:
                 self._stored.setdefault(id(tensor), name)

@@ -17,7 +17,11 @@ On a stage, in one call of the model's forward:
   states it was about to get. The last stage returns the model's logits (`.logits` of its
   output when it has one).
 Modules of later stages are never called; this rank drops their parameters (except those it
-shares with its own modules: tied weights).
+shares with its own modules: tied weights). A layer held by another rank is a stand-in that
+returns what the real layer returns, in the same structure (the hidden states, or a tuple of
+the same length with them first and None after: `hidden, attn = layer(...)` unpacks it), and
+answers the attributes the model's forward reads of the layer and its submodules (Nemotron-H's
+`layer.block_type`), with no parameter of its own.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch import nn
 from pyplan.models.deferred import move
 
 __all__ = ["ForwardStage", "call_order", "decoder_layers", "logits", "observe", "prune",
-           "units", "whole_forward"]
+           "stand_in", "units", "whole_forward"]
 
 
 def decoder_layers(model: nn.Module) -> str | None:
@@ -53,10 +57,10 @@ def _lists_above(model: nn.Module, name: str) -> list[str]:
             if isinstance(model.get_submodule(".".join(parts[:k])), nn.ModuleList)]
 
 
-def call_order(model: nn.Module, inputs) -> tuple[list[str], bool]:
+def call_order(model: nn.Module, inputs) -> tuple[list[str], int]:
     """The model's modules with parameters of their own, and its layers, in the order one
-    forward (eval mode, no gradients) first calls them; and whether its layers return tuples
-    (hidden states first) rather than the hidden states."""
+    forward (eval mode, no gradients) first calls them; and what its layers return: 0 for the
+    hidden states, n for a tuple of n (hidden states first; the longest any layer returns)."""
     layers_name = decoder_layers(model)
     layers = {f"{layers_name}.{i}" for i in range(len(model.get_submodule(layers_name)))} \
         if layers_name else set()
@@ -68,12 +72,12 @@ def call_order(model: nn.Module, inputs) -> tuple[list[str], bool]:
                if name in layers or (module._parameters and
                                      not f"{layers_name}.".startswith(f"{name}.") and name and
                                      not name.startswith(f"{layers_name}."))]
-    returns = []
-    if layers:
-        handles.append(model.get_submodule(f"{layers_name}.0").register_forward_hook(
-            lambda _m, _a, out: returns.append(isinstance(out, tuple))))
+    returns = [0]
+    handles += [model.get_submodule(name).register_forward_hook(
+        lambda _m, _a, out: returns.append(len(out) if isinstance(out, tuple) else 0))
+        for name in sorted(layers)]
     observe(model, inputs, handles)
-    return list(order), bool(returns and returns[0])
+    return list(order), max(returns)
 
 
 def observe(model: nn.Module, inputs, handles: list) -> None:
@@ -90,17 +94,17 @@ def observe(model: nn.Module, inputs, handles: list) -> None:
             handle.remove()
 
 
-def units(model: nn.Module, inputs) -> tuple[list[tuple[str, tuple[str, ...]]], bool] | str:
+def units(model: nn.Module, inputs) -> tuple[list[tuple[str, tuple[str, ...]]], int] | str:
     """(name, modules) of the units of a forward cut: the modules with parameters called before
-    the first layer, each layer, the ones called after the last; and whether the layers return
-    tuples. Else why the cut does not apply: the model's forward does not call its layers in
-    order between other modules, or the cut pieces, chained, do not compute what the whole
-    model computes."""
+    the first layer, each layer, the ones called after the last; and what the layers return (0
+    the hidden states, n a tuple of n). Else why the cut does not apply: the model's forward
+    does not call its layers in order between other modules, or the cut pieces, chained, do not
+    compute what the whole model computes."""
     layers_name = decoder_layers(model)
     count = len(model.get_submodule(layers_name))
     layers = [f"{layers_name}.{i}" for i in range(count)]
     try:
-        order, tuples = call_order(model, inputs)
+        order, returns = call_order(model, inputs)
     except Exception as exc:  # a forward that cannot run on these inputs is not this cut's
         return f"its forward raised {_describe(exc)} on a micro-batch"
     called = [name for name in order if name in set(layers)]
@@ -115,20 +119,20 @@ def units(model: nn.Module, inputs) -> tuple[list[tuple[str, tuple[str, ...]]], 
     tail = [("+".join(after), tuple(after))] if after else []
     found = ([("+".join(before), tuple(before))] if before else []) + \
         [(name, (name,)) for name in layers] + tail
-    why = _differs_from_whole(model, [m for _, m in found], inputs, tuples)
+    why = _differs_from_whole(model, [m for _, m in found], inputs, returns)
     if why is None:
-        return found, tuples
+        return found, returns
     # Layers that read the embeddings' output itself (Zamba2's shared attention takes it
     # beside the hidden states) need it on every stage: the embeddings become no unit's, so
     # every stage runs them (their parameters tied over the stages).
     found = [(name, (name,)) for name in layers] + tail
-    if before and _differs_from_whole(model, [m for _, m in found], inputs, tuples) is None:
-        return found, tuples
+    if before and _differs_from_whole(model, [m for _, m in found], inputs, returns) is None:
+        return found, returns
     return f"cut at its layers, each stage on a rank of its own, {why}"
 
 
 def _differs_from_whole(model: nn.Module, stage_modules: list[tuple[str, ...]], inputs,
-                        tuples: bool) -> str | None:
+                        returns: int) -> str | None:
     """Each unit as a stage of its own rank (a copy of the model pruned as that rank prunes
     it), chained: None when that computes the whole model's logits, else how it fails."""
     import copy
@@ -141,7 +145,7 @@ def _differs_from_whole(model: nn.Module, stage_modules: list[tuple[str, ...]], 
             hidden = None
             for s in range(len(stage_modules)):
                 stage = prune(copy.deepcopy(model).eval(), stage_modules, [s],
-                              torch.device("cpu"), tuples=tuples)[s]
+                              torch.device("cpu"), returns=returns)[s]
                 hidden = stage(inputs) if s == 0 else stage(inputs, hidden)
                 del stage
     except Exception as exc:  # any failure of the cut pieces means: not this cut
@@ -309,22 +313,45 @@ def _restore_rng(state) -> None:
         torch.cuda.set_rng_state(cuda)
 
 
-def _through(args: tuple, kwargs: dict, tuples: bool):
-    """A layer call's hidden states, handed on as the layer would return them."""
+def _through(args: tuple, kwargs: dict, returns: int):
+    """A layer call's hidden states, handed on as the layer would return them: alone
+    (`returns` 0), or first in a tuple of `returns` (None for the rest)."""
     where = _hidden_position(args, kwargs)
     hidden = args[where] if isinstance(where, int) else kwargs[where]
-    return (hidden,) if tuples else hidden
+    return (hidden,) + (None,) * (returns - 1) if returns else hidden
 
 
 class _PassThrough(nn.Module):
-    """A layer this rank does not hold: hands its hidden states on unchanged."""
+    """A layer this rank does not hold: hands its hidden states on unchanged, in the structure
+    the layer returns."""
 
-    def __init__(self, tuples: bool) -> None:
+    def __init__(self, returns: int) -> None:
         super().__init__()
-        self.tuples = tuples
+        self.returns = returns
 
     def forward(self, *args, **kwargs):
-        return _through(args, kwargs, self.tuples)
+        return _through(args, kwargs, self.returns)
+
+
+def stand_in(layer: nn.Module, returns: int) -> _PassThrough:
+    """The stand-in of `layer` on a rank that does not hold it: a pass-through that carries
+    the layer's plain attributes, and shells of its submodules carrying theirs (what a model's
+    forward may read of its layers: `layer.block_type`, `layer.self_attn.is_sliding`), and no
+    parameters or buffers."""
+    found = _PassThrough(returns)
+    _copy_attributes(layer, found)
+    return found
+
+
+def _copy_attributes(source: nn.Module, target: nn.Module) -> None:
+    for key, value in vars(source).items():
+        if not key.startswith("_") and key not in vars(target) and key not in ("training",
+                                                                              "forward"):
+            target.__dict__[key] = value
+    for name, child in source.named_children():
+        shell = nn.Module()
+        _copy_attributes(child, shell)
+        target.add_module(name, shell)
 
 
 class _Elsewhere(nn.Module):
@@ -350,18 +377,19 @@ def _owner(name: str, owners: dict[str, int]) -> int | None:
 
 
 def prune(model: nn.Module, stage_modules: list[tuple[str, ...]], mine: list[int],
-          device, *, tuples: bool = False, materialize=None) -> dict[int, ForwardStage]:
+          device, *, returns: int = 0, materialize=None) -> dict[int, ForwardStage]:
     """Keep what stages `mine` (indices into `stage_modules`, the stages in model order) need
     of the whole model, move it to `device`, and return each stage's module. Modules no stage
-    lists are kept everywhere (their parameters are shared by all stages). A model built on
-    the meta device gets `materialize(model)` once only what these stages need is left."""
+    lists are kept everywhere (their parameters are shared by all stages). `returns`: what the
+    layers return (0 the hidden states, n a tuple of n). A model built on the meta device gets
+    `materialize(model)` once only what these stages need is left."""
     layers_name = decoder_layers(model)
     layers = model.get_submodule(layers_name) if layers_name else nn.ModuleList()
     owners = {name: s for s, names in enumerate(stage_modules) for name in names}
     last = max(mine)
     for i in range(len(layers)):
         if _owner(f"{layers_name}.{i}", owners) not in mine:
-            layers[i] = _PassThrough(tuples)
+            layers[i] = stand_in(layers[i], returns)
     zeroed = []
     for name, module in list(model.named_modules()):
         owner = _owner(name, owners)
@@ -384,7 +412,7 @@ def prune(model: nn.Module, stage_modules: list[tuple[str, ...]], mine: list[int
     calls = _Calls()
     for i, layer in enumerate(layers):
         if not isinstance(layer, _PassThrough):
-            layer.forward = _switched(layer.forward, calls, i, tuples)
+            layer.forward = _switched(layer.forward, calls, i, returns)
     stages = {}
     for s in mine:
         names = stage_modules[s]
@@ -405,11 +433,11 @@ def _layer_index(names: tuple[str, ...], layers_name: str | None) -> int | None:
     return None
 
 
-def _switched(forward, calls: _Calls, index: int, tuples: bool):
+def _switched(forward, calls: _Calls, index: int, returns: int):
     """A layer's (bound) forward that passes its hidden states through in the calls of the
     stages that start after it."""
     def switched(*args, **kwargs):
         if index in calls.through:
-            return _through(args, kwargs, tuples)
+            return _through(args, kwargs, returns)
         return forward(*args, **kwargs)
     return switched

@@ -11,6 +11,9 @@ through. Those are the tensors that cross each boundary.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import operator
 import warnings
 
@@ -28,16 +31,21 @@ def pieces(model: nn.Module, starts: list[str], inputs) -> list[nn.Module]:
     module per stage."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
+    quiet = logging.root.manager.disable
     try:
-        with warnings.catch_warnings():  # torch.export's own deprecation notices, not ours
+        # torch.export's deprecation notices and the graphs it logs or prints on a failure are
+        # not the user's to read
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore", FutureWarning)
+            logging.disable(logging.WARNING)
             pipe = pipeline(model, mb_args=(inputs,),
                             split_spec={name: SplitPoint.BEGINNING for name in starts[1:]})
-    except Exception as exc:  # the tracer's limits: name them in one line
-        raise PlanError(f"torch's pipeline tracer cannot cut the model: "
-                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                        hint="make the model's forward its children in order, or call a list "
-                             "of layers (model.layers) between embeddings and a head") from None
+    except Exception as exc:  # the tracer's limits: the cause in one line, torch's words after
+        raise PlanError(f"torch's pipeline tracer stops at {_cause(exc)}",
+                        hint="torch's tracer needs the forward as one graph (no graph breaks, "
+                             "no control flow on tensor values)") from None
+    finally:
+        logging.disable(quiet)
     if pipe.num_stages != len(starts):
         raise PlanError(f"torch's pipeline tracer cut the model into {pipe.num_stages} stages, "
                         f"not {len(starts)}", hint="split points must be submodules the "
@@ -52,6 +60,18 @@ def pieces(model: nn.Module, starts: list[str], inputs) -> list[nn.Module]:
         live.append(sorted((v for v in needed if v == _INPUT or v[0] <= k), key=_order))
     return [_Piece(pipe.get_stage_module(k), k, sources[k], [_INPUT] if k == 0 else live[k - 1],
                    live[k] if k < count - 1 else [result]) for k in range(count)]
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost cause of a tracer failure (torch wraps it in its generic "cannot capture
+    your model as a full graph"), as "Type: first line", at most 160 characters."""
+    seen = set()
+    while (exc.__cause__ or exc.__context__) is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    text = str(exc).strip().splitlines()
+    found = f"{type(exc).__name__}: {text[0].strip()}" if text else type(exc).__name__
+    return found if len(found) <= 160 else found[:157] + "..."
 
 
 def _order(value: tuple) -> tuple:

@@ -12,8 +12,13 @@ from pathlib import Path
 
 from pyplan.planfile.source import Source
 
+# model.layer_returns (forward cut): the hidden states alone, or a tuple of 1 to 8 values with
+# them first (a stand-in for a layer another rank holds returns the same structure).
+LAYER_RETURNS = ("tensor", "tuple", *(f"tuple of {n}" for n in range(2, 9)))
+
 __all__ = [
     "FORMAT_VERSION",
+    "LAYER_RETURNS",
     "BackwardOverride",
     "BackwardSpec",
     "BlockSpec",
@@ -250,7 +255,9 @@ class ModelSpec:
     forward (the model's own forward, entered and left at each stage's first module) or
     traced (torch's pipeline tracer). `traced: true` is the older spelling of cut: traced."""
     layer_returns: str = "tensor"
-    """Forward cut: what the model's layers return, tensor or tuple (hidden states first)."""
+    """Forward cut: what the model's layers return, one of LAYER_RETURNS: tensor, tuple (of
+    one, or of any length whose later values the model does not unpack) or tuple of N (hidden
+    states first)."""
     ties: tuple[tuple[str, tuple[str, ...]], ...] | None = None
     """Parameters several stages hold: (name in the model, the stages), as partition found
     them; None when the plan records none."""

@@ -200,7 +200,7 @@ def load_model(problem: Problem, plan_dir: Path, source: str | None = None) -> M
             loss = parallel_loss(loss)
         weights = None if spec.weights is None else plan_dir / spec.weights
         return Model(None, data, loss, whole=function(spec.module, "module"),
-                     stages=dict(spec.stages), cut=Cut(spec.cut, spec.layer_returns == "tuple"),
+                     stages=dict(spec.stages), cut=Cut.of(spec.cut, spec.layer_returns),
                      ties=spec.ties, names=names, source=file, vocab=vocab, weights=weights)
     return Model(function(spec.blocks, "blocks"), data, loss, names=names, source=file)
 
