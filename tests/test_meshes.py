@@ -168,3 +168,22 @@ def test_dropout_in_a_tensor_parallel_region_draws_each_ranks_own_masks():
     assert torch.equal(shared0[local0 & local1], shared1[local0 & local1])
     again = masks(0, 7)
     assert torch.equal(again[0], local0) and torch.equal(again[1], shared0)
+
+
+def test_every_placement_a_tensor_plan_gives_counts_as_sharded_or_replicated():
+    """clip_grad_norm_ counts a parameter on every tensor rank when each holds its own part:
+    torch's Shard and its _StridedShard (GPT-2's packed q, k, v, which is no Shard), not a
+    Replicate (counted once)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    from pyplan.run.gradients import tensor_sharded
+
+    def param(placement):
+        mesh = SimpleNamespace(mesh_dim_names=("dp_shard", "tp"))
+        return SimpleNamespace(device_mesh=mesh, placements=(Shard(0), placement))
+
+    assert tensor_sharded(param(Shard(0))) and tensor_sharded(param(Shard(1)))
+    assert tensor_sharded(param(_StridedShard(0, split_factor=3)))
+    assert not tensor_sharded(param(Replicate())) and not tensor_sharded(torch.zeros(2))
