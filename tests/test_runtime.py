@@ -56,31 +56,46 @@ def _launch(*args, nproc=4, cwd=NEUTRAL, timeout=300):
 
 
 def _check_line(out: str, iterations: int) -> None:
-    assert re.search(r"check: the loss and \d+ parameter gradients \(max abs diff [-+0-9.e]+\) "
-                     rf"after iteration 0 and the losses of {iterations} iterations \(max abs "
-                     r"diff [-+0-9.e]+\) match the single-process run", out), out
-    assert len(re.findall(r"iteration \d: +[0-9.]+ ms  loss \d", out)) == iterations
+    checked = min(iterations, 3)
+    assert re.search(rf"check: {checked} steps: the loss, the gradients and the updated values "
+                     r"of \d+ parameters \(worst: .*, relative error [-+0-9.e]+\) match the "
+                     r"single-process run's", out), out
+    assert len(re.findall(r"step \d+: +[0-9.]+ ms  loss \d", out)) == iterations
 
 
 # ---------------------------------------------------------------- in this process
 
-def test_compare_names_the_first_difference():
+def test_compare_names_the_worst_parameter_of_the_first_step_that_differs():
     t = torch.tensor
     ref = {"a.w": t([1.0, 2.0]), "b.w": t([3.0])}
     good = {("a.w", "s0"): t([1.0, 2.0]), ("b.w", "s1"): t([3.0])}
-    assert compare([1.0, 0.5], good, [1.0, 0.5], ref, 1e-5).ok
-    verdict = compare([1.0, 0.5], {**good, ("b.w", "s1"): t([3.1])}, [1.0, 0.5], ref, 1e-5)
+
+    def steps(*grads):
+        return [{"gradients": g, "values": good} for g in grads]
+
+    ref_steps = [{"gradients": ref, "values": ref}] * 2
+    assert compare([1.0, 0.5], steps(good, good), [1.0, 0.5], ref_steps, 1e-5).ok
+    # Relative errors: 0.1 / 3 in b.w beats 0.01 / 2.24 in a.w; named at its step (1-based).
+    worse = {("a.w", "s0"): t([1.0, 2.01]), ("b.w", "s1"): t([3.1])}
+    verdict = compare([1.0, 0.5], steps(good, worse), [1.0, 0.5], ref_steps, 1e-5,
+                      first_step=4)
     assert not verdict.ok
-    assert verdict.message.startswith("the gradient of b.w differs from the single-process "
-                                      "run's by 0.1")
+    assert verdict.message.startswith("at step 6 the gradient of b.w differs from the "
+                                      "single-process run's: relative error 0.0333 (tolerance "
+                                      "1e-05; the worst of 2 parameters)"), verdict.message
     # A tied parameter: each copy is compared, and a wrong one is named with its block.
     tied = {**good, ("b.w", "s3"): t([2.0])}
-    verdict = compare([1.0, 0.5], tied, [1.0, 0.5], ref, 1e-5)
-    assert verdict.message.startswith("the gradient of b.w (the copy in block s3) differs")
-    verdict = compare([1.0, 0.6], good, [1.0, 0.5], ref, 1e-5)
-    assert verdict.message.startswith("the loss of iteration 1 is 0.6, the single-process "
+    verdict = compare([1.0, 0.5], steps(tied, good), [1.0, 0.5], ref_steps, 1e-5)
+    assert verdict.message.startswith("at step 1 the gradient of b.w (the copy in block s3) "
+                                      "differs")
+    verdict = compare([1.0, 0.6], steps(good, good), [1.0, 0.5], ref_steps, 1e-5)
+    assert verdict.message.startswith("the loss of step 2 is 0.6, the single-process "
                                       "run's 0.5")
-    assert "missing" in compare([1.0], {}, [1.0], ref, 1e-5).message
+    # Later steps' losses are reported, not judged; a missing parameter is named.
+    verdict = compare([1.0, 0.6], steps(good), [1.0, 0.5], ref_steps[:1], 1e-5)
+    assert verdict.ok and "the losses of all 2 steps differ by at most 2.0e-01" in \
+        verdict.message
+    assert "missing" in compare([1.0], steps({}), [1.0], ref_steps[:1], 1e-5).message
 
 
 def test_batches_must_split_evenly():
@@ -152,8 +167,8 @@ def test_check_fails_naming_the_loss_when_it_is_not_a_mean(tmp_path, one_process
     resolved = _one_device_plan(tmp_path, "sum_loss:loss")
     assert main(["run", str(resolved), "--check"]) == 1
     out, err = capfd.readouterr()
-    assert "check FAILED: the loss of iteration 0 is" in out
-    assert err.startswith("error: check failed: the loss of iteration 0 is ")
+    assert "check FAILED: the loss of step 1 is" in out
+    assert err.startswith("error: check failed: the loss of step 1 is ")
     assert err.count("\n") == 1
 
 

@@ -42,7 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training iterations (default 1)")
     parser.add_argument("--check", action="store_true",
                         help="also train the model in one process with the same seed and "
-                        "batches; exit 1 if the loss or a gradient differs")
+                        "batches; over the first --check-steps optimizer steps compare every "
+                        "parameter's gradient (before the update) and value (after it) and "
+                        "the losses; exit 1 naming the worst parameter if one differs")
+    parser.add_argument("--check-steps", type=int, default=3, metavar="N",
+                        help="--check: the optimizer steps compared (default 3)")
     parser.add_argument("--blocking", action="store_true",
                         help="blocking sends and receives (to compare with the default, "
                         "non-blocking communication)")
@@ -101,8 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="fp32",
                         help="compute dtype under autocast (weights and gradients stay fp32)")
     parser.add_argument("--tolerance", type=float, metavar="T",
-                        help="--check: largest allowed absolute difference (default 1e-5 in "
-                        "fp32, 5e-2 in bf16, 1e-2 in fp16)")
+                        help="--check: largest allowed relative error, max|a-b| / max|b| per "
+                        "parameter (default 1e-5 in fp32, 2e-2 in bf16, 1e-2 in fp16)")
     parser.add_argument("--fault-timeout", type=float, default=10.0, metavar="S",
                         help="a rank silent for S seconds counts as dead (default 10)")
     parser.add_argument("--dry-run", action="store_true",
@@ -112,6 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="testing aid: RANK raises (or kills itself) at instruction INDEX "
                         "of iteration 0; INDEX 'save': in the middle of writing its part of "
                         "the first checkpoint")
+    parser.add_argument("--perturb", metavar="RANK:PARAMETER", help=argparse.SUPPRESS)
+    # (testing aid: RANK adds a small error to PARAMETER's gradient before each update)
     launch = parser.add_argument_group(
         "launching (torchrun's options; used when pyplan run starts the workers itself)")
     launch.add_argument("--nproc-per-node", type=int, metavar="D",
@@ -210,13 +216,14 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
     out = ["run", args.plan]
     for option in ("iterations", "seed", "lr", "weight_decay", "lr_warmup", "fault_timeout",
                    "optimizer", "dtype", "lr_schedule", "lr_min", "accumulate",
-                   "eval_batches"):
+                   "eval_batches", "check_steps"):
         out += [f"--{option.replace('_', '-')}", repr(getattr(args, option))
                 if isinstance(getattr(args, option), float) else str(getattr(args, option))]
     for flag in ("check", "blocking", "sync_at_end", "json"):
         if getattr(args, flag):
             out.append(f"--{flag.replace('_', '-')}")
-    for option in ("trace", "fail_at", "tolerance", "clip_grad_norm", "save", "save_every",
+    for option in ("trace", "fail_at", "perturb", "tolerance", "clip_grad_norm", "save",
+                   "save_every",
                    "resume", "device", "keep_last", "eval_every", "log", "tensorboard"):
         value = getattr(args, option)
         if value is not None:
@@ -239,6 +246,7 @@ def _session(args, plan, model, fail_at) -> int:
     options = Options(iterations=args.iterations, seed=args.seed, training=training,
                       blocking=args.blocking, sync_at_end=args.sync_at_end,
                       check=args.check, tolerance=args.tolerance, trace=args.trace,
+                      check_steps=args.check_steps, perturb=_perturb(args.perturb),
                       fault_timeout=args.fault_timeout, fail_at=fail_at[0], device=args.device,
                       dtype=args.dtype, save=args.save, save_every=args.save_every,
                       keep_last=args.keep_last, resume=args.resume, lines=not args.json,
@@ -285,7 +293,8 @@ def _options(args: argparse.Namespace):
         raise PlanError("--lr-warmup must not be negative and --save-every at least 1")
     if not 0 <= args.lr_min <= args.lr:
         raise PlanError(f"--lr-min {args.lr_min:g} must be between 0 and --lr {args.lr:g}")
-    for name in ("accumulate", "eval_every", "eval_batches", "keep_last"):
+    _perturb(args.perturb)
+    for name in ("accumulate", "eval_every", "eval_batches", "keep_last", "check_steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise PlanError(f"--{name.replace('_', '-')} must be at least 1")
@@ -316,6 +325,16 @@ def _options(args: argparse.Namespace):
     except ValueError:
         raise PlanError(f"--fail-at {args.fail_at!r} is not RANK:INDEX or RANK:INDEX:kill "
                         "(INDEX a number or 'save')") from None
+
+
+def _perturb(value: str | None) -> tuple[int, str] | None:
+    """--perturb RANK:PARAMETER (a testing aid) as (rank, parameter name)."""
+    if value is None:
+        return None
+    rank, _, name = value.partition(":")
+    if not rank.isdigit() or not name:
+        raise PlanError(f"--perturb {value!r} is not RANK:PARAMETER")
+    return int(rank), name
 
 
 def _check_resume(path: Path) -> None:

@@ -259,6 +259,17 @@ class PipelineGradients:
         if max_norm == math.inf:
             raise RunError("Pipeline.clip_grad_norm_: max_norm inf clips nothing",
                            hint="give a positive, finite max_norm")
+        total = self.grad_norm(norm_type)
+        # (torch's clip_grads_with_norm_, on the local parts: a DTensor shard and the plain
+        # coefficient do not mix)
+        grads = [local(p.grad) for p in self.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The gradients' norm over the whole model (every parameter once), on every rank, as
+        a tensor on the device; every rank must call it (an all-reduce)."""
         counted = self._counted_gradients()
         total = torch.nn.utils.get_total_norm(counted, norm_type).float().to(self.device) \
             if counted else torch.zeros((), device=self.device)
@@ -268,11 +279,6 @@ class PipelineGradients:
             total = total ** norm_type
             dist.all_reduce(total)
             total = total ** (1.0 / norm_type)
-        # (torch's clip_grads_with_norm_, on the local parts: a DTensor shard and the plain
-        # coefficient do not mix)
-        grads = [local(p.grad) for p in self.parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
     def _counted_gradients(self) -> list[torch.Tensor]:

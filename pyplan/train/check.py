@@ -1,13 +1,18 @@
 """`pyplan run --check`: the same model, seed, batches, optimizer and clipping trained in one
-process, compared with the pipelined run. After the first iteration the loss and every
-parameter's gradient must agree, and the losses of all iterations after that (Pfeife's
-equal-loss protocol; nnScaler 7.1 checks new plans on a model shrunk to fit one device the same
-way).
+process, as an oracle for the pipelined run. For each of the first N optimizer steps
+(`--check-steps`, default 3) every parameter's gradient just before `optimizer.step()` (after
+accumulation and clipping) and its value just after it are compared with the single-process
+run's, every copy of a tied parameter included, with an error relative to the values (per
+parameter: ||a - b|| / ||b||) and a tolerance scaled by the dtype; so are those steps' losses
+and the evaluations (Pfeife's equal-loss protocol, extended to the whole state; nnScaler 7.1
+checks new plans on a model shrunk to fit one device the same way). Later steps' losses are
+reported, not judged: two fp32 runs that sum in different orders drift apart over many steps.
 
 The single-process model is the user's own: for a `module:` plan its whole forward (with the
 random numbers reseeded where each block starts, as the pipeline does), so the check covers the
 cut itself, ties included; for `blocks:` plans (no whole model exists) the blocks in
-dependency order.
+dependency order. `gathered` is the one place that reads a rank's whole parameters or
+gradients (chunks of a multi-device block, a sharded mesh's flat shards).
 """
 
 from __future__ import annotations
@@ -28,41 +33,57 @@ from pyplan.run.data import split_batch
 from pyplan.run.values import concatenated
 from pyplan.train.training import Training
 
-__all__ = ["Verdict", "compare", "full_gradients", "reference_run"]
+__all__ = ["TOLERANCE", "Verdict", "compare", "gathered", "reference_run"]
+
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 1e-2}
+"""--check's default relative tolerance per --dtype, for losses and gradients."""
+VALUES = 10
+"""The updated values are allowed VALUES x the tolerance: an adaptive optimizer (AdamW) turns
+a gradient element near its eps into a step of about lr whatever its last bits, and such
+elements exist in real models (the key bias of attention has an exactly-zero gradient, so its
+elements are rounding noise on both sides)."""
+_TINY = 1e-12
 
 
-def full_gradients(problem: Problem, modules: dict, groups: dict, rank: int,
-                   names: dict[int, str]) -> dict:
-    """This rank's part of the model's gradients, whole and under the model's names: a data-
+def gathered(pipe, what: str) -> dict[tuple[str, str], torch.Tensor]:
+    """This rank's parameters ("values") or their gradients ("gradients", zeros where none),
+    whole, on the CPU in fp32, keyed (the model's name, the block holding the copy): a data-
     or tensor-parallel DTensor gathered whole (every rank of its mesh calls this), a
-    multi-device block's chunks gathered over the block's group and kept by its first rank."""
-    grads = {}
-    for b, module in modules.items():
-        block = problem.blocks[b]
+    multi-device block's chunks gathered over the block's group and kept by its first rank;
+    only the first data-parallel index keeps anything. Every rank calls it (collectives)."""
+    if what not in ("values", "gradients"):
+        raise ValueError(what)
+    out = {}
+    for b, module in pipe.modules.items():
+        block = pipe.problem.blocks[b]
         for name, param in module.named_parameters():
-            grad = torch.zeros_like(param) if param.grad is None else param.grad.detach()
-            if hasattr(grad, "full_tensor"):
-                grad = grad.full_tensor()
+            if what == "values":
+                tensor = param.detach()
+            else:
+                tensor = torch.zeros_like(param) if param.grad is None else param.grad.detach()
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
             dim = shard_dim(param)
             if len(block.devices) > 1 and dim is not None:
-                parts = [torch.empty_like(grad) for _ in block.devices]
-                dist.all_gather(parts, grad.contiguous(), group=groups[b])
-                grad = torch.cat(parts, dim)
-            if block.devices[0] == rank:
-                key = names.get(id(param), f"{block.name}.{name}")
-                grads[(key, block.name)] = grad.cpu().clone()
-    return grads
+                parts = [torch.empty_like(tensor) for _ in block.devices]
+                dist.all_gather(parts, tensor.contiguous(), group=pipe.groups[b])
+                tensor = torch.cat(parts, dim)
+            if block.devices[0] == pipe.device_index and pipe.data_index == 0:
+                key = pipe.built.names.get(id(param), f"{block.name}.{name}")
+                out[(key, block.name)] = tensor.float().cpu().clone()
+    return out
 
 
 def reference_run(model: Model, problem: Problem, output_block: int, *, seed: int,
                   history: list[dict], steps: range, device, micro_batches: int,
-                  autocast: torch.dtype | None = None, evaluation=None
-                  ) -> tuple[list[float], dict, list[tuple[int, float]]]:
+                  check_steps: int = 0, autocast: torch.dtype | None = None, evaluation=None
+                  ) -> tuple[list[float], list[dict], list[tuple[int, float]]]:
     """Train the whole model in this process for steps 0 .. steps.stop - 1: (the loss of each
-    step in `steps`, the gradients of the first global batch of them, by parameter name, the
-    evaluations). `history` lists the settings in force from each step on (Training records
-    with "step", "batches" and "steps", the schedule's length); a change is applied as a
-    resumed run applies it (Training.switch). The forwards run micro-batch by micro-batch
+    step in `steps`; for the first `check_steps` of them {"gradients": ..., "values": ...} by
+    parameter name, the gradients just before optimizer.step() and the values just after it;
+    the evaluations). `history` lists the settings in force from each step on (Training
+    records with "step", "batches" and "steps", the schedule's length); a change is applied as
+    a resumed run applies it (Training.switch). The forwards run micro-batch by micro-batch
     (`micro_batches` over the global batch: those of every data-parallel replica), the loss on
     the whole batch. `evaluation`: (every K steps, number of batches, micro-batches of a
     batch) for the mean loss over the data's eval split in eval mode."""
@@ -72,7 +93,8 @@ def reference_run(model: Model, problem: Problem, output_block: int, *, seed: in
     optimizer, scheduler = training.build(params, history[0]["steps"]) \
         if problem.training and params else (None, None)
     later = {segment["step"]: segment for segment in history[1:]}
-    losses, first, evals, batch = [], {}, [], 0
+    losses, snapshots, evals, batch = [], [], [], 0
+    checked = range(steps.start, min(steps.start + check_steps, steps.stop))
     for step in range(steps.stop):
         if step in later:
             training = Training.from_record(later[step])
@@ -90,9 +112,6 @@ def reference_run(model: Model, problem: Problem, output_block: int, *, seed: in
             if optimizer is None:
                 continue
             loss.backward()
-            if step == steps.start and j == 0:
-                first = {name: (torch.zeros_like(p) if p.grad is None else p.grad).detach()
-                         .cpu().clone() for name, p in forward.named}
         if step in steps:
             losses.append(total / training.accumulate)
         if optimizer is not None:
@@ -101,12 +120,21 @@ def reference_run(model: Model, problem: Problem, output_block: int, *, seed: in
                     if p.grad is not None:
                         p.grad.mul_(1 / training.accumulate)
             training.clip(params)
+            if step in checked:
+                snapshots.append({"gradients": _named(forward, gradients=True)})
             optimizer.step()
+            if step in checked:
+                snapshots[-1]["values"] = _named(forward, gradients=False)
             scheduler.step()
         if evaluation is not None and step in steps and (step + 1) % evaluation[0] == 0:
             evals.append((step + 1, _evaluate(forward, model, problem, output_block, seed,
                                               device, autocast, evaluation)))
-    return losses, first, evals
+    return losses, snapshots, evals
+
+
+def _named(forward, *, gradients: bool) -> dict[str, torch.Tensor]:
+    return {name: (p.detach() if not gradients else torch.zeros_like(p) if p.grad is None
+                   else p.grad.detach()).float().cpu().clone() for name, p in forward.named}
 
 
 def _loss(forward, model, problem, output_block, batch, data, micro_batches, autocast,
@@ -207,53 +235,85 @@ class Verdict:
     message: str
 
 
-def compare(losses: list[float], grads: dict, ref_losses: list[float], ref_grads: dict,
-            tolerance: float, evals: list = (), ref_evals: list = ()) -> Verdict:
-    """The loss of the first iteration, then every gradient in the model's order (every copy
-    of a tied parameter), then the losses of the later iterations, then the evaluations: the
-    first that differs by more than `tolerance` fails the check."""
-    def loss_differs(i: int) -> Verdict | None:
-        diff = abs(losses[i] - ref_losses[i])
-        if not diff <= tolerance:
-            return Verdict(False, f"the loss of iteration {i} is {losses[i]:.8g}, the "
-                           f"single-process run's {ref_losses[i]:.8g} (difference {diff:.3g}, "
-                           f"tolerance {tolerance:g})")
-        return None
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| in the 2-norm (want all zeros: the absolute difference). A
+    norm, not element by element: an adaptive optimizer's update of an element whose gradient
+    is about its eps (AdamW: 1e-8) amplifies the last bit of that gradient a hundred
+    thousand times, and such elements exist in any model; a wrong tensor shows in its norm."""
+    if not want.numel():
+        return 0.0
+    return float(torch.linalg.vector_norm(got - want)) / \
+        max(float(torch.linalg.vector_norm(want)), _TINY)
 
-    worst = 0.0
-    if (verdict := loss_differs(0)) is not None:
-        return verdict
-    copies: dict[str, list] = {}
-    for (name, block), grad in grads.items():
-        copies.setdefault(name, []).append((block, grad))
-    for name, want in ref_grads.items():
-        got = copies.get(name)
-        if not got:
-            return Verdict(False, f"parameter {name} is missing in the pipelined model")
-        for block, grad in got:
-            where = f"{name}" if len(got) == 1 else f"{name} (the copy in block {block})"
-            if grad.shape != want.shape:
-                return Verdict(False, f"parameter {where} is shaped {tuple(grad.shape)} in the "
-                               f"pipelined model, {tuple(want.shape)} in the single-process one")
-            diff = float((grad - want).abs().max()) if want.numel() else 0.0
-            if not diff <= tolerance:
-                return Verdict(False, f"the gradient of {where} differs from the "
-                               f"single-process run's by {diff:.3g} (tolerance {tolerance:g})")
-            worst = max(worst, diff)
-    for i in range(1, len(losses)):
-        if (verdict := loss_differs(i)) is not None:
-            return verdict
+
+def _loss_error(got: float, want: float) -> float:
+    return abs(got - want) / max(abs(want), _TINY)
+
+
+def compare(losses: list[float], snapshots: list[dict], ref_losses: list[float],
+            ref_snapshots: list[dict], tolerance: float, evals: list = (),
+            ref_evals: list = (), first_step: int = 0) -> Verdict:
+    """Step by step over the checked steps (`snapshots`: per step the pipelined run's
+    gradients and values keyed (name, block), one entry per copy of a tied parameter;
+    `ref_snapshots` the single-process run's, keyed by name): the loss, then the worst
+    gradient, then the worst updated value; then the evaluations. The first step with an error
+    above `tolerance` (relative: see relative_error) fails the check, naming the worst
+    parameter of that step (and its copy); else the verdict says the worst of all. Steps are
+    named 1-based (the step just completed), from `first_step` + 1."""
+    worst = (0.0, None)  # (error, what)
+    for i, (mine, ref) in enumerate(zip(snapshots, ref_snapshots)):
+        step = first_step + i + 1
+        error = _loss_error(losses[i], ref_losses[i])
+        if not error <= tolerance:
+            return Verdict(False, f"the loss of step {step} is {losses[i]:.8g}, the "
+                           f"single-process run's {ref_losses[i]:.8g} (relative error "
+                           f"{error:.3g}, tolerance {tolerance:g})")
+        for kind in ("gradients", "values"):
+            errors = []
+            copies: dict[str, list] = {}
+            for (name, block), tensor in mine[kind].items():
+                copies.setdefault(name, []).append((block, tensor))
+            for name, want in ref[kind].items():
+                got = copies.get(name)
+                if not got:
+                    return Verdict(False, f"parameter {name} is missing in the pipelined model")
+                for block, tensor in got:
+                    where = name if len(got) == 1 else f"{name} (the copy in block {block})"
+                    if tensor.shape != want.shape:
+                        return Verdict(False, f"parameter {where} is shaped "
+                                       f"{tuple(tensor.shape)} in the pipelined model, "
+                                       f"{tuple(want.shape)} in the single-process one")
+                    errors.append((relative_error(tensor, want), where))
+            if not errors:
+                continue
+            error, where = max(errors, key=lambda e: e[0])
+            what = "gradient" if kind == "gradients" else "value after the update"
+            allowed = tolerance * (VALUES if kind == "values" else 1)
+            if not error <= allowed:
+                return Verdict(False, f"at step {step} the {what} of {where} differs from the "
+                               f"single-process run's: relative error {error:.3g} (tolerance "
+                               f"{allowed:g}; the worst of {len(errors)} parameters)")
+            if error >= worst[0]:
+                worst = (error, f"the {what} of {where} at step {step}")
     for (step, got), (_, want) in zip(evals, ref_evals):
-        if not abs(got - want) <= tolerance:
+        error = _loss_error(got, want)
+        if not error <= tolerance:
             return Verdict(False, f"the evaluation after step {step} is {got:.8g}, the "
-                           f"single-process run's {want:.8g} (difference {abs(got - want):.3g}, "
+                           f"single-process run's {want:.8g} (relative error {error:.3g}, "
                            f"tolerance {tolerance:g})")
-    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    grads_text = (f" and {len(ref_grads)} parameter gradients (max abs diff {worst:.1e})"
-                  if ref_grads else "")
-    evals_text = (f" and {len(evals)} evaluations (max abs diff "
-                  f"{max(abs(a[1] - b[1]) for a, b in zip(evals, ref_evals)):.1e})"
-                  if evals else "")
-    return Verdict(True, f"the loss{grads_text} after iteration 0 and the losses of "
-                   f"{len(losses)} iterations (max abs diff {loss_diff:.1e}){evals_text} match "
-                   "the single-process run")
+    checked = len(snapshots)
+    count = len(ref_snapshots[0]["gradients"]) if ref_snapshots else 0
+    text = f"{checked} steps: the loss"
+    if count:
+        text += (f", the gradients and the updated values of {count} parameters (worst: "
+                 f"{worst[1]}, relative error {worst[0]:.1e})")
+    text += (f" match the single-process run's (tolerance {tolerance:g}, the values "
+             f"{tolerance * VALUES:g})")
+    if len(losses) > checked:
+        later = max(_loss_error(a, b) for a, b in zip(losses, ref_losses))
+        text += (f"; the losses of all {len(losses)} steps differ by at most {later:.1e} "
+                 "(relative; reported, not judged)")
+    if evals:
+        text += (f"; {len(evals)} evaluations match (largest relative error "
+                 f"{max(_loss_error(a[1], b[1]) for a, b in zip(evals, ref_evals)):.1e})")
+    return Verdict(True, text)

@@ -14,7 +14,7 @@ from pyplan.train.check import Verdict
 from pyplan.run.pipeline import Pipeline
 from pyplan.train.training import Training
 
-__all__ = ["TOLERANCE", "Options", "Report", "activation_peaks", "header", "iteration_line",
+__all__ = ["Options", "Report", "activation_peaks", "header", "iteration_line",
            "planned_memory", "predicted", "summary", "timed"]
 
 
@@ -28,7 +28,11 @@ class Options:
     """Start the data-parallel gradient synchronisations after the last block (to compare)."""
     check: bool = False
     tolerance: float | None = None
-    """--check's largest difference; None: the dtype's default."""
+    """--check's largest relative error; None: the dtype's default (check.TOLERANCE)."""
+    check_steps: int = 3
+    """--check: the optimizer steps whose gradients and values are compared."""
+    perturb: tuple[int, str] | None = None
+    """Testing aid: (rank, parameter) whose gradient is made slightly wrong at every step."""
     trace: str | None = None
     fault_timeout: float = 10.0
     fail_at: tuple[int, int, str] | None = None
@@ -49,9 +53,6 @@ class Options:
     eval_batches: int = 1
     fail_save: tuple[int, str] | None = None
     """Testing aid: (rank, "raise" or "kill") fails in the middle of the first save."""
-
-
-TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
 
 
 @dataclass(frozen=True)

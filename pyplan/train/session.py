@@ -21,12 +21,12 @@ from pyplan.lower import COMPUTE, Lowered, describe
 import pyplan.train.checkpoint as checkpoint
 from pyplan.run.binding import Model, make_batch
 from pyplan.run.census import Census
-from pyplan.train.check import Verdict, compare, full_gradients, reference_run
+from pyplan.train.check import TOLERANCE, Verdict, compare, gathered, reference_run
 from pyplan.run.comm import TransferError, all_gather_objects
 from pyplan.train.faults import Watchdog
 from pyplan.run.pipeline import DTYPES, Pipeline
 from pyplan.train.logs import Log
-from pyplan.train.report import (TOLERANCE, Options, Report, activation_peaks, header,
+from pyplan.train.report import (Options, Report, activation_peaks, header,
                                  iteration_line, planned_memory, predicted)
 from pyplan.train.training import changes
 from pyplan.trace import chrome_trace, write_chrome_trace
@@ -124,7 +124,8 @@ class Session:
         pipe.iteration = batches - 1
         if opts.resume and optimizer is not None:  # the schedule of this run, at its step
             scheduler = training.switch(optimizer, steps, first)
-        self.batches, self.grads, self.samples, self.tokens = batches, {}, 0, None
+        self.batches, self.snapshots, self.samples, self.tokens = batches, [], 0, None
+        self.check_seconds = 0.0
         records, eval_losses = [], []
         log = Log(lines=opts.lines and self.rank == 0, path=opts.log if self.rank == 0 else None,
                   tensorboard=opts.tensorboard if self.rank == 0 else None)
@@ -143,7 +144,8 @@ class Session:
                 with self.census(optimizer) if step == self.census_step else \
                         contextlib.nullcontext():
                     records.append(self.one_step(optimizer, scheduler, trace=step == last,
-                                                 check=opts.check and not records))
+                                                 check=opts.check and
+                                                 len(records) < opts.check_steps))
                 self.progress(step, records[-1], lr)
                 if opts.eval_every and (step + 1) % opts.eval_every == 0:
                     eval_losses.append((step + 1, self.evaluate(step + 1)))
@@ -154,7 +156,7 @@ class Session:
             log.close()
         self.step_index = REPORT
         events = pipe.last.events if opts.trace else []
-        return self.report(first, records, events, self.grads, self.samples, self.tokens,
+        return self.report(first, records, events, self.snapshots, self.samples, self.tokens,
                            eval_losses)
 
     def one_step(self, optimizer, scheduler, *, trace: bool, check: bool) -> tuple:
@@ -174,13 +176,6 @@ class Session:
             started = time.perf_counter()
             pipe.step(inputs, targets, trace=opts.trace is not None and trace and j == K - 1,
                       share_loss=False)
-            if check and j == 0:  # the gradients before the step changes them; not timed
-                self._sync_device()
-                took = time.perf_counter() - started
-                grads = full_gradients(self.problem, pipe.modules, pipe.groups,
-                                       pipe.device_index, pipe.built.names)  # (collectives)
-                self.grads = grads if pipe.data_index == 0 else {}
-                started = time.perf_counter() - took
             self.batches += 1
             if j < K - 1:
                 self._sync_device()
@@ -189,9 +184,9 @@ class Session:
             peak = max(peak, pipe.last.peak_activation_bytes)
             if pipe.last.loss is not None:
                 mine.append(float(pipe.last.loss))
-        norm = self.optimizer_step(optimizer, scheduler)
+        norm = self.optimizer_step(optimizer, scheduler, check=check)
         self._sync_device()
-        seconds += time.perf_counter() - started
+        seconds += time.perf_counter() - started - self.check_seconds
         return (seconds, compute, sum(mine) / K if mine else None, peak, norm)
 
     def census(self, optimizer):
@@ -235,25 +230,40 @@ class Session:
         self.resumed = {"path": str(folder), "step": first, "changed": changed}
         return first, batches, history, line
 
-    def optimizer_step(self, optimizer, scheduler) -> float | None:
+    def optimizer_step(self, optimizer, scheduler, *, check: bool = False) -> float | None:
         """Accumulated gradients averaged, clipped, applied (unless fp16 overflowed); the
-        schedule moves on either way. Returns the norm before clipping when clipping."""
+        schedule moves on either way. Returns the norm before clipping when clipping. With
+        `check`, --check's snapshot of every gradient just before the update and every value
+        just after it (its time is left out: `check_seconds`)."""
         opts, pipe = self.options, self.pipe
+        self.check_seconds = 0.0
         if not self.problem.training:
             return None
         if opts.training.accumulate > 1:
             for p in pipe.parameters():
                 if p.grad is not None:
                     p.grad.mul_(1 / opts.training.accumulate)
-        norm = None
-        if opts.training.clip_grad_norm is not None:  # a collective: every rank, one whose
-            # stage has no trainable parameter (no optimizer) too
+        # Collectives: every rank, one whose stage has no trainable parameter (no optimizer)
+        # too. The norm is logged at every step, before clipping.
+        if opts.training.clip_grad_norm is not None:
             norm = pipe.clip_grad_norm_(opts.training.clip_grad_norm)
+        else:
+            norm = pipe.grad_norm()
+        if opts.perturb is not None and opts.perturb[0] == self.rank:
+            _perturb(pipe, opts.perturb[1])
+        if check:
+            started = time.perf_counter()
+            self.snapshots.append({"gradients": gathered(pipe, "gradients")})
+            self.check_seconds += time.perf_counter() - started
         if optimizer is not None:
             pipe.step_optimizer(optimizer)  # skipped when fp16 overflowed in any batch
             with warnings.catch_warnings():  # an fp16 step skipped: the schedule still moves
                 warnings.simplefilter("ignore")
                 scheduler.step()
+        if check:
+            started = time.perf_counter()
+            self.snapshots[-1]["values"] = gathered(pipe, "values")
+            self.check_seconds += time.perf_counter() - started
         return None if norm is None else float(norm)  # read after the step: no sync before
 
     def batch(self, step: int, split: str | None = None):
@@ -317,20 +327,20 @@ class Session:
         if self.pipe.device.type == "cuda":
             torch.cuda.synchronize(self.pipe.device)
 
-    def report(self, first, records, events, grads, samples, tokens, evals) -> Report:
+    def report(self, first, records, events, snapshots, samples, tokens, evals) -> Report:
         pipe = self.pipe
         cuda = torch.cuda.max_memory_allocated(pipe.device) \
             if pipe.device.type == "cuda" else None
         mine = {"peak_bytes": self.memory[0], "static_bytes": self.memory[1],
                 "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "setup_seconds": self.setup_seconds, "weights_read": len(pipe.built.read)}
-        gathered = all_gather_objects((records, events, grads, cuda, mine))
+        every = all_gather_objects((records, events, snapshots, cuda, mine))
         result = None
         if self.rank == 0:
-            by_rank = [g[0] for g in gathered]
+            by_rank = [g[0] for g in every]
             iterations = range(self.options.iterations)
             if self.options.trace:
-                trace = chrome_trace([e for g in gathered for e in g[1]],
+                trace = chrome_trace([e for g in every for e in g[1]],
                                      title=f"pyplan run {self.problem.name}", time_unit="us",
                                      num_devices=pipe.world)
                 write_chrome_trace(self.options.trace, trace)
@@ -339,8 +349,9 @@ class Session:
                       for i in iterations]
             verdict = None
             if self.options.check:
-                verdict = self.check(first, losses,
-                                     {k: v for g in gathered for k, v in g[2].items()}, evals)
+                merged = [{kind: {k: v for g in every for k, v in g[2][i][kind].items()}
+                           for kind in ("gradients", "values")} for i in range(len(snapshots))]
+                verdict = self.check(first, losses, merged, evals)
             norms = [next((r[i][4] for r in by_rank if r[i][4] is not None), None)
                      for i in iterations]
             result = Report(first_step=first,
@@ -348,7 +359,7 @@ class Session:
                             losses=losses, compute=[[x[1] for x in r] for r in by_rank],
                             iteration_seconds=[[x[0] for x in r] for r in by_rank],
                             peak_activation_bytes=[max(x[3] for x in r) for r in by_rank],
-                            cuda_max_allocated=None if cuda is None else [g[3] for g in gathered],
+                            cuda_max_allocated=None if cuda is None else [g[3] for g in every],
                             samples=samples, tokens=tokens, verdict=verdict,
                             backend=pipe.backend, device=pipe.device.type,
                             predicted_activation_bytes=activation_peaks(pipe),
@@ -356,26 +367,28 @@ class Session:
                             ties=[name for name, _, _ in pipe.ties], eval_losses=evals,
                             resumed=self.resumed, saved=self.saved,
                             ranks=[{**g[4], **planned} for g, planned in
-                                   zip(gathered, planned_memory(pipe, self.options.training.optimizer))],
+                                   zip(every, planned_memory(
+                                       pipe, self.options.training.optimizer))],
                             census_iteration=self.census_step - first,
                             predicted=predicted(pipe, self.options),
                             shared_cores=_shared_cores(pipe))
         return all_gather_objects(result)[0]
 
-    def check(self, first: int, losses: list[float], grads: dict, evals: list) -> Verdict:
+    def check(self, first: int, losses: list[float], snapshots: list, evals: list) -> Verdict:
         opts, pipe = self.options, self.pipe
         replicas = self.problem.mesh.data_parallel
         history = self.history
         evaluation = (opts.eval_every, opts.eval_batches,
                       lambda inputs: pipe._eval_micro_batches(inputs) * replicas) \
             if opts.eval_every else None
-        ref_losses, ref_grads, ref_evals = reference_run(
+        ref_losses, ref_snapshots, ref_evals = reference_run(
             pipe.model, self.problem, pipe.output, seed=opts.seed, history=history,
             steps=range(first, first + opts.iterations), device=pipe.device,
             micro_batches=self.problem.num_micro_batches * replicas,
-            autocast=DTYPES[opts.dtype], evaluation=evaluation)
+            check_steps=len(snapshots), autocast=DTYPES[opts.dtype], evaluation=evaluation)
         tolerance = opts.tolerance if opts.tolerance is not None else TOLERANCE[opts.dtype]
-        return compare(losses, grads, ref_losses, ref_grads, tolerance, evals, ref_evals)
+        return compare(losses, snapshots, ref_losses, ref_snapshots, tolerance, evals,
+                       ref_evals, first_step=first)
 
     def close(self) -> None:
         if self.watchdog is not None:
@@ -450,6 +463,20 @@ def _sizes(inputs) -> tuple[int, int | None]:
         return 0, None
     tokens = ids.numel() if ids.dim() == 2 and not ids.is_floating_point() else None
     return ids.shape[0], tokens
+
+
+def _perturb(pipe: Pipeline, name: str) -> None:
+    """Testing aid (--perturb RANK:PARAMETER): add a small error (1e-3 of the gradient's norm,
+    in its first element) to one parameter's gradient on this rank, just before the
+    optimizer's step, as a wrong gradient computed by one stage would be: what --check must
+    catch and name."""
+    for key, param in pipe.named_parameters():
+        if key == name and param.grad is not None:
+            param.grad.view(-1)[0] += 1e-3 * max(float(param.grad.norm()), 1e-6)
+            return
+    raise RunError(f"--perturb: rank {pipe.rank} holds no parameter {name!r} with a gradient",
+                   hint="name one of the rank's parameters: " +
+                   ", ".join(k for k, _ in pipe.named_parameters()[:5]))
 
 
 def _checkpoint(directory: str):
