@@ -17,6 +17,7 @@ __all__ = [
     "EXIT_BAD_INPUT",
     "EXIT_INFEASIBLE",
     "EXIT_INTERRUPTED",
+    "EXIT_PREEMPTED",
     "EXIT_RUN_FAILED",
     "MAX_REPORTED",
     "InfeasibleError",
@@ -32,6 +33,11 @@ EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INFEASIBLE = 3
 EXIT_INTERRUPTED = 130
+EXIT_PREEMPTED = 75
+"""`pyplan run` stopped early on request (SIGTERM, SIGUSR1, --max-time), its state saved with
+--save: the same command line continues (--resume auto). sysexits.h's EX_TEMPFAIL, "try again
+later"; not 143 (128 + SIGTERM), which shells and schedulers also report for a process the
+signal killed with nothing saved."""
 MAX_REPORTED = 10
 
 

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from pyplan.cli._torch import require_torch
-from pyplan.errors import EXIT_BAD_INPUT, PlanError, RunError
+from pyplan.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, PlanError, RunError
 
 __all__ = ["LAUNCH_OPTIONS", "PRELOAD", "forkserver", "launch", "launched",
            "worker_environment"]
@@ -72,8 +72,11 @@ def _launch(args: argparse.Namespace, worker_arguments: list[str]) -> int:
             options += [f"--{option}", value]
     if all(given[o] is None for o in ("nnodes", "rdzv-endpoint", "master-port", "master-addr")):
         options.append("--standalone")  # one machine: a free port, no fixed 29500
+    # SIGUSR1 too (SLURM's --signal): the launcher passes the signal it got on to the workers,
+    # which save and stop (pyplan.train.stopping).
     launcher = get_args_parser().parse_args(
-        [*options, "--start-method", "forkserver", "--run-path", WORKER])
+        [*options, "--start-method", "forkserver", "--run-path", WORKER,
+         "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"])
     # Set apart from the launcher's parser, which would take --log for its own --log-dir.
     launcher.training_script_args = worker_arguments
     try:
@@ -81,8 +84,9 @@ def _launch(args: argparse.Namespace, worker_arguments: list[str]) -> int:
             torchrun(launcher)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        if failure.exitcode == EXIT_BAD_INPUT:
-            return EXIT_BAD_INPUT  # the ranks refused the input and said why, in one line
+        if failure.exitcode in (EXIT_BAD_INPUT, EXIT_PREEMPTED):
+            return failure.exitcode  # the ranks refused the input, or stopped early with a
+            # checkpoint (--max-time), and said so in one line
         code = failure.exitcode
         how = (f"was killed by {signal.Signals(-code).name}"
                if code < 0 and -code in signal.valid_signals() else f"exited with {code}")
@@ -91,6 +95,8 @@ def _launch(args: argparse.Namespace, worker_arguments: list[str]) -> int:
     except SignalException as exc:
         if exc.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
+        if exc.sigval in (signal.SIGTERM, signal.SIGUSR1):  # the workers were given the
+            return EXIT_PREEMPTED  # signal and torch's shutdown timeout to save and stop
         raise RunError(f"the launcher got signal {exc.sigval.name}") from None
     return 0
 

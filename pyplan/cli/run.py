@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import os
 from pathlib import Path
 
 from pyplan.cli._torch import require_torch
 from pyplan.cli.launch import LAUNCH_OPTIONS, launch
-from pyplan.errors import EXIT_RUN_FAILED, PlanError, RunError
+from pyplan.errors import EXIT_PREEMPTED, EXIT_RUN_FAILED, PlanError, RunError
 from pyplan.fileio import check_not_input
 from pyplan.lower import COMPUTE, RECV, SEND, SYNC, WAIT, check_runnable, describe, lower
 from pyplan.resolved import load_resolved
@@ -38,8 +39,18 @@ SCHEDULES = ("constant", "linear", "cosine")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", metavar="PLAN", help="resolved plan written by pyplan solve")
-    parser.add_argument("--iterations", type=int, default=1, metavar="N",
-                        help="training iterations (default 1)")
+    parser.add_argument("--iterations", type=int, metavar="N",
+                        help="optimizer steps to train, from where the run starts (a resumed "
+                        "run: this many more; default 1)")
+    parser.add_argument("--steps", type=int, metavar="N",
+                        help="train until step N in total (a resumed run: the steps left), so "
+                        "one command line serves the first start and every restart")
+    parser.add_argument("--max-time", metavar="DURATION",
+                        help="save (with --save) and stop, exit 75, before a step would end "
+                        "after DURATION from the start (5400, 90m, 1h30m, 1:30:00)")
+    parser.add_argument("--max-bad-steps", type=int, default=3, metavar="N",
+                        help="stop after N steps in a row whose loss or gradients were not "
+                        "finite (each one is skipped and logged; default 3)")
     parser.add_argument("--check", action="store_true",
                         help="also train the model in one process with the same seed and "
                         "batches; over the first --check-steps optimizer steps compare every "
@@ -98,7 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", metavar="DIR",
                         help="continue from the newest complete checkpoint in DIR (or the step "
                         "folder DIR): its step, model and optimizer state; any plan of the "
-                        "same model; changed settings are applied and said")
+                        "same model; changed settings are applied and said. 'auto': from the "
+                        "newest checkpoint in --save if there is one, else a fresh start")
     parser.add_argument("--device", choices=DEVICES,
                         help="cpu or cuda for every rank (default: $PYPLAN_DEVICE, else auto: "
                         "cuda when every rank has a GPU)")
@@ -214,17 +226,16 @@ def _model_check(problem, plan_dir: Path, source: str) -> str:
 def _worker_arguments(args: argparse.Namespace) -> list[str]:
     """The command line of one worker: this run's options, without the launcher's."""
     out = ["run", args.plan]
-    for option in ("iterations", "seed", "lr", "weight_decay", "lr_warmup", "fault_timeout",
+    for option in ("seed", "lr", "weight_decay", "lr_warmup", "fault_timeout",
                    "optimizer", "dtype", "lr_schedule", "lr_min", "accumulate",
-                   "eval_batches", "check_steps"):
+                   "eval_batches", "check_steps", "max_bad_steps"):
         out += [f"--{option.replace('_', '-')}", repr(getattr(args, option))
                 if isinstance(getattr(args, option), float) else str(getattr(args, option))]
     for flag in ("check", "blocking", "sync_at_end", "json"):
         if getattr(args, flag):
             out.append(f"--{flag.replace('_', '-')}")
-    for option in ("trace", "fail_at", "perturb", "tolerance", "clip_grad_norm", "save",
-                   "save_every",
-                   "resume", "device", "keep_last", "eval_every", "log", "tensorboard"):
+    for option in ("iterations", "steps", "max_time", "trace", "fail_at", "perturb",
+                   "tolerance", "clip_grad_norm", "save", "save_every", "resume", "device", "keep_last", "eval_every", "log", "tensorboard"):
         value = getattr(args, option)
         if value is not None:
             out += [f"--{option.replace('_', '-')}",
@@ -243,7 +254,9 @@ def _session(args, plan, model, fail_at) -> int:
                         clip_grad_norm=args.clip_grad_norm, lr_warmup=args.lr_warmup,
                         lr_schedule=args.lr_schedule, lr_min=args.lr_min,
                         accumulate=args.accumulate)
-    options = Options(iterations=args.iterations, seed=args.seed, training=training,
+    options = Options(iterations=args.iterations or 1, steps=args.steps,
+                      max_time=None if args.max_time is None else parse_duration(args.max_time),
+                      max_bad_steps=args.max_bad_steps, seed=args.seed, training=training,
                       blocking=args.blocking, sync_at_end=args.sync_at_end,
                       check=args.check, tolerance=args.tolerance, trace=args.trace,
                       check_steps=args.check_steps, perturb=_perturb(args.perturb),
@@ -266,9 +279,12 @@ def _session(args, plan, model, fail_at) -> int:
         session.close()
         raise error from None
     session.close()
+    if report is None:  # --steps reached before: nothing to train
+        return 0
     ok = report.verdict is None or report.verdict.ok
+    done = EXIT_PREEMPTED if session.stopped else 0
     if session.rank != 0:
-        return 0 if ok else EXIT_RUN_FAILED
+        return done if ok else EXIT_RUN_FAILED
     lowered = session.lowered
     if args.json:
         print(json.dumps(_json(report, lowered, options), sort_keys=True))
@@ -277,12 +293,23 @@ def _session(args, plan, model, fail_at) -> int:
     if not ok:
         raise RunError(f"check failed: {report.verdict.message}",
                        hint="the pipelined run does not compute what the model computes")
-    return 0
+    return done
 
 
 def _options(args: argparse.Namespace):
-    if args.iterations < 1:
+    if args.iterations is not None and args.steps is not None:
+        raise PlanError("--iterations and --steps both say how long to train",
+                        hint="give --steps N (until step N in total) or --iterations N (N "
+                        "more), not both")
+    if args.iterations is not None and args.iterations < 1:
         raise PlanError("--iterations must be at least 1")
+    if args.max_time is not None:
+        try:
+            parse_duration(args.max_time)
+        except ValueError:
+            raise PlanError(f"--max-time {args.max_time!r} is not a positive duration",
+                            hint="seconds (5400), units (90m, 1h30m, 2d) or [D-]HH:MM:SS")\
+                from None
     if args.fault_timeout <= 0 or (args.tolerance is not None and args.tolerance < 0):
         raise PlanError("--fault-timeout must be positive and --tolerance not negative")
     if not (args.lr > 0 and args.lr < float("inf")) or not 0 <= args.weight_decay < float("inf"):
@@ -294,7 +321,8 @@ def _options(args: argparse.Namespace):
     if not 0 <= args.lr_min <= args.lr:
         raise PlanError(f"--lr-min {args.lr_min:g} must be between 0 and --lr {args.lr:g}")
     _perturb(args.perturb)
-    for name in ("accumulate", "eval_every", "eval_batches", "keep_last", "check_steps"):
+    for name in ("accumulate", "eval_every", "eval_batches", "keep_last", "check_steps",
+                 "steps", "max_bad_steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise PlanError(f"--{name.replace('_', '-')} must be at least 1")
@@ -308,7 +336,11 @@ def _options(args: argparse.Namespace):
                             hint="give them different files")
     if args.log is not None:
         check_not_input(args.log, args.plan, args.resume)
-    if args.resume is not None:
+    if args.resume == "auto":
+        if args.save is None:
+            raise PlanError("--resume auto resumes from --save's folder, and there is no --save",
+                            hint="give --save DIR with --resume auto")
+    elif args.resume is not None:
         _check_resume(Path(args.resume))
     if args.save is not None:
         _check_save(Path(args.save))
@@ -325,6 +357,30 @@ def _options(args: argparse.Namespace):
     except ValueError:
         raise PlanError(f"--fail-at {args.fail_at!r} is not RANK:INDEX or RANK:INDEX:kill "
                         "(INDEX a number or 'save')") from None
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in `text`: a number of seconds ("5400"), units ("90m", "1h30m", "2d", "45s") or
+    SLURM's [[D-]HH:]MM:SS ("1:30:00", "2-00:00:00"). ValueError when it is none of them or
+    not positive."""
+    text = text.strip()
+    seconds = None
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        seconds = float(text)
+    elif re.fullmatch(r"(\d+(\.\d+)?[smhd])+", text):
+        seconds = sum(float(n) * _UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([smhd])",
+                                                                   text))
+    else:
+        found = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text)
+        if found:
+            days, hours, minutes, secs = (int(x or 0) for x in found.groups())
+            seconds = ((days * 24 + hours) * 60 + minutes) * 60 + secs
+    if seconds is None or not seconds > 0:
+        raise ValueError(text)
+    return seconds
 
 
 def _perturb(value: str | None) -> tuple[int, str] | None:

@@ -220,10 +220,14 @@ class PipelineGradients:
             except RuntimeError as exc:
                 raise transfer_error(exc) from exc
 
-    def _unscale(self) -> None:
-        """fp16: every gradient divided by the loss scale and checked for inf/NaN at once
-        (torch's foreach kernel, as GradScaler), the verdict all-reduced over every rank (a
-        rank without parameters too) and read once, after the iteration."""
+    def _unscale(self, loss: torch.Tensor | None) -> None:
+        """Every gradient divided by the loss scale (fp16; 1 otherwise) and checked for
+        inf/NaN at once (torch's foreach kernel, as GradScaler), with this rank's loss; the
+        verdicts of every rank all-reduced in one collective (a rank without parameters too)
+        and read once, after the iteration. After a non-finite gradient or loss anywhere,
+        `overflow` is True, `nonfinite` lists (rank, gradients?, loss?) of the ranks that saw
+        one, no gradient is left (torch.optim skips p.grad None) and step_optimizer skips the
+        step; fp16 also halves its scale (and doubles it after 2000 clean steps)."""
         params = [p for p in self.parameters() if p.grad is not None]
         found = torch.zeros((), device=self.device)
         inverse = torch.full((), 1.0 / self.loss_scale, device=self.device)
@@ -232,15 +236,24 @@ class PipelineGradients:
             by_dtype.setdefault(p.grad.dtype, []).append(local(p.grad))
         for grads in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        self.overflow = bool(found)
+        flags = torch.zeros(2 * self.world, device=self.device)
+        flags[2 * self.rank] = found
+        if loss is not None:
+            flags[2 * self.rank + 1] = (~torch.isfinite(loss.detach().float())).any()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        seen = flags.tolist()
+        self.nonfinite = [(r, bool(seen[2 * r]), bool(seen[2 * r + 1]))
+                          for r in range(self.world) if seen[2 * r] or seen[2 * r + 1]]
+        self.overflow = bool(self.nonfinite)
         self._overflowed |= self.overflow
+        fp16 = self.dtype == "fp16"
         if self.overflow:  # nothing for an optimizer to apply: torch.optim skips p.grad None
-            self.loss_scale /= 2
-            self._clean_steps = 0
+            if fp16:
+                self.loss_scale /= 2
+                self._clean_steps = 0
             for p in params:
                 p.grad = None
-        else:
+        elif fp16:
             self._clean_steps += 1
             if self._clean_steps == 2000:
                 self.loss_scale *= 2

@@ -104,11 +104,12 @@ class Pipeline(PipelineGradients):
         self.dtype = dtype
         # fp16 (dynamic loss scaling, as torch.amp.GradScaler): the loss is scaled up before
         # the backward so small gradients do not underflow, the gradients scaled back down;
-        # a step whose gradients overflowed anywhere sets `overflow`, leaves no gradient to
-        # apply (step_optimizer skips the step) and halves the scale, 2000 clean steps
-        # double it.
+        # 2000 clean steps double the scale. In every dtype, a step whose gradients or loss
+        # are not finite anywhere sets `overflow` (and `nonfinite`: which ranks), leaves no
+        # gradient to apply (step_optimizer skips the step) and, in fp16, halves the scale.
         self.loss_scale = 2.0 ** 16 if dtype == "fp16" else 1.0
         self.overflow = False
+        self.nonfinite: list[tuple[int, bool, bool]] = []
         self._overflowed = False  # since the optimizer last stepped (steps may accumulate)
         self._clean_steps = 0
         self.executor: Executor | None = None
@@ -268,14 +269,13 @@ class Pipeline(PipelineGradients):
         self.executor.loss_scale = self.loss_scale
         result = self._run(self.executor, inputs, targets, trace=trace)
         self.last = result
-        if self.dtype == "fp16":
-            self._unscale()
+        self._unscale(result.loss)  # fp16's unscaling; inf/NaN skip the step in any dtype
         return self._global_loss(result.loss) if share_loss else result.loss
 
     def step_optimizer(self, optimizer) -> bool:
-        """`optimizer.step()`, unless the gradients of a step since the last call overflowed
-        (fp16; GradScaler's `step` contract; with gradients accumulated over several steps,
-        any of them); None (a rank whose stages train no parameter) does nothing. Returns
+        """`optimizer.step()`, unless the gradients or loss of a step since the last call were
+        not finite (an fp16 overflow, a NaN; GradScaler's `step` contract; with gradients
+        accumulated over several steps, any of them); None (a rank whose stages train no parameter) does nothing. Returns
         whether the optimizer stepped (step a learning-rate schedule only then)."""
         skip, self._overflowed = self._overflowed, False
         if optimizer is not None and not callable(getattr(optimizer, "step", None)):

@@ -9,8 +9,10 @@ Each rank starts its watchdog once it has built its stages, so a rank not heard 
 gets a start-up grace (`startup`, the collectives' own timeout by default) before it counts as
 dead: it may still be building (a large model's `.to(cuda)`, weights being read).
 torchrun stops the surviving ranks of a node with SIGTERM when one dies; the watchdog sees the
-signal through a wakeup fd even while the main thread is blocked inside a collective, and waits
-(at most `timeout`) until it can name the rank that died.
+signal through a wakeup fd even while the main thread is blocked inside a collective, and names
+the rank that died once its heartbeat stops. A SIGTERM or SIGUSR1 is also a request to stop
+after the current step (pyplan.train.stopping): `stop_signal` says which came, for the main
+thread to agree on with the others at the step's end; a second one exits at once.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from pyplan.errors import RunError
+from pyplan.train.stopping import SIGNALS
 
 __all__ = ["Watchdog"]
 
@@ -48,12 +51,13 @@ class Watchdog:
         self.lock = threading.Lock()  # held by whoever prints the last line of this process
         self.handling = False  # the main thread is reporting a failure itself
         self.state = RUNNING
-        self.terminated_at: float | None = None
+        self.stop_signal: signal.Signals | None = None
+        """The first SIGTERM or SIGUSR1 this rank received: stop after the current step."""
         self.beat = 0
         self.stopping = threading.Event()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
-        self.old_handler = signal.signal(signal.SIGTERM, lambda *_: None)
+        self.old_handlers = {s: signal.signal(s, lambda *_: None) for s in SIGNALS}
         self.old_fd = signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
         self.heartbeat()
         self.thread = threading.Thread(target=self._loop, name="pyplan-watchdog", daemon=True)
@@ -90,7 +94,8 @@ class Watchdog:
         self.heartbeat()
         signal.set_wakeup_fd(self.old_fd)
         if state != EXITING:  # a failing rank stays deaf to the launcher's SIGTERM until it
-            signal.signal(signal.SIGTERM, self.old_handler)  # has printed its line and exited
+            for number, handler in self.old_handlers.items():  # has printed its line, exited
+                signal.signal(number, handler)
         os.close(self.wake_r)
         os.close(self.wake_w)
 
@@ -117,9 +122,13 @@ class Watchdog:
         seen = {r: (None, time.monotonic()) for r in range(self.world) if r != self.rank}
         while not self.stopping.is_set():
             ready, _, _ = select.select([self.wake_r], [], [], PERIOD)
-            if ready and signal.SIGTERM in os.read(self.wake_r, 64) and \
-                    self.terminated_at is None:
-                self.terminated_at = time.monotonic()
+            for number in os.read(self.wake_r, 64) if ready else b"":
+                if number not in SIGNALS:
+                    continue
+                if self.stop_signal is not None:  # the second: now, without a save
+                    self._exit(f"stopped at once by a second {signal.Signals(number).name} "
+                               "(the checkpoints saved before are intact)", 128 + number)
+                self.stop_signal = signal.Signals(number)
                 self.state = TERMINATING
             if self.stopping.is_set():
                 break
@@ -150,12 +159,6 @@ class Watchdog:
                     f"rank {r} stopped responding for {self.timeout:g} s (its process died or "
                     f"hangs); last seen at {at}")))
                 return
-        if self.terminated_at is not None:
-            others = [s for r, s in enumerate(states) if r != self.rank and s is not None
-                      and s[3] not in (DONE, EXITING)]
-            if all(s[3] == TERMINATING for s in others) or \
-                    now - self.terminated_at > self.timeout + 1:
-                self._exit("stopped by the launcher (SIGTERM); no rank reported a failure")
 
     def _exit(self, message: str, code: int = 1) -> None:
         if self.handling or not self.lock.acquire(blocking=False):

@@ -10,6 +10,7 @@ import math
 import sys
 
 from pyplan.errors import PlanError
+from pyplan.fileio import write_atomic
 
 __all__ = ["Log", "summary_writer", "tensorboard_writer"]
 
@@ -33,10 +34,16 @@ def tensorboard_writer(directory: str):
 
 
 class Log:
-    def __init__(self, *, lines: bool, path: str | None, tensorboard: str | None) -> None:
+    def __init__(self, *, lines: bool, path: str | None, tensorboard: str | None,
+                 after: int = 0) -> None:
+        """`after`: the step a resumed run starts after; what an earlier run logged past it
+        (it went on beyond its last checkpoint) is dropped, so no step is logged twice."""
         self.lines = lines
+        if path and after is not None:
+            _drop_after(path, after)
         self.file = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115
-        self.board = tensorboard_writer(tensorboard) if tensorboard else None
+        self.board = summary_writer()(tensorboard, purge_step=after + 1) \
+            if tensorboard else None
 
     def say(self, text: str) -> None:
         if self.lines:
@@ -74,3 +81,25 @@ class Log:
             self.file.close()
         if self.board is not None:
             self.board.close()
+
+
+def _drop_after(path: str, step: int) -> None:
+    """Rewrite the JSON lines at `path` without the records of steps after `step` (atomically;
+    nothing to do when there are none). A line that is not JSON (a crash mid-write) goes too."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except FileNotFoundError:
+        return
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and \
+                record["step"] > step:
+            continue
+        kept.append(line)
+    if kept != lines:
+        write_atomic(path, "".join(x + "\n" for x in kept).encode())

@@ -21,6 +21,13 @@ __all__ = ["Options", "Report", "activation_peaks", "header", "iteration_line",
 @dataclass(frozen=True)
 class Options:
     iterations: int = 1
+    """Steps to train from where the run starts (a resumed one: more)."""
+    steps: int | None = None
+    """Train until this step in total (instead of --iterations more)."""
+    max_time: float | None = None
+    """Seconds: save and stop before a step would end after them."""
+    max_bad_steps: int = 3
+    """Stop after this many steps in a row whose loss or gradients were not finite."""
     seed: int = 0
     training: Training = Training()
     blocking: bool = False
@@ -44,6 +51,8 @@ class Options:
     keep_last: int | None = None
     """Checkpoints kept in --save's folder (None: all)."""
     resume: str | None = None
+    """A checkpoint folder, or "auto": the newest in --save if there is one (else a fresh
+    start)."""
     lines: bool = False
     """Rank 0 prints a line per step as it ends (not with --json)."""
     log: str | None = None
@@ -103,22 +112,39 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def header(problem, ranks: int, device: str, backend: str, options: Options) -> str:
+def header(problem, ranks: int, device: str, backend: str, options: Options,
+           steps: int) -> str:
     """The line rank 0 prints before the first step."""
     mode = "blocking" if options.blocking else "non-blocking"
-    return (f"{problem.name}: {options.iterations} iterations on {ranks} ranks ({device}, "
+    return (f"{problem.name}: {steps} steps on {ranks} ranks ({device}, "
             f"{backend}, {options.dtype}), {mode} communication, {problem.num_micro_batches} "
             f"micro-batches, {options.training.describe()}")
 
 
 def iteration_line(step: int, seconds: float, loss: float, samples: int, tokens: int | None,
-                    norm: float | None) -> str:
+                   norm: float | None, eta: float | None = None, skipped: str | None = None
+                   ) -> str:
+    """A step's line: `step` is the step just completed (1-based)."""
     rate = f"  {samples / seconds:8.1f} samples/s" if samples else ""
     if tokens:
         rate += f"  {tokens / seconds:9.0f} tokens/s"
     if norm is not None:
         rate += f"  grad norm {norm:.4g}"
-    return f"  iteration {step}: {seconds * 1e3:8.1f} ms  loss {loss:.6f}{rate}"
+    if eta is not None:
+        rate += f"  ETA {duration(eta)}"
+    if skipped:
+        rate += f"  SKIPPED: {skipped}"
+    return f"  step {step}: {seconds * 1e3:8.1f} ms  loss {loss:.6f}{rate}"
+
+
+def duration(seconds: float) -> str:
+    """1h02m, 3m05s, 12s."""
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
 
 
 def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
@@ -144,8 +170,8 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
             lines.append(f"  note: {ranks} ranks share {cores} CPU cores here, so an iteration "
                          "takes longer than the plan predicts (it gives every rank a core)")
     if report.ranks and report.ranks[0].get("peak_bytes"):
-        lines.append(f"  memory per rank, measured in iteration "
-                     f"{report.first_step + report.census_iteration} (peak; static: "
+        lines.append(f"  memory per rank, measured in step "
+                     f"{report.first_step + report.census_iteration + 1} (peak; static: "
                      "parameters, gradients, optimizer state, buffers)" +
                      ("" if "planned_peak_bytes" not in report.ranks[0] else
                       " / the plan's for its device") + ":")
@@ -180,7 +206,7 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
         lines.append(("  check: " if report.verdict.ok else "  check FAILED: ")
                      + report.verdict.message)
     if options.trace:
-        lines.append(f"  trace of iteration {report.first_step + len(report.seconds) - 1}: "
+        lines.append(f"  trace of step {report.first_step + len(report.seconds)}: "
                      f"{options.trace}")
     if report.saved:
         lines.append(f"  checkpoint: {report.saved} (step "

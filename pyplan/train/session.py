@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import signal
 import time
 import warnings
 
@@ -26,6 +27,7 @@ from pyplan.run.comm import TransferError, all_gather_objects
 from pyplan.train.faults import Watchdog
 from pyplan.run.pipeline import DTYPES, Pipeline
 from pyplan.train.logs import Log
+from pyplan.train.stopping import out_of_time
 from pyplan.train.report import (Options, Report, activation_peaks, header,
                                  iteration_line, planned_memory, predicted)
 from pyplan.train.training import changes
@@ -45,6 +47,10 @@ class Session:
         self.watchdog = None
         self.resumed = self.saved = None
         self.memory = (0, 0)
+        self.clock = time.monotonic()  # --max-time counts from here
+        self.checkpoint = None
+        self.stopped: str | None = None
+        """Why the run stopped before its last step (a signal, --max-time), if it did."""
         started = time.perf_counter()
         self.pipe = Pipeline(plan, device=options.device, seed=options.seed,
                              dtype=options.dtype, blocking=options.blocking,
@@ -112,46 +118,63 @@ class Session:
 
     # -- the training loop
 
-    def train(self) -> Report:
+    def train(self) -> Report | None:
+        """The training loop; None when --steps is reached already (nothing to train)."""
         opts, pipe = self.options, self.pipe
         training = opts.training
         trains = self.problem.training and bool(pipe.parameters())
-        steps = self.first_step() + opts.iterations
+        at = self.first_step()
+        steps = opts.steps if opts.steps is not None else at + opts.iterations
+        self.iterations = steps - at
         optimizer, scheduler = training.build(pipe.parameters(), steps) if trains \
             else (None, None)
         first, batches, history, resumed = self.resume(optimizer, steps)
         self.history = history
         pipe.iteration = batches - 1
-        if opts.resume and optimizer is not None:  # the schedule of this run, at its step
+        if resumed is not None and optimizer is not None:  # this run's schedule, at its step
             scheduler = training.switch(optimizer, steps, first)
         self.batches, self.snapshots, self.samples, self.tokens = batches, [], 0, None
-        self.check_seconds = 0.0
+        self.check_seconds, self.bad_steps, self.save_seconds = 0.0, 0, 0.0
+        self.step_seconds: list[float] = []  # the slowest rank's, per step
         records, eval_losses = [], []
         log = Log(lines=opts.lines and self.rank == 0, path=opts.log if self.rank == 0 else None,
-                  tensorboard=opts.tensorboard if self.rank == 0 else None)
+                  tensorboard=opts.tensorboard if self.rank == 0 else None, after=first)
         self.log = log
-        log.say(header(self.problem, pipe.world, pipe.device.type, pipe.backend, opts))
+        if self.iterations <= 0:
+            log.say(f"{self.problem.name}: at step {first} of --steps {steps} already; nothing "
+                    "left to train")
+            log.close()
+            return None
+        log.say(header(self.problem, pipe.world, pipe.device.type, pipe.backend, opts,
+                       self.iterations))
         if resumed is not None:
             log.say(resumed)
-        last = first + opts.iterations - 1
+        last = first + self.iterations - 1
+        self.first, self.last = first, last
         # One step, the second when there are several (everything the run holds exists by
         # then: gradients, the optimizer's state), is counted by the memory census; its time
         # does not count (the census costs Python per operation).
-        self.census_step = first + (1 if opts.iterations > 1 else 0)
+        self.census_step = first + (1 if self.iterations > 1 else 0)
         try:
             for step in range(first, last + 1):
                 lr = scheduler.get_last_lr()[0] if scheduler is not None else None
+                self.current = step + 1  # steps are named 1-based: the step just completed
                 with self.census(optimizer) if step == self.census_step else \
                         contextlib.nullcontext():
                     records.append(self.one_step(optimizer, scheduler, trace=step == last,
                                                  check=opts.check and
                                                  len(records) < opts.check_steps))
-                self.progress(step, records[-1], lr)
+                self.stopped = self.progress(step, records, lr)
                 if opts.eval_every and (step + 1) % opts.eval_every == 0:
                     eval_losses.append((step + 1, self.evaluate(step + 1)))
                 if opts.save and ((opts.save_every and (step + 1) % opts.save_every == 0)
-                                  or step == last):
+                                  or step == last or self.stopped):
                     self.save(optimizer, step + 1, history, steps)
+                if self.stopped:
+                    log.say(f"  stopped after step {step + 1} of {steps}: {self.stopped}; " +
+                            (f"saved {self.saved}; " if opts.save else "nothing saved (no "
+                             "--save); ") + "the same command with --resume auto continues")
+                    break
         finally:
             log.close()
         self.step_index = REPORT
@@ -166,7 +189,7 @@ class Session:
         opts, pipe, K = self.options, self.pipe, self.options.training.accumulate
         if optimizer is not None:  # the gradients stay allocated: static memory
             optimizer.zero_grad(set_to_none=False)
-        seconds, compute, mine, peak = 0.0, 0.0, [], 0
+        seconds, compute, mine, peak, bad = 0.0, 0.0, [], 0, None
         for j in range(K):
             self.step_index = self.batches
             inputs, targets = self.batch(self.batches)
@@ -181,13 +204,32 @@ class Session:
                 self._sync_device()
                 seconds += time.perf_counter() - started
             compute += pipe.last.compute
+            bad = bad or self._bad(pipe.nonfinite)
             peak = max(peak, pipe.last.peak_activation_bytes)
             if pipe.last.loss is not None:
                 mine.append(float(pipe.last.loss))
         norm = self.optimizer_step(optimizer, scheduler, check=check)
         self._sync_device()
         seconds += time.perf_counter() - started - self.check_seconds
-        return (seconds, compute, sum(mine) / K if mine else None, peak, norm)
+        self.bad_steps = self.bad_steps + 1 if bad else 0
+        if self.bad_steps >= self.options.max_bad_steps:  # every rank knows: all raise it
+            raise RunError(f"step {self.current}: {bad}, {self.bad_steps} steps in a row "
+                           "(--max-bad-steps); the run stops", hint="lower --lr, clip with "
+                           "--clip-grad-norm, or look at the data of those steps")
+        return (seconds, compute, sum(mine) / K if mine else None, peak, norm, bad)
+
+    def _bad(self, nonfinite: list) -> str | None:
+        """What was not finite in a step, where (every rank sees the same list), or None; in
+        fp16 an overflow of the gradients alone is the loss scale's business, not a bad
+        step."""
+        fp16 = self.options.dtype == "fp16"
+        for rank, grads, loss in nonfinite:
+            if loss or not fp16:
+                stages = ", ".join(b.name for b in self.problem.blocks if b.is_forward and
+                                   rank % self.problem.num_devices in b.devices)
+                return (f"a non-finite {'loss' if loss else 'gradient'} on rank {rank} "
+                        f"({stages})")
+        return None
 
     def census(self, optimizer):
         """A context counting what this rank holds at most while it runs (pyplan.run.census
@@ -204,17 +246,21 @@ class Session:
 
     def first_step(self) -> int:
         """The step a resumed run starts at (0 otherwise), agreed by every rank."""
-        if not self.options.resume:
+        opts = self.options
+        if not opts.resume:
             return 0
-        self.checkpoint = checkpoint.agree(lambda: _checkpoint(self.options.resume))
-        return int(self.checkpoint[1]["step"])
+        if opts.resume == "auto":  # the newest complete checkpoint in --save, if any
+            self.checkpoint = checkpoint.agree(lambda: _newest(opts.save))
+        else:
+            self.checkpoint = checkpoint.agree(lambda: _checkpoint(opts.resume))
+        return 0 if self.checkpoint is None else int(self.checkpoint[1]["step"])
 
     def resume(self, optimizer, steps: int):
         """Load the checkpoint to resume from: (first step, batches consumed, the history of
         settings, the line that says so); with no --resume, a fresh start."""
         opts, pipe = self.options, self.pipe
         now = {**opts.training.record(), "steps": steps}
-        if not opts.resume:
+        if self.checkpoint is None:
             return 0, 0, [{"step": 0, "batches": 0, **now}], None
         folder, meta = self.checkpoint
         saved = meta.get("training") or {}
@@ -274,28 +320,48 @@ class Session:
             return None, None
         return make_batch(pipe.model, step, self.options.seed, torch.device("cpu"), split=split)
 
-    def progress(self, step: int, record, lr) -> None:
-        """Rank 0 logs the step as it ends: the global loss, the slowest rank's time, the
-        largest peak of activations (one small gather)."""
-        seconds, _, own, peak, norm = record
-        gathered = all_gather_objects((own, seconds, peak, lr, norm, self.samples, self.tokens))
+    def progress(self, step: int, records: list, lr) -> str | None:
+        """Rank 0 logs the step as it ends (named step + 1: the steps done): the global loss,
+        the slowest rank's time, the largest peak of activations, throughput and the time left.
+        One small gather, which is also where the ranks agree to stop early: returns why (a
+        signal any rank got, --max-time), the same on every rank, or None."""
+        seconds, _, own, peak, norm, bad = records[-1]
+        signalled = self.watchdog.stop_signal if self.watchdog is not None else None
+        every = all_gather_objects((own, seconds, peak, lr, norm, self.samples, self.tokens,
+                                    None if signalled is None else int(signalled),
+                                    time.monotonic() - self.clock))
         # The batch's size from a rank that read it (a rank that reads none has no batch).
-        samples = self.samples = max(g[5] for g in gathered)
-        tokens = self.tokens = max((g[6] for g in gathered if g[6]), default=None)
+        samples = self.samples = max(g[5] for g in every)
+        tokens = self.tokens = max((g[6] for g in every if g[6]), default=None)
+        slowest = max(g[1] for g in every)
+        self.step_seconds.append(slowest)
+        got = next(((r, g[7]) for r, g in enumerate(every) if g[7] is not None), None)
+        stop = None
+        if got is not None:
+            stop = f"rank {got[0]} got {signal.Signals(got[1]).name}"
+        elif out_of_time(self.options.max_time, max(g[8] for g in every),
+                         max(self.step_seconds), self.save_seconds) and step < self.last:
+            stop = f"--max-time {self.options.max_time:g} s would pass during the next step"
         if self.rank != 0:
-            return
-        owned = [g[0] for g in gathered if g[0] is not None]
+            return stop
+        owned = [g[0] for g in every if g[0] is not None]
         loss = sum(owned) / self.problem.mesh.data_parallel
-        slowest = max(g[1] for g in gathered)
-        lr = next((g[3] for g in gathered if g[3] is not None), None)
-        norm = next((g[4] for g in gathered if g[4] is not None), None)
-        entry = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "seconds": slowest,
+        lr = next((g[3] for g in every if g[3] is not None), None)
+        norm = next((g[4] for g in every if g[4] is not None), None)
+        timed_steps = self.step_seconds[1:] or self.step_seconds  # the first: a warm-up
+        eta = sum(timed_steps) / len(timed_steps) * (self.last - step)
+        entry = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
+                 "seconds": slowest, "eta_seconds": eta,
                  "samples_per_second": samples / slowest if samples else None,
                  "tokens_per_second": tokens / slowest if tokens else None,
-                 "peak_activation_bytes": max(g[2] for g in gathered)}
+                 "peak_activation_bytes": max(g[2] for g in every)}
+        if bad:
+            entry["skipped"] = bad
         if self.pipe.device.type == "cuda":
             entry["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.pipe.device)
-        self.log.step(entry, iteration_line(step, slowest, loss, samples, tokens, norm))
+        self.log.step(entry, iteration_line(step + 1, slowest, loss, samples, tokens, norm,
+                                            eta, bad))
+        return stop
 
     def evaluate(self, step: int) -> float:
         """The mean loss over --eval-batches batches of the data's eval split, forward only,
@@ -319,8 +385,10 @@ class Session:
         fail = opts.fail_save[1] if opts.fail_save and opts.fail_save[0] == self.rank else None
         meta = {"seed": opts.seed, "batches": self.batches,
                 "training": {**opts.training.record(), "steps": steps}, "history": history}
+        started = time.monotonic()
         folder = checkpoint.save(opts.save, pipe, optimizer, step=step, meta=meta,
                                  keep_last=opts.keep_last, fail=fail)
+        self.save_seconds = max(self.save_seconds, time.monotonic() - started)
         self.saved = str(folder)
 
     def _sync_device(self) -> None:
@@ -338,7 +406,7 @@ class Session:
         result = None
         if self.rank == 0:
             by_rank = [g[0] for g in every]
-            iterations = range(self.options.iterations)
+            iterations = range(len(records))
             if self.options.trace:
                 trace = chrome_trace([e for g in every for e in g[1]],
                                      title=f"pyplan run {self.problem.name}", time_unit="us",
@@ -477,6 +545,12 @@ def _perturb(pipe: Pipeline, name: str) -> None:
     raise RunError(f"--perturb: rank {pipe.rank} holds no parameter {name!r} with a gradient",
                    hint="name one of the rank's parameters: " +
                    ", ".join(k for k, _ in pipe.named_parameters()[:5]))
+
+
+def _newest(directory: str):
+    """(folder, record) of the newest complete checkpoint in `directory`, None if none."""
+    folder = checkpoint.find(directory)
+    return None if folder is None else (folder, checkpoint.read_meta(folder))
 
 
 def _checkpoint(directory: str):
