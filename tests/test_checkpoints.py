@@ -204,6 +204,18 @@ def test_every_damage_is_one_line_and_exit_2(one_rank, tmp_path, monkeypatch):
     part.unlink()
     assert "its part __0_0.distcp is missing" in refused(*resume)
     assert "its part __0_0.distcp is missing" in refused("consolidate", one, "ck", "-o", "m.pt")
+    # One flipped bit in the middle of a tensor: the sha256 recorded at save refuses it.
+    flipped = bytearray(whole)
+    flipped[len(whole) // 2] ^= 0x10
+    part.write_bytes(bytes(flipped))
+    damaged = (f"error: the checkpoint {step} is damaged: its part __0_0.distcp does not match "
+               "the sha256 recorded when it was saved")
+    assert refused(*resume).startswith(damaged)
+    assert refused("consolidate", one, "ck", "-o", "m.pt").startswith(damaged)
+    # Without the record's sums (a checkpoint of an older pyplan), DCP's reader still refuses
+    # bytes it cannot read.
+    record = json.loads((step / "pyplan.json").read_text())
+    (step / "pyplan.json").write_text(json.dumps({**record, "sha256": {}}))
     part.write_bytes(bytes((b + 13) % 256 if i % 7 == 0 else b for i, b in enumerate(whole)))
     damaged = f"error: cannot read the checkpoint {step}, its data is damaged: rank 0: "
     assert refused(*resume).startswith(damaged)

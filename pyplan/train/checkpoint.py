@@ -10,8 +10,10 @@ A checkpoint is one folder per step, `DIR/step-00000020`: DCP's files (a part pe
 `.metadata`) and `pyplan.json` (the step, the plan's name and seal, the model, the optimizer and
 its hyper-parameters, and what the trainer adds). It is written under a temporary name beside
 the others and renamed once complete, so a save that fails, or a rank killed during it, leaves
-every earlier checkpoint as it was. Loading takes the newest complete folder and checks it
-against this run before any rank reads a tensor (every part present and whole, the same model's
+every earlier checkpoint as it was. The record holds the sha256 of every file (the ranks hash a
+share each); load and consolidate check them, so a flipped bit is refused, naming the file.
+Weights that are not finite are never saved. Loading takes the newest complete folder and
+checks it against this run before any rank reads a tensor (every part present and whole, the same model's
 names and shapes, the same optimizer); the ranks agree on the verdict, so a damaged checkpoint
 is one line on every rank (`CheckpointError`, exit 2) and none is left waiting in a collective.
 Every rank takes part in every collective, one whose stage holds no trainable parameter (no
@@ -23,6 +25,7 @@ state dict, under the keys `model.state_dict()` has, for `load_state_dict(strict
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -41,7 +44,7 @@ from pyplan.run.comm import all_gather_objects
 from pyplan.run.state import SHARD, load_state_dict, state_dict
 
 __all__ = ["CheckpointError", "agree", "consolidate", "find", "load", "locate", "read_meta",
-           "save"]
+           "save", "verify"]
 
 STEP = "step-{:08d}"
 _STEP = re.compile(r"step-(\d{8,})")
@@ -120,6 +123,7 @@ def save(directory: str | Path, pipe, optimizer=None, *, step: int, scheduler=No
     if any(s is not None for s in schedules):
         record["scheduler"] = next(s for s in schedules if s is not None)
     agree(lambda: _serializable(record))
+    agree(lambda: _finite(pipe, step))
     agree(lambda: _prepare(root, partial) if pipe.rank == 0 else None)
     state = state_dict(pipe, optimizer)
     writer = _Writer(str(partial), fail=fail)
@@ -136,6 +140,10 @@ def save(directory: str | Path, pipe, optimizer=None, *, step: int, scheduler=No
         agree(lambda: _discard(partial) if pipe.rank == 0 else None)
         kept = find(root)
         raise CheckpointError(failure, hint=f"{kept} is intact" if kept is not None else None)
+    # Every rank hashes a share of the files (the parts and DCP's .metadata); the record
+    # keeps them all, for load and consolidate to check.
+    shares = all_gather_objects(agree(lambda: _hashes(partial, pipe.rank, pipe.world)))
+    record["sha256"] = {name: digest for share in shares for name, digest in share.items()}
     return agree(lambda: _complete(root, partial, final, record, keep_last)
                    if pipe.rank == 0 else final)
 
@@ -154,6 +162,47 @@ class _Writer(dcp.FileSystemWriter):
                 os.kill(os.getpid(), 9)
             raise OSError(5, "failing on purpose (--fail-at RANK:save)")
         return written
+
+
+def _finite(pipe, step: int) -> None:
+    """CheckpointError when a parameter of this rank holds inf or NaN: such weights are never
+    written (the checkpoints before stay the newest)."""
+    for name, param in pipe.named_parameters():
+        if not bool(torch.isfinite(param.detach()).all()):
+            raise CheckpointError(f"not saving the checkpoint of step {step}: {name} holds "
+                                  f"non-finite values (rank {pipe.rank})",
+                                  hint="resume from the newest checkpoint with a lower --lr")
+
+
+def _hashes(folder: Path, rank: int, world: int) -> dict[str, str]:
+    """sha256 of this rank's share (every world-th, sorted by name) of the files in
+    `folder`."""
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != META)
+    return {name: _sha256(folder / name) for name in names[rank::world]}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify(folder: Path, meta: dict, rank: int = 0, world: int = 1) -> None:
+    """CheckpointError naming the first file of this rank's share (every world-th of the
+    recorded ones) whose sha256 is not the one recorded at save (a checkpoint written before
+    pyplan recorded them has none to check)."""
+    recorded = meta.get("sha256") or {}
+    for name in sorted(recorded)[rank::world]:
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"the checkpoint {folder} is damaged: its part {name} is "
+                                  "missing", hint=_earlier(folder))
+        if _sha256(path) != recorded[name]:
+            raise CheckpointError(f"the checkpoint {folder} is damaged: its part {name} does not "
+                                  "match the sha256 recorded when it was saved",
+                                  hint=_earlier(folder))
 
 
 def _serializable(record: dict) -> None:
@@ -236,6 +285,7 @@ def load(directory: str | Path, pipe, optimizer=None, *, scheduler=None) -> dict
     folder = agree(lambda: locate(directory))
     meta = agree(lambda: read_meta(folder))
     stored = agree(lambda: _check_files(folder))
+    agree(lambda: verify(folder, meta, pipe.rank, pipe.world))
     state = state_dict(pipe, optimizer)
     mine = sorted(state["model"])
     everyone = all_gather_objects(mine)
@@ -365,8 +415,9 @@ def consolidate(directory: str | Path, model: nn.Module, names: dict[int, str]) 
     """The whole model's state dict from a checkpoint: every key of model.state_dict(), a tied
     parameter under each of its names, sharded chunks joined."""
     folder = locate(directory)
-    read_meta(folder)
+    meta = read_meta(folder)
     stored = _check_files(folder)
+    verify(folder, meta)
     wanted = {}
     for key, meta in stored.items():
         if key.startswith("model.") and hasattr(meta, "size"):
