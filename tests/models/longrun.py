@@ -2,7 +2,7 @@
 rank has no optimizer but takes part in every collective), dropout after the third layer,
 an eval split of 6 samples (fewer micro-batches than training's 16), and variants: `wide` has
 other shapes, `other` names its modules differently, $LONGRUN_SLOW_FROM makes later batches
-slow."""
+slow, $LONGRUN_NAN_AT (batch numbers, comma-separated) makes those batches NaN."""
 
 import os
 import time
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 SLOW_FROM = int(os.environ.get("LONGRUN_SLOW_FROM", "-1"))
+NAN_AT = {int(x) for x in os.environ.get("LONGRUN_NAN_AT", "").split(",") if x}
 
 
 def model(width=16):
@@ -30,6 +31,8 @@ def batch(step, split="train"):
     if 0 <= SLOW_FROM <= step and split == "train":
         time.sleep(1.0)
     x = torch.randn(6 if split == "eval" else 16, 8) + (1.0 if split == "eval" else 0.0)
+    if step in NAN_AT and split == "train":
+        x = x * float("nan")
     return x, x[:, :4].sin()
 
 
