@@ -1,0 +1,152 @@
+"""Runs that are stopped and started again: SIGTERM to `pyplan run` (what SLURM and Kubernetes
+send before they preempt) saves and exits 75; a second signal to the ranks exits at once and
+leaves the checkpoints intact; the same command line (`--steps N --resume auto`) then continues
+to exactly the losses of an uninterrupted run, its log holding each step once. A NaN batch is
+skipped and logged; three in a row stop the run naming the step and the stage. Every new
+flag's bad value is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_checkpoints import UNITS, launch, one_rank, solved  # noqa: F401
+
+PYPLAN = str(Path(sys.executable).with_name("pyplan"))
+TWO = [["0"], ["1", "2", "3", "4", "5"]]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _logged(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _wait_for_step(path: Path, step: int, process, timeout=120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(r.get("step", 0) >= step and "loss" in r for r in _logged(path)):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+@pytest.mark.torchrun
+def test_sigterm_saves_and_the_same_command_continues_exactly(tmp_path):
+    solved(tmp_path, "two", TWO)
+    command = [PYPLAN, "run", "two.resolved.yaml", "--nproc-per-node", "2", "--device", "cpu",
+               "--optimizer", "adamw", "--steps", "6"]
+    full = subprocess.run(command + ["--log", "full.jsonl"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert full.returncode == 0, full.stderr
+    restartable = command + ["--save", "ck", "--save-every", "1", "--resume", "auto",
+                             "--log", "log.jsonl"]
+    slow = {**os.environ, "LONGRUN_SLOW_FROM": "1"}  # a second per batch from batch 1 on
+
+    # SIGTERM to the launcher in step 3: it passes it on; the ranks finish the step, save
+    # and exit 75.
+    with subprocess.Popen(restartable, cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=slow) as process:
+        _wait_for_step(tmp_path / "log.jsonl", 2, process)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=120)
+    assert process.returncode == 75, err
+    stopped = [x for x in out.splitlines() if "stopped after step" in x]
+    assert len(stopped) == 1 and "got SIGTERM; saved ck/step-0000000" in stopped[0], out
+    at = int(stopped[0].split("stopped after step ")[1].split()[0])
+    assert at >= 3 and (tmp_path / "ck" / f"step-{at:08d}").is_dir()
+
+    # Two signals to every rank (SLURM signals each process): they exit at once, without a
+    # save; the checkpoints before stay intact.
+    with subprocess.Popen(restartable, cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=slow) as process:
+        _wait_for_step(tmp_path / "log.jsonl", at + 1, process)
+        ranks = [w for server in _children(process.pid) for w in _children(server)]
+        assert len(ranks) == 2, ranks
+        for sent in range(2):
+            for rank in ranks:
+                os.kill(rank, signal.SIGTERM)
+            time.sleep(0.05)
+        started = time.monotonic()
+        out, err = process.communicate(timeout=120)
+    assert process.returncode != 0 and time.monotonic() - started < 30
+    assert "stopped at once by a second SIGTERM (the checkpoints saved before are intact)" \
+        in err, err
+
+    # The same command again, to the end: exactly the uninterrupted run's losses, each step
+    # logged once.
+    done = subprocess.run(restartable, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "resumed from ck/step-0000000" in done.stdout
+    steps = [r for r in _logged(tmp_path / "log.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in steps] == [r["loss"] for r in _logged(tmp_path / "full.jsonl")]
+    # Started again at the end: nothing left to do.
+    again = subprocess.run(restartable, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0 and "nothing left to train" in again.stdout, again.stderr
+
+
+@pytest.mark.torchrun
+def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
+    solved(tmp_path, "two", TWO)
+    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--iterations", 4, "--log",
+                            "nan.jsonl", env={"LONGRUN_NAN_AT": "1"})
+    assert code == 0, err
+    steps = _logged(tmp_path / "nan.jsonl")
+    assert [r.get("skipped") for r in steps] == [
+        None, "a non-finite gradient on rank 0 (stage0)", None, None]
+    assert all(r["loss"] == r["loss"] for r in (steps[0], *steps[2:]))  # finite after it
+    assert "SKIPPED: a non-finite gradient on rank 0 (stage0)" in out
+    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--iterations", 6,
+                            "--save", "ck", "--save-every", "1", env={"LONGRUN_NAN_AT": "1,2,3"})
+    assert code == 1
+    assert any(e.endswith("step 4: a non-finite gradient on rank 0 (stage0), 3 steps in a row "
+                          "(--max-bad-steps); the run stops (hint: lower --lr, clip with "
+                          "--clip-grad-norm, or look at the data of those steps)") for e in err), err
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir())[-1] == "step-00000003"
+
+
+def test_every_new_flag_refuses_bad_values_in_one_line(one_rank, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    one = solved(tmp_path, "one", [UNITS])
+    for args, message in [
+            (("--max-time", "soon"), "--max-time 'soon' is not a positive duration"),
+            (("--max-time", "0"), "--max-time '0' is not a positive duration"),
+            (("--steps", "0"), "--steps must be at least 1"),
+            (("--check-steps", "0"), "--check-steps must be at least 1"),
+            (("--max-bad-steps", "0"), "--max-bad-steps must be at least 1"),
+            (("--steps", "3", "--iterations", "2"), "--iterations and --steps both say"),
+            (("--resume", "auto"), "--resume auto resumes from --save's folder"),
+            (("--perturb", "x"), "--perturb 'x' is not RANK:PARAMETER")]:
+        code, out, err = one_rank("run", one, *args)
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error: " + message), \
+            (args, err)
+    # --resume auto with an empty --save starts afresh; the checkpoint it saves is resumed.
+    code, out, err = one_rank("run", one, "--steps", 2, "--save", "ck", "--resume", "auto",
+                              "--json")
+    assert code == 0, err
+    code, out, err = one_rank("run", one, "--steps", 3, "--save", "ck", "--resume", "auto",
+                              "--json")
+    assert code == 0 and json.loads(out.splitlines()[-1])["first_iteration"] == 2, err
