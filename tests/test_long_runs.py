@@ -41,25 +41,26 @@ def test_lines_as_they_happen_schedules_accumulation_evaluation_and_resume(tmp_p
         arrivals, logged = [], None
         for line in process.stdout:
             arrivals.append((time.monotonic(), line.rstrip("\n")))
-            if line.startswith("  iteration 1:"):
+            if line.startswith("  step 2:"):
                 logged = (tmp_path / "log.jsonl").read_text().splitlines()
         err = process.stderr.read()
         assert process.wait(timeout=300) == 0, err
     lines = [text for _, text in arrivals]
-    first = next(t for t, text in arrivals if text.startswith("  iteration 0:"))
-    last = next(t for t, text in arrivals if text.startswith("  iteration 3:"))
+    first = next(t for t, text in arrivals if text.startswith("  step 1:"))
+    last = next(t for t, text in arrivals if text.startswith("  step 4:"))
     assert last - first > 2.0, arrivals  # printed as it happened, not at the end
-    assert [json.loads(x)["step"] for x in logged] == [0, 1]  # the log too
-    assert lines[0].startswith("three: 4 iterations on 3 ranks (cpu, gloo, fp32)") and \
+    assert [json.loads(x)["step"] for x in logged] == [1, 2]  # the log too
+    assert lines[0].startswith("three: 4 steps on 3 ranks (cpu, gloo, fp32)") and \
         lines[0].endswith("adamw lr 0.01, clip 0.5, warmup 1, cosine decay to 0.001, 2 batches "
                           "per step")
     assert any(re.fullmatch(r"  eval after step 2: loss [0-9.]+ \(2 batches\)", x) for x in lines)
     check = next(x for x in lines if x.startswith("  check:"))
-    assert re.search(r"the losses of 4 iterations \(max abs diff [-+0-9.e]+\) and 2 "
-                     r"evaluations \(max abs diff [-+0-9.e]+\) match", check), check
+    assert re.search(r"3 steps: the loss, the gradients and the updated values of \d+ "
+                     r"parameters .* the losses of all 4 steps differ by at most [-+0-9.e]+ .*; "
+                     r"2 evaluations match", check), check
     records = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
-    assert [r["step"] for r in steps] == [0, 1, 2, 3]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
     # the warm-up, then the cosine decay (torch's schedulers), and the norm before clipping
     assert steps[0]["lr"] == pytest.approx(0.005) and steps[1]["lr"] == pytest.approx(0.01)

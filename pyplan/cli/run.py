@@ -74,7 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch.optim optimizer (default sgd)")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     parser.add_argument("--weight-decay", type=float, default=0.0, metavar="W",
-                        help="weight decay (default 0)")
+                        help="weight decay of the parameters of two or more dimensions; "
+                        "biases and norms' weights take none (default 0)")
+    parser.add_argument("--adam-betas", default="0.9,0.999", metavar="B1,B2",
+                        help="AdamW's betas (default 0.9,0.999)")
+    parser.add_argument("--adam-eps", type=float, default=1e-8, metavar="EPS",
+                        help="AdamW's eps (default 1e-8)")
     parser.add_argument("--clip-grad-norm", type=float, metavar="N",
                         help="clip gradients to this global norm (over all stages and replicas)")
     parser.add_argument("--lr-warmup", type=int, default=0, metavar="K",
@@ -228,7 +233,8 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
     out = ["run", args.plan]
     for option in ("seed", "lr", "weight_decay", "lr_warmup", "fault_timeout",
                    "optimizer", "dtype", "lr_schedule", "lr_min", "accumulate",
-                   "eval_batches", "check_steps", "max_bad_steps"):
+                   "eval_batches", "check_steps", "max_bad_steps", "adam_betas",
+                   "adam_eps"):
         out += [f"--{option.replace('_', '-')}", repr(getattr(args, option))
                 if isinstance(getattr(args, option), float) else str(getattr(args, option))]
     for flag in ("check", "blocking", "sync_at_end", "json"):
@@ -253,7 +259,8 @@ def _session(args, plan, model, fail_at) -> int:
     training = Training(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
                         clip_grad_norm=args.clip_grad_norm, lr_warmup=args.lr_warmup,
                         lr_schedule=args.lr_schedule, lr_min=args.lr_min,
-                        accumulate=args.accumulate)
+                        accumulate=args.accumulate, betas=_betas(args.adam_betas),
+                        eps=args.adam_eps)
     options = Options(iterations=args.iterations or 1, steps=args.steps,
                       max_time=None if args.max_time is None else parse_duration(args.max_time),
                       max_bad_steps=args.max_bad_steps, seed=args.seed, training=training,
@@ -321,6 +328,9 @@ def _options(args: argparse.Namespace):
     if not 0 <= args.lr_min <= args.lr:
         raise PlanError(f"--lr-min {args.lr_min:g} must be between 0 and --lr {args.lr:g}")
     _perturb(args.perturb)
+    _betas(args.adam_betas)
+    if not 0 < args.adam_eps < float("inf"):
+        raise PlanError(f"--adam-eps {args.adam_eps:g} must be positive and finite")
     for name in ("accumulate", "eval_every", "eval_batches", "keep_last", "check_steps",
                  "steps", "max_bad_steps"):
         value = getattr(args, name)
@@ -381,6 +391,18 @@ def parse_duration(text: str) -> float:
     if seconds is None or not seconds > 0:
         raise ValueError(text)
     return seconds
+
+
+def _betas(text: str) -> tuple[float, float]:
+    """--adam-betas B1,B2, each in [0, 1)."""
+    try:
+        b1, b2 = (float(x) for x in text.split(","))
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError
+    except ValueError:
+        raise PlanError(f"--adam-betas {text!r} is not two numbers B1,B2 in [0, 1)",
+                        hint="e.g. --adam-betas 0.9,0.95") from None
+    return b1, b2
 
 
 def _perturb(value: str | None) -> tuple[int, str] | None:

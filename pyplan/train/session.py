@@ -126,7 +126,11 @@ class Session:
         at = self.first_step()
         steps = opts.steps if opts.steps is not None else at + opts.iterations
         self.iterations = steps - at
-        optimizer, scheduler = training.build(pipe.parameters(), steps) if trains \
+        # Weight decay on matrices, not biases or norms; a sharded mesh's flat shards mix
+        # both and take it whole.
+        decayed = {id(p) for n, p in pipe.named_parameters()
+                   if p.dim() >= 2 or n.endswith(".flat_shard")}
+        optimizer, scheduler = training.build(pipe.parameters(), steps, decayed) if trains \
             else (None, None)
         first, batches, history, resumed = self.resume(optimizer, steps)
         self.history = history

@@ -1,5 +1,6 @@
 """What `pyplan run` trains with, the same in the pipelined run and in --check's single-process
-reference: a torch.optim optimizer (SGD or AdamW), a learning-rate schedule of
+reference: a torch.optim optimizer (SGD or AdamW, its betas and eps; weight decay on the
+parameters of two or more dimensions only), a learning-rate schedule of
 torch.optim.lr_scheduler's (linear warm-up, then constant, linear or cosine decay down to a
 minimum), optional gradient clipping by the global norm and gradient accumulation over several
 plan iterations per optimizer step.
@@ -37,21 +38,37 @@ class Training:
     lr_min: float = 0.0
     accumulate: int = 1
     """Plan iterations (global batches) whose gradients add up to one optimizer step."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW's eps."""
 
-    def build(self, params: list[torch.Tensor], steps: int):
+    def build(self, params: list[torch.Tensor], steps: int, decayed=None):
         """(optimizer, learning-rate scheduler) over `params`, for a run of `steps` optimizer
-        steps counted from step 0."""
+        steps counted from step 0. Weight decay applies to `decayed` (ids; None: the
+        parameters of two or more dimensions: not biases, not norms' weights, as the Hugging
+        Face Trainer, nanoGPT and torchtitan have it); the others are a group of their own,
+        marked no_decay."""
+        if decayed is None:
+            decayed = {id(p) for p in params if p.dim() >= 2}
+        groups = [{"params": [p for p in params if id(p) in decayed]},
+                  {"params": [p for p in params if id(p) not in decayed], "no_decay": True}]
+        groups = [g for g in groups if g["params"]]
         if self.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+            optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=tuple(self.betas),
+                                          eps=self.eps)
         else:
-            optimizer = torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
+            optimizer = torch.optim.SGD(groups, lr=self.lr)
         return optimizer, self.switch(optimizer, steps, 0)
 
     def switch(self, optimizer, steps: int, at: int):
         """Give `optimizer` this learning rate and weight decay (its state stays) and return
         the schedule of a run of `steps` steps, advanced to step `at`."""
         for group in optimizer.param_groups:
-            group["lr"], group["weight_decay"] = self.lr, self.weight_decay
+            group["lr"] = self.lr
+            group["weight_decay"] = 0.0 if group.get("no_decay") else self.weight_decay
+            if "betas" in group:
+                group["betas"], group["eps"] = tuple(self.betas), self.eps
             group.pop("initial_lr", None)  # else the scheduler would keep the old base lr
         parts, warmup = [], self.lr_warmup
         if warmup:
@@ -87,13 +104,18 @@ class Training:
     @classmethod
     def from_record(cls, record: dict) -> "Training":
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in record.items() if k in names})
+        values = {k: v for k, v in record.items() if k in names}
+        if "betas" in values:  # a list in JSON
+            values["betas"] = tuple(values["betas"])
+        return cls(**values)
 
     def describe(self) -> str:
         """The header's words for these settings."""
         text = f"{self.optimizer} lr {self.lr:g}"
+        if self.optimizer == "adamw" and (tuple(self.betas), self.eps) != ((0.9, 0.999), 1e-8):
+            text += f" betas {self.betas[0]:g},{self.betas[1]:g} eps {self.eps:g}"
         if self.weight_decay:
-            text += f" weight decay {self.weight_decay:g}"
+            text += f" weight decay {self.weight_decay:g} (not on biases and norms)"
         if self.clip_grad_norm is not None:
             text += f", clip {self.clip_grad_norm:g}"
         if self.lr_warmup:
@@ -105,7 +127,8 @@ class Training:
         return text
 
 
-_FLAGS = {"lr": "lr", "weight_decay": "weight decay", "clip_grad_norm": "clip grad norm",
+_FLAGS = {"lr": "lr", "betas": "adam betas", "eps": "adam eps", "weight_decay": "weight decay",
+          "clip_grad_norm": "clip grad norm",
           "lr_warmup": "lr warmup", "lr_schedule": "lr schedule", "lr_min": "lr min",
           "accumulate": "accumulate", "steps": "schedule length (steps)"}
 
@@ -118,11 +141,18 @@ def changes(now: dict, saved: dict) -> list[str]:
     for key, words in _FLAGS.items():
         if key == "steps" and not decays:
             continue  # the length of a constant schedule does not matter
-        if key in saved and now.get(key) != saved[key]:
+        if key in saved and _plain(now.get(key)) != _plain(saved[key]):
             out.append(f"{words} {_text(now.get(key))} (was {_text(saved[key])} in the "
                        "checkpoint)")
     return out
 
 
+def _plain(value):
+    """A record's value as JSON gives it back (a tuple as a list)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 def _text(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return ",".join(_text(v) for v in value)
     return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
