@@ -143,6 +143,24 @@ def test_every_new_flag_refuses_bad_values_in_one_line(one_rank, tmp_path, monke
         code, out, err = one_rank("run", one, *args)
         assert code == 2 and err.count("\n") == 1 and err.startswith("error: " + message), \
             (args, err)
+    # --config: run's options in YAML, the command line's winning; errors at FILE:LINE:COL.
+    Path("c.yaml").write_text("optimizer: adamw\nlr: 0.002\nclip-grad-norm: 1.0\n")
+    code, out, err = one_rank("run", one, "--config", "c.yaml", "--lr", 0.003, "--save", "cc")
+    assert code == 0, err
+    assert "adamw lr 0.003, clip 1" in out.splitlines()[0]
+    record = json.loads(Path("cc/step-00000001/pyplan.json").read_text())
+    assert record["config"] == {"file": "c.yaml", "options": {
+        "optimizer": "adamw", "lr": 0.002, "clip-grad-norm": 1.0}}
+    for text, message in [
+            ("lr: x\n", "c.yaml:1:5: error: --config: lr: 'x' is not a number"),
+            ("lr: 1\nclip-gard-norm: 2\n", "c.yaml:2:1: error: --config: 'clip-gard-norm' is "
+             "not an option of pyplan run (hint: did you mean 'clip-grad-norm'?)"),
+            ("check: 3\n", "c.yaml:1:8: error: --config: check is a flag: true or false"),
+            ("dtype: fp64\n", "c.yaml:1:8: error: --config: dtype: 'fp64' is not one of"),
+            ("- lr\n", "c.yaml:1:1: error: a --config file is a mapping of run's options")]:
+        Path("c.yaml").write_text(text)
+        code, out, err = one_rank("run", one, "--config", "c.yaml")
+        assert code == 2 and err.count("\n") == 1 and err.startswith(message), (text, err)
     # --resume auto with an empty --save starts afresh; the checkpoint it saves is resumed.
     code, out, err = one_rank("run", one, "--steps", 2, "--save", "ck", "--resume", "auto",
                               "--json")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pyplan.cli._torch import require_torch
 from pyplan.cli.launch import LAUNCH_OPTIONS, launch
-from pyplan.errors import EXIT_PREEMPTED, EXIT_RUN_FAILED, PlanError, RunError
+from pyplan.errors import EXIT_PREEMPTED, EXIT_RUN_FAILED, PlanError, RunError, did_you_mean
 from pyplan.fileio import check_not_input
 from pyplan.lower import COMPUTE, RECV, SEND, SYNC, WAIT, check_runnable, describe, lower
 from pyplan.resolved import load_resolved
@@ -122,8 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="fp32",
                         help="compute dtype under autocast (weights and gradients stay fp32)")
     parser.add_argument("--tolerance", type=float, metavar="T",
-                        help="--check: largest allowed relative error, max|a-b| / max|b| per "
-                        "parameter (default 1e-5 in fp32, 2e-2 in bf16, 1e-2 in fp16)")
+                        help="--check: largest allowed relative error ||a-b|| / ||b|| of a "
+                        "parameter's gradient, 10x that for its updated value (default 1e-5 "
+                        "in fp32, 2e-2 in bf16, 1e-2 in fp16)")
     parser.add_argument("--fault-timeout", type=float, default=10.0, metavar="S",
                         help="a rank silent for S seconds counts as dead (default 10)")
     parser.add_argument("--dry-run", action="store_true",
@@ -133,6 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="testing aid: RANK raises (or kills itself) at instruction INDEX "
                         "of iteration 0; INDEX 'save': in the middle of writing its part of "
                         "the first checkpoint")
+    parser.add_argument("--config", metavar="FILE",
+                        help="a YAML mapping of run's options by their long names (lr: 3e-4, "
+                        "clip-grad-norm: 1.0, ...); options given on the command line win; "
+                        "recorded in each checkpoint")
     parser.add_argument("--perturb", metavar="RANK:PARAMETER", help=argparse.SUPPRESS)
     # (testing aid: RANK adds a small error to PARAMETER's gradient before each update)
     launch = parser.add_argument_group(
@@ -141,9 +146,79 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start D worker processes on this machine through torch's launcher")
     for option in LAUNCH_OPTIONS:
         launch.add_argument(f"--{option}", metavar="VALUE", help=argparse.SUPPRESS)
+    for action in parser._actions:  # which options the command line gives (--config's rule)
+        if action.option_strings and action.dest != "help":
+            action.__class__ = _given(action.__class__)
+            _CONFIGURABLE[action.option_strings[0][2:]] = action
+
+
+_CONFIGURABLE: dict[str, argparse.Action] = {}
+_NOT_IN_CONFIG = {"config", "dry_run", "nproc_per_node", "json", "perturb", "fail_at",
+                  *(o.replace("-", "_") for o in LAUNCH_OPTIONS)}
+
+
+def _given(cls):
+    """An argparse action class that also notes its option in the namespace's `_given`."""
+    class Given(cls):
+        def __call__(self, parser, namespace, values, option_string=None):
+            namespace._given = getattr(namespace, "_given", frozenset()) | {self.dest}
+            super().__call__(parser, namespace, values, option_string)
+    Given.__name__ = cls.__name__
+    return Given
+
+
+def _apply_config(args: argparse.Namespace) -> dict | None:
+    """--config FILE's options into `args`, where the command line did not give them; the
+    options as the file has them (for the checkpoints), or None without --config. Errors at
+    FILE:LINE:COL."""
+    if args.config is None:
+        return None
+    from pyplan.planfile.source import load_yaml
+
+    source = load_yaml(args.config)
+    if not isinstance(source.data, dict):
+        raise source.error((), "a --config file is a mapping of run's options",
+                           hint="write one option a line: lr: 3e-4")
+    given = getattr(args, "_given", frozenset())
+    for key, value in source.data.items():
+        name = str(key).replace("_", "-")
+        action = _CONFIGURABLE.get(name)
+        if action is None or action.dest in _NOT_IN_CONFIG:
+            known = [k for k, a in _CONFIGURABLE.items() if a.dest not in _NOT_IN_CONFIG]
+            raise source.error((key,), f"--config: {key!r} is " +
+                               ("not an option of pyplan run" if action is None else
+                                "an option of the command line only"),
+                               hint=did_you_mean(name, known) or "keys are run's long option "
+                               "names: lr, clip-grad-norm, save-every, ...", key=True)
+        if action.dest in given:
+            continue
+        setattr(args, action.dest, _config_value(source, key, value, action))
+    return {"file": str(args.config), "options": source.data}
+
+
+def _config_value(source, key, value, action: argparse.Action):
+    """`value` as the command line's parser would give it for `action`."""
+    if action.nargs == 0:  # a flag: true or false
+        if not isinstance(value, bool):
+            raise source.error((key,), f"--config: {key} is a flag: true or false")
+        return value
+    if isinstance(value, (dict, list)) or value is None or isinstance(value, bool):
+        raise source.error((key,), f"--config: {key} takes one value, not "
+                           f"{'nothing' if value is None else type(value).__name__}")
+    try:
+        converted = (action.type or str)(str(value))
+    except (TypeError, ValueError):
+        raise source.error((key,), f"--config: {key}: {value!r} is not "
+                           f"{'a number' if action.type in (int, float) else 'valid'}",
+                           hint=action.help and action.help.split(";")[0]) from None
+    if action.choices is not None and converted not in action.choices:
+        raise source.error((key,), f"--config: {key}: {value!r} is not one of "
+                           f"{', '.join(map(str, action.choices))}")
+    return converted
 
 
 def run(args: argparse.Namespace) -> int:
+    args.config_record = _apply_config(args)
     fail_at = _options(args)
     plan = load_resolved(args.plan)
     for output in (args.trace, args.log):
@@ -240,7 +315,7 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
     for flag in ("check", "blocking", "sync_at_end", "json"):
         if getattr(args, flag):
             out.append(f"--{flag.replace('_', '-')}")
-    for option in ("iterations", "steps", "max_time", "trace", "fail_at", "perturb",
+    for option in ("config", "iterations", "steps", "max_time", "trace", "fail_at", "perturb",
                    "tolerance", "clip_grad_norm", "save", "save_every", "resume", "device", "keep_last", "eval_every", "log", "tensorboard"):
         value = getattr(args, option)
         if value is not None:
@@ -264,6 +339,7 @@ def _session(args, plan, model, fail_at) -> int:
     options = Options(iterations=args.iterations or 1, steps=args.steps,
                       max_time=None if args.max_time is None else parse_duration(args.max_time),
                       max_bad_steps=args.max_bad_steps, seed=args.seed, training=training,
+                      config=args.config_record,
                       blocking=args.blocking, sync_at_end=args.sync_at_end,
                       check=args.check, tolerance=args.tolerance, trace=args.trace,
                       check_steps=args.check_steps, perturb=_perturb(args.perturb),

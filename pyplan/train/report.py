@@ -60,6 +60,8 @@ class Options:
     tensorboard: str | None = None
     eval_every: int | None = None
     eval_batches: int = 1
+    config: dict | None = None
+    """--config: {"file": ..., "options": ...}, recorded in each checkpoint."""
     fail_save: tuple[int, str] | None = None
     """Testing aid: (rank, "raise" or "kill") fails in the middle of the first save."""
 
@@ -116,8 +118,9 @@ def header(problem, ranks: int, device: str, backend: str, options: Options,
            steps: int) -> str:
     """The line rank 0 prints before the first step."""
     mode = "blocking" if options.blocking else "non-blocking"
-    return (f"{problem.name}: {steps} steps on {ranks} ranks ({device}, "
-            f"{backend}, {options.dtype}), {mode} communication, {problem.num_micro_batches} "
+    plural = "s" if steps != 1 else ""
+    return (f"{problem.name}: {steps} step{plural} on {ranks} ranks ({device}, {backend}, "
+            f" {options.dtype}), {mode} communication, {problem.num_micro_batches} "
             f"micro-batches, {options.training.describe()}")
 
 

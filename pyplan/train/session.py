@@ -389,6 +389,8 @@ class Session:
         fail = opts.fail_save[1] if opts.fail_save and opts.fail_save[0] == self.rank else None
         meta = {"seed": opts.seed, "batches": self.batches,
                 "training": {**opts.training.record(), "steps": steps}, "history": history}
+        if opts.config is not None:
+            meta["config"] = opts.config
         started = time.monotonic()
         folder = checkpoint.save(opts.save, pipe, optimizer, step=step, meta=meta,
                                  keep_last=opts.keep_last, fail=fail)
