@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -161,6 +162,15 @@ def test_every_new_flag_refuses_bad_values_in_one_line(one_rank, tmp_path, monke
         Path("c.yaml").write_text(text)
         code, out, err = one_rank("run", one, "--config", "c.yaml")
         assert code == 2 and err.count("\n") == 1 and err.startswith(message), (text, err)
+    # An evaluation over the whole eval split (3 batches, the last smaller), weighted by its
+    # samples, as the single-process run computes it.
+    code, out, err = one_rank("run", one, "--eval-every", 1, "--eval-batches", "all",
+                              "--check", "--check-steps", 1)
+    assert code == 0, err
+    assert re.search(r"  eval after step 1: loss [0-9.]+ \(3 batches\)", out), out
+    assert "; 1 evaluations match" in out
+    code, out, err = one_rank("run", one, "--eval-batches", "some")
+    assert code == 2 and err.startswith("error: --eval-batches 'some' is not a number")
     # --resume auto with an empty --save starts afresh; the checkpoint it saves is resumed.
     code, out, err = one_rank("run", one, "--steps", 2, "--save", "ck", "--resume", "auto",
                               "--json")

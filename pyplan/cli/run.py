@@ -95,8 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, metavar="K",
                         help="every K steps, the mean loss over --eval-batches batches of the "
                         "data's eval split: data(i, split='eval')")
-    parser.add_argument("--eval-batches", type=int, default=1, metavar="N",
-                        help="batches per evaluation (default 1)")
+    parser.add_argument("--eval-batches", default="1", metavar="N",
+                        help="batches per evaluation, or 'all': the whole eval split, until "
+                        "the data returns None (default 1); the loss is the mean over the "
+                        "batches' target tokens")
     parser.add_argument("--log", metavar="FILE",
                         help="append a JSON object per step and evaluation to FILE, flushed as "
                         "it happens (step, loss, lr, grad_norm, seconds, samples/tokens per "
@@ -347,7 +349,7 @@ def _session(args, plan, model, fail_at) -> int:
                       dtype=args.dtype, save=args.save, save_every=args.save_every,
                       keep_last=args.keep_last, resume=args.resume, lines=not args.json,
                       log=args.log, tensorboard=args.tensorboard, eval_every=args.eval_every,
-                      eval_batches=args.eval_batches, fail_save=fail_at[1])
+                      eval_batches=_eval_batches(args.eval_batches), fail_save=fail_at[1])
     session = None
     try:
         session = Session(plan, model, options)
@@ -407,7 +409,8 @@ def _options(args: argparse.Namespace):
     _betas(args.adam_betas)
     if not 0 < args.adam_eps < float("inf"):
         raise PlanError(f"--adam-eps {args.adam_eps:g} must be positive and finite")
-    for name in ("accumulate", "eval_every", "eval_batches", "keep_last", "check_steps",
+    _eval_batches(args.eval_batches)
+    for name in ("accumulate", "eval_every", "keep_last", "check_steps",
                  "steps", "max_bad_steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -467,6 +470,16 @@ def parse_duration(text: str) -> float:
     if seconds is None or not seconds > 0:
         raise ValueError(text)
     return seconds
+
+
+def _eval_batches(text: str) -> int | None:
+    """--eval-batches N (at least 1), or all (None)."""
+    if text == "all":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise PlanError(f"--eval-batches {text!r} is not a number of batches (at least 1) or "
+                        "'all'")
+    return int(text)
 
 
 def _betas(text: str) -> tuple[float, float]:

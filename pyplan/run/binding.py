@@ -529,12 +529,15 @@ def shared_across_devices(problem: Problem, modules: dict[int, torch.nn.Module])
 def make_batch(model: Model, step: int, seed: int, device,
                split: str | None = None) -> tuple[Any, Any]:
     """The global batch of iteration `step`, the same on every rank and in the reference;
-    with `split` ("eval"), batch `step` of that split (pyplan.run.data)."""
+    with `split` ("eval"), batch `step` of that split (pyplan.run.data), None past its end
+    (the data returned None)."""
     if model.batches is None:
         raise _user_error(model, "data", f"is {describe(model.data)}, neither a function nor a "
                           "dataset or iterable of batches", DATA_HINT)
     batch = call_user(model, "data", model.batches.get, step,
                       lambda *parts: seed_everything(seed, *parts), split)
+    if batch is None and split is not None:  # past the end of that split
+        return None
     why = check_batch(batch)
     if why is not None:
         raise _user_error(model, "data", why, DATA_HINT if why.endswith("(inputs, targets)")

@@ -153,18 +153,37 @@ def _loss(forward, model, problem, output_block, batch, data, micro_batches, aut
             return loss_function(model)(concatenated(results, what), targets, *whole)
 
 
+def tokens_of(targets) -> int:
+    """What an evaluation batch weighs in the mean over the split: its target tokens (integer
+    targets, less those at -100, the ignore_index of torch's and Hugging Face's losses), else
+    its samples."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        return 1
+    first = leaves[0]
+    if not first.is_floating_point() and first.dim() >= 1:
+        return int((first != -100).sum())
+    return int(first.shape[0]) if first.dim() else 1
+
+
 def _evaluate(forward, model, problem, output_block, seed, device, autocast,
               evaluation) -> float:
     _, count, micro_batches = evaluation
     forward.train(False)
-    total = 0.0
+    total = weight = 0.0
+    i = 0
     with torch.no_grad():
-        for i in range(count):
+        while count is None or i < count:
             data = make_batch(model, i, seed, device, split="eval")
-            total += float(_loss(forward, model, problem, output_block, i, data,
-                                 micro_batches(data[0]), autocast, grad=False))
+            if data is None:  # the end of the eval split
+                break
+            w = tokens_of(data[1])
+            total += w * float(_loss(forward, model, problem, output_block, i, data,
+                                     micro_batches(data[0]), autocast, grad=False))
+            weight += w
+            i += 1
     forward.train(True)
-    return total / count
+    return total / weight
 
 
 class _forward:

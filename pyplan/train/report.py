@@ -59,7 +59,8 @@ class Options:
     """JSON lines, one per step and per evaluation, appended."""
     tensorboard: str | None = None
     eval_every: int | None = None
-    eval_batches: int = 1
+    eval_batches: int | None = 1
+    """Batches per evaluation; None: the whole eval split."""
     config: dict | None = None
     """--config: {"file": ..., "options": ...}, recorded in each checkpoint."""
     fail_save: tuple[int, str] | None = None

@@ -22,7 +22,8 @@ from pyplan.lower import COMPUTE, Lowered, describe
 import pyplan.train.checkpoint as checkpoint
 from pyplan.run.binding import Model, make_batch
 from pyplan.run.census import Census
-from pyplan.train.check import TOLERANCE, Verdict, compare, gathered, reference_run
+from pyplan.train.check import (TOLERANCE, Verdict, compare, gathered, reference_run,
+                                tokens_of)
 from pyplan.run.comm import TransferError, all_gather_objects
 from pyplan.train.faults import Watchdog
 from pyplan.run.pipeline import DTYPES, Pipeline
@@ -368,19 +369,35 @@ class Session:
         return stop
 
     def evaluate(self, step: int) -> float:
-        """The mean loss over --eval-batches batches of the data's eval split, forward only,
-        in eval mode (no dropout)."""
+        """The loss over --eval-batches batches of the data's eval split (None: all of it,
+        until the data returns None), forward only, in eval mode (no dropout), each batch's
+        mean weighted by its target tokens (check.tokens_of): the mean over the split's
+        tokens. The ranks that read the data tell the others, per batch, whether it ended."""
         opts, pipe = self.options, self.pipe
         self.step_index = EVAL
+        reads = pipe.takes_inputs or pipe.takes_targets
         pipe.eval()
-        total = 0.0
-        for i in range(opts.eval_batches):
-            inputs, targets = self.batch(i, split="eval")
-            total += float(pipe.eval_step(inputs, targets, loss=True))
+        total = weight = 0.0
+        i = 0
+        while opts.eval_batches is None or i < opts.eval_batches:
+            data = make_batch(pipe.model, i, opts.seed, torch.device("cpu"), split="eval") \
+                if reads else (None, None)
+            told = all_gather_objects(None if not reads else
+                                      -1 if data is None else tokens_of(data[1]))
+            if -1 in told:
+                break
+            w = max(t for t in told if t is not None)
+            total += w * float(pipe.eval_step(*data, loss=True))
+            weight += w
+            i += 1
         pipe.train()
-        loss = total / opts.eval_batches
+        if i == 0:
+            raise RunError(f"{self.problem.model.data}(0, split='eval') returned None: the "
+                           "eval split is empty", hint="return the evaluation batches for "
+                           "split='eval', None past the last")
+        loss = total / weight
         self.log.evaluation(step, loss, f"  eval after step {step}: loss {loss:.6f} "
-                            f"({opts.eval_batches} batches)")
+                            f"({i} batches)")
         return loss
 
     def save(self, optimizer, step: int, history: list, steps: int) -> None:

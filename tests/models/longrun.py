@@ -1,6 +1,7 @@
 """A tiny chain for the long-run tests: its middle stage [GELU, Tanh] holds no parameter (that
 rank has no optimizer but takes part in every collective), dropout after the third layer,
-an eval split of 6 samples (fewer micro-batches than training's 16), and variants: `wide` has
+an eval split of 3 batches (6, 6 and 2 samples: fewer micro-batches than training's 16; None
+past them), and variants: `wide` has
 other shapes, `other` names its modules differently, $LONGRUN_SLOW_FROM makes later batches
 slow, $LONGRUN_NAN_AT (batch numbers, comma-separated) makes those batches NaN."""
 
@@ -30,7 +31,10 @@ def other():
 def batch(step, split="train"):
     if 0 <= SLOW_FROM <= step and split == "train":
         time.sleep(1.0)
-    x = torch.randn(6 if split == "eval" else 16, 8) + (1.0 if split == "eval" else 0.0)
+    if split == "eval" and step >= 3:
+        return None
+    size = (6 if step < 2 else 2) if split == "eval" else 16
+    x = torch.randn(size, 8) + (1.0 if split == "eval" else 0.0)
     if step in NAN_AT and split == "train":
         x = x * float("nan")
     return x, x[:, :4].sin()
