@@ -294,6 +294,20 @@ def test_a_loader_yields_the_same_batches_on_every_rank_pass_after_pass():
     assert not torch.equal(torch.cat(first[:10]), torch.cat(first[10:20]))  # reshuffled
     assert torch.equal(torch.cat(first[:10]).sort(0)[0], torch.cat(first[10:20]).sort(0)[0])
     assert torch.equal(run([13])[0], first[13])  # a resumed run skips to its step
+    # ... reading only that batch's items: the earlier ones by their sampler indices alone.
+    reads = []
+
+    class Counted(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(loaders._samples)
+
+        def __getitem__(self, i):
+            reads.append(i)
+            return loaders._samples[i]
+
+    counted = torch.utils.data.DataLoader(Counted(), batch_size=loaders.BATCH, shuffle=True)
+    got = Source(counted).get(13, lambda *parts: seed_everything(0, *parts))[0]
+    assert torch.equal(got, first[13]) and len(reads) == loaders.BATCH
     dataset = Source(loaders.batches)
     assert torch.equal(dataset.get(4, lambda *parts: None)[0], torch.full((4, 8), 2.0))
 

@@ -8,7 +8,11 @@
 - any other iterable of global batches, a `torch.utils.data.DataLoader` for one: step k takes
   the k-th batch it yields, passes after passes. Each pass starts with torch's RNG seeded from
   the run's seed and the pass, so a shuffling loader yields the same order on every rank (its
-  sampler and workers draw their seeds from torch's RNG when a pass starts).
+  sampler and workers draw their seeds from torch's RNG when a pass starts). A resumed run
+  starts at its pass directly (an iterable with a length) and, in a DataLoader of a map-style
+  dataset without workers, skips the pass's earlier batches by their sampler indices: the
+  same batches as an uninterrupted run, unless reading an item draws from torch's global RNG
+  (a random transform), which the skipped items then did not.
 
 Only the ranks that need a batch call for it: those running a block that takes the
 micro-batch's inputs and those computing the loss (Pipeline.takes_inputs / takes_targets).
@@ -61,6 +65,8 @@ class Source:
             return self._last[1]
         if step < self._next:  # the same steps again (--check's run): from the first pass
             self._pass, self._next, self._iterator = -1, 0, None
+        if step > self._next:  # a resumed run: its first step, without reading what came before
+            self._skip_to(step, seed_of)
         batch = None
         while self._next <= step:
             if self._iterator is None:
@@ -78,6 +84,34 @@ class Source:
             self._next += 1
         self._last = (step, batch)
         return batch
+
+
+    def _skip_to(self, step: int, seed_of) -> None:
+        """Move on to just before batch `step` without reading the batches before it, where
+        the data says how: with a length, to the start of its pass (each pass starts from its
+        own seed); in a torch DataLoader of a map-style dataset without workers, through the
+        pass by its sampler's indices alone (no item read, no batch collated). What is left
+        (another iterable, a loader with workers) is read up to the step."""
+        try:
+            size = len(self.data)
+        except TypeError:
+            return
+        if size <= 0:
+            return
+        target_pass, within = divmod(step, size)
+        if target_pass != self._pass or self._iterator is None:
+            self._pass = target_pass
+            seed_of("data pass", self._pass)
+            self._iterator, self._yielded = iter(self.data), 0
+            self._next = target_pass * size
+        sampler = getattr(self._iterator, "_sampler_iter", None)
+        if isinstance(self.data, torch.utils.data.DataLoader) and sampler is not None and \
+                self.data.num_workers == 0:
+            while self._next < step:
+                next(sampler)
+                self._iterator._num_yielded += 1
+                self._yielded += 1
+                self._next += 1
 
 
 _END = object()
