@@ -124,7 +124,8 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
     assert code == 1
     assert any(e.endswith("step 4: a non-finite gradient on rank 0 (stage0), 3 steps in a row "
                           "(--max-bad-steps); the run stops (hint: lower --lr, clip with "
-                          "--clip-grad-norm, or look at the data of those steps)") for e in err), err
+                          "--clip-grad-norm, or look at the data of those steps)")
+               for e in err), err
     assert sorted(p.name for p in (tmp_path / "ck").iterdir())[-1] == "step-00000003"
 
 

@@ -318,7 +318,8 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
         if getattr(args, flag):
             out.append(f"--{flag.replace('_', '-')}")
     for option in ("config", "iterations", "steps", "max_time", "trace", "fail_at", "perturb",
-                   "tolerance", "clip_grad_norm", "save", "save_every", "resume", "device", "keep_last", "eval_every", "log", "tensorboard"):
+                   "tolerance", "clip_grad_norm", "save", "save_every", "resume", "device",
+                   "keep_last", "eval_every", "log", "tensorboard"):
         value = getattr(args, option)
         if value is not None:
             out += [f"--{option.replace('_', '-')}",

@@ -275,8 +275,9 @@ class Pipeline(PipelineGradients):
     def step_optimizer(self, optimizer) -> bool:
         """`optimizer.step()`, unless the gradients or loss of a step since the last call were
         not finite (an fp16 overflow, a NaN; GradScaler's `step` contract; with gradients
-        accumulated over several steps, any of them); None (a rank whose stages train no parameter) does nothing. Returns
-        whether the optimizer stepped (step a learning-rate schedule only then)."""
+        accumulated over several steps, any of them); None (a rank whose stages train no
+        parameter) does nothing. Returns whether the optimizer stepped (step a learning-rate
+        schedule only then)."""
         skip, self._overflowed = self._overflowed, False
         if optimizer is not None and not callable(getattr(optimizer, "step", None)):
             raise RunError(f"Pipeline.step_optimizer: got {type(optimizer).__name__}, not an "

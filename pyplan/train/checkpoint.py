@@ -13,8 +13,8 @@ the others and renamed once complete, so a save that fails, or a rank killed dur
 every earlier checkpoint as it was. The record holds the sha256 of every file (the ranks hash a
 share each); load and consolidate check them, so a flipped bit is refused, naming the file.
 Weights that are not finite are never saved. Loading takes the newest complete folder and
-checks it against this run before any rank reads a tensor (every part present and whole, the same model's
-names and shapes, the same optimizer); the ranks agree on the verdict, so a damaged checkpoint
+checks it against this run before any rank reads a tensor (every part present, whole and as
+hashed, the same model's names and shapes, the same optimizer); the ranks agree on the verdict, so a damaged checkpoint
 is one line on every rank (`CheckpointError`, exit 2) and none is left waiting in a collective.
 Every rank takes part in every collective, one whose stage holds no trainable parameter (no
 optimizer) included.
