@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from pyplan.errors import PlanError, PyplanError
 from pyplan.run.comm import all_gather_objects
+from pyplan.run.gradients import local
 from pyplan.run.state import SHARD, load_state_dict, state_dict
 
 __all__ = ["CheckpointError", "agree", "consolidate", "find", "load", "locate", "read_meta",
@@ -168,7 +169,7 @@ def _finite(pipe, step: int) -> None:
     """CheckpointError when a parameter of this rank holds inf or NaN: such weights are never
     written (the checkpoints before stay the newest)."""
     for name, param in pipe.named_parameters():
-        if not bool(torch.isfinite(param.detach()).all()):
+        if not bool(torch.isfinite(local(param.detach())).all()):  # this rank's part
             raise CheckpointError(f"not saving the checkpoint of step {step}: {name} holds "
                                   f"non-finite values (rank {pipe.rank})",
                                   hint="resume from the newest checkpoint with a lower --lr")

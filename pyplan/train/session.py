@@ -26,6 +26,7 @@ from pyplan.train.check import (TOLERANCE, Verdict, compare, gathered, reference
                                 tokens_of)
 from pyplan.run.comm import TransferError, all_gather_objects
 from pyplan.train.faults import Watchdog
+from pyplan.run.gradients import local
 from pyplan.run.pipeline import DTYPES, Pipeline
 from pyplan.train.logs import Log
 from pyplan.train.stopping import out_of_time
@@ -127,11 +128,7 @@ class Session:
         at = self.first_step()
         steps = opts.steps if opts.steps is not None else at + opts.iterations
         self.iterations = steps - at
-        # Weight decay on matrices, not biases or norms; a sharded mesh's flat shards mix
-        # both and take it whole.
-        decayed = {id(p) for n, p in pipe.named_parameters()
-                   if p.dim() >= 2 or n.endswith(".flat_shard")}
-        optimizer, scheduler = training.build(pipe.parameters(), steps, decayed) if trains \
+        optimizer, scheduler = training.build(pipe.parameters(), steps) if trains \
             else (None, None)
         first, batches, history, resumed = self.resume(optimizer, steps)
         self.history = history
@@ -563,7 +560,8 @@ def _perturb(pipe: Pipeline, name: str) -> None:
     catch and name."""
     for key, param in pipe.named_parameters():
         if key == name and param.grad is not None:
-            param.grad.view(-1)[0] += 1e-3 * max(float(param.grad.norm()), 1e-6)
+            grad = local(param.grad)  # (a DTensor's part on this rank)
+            grad.view(-1)[0] += 1e-3 * max(float(grad.norm()), 1e-6)
             return
     raise RunError(f"--perturb: rank {pipe.rank} holds no parameter {name!r} with a gradient",
                    hint="name one of the rank's parameters: " +

@@ -43,14 +43,12 @@ class Training:
     eps: float = 1e-8
     """AdamW's eps."""
 
-    def build(self, params: list[torch.Tensor], steps: int, decayed=None):
+    def build(self, params: list[torch.Tensor], steps: int):
         """(optimizer, learning-rate scheduler) over `params`, for a run of `steps` optimizer
-        steps counted from step 0. Weight decay applies to `decayed` (ids; None: the
-        parameters of two or more dimensions: not biases, not norms' weights, as the Hugging
-        Face Trainer, nanoGPT and torchtitan have it); the others are a group of their own,
-        marked no_decay."""
-        if decayed is None:
-            decayed = {id(p) for p in params if p.dim() >= 2}
+        steps counted from step 0. Weight decay applies to the parameters of two or more
+        dimensions (not biases, not norms' weights, as the Hugging Face Trainer, nanoGPT and
+        torchtitan have it); the others are a group of their own, marked no_decay."""
+        decayed = {id(p) for p in params if p.dim() >= 2}
         groups = [{"params": [p for p in params if id(p) in decayed]},
                   {"params": [p for p in params if id(p) not in decayed], "no_decay": True}]
         groups = [g for g in groups if g["params"]]
