@@ -121,7 +121,7 @@ def header(problem, ranks: int, device: str, backend: str, options: Options,
     mode = "blocking" if options.blocking else "non-blocking"
     plural = "s" if steps != 1 else ""
     return (f"{problem.name}: {steps} step{plural} on {ranks} ranks ({device}, {backend}, "
-            f" {options.dtype}), {mode} communication, {problem.num_micro_batches} "
+            f"{options.dtype}), {mode} communication, {problem.num_micro_batches} "
             f"micro-batches, {options.training.describe()}")
 
 
