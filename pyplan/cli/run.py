@@ -580,6 +580,8 @@ def _json(report, lowered, options) -> dict:
         "predicted_activation_bytes": report.predicted_activation_bytes,
         "cuda_max_allocated": report.cuda_max_allocated,
         "ties": report.ties,
+        "model_flops": report.flops[0],
+        "peak_flops": report.flops[1],
         "eval_losses": [{"step": step, "loss": loss} for step, loss in report.eval_losses],
         "resumed": report.resumed,
         "checkpoint": report.saved,

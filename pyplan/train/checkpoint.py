@@ -313,6 +313,33 @@ def load(directory: str | Path, pipe, optimizer=None, *, scheduler=None) -> dict
     return {**meta, "path": str(folder)}
 
 
+def newest(directory) -> tuple[Path, dict] | None:
+    """(folder, record) of the newest complete checkpoint in `directory`, None if none
+    (`pyplan run --resume auto`)."""
+    folder = find(directory)
+    return None if folder is None else (folder, read_meta(folder))
+
+
+def named(directory) -> tuple[Path, dict]:
+    """(folder, record) of the checkpoint `directory` names (`--resume DIR`)."""
+    folder = locate(directory)
+    return folder, read_meta(folder)
+
+
+def resumable(folder: Path, meta: dict, seed: int, optimizer: str) -> None:
+    """`pyplan run --resume`: a checkpoint of another seed or optimizer (its record's
+    "training") is refused before anything loads."""
+    saved = meta.get("training") or {}
+    if meta.get("seed") is not None and meta["seed"] != seed:
+        raise CheckpointError(f"the checkpoint {folder} was trained with --seed "
+                              f"{meta['seed']}, not {seed}",
+                              hint=f"resume with --seed {meta['seed']}")
+    if saved.get("optimizer") not in (None, optimizer):
+        raise CheckpointError(f"the checkpoint {folder} holds {saved['optimizer']}'s state, and "
+                              f"this run's optimizer is {optimizer}",
+                              hint=f"resume with --optimizer {saved['optimizer']}")
+
+
 def _raise(failure: str | None) -> None:
     if failure is not None:
         raise CheckpointError(failure)

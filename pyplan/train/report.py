@@ -107,6 +107,9 @@ class Report:
     shared_cores: tuple[int, int] | None = None
     """On the CPU, when rank 0's machine runs more ranks than it has cores: (its ranks, its
     cores)."""
+    flops: tuple[float | None, float | None] = (None, None)
+    """(the model FLOPs of one step over all ranks, counted in the first; one device's peak
+    FLOP/s) when known (pyplan.train.flops)."""
     census_iteration: int | None = None
     """The iteration (counted from the first of this run) the memory census ran in: not timed."""
 
@@ -126,14 +129,16 @@ def header(problem, ranks: int, device: str, backend: str, options: Options,
 
 
 def iteration_line(step: int, seconds: float, loss: float, samples: int, tokens: int | None,
-                   norm: float | None, eta: float | None = None, skipped: str | None = None
-                   ) -> str:
+                   norm: float | None, eta: float | None = None, skipped: str | None = None,
+                   mfu: float | None = None) -> str:
     """A step's line: `step` is the step just completed (1-based)."""
     rate = f"  {samples / seconds:8.1f} samples/s" if samples else ""
     if tokens:
         rate += f"  {tokens / seconds:9.0f} tokens/s"
     if norm is not None:
         rate += f"  grad norm {norm:.4g}"
+    if mfu is not None:
+        rate += f"  MFU {mfu:.1%}"
     if eta is not None:
         rate += f"  ETA {duration(eta)}"
     if skipped:
@@ -206,6 +211,15 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
     if problem.recomputed:
         lines.append("  recomputed in the backward (its forward rerun first): "
                      + ", ".join(problem.recomputed))
+    model_flops, peak = report.flops
+    if model_flops:
+        lines.append(f"  model FLOPs per step: {model_flops:.3g} (torch's flop_registry, step "
+                     f"{report.first_step + 1}); " + (f"MFU against {peak / 1e12:g} TFLOPS a "
+                                                       "device" if peak else "MFU: no peak "
+                                                       f"known for {report.device} "
+                                                       f"{options.dtype}"))
+    elif problem.recomputed:
+        lines.append("  MFU: not shown (the plan recomputes: its FLOPs are not the model's)")
     if report.verdict is not None:
         lines.append(("  check: " if report.verdict.ok else "  check FAILED: ")
                      + report.verdict.message)

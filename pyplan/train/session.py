@@ -25,6 +25,7 @@ from pyplan.run.census import Census
 from pyplan.train.check import (TOLERANCE, Verdict, compare, gathered, reference_run,
                                 tokens_of)
 from pyplan.run.comm import TransferError, all_gather_objects
+from pyplan.train import flops
 from pyplan.train.faults import Watchdog
 from pyplan.run.gradients import local
 from pyplan.run.pipeline import DTYPES, Pipeline
@@ -138,6 +139,8 @@ class Session:
         self.batches, self.snapshots, self.samples, self.tokens = batches, [], 0, None
         self.check_seconds, self.bad_steps, self.save_seconds = 0.0, 0, 0.0
         self.step_seconds: list[float] = []  # the slowest rank's, per step
+        self.flops = self.model_flops = None  # this rank's, all ranks' in one step
+        self.peak_flops = flops.peak_flops(pipe.device, opts.dtype)
         records, eval_losses = [], []
         log = Log(lines=opts.lines and self.rank == 0, path=opts.log if self.rank == 0 else None,
                   tensorboard=opts.tensorboard if self.rank == 0 else None, after=first)
@@ -161,11 +164,15 @@ class Session:
             for step in range(first, last + 1):
                 lr = scheduler.get_last_lr()[0] if scheduler is not None else None
                 self.current = step + 1  # steps are named 1-based: the step just completed
-                with self.census(optimizer) if step == self.census_step else \
-                        contextlib.nullcontext():
+                with contextlib.ExitStack() as around:
+                    if step == self.census_step:
+                        around.enter_context(self.census(optimizer))
+                    counted = around.enter_context(flops.counter()) if step == first else None
                     records.append(self.one_step(optimizer, scheduler, trace=step == last,
                                                  check=opts.check and
                                                  len(records) < opts.check_steps))
+                if counted is not None and not self.problem.recomputed:  # model FLOPs only
+                    self.flops = counted.get_total_flops()
                 self.stopped = self.progress(step, records, lr)
                 if opts.eval_every and (step + 1) % opts.eval_every == 0:
                     eval_losses.append((step + 1, self.evaluate(step + 1)))
@@ -252,9 +259,9 @@ class Session:
         if not opts.resume:
             return 0
         if opts.resume == "auto":  # the newest complete checkpoint in --save, if any
-            self.checkpoint = checkpoint.agree(lambda: _newest(opts.save))
+            self.checkpoint = checkpoint.agree(lambda: checkpoint.newest(opts.save))
         else:
-            self.checkpoint = checkpoint.agree(lambda: _checkpoint(opts.resume))
+            self.checkpoint = checkpoint.agree(lambda: checkpoint.named(opts.resume))
         return 0 if self.checkpoint is None else int(self.checkpoint[1]["step"])
 
     def resume(self, optimizer, steps: int):
@@ -266,7 +273,8 @@ class Session:
             return 0, 0, [{"step": 0, "batches": 0, **now}], None
         folder, meta = self.checkpoint
         saved = meta.get("training") or {}
-        checkpoint.agree(lambda: _resumable(folder, meta, opts))
+        checkpoint.agree(lambda: checkpoint.resumable(folder, meta, opts.seed,
+                                                             opts.training.optimizer))
         checkpoint.load(folder, pipe, optimizer)
         first, batches = int(meta["step"]), int(meta.get("batches", meta["step"]))
         history = list(meta.get("history") or [])
@@ -331,12 +339,14 @@ class Session:
         signalled = self.watchdog.stop_signal if self.watchdog is not None else None
         every = all_gather_objects((own, seconds, peak, lr, norm, self.samples, self.tokens,
                                     None if signalled is None else int(signalled),
-                                    time.monotonic() - self.clock))
+                                    time.monotonic() - self.clock, self.flops))
         # The batch's size from a rank that read it (a rank that reads none has no batch).
         samples = self.samples = max(g[5] for g in every)
         tokens = self.tokens = max((g[6] for g in every if g[6]), default=None)
         slowest = max(g[1] for g in every)
         self.step_seconds.append(slowest)
+        if self.model_flops is None and all(g[9] is not None for g in every):
+            self.model_flops = sum(g[9] for g in every)
         got = next(((r, g[7]) for r, g in enumerate(every) if g[7] is not None), None)
         stop = None
         if got is not None:
@@ -357,12 +367,16 @@ class Session:
                  "samples_per_second": samples / slowest if samples else None,
                  "tokens_per_second": tokens / slowest if tokens else None,
                  "peak_activation_bytes": max(g[2] for g in every)}
+        mfu = None if not (self.model_flops and self.peak_flops) else \
+            self.model_flops / (slowest * self.pipe.world * self.peak_flops)
+        if mfu is not None:
+            entry["mfu"] = mfu
         if bad:
             entry["skipped"] = bad
         if self.pipe.device.type == "cuda":
             entry["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.pipe.device)
         self.log.step(entry, iteration_line(step + 1, slowest, loss, samples, tokens, norm,
-                                            eta, bad))
+                                            eta, bad, mfu))
         return stop
 
     def evaluate(self, step: int) -> float:
@@ -459,6 +473,7 @@ class Session:
                                        pipe, self.options.training.optimizer))],
                             census_iteration=self.census_step - first,
                             predicted=predicted(pipe, self.options),
+                            flops=(self.model_flops, self.peak_flops),
                             shared_cores=_shared_cores(pipe))
         return all_gather_objects(result)[0]
 
@@ -566,29 +581,3 @@ def _perturb(pipe: Pipeline, name: str) -> None:
     raise RunError(f"--perturb: rank {pipe.rank} holds no parameter {name!r} with a gradient",
                    hint="name one of the rank's parameters: " +
                    ", ".join(k for k, _ in pipe.named_parameters()[:5]))
-
-
-def _newest(directory: str):
-    """(folder, record) of the newest complete checkpoint in `directory`, None if none."""
-    folder = checkpoint.find(directory)
-    return None if folder is None else (folder, checkpoint.read_meta(folder))
-
-
-def _checkpoint(directory: str):
-    """(folder, record) of the checkpoint --resume names."""
-    folder = checkpoint.locate(directory)
-    return folder, checkpoint.read_meta(folder)
-
-
-def _resumable(folder, meta: dict, options: Options) -> None:
-    """A checkpoint of another seed or optimizer is refused before anything loads."""
-    saved = meta.get("training") or {}
-    if meta.get("seed") is not None and meta["seed"] != options.seed:
-        raise checkpoint.CheckpointError(f"the checkpoint {folder} was trained with --seed "
-                                         f"{meta['seed']}, not {options.seed}",
-                                         hint=f"resume with --seed {meta['seed']}")
-    if saved.get("optimizer") not in (None, options.training.optimizer):
-        raise checkpoint.CheckpointError(
-            f"the checkpoint {folder} holds {saved['optimizer']}'s state, and this run's "
-            f"optimizer is {options.training.optimizer}",
-            hint=f"resume with --optimizer {saved['optimizer']}")
