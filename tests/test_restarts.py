@@ -179,3 +179,18 @@ def test_every_new_flag_refuses_bad_values_in_one_line(one_rank, tmp_path, monke
     code, out, err = one_rank("run", one, "--steps", 3, "--save", "ck", "--resume", "auto",
                               "--json")
     assert code == 0 and json.loads(out.splitlines()[-1])["first_iteration"] == 2, err
+
+
+def test_mfu_has_a_peak_only_for_known_gpus_in_bf16_and_fp16(monkeypatch):
+    from pyplan.runtime import torch
+    from pyplan.train.flops import peak_flops
+
+    cuda = torch.device("cuda", 0)
+    for name, dtype, peak in [("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
+                              ("NVIDIA H100 PCIe", "fp16", 756e12),
+                              ("NVIDIA H100 80GB HBM3", "bf16", 989e12),
+                              ("NVIDIA A100-SXM4-80GB", "fp32", None),
+                              ("NVIDIA GeForce RTX 4090", "bf16", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, n=name: n)
+        assert peak_flops(cuda, dtype) == peak, (name, dtype)
+    assert peak_flops(torch.device("cpu"), "bf16") is None

@@ -125,8 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compute dtype under autocast (weights and gradients stay fp32)")
     parser.add_argument("--tolerance", type=float, metavar="T",
                         help="--check: largest allowed relative error ||a-b|| / ||b|| of a "
-                        "parameter's gradient, 10x that for its updated value (default 1e-5 "
-                        "in fp32, 2e-2 in bf16, 1e-2 in fp16)")
+                        "parameter's gradient (default 1e-5 in fp32, 2e-2 in bf16, 1e-2 in "
+                        "fp16); its updated value: at least 1e-3")
     parser.add_argument("--fault-timeout", type=float, default=10.0, metavar="S",
                         help="a rank silent for S seconds counts as dead (default 10)")
     parser.add_argument("--dry-run", action="store_true",

@@ -37,11 +37,13 @@ __all__ = ["TOLERANCE", "Verdict", "compare", "gathered", "reference_run"]
 
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 1e-2}
 """--check's default relative tolerance per --dtype, for losses and gradients."""
-VALUES = 10
-"""The updated values are allowed VALUES x the tolerance: an adaptive optimizer (AdamW) turns
-a gradient element near its eps into a step of about lr whatever its last bits, and such
-elements exist in real models (the key bias of attention has an exactly-zero gradient, so its
-elements are rounding noise on both sides)."""
+VALUES = 1e-3
+"""The updated values are allowed max(tolerance, VALUES): an adaptive optimizer (AdamW) turns a
+gradient element near its eps into a step of about lr whatever its last bits, and such elements
+exist in real models (the key bias of attention has an exactly-zero gradient, so its elements
+are rounding noise on both sides: 2e-4 apart after one step of a zero-initialised bias under
+tensor parallelism). The gradients are the precise oracle; the values catch an optimizer
+applied wrongly (another lr, decay or state), errors of a percent and more."""
 _TINY = 1e-12
 
 
@@ -76,7 +78,8 @@ def gathered(pipe, what: str) -> dict[tuple[str, str], torch.Tensor]:
 
 def reference_run(model: Model, problem: Problem, output_block: int, *, seed: int,
                   history: list[dict], steps: range, device, micro_batches: int,
-                  check_steps: int = 0, autocast: torch.dtype | None = None, evaluation=None
+                  check_steps: int = 0, autocast: torch.dtype | None = None, evaluation=None,
+                  anchors: list[dict] = ()
                   ) -> tuple[list[float], list[dict], list[tuple[int, float]]]:
     """Train the whole model in this process for steps 0 .. steps.stop - 1: (the loss of each
     step in `steps`; for the first `check_steps` of them {"gradients": ..., "values": ...} by
@@ -86,7 +89,10 @@ def reference_run(model: Model, problem: Problem, output_block: int, *, seed: in
     a resumed run applies it (Training.switch). The forwards run micro-batch by micro-batch
     (`micro_batches` over the global batch: those of every data-parallel replica), the loss on
     the whole batch. `evaluation`: (every K steps, number of batches, micro-batches of a
-    batch) for the mean loss over the data's eval split in eval mode."""
+    batch) for the mean loss over the data's eval split in eval mode. `anchors`: the pipelined
+    run's values (by name) after each checked step, which the parameters take after that step
+    is recorded, so that each checked step starts where the pipelined one did: two runs that
+    add in different orders drift apart, and an adaptive optimizer amplifies the drift."""
     forward = _forward(model, problem, output_block, seed=seed, device=device)
     params = forward.parameters
     training = Training.from_record(history[0])
@@ -125,11 +131,21 @@ def reference_run(model: Model, problem: Problem, output_block: int, *, seed: in
             optimizer.step()
             if step in checked:
                 snapshots[-1]["values"] = _named(forward, gradients=False)
+                if len(anchors) >= len(snapshots):
+                    _anchor(forward, anchors[len(snapshots) - 1])
             scheduler.step()
         if evaluation is not None and step in steps and (step + 1) % evaluation[0] == 0:
             evals.append((step + 1, _evaluate(forward, model, problem, output_block, seed,
                                               device, autocast, evaluation)))
     return losses, snapshots, evals
+
+
+def _anchor(forward, values: dict[str, torch.Tensor]) -> None:
+    """The parameters take `values` (by name; those it has)."""
+    with torch.no_grad():
+        for name, p in forward.named:
+            if name in values:
+                p.copy_(values[name].to(p.device, p.dtype))
 
 
 def _named(forward, *, gradients: bool) -> dict[str, torch.Tensor]:
@@ -307,7 +323,7 @@ def compare(losses: list[float], snapshots: list[dict], ref_losses: list[float],
                 continue
             error, where = max(errors, key=lambda e: e[0])
             what = "gradient" if kind == "gradients" else "value after the update"
-            allowed = tolerance * (VALUES if kind == "values" else 1)
+            allowed = max(tolerance, VALUES) if kind == "values" else tolerance
             if not error <= allowed:
                 return Verdict(False, f"at step {step} the {what} of {where} differs from the "
                                f"single-process run's: relative error {error:.3g} (tolerance "
@@ -327,7 +343,7 @@ def compare(losses: list[float], snapshots: list[dict], ref_losses: list[float],
         text += (f", the gradients and the updated values of {count} parameters (worst: "
                  f"{worst[1]}, relative error {worst[0]:.1e})")
     text += (f" match the single-process run's (tolerance {tolerance:g}, the values "
-             f"{tolerance * VALUES:g})")
+             f"{max(tolerance, VALUES):g})")
     if len(losses) > checked:
         later = max(_loss_error(a, b) for a, b in zip(losses, ref_losses))
         text += (f"; the losses of all {len(losses)} steps differ by at most {later:.1e} "

@@ -488,7 +488,9 @@ class Session:
             pipe.model, self.problem, pipe.output, seed=opts.seed, history=history,
             steps=range(first, first + opts.iterations), device=pipe.device,
             micro_batches=self.problem.num_micro_batches * replicas,
-            check_steps=len(snapshots), autocast=DTYPES[opts.dtype], evaluation=evaluation)
+            check_steps=len(snapshots), autocast=DTYPES[opts.dtype], evaluation=evaluation,
+            anchors=[{name: t for (name, _), t in reversed(s["values"].items())}
+                     for s in snapshots])
         tolerance = opts.tolerance if opts.tolerance is not None else TOLERANCE[opts.dtype]
         return compare(losses, snapshots, ref_losses, ref_snapshots, tolerance, evals,
                        ref_evals, first_step=first)
