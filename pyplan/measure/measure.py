@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from pyplan.models import Unit
 from pyplan.run.backward import backward_input, backward_weight
 from pyplan.run.census import Census, storage_bytes
 from pyplan.run.values import flatten, rebuild, saved_bytes
 
-__all__ = ["MORE", "SPREAD", "BlockCost", "Measured", "Timer", "block_arguments", "busy",
+__all__ = ["MORE", "SPREAD", "BlockCost", "Measured", "Peaks", "Timer", "block_arguments", "busy",
            "compute_threads", "leaves", "measure", "memory_peaks", "run_threads", "threads",
            "split_backward", "unit_buffer_bytes", "update_ms",
            "unit_parameters"]
@@ -341,27 +342,53 @@ def _gradients_allocated(params: list) -> None:
             p.grad = torch.zeros_like(p)
 
 
+@dataclass(frozen=True)
+class Peaks:
+    """What a unit allocates at its most, counted by the census (pyplan.partition composes a
+    stage's workspace from its units': pyplan.partition.stage_workspace)."""
+
+    forward: int
+    """The most its forward allocates at once (what it saves, its output, temporaries)."""
+    backward: int
+    """The most its backward allocates at once beyond what the forward left, with the
+    gradient it receives."""
+    saved_input: int = 0
+    """The bytes of its input that autograd saves (the unit before may save the same tensor
+    as its output: a stage holds it once)."""
+    saved_output: int = 0
+    """The bytes of its output that autograd saves."""
+
+
 def memory_peaks(module, args: list, wrt_inputs: list, params: list, loss_fn,
-                 device) -> tuple[int, int]:
-    """(the most bytes module(*args) allocates at once in its forward, the most its backward
-    allocates at once beside the gradient it receives), counted by the census with the
-    parameters' gradients allocated beforehand (a run keeps them): what a block needs while it
-    runs (pyplan.partition.stage_workspace)."""
+                 device) -> Peaks:
+    """The most bytes module(*args) allocates at once in its forward and in its backward
+    (beside the gradient it receives), counted by the census with the parameters' gradients
+    allocated beforehand (a run keeps them), and which of its input and output autograd
+    saves."""
     _gradients_allocated(params)
     wrt = wrt_inputs + params
     with torch.enable_grad(), Census(device) as census:
-        out = module(*args)
-        roots, seeds = _roots(out, loss_fn)
+        with saved_bytes(params) as saved:
+            out = module(*args)
+            roots, seeds = _roots(out, loss_fn)
         forward = census.peak
         census.peak = before = census.bytes
         if wrt and any(r.requires_grad for r in roots):
             torch.autograd.backward(roots, seeds, inputs=wrt)
         received = sum(s.numel() * s.element_size() for s in seeds or ())
         backward = census.peak - before + received
+        kept = (_kept_bytes(args, saved.storages),
+                0 if loss_fn is not None else _kept_bytes(out, saved.storages))
         del out, roots, seeds
     for x in wrt_inputs:
         x.grad = None
-    return forward, backward
+    return Peaks(forward, backward, *kept)
+
+
+def _kept_bytes(value, storages: frozenset[int]) -> int:
+    """The bytes of value's storages among `storages` (those autograd saved)."""
+    return storage_bytes(t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and
+                         t.untyped_storage().data_ptr() in storages)
 
 
 def unit_buffer_bytes(model: torch.nn.Module, unit: Unit) -> int:

@@ -24,6 +24,7 @@ from pyplan.models import FORWARD, TRACED, Cut, Unit, everywhere
 from pyplan.partition import UnitCost, ties
 from pyplan.placements import CHUNKS, Placement, Sharded, mshape_plans, placements
 from pyplan.run.binding import Model, defer_whole, import_function, loss_function, make_batch
+from pyplan.run.census import storage_bytes
 from pyplan.run.data import batches_from, split_batch
 from pyplan.measure.limits import DEFAULT_SECONDS
 from pyplan.measure.measure import Measured
@@ -108,6 +109,7 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
                                            user.loss))
     deferred = defer_whole(user, seed)
     inputs, targets = make_batch(user, 0, seed, torch.device("cpu"))
+    held = storage_bytes(torch.utils._pytree.tree_leaves((inputs, targets)))  # by some ranks
     inputs, targets = split_batch(inputs, n)[0], split_batch(targets, n)[0]
     measured = Measured()
     from pyplan.measure.profile import profile_units
@@ -115,7 +117,7 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     units, cut = profile_units(deferred, inputs, targets, loss_function(user),
                                optimizer=optimizer, repeats=repeats, device=where,
                                progress=progress, measured=measured, split=split_backward,
-                               unit_seconds=unit_seconds)
+                               unit_seconds=unit_seconds, batch_bytes=held)
     if len(units) < stages and shape != "auto":
         raise PlanError(f"{factory} has {len(units)} units "
                         f"({', '.join(u.name for u in units)}), fewer than the {stages} stages "

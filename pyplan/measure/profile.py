@@ -104,7 +104,8 @@ def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
                   optimizer: str = "sgd", repeats: int = 5, device: torch.device | None = None,
                   progress=None, measured: Measured | None = None,
                   threads: int | None = None, split: bool = False,
-                  unit_seconds: float | None = DEFAULT_SECONDS) -> tuple[list[UnitCost], Cut]:
+                  unit_seconds: float | None = DEFAULT_SECONDS,
+                  batch_bytes: int = 0) -> tuple[list[UnitCost], Cut]:
     """Costs of each unit of a model on one micro-batch, and how the model is cut (see
     pyplan.models): median forward and backward milliseconds (the backward of exactly that
     unit; the last unit's from the loss), the activation bytes autograd saves, and the weights'
@@ -113,17 +114,19 @@ def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
     apart (zero bubble). A deferred model (built on the meta device) is materialised one unit
     at a time, so the whole model is never in memory. Each unit's measurement is bounded by
     `unit_seconds` of CPU time (pyplan.measure.limits), and the user's forward failing is one
-    error naming the unit."""
+    error naming the unit. `batch_bytes`: the global batch's (inputs and targets), which the
+    ranks of the stages that read the inputs or compute the loss hold."""
     device = device or torch.device("cpu")
     with compute_threads(device, threads):
         return _profile_units(model, inputs, targets, loss, optimizer=optimizer,
                               repeats=repeats, device=device, progress=progress,
-                              measured=measured, split=split, unit_seconds=unit_seconds)
+                              measured=measured, split=split, unit_seconds=unit_seconds,
+                              batch_bytes=batch_bytes)
 
 
 def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int, device,
                    progress, measured: Measured | None, split: bool,
-                   unit_seconds: float | None) -> tuple[list[UnitCost], Cut]:
+                   unit_seconds: float | None, batch_bytes: int) -> tuple[list[UnitCost], Cut]:
     deferred = model if isinstance(model, Deferred) else eager(model)
     measured = measured if measured is not None else Measured()
     timer = Timer(device, repeats, measured)
@@ -167,7 +170,14 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
                               weight_bytes(params, optimizer) + buffers,
                               nbytes(inputs if received is None else received), nbytes(out),
                               modules=unit.modules, parameters=own[k],
-                              forward_peak_bytes=peaks[0], backward_peak_bytes=peaks[1],
+                              forward_peak_bytes=peaks.forward,
+                              backward_peak_bytes=peaks.backward,
+                              saved_input_bytes=peaks.saved_input,
+                              saved_output_bytes=peaks.saved_output,
+                              # The stages reading the inputs (every one, cut in the model's
+                              # forward) or computing the loss hold the batch.
+                              batch_bytes=batch_bytes if cut.kind == FORWARD or
+                              k in (0, len(units) - 1) else 0,
                               update_ms=update, input_grad_ms=halves[0],
                               weight_grad_ms=halves[1], captured_bytes=halves[2],
                               released_bytes=halves[3]))

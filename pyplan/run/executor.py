@@ -308,8 +308,8 @@ class Executor:
                                    if x.untyped_storage().data_ptr() in saved.storages}
         if trains and not recomputed:
             self._free_inputs(b, inputs, leaves, out)
-        if loss is not None:
-            self.losses.append(loss.detach())
+        if loss is not None:  # a copy: a loss may live in a buffer its input's size (mse)
+            self.losses.append(loss.detach().clone())
         detached = _detach(out)
         self.keep(out_slot, detached)
         if b == self.output and not keep:
