@@ -37,7 +37,7 @@ CASES = {  # name: (factory, partition options, run options)
     "mlp-recompute": ("fidelity_models:mlp", ["--data", "fidelity_models:mlp_batch",
                                               "--recompute", "always"], []),
     "mlp-adamw": ("fidelity_models:mlp", ["--data", "fidelity_models:mlp_batch",
-                                          "--optimizer", "adam"], ["--optimizer", "adamw"]),
+                                          "--optimizer", "adamw"], ["--optimizer", "adamw"]),
     "mlp-split": ("fidelity_models:mlp", ["--data", "fidelity_models:mlp_batch",
                                           "--split-backward"], []),
     "gpt2": ("fidelity_models:gpt2", [], []),

@@ -32,17 +32,19 @@ from dataclasses import dataclass
 __all__ = ["MAX_ENUMERATED", "RECOMPUTE", "Held", "Partition", "UnitCost", "best_partitions",
            "candidates", "even_partitions", "optimal_partition", "plan_text",
            "recompute_bytes", "smallest_capacity", "stage_activations", "stage_memory",
-           "stage_workspace", "ties", "weight_bytes"]
+           "stage_workspace", "step_bytes", "ties", "weight_bytes"]
 
 MAX_ENUMERATED = 20_000  # partitions: up to this many, every one is ranked (else the DP's alone)
-OPTIMIZER_STATE = {"sgd": 0, "adam": 2}  # state tensors per parameter, besides its gradient
+# State tensors per parameter besides its gradient, by the names `pyplan run --optimizer`
+# takes (pyplan.train.training.OPTIMIZERS): the optimizer is an input of the memory model.
+OPTIMIZER_STATE = {"sgd": 0, "adamw": 2}
 
 
 def weight_bytes(params: list, optimizer: str) -> int:
     """What `params` hold for the whole run: themselves, their gradients and the optimizer's
-    state (Adam: two moments each, and its step count, a 4-byte tensor per parameter)."""
+    state (AdamW: two moments each, and its step count, a 4-byte tensor per parameter)."""
     size = sum(p.numel() * p.element_size() for p in params)
-    return size * (2 + OPTIMIZER_STATE[optimizer]) + (4 * len(params) if optimizer == "adam"
+    return size * (2 + OPTIMIZER_STATE[optimizer]) + (4 * len(params) if optimizer == "adamw"
                                                       else 0)
 
 
@@ -84,6 +86,13 @@ class UnitCost:
     update_ms: float = 0.0
     """The optimizer's step over its parameters (with their gradients zeroed for the next
     iteration), once per iteration."""
+    update_peak_bytes: int = 0
+    """The most that step allocates at once beyond the optimizer's state (AdamW's
+    denominators): its temporaries."""
+    update_at_once: bool = False
+    """The step makes its temporaries for all the parameters at once (torch's foreach step,
+    on a GPU), so a stage's add up; else one parameter at a time (on the CPU), the largest
+    counts."""
     input_grad_ms: float | None = None
     """Split backward (zero bubble): the input gradients' time (B); None: not measured."""
     weight_grad_ms: float = 0.0
@@ -174,8 +183,11 @@ def stage_workspace(part: Sequence[UnitCost], receives: bool = True,
       backward starts; the backward reruns the forward (its peaks as above) and then runs as
       above, the input held throughout (beside the activations, unless the first unit saves
       it); the forward without autograd holds the input and one unit's peak;
-    - `recompute` auto: room for either; and a stage holding a unit with `batch_bytes` holds
-      the data's global batch throughout."""
+    - `recompute` auto: room for either;
+    - the optimizer's step, after the last backward, makes its temporaries (`step_bytes`)
+      where the micro-batches' activations are gone;
+    - and a stage holding a unit with `batch_bytes` holds the data's global batch
+      throughout."""
     total = stage_activations(part)
     first = part[0].input_bytes if receives else 0
     unsaved = first - min(first, part[0].saved_input_bytes)  # the input beside what is saved
@@ -192,7 +204,17 @@ def stage_workspace(part: Sequence[UnitCost], receives: bool = True,
     never = max(forward, backward) - total
     always = max(plain, rerun, backward + unsaved) - total
     room = {"never": never, "always": always, "auto": max(never, always)}[recompute]
-    return max(room, 0) + max(u.batch_bytes for u in part)
+    # The step runs when no micro-batch holds anything, and a device's peak counts at least
+    # one micro-batch's activations beside the workspace: room for the step beyond them.
+    return max(room, step_bytes(part) - total, 0) + max(u.batch_bytes for u in part)
+
+
+def step_bytes(part: Sequence[UnitCost]) -> int:
+    """The optimizer step's temporaries for a stage: after the last backward, when no
+    micro-batch holds anything."""
+    if any(u.update_at_once for u in part):
+        return sum(u.update_peak_bytes for u in part)
+    return max(u.update_peak_bytes for u in part)
 
 
 def stage_memory(units: list[UnitCost], first: int, last: int, stage: int, num_stages: int,

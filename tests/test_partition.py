@@ -140,7 +140,7 @@ def test_recomputation_widens_what_fits_at_full_throughput():
     capacity = 3 * 100 + 3 * 1000 + 3 * 300  # 4 in flight on stage 0, three keeping inputs
     assert not best_partitions(units, 4, micro_batches=8, capacity=capacity)
     assert best_partitions(units, 4, micro_batches=8, capacity=capacity,
-                           held=Held(recompute=True))[0].bounds == (0, 3, 6, 9, 12)
+                           held=Held(recompute="always"))[0].bounds == (0, 3, 6, 9, 12)
     common = dict(devices=4, micro_batches=8, name="p", factory="m:f", data="m:d", loss="m:l",
                   memory=capacity, time_limit=5.0)
     never = pyplan.partition_plans(units, recompute="never", **common)[0]

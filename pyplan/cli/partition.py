@@ -49,8 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", choices=("never", "always", "auto"), default="never",
                         help="activation recomputation written to the plan (training.recompute; "
                         "auto: pyplan solve chooses per stage); default never")
-    parser.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE), default="sgd",
-                        help="optimizer whose state counts in the weights' memory")
+    parser.add_argument("--optimizer", choices=(*OPTIMIZER_STATE, "adam"), default="sgd",
+                        help="the optimizer pyplan run will train with (its --optimizer): its "
+                        "state counts in the weights' memory, its step's temporaries and time "
+                        "are measured; adam is adamw's former name here")
     parser.add_argument("--repeats", type=int, default=5, metavar="K",
                         help="timed runs per unit and direction; the median counts")
     add_time_limit(parser, "unit")
@@ -134,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     found = _measured(lambda progress: partition_model(
         args.factory, args.data, args.loss, devices=args.devices, output=out, shape=args.shape,
         chunks=args.chunks, micro_batches=n, memory=memory, speeds=speeds,
-        recompute=args.recompute, optimizer=args.optimizer,
+        recompute=args.recompute, optimizer="adamw" if args.optimizer == "adam" else
+        args.optimizer,
         split_backward=args.split_backward, weights=args.weights, repeats=args.repeats,
         seed=args.seed, device=args.device, progress=progress,
         unit_seconds=args.unit_time_limit))

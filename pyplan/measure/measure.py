@@ -22,7 +22,8 @@ from pyplan.run.census import Census, storage_bytes
 from pyplan.run.values import flatten, rebuild, saved_bytes
 
 __all__ = ["MORE", "SPREAD", "BlockCost", "Measured", "Peaks", "Timer", "block_arguments", "busy",
-           "compute_threads", "leaves", "measure", "memory_peaks", "run_threads", "threads",
+           "compute_threads", "leaves", "measure", "memory_peaks", "optimizer", "run_threads",
+           "threads",
            "split_backward", "unit_buffer_bytes", "update_ms",
            "unit_parameters"]
 
@@ -313,15 +314,24 @@ def split_backward(timer: Timer, module, args: list, wrt_inputs: list, params: l
             released)
 
 
-def update_ms(timer: Timer, params: list, optimizer: str, what: str) -> float:
-    """Median ms of one step of `optimizer` over `params` (their gradients allocated), with
-    the gradients zeroed in place as a run zeroes them for the next iteration."""
+def optimizer(name: str, params: list):
+    """The optimizer `pyplan run --optimizer NAME` builds (pyplan.train.training), with a
+    learning rate that leaves the parameters almost as they were."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-6)
+    return torch.optim.SGD(params, lr=1e-6)
+
+
+def update_ms(timer: Timer, params: list, optimizer_name: str, what: str
+              ) -> tuple[float, int]:
+    """(median ms of one step of the optimizer over `params` (their gradients allocated),
+    with the gradients zeroed in place as a run zeroes them for the next iteration; the most
+    the step allocates at once beyond its state: its temporaries, counted by the census)."""
     if not params:
-        return 0.0
+        return 0.0, 0
     _gradients_allocated(params)
     kept = [p.detach().clone() for p in params]
-    step = torch.optim.AdamW(params, lr=1e-6) if optimizer == "adam" else \
-        torch.optim.SGD(params, lr=1e-6)
+    step = optimizer(optimizer_name, params)
 
     def sample():
         start = timer.start()
@@ -330,10 +340,12 @@ def update_ms(timer: Timer, params: list, optimizer: str, what: str) -> float:
         return timer.ms(start, timer.now())
 
     found = timer.median(sample, f"{what} update")  # the warm-up run makes Adam's state
+    with Census(params[0].device) as census:
+        step.step()
     with torch.no_grad():  # the unit as it was: later units' inputs do not move
         for p, value in zip(params, kept):
             p.copy_(value)
-    return found
+    return found, census.peak
 
 
 def _gradients_allocated(params: list) -> None:

@@ -79,7 +79,8 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     written at `output` (its name; the folders it names are relative to it). `shape`:
     vshape, interleaved (`chunks` stages per device), mshape or auto. `memory`: bytes per
     device (or one per device), `speeds` each device's relative speed; `recompute`,
-    `optimizer` (sgd or adam: the state its weights count), `split_backward` (zero bubble:
+    `optimizer` (sgd or adamw, as pyplan run names them: the state its weights count and its
+    step's time and temporaries), `split_backward` (zero bubble:
     input and weight gradients measured apart), `weights` (a safetensors checkpoint folder the
     parameters start from), `repeats` (timed runs per measurement), `device` (cpu, or cuda to
     measure on the first GPU). `progress(done, total)` is called as units are measured;

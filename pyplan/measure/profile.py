@@ -161,7 +161,7 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
             forward_ms, backward_ms, saved, out = measure(timer, guarded(module, what), args,
                                                            wrt, params, loss_fn, what)
             peaks = memory_peaks(guarded(module, what), args, wrt, params, loss_fn, device)
-            update = update_ms(timer, params, optimizer, what)
+            update, step_bytes = update_ms(timer, params, optimizer, what)
             halves = split_backward(timer, guarded(module, what), args, wrt, params, loss_fn,
                                     what) if split else (None, 0.0, 0, 0)
         buffers = unit_buffer_bytes(module.model, unit) if cut.kind == FORWARD else \
@@ -178,7 +178,9 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
                               # forward) or computing the loss hold the batch.
                               batch_bytes=batch_bytes if cut.kind == FORWARD or
                               k in (0, len(units) - 1) else 0,
-                              update_ms=update, input_grad_ms=halves[0],
+                              update_ms=update, update_peak_bytes=step_bytes,
+                              update_at_once=device.type == "cuda",
+                              input_grad_ms=halves[0],
                               weight_grad_ms=halves[1], captured_bytes=halves[2],
                               released_bytes=halves[3]))
         value = _detached(out)
