@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from pyplan.models import TRACED, Cut
 from pyplan.models.deferred import DeferredParameter, defer
 from pyplan.problem import build_problem
 from pyplan.run.binding import Model, build, build_whole
@@ -132,6 +133,39 @@ def test_each_rank_materialises_only_its_stages_with_the_reference_bits(factory,
         assert sorted(real) == sorted(held)
         seen |= set(held)
     assert seen == set(reference)
+
+
+def test_a_traced_cut_materialises_only_the_ranks_own_pieces(tmp_path, monkeypatch):
+    """A model torch's tracer cuts (a long skip connection) is traced on the meta device:
+    each rank reads the values of its own stage's parameters only, and they are the
+    single-process model's."""
+    import skip
+    from pyplan.models.deferred import Deferred
+
+    stages = [["a"], ["drop", "b"], ["c"], ["d"]]
+    blocks = "".join(f"  - {{name: s{i}, devices: [{i}], time: 1, memory: 1}}\n"
+                     for i in range(len(stages)))
+    named = ", ".join(f"s{i}: [{', '.join(units)}]" for i, units in enumerate(stages))
+    text = (f"pyplan: 1\nname: skip\ndevices: 4\nmicro_batches: 4\n"
+            f"training: {{backward: {{time_ratio: 2}}}}\nblocks:\n{blocks}model:\n"
+            f"  module: skip:model\n  stages: {{{named}}}\n  cut: traced\n"
+            f"  data: skip:batch\n  loss: skip:loss\n  path: \"{MODELS}\"\n")
+    problem = build_problem(spec_from_text(text))
+    model = Model(None, skip.batch, skip.loss, whole=skip.model,
+                  stages=dict(problem.model.stages), names={}, cut=Cut(TRACED))
+    reference = dict(build_whole(model, seed=3).named_parameters())
+    read, values = [], Deferred.values
+    monkeypatch.setattr(Deferred, "values", lambda self, names: read.extend(names) or
+                        values(self, names))
+    for rank, units in enumerate(stages):
+        read.clear()
+        built = build(model, problem, seed=3, device="cpu", rank=rank)
+        held = {built.names[id(p)]: p for m in built.modules.values() for p in m.parameters()}
+        assert all(not p.is_meta for p in held.values())
+        for name, param in held.items():
+            assert torch.equal(param, reference[name]), name
+        assert sorted(read) == sorted(held) == sorted(
+            n for n in reference if n.split(".")[0] in units), rank
 
 
 @pytest.mark.torchrun

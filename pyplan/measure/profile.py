@@ -22,7 +22,8 @@ import gc
 import torch
 
 from pyplan.lower import check_runnable
-from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Unit, find_units, stage_modules
+from pyplan.models import (CHAIN, FORWARD, TRACED, Cut, Unit, find_units, stage_modules,
+                           traced)
 from pyplan.models.deferred import Deferred, eager, move
 from pyplan.partition import UnitCost, weight_bytes
 from pyplan.problem import Problem
@@ -135,16 +136,20 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
     with deferred.streaming(), time_limit("the model's forward", unit_seconds):
         cut, units = find_units(whole, inputs)
     timer.cold_for(sum(p.numel() * p.element_size() for p in whole.parameters()))
-    if cut.kind == TRACED and not deferred.eager:  # torch's tracer needs the whole model
-        deferred.materialize(whole, "cpu")
     inputs, targets = to_device(inputs, device), to_device(targets, device)
+    # Traced on the meta device; each piece gets its values while it is measured.
+    on_meta = cut.kind == TRACED and not deferred.eager
     names = {id(p): n for n, p in reversed(list(whole.named_parameters(remove_duplicate=False)))}
     own = [tuple(dict.fromkeys(names[id(p)] for p in unit_parameters(whole, unit)))
            for unit in units]
-    pieces = _pieces(whole, cut, units, inputs, device) \
-        if deferred.eager or cut.kind == TRACED else None
+    meta = torch.device("meta")
+    pieces = _pieces(whole, cut, units, to_device(inputs, meta), meta) if on_meta else \
+        _pieces(whole, cut, units, inputs, device) if deferred.eager else None
     costs, value = [], None
     for k, unit in enumerate(units):
+        undo = None
+        if on_meta:
+            undo = traced.materialize(pieces[k], deferred, device)
         module = pieces[k] if pieces is not None else _piece(deferred, cut, units, k, device)
         params = [p for p in module.parameters() if p.requires_grad]
         if cut.kind == FORWARD:  # the stage module holds the whole model: the unit's own
@@ -184,6 +189,8 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
                               weight_grad_ms=halves[1], captured_bytes=halves[2],
                               released_bytes=halves[3]))
         value = _detached(out)
+        if undo is not None:  # the piece's values go with it
+            undo()
         del module, params, out
         gc.collect()  # the piece's modules hold cycles: its weights go now, not units later
         if progress is not None:
