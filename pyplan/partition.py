@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["MAX_ENUMERATED", "RECOMPUTE", "Held", "Partition", "UnitCost", "best_partitions",
-           "candidates", "even_partitions", "optimal_partition", "plan_text",
+           "candidates", "even_partitions", "host_capacity", "optimal_partition", "plan_text",
            "recompute_bytes", "smallest_capacity", "stage_activations", "stage_memory",
            "stage_workspace", "step_bytes", "ties", "weight_bytes"]
 
@@ -227,6 +227,18 @@ def stage_memory(units: list[UnitCost], first: int, last: int, stage: int, num_s
     waiting = activations if held.recompute == "never" else recompute_bytes(part, first > 0)
     return sum(u.weight_bytes for u in part) + activations + (count - 1) * waiting + \
         stage_workspace(part, receives=first > 0, recompute=held.recompute)
+
+
+def host_capacity(memory: Capacity, host: int, devices: int, baseline: int) -> Capacity:
+    """Per device, the memory a CPU rank may hold in tensors when `devices` ranks share a
+    machine's `host` bytes and each process needs `baseline` bytes besides (Python, torch,
+    the model's code): the host's share less the baseline, or `memory` where that is less. On
+    the CPU a stage's memory is host memory, so this bounds its parameters, gradients,
+    optimizer state and activations together, and partition balances them against it."""
+    share = max(host // max(devices, 1) - baseline, 1)
+    if memory is None or isinstance(memory, int):
+        return share if memory is None else min(memory, share)
+    return [share if m is None else min(m, share) for m in memory]
 
 
 def _time(units: list[UnitCost], first: int, last: int, speed: float = 1.0) -> float:

@@ -22,7 +22,7 @@ from pyplan.run.census import Census, storage_bytes
 from pyplan.run.values import flatten, rebuild, saved_bytes
 
 __all__ = ["MORE", "SPREAD", "BlockCost", "Measured", "Peaks", "Timer", "block_arguments", "busy",
-           "compute_threads", "leaves", "measure", "memory_peaks", "optimizer", "run_threads",
+           "compute_threads", "host_bytes", "leaves", "measure", "memory_peaks", "optimizer", "rss_bytes", "run_threads",
            "threads",
            "split_backward", "unit_buffer_bytes", "update_ms",
            "unit_parameters"]
@@ -164,6 +164,25 @@ class Timer:
             box[0] = fn()
             return self.ms(start, self.now())
         return self.median(sample, what), box[0]
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux), else its most so far."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def host_bytes() -> int:
+    """This machine's memory."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        return 0
 
 
 def run_threads() -> int:
