@@ -166,7 +166,7 @@ def recompute_bytes(part: Sequence[UnitCost], receives: bool = True) -> int:
 
 
 def stage_workspace(part: Sequence[UnitCost], receives: bool = True,
-                    recompute: str = "never") -> int:
+                    recompute: str = "never", sends: bool = False) -> int:
     """What a stage of these units needs while it runs beyond what its plan holds (block
     `workspace:`). A device reserves its blocks' largest beside the most its micro-batches
     hold at once, and the plan adds a micro-batch's activations when its forward starts and
@@ -184,6 +184,9 @@ def stage_workspace(part: Sequence[UnitCost], receives: bool = True,
       above, the input held throughout (beside the activations, unless the first unit saves
       it); the forward without autograd holds the input and one unit's peak;
     - `recompute` auto: room for either;
+    - a transfer lives until the peer has it, while the next blocks run: the output sent on
+      (`sends`, unless the last unit saves it) and the input's gradient sent back
+      (`receives`), one of each;
     - the optimizer's step, after the last backward, makes its temporaries (`step_bytes`)
       where the micro-batches' activations are gone;
     - and a stage holding a unit with `batch_bytes` holds the data's global batch
@@ -204,6 +207,7 @@ def stage_workspace(part: Sequence[UnitCost], receives: bool = True,
     never = max(forward, backward) - total
     always = max(plain, rerun, backward + unsaved) - total
     room = {"never": never, "always": always, "auto": max(never, always)}[recompute]
+    room += first + (part[-1].output_bytes - part[-1].saved_output_bytes if sends else 0)
     # The step runs when no micro-batch holds anything, and a device's peak counts at least
     # one micro-batch's activations beside the workspace: room for the step beyond them.
     return max(room, step_bytes(part) - total, 0) + max(u.batch_bytes for u in part)
@@ -226,7 +230,8 @@ def stage_memory(units: list[UnitCost], first: int, last: int, stage: int, num_s
     count = 1 if held.alone else _in_flight(stage, num_stages, micro_batches)
     waiting = activations if held.recompute == "never" else recompute_bytes(part, first > 0)
     return sum(u.weight_bytes for u in part) + activations + (count - 1) * waiting + \
-        stage_workspace(part, receives=first > 0, recompute=held.recompute)
+        stage_workspace(part, receives=first > 0, recompute=held.recompute,
+                        sends=last < len(units))
 
 
 def host_capacity(memory: Capacity, host: int, devices: int, baseline: int) -> Capacity:
@@ -476,7 +481,8 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
         stage_weights = sum(u.weight_bytes for u in part)
         output = f", output: {part[-1].output_bytes}B" if s + 1 < partition.num_stages else ""
         where = "all" if placement[s] is None else f"[{', '.join(map(str, placement[s]))}]"
-        workspace = stage_workspace(part, receives, recompute)
+        workspace = stage_workspace(part, receives, recompute,
+                                    sends=s + 1 < partition.num_stages)
         update = round(sum(u.update_ms for u in part) / time_unit_ms)
         if split:
             b = max(1, round(sum(u.input_grad_ms for u in part) / time_unit_ms))

@@ -390,28 +390,34 @@ def test_consolidate_writes_what_from_pretrained_loads(tmp_path):
 
 
 @pytest.mark.torchrun
-def test_each_ranks_measured_memory_is_what_its_plan_holds(tmp_path):
+@pytest.mark.parametrize("name", ["unequal", "uneven"])
+def test_each_ranks_measured_memory_is_what_its_plan_holds(name, tmp_path):
     """The memory model of each kind of block against the census of live tensor bytes a run
-    takes: a loss stage (its logits and what the loss saves), recomputation (only the inputs
-    held), a split backward (B keeps what W frees); each rank's peak within 0.8-1.1x of its
-    device's in the plan, its static memory (parameters, gradients, optimizer state) exact."""
+    takes: a loss stage (its logits and what the loss saves), the backward's working set,
+    recomputation (only the inputs held, the forward rerun in the backward), a split backward
+    (B keeps what W frees), AdamW's step; on a model of unequal units and on a plain MLP of
+    uneven widths whose ReLU and Tanh save the tensor the next layer saves. Each rank's peak
+    within 0.9-1.1x of its device's in the plan (up to 1.15x on the small uneven MLP, whose
+    transfers between stages weigh more: the plan has room for one send each way, and a
+    rank's sends linger until it next hears from the peer), its static memory (parameters,
+    gradients, optimizer state) exact."""
     import shutil
 
-    shutil.copy(MODELS / "unequal.py", tmp_path / "unequal.py")
+    shutil.copy(MODELS / f"{name}.py", tmp_path / f"{name}.py")
     run = lambda *args: subprocess.run([PYPLAN, *args], capture_output=True, text=True,  # noqa
                                        cwd=tmp_path, timeout=600)
     for kind, extra in (("plain", []), ("recompute", ["--recompute", "always"]),
-                        ("split", ["--split-backward"]), ("adam", ["--optimizer", "adam"])):
-        made = run("partition", "unequal:model", "--data", "unequal:batch", "--loss",
-                   "unequal:loss", "--devices", "2", "--micro-batches", "4", "--repeats", "1",
+                        ("split", ["--split-backward"]), ("adamw", ["--optimizer", "adamw"])):
+        made = run("partition", f"{name}:model", "--data", f"{name}:batch", "--loss",
+                   f"{name}:loss", "--devices", "2", "--micro-batches", "4", "--repeats", "1",
                    *extra, "-o", f"{kind}.yaml")
         assert made.returncode == 0, made.stderr
         assert run("solve", f"{kind}.yaml", "--quiet").returncode == 0
         result = run("run", f"{kind}.resolved.yaml", "--nproc-per-node", "2", "--iterations",
-                     "2", "--json", *(["--optimizer", "adamw"] if kind == "adam" else []))
+                     "2", "--json", *(["--optimizer", "adamw"] if kind == "adamw" else []))
         assert result.returncode == 0, result.stderr[-3000:]
         report = json.loads(result.stdout.strip().splitlines()[-1])
         for rank in report["rank_memory"]:
             share = rank["peak_bytes"] / rank["planned_peak_bytes"]
-            assert 0.8 <= share <= 1.1, (kind, rank)
+            assert 0.9 <= share <= (1.1 if name == "unequal" else 1.15), (kind, rank)
             assert rank["static_bytes"] == rank["planned_static_bytes"], (kind, rank)
