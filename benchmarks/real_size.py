@@ -3,10 +3,14 @@
 ranks, built as pyplan builds it (each rank materialises its own stages: "stages") and as it
 was built before (every process builds the whole model, $PYPLAN_BUILD=whole: "whole").
 
-    python benchmarks/real_size.py [--layers 8] [--hidden 2048]
+    python benchmarks/real_size.py [--layers 8] [--hidden 2048] [--only stages]
 
 Printed per way of building: the model's size, partition's max RSS and wall time, and per
-rank of one training step (SGD) its max RSS and the seconds it took to build its stages.
+rank of one training step (SGD) its max RSS beside the host memory partition planned for it
+(its tensors at their peak and what a process holds before the model) and the seconds it took
+to build its stages. Partition is given the host memory of 4 ranks that each may hold half
+the model (its share of parameters and gradients, with SGD) and 700 MB
+(`--host-memory`): it cuts within that, time as the objective.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -64,40 +69,56 @@ def timed(args, cwd, env) -> tuple[subprocess.CompletedProcess, float, int]:
     return done, seconds, int(done.stderr.strip().splitlines()[-1]) * 1024
 
 
+def model_bytes(folder: str) -> int:
+    """The parameters' bytes of big.py's model, counted on the meta device."""
+    import torch
+
+    sys.path.insert(0, folder)
+    try:
+        import big
+        with torch.device("meta"):
+            return sum(p.numel() * p.element_size() for p in big.model().parameters())
+    finally:
+        sys.path.remove(folder)
+        sys.modules.pop("big", None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--only", choices=("stages", "whole"))
     args = parser.parse_args()
     GiB = 2**30
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    for build in ("stages", "whole"):
+    for build in [args.only] if args.only else ("stages", "whole"):
         with tempfile.TemporaryDirectory() as tmp:
             Path(tmp, "big.py").write_text(MODEL.format(
                 hidden=args.hidden, intermediate=args.hidden * 11 // 4, layers=args.layers))
             env = {**os.environ, "PYPLAN_BUILD": build}
-            _, partition_s, partition_rss = timed(
+            size = model_bytes(tmp)
+            budget = size // 2 + 700 * 10**6  # per rank
+            done, partition_s, partition_rss = timed(
                 ["partition", "big:model", "--data", "big:batch", "--loss", "big:loss",
-                 "--devices", 4, "--micro-batches", 4, "--repeats", 1, "-o", "big.yaml"],
-                tmp, env)
+                 "--devices", 4, "--micro-batches", 4, "--repeats", 1, "--host-memory",
+                 f"{4 * budget}B", "-o", "big.yaml"], tmp, env)
+            planned = [float(x) * GiB for x in re.findall(
+                r"\d+: ([\d.]+) GiB", done.stdout.split("planned host memory per rank")[1]
+                .splitlines()[0])]
             timed(["solve", "big.yaml", "--quiet"], tmp, env)
             done, run_s, _ = timed(["run", "big.resolved.yaml", "--nproc-per-node", 4,
                                     "--iterations", 1, "--json"], tmp, env)
             report = json.loads(done.stdout.strip().splitlines()[-1])
-            import torch  # noqa: F401 - the model's size, counted on the meta device
-
-            sys.path.insert(0, tmp)
-            import big
-            with torch.device("meta"):
-                size = sum(p.numel() * p.element_size() for p in big.model().parameters())
-            sys.path.remove(tmp)
-            del sys.modules["big"]
             ranks = report["rank_memory"]
+            rss = [r["max_rss_bytes"] for r in ranks]
             print(f"{build:7} model {size / GiB:.2f} GiB; partition max RSS "
                   f"{partition_rss / GiB:.2f} GiB in {partition_s:.0f} s; run (1 step, 4 "
-                  f"ranks, {run_s:.0f} s): max RSS per rank " +
-                  " ".join(f"{r['max_rss_bytes'] / GiB:.2f}" for r in ranks) +
-                  " GiB, building the stages " +
+                  f"ranks, {run_s:.0f} s): max RSS / planned host memory per rank " +
+                  " ".join(f"{m / GiB:.2f}/{p / GiB:.2f}" for m, p in zip(rss, planned)) +
+                  f" GiB (ratios {min(m / p for m, p in zip(rss, planned)):.2f}-"
+                  f"{max(m / p for m, p in zip(rss, planned)):.2f}); the largest "
+                  f"{max(rss) / GiB:.2f} GiB against half the model + 700 MB "
+                  f"{budget / GiB:.2f} GiB; building the stages " +
                   " ".join(f"{r['setup_seconds']:.1f}" for r in ranks) + " s", flush=True)
 
 

@@ -264,11 +264,11 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
              for s in range(stages)]
     stage_speeds = None if speeds is None else [speeds[s % devices] for s in range(stages)]
     found = candidates(units, stages, micro_batches=micro_batches, capacity=share, keep=keep,
-                       speeds=stage_speeds, recompute=recompute != "never")
+                       speeds=stage_speeds, recompute=recompute)
     if not found:
         shown = " ".join(format_memory(m, True) for m in per_device) \
             if isinstance(memory, list) else format_memory(memory, True)
-        least = smallest_capacity(units, stages) * chunks
+        least = smallest_capacity(units, stages, recompute) * chunks
         shared = f" (its {chunks} stages sharing it evenly)" if chunks > 1 else ""
         raise InfeasibleError(f"no partition of {len(units)} units into {stages} stages fits "
                               f"{shown} per device, even one micro-batch at a time",

@@ -29,19 +29,22 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MAX_ENUMERATED", "Held", "Partition", "UnitCost", "best_partitions", "candidates",
-           "even_partitions", "optimal_partition", "plan_text", "smallest_capacity",
-           "stage_memory", "ties", "weight_bytes"]
+__all__ = ["MAX_ENUMERATED", "RECOMPUTE", "Held", "Partition", "UnitCost", "best_partitions",
+           "candidates", "even_partitions", "host_capacity", "optimal_partition", "plan_text",
+           "recompute_bytes", "smallest_capacity", "stage_activations", "stage_memory",
+           "stage_workspace", "step_bytes", "ties", "weight_bytes"]
 
 MAX_ENUMERATED = 20_000  # partitions: up to this many, every one is ranked (else the DP's alone)
-OPTIMIZER_STATE = {"sgd": 0, "adam": 2}  # state tensors per parameter, besides its gradient
+# State tensors per parameter besides its gradient, by the names `pyplan run --optimizer`
+# takes (pyplan.train.training.OPTIMIZERS): the optimizer is an input of the memory model.
+OPTIMIZER_STATE = {"sgd": 0, "adamw": 2}
 
 
 def weight_bytes(params: list, optimizer: str) -> int:
     """What `params` hold for the whole run: themselves, their gradients and the optimizer's
-    state (Adam: two moments each, and its step count, a 4-byte tensor per parameter)."""
+    state (AdamW: two moments each, and its step count, a 4-byte tensor per parameter)."""
     size = sum(p.numel() * p.element_size() for p in params)
-    return size * (2 + OPTIMIZER_STATE[optimizer]) + (4 * len(params) if optimizer == "adam"
+    return size * (2 + OPTIMIZER_STATE[optimizer]) + (4 * len(params) if optimizer == "adamw"
                                                       else 0)
 
 
@@ -66,12 +69,30 @@ class UnitCost:
     """The names of its parameters in the model (a parameter two units share, under one
     name): where stages share one, the plan records a tie."""
     forward_peak_bytes: int = 0
-    """The most its forward allocates at once (what it keeps, its output, temporaries)."""
+    """The most its forward allocates at once (what it keeps, its output, temporaries; not
+    its input, which exists before)."""
     backward_peak_bytes: int = 0
-    """The most its backward allocates at once, with the gradient it receives."""
+    """The most its backward allocates at once beyond what its forward left, with the
+    gradient it receives."""
+    saved_input_bytes: int = 0
+    """Of activation_bytes, its input's: the unit before may save the same tensor as its
+    output (a ReLU's or Tanh's), which a stage holds once."""
+    saved_output_bytes: int = 0
+    """Of activation_bytes, its output's."""
+    batch_bytes: int = 0
+    """The global batch (inputs and targets) that a rank running a stage with this unit holds
+    for the whole iteration: the data's, on the ranks that read the inputs or compute the
+    loss."""
     update_ms: float = 0.0
     """The optimizer's step over its parameters (with their gradients zeroed for the next
     iteration), once per iteration."""
+    update_peak_bytes: int = 0
+    """The most that step allocates at once beyond the optimizer's state (AdamW's
+    denominators): its temporaries."""
+    update_at_once: bool = False
+    """The step makes its temporaries for all the parameters at once (torch's foreach step,
+    on a GPU), so a stage's add up; else one parameter at a time (on the CPU), the largest
+    counts."""
     input_grad_ms: float | None = None
     """Split backward (zero bubble): the input gradients' time (B); None: not measured."""
     weight_grad_ms: float = 0.0
@@ -108,6 +129,9 @@ def _in_flight(stage: int, num_stages: int, micro_batches: int) -> int:
     return max(1, min(micro_batches, num_stages - stage))
 
 
+RECOMPUTE = ("never", "always", "auto")
+
+
 @dataclass(frozen=True)
 class Held:
     """Which activations a stage is counted as holding at its peak."""
@@ -115,30 +139,86 @@ class Held:
     alone: bool = False
     """One micro-batch at a time (the least any schedule needs); else the micro-batches 1F1B
     keeps in flight."""
-    recompute: bool = False
-    """The micro-batches waiting for their backward keep only the stage's input; the one in
-    its backward holds all its activations again."""
+    recompute: str = "never"
+    """never; always: the micro-batches waiting for their backward keep only the stage's
+    input, and the one in its backward holds all its activations again (its workspace is the
+    recomputed backward's); auto: the solver decides per stage, so the waiting micro-batches
+    are counted as keeping their input and the workspace has room for either backward."""
 
 
-def stage_workspace(part: Sequence[UnitCost], receives: bool = True) -> int:
+def _shared(before: UnitCost, unit: UnitCost) -> int:
+    """The bytes two consecutive units both save: the one tensor between them."""
+    return min(before.saved_output_bytes, unit.saved_input_bytes)
+
+
+def stage_activations(part: Sequence[UnitCost]) -> int:
+    """What a stage's forward keeps for its backward (block `memory:`): what its units save,
+    a tensor two of them save once."""
+    return sum(u.activation_bytes for u in part) - sum(
+        _shared(a, b) for a, b in zip(part, part[1:]))
+
+
+def recompute_bytes(part: Sequence[UnitCost], receives: bool = True) -> int:
+    """What a stage keeps of a micro-batch it recomputes (block `recompute_memory:`): its
+    received input, never more than it saves; nothing for a first stage, whose input is a
+    view of the batch (held anyway)."""
+    return min(part[0].input_bytes, stage_activations(part)) if receives else 0
+
+
+def stage_workspace(part: Sequence[UnitCost], receives: bool = True,
+                    recompute: str = "never", sends: bool = False) -> int:
     """What a stage of these units needs while it runs beyond what its plan holds (block
-    `workspace:`): the plan adds all a micro-batch's activations when its forward starts and
-    frees them when its backward starts, so the most a unit's forward allocates beyond what
-    the units from it on keep, and the most a unit's backward allocates (the activations of
-    the micro-batches held are counted apart); `receives`: with its input, received from
-    another device and held from its arrival until the forward ends."""
-    found, kept_from = 0, sum(u.activation_bytes for u in part)
+    `workspace:`). A device reserves its blocks' largest beside the most its micro-batches
+    hold at once, and the plan adds a micro-batch's activations when its forward starts and
+    frees them when its backward starts (pyplan.problem_ir); so the workspace is the stage's
+    most at any moment of one micro-batch, less its activations:
+
+    - in unit k's forward, the units before it keep theirs, its input is alive (received, or
+      the output of the unit before unless that one saved it) and it allocates its forward's
+      peak;
+    - in unit k's backward, the units up to it still hold theirs (autograd frees a unit's
+      saved tensors once past it) and it allocates its backward's peak, with the gradient it
+      receives;
+    - recomputed (`recompute` always), the plan adds back all but the kept input when the
+      backward starts; the backward reruns the forward (its peaks as above) and then runs as
+      above, the input held throughout (beside the activations, unless the first unit saves
+      it); the forward without autograd holds the input and one unit's peak;
+    - `recompute` auto: room for either;
+    - a transfer lives until the peer has it, while the next blocks run: the output sent on
+      (`sends`, unless the last unit saves it) and the input's gradient sent back
+      (`receives`), one of each;
+    - the optimizer's step, after the last backward, makes its temporaries (`step_bytes`)
+      where the micro-batches' activations are gone;
+    - and a stage holding a unit with `batch_bytes` holds the data's global batch
+      throughout."""
+    total = stage_activations(part)
+    first = part[0].input_bytes if receives else 0
+    unsaved = first - min(first, part[0].saved_input_bytes)  # the input beside what is saved
+    forward = backward = rerun = plain = 0
+    below = 0  # what the units before k save
     for k, unit in enumerate(part):
-        extra = part[0].input_bytes if receives and k == 0 else 0
-        found = max(found, unit.forward_peak_bytes + extra - kept_from,
-                    unit.backward_peak_bytes)
-        kept_from -= unit.activation_bytes
-    return max(found, 0)
+        arg = first if k == 0 else part[k - 1].output_bytes - part[k - 1].saved_output_bytes
+        now = below + arg + unit.forward_peak_bytes
+        forward = max(forward, now)
+        rerun = max(rerun, now + (unsaved if k else 0))
+        plain = max(plain, arg + unit.forward_peak_bytes + (first if k else 0))
+        below += unit.activation_bytes - (_shared(part[k - 1], unit) if k else 0)
+        backward = max(backward, below + unit.backward_peak_bytes)
+    never = max(forward, backward) - total
+    always = max(plain, rerun, backward + unsaved) - total
+    room = {"never": never, "always": always, "auto": max(never, always)}[recompute]
+    room += first + (part[-1].output_bytes - part[-1].saved_output_bytes if sends else 0)
+    # The step runs when no micro-batch holds anything, and a device's peak counts at least
+    # one micro-batch's activations beside the workspace: room for the step beyond them.
+    return max(room, step_bytes(part) - total, 0) + max(u.batch_bytes for u in part)
 
 
-def recompute_bytes(part: Sequence[UnitCost]) -> int:
-    """What a stage keeps of a micro-batch it recomputes: its input (never more than it saves)."""
-    return min(part[0].input_bytes, sum(u.activation_bytes for u in part))
+def step_bytes(part: Sequence[UnitCost]) -> int:
+    """The optimizer step's temporaries for a stage: after the last backward, when no
+    micro-batch holds anything."""
+    if any(u.update_at_once for u in part):
+        return sum(u.update_peak_bytes for u in part)
+    return max(u.update_peak_bytes for u in part)
 
 
 def stage_memory(units: list[UnitCost], first: int, last: int, stage: int, num_stages: int,
@@ -146,11 +226,24 @@ def stage_memory(units: list[UnitCost], first: int, last: int, stage: int, num_s
     """Bytes stage `stage` needs for units first .. last - 1: weights, the activations
     `held` counts and its workspace."""
     part = units[first:last]
-    activations = sum(u.activation_bytes for u in part)
+    activations = stage_activations(part)
     count = 1 if held.alone else _in_flight(stage, num_stages, micro_batches)
-    waiting = recompute_bytes(part) if held.recompute else activations
+    waiting = activations if held.recompute == "never" else recompute_bytes(part, first > 0)
     return sum(u.weight_bytes for u in part) + activations + (count - 1) * waiting + \
-        stage_workspace(part, receives=first > 0)
+        stage_workspace(part, receives=first > 0, recompute=held.recompute,
+                        sends=last < len(units))
+
+
+def host_capacity(memory: Capacity, host: int, devices: int, baseline: int) -> Capacity:
+    """Per device, the memory a CPU rank may hold in tensors when `devices` ranks share a
+    machine's `host` bytes and each process needs `baseline` bytes besides (Python, torch,
+    the model's code): the host's share less the baseline, or `memory` where that is less. On
+    the CPU a stage's memory is host memory, so this bounds its parameters, gradients,
+    optimizer state and activations together, and partition balances them against it."""
+    share = max(host // max(devices, 1) - baseline, 1)
+    if memory is None or isinstance(memory, int):
+        return share if memory is None else min(memory, share)
+    return [share if m is None else min(m, share) for m in memory]
 
 
 def _time(units: list[UnitCost], first: int, last: int, speed: float = 1.0) -> float:
@@ -280,7 +373,7 @@ def even_partitions(units: list[UnitCost], num_stages: int, *, micro_batches: in
 
 def candidates(units: list[UnitCost], num_stages: int, *, micro_batches: int,
                capacity: Capacity, speeds: Sequence[float] | None = None,
-               recompute: bool = False, keep: int = 3) -> list[Partition]:
+               recompute: str = "never", keep: int = 3) -> list[Partition]:
     """The partitions worth solving: the best `keep` by bottleneck whose stages fit with 1F1B's
     micro-batches in flight, the best `keep` that fit one micro-batch at a time, and the even
     splits that fit at all. Empty only when no partition fits one micro-batch at a time, which
@@ -296,15 +389,16 @@ def candidates(units: list[UnitCost], num_stages: int, *, micro_batches: int,
     return list(unique.values())
 
 
-def smallest_capacity(units: list[UnitCost], num_stages: int) -> int | None:
+def smallest_capacity(units: list[UnitCost], num_stages: int,
+                      recompute: str = "never") -> int | None:
     """The least memory per stage that admits some partition into `num_stages` stages (each
     stage's weights, one micro-batch's activations and its workspace; recomputation does not
-    lower it, the stage in its backward holds them all): exact minimax dynamic programming.
-    None when there are fewer units than stages."""
+    lower it much, the stage in its backward holds them all): exact minimax dynamic
+    programming. None when there are fewer units than stages."""
     k = len(units)
     if not 1 <= num_stages <= k:
         return None
-    alone = Held(alone=True)
+    alone = Held(alone=True, recompute=recompute)
     best = [[math.inf] * (k + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0
     for s in range(1, num_stages + 1):
@@ -382,11 +476,13 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
         part = [units[i] for i in partition.stage(s)]
         forward = max(1, round(sum(u.forward_ms for u in part) / time_unit_ms))
         backward = max(1, round(sum(u.backward_ms for u in part) / time_unit_ms))
-        activations = sum(u.activation_bytes for u in part)
+        activations = stage_activations(part)
+        receives = partition.stage(s).start > 0
         stage_weights = sum(u.weight_bytes for u in part)
         output = f", output: {part[-1].output_bytes}B" if s + 1 < partition.num_stages else ""
         where = "all" if placement[s] is None else f"[{', '.join(map(str, placement[s]))}]"
-        workspace = stage_workspace(part, receives=partition.stage(s).start > 0)
+        workspace = stage_workspace(part, receives, recompute,
+                                    sends=s + 1 < partition.num_stages)
         update = round(sum(u.update_ms for u in part) / time_unit_ms)
         if split:
             b = max(1, round(sum(u.input_grad_ms for u in part) / time_unit_ms))
@@ -399,7 +495,7 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
         lines.append(f"  - {{name: {names[s]}, devices: {where}, time: {forward}, "
                      f"memory: {activations}B, weights: {stage_weights}B, "
                      f"workspace: {workspace}B, update: {update}{output}, "
-                     f"recompute_memory: {recompute_bytes(part)}B, "
+                     f"recompute_memory: {recompute_bytes(part, receives)}B, "
                      f"backward: {{{backward_costs}}}}}")
     lines += ["model:", f"  module: {factory}", "  stages:"]
     for s in range(partition.num_stages):

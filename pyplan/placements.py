@@ -16,6 +16,8 @@ Nothing here needs torch.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 from pyplan.api import UNITS_PER_STAGE, PartitionPlan, partition_plans, solved_plans
@@ -87,13 +89,15 @@ def mshape_plans(units: list[UnitCost], sharded: Sharded, *, devices: int, name:
         raise PlanError(f"the M-shape cannot shard a model whose own parameters every stage "
                         f"holds ({', '.join(everywhere[:3])})",
                         hint="use --shape vshape or interleaved")
-    first, last = sharded.first, sharded.last
+    # On every device: each holds the data's batch, as the first and last units' stages do.
+    first, last = (dataclasses.replace(u, batch_bytes=whole.batch_bytes) for u, whole in
+                   ((sharded.first, units[0]), (sharded.last, units[-1])))
     share = None
     if memory is not None:  # what the all-device units leave on every device (one micro-batch)
         kept = first.weight_bytes + last.weight_bytes + first.activation_bytes + \
             last.activation_bytes
         share = memory - kept
-        least = smallest_capacity(middle, devices) + kept
+        least = smallest_capacity(middle, devices, recompute) + kept
         if share <= 0 or least > memory:
             raise InfeasibleError(f"no partition of {len(middle)} units into {devices} stages "
                                   f"fits beside the sharded first and last units in "
@@ -103,7 +107,7 @@ def mshape_plans(units: list[UnitCost], sharded: Sharded, *, devices: int, name:
                                   f"M-shape is {least}B ({format_memory(least, True)}); give "
                                   "that much, or more devices")
     found = candidates(middle, devices, micro_batches=micro_batches, capacity=share, keep=keep,
-                       recompute=recompute != "never")
+                       recompute=recompute)
     slowest = max(first.forward_ms + first.backward_ms, last.forward_ms + last.backward_ms,
                   *(c.bottleneck_ms for c in found))
     unit_ms = slowest / UNITS_PER_STAGE

@@ -4,6 +4,7 @@ training."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pyplan.partition import (Held, UnitCost, best_partitions, candidates, optimal_partition,
-                              smallest_capacity, stage_memory)
+                              smallest_capacity, stage_memory, stage_workspace)
 
 MODELS = Path(__file__).resolve().parent / "models"
 PYPLAN = str(Path(sys.executable).with_name("pyplan"))
@@ -104,11 +105,18 @@ def test_partition_and_solve_agree_on_what_fits(seed, chunks):
     for plan in plans:
         assert max(plan.solution.schedule.peak_memory) <= least
         problem = build_problem(spec_from_text(plan.text, "<test>"))
-        alone = [stage_memory(units, plan.partition.bounds[s], plan.partition.bounds[s + 1],
-                              s, devices * chunks, 6, Held(alone=True))
-                 for s in range(devices * chunks)]
-        per_device = [sum(alone[d::devices]) for d in range(devices)]
+        stages = range(devices * chunks)
+        bounds = [(plan.partition.bounds[s], plan.partition.bounds[s + 1]) for s in stages]
+        alone = [stage_memory(units, a, b, s, devices * chunks, 6, Held(alone=True))
+                 for s, (a, b) in zip(stages, bounds)]
+        room = [stage_workspace(units[a:b], receives=a > 0, sends=b < len(units))
+                for a, b in bounds]
+        # A device reserves its stages' largest workspace once; partition counts each stage's
+        # (a conservative share when interleaved).
+        per_device = [sum(alone[d::devices]) - sum(room[d::devices]) + max(room[d::devices])
+                      for d in range(devices)]
         assert min_memory(problem) == per_device
+        assert all(sum(alone[d::devices]) >= per_device[d] for d in range(devices))
     with pytest.raises(InfeasibleError) as refused:
         pyplan.partition_plans(units, memory=least - chunks, **common)
     assert f"is {least}B ({format_memory(least, True)})" in refused.value.hint
@@ -140,7 +148,7 @@ def test_recomputation_widens_what_fits_at_full_throughput():
     capacity = 3 * 100 + 3 * 1000 + 3 * 300  # 4 in flight on stage 0, three keeping inputs
     assert not best_partitions(units, 4, micro_batches=8, capacity=capacity)
     assert best_partitions(units, 4, micro_batches=8, capacity=capacity,
-                           held=Held(recompute=True))[0].bounds == (0, 3, 6, 9, 12)
+                           held=Held(recompute="always"))[0].bounds == (0, 3, 6, 9, 12)
     common = dict(devices=4, micro_batches=8, name="p", factory="m:f", data="m:d", loss="m:l",
                   memory=capacity, time_limit=5.0)
     never = pyplan.partition_plans(units, recompute="never", **common)[0]
@@ -372,3 +380,78 @@ def test_partition_errors_are_one_line(factory, message, cli, tmp_path, monkeypa
                          "-o", tmp_path / "p.yaml")
     assert (code, err) == (2, message)
     assert not (tmp_path / "p.yaml").exists()
+
+
+def test_a_tensor_two_units_save_is_held_once():
+    """A ReLU saves its output, which the next Linear saves as its input: one tensor."""
+    from pyplan.partition import stage_activations
+
+    relu = UnitCost("relu", 1, 1, 100, 0, saved_output_bytes=100)
+    linear = UnitCost("linear", 1, 1, 150, 0, saved_input_bytes=100)
+    gelu = UnitCost("gelu", 1, 1, 100, 0, saved_input_bytes=100)
+    assert stage_activations([relu, linear]) == 150
+    assert stage_activations([linear, gelu]) == 250  # the Linear does not save its output
+
+
+def test_the_workspace_is_a_stages_most_at_any_moment_less_its_activations():
+    """Closed forms: in unit k's backward the units up to it hold theirs; recomputed, the
+    input is held beside; the optimizer's step beyond one micro-batch's activations; one
+    transfer each way; the batch."""
+    from pyplan.partition import recompute_bytes, stage_workspace
+
+    units = [UnitCost(f"u{i}", 1, 1, act, 0, input_bytes=20, output_bytes=30,
+                      forward_peak_bytes=fwd, backward_peak_bytes=bwd)
+             for i, (act, fwd, bwd) in enumerate([(100, 120, 50), (200, 210, 10),
+                                                  (300, 330, 40)])]
+    total = 600
+    backward = max(100 + 50, 300 + 10, 600 + 40)  # 640
+    forward = max(0 + 0 + 120, 100 + 30 + 210, 300 + 30 + 330)  # 660, first stage
+    assert stage_workspace(units, receives=False) == max(forward, backward) - total
+    # Receiving its input (20 bytes, not saved) and sending its output: one of each.
+    forward_received = max(20 + 120, 100 + 30 + 210, 300 + 30 + 330)
+    assert stage_workspace(units, sends=True) == \
+        max(forward_received, backward) - total + 20 + 30
+    # Recomputed: the input kept, held beside the rerun and the backward.
+    assert recompute_bytes(units) == 20 and recompute_bytes(units, receives=False) == 0
+    rerun = max(20 + 120, 100 + 30 + 210 + 20, 300 + 30 + 330 + 20)
+    plain = max(20 + 120, 30 + 210 + 20, 30 + 330 + 20)
+    always = max(plain, rerun, backward + 20) - total
+    assert stage_workspace(units, recompute="always") == always + 20
+    assert stage_workspace(units, recompute="auto") == \
+        max(always, max(forward_received, backward) - total) + 20
+    # AdamW's step: one parameter at a time on the CPU, beyond one micro-batch's activations.
+    stepping = [dataclasses.replace(u, update_peak_bytes=700 + i) for i, u in enumerate(units)]
+    assert stage_workspace(stepping, receives=False) == 702 - total
+    at_once = [dataclasses.replace(u, update_at_once=True) for u in stepping]
+    assert stage_workspace(at_once, receives=False) == 2103 - total
+    # The batch, on the ranks that read it, throughout.
+    batch = [dataclasses.replace(units[0], batch_bytes=1000), *units[1:]]
+    assert stage_workspace(batch, receives=False) == max(forward, backward) - total + 1000
+
+
+def test_host_memory_is_each_ranks_share_less_a_process():
+    from pyplan.partition import host_capacity
+
+    assert host_capacity(None, 4000, 4, 200) == 800
+    assert host_capacity(500, 4000, 4, 200) == 500
+    assert host_capacity([None, 900], 4000, 2, 1000) == [1000, 900]
+
+
+def test_host_memory_bounds_each_rank_and_its_planned_host_memory_is_printed(cli, tmp_path,
+                                                                          monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.syspath_prepend(str(MODELS))
+    monkeypatch.delitem(sys.modules, "plain", raising=False)
+    command = ["partition", "plain:model", "--data", "plain:batch", "--loss", "plain:loss",
+               "--devices", "2", "--micro-batches", "4", "--repeats", "1", "-o",
+               tmp_path / "p.yaml"]
+    code, out, err = cli(*command, "--host-memory", "seven")
+    assert (code, out, err) == (2, "", "error: --host-memory: not a memory size: 'seven'\n")
+    code, out, err = cli(*command, "--host-memory", "8GiB")
+    assert code == 0, err
+    planned = re.search(r"planned host memory per rank .*: 0: ([\d.]+) GiB  1: ([\d.]+) GiB",
+                        out)
+    assert planned and all(0.05 < float(g) < 4 for g in planned.groups()), out
+    capacity = int(re.search(r"^memory: (\d+)B$", (tmp_path / "p.yaml").read_text(),
+                             re.M).group(1))
+    assert 2 * 2**30 < capacity < 4 * 2**30  # a share of 4 GiB less the process's own

@@ -82,10 +82,14 @@ def test_a_rank_holds_the_micro_batches_in_flight_not_the_iteration(tmp_path):
         result = _run(tmp_path, "run", f"wide{n}.resolved.yaml", "--nproc-per-node", 2,
                       "--iterations", 2, "--json", "--device", "cpu")
         assert result.returncode == 0, result.stderr[-2000:]
-        peaks[n] = json.loads(result.stdout.splitlines()[-1])["peak_activation_bytes"]
+        # The census of live tensor bytes: transfers too, which the executor's count of
+        # activations leaves to the plan's workspace.
+        peaks[n] = [r["peak_bytes"] - r["static_bytes"] for r in
+                    json.loads(result.stdout.splitlines()[-1])["rank_memory"]]
     mib = 2 ** 20
     assert all(peak >= mib for peak in peaks[4]), peaks
-    assert all(big <= small + mib // 4 for big, small in zip(peaks[16], peaks[4])), peaks
+    # 16 micro-batches' global batch is 0.2 MiB more than 4's.
+    assert all(big <= small + mib // 2 for big, small in zip(peaks[16], peaks[4])), peaks
     assert max(peaks[16]) < 8 * mib, peaks  # 16 micro-batches would be 16+ MiB held
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from pyplan.models import TRACED, Cut
 from pyplan.models.deferred import DeferredParameter, defer
 from pyplan.problem import build_problem
 from pyplan.run.binding import Model, build, build_whole
@@ -132,6 +133,39 @@ def test_each_rank_materialises_only_its_stages_with_the_reference_bits(factory,
         assert sorted(real) == sorted(held)
         seen |= set(held)
     assert seen == set(reference)
+
+
+def test_a_traced_cut_materialises_only_the_ranks_own_pieces(tmp_path, monkeypatch):
+    """A model torch's tracer cuts (a long skip connection) is traced on the meta device:
+    each rank reads the values of its own stage's parameters only, and they are the
+    single-process model's."""
+    import skip
+    from pyplan.models.deferred import Deferred
+
+    stages = [["a"], ["drop", "b"], ["c"], ["d"]]
+    blocks = "".join(f"  - {{name: s{i}, devices: [{i}], time: 1, memory: 1}}\n"
+                     for i in range(len(stages)))
+    named = ", ".join(f"s{i}: [{', '.join(units)}]" for i, units in enumerate(stages))
+    text = (f"pyplan: 1\nname: skip\ndevices: 4\nmicro_batches: 4\n"
+            f"training: {{backward: {{time_ratio: 2}}}}\nblocks:\n{blocks}model:\n"
+            f"  module: skip:model\n  stages: {{{named}}}\n  cut: traced\n"
+            f"  data: skip:batch\n  loss: skip:loss\n  path: \"{MODELS}\"\n")
+    problem = build_problem(spec_from_text(text))
+    model = Model(None, skip.batch, skip.loss, whole=skip.model,
+                  stages=dict(problem.model.stages), names={}, cut=Cut(TRACED))
+    reference = dict(build_whole(model, seed=3).named_parameters())
+    read, values = [], Deferred.values
+    monkeypatch.setattr(Deferred, "values", lambda self, names: read.extend(names) or
+                        values(self, names))
+    for rank, units in enumerate(stages):
+        read.clear()
+        built = build(model, problem, seed=3, device="cpu", rank=rank)
+        held = {built.names[id(p)]: p for m in built.modules.values() for p in m.parameters()}
+        assert all(not p.is_meta for p in held.values())
+        for name, param in held.items():
+            assert torch.equal(param, reference[name]), name
+        assert sorted(read) == sorted(held) == sorted(
+            n for n in reference if n.split(".")[0] in units), rank
 
 
 @pytest.mark.torchrun
@@ -370,28 +404,34 @@ def test_consolidate_writes_what_from_pretrained_loads(tmp_path):
 
 
 @pytest.mark.torchrun
-def test_each_ranks_measured_memory_is_what_its_plan_holds(tmp_path):
+@pytest.mark.parametrize("name", ["unequal", "uneven"])
+def test_each_ranks_measured_memory_is_what_its_plan_holds(name, tmp_path):
     """The memory model of each kind of block against the census of live tensor bytes a run
-    takes: a loss stage (its logits and what the loss saves), recomputation (only the inputs
-    held), a split backward (B keeps what W frees); each rank's peak within 0.8-1.1x of its
-    device's in the plan, its static memory (parameters, gradients, optimizer state) exact."""
+    takes: a loss stage (its logits and what the loss saves), the backward's working set,
+    recomputation (only the inputs held, the forward rerun in the backward), a split backward
+    (B keeps what W frees), AdamW's step; on a model of unequal units and on a plain MLP of
+    uneven widths whose ReLU and Tanh save the tensor the next layer saves. Each rank's peak
+    within 0.9-1.1x of its device's in the plan (up to 1.15x on the small uneven MLP, whose
+    transfers between stages weigh more: the plan has room for one send each way, and a
+    rank's sends linger until it next hears from the peer), its static memory (parameters,
+    gradients, optimizer state) exact."""
     import shutil
 
-    shutil.copy(MODELS / "unequal.py", tmp_path / "unequal.py")
+    shutil.copy(MODELS / f"{name}.py", tmp_path / f"{name}.py")
     run = lambda *args: subprocess.run([PYPLAN, *args], capture_output=True, text=True,  # noqa
                                        cwd=tmp_path, timeout=600)
     for kind, extra in (("plain", []), ("recompute", ["--recompute", "always"]),
-                        ("split", ["--split-backward"]), ("adam", ["--optimizer", "adam"])):
-        made = run("partition", "unequal:model", "--data", "unequal:batch", "--loss",
-                   "unequal:loss", "--devices", "2", "--micro-batches", "4", "--repeats", "1",
+                        ("split", ["--split-backward"]), ("adamw", ["--optimizer", "adamw"])):
+        made = run("partition", f"{name}:model", "--data", f"{name}:batch", "--loss",
+                   f"{name}:loss", "--devices", "2", "--micro-batches", "4", "--repeats", "1",
                    *extra, "-o", f"{kind}.yaml")
         assert made.returncode == 0, made.stderr
         assert run("solve", f"{kind}.yaml", "--quiet").returncode == 0
         result = run("run", f"{kind}.resolved.yaml", "--nproc-per-node", "2", "--iterations",
-                     "2", "--json", *(["--optimizer", "adamw"] if kind == "adam" else []))
+                     "2", "--json", *(["--optimizer", "adamw"] if kind == "adamw" else []))
         assert result.returncode == 0, result.stderr[-3000:]
         report = json.loads(result.stdout.strip().splitlines()[-1])
         for rank in report["rank_memory"]:
             share = rank["peak_bytes"] / rank["planned_peak_bytes"]
-            assert 0.8 <= share <= 1.1, (kind, rank)
+            assert 0.9 <= share <= (1.1 if name == "unequal" else 1.15), (kind, rank)
             assert rank["static_bytes"] == rank["planned_static_bytes"], (kind, rank)

@@ -43,14 +43,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="micro-batches per iteration (default 2 x stages)")
     parser.add_argument("--memory", metavar="SIZE", help="memory per device, e.g. 24GiB, or "
                         "one per device, e.g. 80GiB,80GiB,40GiB,40GiB (default: unlimited)")
+    parser.add_argument("--host-memory", metavar="SIZE", help="the host memory of the machine "
+                        "the CPU ranks share, e.g. 16GiB: each of the --devices ranks gets its "
+                        "share, less what a process holds before the model (Python, torch), "
+                        "for its stages' parameters, gradients, optimizer state and activations "
+                        "(default: unlimited; partition warns past this machine's)")
     parser.add_argument("--speeds", metavar="S,S,...", help="each device's speed relative to "
                         "the one measuring, e.g. 1,1,0.5,0.5 (mixed GPU types: slower devices "
                         "get fewer units)")
     parser.add_argument("--recompute", choices=("never", "always", "auto"), default="never",
                         help="activation recomputation written to the plan (training.recompute; "
                         "auto: pyplan solve chooses per stage); default never")
-    parser.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE), default="sgd",
-                        help="optimizer whose state counts in the weights' memory")
+    parser.add_argument("--optimizer", choices=(*OPTIMIZER_STATE, "adam"), default="sgd",
+                        help="the optimizer pyplan run will train with (its --optimizer): its "
+                        "state counts in the weights' memory, its step's temporaries and time "
+                        "are measured; adam is adamw's former name here")
     parser.add_argument("--repeats", type=int, default=5, metavar="K",
                         help="timed runs per unit and direction; the median counts")
     add_time_limit(parser, "unit")
@@ -104,13 +111,13 @@ def _per_device(text: str, option: str, devices: int) -> list[str]:
     return items
 
 
-def _size(text: str) -> int:
+def _size(text: str, option: str = "--memory") -> int:
     try:
         amount, is_size = parse_memory(text)
     except ValueError as exc:
-        raise PlanError(f"--memory: {exc}") from None
+        raise PlanError(f"{option}: {exc}") from None
     if not is_size or amount <= 0:
-        raise PlanError("--memory must be a positive size such as 24GiB")
+        raise PlanError(f"{option} must be a positive size such as 24GiB")
     return amount
 
 
@@ -127,6 +134,7 @@ def _speed(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     stages, n, memory, speeds = _options(args)
+    host = None if args.host_memory is None else _size(args.host_memory, "--host-memory")
     require_torch("partition")
     from pyplan.measure.partitioner import partition_model
 
@@ -134,10 +142,12 @@ def run(args: argparse.Namespace) -> int:
     found = _measured(lambda progress: partition_model(
         args.factory, args.data, args.loss, devices=args.devices, output=out, shape=args.shape,
         chunks=args.chunks, micro_batches=n, memory=memory, speeds=speeds,
-        recompute=args.recompute, optimizer=args.optimizer,
+        recompute=args.recompute, optimizer="adamw" if args.optimizer == "adam" else
+        args.optimizer,
         split_backward=args.split_backward, weights=args.weights, repeats=args.repeats,
         seed=args.seed, device=args.device, progress=progress,
-        unit_seconds=args.unit_time_limit))
+        unit_seconds=args.unit_time_limit,
+        host_memory=host))
     units, plans = found.units, found.plans
     how = {"chain": "", "traced": "cut by torch's pipeline tracer, ",
            "forward": "cut in the model's own forward, "}[found.cut.kind]
@@ -163,6 +173,10 @@ def run(args: argparse.Namespace) -> int:
     for parameter, holders in found.ties:
         print(f"  tied: {parameter} is held by {', '.join(holders)}; pyplan run sums its "
               "gradients over the copies (one all-reduce per iteration, after the backward)")
+    if found.host:
+        print("  planned host memory per rank (its tensors at their peak and "
+              f"{found.baseline / 2**30:.2f} GiB of Python and torch): " + "  ".join(
+                  f"{r}: {b / 2**30:.2f} GiB" for r, b in enumerate(found.host)))
     write_atomic(out, plans[0].text)
     print(f"wrote {out}: the partition with the shortest makespan; next: pyplan solve {out}")
     return 0

@@ -14,14 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from pyplan.models import Unit
 from pyplan.run.backward import backward_input, backward_weight
 from pyplan.run.census import Census, storage_bytes
 from pyplan.run.values import flatten, rebuild, saved_bytes
 
-__all__ = ["MORE", "SPREAD", "BlockCost", "Measured", "Timer", "block_arguments", "busy",
-           "compute_threads", "leaves", "measure", "memory_peaks", "run_threads", "threads",
+__all__ = ["MORE", "SPREAD", "BlockCost", "Measured", "Peaks", "Timer", "block_arguments", "busy",
+           "compute_threads", "host_bytes", "leaves", "measure", "memory_peaks", "optimizer", "rss_bytes", "run_threads",
+           "threads",
            "split_backward", "unit_buffer_bytes", "update_ms",
            "unit_parameters"]
 
@@ -162,6 +164,25 @@ class Timer:
             box[0] = fn()
             return self.ms(start, self.now())
         return self.median(sample, what), box[0]
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux), else its most so far."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def host_bytes() -> int:
+    """This machine's memory."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        return 0
 
 
 def run_threads() -> int:
@@ -312,15 +333,24 @@ def split_backward(timer: Timer, module, args: list, wrt_inputs: list, params: l
             released)
 
 
-def update_ms(timer: Timer, params: list, optimizer: str, what: str) -> float:
-    """Median ms of one step of `optimizer` over `params` (their gradients allocated), with
-    the gradients zeroed in place as a run zeroes them for the next iteration."""
+def optimizer(name: str, params: list):
+    """The optimizer `pyplan run --optimizer NAME` builds (pyplan.train.training), with a
+    learning rate that leaves the parameters almost as they were."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-6)
+    return torch.optim.SGD(params, lr=1e-6)
+
+
+def update_ms(timer: Timer, params: list, optimizer_name: str, what: str
+              ) -> tuple[float, int]:
+    """(median ms of one step of the optimizer over `params` (their gradients allocated),
+    with the gradients zeroed in place as a run zeroes them for the next iteration; the most
+    the step allocates at once beyond its state: its temporaries, counted by the census)."""
     if not params:
-        return 0.0
+        return 0.0, 0
     _gradients_allocated(params)
     kept = [p.detach().clone() for p in params]
-    step = torch.optim.AdamW(params, lr=1e-6) if optimizer == "adam" else \
-        torch.optim.SGD(params, lr=1e-6)
+    step = optimizer(optimizer_name, params)
 
     def sample():
         start = timer.start()
@@ -329,10 +359,12 @@ def update_ms(timer: Timer, params: list, optimizer: str, what: str) -> float:
         return timer.ms(start, timer.now())
 
     found = timer.median(sample, f"{what} update")  # the warm-up run makes Adam's state
+    with Census(params[0].device) as census:
+        step.step()
     with torch.no_grad():  # the unit as it was: later units' inputs do not move
         for p, value in zip(params, kept):
             p.copy_(value)
-    return found
+    return found, census.peak
 
 
 def _gradients_allocated(params: list) -> None:
@@ -341,27 +373,53 @@ def _gradients_allocated(params: list) -> None:
             p.grad = torch.zeros_like(p)
 
 
+@dataclass(frozen=True)
+class Peaks:
+    """What a unit allocates at its most, counted by the census (pyplan.partition composes a
+    stage's workspace from its units': pyplan.partition.stage_workspace)."""
+
+    forward: int
+    """The most its forward allocates at once (what it saves, its output, temporaries)."""
+    backward: int
+    """The most its backward allocates at once beyond what the forward left, with the
+    gradient it receives."""
+    saved_input: int = 0
+    """The bytes of its input that autograd saves (the unit before may save the same tensor
+    as its output: a stage holds it once)."""
+    saved_output: int = 0
+    """The bytes of its output that autograd saves."""
+
+
 def memory_peaks(module, args: list, wrt_inputs: list, params: list, loss_fn,
-                 device) -> tuple[int, int]:
-    """(the most bytes module(*args) allocates at once in its forward, the most its backward
-    allocates at once beside the gradient it receives), counted by the census with the
-    parameters' gradients allocated beforehand (a run keeps them): what a block needs while it
-    runs (pyplan.partition.stage_workspace)."""
+                 device) -> Peaks:
+    """The most bytes module(*args) allocates at once in its forward and in its backward
+    (beside the gradient it receives), counted by the census with the parameters' gradients
+    allocated beforehand (a run keeps them), and which of its input and output autograd
+    saves."""
     _gradients_allocated(params)
     wrt = wrt_inputs + params
     with torch.enable_grad(), Census(device) as census:
-        out = module(*args)
-        roots, seeds = _roots(out, loss_fn)
+        with saved_bytes(params) as saved:
+            out = module(*args)
+            roots, seeds = _roots(out, loss_fn)
         forward = census.peak
         census.peak = before = census.bytes
         if wrt and any(r.requires_grad for r in roots):
             torch.autograd.backward(roots, seeds, inputs=wrt)
         received = sum(s.numel() * s.element_size() for s in seeds or ())
         backward = census.peak - before + received
+        kept = (_kept_bytes(args, saved.storages),
+                0 if loss_fn is not None else _kept_bytes(out, saved.storages))
         del out, roots, seeds
     for x in wrt_inputs:
         x.grad = None
-    return forward, backward
+    return Peaks(forward, backward, *kept)
+
+
+def _kept_bytes(value, storages: frozenset[int]) -> int:
+    """The bytes of value's storages among `storages` (those autograd saved)."""
+    return storage_bytes(t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and
+                         t.untyped_storage().data_ptr() in storages)
 
 
 def unit_buffer_bytes(model: torch.nn.Module, unit: Unit) -> int:

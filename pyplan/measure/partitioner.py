@@ -21,12 +21,13 @@ from pyplan.api import PartitionPlan, partition_plans
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.fileio import check_not_input
 from pyplan.models import FORWARD, TRACED, Cut, Unit, everywhere
-from pyplan.partition import UnitCost, ties
+from pyplan.partition import UnitCost, host_capacity, ties
 from pyplan.placements import CHUNKS, Placement, Sharded, mshape_plans, placements
 from pyplan.run.binding import Model, defer_whole, import_function, loss_function, make_batch
+from pyplan.run.census import storage_bytes
 from pyplan.run.data import batches_from, split_batch
 from pyplan.measure.limits import DEFAULT_SECONDS
-from pyplan.measure.measure import Measured
+from pyplan.measure.measure import Measured, host_bytes, rss_bytes
 
 __all__ = ["SHAPES", "Partitioned", "partition_model"]
 
@@ -54,6 +55,11 @@ class Partitioned:
     warnings: list[str] = field(default_factory=list)
     ties: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
     """(parameter, the blocks holding it) of plans[0]."""
+    host: list[int] = field(default_factory=list)
+    """On the CPU, each rank's planned host memory: its device's peak in plans[0] and the
+    process's own (`baseline`)."""
+    baseline: int = 0
+    """What a process held before the model was built: Python, torch and the model's code."""
 
 
 def _module_files(*found) -> list[str]:
@@ -71,18 +77,22 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
                     recompute: str = "never", optimizer: str = "sgd",
                     split_backward: bool = False, weights: str | Path | None = None,
                     repeats: int = 5, seed: int = 0, device: str = "cpu",
-                    progress=None, unit_seconds: float | None = DEFAULT_SECONDS) -> Partitioned:
+                    progress=None, unit_seconds: float | None = DEFAULT_SECONDS,
+                    host_memory: int | None = None) -> Partitioned:
     """Plans for the model `factory` ("pkg.mod:fn" returning the whole nn.Module) trained on
     `data` ("pkg.mod:fn", batch(step) -> (inputs, targets), or a dataset or loader) with
     `loss` ("pkg.mod:fn", loss(output, targets)) over `devices` devices, for a plan to be
     written at `output` (its name; the folders it names are relative to it). `shape`:
     vshape, interleaved (`chunks` stages per device), mshape or auto. `memory`: bytes per
     device (or one per device), `speeds` each device's relative speed; `recompute`,
-    `optimizer` (sgd or adam: the state its weights count), `split_backward` (zero bubble:
+    `optimizer` (sgd or adamw, as pyplan run names them: the state its weights count and its
+    step's time and temporaries), `split_backward` (zero bubble:
     input and weight gradients measured apart), `weights` (a safetensors checkpoint folder the
     parameters start from), `repeats` (timed runs per measurement), `device` (cpu, or cuda to
     measure on the first GPU). `progress(done, total)` is called as units are measured;
     `unit_seconds` bounds each unit's measurement (CPU seconds, pyplan.measure.limits).
+    `host_memory`: the bytes of the machine the CPU ranks share (pyplan.partition.
+    host_capacity); each rank's planned host memory is in Partitioned.host.
     PlanError for bad arguments, a model that cannot be cut or an `output` that is one of the
     model's modules; InfeasibleError when nothing fits."""
     if shape not in SHAPES:
@@ -106,8 +116,10 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
                  weights=None if weights is None else Path(weights))
     check_not_input(output, *_module_files(factory, data, loss, user.whole, user.data,
                                            user.loss))
+    baseline = rss_bytes()  # a process with torch and the model's code, before the model
     deferred = defer_whole(user, seed)
     inputs, targets = make_batch(user, 0, seed, torch.device("cpu"))
+    held = storage_bytes(torch.utils._pytree.tree_leaves((inputs, targets)))  # by some ranks
     inputs, targets = split_batch(inputs, n)[0], split_batch(targets, n)[0]
     measured = Measured()
     from pyplan.measure.profile import profile_units
@@ -115,11 +127,13 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     units, cut = profile_units(deferred, inputs, targets, loss_function(user),
                                optimizer=optimizer, repeats=repeats, device=where,
                                progress=progress, measured=measured, split=split_backward,
-                               unit_seconds=unit_seconds)
+                               unit_seconds=unit_seconds, batch_bytes=held)
     if len(units) < stages and shape != "auto":
         raise PlanError(f"{factory} has {len(units)} units "
                         f"({', '.join(u.name for u in units)}), fewer than the {stages} stages "
                         "asked for", hint="use fewer devices (or chunks)")
+    if host_memory is not None and device == "cpu":  # host memory is the device's
+        memory = host_capacity(memory, host_memory, devices, baseline)
     shared = everywhere(deferred.model, [Unit(u.name, u.module_names) for u in units]) \
         if cut.kind == FORWARD else ()
     folder = output.resolve().parent
@@ -170,9 +184,17 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
             "the cores among its ranks, so its iterations take longer than predicted (the "
             "prediction gives every device a core), most for placements that keep every "
             "device busy at once (the M-shape)")
+    host = [peak + baseline for peak in plans[0].solution.schedule.peak_memory] \
+        if device == "cpu" else []
+    machine = host_bytes() // max(devices, 1)
+    if host_memory is None and machine and host and max(host) > machine:
+        warnings.append(f"a rank's planned host memory ({max(host) / 2**30:.2f} GiB, with "
+                        f"{baseline / 2**30:.2f} GiB for Python and torch) exceeds this "
+                        f"machine's share ({machine / 2**30:.2f} GiB for each of {devices} "
+                        "ranks): give --host-memory to partition within it")
     return Partitioned(plans, chosen, units, cut, tried, sharded if chosen == "mshape" else None,
                        about if chosen == "mshape" else [], warnings,
-                       ties(units, plans[0].partition, shared, names))
+                       ties(units, plans[0].partition, shared, names), host, baseline)
 
 
 def _package_root(module) -> Path | None:

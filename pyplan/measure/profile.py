@@ -22,7 +22,8 @@ import gc
 import torch
 
 from pyplan.lower import check_runnable
-from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Unit, find_units, stage_modules
+from pyplan.models import (CHAIN, FORWARD, TRACED, Cut, Unit, find_units, stage_modules,
+                           traced)
 from pyplan.models.deferred import Deferred, eager, move
 from pyplan.partition import UnitCost, weight_bytes
 from pyplan.problem import Problem
@@ -104,7 +105,8 @@ def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
                   optimizer: str = "sgd", repeats: int = 5, device: torch.device | None = None,
                   progress=None, measured: Measured | None = None,
                   threads: int | None = None, split: bool = False,
-                  unit_seconds: float | None = DEFAULT_SECONDS) -> tuple[list[UnitCost], Cut]:
+                  unit_seconds: float | None = DEFAULT_SECONDS,
+                  batch_bytes: int = 0) -> tuple[list[UnitCost], Cut]:
     """Costs of each unit of a model on one micro-batch, and how the model is cut (see
     pyplan.models): median forward and backward milliseconds (the backward of exactly that
     unit; the last unit's from the loss), the activation bytes autograd saves, and the weights'
@@ -113,17 +115,19 @@ def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
     apart (zero bubble). A deferred model (built on the meta device) is materialised one unit
     at a time, so the whole model is never in memory. Each unit's measurement is bounded by
     `unit_seconds` of CPU time (pyplan.measure.limits), and the user's forward failing is one
-    error naming the unit."""
+    error naming the unit. `batch_bytes`: the global batch's (inputs and targets), which the
+    ranks of the stages that read the inputs or compute the loss hold."""
     device = device or torch.device("cpu")
     with compute_threads(device, threads):
         return _profile_units(model, inputs, targets, loss, optimizer=optimizer,
                               repeats=repeats, device=device, progress=progress,
-                              measured=measured, split=split, unit_seconds=unit_seconds)
+                              measured=measured, split=split, unit_seconds=unit_seconds,
+                              batch_bytes=batch_bytes)
 
 
 def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int, device,
                    progress, measured: Measured | None, split: bool,
-                   unit_seconds: float | None) -> tuple[list[UnitCost], Cut]:
+                   unit_seconds: float | None, batch_bytes: int) -> tuple[list[UnitCost], Cut]:
     deferred = model if isinstance(model, Deferred) else eager(model)
     measured = measured if measured is not None else Measured()
     timer = Timer(device, repeats, measured)
@@ -132,16 +136,20 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
     with deferred.streaming(), time_limit("the model's forward", unit_seconds):
         cut, units = find_units(whole, inputs)
     timer.cold_for(sum(p.numel() * p.element_size() for p in whole.parameters()))
-    if cut.kind == TRACED and not deferred.eager:  # torch's tracer needs the whole model
-        deferred.materialize(whole, "cpu")
     inputs, targets = to_device(inputs, device), to_device(targets, device)
+    # Traced on the meta device; each piece gets its values while it is measured.
+    on_meta = cut.kind == TRACED and not deferred.eager
     names = {id(p): n for n, p in reversed(list(whole.named_parameters(remove_duplicate=False)))}
     own = [tuple(dict.fromkeys(names[id(p)] for p in unit_parameters(whole, unit)))
            for unit in units]
-    pieces = _pieces(whole, cut, units, inputs, device) \
-        if deferred.eager or cut.kind == TRACED else None
+    meta = torch.device("meta")
+    pieces = _pieces(whole, cut, units, to_device(inputs, meta), meta) if on_meta else \
+        _pieces(whole, cut, units, inputs, device) if deferred.eager else None
     costs, value = [], None
     for k, unit in enumerate(units):
+        undo = None
+        if on_meta:
+            undo = traced.materialize(pieces[k], deferred, device)
         module = pieces[k] if pieces is not None else _piece(deferred, cut, units, k, device)
         params = [p for p in module.parameters() if p.requires_grad]
         if cut.kind == FORWARD:  # the stage module holds the whole model: the unit's own
@@ -158,7 +166,7 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
             forward_ms, backward_ms, saved, out = measure(timer, guarded(module, what), args,
                                                            wrt, params, loss_fn, what)
             peaks = memory_peaks(guarded(module, what), args, wrt, params, loss_fn, device)
-            update = update_ms(timer, params, optimizer, what)
+            update, step_bytes = update_ms(timer, params, optimizer, what)
             halves = split_backward(timer, guarded(module, what), args, wrt, params, loss_fn,
                                     what) if split else (None, 0.0, 0, 0)
         buffers = unit_buffer_bytes(module.model, unit) if cut.kind == FORWARD else \
@@ -167,11 +175,22 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
                               weight_bytes(params, optimizer) + buffers,
                               nbytes(inputs if received is None else received), nbytes(out),
                               modules=unit.modules, parameters=own[k],
-                              forward_peak_bytes=peaks[0], backward_peak_bytes=peaks[1],
-                              update_ms=update, input_grad_ms=halves[0],
+                              forward_peak_bytes=peaks.forward,
+                              backward_peak_bytes=peaks.backward,
+                              saved_input_bytes=peaks.saved_input,
+                              saved_output_bytes=peaks.saved_output,
+                              # The stages reading the inputs (every one, cut in the model's
+                              # forward) or computing the loss hold the batch.
+                              batch_bytes=batch_bytes if cut.kind == FORWARD or
+                              k in (0, len(units) - 1) else 0,
+                              update_ms=update, update_peak_bytes=step_bytes,
+                              update_at_once=device.type == "cuda",
+                              input_grad_ms=halves[0],
                               weight_grad_ms=halves[1], captured_bytes=halves[2],
                               released_bytes=halves[3]))
         value = _detached(out)
+        if undo is not None:  # the piece's values go with it
+            undo()
         del module, params, out
         gc.collect()  # the piece's modules hold cycles: its weights go now, not units later
         if progress is not None:

@@ -139,8 +139,9 @@ def stage_modules(model: nn.Module, cut: Cut, stages: list[tuple[str, tuple[str,
     """The modules of stages `mine` (indices into `stages`: (block name, its modules), in
     model order), on `device`. `inputs` (a micro-batch) is needed by the traced cut. A model
     whose parameters are still on the meta device: the forward cut calls `materialize(model)`
-    once it has dropped what other stages hold (the chain and traced cuts need the caller to
-    have materialised their stages' parameters first)."""
+    once it has dropped what other stages hold, the traced cut `materialize(piece)` for each
+    piece of `mine` (traced on the meta device, with `inputs` there too); the chain cut needs
+    the caller to have materialised its stages' parameters first."""
     if cut.kind == FORWARD:
         return forward.prune(model, [m for _, m in stages], mine, device,
                              returns=cut.returns, materialize=materialize)
@@ -152,6 +153,9 @@ def stage_modules(model: nn.Module, cut: Cut, stages: list[tuple[str, tuple[str,
                 raise
             raise PlanError(f"the model cannot be cut: not at its layers ({cut.why}), and "
                             f"{exc.message}", hint=f"{_REWRITE}; {exc.hint}") from None
+        if materialize is not None:  # traced on the meta device: only these stages' values
+            for s in mine:
+                materialize(pieces[s])
         return {s: pieces[s].to(device) for s in mine}
     stages_of = {s: chain.stage(model, stages[s][1]) for s in mine}
     for module in stages_of.values():

@@ -7,6 +7,10 @@ connection) and hand on several. pyplan's stages form a chain, so each stage her
 everything still needed after the previous stage (its values, a tuple when several) and
 hands on everything still needed after itself: its own outputs and the values it passes
 through. Those are the tensors that cross each boundary.
+
+A model built on the meta device (pyplan.models.deferred) is traced there, on a micro-batch
+moved to the meta device, and each piece then gets its own parameters' and buffers' values
+(`materialize`): a rank builds only its stages, partition one unit at a time.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from torch import nn
 
 from pyplan.errors import PlanError
 
-__all__ = ["pieces"]
+__all__ = ["materialize", "pieces"]
 
 _INPUT = ("input",)
 
@@ -117,3 +121,32 @@ class _Piece(nn.Module):
             env.update(((self.index, i), x) for i, x in enumerate(out))
         found = [env[v] for v in self.after]
         return found[0] if len(found) == 1 else tuple(found)
+
+
+def materialize(piece: nn.Module, deferred, device):
+    """Give the meta parameters and buffers of a piece traced on the meta device their values
+    on `device`, found by identity in the deferred model (pyplan.models.deferred.Deferred,
+    whose model the piece was traced from; a tied parameter stays one). Returns a function
+    that puts the meta tensors back (partition measures one piece at a time)."""
+    places: dict[int, list[tuple[dict, str, object]]] = {}
+    for module in piece.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, tensor in table.items():
+                if tensor is not None and tensor.is_meta:
+                    places.setdefault(id(tensor), []).append((table, attr, tensor))
+    names = {key: deferred.first[key] for key in places}
+    values = deferred.values(list(names.values()))
+    for key, where in places.items():
+        value, meta = values[names[key]].to(device), where[0][2]
+        if isinstance(meta, nn.Parameter):
+            fresh = nn.Parameter(value, requires_grad=meta.requires_grad)
+            fresh.__dict__.update(meta.__dict__)  # its name in the model too
+            value = fresh
+        for table, attr, _ in where:
+            table[attr] = value
+
+    def undo() -> None:
+        for where in places.values():
+            for table, attr, meta in where:
+                table[attr] = meta
+    return undo

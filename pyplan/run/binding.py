@@ -29,7 +29,7 @@ import torch
 
 from pyplan.errors import PlanError, RunError, UserCodeError
 from pyplan.errors import describe_exception as _describe_exception
-from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Tie, stage_modules, ties
+from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Tie, stage_modules, ties, traced
 from pyplan.models.deferred import Deferred, defer
 from pyplan.models.weights import open_checkpoint
 from pyplan.run.data import (DATA_HINT, Source, batches_from, check_batch, describe, split_batch,
@@ -380,16 +380,21 @@ def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None
     index = {problem.blocks[b].name: s for s, b in enumerate(blocks)}
     before = {id(p): n for n, p in reversed(list(whole.named_parameters(remove_duplicate=False)))}
     inputs = None
-    if model.cut.kind == TRACED:  # every rank traces the same micro-batch, on the whole model
+    materialize = lambda pruned: deferred.materialize(pruned, device)  # noqa: E731
+    if model.cut.kind == TRACED:  # every rank traces the same micro-batch
         batch = make_batch(model, 0, seed, torch.device("cpu"))[0]
         inputs = split_batch(batch, problem.num_micro_batches)[0]
-        deferred.materialize(whole, "cpu")
+        if deferred.eager:
+            materialize = None
+        else:  # on the meta device, then each of this rank's pieces gets its own values
+            inputs = to_device(inputs, torch.device("meta"))
+            materialize = lambda piece: traced.materialize(piece, deferred, device)  # noqa
     elif model.cut.kind == CHAIN:  # only the units of this rank's stages
         owned = tuple(f"{u}." for b in mine for u in model.stages[problem.blocks[b].name])
         deferred.materialize(whole, device, names=lambda name: name.startswith(owned))
     by_stage = stage_modules(whole, model.cut, stages,
                              [index[problem.blocks[b].name] for b in mine], device, inputs,
-                             materialize=lambda pruned: deferred.materialize(pruned, device))
+                             materialize=materialize)
     if model.vocab is not None:
         _shard_vocab(whole, model, problem, stages, by_stage, mine, rank, groups or {}, device)
     # A parameter's name in the model: a tied one's first name, though pruning may have
@@ -397,6 +402,9 @@ def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None
     names = {id(p): getattr(p, "pyplan_name", None) or before.get(id(p), n)
              for n, p in reversed(list(whole.named_parameters(remove_duplicate=False)))}
     modules = {b: by_stage[index[problem.blocks[b].name]] for b in mine}
+    # Pieces traced on the meta device got parameters of their own, which know their names.
+    names.update((id(p), p.pyplan_name) for m in modules.values() for p in m.parameters()
+                 if id(p) not in names and hasattr(p, "pyplan_name"))
     wants = frozenset(b for b in mine if model.cut.kind == FORWARD and index[
         problem.blocks[b].name] > 0)
     read = tuple(deferred.checkpoint.read) if deferred.checkpoint is not None else ()

@@ -61,8 +61,10 @@ class IterationResult:
     seconds: float
     compute: float
     peak_activation_bytes: int
-    """The most bytes of activations this rank held at once: values kept for later blocks or
-    in flight, and what autograd saved for the backwards still to come."""
+    """The most bytes of activations this rank held at once, as its plan counts them (blocks'
+    `memory:`): what each forward keeps for its backward (what autograd saved; a recomputed
+    block's received input; with a split backward, the gradients B captures, until W). Values
+    in transfer and temporaries are the plan's workspace, which the census counts."""
     outputs: list = field(default_factory=list)
     """Forward-only runs: the last block's output per micro-batch (on its ranks)."""
     events: list[TraceEvent] = field(default_factory=list)
@@ -231,14 +233,14 @@ class Executor:
 
     def keep(self, s: int, value) -> None:
         self.values[s] = value
-        self.held += nbytes(value)
-        self.peak = max(self.peak, self.held + self.comm.sending_bytes)
 
     def drop(self, s: int) -> None:
-        value = self.values[s]
-        if value is not None:
-            self.held -= nbytes(value)
-            self.values[s] = None
+        self.values[s] = None
+
+    def _holds(self, size: int) -> None:
+        """A forward's activations (or B's captured gradients) from now on, as planned."""
+        self.held += size
+        self.peak = max(self.peak, self.held)
 
     # -- blocks
 
@@ -292,6 +294,7 @@ class Executor:
                     tensors = [t.view_as(t) if t.requires_grad else t for t in tensors]
                 value = rebuild(tensors, spec)
             args.append(value)
+        received = nbytes(args)  # what a recomputed block keeps (the batch is held anyway)
         if not self.preds[b] or b in self.wants_inputs:
             args.insert(0, self.inputs[m])
         recomputed = trains and self.blocks[b].recomputed
@@ -308,8 +311,8 @@ class Executor:
                                    if x.untyped_storage().data_ptr() in saved.storages}
         if trains and not recomputed:
             self._free_inputs(b, inputs, leaves, out)
-        if loss is not None:
-            self.losses.append(loss.detach())
+        if loss is not None:  # a copy: a loss may live in a buffer its input's size (mse)
+            self.losses.append(loss.detach().clone())
         detached = _detach(out)
         self.keep(out_slot, detached)
         if b == self.output and not keep:
@@ -318,9 +321,8 @@ class Executor:
             tensors, _ = flatten(out, f"block '{self.blocks[b].name}'")
             tensors = [tensors[i] for i in differentiable(tensors)]
             roots = None if loss is not None or recomputed else [root(t) for t in tensors]
-            held = nbytes(args) if recomputed else self.saved_bytes[b]
-            self.held += held
-            self.peak = max(self.peak, self.held + self.comm.sending_bytes)
+            held = received if recomputed else self.saved_bytes[b]
+            self._holds(held)
             self.saved[(b, m)] = _Forward(roots, [(t.shape, t.dtype) for t in tensors], loss,
                                           leaves, args if recomputed else None, held)
 
@@ -361,8 +363,7 @@ class Executor:
         if b in self.split:  # the graph stays for W, with the gradients B captured for it
             found, work = backward_input(roots, grads, inputs, self.params[b])
             self.weight_work[(b, m)] = (work, state.held + work.captured_bytes)
-            self.held += work.captured_bytes
-            self.peak = max(self.peak, self.held + self.comm.sending_bytes)
+            self._holds(work.captured_bytes)
         else:
             full_backward(roots, grads)
             found = [x.grad for x in inputs]
