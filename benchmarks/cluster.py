@@ -145,13 +145,16 @@ def report(gpu: dict | None = None) -> dict:
     started = time.perf_counter()
     print("Megatron-LM, Narayanan et al. SC21 (DGX A100, fp16, full recompute): iteration "
           "seconds")
-    errors = []
+    errors, fit = [], 0
+    capacity = a100(1).gpu.memory_bytes - a100(1).gpu.reserved_gib * 2**30
     for name, layout, measured, priced in narayanan(gpu):
         error = priced.seconds / measured - 1
         errors.append(error)
+        fit += max(priced.peak_bytes) <= capacity
         print(f"  {name:>7}  {layout.describe():<64} measured {measured:6.1f}  predicted "
               f"{priced.seconds:6.2f}  {error:+6.1%}")
     nar = _summary("  iteration time", errors)
+    print(f"  predicted to fit in the GPU's memory, as they ran: {fit} of {len(errors)}")
 
     print("\nZero bubble (Qi et al. 2024), pure pipelines on 8-32 A100s: samples/s/GPU and "
           "peak GB")
@@ -174,6 +177,8 @@ def report(gpu: dict | None = None) -> dict:
               ("" if measured_order == predicted_order else "  [order differs]"))
     zbt = _summary("  throughput", t_errors)
     zbm = _summary("  peak memory", m_errors)
+    zb_fit = sum(x[5] * 1e9 <= a100(1).gpu.memory_bytes for x in zb)
+    print(f"  predicted to fit in the GPU's memory, as they ran: {zb_fit} of {len(zb)}")
     rho = spearman([x[2] for x in zb], [x[3] for x in zb])
     print(f"  schedule order (measured) reproduced in {order_kept} of {cases} cases; Spearman "
           f"rank correlation of throughput over all {len(zb)} layouts: {rho:.3f}")
@@ -189,7 +194,8 @@ def report(gpu: dict | None = None) -> dict:
     st = _summary("  stage times", s_errors)
     print(f"\n({time.perf_counter() - started:.1f} s)")
     return {"narayanan": nar, "zb_throughput": zbt, "zb_memory": zbm, "stages": st,
-            "spearman": rho, "order": (order_kept, cases)}
+            "spearman": rho, "order": (order_kept, cases),
+            "fit": (fit + zb_fit, len(errors) + len(zb))}
 
 
 def _summary(what: str, errors: list[float]) -> tuple[float, float]:
