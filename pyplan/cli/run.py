@@ -571,6 +571,7 @@ def _json(report, lowered, options) -> dict:
         if report.tokens else None,
         "predicted_seconds": predicted,
         "predicted_makespan_seconds": report.predicted[1] if report.predicted else None,
+        "prediction_note": report.link_note,
         "median_seconds": statistics.median(timed(report.seconds, report)),
         "census_iteration": report.census_iteration,
         "rank_memory": report.ranks,

@@ -32,7 +32,7 @@ from pyplan.run.pipeline import DTYPES, Pipeline
 from pyplan.train.logs import Log
 from pyplan.train.stopping import out_of_time
 from pyplan.train.report import (Options, Report, activation_peaks, header,
-                                 iteration_line, planned_memory, predicted)
+                                 iteration_line, link_note, planned_memory, predicted)
 from pyplan.train.training import changes
 from pyplan.trace import chrome_trace, write_chrome_trace
 
@@ -474,6 +474,7 @@ class Session:
                             census_iteration=self.census_step - first,
                             predicted=predicted(pipe, self.options),
                             flops=(self.model_flops, self.peak_flops),
+                            link_note=link_note(pipe.resolved, pipe.device.type),
                             shared_cores=_shared_cores(pipe))
         return all_gather_objects(result)[0]
 
