@@ -188,8 +188,8 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
                          "takes longer than the plan predicts (it gives every rank a core)")
     if report.ranks and report.ranks[0].get("peak_bytes"):
         lines.append(f"  memory per rank, measured in step "
-                     f"{report.first_step + report.census_iteration + 1} (peak; static: "
-                     "parameters, gradients, optimizer state, buffers)" +
+                     f"{report.first_step + report.census_iteration + 1} (peak; static after "
+                     "its update: parameters, gradients, optimizer state, buffers)" +
                      ("" if "planned_peak_bytes" not in report.ranks[0] else
                       " / the plan's for its device") + ":")
         for r, x in enumerate(report.ranks):
