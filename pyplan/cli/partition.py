@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fn(step) -> (inputs, targets), the global batch")
     parser.add_argument("--loss", required=True, metavar="PKG.MOD:FN",
                         help="fn(output, targets) -> a scalar mean loss")
-    parser.add_argument("--devices", type=int, required=True, metavar="D")
+    parser.add_argument("--devices", type=int, required=True, metavar="D",
+                        help="devices (pipeline ranks) to cut the model for")
     parser.add_argument("--shape", choices=("vshape", "interleaved", "mshape", "auto"),
                         default="vshape",
                         help="vshape: stage s on device s; interleaved: stage s on device s "
