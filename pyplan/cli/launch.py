@@ -27,18 +27,18 @@ from pyplan.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, PlanError, RunError
 __all__ = ["LAUNCH_OPTIONS", "PRELOAD", "check_processes", "forkserver", "launch", "launched",
            "worker_environment"]
 
-# torchrun options passed through by `pyplan run --nproc-per-node` (multi-node rendezvous),
-# with their help.
+# torchrun options passed through by `pyplan run --nproc-per-node` (multi-node rendezvous):
+# (metavar, help).
 LAUNCH_OPTIONS = {
-    "nnodes": "machines taking part, N or MIN:MAX (default 1)",
-    "node-rank": "this machine's rank among them (static rendezvous; c10d assigns them)",
-    "rdzv-backend": "rendezvous backend: static (torchrun's default) or c10d",
-    "rdzv-endpoint": "HOST:PORT where the machines meet",
-    "rdzv-id": "the job's id, the same on every machine",
-    "master-addr": "with --rdzv-backend static: the address of node rank 0",
-    "master-port": "with --rdzv-backend static: its port (default 29500)",
-    "max-restarts": "restart the workers this many times after a failure (default 0)",
-    "log-dir": "write each worker's output to files in this folder",
+    "nnodes": ("N", "machines taking part, N or MIN:MAX (default 1)"),
+    "node-rank": ("N", "this machine's rank among them (static rendezvous; c10d assigns them)"),
+    "rdzv-backend": ("NAME", "rendezvous backend: static (torchrun's default) or c10d"),
+    "rdzv-endpoint": ("HOST:PORT", "where the machines meet"),
+    "rdzv-id": ("ID", "the job's id, the same on every machine"),
+    "master-addr": ("ADDR", "with --rdzv-backend static: the address of node rank 0"),
+    "master-port": ("PORT", "with --rdzv-backend static: its port (default 29500)"),
+    "max-restarts": ("N", "restart the workers this many times after a failure (default 0)"),
+    "log-dir": ("DIR", "write each worker's output to files in this folder"),
 }
 
 # What every worker imports anyway: once, in the forkserver.

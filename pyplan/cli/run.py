@@ -146,8 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "launching (torchrun's options; used when pyplan run starts the workers itself)")
     launch.add_argument("--nproc-per-node", type=int, metavar="D",
                         help="start D worker processes on this machine through torch's launcher")
-    for option, what in LAUNCH_OPTIONS.items():
-        launch.add_argument(f"--{option}", metavar="VALUE", help=what)
+    for option, (metavar, what) in LAUNCH_OPTIONS.items():
+        launch.add_argument(f"--{option}", metavar=metavar, help=what)
     for action in parser._actions:  # which options the command line gives (--config's rule)
         if action.option_strings and action.dest != "help":
             action.__class__ = _given(action.__class__)
