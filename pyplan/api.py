@@ -29,7 +29,7 @@ from pyplan.solver import solve as _solve
 from pyplan.solver.templates import Baseline, baselines
 from pyplan.planfile import format_memory, load_yaml, parse_memory, spec_from_text
 from pyplan.planfile.plan import MAX_DEVICES, MAX_MICRO_BATCHES
-from pyplan.planfile.types import LAYER_RETURNS
+from pyplan.planfile.types import LAYER_RETURNS, LinkSpec
 from pyplan.planfile.units import MAX_MEMORY
 
 __all__ = ["Baseline", "PartitionPlan", "Plan", "ResolvedPlan", "Solution", "load_plan",
@@ -239,8 +239,8 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
                     keep: int = 3, time_limit: float = 10.0, source: str = "<partition>",
                     cut: str = "chain", layer_returns: str = "tensor",
                     everywhere: tuple[str, ...] = (),
-                    recompute: str = "never", weights: str | None = None
-                    ) -> list[PartitionPlan]:
+                    recompute: str = "never", weights: str | None = None,
+                    link: LinkSpec | None = None) -> list[PartitionPlan]:
     """Plans for the best `keep` partitions of measured units into devices x chunks stages
     (stage s on device s mod devices; chunks > 1: interleaved) and for the even splits, each
     solved, shortest makespan first (ties: least bottleneck). `memory` is bytes per device,
@@ -248,7 +248,8 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
     the one the units were measured on (a stage's time is divided by its device's). Both go
     into the plans (devices: [{memory, speed}, ...]). `recompute` goes to the plans'
     training.recompute and widens what fits (pyplan.partition.candidates); `weights` (a
-    checkpoint folder, relative to the plan) to model.weights. InfeasibleError
+    checkpoint folder, relative to the plan) to model.weights; `link` (between two devices)
+    times the stages' outputs (topology.within_node; None: a GPU node's default). InfeasibleError
     when no partition fits the memory even one micro-batch at a time (its hint: the smallest
     memory that does) or solve finds none feasible."""
     _check_partition_arguments(units, devices=devices, name=name, factory=factory, data=data,
@@ -257,6 +258,9 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
                                source=source, cut=cut, layer_returns=layer_returns,
                                everywhere=everywhere, recompute=recompute, speeds=speeds,
                                weights=weights)
+    if link is not None and not isinstance(link, LinkSpec):
+        raise PlanError(f"link must be a pyplan.planfile.LinkSpec or None, not "
+                        f"{type(link).__name__}")
     stages = devices * chunks
     per_device = memory if isinstance(memory, list) else [memory] * devices
     # Interleaved: a device's memory is shared by its stages, a share each.
@@ -281,7 +285,8 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
                            capacity=memory, factory=factory, data=data, loss=loss, path=path,
                            time_unit_ms=unit_ms, shape=shape, cut=cut,
                            layer_returns=layer_returns, everywhere=everywhere,
-                           recompute=recompute, speeds=speeds, weights=weights)) for p in found]
+                           recompute=recompute, speeds=speeds, weights=weights, link=link))
+             for p in found]
     return solved_plans(texts, source=source, time_limit=time_limit, unit_ms=unit_ms)
 
 

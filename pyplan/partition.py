@@ -28,6 +28,10 @@ import math
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyplan.planfile.types import LinkSpec
 
 __all__ = ["MAX_ENUMERATED", "RECOMPUTE", "Held", "Partition", "UnitCost", "best_partitions",
            "candidates", "even_partitions", "host_capacity", "optimal_partition", "plan_text",
@@ -435,11 +439,12 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
               everywhere: tuple[str, ...] = (), recompute: str = "never",
               speeds: Sequence[float] | None = None, names: tuple[str, ...] | None = None,
               placement: tuple[tuple[int, ...] | None, ...] | None = None,
-              vocab: tuple[str, str] | None = None, weights: str | None = None) -> str:
+              vocab: tuple[str, str] | None = None, weights: str | None = None,
+              link: LinkSpec | None = None) -> str:
     """A plan for `partition`: one block per stage (stage s on device s mod devices, or on
     placement[s], None for all devices; named names[s], default stage{s}) with the measured
-    times in units of `time_unit_ms`, activation memory, weights, output (timed on the default
-    links) and recompute memory (the stage's input) in bytes, and a model: section naming each
+    times in units of `time_unit_ms`, activation memory, weights, output (timed on `link`,
+    written as topology.within_node; None: the default, a GPU node's) and recompute memory (the stage's input) in bytes, and a model: section naming each
     stage's submodules (and with `vocab`, the embedding and head its all-device blocks shard
     over the vocabulary: model.vocab_parallel; with `weights`, the checkpoint the parameters
     start from: model.weights). `capacity` per device (a list) or `speeds` write the devices
@@ -471,7 +476,9 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
     lines += [f"micro_batches: {micro_batches}", "training:",
               "  backward: {time_ratio: 1" + (", weight_time_ratio: 1}" if split else "}"),
               f"  recompute: {recompute}",
-              f"topology: {{time_unit_ms: {time_unit_ms:.6g}}}", "blocks:"]
+              f"topology: {{time_unit_ms: {time_unit_ms:.6g}" + (
+                  "" if link is None else f", within_node: {{bandwidth: {link.bandwidth}B, "
+                  f"latency_ms: {link.latency_ms:.6g}}}") + "}", "blocks:"]
     for s in range(partition.num_stages):
         part = [units[i] for i in partition.stage(s)]
         forward = max(1, round(sum(u.forward_ms for u in part) / time_unit_ms))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pyplan.api import UNITS_PER_STAGE, PartitionPlan, partition_plans, solved_plans
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.partition import Partition, UnitCost, candidates, plan_text, smallest_capacity
-from pyplan.planfile import format_memory
+from pyplan.planfile import LinkSpec, format_memory
 
 __all__ = ["CHUNKS", "Placement", "Sharded", "mshape_plans", "placements"]
 
@@ -76,7 +76,8 @@ def mshape_plans(units: list[UnitCost], sharded: Sharded, *, devices: int, name:
                  memory: int | None = None, path: str | None = None, keep: int = 3,
                  time_limit: float = 10.0, source: str = "<partition>", cut: str = "chain",
                  layer_returns: str = "tensor", everywhere: tuple[str, ...] = (),
-                 recompute: str = "never", weights: str | None = None) -> list[PartitionPlan]:
+                 recompute: str = "never", weights: str | None = None,
+                 link: LinkSpec | None = None) -> list[PartitionPlan]:
     """Plans of the M-shape: block `embed` (the first unit, sharded) and block `head` (the last)
     on all devices, the units between them cut into `devices` stages (the best `keep` by
     bottleneck and the even splits), each solved, shortest makespan first. Their partitions
@@ -124,7 +125,7 @@ def mshape_plans(units: list[UnitCost], sharded: Sharded, *, devices: int, name:
             time_unit_ms=unit_ms, shape="mshape: the first and last units sharded over the "
             "vocabulary on all devices", cut=cut, layer_returns=layer_returns,
             recompute=recompute, names=names, placement=placement, vocab=sharded.vocab,
-            weights=weights)))
+            weights=weights, link=link)))
     return solved_plans(texts, source=source, time_limit=time_limit, unit_ms=unit_ms)
 
 

@@ -232,6 +232,21 @@ def test_measuring_is_not_shadowed_by_a_source_tree_on_sys_path(tmp_path, monkey
     assert sys.path == before  # restored for the caller
 
 
+def test_measuring_processes_meet_without_a_port_another_program_could_take(monkeypatch):
+    """The measuring processes rendezvous in a file: a free port looked up here, closed and
+    bound later by the children could be taken in between (EADDRINUSE, seen once)."""
+    pytest.importorskip("torch")
+    import socket
+
+    from pyplan.measure.links import measure_all_reduces
+
+    def no_ports(self, address):
+        raise AssertionError(f"the launching process bound {address}")
+    monkeypatch.setattr(socket.socket, "bind", no_ports)
+    times = measure_all_reduces(2, [64], repeats=1)
+    assert len(times) == 1 and 0 < times[0] < 1000
+
+
 def test_a_vocabulary_that_does_not_split_evenly_is_refused():
     pytest.importorskip("torch")
     from pyplan.errors import PlanError

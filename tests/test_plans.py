@@ -52,6 +52,21 @@ def test_example_plans_cover_the_papers():
         assert required in names
 
 
+@pytest.mark.parametrize("plan", spec_plans(), ids=lambda p: p.stem)
+def test_a_plan_that_names_its_time_unit_sets_it(plan):
+    """A description saying what one time unit is (as partition writes it) comes with
+    topology.time_unit_ms of that value, or pyplan run predicts no time for it."""
+    import re
+
+    from pyplan.planfile import load_spec
+
+    spec = load_spec(plan)
+    said = re.search(r"one time unit\s*=\s*([0-9.]+) ms", spec.description or "")
+    if said:
+        assert spec.topology.time_unit_ms == pytest.approx(float(said.group(1)), rel=1e-3), \
+            plan.name
+
+
 def test_editor_schema_comment_points_at_the_schema():
     for plan in spec_plans():
         first = plan.read_text().splitlines()[0]

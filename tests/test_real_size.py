@@ -435,3 +435,27 @@ def test_each_ranks_measured_memory_is_what_its_plan_holds(name, tmp_path):
             share = rank["peak_bytes"] / rank["planned_peak_bytes"]
             assert 0.9 <= share <= (1.1 if name == "unequal" else 1.15), (kind, rank)
             assert rank["static_bytes"] == rank["planned_static_bytes"], (kind, rank)
+
+
+@pytest.mark.torchrun
+def test_one_iteration_compares_the_static_memory_after_its_step(tmp_path):
+    """A run of one iteration takes its census in it, where the gradients and the optimizer's
+    state appear only during the step: its static memory is counted after the step, and so
+    equals the plan's (it was the parameters alone, half the plan's, before)."""
+    import shutil
+
+    shutil.copy(MODELS / "unequal.py", tmp_path / "unequal.py")
+    run = lambda *args: subprocess.run([PYPLAN, *args], capture_output=True, text=True,  # noqa
+                                       cwd=tmp_path, timeout=600)
+    made = run("partition", "unequal:model", "--data", "unequal:batch", "--loss",
+               "unequal:loss", "--devices", "2", "--micro-batches", "4", "--repeats", "1",
+               "--optimizer", "adam", "-o", "p.yaml")
+    assert made.returncode == 0, made.stderr
+    assert run("solve", "p.yaml", "--quiet").returncode == 0
+    result = run("run", "p.resolved.yaml", "--nproc-per-node", "2", "--json",
+                 "--optimizer", "adamw")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["census_iteration"] == 0
+    for rank in report["rank_memory"]:
+        assert rank["static_bytes"] == rank["planned_static_bytes"], rank

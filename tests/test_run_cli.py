@@ -40,6 +40,39 @@ def test_outside_torchrun_says_how_to_launch(cli, outside_torchrun):
                    f"launch it with: pyplan run {VSHAPE} --nproc-per-node 4)\n")
 
 
+@pytest.fixture
+def no_workers(monkeypatch):
+    """pyplan run's launcher, made to fail the test if it starts any worker."""
+    from pyplan.cli import run
+
+    def launch(*_):
+        raise AssertionError("workers started")
+    monkeypatch.setattr(run, "launch", launch)
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--nproc-per-node", "3"], "the plan needs 4 processes (devices: 4), --nproc-per-node 3 "
+                                "starts 3"),
+    (["--nproc-per-node", "1", "--nnodes", "2"], "the plan needs 4 processes (devices: 4), "
+                                                 "--nproc-per-node 1 on 2 machines starts 2"),
+    (["--nproc-per-node", "2", "--nnodes", "two"], "--nnodes 'two' is not a number of machines"),
+    (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1")])
+def test_a_launch_that_cannot_run_the_plan_is_refused_before_workers_start(
+        options, message, cli, outside_torchrun, no_workers):
+    code, out, err = cli("run", VSHAPE, *options)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_eval_every_on_data_without_an_eval_split_is_refused_before_workers_start(
+        cli, outside_torchrun, no_workers):
+    pytest.importorskip("torch")
+    code, out, err = cli("run", VSHAPE, "--nproc-per-node", "4", "--eval-every", "1")
+    assert (code, out) == (2, "")
+    assert "error: --eval-every: pyplan.examples.transformer:batch takes no split argument" \
+        in err and err.count("\n") == 1
+
+
 def test_python_dash_m_outside_torchrun_does_not_crash(outside_torchrun, tmp_path):
     # (run outside the source tree, which would shadow an installed, compiled pyplan)
     result = subprocess.run([sys.executable, "-m", "pyplan", "run", str(VSHAPE)],

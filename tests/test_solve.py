@@ -267,3 +267,30 @@ def test_random_plans_solve_to_verified_schedules(problem):
     assert solution.status in ("optimal", "feasible")
     fitting = [b.makespan for b in solution.baselines.values() if b.applicable and b.fits_memory]
     assert all(schedule.makespan <= m for m in fitting)
+
+
+_RECOMPUTE_AUTO = """\
+pyplan: 1
+name: r
+devices: 2
+memory: 3
+micro_batches: 3
+training:
+  backward: {time_ratio: 2}
+  recompute: auto
+blocks:
+  - {name: s0, devices: [0], time: 2, memory: 2, recompute_memory: 1}
+  - {name: s1, devices: [1], time: 1, memory: 1, recompute_memory: 1}
+"""
+
+
+def test_a_summary_claims_no_proof_its_status_denies(cli, tmp_path):
+    """With recompute: auto, the chosen blocks' schedule may be proven the shortest for that
+    choice while the plan's status is not optimal (another choice is not ruled out): the
+    proof says which it covers."""
+    (tmp_path / "r.yaml").write_text(_RECOMPUTE_AUTO)
+    code, out, err = cli("solve", tmp_path / "r.yaml")
+    assert code == 0, err
+    assert "not proven optimal" in out.split("\n")[0]
+    proofs = [line for line in out.split("\n") if "no shorter schedule exists" in line]
+    assert proofs and all(line.endswith("with these blocks recomputed") for line in proofs)

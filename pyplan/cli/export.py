@@ -10,6 +10,7 @@ import sys
 
 from pyplan.cli._schedule import load_plan, pick_schedule
 from pyplan.errors import PlanError, did_you_mean
+from pyplan.export import FORMATS as EXPORTS
 from pyplan.export.chrome import schedule_trace
 from pyplan.export.svg import render_svg
 from pyplan.export.torch_csv import render_torch_csv, torch_stages
@@ -39,12 +40,9 @@ LAYOUTS = {"megatron-layout": (lambda problem, template: megatron_layout(problem
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", metavar="RESOLVED",
                         help="resolved plan (a plan is solved in memory first)")
+    described = [f"{name} ({what})" for name, what in EXPORTS.items()]
     parser.add_argument("--format", required=True, metavar="FORMAT",
-                        help="svg (timeline picture), chrome (Chrome/Perfetto trace JSON), "
-                             "torch-csv (torch.distributed.pipelining schedule), "
-                             "megatron-layout (Megatron-LM's pipeline layout string), "
-                             "megatron-args (Megatron-LM's pretrain_gpt.py arguments) or "
-                             "torchtitan (a Python module setting its Trainer.Config)")
+                        help=", ".join(described[:-1]) + " or " + described[-1])
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
                         help="file to write, '-' for standard output")
     parser.add_argument("--template", metavar="NAME",

@@ -24,12 +24,22 @@ from pathlib import Path
 from pyplan.cli._torch import require_torch
 from pyplan.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, PlanError, RunError
 
-__all__ = ["LAUNCH_OPTIONS", "PRELOAD", "forkserver", "launch", "launched",
+__all__ = ["LAUNCH_OPTIONS", "PRELOAD", "check_processes", "forkserver", "launch", "launched",
            "worker_environment"]
 
-# torchrun options passed through by `pyplan run --nproc-per-node` (multi-node rendezvous).
-LAUNCH_OPTIONS = ("nnodes", "node-rank", "rdzv-backend", "rdzv-endpoint", "rdzv-id",
-                  "master-addr", "master-port", "max-restarts", "log-dir")
+# torchrun options passed through by `pyplan run --nproc-per-node` (multi-node rendezvous):
+# (metavar, help).
+LAUNCH_OPTIONS = {
+    "nnodes": ("N", "machines taking part, N or MIN:MAX (default 1)"),
+    "node-rank": ("N", "this machine's rank among them (static rendezvous; c10d assigns them)"),
+    "rdzv-backend": ("NAME", "rendezvous backend: static (torchrun's default) or c10d"),
+    "rdzv-endpoint": ("HOST:PORT", "where the machines meet"),
+    "rdzv-id": ("ID", "the job's id, the same on every machine"),
+    "master-addr": ("ADDR", "with --rdzv-backend static: the address of node rank 0"),
+    "master-port": ("PORT", "with --rdzv-backend static: its port (default 29500)"),
+    "max-restarts": ("N", "restart the workers this many times after a failure (default 0)"),
+    "log-dir": ("DIR", "write each worker's output to files in this folder"),
+}
 
 # What every worker imports anyway: once, in the forkserver.
 # (pyplan.runtime first: it imports torch without torch's warning about a missing numpy)
@@ -45,6 +55,23 @@ launched = False
 
 # Set for the forkserver's own start only; each worker takes it off (worker_environment).
 SAFE_PATH_MARK = "PYPLAN_FORKSERVER_SAFE_PATH"
+
+
+def check_processes(args: argparse.Namespace, needed: int, layout: str, command: str) -> None:
+    """PlanError unless --nproc-per-node (times --nnodes) starts the `needed` processes of the
+    plan (`layout`, `command`: what it runs on and how to launch it); an elastic --nnodes
+    MIN:MAX is left to the ranks."""
+    if args.nproc_per_node < 1:
+        raise PlanError("--nproc-per-node must be at least 1")
+    nodes = (args.nnodes or "1").split(":")
+    if len(nodes) > 2 or not all(n.isdigit() and int(n) >= 1 for n in nodes):
+        raise PlanError(f"--nnodes {args.nnodes!r} is not a number of machines N or MIN:MAX")
+    if len(set(nodes)) == 1 and args.nproc_per_node * int(nodes[0]) != needed:
+        machines = f" on {args.nnodes} machines" if args.nnodes else ""
+        raise PlanError(f"the plan needs {needed} processes ({layout}), --nproc-per-node "
+                        f"{args.nproc_per_node}{machines} starts "
+                        f"{args.nproc_per_node * int(nodes[0])}",
+                        hint=f"launch it with: {command}")
 
 
 def launch(args: argparse.Namespace, worker_arguments: list[str]) -> int:

@@ -9,6 +9,7 @@ import sys
 
 from pyplan._version import __version__
 from pyplan.errors import EXIT_INTERRUPTED, PyplanError, exit_now
+from pyplan.export import FORMATS as EXPORTS
 
 __all__ = ["entry", "main"]
 
@@ -19,7 +20,7 @@ _COMMANDS = {
     "validate": ("validate", "check plans and print a one-line summary of each"),
     "solve": ("solve", "search a schedule and write PLAN.resolved.yaml"),
     "show": ("show", "draw a schedule as a timeline in the terminal"),
-    "export": ("export", "write a schedule as SVG, Chrome trace or torch-csv"),
+    "export": ("export", "write a schedule or the plan's layout: " + ", ".join(EXPORTS)),
     "import": ("import_", "evaluate a torch.distributed.pipelining schedule CSV on a plan"),
     "run": ("run", "execute a resolved plan under torchrun (one process per device)"),
     "profile": ("profile", "measure block times and memory of a plan's model"),

@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fn(step) -> (inputs, targets), the global batch")
     parser.add_argument("--loss", required=True, metavar="PKG.MOD:FN",
                         help="fn(output, targets) -> a scalar mean loss")
-    parser.add_argument("--devices", type=int, required=True, metavar="D")
+    parser.add_argument("--devices", type=int, required=True, metavar="D",
+                        help="devices (pipeline ranks) to cut the model for")
     parser.add_argument("--shape", choices=("vshape", "interleaved", "mshape", "auto"),
                         default="vshape",
                         help="vshape: stage s on device s; interleaved: stage s on device s "
@@ -68,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split-backward", action="store_true",
                         help="measure each unit's input and weight gradients apart and write "
                         "a split backward (zero bubble: the plan's blocks get B and W)")
+    parser.add_argument("--links", action="store_true",
+                        help="measure the link between two processes on this machine (as "
+                        "profile --links) and time the stages' outputs on it (default: on "
+                        "--device cpu pyplan's CPU-class gloo link, on cuda a GPU node's)")
     parser.add_argument("--weights", metavar="DIR",
                         help="a safetensors checkpoint folder (save_pretrained) the parameters "
                         "start from: measured with them, and named in the plan (model.weights)")
@@ -145,9 +150,8 @@ def run(args: argparse.Namespace) -> int:
         recompute=args.recompute, optimizer="adamw" if args.optimizer == "adam" else
         args.optimizer,
         split_backward=args.split_backward, weights=args.weights, repeats=args.repeats,
-        seed=args.seed, device=args.device, progress=progress,
-        unit_seconds=args.unit_time_limit,
-        host_memory=host))
+        seed=args.seed, device=args.device, links=args.links, progress=progress,
+        unit_seconds=args.unit_time_limit, host_memory=host))
     units, plans = found.units, found.plans
     how = {"chain": "", "traced": "cut by torch's pipeline tracer, ",
            "forward": "cut in the model's own forward, "}[found.cut.kind]
@@ -170,6 +174,10 @@ def run(args: argparse.Namespace) -> int:
     if found.sharded is not None:
         print(f"  sharded over the vocabulary on all {args.devices} devices: "
               f"{found.sharded.vocab[0]} (block embed) and {found.sharded.vocab[1]} (block head)")
+    if found.link is not None:
+        print(f"  link between two processes here, measured: "
+              f"{found.link.bandwidth / 1e9:.2f} GB/s, latency {found.link.latency_ms:.3f} ms "
+              "(topology.within_node)")
     for parameter, holders in found.ties:
         print(f"  tied: {parameter} is held by {', '.join(holders)}; pyplan run sums its "
               "gradients over the copies (one all-reduce per iteration, after the backward)")

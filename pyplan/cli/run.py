@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from pyplan.cli._torch import require_torch
-from pyplan.cli.launch import LAUNCH_OPTIONS, launch
+from pyplan.cli.launch import LAUNCH_OPTIONS, check_processes, launch
 from pyplan.errors import EXIT_PREEMPTED, EXIT_RUN_FAILED, PlanError, RunError, did_you_mean
 from pyplan.fileio import check_not_input
 from pyplan.lower import COMPUTE, RECV, SEND, SYNC, WAIT, check_runnable, describe, lower
@@ -146,8 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "launching (torchrun's options; used when pyplan run starts the workers itself)")
     launch.add_argument("--nproc-per-node", type=int, metavar="D",
                         help="start D worker processes on this machine through torch's launcher")
-    for option in LAUNCH_OPTIONS:
-        launch.add_argument(f"--{option}", metavar="VALUE", help=argparse.SUPPRESS)
+    for option, (metavar, what) in LAUNCH_OPTIONS.items():
+        launch.add_argument(f"--{option}", metavar=metavar, help=what)
     for action in parser._actions:  # which options the command line gives (--config's rule)
         if action.option_strings and action.dest != "help":
             action.__class__ = _given(action.__class__)
@@ -248,14 +248,19 @@ def run(args: argparse.Namespace) -> int:
         from pyplan.train.logs import summary_writer
 
         summary_writer()  # a missing tensorboard package is said before any worker starts
+    layout = (f"devices: {devices}" if devices == problem.num_devices else
+              problem.mesh.describe(problem.num_devices))
     if args.nproc_per_node is not None and "RANK" not in os.environ:
+        check_processes(args, devices, layout, command)  # before any worker starts, as
+        if args.eval_every is not None:  # is a data function without an eval split
+            require_torch("run")
+            from pyplan.run.binding import load_model
+            _check_eval_split(load_model(problem, plan_dir, _source(plan)), problem)
         return launch(args, _worker_arguments(args))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RunError("pyplan run runs one process per device under torchrun",
                        hint=f"launch it with: {command}")
     if int(os.environ["WORLD_SIZE"]) != devices:
-        layout = (f"devices: {devices}" if devices == problem.num_devices else
-                  problem.mesh.describe(problem.num_devices))
         raise RunError(f"the plan needs {devices} processes ({layout}) but torchrun "
                        f"started {os.environ['WORLD_SIZE']}", hint=f"launch it with: {command}")
     require_torch("run")
@@ -571,6 +576,7 @@ def _json(report, lowered, options) -> dict:
         if report.tokens else None,
         "predicted_seconds": predicted,
         "predicted_makespan_seconds": report.predicted[1] if report.predicted else None,
+        "prediction_note": report.link_note,
         "median_seconds": statistics.median(timed(report.seconds, report)),
         "census_iteration": report.census_iteration,
         "rank_memory": report.ranks,

@@ -14,9 +14,10 @@ where a model of one link can be far off (gloo's ring with more ranks than cores
 
 from __future__ import annotations
 
-import socket
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -101,13 +102,13 @@ def all_reduce_times(sizes, repeats: int = 7, group=None,
     return out
 
 
-def _worker(rank: int, world: int, port: int, job: str, sizes, repeats: int, results,
+def _worker(rank: int, world: int, store: str, job: str, sizes, repeats: int, results,
             cuda: bool) -> None:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}",
+                            rank=rank, world_size=world)
     try:
         if job == "ping_pong":
             times = ping_pong(rank, sizes, repeats, device=device)
@@ -120,15 +121,17 @@ def _worker(rank: int, world: int, port: int, job: str, sizes, repeats: int, res
 
 
 def _spawn(job: str, world: int, sizes, repeats: int, cuda: bool) -> list[float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # The processes meet in a file (torch's FileStore), not on a port: a free port found here
+    # could be taken by another program before the children bind it (EADDRINUSE).
     results = mp.get_context("spawn").SimpleQueue()
     saved = sys.path[:]  # spawned children start with this process's sys.path
     sys.path[:] = _without_other_pyplans(saved)
     try:
-        mp.start_processes(_worker, args=(world, port, job, tuple(sizes), repeats, results,
-                                          cuda), nprocs=world, start_method="spawn")
+        with tempfile.TemporaryDirectory(prefix="pyplan-links-") as folder:
+            store = os.path.join(folder, "store")
+            mp.start_processes(_worker, args=(world, store, job, tuple(sizes), repeats,
+                                              results, cuda), nprocs=world,
+                               start_method="spawn")
     finally:
         sys.path[:] = saved
     return results.get()

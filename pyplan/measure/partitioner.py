@@ -22,11 +22,13 @@ from pyplan.errors import InfeasibleError, PlanError
 from pyplan.fileio import check_not_input
 from pyplan.models import FORWARD, TRACED, Cut, Unit, everywhere
 from pyplan.partition import UnitCost, host_capacity, ties
+from pyplan.planfile.types import CPU_LINK, LinkSpec
 from pyplan.placements import CHUNKS, Placement, Sharded, mshape_plans, placements
 from pyplan.run.binding import Model, defer_whole, import_function, loss_function, make_batch
 from pyplan.run.census import storage_bytes
 from pyplan.run.data import batches_from, split_batch
 from pyplan.measure.limits import DEFAULT_SECONDS
+from pyplan.measure.links import measure_link
 from pyplan.measure.measure import Measured, host_bytes, rss_bytes
 
 __all__ = ["SHAPES", "Partitioned", "partition_model"]
@@ -60,6 +62,8 @@ class Partitioned:
     process's own (`baseline`)."""
     baseline: int = 0
     """What a process held before the model was built: Python, torch and the model's code."""
+    link: LinkSpec | None = None
+    """The link between two devices the plans time transfers on, when measured (links=True)."""
 
 
 def _module_files(*found) -> list[str]:
@@ -76,7 +80,7 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
                     memory: int | list[int] | None = None, speeds: list[float] | None = None,
                     recompute: str = "never", optimizer: str = "sgd",
                     split_backward: bool = False, weights: str | Path | None = None,
-                    repeats: int = 5, seed: int = 0, device: str = "cpu",
+                    repeats: int = 5, seed: int = 0, device: str = "cpu", links: bool = False,
                     progress=None, unit_seconds: float | None = DEFAULT_SECONDS,
                     host_memory: int | None = None) -> Partitioned:
     """Plans for the model `factory` ("pkg.mod:fn" returning the whole nn.Module) trained on
@@ -86,10 +90,12 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     vshape, interleaved (`chunks` stages per device), mshape or auto. `memory`: bytes per
     device (or one per device), `speeds` each device's relative speed; `recompute`,
     `optimizer` (sgd or adamw, as pyplan run names them: the state its weights count and its
-    step's time and temporaries), `split_backward` (zero bubble:
-    input and weight gradients measured apart), `weights` (a safetensors checkpoint folder the
-    parameters start from), `repeats` (timed runs per measurement), `device` (cpu, or cuda to
-    measure on the first GPU). `progress(done, total)` is called as units are measured;
+    step's time and temporaries), `split_backward` (zero bubble: input and weight gradients
+    measured apart), `weights` (a safetensors checkpoint folder the parameters start from),
+    `repeats` (timed runs per measurement), `device` (cpu, or cuda to measure on the first
+    GPU), `links` (measure the link between two processes here, pyplan.measure.links, and time
+    the stages' outputs on it; else on the CPU pyplan's CPU-class default, CPU_LINK, on a GPU a
+    GPU node's default). `progress(done, total)` is called as units are measured;
     `unit_seconds` bounds each unit's measurement (CPU seconds, pyplan.measure.limits).
     `host_memory`: the bytes of the machine the CPU ranks share (pyplan.partition.
     host_capacity); each rank's planned host memory is in Partitioned.host.
@@ -138,7 +144,12 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
         if cut.kind == FORWARD else ()
     folder = output.resolve().parent
     root = _package_root(sys.modules[factory.partition(":")[0]])
-    options = dict(name=output.name.split(".")[0], factory=factory, data=data, loss=loss,
+    measured_link = None
+    if links:
+        bandwidth, latency, _ = measure_link(device)
+        measured_link = LinkSpec(bandwidth=bandwidth, latency_ms=latency)
+    link = measured_link or (CPU_LINK if device == "cpu" else None)
+    options = dict(link=link, name=output.name.split(".")[0], factory=factory, data=data, loss=loss,
                    micro_batches=n, memory=memory, time_limit=SOLVE_SECONDS,
                    source=str(output), cut=cut.kind,
                    layer_returns=cut.layer_returns, everywhere=shared,
@@ -194,7 +205,8 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
                         "ranks): give --host-memory to partition within it")
     return Partitioned(plans, chosen, units, cut, tried, sharded if chosen == "mshape" else None,
                        about if chosen == "mshape" else [], warnings,
-                       ties(units, plans[0].partition, shared, names), host, baseline)
+                       ties(units, plans[0].partition, shared, names), host, baseline,
+                       measured_link)
 
 
 def _package_root(module) -> Path | None:

@@ -23,6 +23,7 @@ __all__ = [
     "BackwardSpec",
     "BlockSpec",
     "CostSpec",
+    "CPU_LINK",
     "LinkSpec",
     "MeshSpec",
     "ModelSpec",
@@ -213,6 +214,12 @@ class LinkSpec:
 
     def milliseconds(self, size: int) -> float:
         return self.latency_ms + 1000.0 * size / self.bandwidth
+
+
+# gloo between two processes of a CPU machine, as benchmarks/links.py measures it (the median
+# of its rounds on a 2-core machine): what `pyplan partition --device cpu` writes into a plan
+# when it does not measure the link (--links). TopologySpec's defaults are a GPU node's.
+CPU_LINK = LinkSpec(bandwidth=1_880_000_000, latency_ms=0.093)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 __all__ = ["DataParallel", "world_mesh"]
 
@@ -61,6 +62,8 @@ class DataParallel:
                     seen.add(id(module))
                     owners.append((block, module))
         groups = _tied(owners)
+        for _, module in owners:  # (before fully_shard: this hook runs before FSDP's)
+            module.register_forward_hook(_not_views)
         self.units = {block: [] for block in units}
         self.shared = []
         for group in sorted(groups, key=lambda g: min(owners.index(x) for x in g)):
@@ -106,6 +109,29 @@ class DataParallel:
             if state._is_root:
                 state._root_post_backward_final_callback()
         self._arm()
+
+
+class _Same(torch.autograd.Function):
+    """The identity, whose output shares the input's storage but is no view of it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _not_views(module: nn.Module, inputs, output):
+    """A unit's outputs that are views (a Linear's on 3-D input is one) as tensors of their
+    own, before FSDP registers its pre-backward hook on them: an in-place op on a view would
+    drop that hook (torch warns of it for every such unit), one on this output keeps it. No
+    copy is made."""
+    if not torch.is_grad_enabled():
+        return output
+    return tree_map_only(torch.Tensor, lambda t: _Same.apply(t)
+                         if t._base is not None and t.requires_grad else t, output)
 
 
 def _tied(owners: list) -> list[list]:

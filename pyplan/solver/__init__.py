@@ -170,6 +170,10 @@ def solve_recompute(problem: Problem, *, progress: Progress | None = None) -> So
     notes = [f"recompute: {len(rung)} of {len(ladder[-1])} auto blocks chosen"
              + "".join(f"; {len(r)} recomputed: makespan {s.schedule.makespan}"
                        for s, r in results if r != rung)]
+    # A proof of the chosen choice's search holds for that choice of blocks only.
+    best.stats.notes[:] = [n.replace("no shorter schedule exists", "no shorter schedule exists "
+                                     "with these blocks recomputed")
+                           for n in best.stats.notes]
     best.stats.notes.extend(notes)
     proven = best.schedule.makespan <= bound
     timed_out = budget.timed_out() or any(s.status == "time_limit" for s, _ in results)

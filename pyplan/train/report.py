@@ -10,11 +10,14 @@ from dataclasses import dataclass, field
 from pyplan.cluster.memory import mesh_state_bytes
 from pyplan.lower import Lowered
 from pyplan.partition import OPTIMIZER_STATE
+from pyplan.planfile import load_spec
+from pyplan.planfile.types import CPU_LINK, TopologySpec
+from pyplan.shapes import expand_blocks
 from pyplan.train.check import Verdict
 from pyplan.run.pipeline import Pipeline
 from pyplan.train.training import Training
 
-__all__ = ["Options", "Report", "activation_peaks", "header", "iteration_line",
+__all__ = ["Options", "Report", "activation_peaks", "header", "iteration_line", "link_note",
            "planned_memory", "predicted", "summary", "timed"]
 
 
@@ -112,6 +115,9 @@ class Report:
     FLOP/s) when known (pyplan.train.flops)."""
     census_iteration: int | None = None
     """The iteration (counted from the first of this run) the memory census ran in: not timed."""
+    link_note: str | None = None
+    """How the prediction timed the transfers, when on one of pyplan's default links
+    (link_note)."""
 
 
 def _mib(n: int) -> str:
@@ -174,14 +180,16 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
         lines.append(f"  the plan predicts {iteration * 1e3:.1f} ms (the schedule's makespan "
                      f"{makespan * 1e3:.1f} ms, then the optimizer's steps); measured / "
                      f"predicted {median / iteration:.2f}")
+        if report.link_note is not None:
+            lines.append(f"  note: {report.link_note}")
         if report.shared_cores is not None:
             ranks, cores = report.shared_cores
             lines.append(f"  note: {ranks} ranks share {cores} CPU cores here, so an iteration "
                          "takes longer than the plan predicts (it gives every rank a core)")
     if report.ranks and report.ranks[0].get("peak_bytes"):
         lines.append(f"  memory per rank, measured in step "
-                     f"{report.first_step + report.census_iteration + 1} (peak; static: "
-                     "parameters, gradients, optimizer state, buffers)" +
+                     f"{report.first_step + report.census_iteration + 1} (peak; static after "
+                     "its update: parameters, gradients, optimizer state, buffers)" +
                      ("" if "planned_peak_bytes" not in report.ranks[0] else
                       " / the plan's for its device") + ":")
         for r, x in enumerate(report.ranks):
@@ -242,6 +250,32 @@ def predicted(pipe: Pipeline, options: Options) -> tuple[float, float] | None:
     unit = problem.time_unit_ms / 1e3
     clipping = options.training.clip_grad_norm is not None
     return schedule.iteration(synchronised=clipping) * unit, schedule.makespan * unit
+
+
+def link_note(resolved, device: str) -> str | None:
+    """What to say when the plan times its transfers on one of pyplan's default links, not
+    on one measured or given: a GPU node's (the plan's topology gives none) or the CPU-class
+    one `pyplan partition` writes on the CPU. None when the plan predicts no time, times no
+    output on its links, or its plan file is not there to tell."""
+    path = resolved.plan_path
+    if resolved.problem.time_unit_ms is None or path is None or not path.is_file():
+        return None
+    spec = load_spec(path)
+    if not any(b.output is not None and b.transfer is None for b in expand_blocks(spec)):
+        return None
+    topology = spec.topology
+    used = [topology.within_node] + ([topology.across_nodes]
+                                     if topology.devices_per_node is not None else [])
+    measure = "pyplan partition --links (or profile --links, into topology.within_node)"
+    if TopologySpec().within_node in used or TopologySpec().across_nodes in used:
+        here = ", not this CPU's" if device == "cpu" else ""
+        return (f"the prediction times transfers on a GPU node's default link{here}; "
+                f"measure this machine's with {measure}")
+    if CPU_LINK in used:
+        return ("the prediction times transfers on pyplan's default CPU link "
+                f"({CPU_LINK.bandwidth / 1e9:.2f} GB/s, {CPU_LINK.latency_ms} ms), not on one "
+                f"measured here: {measure}")
+    return None
 
 
 def timed(values: list, report: Report) -> list:

@@ -32,7 +32,7 @@ from pyplan.run.pipeline import DTYPES, Pipeline
 from pyplan.train.logs import Log
 from pyplan.train.stopping import out_of_time
 from pyplan.train.report import (Options, Report, activation_peaks, header,
-                                 iteration_line, planned_memory, predicted)
+                                 iteration_line, link_note, planned_memory, predicted)
 from pyplan.train.training import changes
 from pyplan.trace import chrome_trace, write_chrome_trace
 
@@ -243,15 +243,18 @@ class Session:
     def census(self, optimizer):
         """A context counting what this rank holds at most while it runs (pyplan.run.census
         on the CPU, torch.cuda's peak on a GPU): `self.memory` = (peak, static) bytes, where
-        static is what existed when it began (parameters, gradients, optimizer state,
-        buffers)."""
+        static is what the run holds for good (parameters, gradients, optimizer state,
+        buffers) counted after the step: in a run's first step the gradients and the
+        optimizer's state appear only during it."""
         pipe = self.pipe
-        tensors = [*pipe.parameters(), *(p.grad for p in pipe.parameters()
-                                         if p.grad is not None),
-                   *(t for state in (optimizer.state.values() if optimizer else ())
-                     for t in state.values() if isinstance(t, torch.Tensor)),
-                   *(b for m in pipe.modules.values() for b in m.buffers())]
-        return _Counting(self, pipe.device, tensors)
+
+        def held() -> list:
+            return [*pipe.parameters(), *(p.grad for p in pipe.parameters()
+                                          if p.grad is not None),
+                    *(t for state in (optimizer.state.values() if optimizer else ())
+                      for t in state.values() if isinstance(t, torch.Tensor)),
+                    *(b for m in pipe.modules.values() for b in m.buffers())]
+        return _Counting(self, pipe.device, held)
 
     def first_step(self) -> int:
         """The step a resumed run starts at (0 otherwise), agreed by every rank."""
@@ -474,6 +477,7 @@ class Session:
                             census_iteration=self.census_step - first,
                             predicted=predicted(pipe, self.options),
                             flops=(self.model_flops, self.peak_flops),
+                            link_note=link_note(pipe.resolved, pipe.device.type),
                             shared_cores=_shared_cores(pipe))
         return all_gather_objects(result)[0]
 
@@ -505,19 +509,17 @@ class Session:
 class _Counting:
     """Session.census's context."""
 
-    def __init__(self, session: Session, device: torch.device, tensors: list) -> None:
-        self.session, self.device, self.tensors = session, device, tensors
+    def __init__(self, session: Session, device: torch.device, held) -> None:
+        self.session, self.device, self.held = session, device, held
 
     def __enter__(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.static = torch.cuda.memory_allocated(self.device)
             return self
         self.census = Census(self.device)
         self.census.__enter__()
-        self.census.track(self.tensors)
-        self.static = self.census.bytes
+        self.census.track(self.held())
         return self
 
     def __exit__(self, *exc):
@@ -526,7 +528,9 @@ class _Counting:
         else:
             self.census.__exit__(*exc)
             peak = self.census.peak
-        self.session.memory = (peak, self.static)
+        static = Census(self.device)  # (not entered: it only counts the storages given)
+        static.track(self.held())
+        self.session.memory = (peak, static.bytes)
 
 
 def _drops(pipe: Pipeline) -> bool:
