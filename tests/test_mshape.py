@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import pyplan
 from pyplan.partition import UnitCost
 from warm_torchrun import torchrun
 
@@ -225,8 +226,16 @@ def test_measuring_is_not_shadowed_by_a_source_tree_on_sys_path(tmp_path, monkey
     (tmp_path / "pyplan" / "__init__.py").write_text("raise ImportError('not this pyplan')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     before = list(sys.path)
-    # (An editable install imports through its own finder; a plain one would find this tree.)
-    assert _without_other_pyplans(before) == [p for p in before if p != str(tmp_path)]
+    # Dropped: every folder holding a pyplan other than the imported one (this fake tree, and
+    # the repository root when pyplan is installed from a wheel); kept: everything else.
+    imported = Path(pyplan.__file__).resolve().parent
+
+    def shadows(folder):
+        tree = Path(folder or ".") / "pyplan"
+        return (tree / "__init__.py").is_file() and tree.resolve() != imported
+    kept = _without_other_pyplans(before)
+    assert str(tmp_path) not in kept
+    assert kept == [p for p in before if not shadows(p)]
     times = measure_all_reduces(2, [64], repeats=2)
     assert len(times) == 1 and 0 < times[0] < 1000
     assert sys.path == before  # restored for the caller

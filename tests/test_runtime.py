@@ -287,6 +287,6 @@ def test_a_dead_rank_in_one_replica_stops_every_rank():
 def test_world_size_must_match_the_plan():
     result, _ = _launch(PLANS / "transformer-vshape.resolved.yaml", nproc=2)
     assert result.returncode != 0
-    assert ("error: the plan needs 4 processes (devices: 4) but torchrun started 2 (hint: "
+    assert ("error: the plan needs 4 processes (devices: 4), --nproc-per-node 2 starts 2 (hint: "
             f"launch it with: pyplan run {PLANS / 'transformer-vshape.resolved.yaml'} "
             "--nproc-per-node 4)\n") in result.stderr
