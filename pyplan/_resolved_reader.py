@@ -36,7 +36,8 @@ _MODEL = {"blocks": (str, (), 0), "module": (str, (), 0), "stages": (dict, 0, 0)
           "traced": (bool, 0, 0), "cut": (str, ("chain", "forward", "traced"), 0),
           "layer_returns": (str, LAYER_RETURNS, 0), "ties": (list, 0, 0),
           "data": (str, (), 0), "loss": (str, (), 0), "path": (str, (), 0),
-          "vocab_parallel": (dict, 0, 0), "weights": (str, (), 0)}
+          "vocab_parallel": (dict, 0, 0), "weights": (str, (), 0),
+          "optimizer": (str, ("sgd", "adamw"), 0)}
 _MESH = {"data": (int, 1, MAX_DEVICES), "sync": (int, 0, MAX_TIME),
          "tensor": (int, 1, MAX_DEVICES)}
 
@@ -166,7 +167,8 @@ class Reader:
                               layer_returns=raw.get("layer_returns", "tensor"),
                               ties=_ties(raw.get("ties"), self),
                               vocab_parallel=_vocab(raw.get("vocab_parallel"), self),
-                              weights=raw.get("weights"), data=raw["data"],
+                              weights=raw.get("weights"), optimizer=raw.get("optimizer"),
+                              data=raw["data"],
                               loss=raw["loss"], path=raw.get("path"))
         mesh = MeshSpec()
         if self.doc.get("mesh") is not None:

@@ -138,7 +138,8 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
                    + ("" if m.vocab_parallel is None else
                       f", vocab_parallel: {{embedding: {_quoted(m.vocab_parallel[0])}, "
                       f"head: {_quoted(m.vocab_parallel[1])}}}")
-                   + ("" if m.weights is None else f", weights: {_quoted(m.weights)}"))
+                   + ("" if m.weights is None else f", weights: {_quoted(m.weights)}")
+                   + ("" if m.optimizer is None else f", optimizer: {m.optimizer}"))
         lines.append(f"model: {{{builder}, data: {_quoted(m.data)}, loss: {_quoted(m.loss)}"
                      + (f", path: {_quoted(m.path)}" if m.path else "") + "}")
     if problem.time_unit_ms is not None:

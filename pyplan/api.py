@@ -240,7 +240,8 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
                     cut: str = "chain", layer_returns: str = "tensor",
                     everywhere: tuple[str, ...] = (),
                     recompute: str = "never", weights: str | None = None,
-                    link: LinkSpec | None = None) -> list[PartitionPlan]:
+                    link: LinkSpec | None = None,
+                    optimizer: str | None = None) -> list[PartitionPlan]:
     """Plans for the best `keep` partitions of measured units into devices x chunks stages
     (stage s on device s mod devices; chunks > 1: interleaved) and for the even splits, each
     solved, shortest makespan first (ties: least bottleneck). `memory` is bytes per device,
@@ -285,7 +286,8 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
                            capacity=memory, factory=factory, data=data, loss=loss, path=path,
                            time_unit_ms=unit_ms, shape=shape, cut=cut,
                            layer_returns=layer_returns, everywhere=everywhere,
-                           recompute=recompute, speeds=speeds, weights=weights, link=link))
+                           recompute=recompute, speeds=speeds, weights=weights, link=link,
+                           optimizer=optimizer))
              for p in found]
     return solved_plans(texts, source=source, time_limit=time_limit, unit_ms=unit_ms)
 

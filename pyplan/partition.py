@@ -440,7 +440,7 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
               speeds: Sequence[float] | None = None, names: tuple[str, ...] | None = None,
               placement: tuple[tuple[int, ...] | None, ...] | None = None,
               vocab: tuple[str, str] | None = None, weights: str | None = None,
-              link: LinkSpec | None = None) -> str:
+              link: LinkSpec | None = None, optimizer: str | None = None) -> str:
     """A plan for `partition`: one block per stage (stage s on device s mod devices, or on
     placement[s], None for all devices; named names[s], default stage{s}) with the measured
     times in units of `time_unit_ms`, activation memory, weights, output (timed on `link`,
@@ -523,6 +523,8 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
                   for p, st in found]
     if weights is not None:
         lines.append(f"  weights: {json.dumps(weights)}")
+    if optimizer is not None:
+        lines.append(f"  optimizer: {optimizer}")
     lines += [f"  data: {data}", f"  loss: {loss}"]
     if path is not None:
         lines.append(f"  path: {json.dumps(path)}")

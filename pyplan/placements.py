@@ -77,7 +77,8 @@ def mshape_plans(units: list[UnitCost], sharded: Sharded, *, devices: int, name:
                  time_limit: float = 10.0, source: str = "<partition>", cut: str = "chain",
                  layer_returns: str = "tensor", everywhere: tuple[str, ...] = (),
                  recompute: str = "never", weights: str | None = None,
-                 link: LinkSpec | None = None) -> list[PartitionPlan]:
+                 link: LinkSpec | None = None,
+                 optimizer: str | None = None) -> list[PartitionPlan]:
     """Plans of the M-shape: block `embed` (the first unit, sharded) and block `head` (the last)
     on all devices, the units between them cut into `devices` stages (the best `keep` by
     bottleneck and the even splits), each solved, shortest makespan first. Their partitions
@@ -125,7 +126,7 @@ def mshape_plans(units: list[UnitCost], sharded: Sharded, *, devices: int, name:
             time_unit_ms=unit_ms, shape="mshape: the first and last units sharded over the "
             "vocabulary on all devices", cut=cut, layer_returns=layer_returns,
             recompute=recompute, names=names, placement=placement, vocab=sharded.vocab,
-            weights=weights, link=link)))
+            weights=weights, link=link, optimizer=optimizer)))
     return solved_plans(texts, source=source, time_limit=time_limit, unit_ms=unit_ms)
 
 

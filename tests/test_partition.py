@@ -455,3 +455,40 @@ def test_host_memory_bounds_each_rank_and_its_planned_host_memory_is_printed(cli
     capacity = int(re.search(r"^memory: (\d+)B$", (tmp_path / "p.yaml").read_text(),
                              re.M).group(1))
     assert 2 * 2**30 < capacity < 4 * 2**30  # a share of 4 GiB less the process's own
+
+
+def test_the_plan_records_its_optimizer_and_run_trains_with_it(cli, tmp_path, monkeypatch,
+                                                               capsys):
+    """partition --optimizer writes model.optimizer (the state the weights count), solve
+    carries it into the resolved plan, and run takes it unless told otherwise, warning then."""
+    pytest.importorskip("torch")
+    from pyplan.cli.run import _optimizer
+    from pyplan.resolved import load_resolved
+
+    monkeypatch.syspath_prepend(str(MODELS))
+    monkeypatch.delitem(sys.modules, "plain", raising=False)
+    sizes = {}
+    for optimizer in ("sgd", "adamw"):
+        out = tmp_path / f"{optimizer}.yaml"
+        code, _, err = cli("partition", "plain:model", "--data", "plain:batch", "--loss",
+                           "plain:loss", "--devices", "2", "--micro-batches", "4",
+                           "--repeats", "1", "--optimizer", optimizer, "-o", out)
+        assert code == 0, err
+        assert f"  optimizer: {optimizer}\n" in out.read_text()
+        code, _, err = cli("solve", out, "--quiet")
+        assert code == 0, err
+        model = load_resolved(tmp_path / f"{optimizer}.resolved.yaml").problem.model
+        assert model.optimizer == optimizer
+        sizes[optimizer] = re.findall(r"weights: (\d+)B", out.read_text())
+    # AdamW's two fp32 moments: each stage's weights count 4 tensors of its parameters, not 2
+    assert all(int(a) > int(s) for a, s in zip(sizes["adamw"], sizes["sgd"])), sizes
+    capsys.readouterr()
+    monkeypatch.setenv("RANK", "0")
+    assert _optimizer(None, model) == "adamw" and _optimizer("adamw", model) == "adamw"
+    assert capsys.readouterr().err == ""
+    assert _optimizer("sgd", model) == "sgd"
+    assert capsys.readouterr().err.startswith(
+        "warning: --optimizer sgd: the plan was partitioned for adamw (model.optimizer)")
+    monkeypatch.setenv("RANK", "1")  # said once, by rank 0
+    assert _optimizer("sgd", model) == "sgd" and capsys.readouterr().err == ""
+    assert _optimizer(None, dataclasses.replace(model, optimizer=None)) == "sgd"

@@ -17,6 +17,7 @@ import json
 import re
 import statistics
 import os
+import sys
 from pathlib import Path
 
 from pyplan.cli._torch import require_torch
@@ -70,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with the results instead of the summary")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
-                        help="torch.optim optimizer (default sgd)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS,
+                        help="torch.optim optimizer (default: the plan's model.optimizer, "
+                        "which pyplan partition --optimizer writes, else sgd)")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     parser.add_argument("--weight-decay", type=float, default=0.0, metavar="W",
                         help="weight decay of the parameters of two or more dimensions; "
@@ -273,6 +275,18 @@ def run(args: argparse.Namespace) -> int:
     return record(_session)(args, plan, model, fail_at)
 
 
+def _optimizer(given: str | None, model) -> str:
+    """--optimizer, else the one the plan was partitioned for, else sgd. One that differs from
+    the plan's is said once (rank 0): the plan's memory counts the other's state."""
+    planned = model.optimizer
+    if given is not None and planned is not None and given != planned and \
+            os.environ.get("RANK", "0") == "0":
+        print(f"warning: --optimizer {given}: the plan was partitioned for {planned} "
+              f"(model.optimizer), so its memory counts {planned}'s state, not {given}'s "
+              f"(hint: re-run pyplan partition with --optimizer {given})", file=sys.stderr)
+    return given or planned or "sgd"
+
+
 def _check_eval_split(model, problem) -> None:
     """--eval-every reads batches of the data's eval split: data(i, split="eval")."""
     import inspect
@@ -314,7 +328,7 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
     """The command line of one worker: this run's options, without the launcher's."""
     out = ["run", args.plan]
     for option in ("seed", "lr", "weight_decay", "lr_warmup", "fault_timeout",
-                   "optimizer", "dtype", "lr_schedule", "lr_min", "accumulate",
+                   "dtype", "lr_schedule", "lr_min", "accumulate",
                    "eval_batches", "check_steps", "max_bad_steps", "adam_betas",
                    "adam_eps"):
         out += [f"--{option.replace('_', '-')}", repr(getattr(args, option))
@@ -322,7 +336,7 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
     for flag in ("check", "blocking", "sync_at_end", "json"):
         if getattr(args, flag):
             out.append(f"--{flag.replace('_', '-')}")
-    for option in ("config", "iterations", "steps", "max_time", "trace", "fail_at", "perturb",
+    for option in ("optimizer", "config", "iterations", "steps", "max_time", "trace", "fail_at", "perturb",
                    "tolerance", "clip_grad_norm", "save", "save_every", "resume", "device",
                    "keep_last", "eval_every", "log", "tensorboard"):
         value = getattr(args, option)
@@ -339,8 +353,8 @@ def _session(args, plan, model, fail_at) -> int:
     from pyplan.train.session import Session
     from pyplan.train.training import Training
 
-    training = Training(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-                        clip_grad_norm=args.clip_grad_norm, lr_warmup=args.lr_warmup,
+    training = Training(optimizer=_optimizer(args.optimizer, plan.problem.model), lr=args.lr,
+                        weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad_norm, lr_warmup=args.lr_warmup,
                         lr_schedule=args.lr_schedule, lr_min=args.lr_min,
                         accumulate=args.accumulate, betas=_betas(args.adam_betas),
                         eps=args.adam_eps)

@@ -149,7 +149,8 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
         bandwidth, latency, _ = measure_link(device)
         measured_link = LinkSpec(bandwidth=bandwidth, latency_ms=latency)
     link = measured_link or (CPU_LINK if device == "cpu" else None)
-    options = dict(link=link, name=output.name.split(".")[0], factory=factory, data=data, loss=loss,
+    options = dict(link=link, optimizer=optimizer, name=output.name.split(".")[0],
+                   factory=factory, data=data, loss=loss,
                    micro_batches=n, memory=memory, time_limit=SOLVE_SECONDS,
                    source=str(output), cut=cut.kind,
                    layer_returns=cut.layer_returns, everywhere=shared,

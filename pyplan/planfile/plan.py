@@ -348,7 +348,8 @@ def _build(source: Source) -> PlanSpec:
                               (t["parameter"], tuple(t["stages"])) for t in raw["ties"]),
                           vocab_parallel=None if "vocab_parallel" not in raw else (
                               raw["vocab_parallel"]["embedding"], raw["vocab_parallel"]["head"]),
-                          weights=raw.get("weights"), data=raw["data"], loss=raw["loss"],
+                          weights=raw.get("weights"), optimizer=raw.get("optimizer"),
+                          data=raw["data"], loss=raw["loss"],
                           path=raw.get("path"))
     return PlanSpec(source=source, name=doc["name"], description=doc.get("description", ""),
                     num_devices=num_devices, memory_capacity=capacity,

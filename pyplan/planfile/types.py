@@ -274,6 +274,9 @@ class ModelSpec:
     weights: str | None = None
     """With module: a safetensors checkpoint folder (relative to the plan) the parameters
     start from, each rank reading only its own; None: the factory's initialisation."""
+    optimizer: str | None = None
+    """The optimizer (sgd or adamw) whose state the plan's weights count: `pyplan run`'s
+    default; None when the plan does not say (sgd)."""
     data: str
     loss: str
     path: str | None = None

@@ -298,7 +298,7 @@ def planned_memory(pipe: Pipeline, optimizer: str) -> list[dict]:
     weights = [sum(b.weights for b in problem.blocks if d in b.devices)
                for d in range(problem.num_devices)]
     peaks = pipe.resolved.schedule.peak_memory
-    tensors = 2 + OPTIMIZER_STATE.get("adam" if optimizer == "adamw" else optimizer, 0)
+    tensors = 2 + OPTIMIZER_STATE.get(optimizer, 0)
     out = []
     for r in range(pipe.world):
         device = mesh.coords(r)[0]
