@@ -3,7 +3,8 @@ from what pyplan does.
 
 A guide's blocks run in order in a working directory of its own that holds a copy of plans/
 (the commands are written for the repository's root) and the source folder pyplan/, as the
-root does; a guide that starts Python there runs again in a folder with plans/ alone. By their
+root does; README.md, the newcomer's guide, runs again in a folder with plans/ alone (the rest
+of the suite runs the installed package from elsewhere). By their
 fence's language:
 
 - `yaml` or `python` whose first line is `# FILE`: written to FILE for the blocks after it;
@@ -212,19 +213,10 @@ def _yaml(block: Block, cwd: Path) -> None:
         build_problem(spec_from_text(block.text, block.where))
 
 
-def _runs_python(guide: Path) -> bool:
-    """Whether a guide starts Python in its folder (a script, a doctest, torchrun), where the
-    folder's own pyplan/ would come first on sys.path."""
-    return any(b.language in ("python", "pycon") and not _FILE.match(b.text.split("\n", 1)[0])
-               or b.language in ("sh", "console")
-               and re.search(r"(^|[\s$])(python|torchrun)\s", b.text, re.M)
-               for b in blocks(guide) if not b.not_run)
-
-
 @pytest.mark.torchrun
 @pytest.mark.parametrize("guide, where", [
     (guide, where) for guide in GUIDES
-    for where in (("root", "clean") if _runs_python(guide) else ("root",))],
+    for where in (("root", "clean") if guide.name == "README.md" else ("root",))],
     ids=lambda x: x.name if isinstance(x, Path) else x)
 def test_guide_runs(guide, where, tmp_path, monkeypatch):
     """`root`: the folder is laid out as the repository's root, its source folder pyplan/
