@@ -287,22 +287,36 @@ def _loss_error(got: float, want: float) -> float:
 
 def compare(losses: list[float], snapshots: list[dict], ref_losses: list[float],
             ref_snapshots: list[dict], tolerance: float, evals: list = (),
-            ref_evals: list = (), first_step: int = 0) -> Verdict:
+            ref_evals: list = (), first_step: int = 0, forward_only: bool = False) -> Verdict:
     """Step by step over the checked steps (`snapshots`: per step the pipelined run's
     gradients and values keyed (name, block), one entry per copy of a tied parameter;
     `ref_snapshots` the single-process run's, keyed by name): the loss, then the worst
     gradient, then the worst updated value; then the evaluations. The first step with an error
     above `tolerance` (relative: see relative_error) fails the check, naming the worst
     parameter of that step (and its copy); else the verdict says the worst of all. Steps are
-    named 1-based (the step just completed), from `first_step` + 1."""
+    named 1-based (the step just completed), from `first_step` + 1. `forward_only` (an
+    inference plan): no update, so nothing drifts: every step's loss is judged."""
+    def loss_differs(i: int) -> Verdict | None:
+        error = _loss_error(losses[i], ref_losses[i])
+        if not error <= tolerance:
+            return Verdict(False, f"the loss of step {first_step + i + 1} is {losses[i]:.8g}, "
+                           f"the single-process run's {ref_losses[i]:.8g} (relative error "
+                           f"{error:.3g}, tolerance {tolerance:g})")
+        return None
+
+    if forward_only:
+        judged = min(len(losses), len(ref_losses))
+        failed = next(filter(None, map(loss_differs, range(judged))), None)
+        return failed or Verdict(True, f"{judged} forward-only steps: the losses match the "
+                                 "single-process forwards' (largest relative error "
+                                 f"{max(map(_loss_error, losses, ref_losses)):.1e}, "
+                                 f"tolerance {tolerance:g})")
     worst = (0.0, None)  # (error, what)
     for i, (mine, ref) in enumerate(zip(snapshots, ref_snapshots)):
         step = first_step + i + 1
-        error = _loss_error(losses[i], ref_losses[i])
-        if not error <= tolerance:
-            return Verdict(False, f"the loss of step {step} is {losses[i]:.8g}, the "
-                           f"single-process run's {ref_losses[i]:.8g} (relative error "
-                           f"{error:.3g}, tolerance {tolerance:g})")
+        failed = loss_differs(i)
+        if failed:
+            return failed
         for kind in ("gradients", "values"):
             errors = []
             copies: dict[str, list] = {}

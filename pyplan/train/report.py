@@ -131,7 +131,8 @@ def header(problem, ranks: int, device: str, backend: str, options: Options,
     plural = "s" if steps != 1 else ""
     return (f"{problem.name}: {steps} step{plural} on {ranks} ranks ({device}, {backend}, "
             f"{options.dtype}), {mode} communication, {problem.num_micro_batches} "
-            f"micro-batches, {options.training.describe()}")
+            f"micro-batches, " + (options.training.describe() if problem.training else
+                                  "forward only (an inference plan: no update)"))
 
 
 def iteration_line(step: int, seconds: float, loss: float, samples: int, tokens: int | None,

@@ -497,7 +497,7 @@ class Session:
                      for s in snapshots])
         tolerance = opts.tolerance if opts.tolerance is not None else TOLERANCE[opts.dtype]
         return compare(losses, snapshots, ref_losses, ref_snapshots, tolerance, evals,
-                       ref_evals, first_step=first)
+                       ref_evals, first_step=first, forward_only=not self.problem.training)
 
     def close(self) -> None:
         if self.watchdog is not None:
