@@ -39,7 +39,7 @@ from pyplan.cluster.pipeline import chunks, price, split_layers  # noqa: E402
 DATA = Path(os.environ.get("PYPLAN_CLUSTER_DATA") or
             Path(__file__).resolve().parent.parent.parent / "shared" / "cluster")
 ZB_SCHEDULES = (("1f1b", "1f1b", 1), ("interleaved_1f1b", "interleaved-1f1b", 2),
-                ("zb_1p", "zb-h1", 1), ("zb_2p", "zb-h2", 1))
+                ("zb_1p", "zb-h1", 1), ("zb_2p", "zb-2p", 1))
 
 
 def rows(name: str) -> list[dict]:

@@ -230,6 +230,18 @@ def _greedy(stage_device: list[int], n: int, split: bool, in_flight: list[int],
     raise NotApplicable("the template does not make progress")
 
 
+def zb_2p(problem: Problem):
+    require_training(problem, split=True)
+    stages = single_chain_stages(problem)
+    p = len(stages)
+    # ZB-2p: every stage holds up to 2p micro-batches' activations, deferring W passes
+    programs = _greedy(list(range(p)), problem.num_micro_batches, True, [2 * p] * p,
+                       _deltas(problem, stages))
+    device_of = [stage_device(problem, st) for st in stages]
+    return _device_orders(problem, stages, [programs[device_of.index(d)] if d in device_of
+                                            else [] for d in range(problem.num_devices)])
+
+
 def _deltas(problem: Problem, stages) -> list[dict] | None:
     """Each stage's memory change per op, when every forward allocates (else None)."""
     delta = [{op: sum(problem.blocks[b].memory for b in stage_ops(problem, st, op))

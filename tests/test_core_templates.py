@@ -16,7 +16,7 @@ from pyplan.planfile import spec_from_text
 
 PLANS = Path(__file__).resolve().parent.parent / "plans"
 REFERENCE = {"1f1b": ref.one_f_one_b, "zb-h1": ref.zb_h1, "chimera": ref.chimera,
-             "zb-h2": ref.zb_h2, "zb-v": ref.zb_v}
+             "zb-h2": ref.zb_h2, "zb-2p": ref.zb_2p, "zb-v": ref.zb_v}
 
 
 def _shape(kind: str, devices: int, n: int, memory: int | None, split: bool) -> str:

@@ -16,8 +16,9 @@ __all__ = ["RECOMPUTE", "SCHEDULES", "Batch", "Layout", "check_layout"]
 
 RECOMPUTE = ("none", "selective", "full")
 # The pipeline schedules pyplan prices (its templates' names); "search": pyplan's own.
-SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "gpipe", "search")
-SPLIT_BACKWARD = frozenset({"zb-h1", "zb-h2", "zb-v", "search"})
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-2p", "zb-v", "gpipe",
+             "search")
+SPLIT_BACKWARD = frozenset({"zb-h1", "zb-h2", "zb-2p", "zb-v", "search"})
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from pyplan.cluster.pipeline import device_of, split_layers
 
 __all__ = ["SEARCHED_SCHEDULES", "Fixed", "candidates", "search"]
 
-SEARCHED_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
+SEARCHED_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-2p", "zb-v")
 CHUNKS = (2, 3, 4, 6, 8)  # chunks per GPU the search tries for interleaved 1F1B
 MAX_MICRO_BATCH = 64
 
@@ -183,7 +183,7 @@ def _in_flight(layout: Layout, device: int, m: int) -> int:
         return min(m * v, 2 * (p - device - 1) + (v - 1) * p + 1)
     if layout.schedule == "zb-v":
         return min(2 * m, p)
-    if layout.schedule in ("1f1b", "zb-h1", "zb-h2"):
+    if layout.schedule in ("1f1b", "zb-h1", "zb-h2", "zb-2p"):
         return min(m, p - device)
     return 1
 

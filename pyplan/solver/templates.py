@@ -199,6 +199,19 @@ def _zb_h2(problem: Problem):
         [stage_device(problem, st) for st in stages]))
 
 
+def _zb_2p(problem: Problem):
+    """ZB-2p, the zero bubble paper's automatic schedule at its memory limit: every stage may
+    hold 2p micro-batches' activations (with the W passes' held inputs), so W passes are
+    deferred (more forwards run first) and fill the cooldown (Qi et al., section 3)."""
+    require_training(problem, split=True)
+    stages = single_chain_stages(problem)
+    p = len(stages)
+    return _made(_core.greedy_orders(
+        problem.graph, [stage_blocks(problem, s) for s in stages], list(range(p)),
+        problem.num_micro_batches, True, [2 * p] * p,
+        [stage_device(problem, st) for st in stages]))
+
+
 def _zb_v(problem: Problem):
     """ZB-V: 1F1B's activation memory (D micro-batches of the whole model, 2D stage
     activations per device), the V placement making every device's first B come early."""
@@ -287,7 +300,8 @@ def _dualpipe_v(problem: Problem):
 
 
 _BUILDERS = {"gpipe": _gpipe, "1f1b": _1f1b, "interleaved-1f1b": _interleaved,
-             "chimera": _chimera, "zb-h1": _zb_h1, "zb-h2": _zb_h2, "zb-v": _zb_v,
+             "chimera": _chimera, "zb-h1": _zb_h1, "zb-h2": _zb_h2, "zb-2p": _zb_2p,
+             "zb-v": _zb_v,
              "dualpipev": _dualpipe_v, "3f1b": _3f1b}
 TEMPLATES = tuple(_BUILDERS)  # names, in the order they are listed and tried
 

@@ -24,16 +24,17 @@ arguments."""
 
 RECOMPUTE = ("none", "selective", "full")
 # pyplan's templates (pyplan.solver.templates) and "search": pyplan's own order.
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "chimera", "zb-h1", "zb-h2", "zb-v",
-             "dualpipev", "3f1b", "search")
-_SPLIT = frozenset({"zb-h1", "zb-h2", "zb-v"})  # templates with a split backward (I and W)
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "chimera", "zb-h1", "zb-h2", "zb-2p",
+             "zb-v", "dualpipev", "3f1b", "search")
+# templates with a split backward (I and W)
+_SPLIT = frozenset({"zb-h1", "zb-h2", "zb-2p", "zb-v"})
 LOOP, V = "loop", "v"
 # Each template's placement: loop (stage s on rank s mod pp) or V (s and 2pp-1-s on rank s).
 _PLACEMENT = {"gpipe": LOOP, "1f1b": LOOP, "interleaved-1f1b": LOOP, "zb-h1": LOOP,
-              "zb-h2": LOOP, "zb-v": V, "dualpipev": V}
+              "zb-h2": LOOP, "zb-2p": LOOP, "zb-v": V, "dualpipev": V}
 # Stages per rank (vpp) each template runs: a number, or None for any.
 _VPP = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": None, "zb-h1": None, "zb-h2": 1,
-        "zb-v": 2, "dualpipev": 2}
+        "zb-2p": 1, "zb-v": 2, "dualpipev": 2}
 
 
 class LayoutError(PlanError):
