@@ -16,7 +16,7 @@ from pyplan.errors import PlanError
 from pyplan.problem_ir import Block, Problem, layer_of, resolve_rule
 from pyplan.schedule import Schedule
 from pyplan.planfile import MeshSpec, ModelSpec, load_yaml
-from pyplan.planfile.plan import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_TIME
+from pyplan.planfile.plan import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_TIME, MAX_WORLD
 from pyplan.planfile.types import LAYER_RETURNS
 from pyplan.planfile.units import MAX_MEMORY
 
@@ -38,7 +38,7 @@ _MODEL = {"blocks": (str, (), 0), "module": (str, (), 0), "stages": (dict, 0, 0)
           "data": (str, (), 0), "loss": (str, (), 0), "path": (str, (), 0),
           "vocab_parallel": (dict, 0, 0), "weights": (str, (), 0),
           "optimizer": (str, ("sgd", "adamw"), 0)}
-_MESH = {"data": (int, 1, MAX_DEVICES), "sync": (int, 0, MAX_TIME),
+_MESH = {"data": (int, 1, MAX_WORLD), "sync": (int, 0, MAX_TIME),
          "tensor": (int, 1, MAX_DEVICES)}
 
 
@@ -179,12 +179,12 @@ class Reader:
                     isinstance(k, str) and isinstance(v, str) for k, v in tensor_plan.items()):
                 raise self.fail(("mesh", "tensor_plan"), "'tensor_plan' must map module paths "
                                 "to styles", "the file was edited; re-run pyplan solve")
-            if not (type(shard) is bool or (type(shard) is int and 1 <= shard <= MAX_DEVICES)):
+            if not (type(shard) is bool or (type(shard) is int and 1 <= shard <= MAX_WORLD)):
                 raise self.fail(("mesh", "shard"), f"'shard' cannot be {shard!r} here",
                                 "the file was edited; re-run pyplan solve")
             self.typed(raw_mesh, ("mesh",), _MESH, set(_MESH) - {"tensor"})
             mesh = MeshSpec(data=self.get("data", int, ("mesh",), low=1,
-                                          high=MAX_DEVICES // num_devices),
+                                          high=MAX_WORLD // num_devices),
                             shard=shard,
                             sync=self.get("sync", int, ("mesh",), low=0, high=MAX_TIME),
                             tensor=self.doc["mesh"].get("tensor", 1),

@@ -314,3 +314,20 @@ def test_plan_writes_the_layout_for_torchtitan_and_megatron(tmp_path):
                       "--megatron", "zb.txt", cwd=tmp_path)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
     assert not (tmp_path / "zb.txt").exists()
+
+
+def test_a_cluster_of_sixteen_thousand_gpus_is_planned_and_its_plan_validates(tmp_path):
+    """Llama 3 405B's published layout (Dubey et al. 2024: 16,384 H100s, tp 8 x pp 16 x dp
+    128): the plan's mesh is 16,384 GPUs, within the 1,048,576 a plan allows (4,096 before)."""
+    config = _config(tmp_path, "llama", hidden_size=16384, intermediate_size=53248,
+                     num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
+                     vocab_size=128256)
+    result = _pyplan("plan", config, "--cluster", "dgx-h100", "--gpus", "16384", "--tp", "8",
+                     "--pp", "16", "--dp", "128", "--global-batch", "2048", "--seq", "8192",
+                     "--micro-batch", "1", "--json", "-o", "l405.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    layout = json.loads(result.stdout)["layout"]
+    assert (layout["tp"], layout["pp"], layout["dp"]) == (8, 16, 128)
+    assert "mesh: {data: 128, " in (tmp_path / "l405.yaml").read_text()
+    validated = _pyplan("validate", "l405.yaml", cwd=tmp_path)
+    assert validated.returncode == 0, validated.stderr

@@ -142,6 +142,7 @@ def _cost(raw: dict | None, memory: _Memory, size, path: tuple) -> CostSpec:
 
 # Limits the schema states too (schemas/plan.schema.json); resolved plans and the API use these.
 MAX_DEVICES = 4096
+MAX_WORLD = 1_048_576  # GPUs of a mesh: the pipeline's devices x data x tensor (Llama 3: 16,384)
 MAX_MICRO_BATCHES = 100_000
 MAX_TIME = 1_000_000
 MAX_SHIFT = 1_000_000  # order rule shifts, conditions and loop values
@@ -323,10 +324,10 @@ def _build(source: Source) -> PlanSpec:
     mesh = MeshSpec(data=mesh_raw.get("data", 1), shard=mesh_raw.get("shard", False),
                     sync=mesh_raw.get("sync", 0), tensor=mesh_raw.get("tensor", 1),
                     tensor_plan=tuple(sorted((mesh_raw.get("tensor_plan") or {}).items())))
-    if mesh.world(num_devices) > MAX_DEVICES:
+    if mesh.world(num_devices) > MAX_WORLD:
         raise source.error(("mesh",), f"the mesh's {mesh.world(num_devices)} GPUs ({num_devices} "
                            f"devices x {mesh.data_parallel} data-parallel x {mesh.tensor} "
-                           f"tensor) exceed {MAX_DEVICES}", "use fewer replicas")
+                           f"tensor) exceed {MAX_WORLD:,}", "use fewer replicas")
     model = None
     if "model" in doc:
         raw = doc["model"]
