@@ -93,22 +93,74 @@ def _discarded(path: Path) -> bool:
         return False
 
 
-def check_not_input(output: str | Path, *inputs: str | Path | None) -> None:
-    """PyplanError when `output` is one of the files a command reads (writing the result would
-    destroy its own input, e.g. `pyplan export PLAN -o PLAN`) or cannot be replaced by a file
-    (check_output). Commands call it before their work, so nothing is computed in vain."""
-    target = check_output(output)
-    if not target.exists() and not target.resolve().parent.is_dir():
-        raise PyplanError(f"cannot write {output}: its directory does not exist",
-                          hint="create the directory first, or choose another output")
+def check_not_input(output: str | Path, *inputs: str | Path | None, flag: str = "",
+                    kind: str = "file") -> None:
+    """PyplanError when writing `output` would destroy what the command reads or must keep:
+    `output` is one of `inputs` or lies inside one that is a folder (a checkpoint, a weights
+    folder), compared by device and inode after following links, so a hard link, a symlink or
+    `./a/../b` is caught (e.g. `pyplan export PLAN -o PLAN`). `kind`: "file" (replaced whole:
+    also check_output's refusals), "folder" (files are added into it: `run --save`), or
+    "replaced folder" (replaced whole, so no input may lie inside it either). `flag` starts
+    the message (`--log PATH: ...`). Commands call it before their work, so nothing is
+    computed in vain."""
+    named = f"{flag} {output}: " if flag else ""
+    if str(output) == "":
+        raise PyplanError(f"{flag or 'the output'} '': an empty path names no file",
+                          hint="give a file or folder name")
+    if kind == "file":
+        target = check_output(output, f"{flag} " if flag else "")
+        if not target.exists() and not target.resolve().parent.is_dir():
+            raise PyplanError(f"{named or f'cannot write {output}: '}its directory does not "
+                              "exist",
+                              hint="create the directory first, or choose another output")
+    elif Path(output).exists() and not Path(output).is_dir():
+        raise PyplanError(f"{named}exists and is not a folder",
+                          hint="choose a folder (a new name, or an existing directory)")
+    around = _identities(output)
     for given in inputs:
-        if given is None:
+        if given is None or str(given) == "" or not os.path.exists(given):
+            continue  # nothing there to lose
+        inside = _identities(given)
+        if inside and (inside[0] == around[0] or around[0] in _files_in(given)):
+            what = "write over"
+        elif inside and inside[0] in around:
+            what = "write inside"
+        elif inside and kind == "replaced folder" and around[0] in inside:
+            what = "replace a folder holding"
+        else:
             continue
+        raise PyplanError(f"{named}refusing to {what} {given}, which this command reads",
+                          hint="choose another output file" if kind == "file" else
+                          "choose another folder")
+
+
+def _files_in(folder: str | Path, limit: int = 10_000) -> set[tuple[int, int]]:
+    """(st_dev, st_ino) of the files directly in `folder` (a hard link to one of them is that
+    file), at most `limit` of them; empty when `folder` is not a directory."""
+    found = set()
+    try:
+        with os.scandir(folder) as entries:
+            for entry, _ in zip(entries, range(limit)):
+                if entry.is_file():
+                    info = entry.stat()
+                    found.add((info.st_dev, info.st_ino))
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def _identities(path: str | Path) -> list[tuple[int, int]]:
+    """(st_dev, st_ino) of `path` (after its links) and of each folder above it that exists;
+    empty when the path cannot be looked at."""
+    try:
+        real = Path(os.path.realpath(path))
+    except (OSError, ValueError):
+        return []
+    found = []
+    for folder in (real, *real.parents):
         try:
-            same = os.path.samefile(output, given) if Path(output).exists() else \
-                Path(output).resolve() == Path(given).resolve()
+            info = os.stat(folder)
         except (OSError, ValueError):
             continue
-        if same:
-            raise PyplanError(f"refusing to write over {given}, which this command reads",
-                              hint="choose another output file")
+        found.append((info.st_dev, info.st_ino))
+    return found if os.path.lexists(path) else [(-1, -1), *found]

@@ -60,7 +60,8 @@ def test_an_output_that_is_not_a_regular_file_is_refused(special, cli, tmp_path)
     for command in _commands(tmp_path, out):
         code, stdout, err = cli(*command)
         assert (code, stdout) == (2, ""), (command, err)
-        assert err == (f"error: {out} {NOT_A_FILE.format(kind)}, so it does not write there "
+        flag = command[command.index(out) - 1]
+        assert err == (f"error: {flag} {out} {NOT_A_FILE.format(kind)}, so it does not write there "
                        "(hint: choose a file name)\n"), command
         assert _unchanged(out) == before
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
@@ -95,7 +96,7 @@ def test_a_symlinked_output_keeps_its_link(cli, tmp_path):
 def test_a_missing_directory_is_refused_before_solving(cli, tmp_path):
     code, out, err = cli("solve", PLANS / "1f1b-4stage.yaml", "-o", tmp_path / "no" / "x.yaml")
     assert (code, out) == (2, "")
-    assert err == (f"error: cannot write {tmp_path / 'no' / 'x.yaml'}: its directory does not "
+    assert err == (f"error: -o {tmp_path / 'no' / 'x.yaml'}: its directory does not "
                    "exist (hint: create the directory first, or choose another output)\n")
 
 

@@ -193,10 +193,10 @@ def test_the_clis_choices_are_the_runtimes():
 
 def test_the_clis_torch_free_copies_are_the_runtimes():
     """What the CLI spells again so that it parses without torch: the time limit of a
-    measurement (profile, partition) and the name of a checkpoint's record (consolidate)."""
+    measurement (profile, partition) and the name of a checkpoint's record (the output checks)."""
     pytest.importorskip("torch")
-    from pyplan.cli import consolidate, profile
+    from pyplan.cli import _outputs, profile
     from pyplan.measure.limits import DEFAULT_SECONDS
     from pyplan.train.checkpoint import META
 
-    assert (profile.TIME_LIMIT, consolidate.META) == (DEFAULT_SECONDS, META)
+    assert (profile.TIME_LIMIT, _outputs.META) == (DEFAULT_SECONDS, META)

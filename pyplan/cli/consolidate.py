@@ -18,13 +18,12 @@ from pathlib import Path
 
 from pyplan.cli._torch import require_torch
 from pyplan.errors import PlanError
-from pyplan.fileio import check_not_input, write_atomic
+from pyplan.cli._outputs import check_outputs, checkpoint_reads, model_reads
+from pyplan.fileio import write_atomic
 from pyplan.resolved import load_resolved
 
 __all__ = ["add_arguments", "run"]
 
-META = "pyplan.json"  # pyplan.train.checkpoint.META, spelled here: this module parses without
-#                      torch (tests/test_run_cli.py checks they agree)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if problem.model is None:
         raise PlanError("the plan has no model: section, so there is no model to consolidate",
                         file=args.plan)
-    _check_output(Path(args.output), Path(args.checkpoint), plan)
+    _check_output(args, plan)
     require_torch("consolidate")
     import torch
 
@@ -127,21 +126,16 @@ def save_pretrained(model, folder: Path) -> None:
         raise
 
 
-def _check_output(output: Path, checkpoint: Path, plan) -> None:
-    """Refuse to write over what this command reads: the resolved plan, its plan, the
-    checkpoint's folder or anything inside it, an existing output that is not a file."""
+def _check_output(args, plan) -> None:
+    """Refuse to write over what this command reads: the resolved plan, its plan, the model's
+    code and weights, the checkpoint's folder or anything inside it."""
+    checkpoint = Path(args.checkpoint)
     if not checkpoint.is_dir():
         raise PlanError(f"{checkpoint}: " + ("not a directory" if checkpoint.exists() else
                                               "does not exist"),
                         hint="give the directory pyplan run --save wrote")
-    check_not_input(output, plan.path, plan.plan_path)
-    target = output.resolve()
-    given = checkpoint.resolve()
-    inside = [checkpoint] * (target == given or given in target.parents)
-    inside += [f for f in target.parents if (f / ".metadata").is_file() or (f / META).is_file()]
-    if inside:
-        raise PlanError(f"refusing to write {output} inside the checkpoint {inside[0]}",
-                        hint="choose an output outside the checkpoints")
-    if output.exists() and not output.is_file() and not output.is_dir():
-        raise PlanError(f"{output} exists and is not a regular file",
-                        hint="choose a file name for the state dict")
+    source = plan.plan_path if plan.plan_path is not None and plan.plan_path.is_file() \
+        else Path(plan.path)
+    check_outputs({"-o": (args.output, "replaced folder" if _folder(args) else "file")},
+                  [plan.path, plan.plan_path, checkpoint, *checkpoint_reads(checkpoint),
+                   *model_reads(plan.problem.model, source.resolve().parent)])

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
                         hint=did_you_mean(args.format, names) or f"choose {', '.join(names)}")
     problem, resolved = load_plan(args.plan)
     if args.output != "-":
-        check_not_input(args.output, args.plan, resolved and resolved.plan_path)
+        check_not_input(args.output, args.plan, resolved and resolved.plan_path, flag="-o")
     if args.format in LAYOUTS:
         export, client = LAYOUTS[args.format]
         if args.template is not None:

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                        ("--megatron", args.megatron)):
         if path and path != "-":
             check_output(path, flag)
-            check_not_input(path, args.model, args.cluster)
+            check_not_input(path, args.model, args.cluster, flag=flag)
     model = read_model(args.model)
     cluster = load_cluster(args.cluster)
     gpus = args.gpus or cluster.gpus

@@ -20,10 +20,11 @@ import os
 import sys
 from pathlib import Path
 
+from pyplan.cli._outputs import (check_outputs, check_resume, check_save,
+                                 checkpoint_reads, model_reads)
 from pyplan.cli._torch import require_torch
 from pyplan.cli.launch import LAUNCH_OPTIONS, check_processes, launch
 from pyplan.errors import EXIT_PREEMPTED, EXIT_RUN_FAILED, PlanError, RunError, did_you_mean
-from pyplan.fileio import check_not_input
 from pyplan.lower import COMPUTE, RECV, SEND, SYNC, WAIT, check_runnable, describe, lower
 from pyplan.resolved import load_resolved
 from pyplan.verify import verify
@@ -225,9 +226,7 @@ def run(args: argparse.Namespace) -> int:
     args.config_record = _apply_config(args)
     fail_at = _options(args)
     plan = load_resolved(args.plan)
-    for output in (args.trace, args.log):
-        if output is not None:
-            check_not_input(output, plan.plan_path)
+    _check_outputs(args, plan)
     plan.check_fresh()
     problem = plan.problem
     if problem.model is None:
@@ -273,6 +272,17 @@ def run(args: argparse.Namespace) -> int:
     if args.eval_every is not None:
         _check_eval_split(model, problem)
     return record(_session)(args, plan, model, fail_at)
+
+
+def _check_outputs(args: argparse.Namespace, plan) -> None:
+    """No output of this run lands on what it reads or keeps (pyplan.cli._outputs)."""
+    plan_dir = (plan.plan_path or Path(plan.path)).parent
+    check_outputs({"--trace": (args.trace, "file"), "--log": (args.log, "file"),
+                   "--tensorboard": (args.tensorboard, "folder"),
+                   "--save": (args.save, "folder")},
+                  [args.plan, plan.plan_path, args.config,
+                   *model_reads(plan.problem.model, plan_dir),
+                   *checkpoint_reads(args.resume), *checkpoint_reads(args.save)])
 
 
 def _optimizer(given: str | None, model) -> str:
@@ -438,21 +448,14 @@ def _options(args: argparse.Namespace):
     for name, needs in (("save_every", "save"), ("keep_last", "save")):
         if getattr(args, name) is not None and getattr(args, needs) is None:
             raise PlanError(f"--{name.replace('_', '-')} needs --{needs} DIR")
-    if args.trace is not None:
-        check_not_input(args.trace, args.plan)
-        if args.log is not None and Path(args.trace).resolve() == Path(args.log).resolve():
-            raise PlanError(f"--trace and --log both name {args.log}",
-                            hint="give them different files")
-    if args.log is not None:
-        check_not_input(args.log, args.plan, args.resume)
     if args.resume == "auto":
         if args.save is None:
             raise PlanError("--resume auto resumes from --save's folder, and there is no --save",
                             hint="give --save DIR with --resume auto")
     elif args.resume is not None:
-        _check_resume(Path(args.resume))
+        check_resume(Path(args.resume))
     if args.save is not None:
-        _check_save(Path(args.save))
+        check_save(Path(args.save))
     if args.fail_at is None:
         return None, None
     parts = args.fail_at.split(":")
@@ -522,29 +525,6 @@ def _perturb(value: str | None) -> tuple[int, str] | None:
     if not rank.isdigit() or not name:
         raise PlanError(f"--perturb {value!r} is not RANK:PARAMETER")
     return int(rank), name
-
-
-def _check_resume(path: Path) -> None:
-    """A folder --save wrote (a step folder, or the folder of step folders), without torch;
-    the ranks check the checkpoint itself before they load it."""
-    if not path.is_dir():
-        raise PlanError(f"--resume {path}: " + ("is not a directory" if path.exists() else
-                                                 "does not exist"),
-                        hint="give the directory --save wrote")
-    if not (path / ".metadata").is_file() and \
-            not any(p.name.startswith("step-") for p in path.iterdir()):
-        raise PlanError(f"--resume {path}: holds no checkpoint written by pyplan run --save",
-                        hint="give the directory --save wrote")
-
-
-def _check_save(path: Path) -> None:
-    """--save DIR: a directory, or a path that can become one (no file in the way)."""
-    for folder in [path, *path.resolve().parents]:
-        if folder.exists():
-            if not folder.is_dir():
-                raise PlanError(f"--save {path}: {folder} exists and is not a directory",
-                                hint="choose another folder for the checkpoints")
-            return
 
 
 def _print_programs(lowered) -> None:

@@ -117,7 +117,7 @@ def _interruptible():
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     output = args.output or str(resolved_path(args.plan))
-    check_not_input(output, args.plan)
+    check_not_input(output, args.plan, flag="-o")
     with _interruptible(), live_progress(not (args.quiet or args.json)) as progress:
         solution = solve(plan, micro_batches=args.micro_batches,
                          memory=_memory_argument(args.memory), time_limit=args.time_limit,
