@@ -9,13 +9,25 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import PLANS
 
-MODULE = "def model():\n    raise AssertionError('never imported')\n"
+MODULE = """\
+def model():
+    raise AssertionError("never built: the outputs are checked first")
+
+
+def batch(step):
+    raise AssertionError("never called")
+
+
+def loss(output, target):
+    raise AssertionError("never called")
+"""
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +37,10 @@ def ws(tmp_path_factory):
     from pyplan.cli.main import main
 
     root = tmp_path_factory.mktemp("ws")
-    text = (PLANS / "gpt24.yaml").read_text().replace("pyplan.examples.gpt_chain:", "usermodel:")
-    (root / "m.yaml").write_text(text.replace("  module: usermodel:model\n",
-                                              "  module: usermodel:model\n  weights: weights\n"))
-    (root / "usermodel.py").write_text(MODULE)
+    text = (PLANS / "gpt24.yaml").read_text().replace("pyplan.examples.gpt_chain:", "overlapmodel:")
+    (root / "m.yaml").write_text(text.replace("  module: overlapmodel:model\n",
+                                              "  module: overlapmodel:model\n  weights: weights\n"))
+    (root / "overlapmodel.py").write_text(MODULE)
     (root / "weights").mkdir()
     (root / "weights" / "model.safetensors.index.json").write_text(
         '{"weight_map": {"a": "model-1.safetensors", "b": "../extra/model-2.safetensors"}}')
@@ -48,14 +60,15 @@ def ws(tmp_path_factory):
 # What each command reads (relative to the workspace; a folder ends in /), and its command line
 # with OUT.
 INPUTS = {
-    "run": ["m.resolved.yaml", "m.yaml", "usermodel.py", "weights/", "extra/model-2.safetensors",
+    "run": ["m.resolved.yaml", "m.yaml", "overlapmodel.py", "weights/", "extra/model-2.safetensors",
             "weights/model.safetensors.index.json", "ckpt/step-00000002/",
             "ckpt/step-00000002/pyplan.json", "ckpt/step-00000002/.metadata", "config.yaml"],
-    "consolidate": ["m.resolved.yaml", "m.yaml", "usermodel.py", "weights/",
+    "consolidate": ["m.resolved.yaml", "m.yaml", "overlapmodel.py", "weights/",
                     "extra/model-2.safetensors", "ckpt/step-00000002/.metadata",
                     "ckpt/step-00000002/pyplan.json"],
     "export": ["m.resolved.yaml", "m.yaml"],
     "solve": ["m.yaml"],
+    "partition": ["overlapmodel.py", "weights/", "weights/model.safetensors.index.json"],
     "plan": ["config.json"],
 }
 LAYOUT = "plan config.json --cluster dgx-a100-80gb --global-batch 8 --seq 128"
@@ -72,6 +85,8 @@ COMMANDS = {  # (command, output flag): its arguments, OUT standing for the outp
                                        "-o OUT",
     ("export", "-o"): "export m.resolved.yaml --format svg -o OUT",
     ("solve", "-o"): "solve m.yaml --quiet -o OUT",
+    ("partition", "-o"): "partition overlapmodel:model --data overlapmodel:batch --loss "
+                         "overlapmodel:loss --devices 2 --weights weights -o OUT",
     ("plan", "-o"): f"{LAYOUT} -o OUT",
     ("plan", "--torchtitan"): f"{LAYOUT} --torchtitan OUT",
     ("plan", "--megatron"): f"{LAYOUT} --megatron OUT",
@@ -115,6 +130,7 @@ def test_no_output_lands_on_what_the_command_reads(line, flag, given, way, ws, t
                                                    monkeypatch):
     out = _alias(ws, given, way, tmp_path)
     monkeypatch.chdir(ws)
+    monkeypatch.delitem(sys.modules, "overlapmodel", raising=False)  # imported from ws
     before = _snapshot(ws)
     code, stdout, err = cli(*line.replace("OUT", str(out)).split())
     assert (code, stdout) == (2, ""), err

@@ -143,6 +143,6 @@ def test_partition_never_writes_over_the_models_code(cli, tmp_path, monkeypatch)
         code, stdout, err = cli("partition", "usermodel:model", "--data", "usermodel:batch",
                                 "--loss", "userloss:loss", "--devices", "1", "-o", out)
         assert (code, stdout) == (2, "")
-        assert err == (f"error: refusing to write over {tmp_path / out.lstrip('./')}, which this "
-                       "command reads (hint: choose another output file)\n")
+        assert err == (f"error: -o {out.lstrip('./')}: refusing to write over {tmp_path / out.lstrip('./')}, "
+                       "which this command reads (hint: choose another output file)\n")
         assert (tmp_path / out).read_bytes() == before

@@ -121,7 +121,7 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
                  names={"module": "factory", "data": "data", "loss": "loss"},
                  weights=None if weights is None else Path(weights))
     check_not_input(output, *_module_files(factory, data, loss, user.whole, user.data,
-                                           user.loss), weights)
+                                           user.loss), weights, flag="-o")
     baseline = rss_bytes()  # a process with torch and the model's code, before the model
     deferred = defer_whole(user, seed)
     inputs, targets = make_batch(user, 0, seed, torch.device("cpu"))
