@@ -107,7 +107,8 @@ def test_checkpoints_survive_a_killed_rank_and_a_full_disk(tmp_path):
     # Both still load and continue exactly; saving step 4 again replaces it once complete,
     # and --keep-last 1 removes the older one.
     code, out, err = launch(tmp_path, "three.resolved.yaml", 3, "--iterations", 2, "--resume",
-                            "ck/step-00000002", "--save", "ck", "--keep-last", 1, "--json")
+                            "ck/step-00000002", "--save", "ck", "--keep-last", 1, "--overwrite",
+                            "--json")
     assert code == 0, err
     assert report(out)["losses"] == losses[2:]
     assert listing(ck) == ["step-00000004"]

@@ -9,13 +9,15 @@ from __future__ import annotations
 import importlib.machinery
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 from pyplan.errors import PlanError
-from pyplan.fileio import check_not_input, read_capped
+from pyplan.fileio import check_not_input, hold_lock, read_capped
 
-__all__ = ["check_outputs", "check_resume", "check_save", "checkpoint_reads", "model_reads"]
+__all__ = ["check_outputs", "check_resume", "check_save", "check_save_folder", "checkpoint_reads",
+           "lock_save", "model_reads", "newest_step"]
 
 META = "pyplan.json"  # pyplan.train.checkpoint.META (tests/test_run_cli.py checks they agree)
 
@@ -138,3 +140,64 @@ def check_save(path: Path) -> None:
                 raise PlanError(f"--save {path}: {folder} exists and is not a directory",
                                 hint="choose another folder for the checkpoints")
             return
+
+
+_STEP = re.compile(r"step-(\d{8,})")  # pyplan.train.checkpoint's step folders
+
+
+def newest_step(folder: str | Path) -> Path | None:
+    """The newest complete step folder in `folder` (pyplan.train.checkpoint.find's choice),
+    without torch; None when there is none."""
+    try:
+        steps = sorted((int(m.group(1)), p) for p in Path(folder).iterdir()
+                       if (m := _STEP.fullmatch(p.name)) and (p / META).is_file())
+    except OSError:
+        return None
+    return steps[-1][1] if steps else None
+
+
+def check_save_folder(save: str | None, resume: str | None, overwrite: bool,
+                      model: str | None) -> None:
+    """--save DIR holds one timeline of checkpoints: a run saving into a DIR that holds some
+    continues from its newest (--resume auto, or --resume naming it). Any other start (afresh,
+    from another folder, from an older step of DIR) would mix two timelines, and another
+    model's or plan's checkpoints would be replaced: refused unless --overwrite, which lets
+    this run's saves replace them (each save removes the steps after its own)."""
+    newest = None if save is None or overwrite else newest_step(save)
+    if newest is None or resume == "auto":
+        return
+    if resume is not None:
+        given = Path(resume)
+        start = given if (given / ".metadata").is_file() or (given / META).is_file() \
+            else newest_step(given)
+        if start is not None and os.path.samefile(start, newest):
+            return
+    try:
+        saved = json.loads(read_capped(newest / META, 1 << 20)).get("model")
+    except (OSError, ValueError, AttributeError):
+        saved = None
+    whose = f" of another model ({saved})" if isinstance(saved, str) and model is not None \
+        and saved != model else ""
+    how = "starts afresh" if resume is None else f"starts from {resume}"
+    raise PlanError(f"--save {save}: holds checkpoints{whose} up to {newest.name}, and this "
+                    f"run {how}, not from its newest", hint="continue them with --resume "
+                    "auto, save into another folder, or give --overwrite to let this run's "
+                    "checkpoints replace them")
+
+
+LOCKED = "PYPLAN_SAVE_LOCKED"  # the --save folder a launcher holds locked for its workers
+
+
+def lock_save(save: str | None) -> None:
+    """One run writes into a --save folder at a time: the process that starts the run (pyplan
+    run's launcher, else rank 0 under torchrun) locks it until it exits; a second run saving
+    there is refused in one line before it starts. The workers a launcher starts inherit the
+    lock (LOCKED names the folder)."""
+    if save is None or os.environ.get("RANK", "0") != "0":
+        return
+    real = os.path.realpath(save)
+    if os.environ.get(LOCKED) == real:
+        return
+    hold_lock(save, f"--save {save}")
+    if "RANK" not in os.environ:  # the launcher: its workers inherit the lock
+        os.environ[LOCKED] = real

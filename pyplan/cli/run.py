@@ -20,8 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-from pyplan.cli._outputs import (check_outputs, check_resume, check_save,
-                                 checkpoint_reads, model_reads)
+from pyplan.cli._outputs import (check_outputs, check_resume, check_save, check_save_folder,
+                                 checkpoint_reads, lock_save, model_reads)
 from pyplan.cli._torch import require_torch
 from pyplan.cli.launch import LAUNCH_OPTIONS, check_processes, launch
 from pyplan.errors import EXIT_PREEMPTED, EXIT_RUN_FAILED, PlanError, RunError, did_you_mean
@@ -112,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save", metavar="DIR",
                         help="write a checkpoint (torch.distributed.checkpoint) at the end, in "
                         "its own folder DIR/step-NNNNNNNN")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="with --save: let this run replace the checkpoints DIR holds "
+                        "when it does not continue from their newest")
     parser.add_argument("--save-every", type=int, metavar="K",
                         help="with --save: also every K steps")
     parser.add_argument("--keep-last", type=int, metavar="N",
@@ -242,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
         _print_programs(lowered)
         print(_model_check(problem, plan_dir, _source(plan)))
         return 0
+    lock_save(args.save)
     devices = problem.mesh.world(problem.num_devices)
     command = f"pyplan run {args.plan} --nproc-per-node {devices}"
     if args.tensorboard is not None:
@@ -283,6 +287,8 @@ def _check_outputs(args: argparse.Namespace, plan) -> None:
                   [args.plan, plan.plan_path, args.config,
                    *model_reads(plan.problem.model, plan_dir),
                    *checkpoint_reads(args.resume), *checkpoint_reads(args.save)])
+    check_save_folder(args.save, args.resume, args.overwrite,
+                      plan.problem.model and plan.problem.model.builder)
 
 
 def _optimizer(given: str | None, model) -> str:
@@ -343,7 +349,7 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
                    "adam_eps"):
         out += [f"--{option.replace('_', '-')}", repr(getattr(args, option))
                 if isinstance(getattr(args, option), float) else str(getattr(args, option))]
-    for flag in ("check", "blocking", "sync_at_end", "json"):
+    for flag in ("check", "blocking", "sync_at_end", "json", "overwrite"):
         if getattr(args, flag):
             out.append(f"--{flag.replace('_', '-')}")
     for option in ("optimizer", "config", "iterations", "steps", "max_time", "trace", "fail_at", "perturb",

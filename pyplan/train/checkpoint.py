@@ -49,6 +49,7 @@ __all__ = ["CheckpointError", "agree", "consolidate", "find", "load", "locate", 
 
 STEP = "step-{:08d}"
 _STEP = re.compile(r"step-(\d{8,})")
+_HIDDEN = re.compile(r"\.(step-\d{8,})\.(partial|replaced)")
 META = "pyplan.json"
 FORMAT = 1
 
@@ -68,9 +69,35 @@ def find(directory: str | Path) -> Path | None:
         return path
     if not path.is_dir():
         return None
-    steps = sorted((int(m.group(1)), p) for p in path.iterdir()
-                   if (m := _STEP.fullmatch(p.name)) and (p / META).is_file())
+    steps = _steps(path)
     return steps[-1][1] if steps else None
+
+
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    """The complete step folders in `root`, oldest first; a step a kill left only under its
+    hidden names (between _complete's renames) counts by them, the new copy first."""
+    found: dict[int, tuple[int, Path]] = {}
+    for p in root.iterdir():
+        hidden = _HIDDEN.fullmatch(p.name)
+        m = _STEP.fullmatch(hidden.group(1) if hidden else p.name)
+        if m and (p / META).is_file():
+            rank = 0 if not hidden else 1 if hidden.group(2) == "partial" else 2
+            step = int(m.group(1))
+            if step not in found or rank < found[step][0]:
+                found[step] = (rank, p)
+    return sorted((step, p) for step, (_, p) in found.items())
+
+
+def _recover(root: Path) -> None:
+    """Put back in place a step a kill left under hidden names between _complete's renames:
+    its new copy when complete (its record is written last), else the one it replaced."""
+    for step, folder in _steps(root):
+        final = root / STEP.format(step)
+        if folder != final:
+            folder.rename(final)
+    for p in root.iterdir():
+        if p.name.endswith(".replaced") and _HIDDEN.fullmatch(p.name):
+            _discard(p)
 
 
 def read_meta(folder: Path) -> dict:
@@ -228,6 +255,7 @@ def _prepare(root: Path, partial: Path) -> None:
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"--save {root}: exists and is not a directory")
     root.mkdir(parents=True, exist_ok=True)
+    _recover(root)
     _discard(partial)  # what a killed save left
 
 
@@ -250,11 +278,13 @@ def _complete(root: Path, partial: Path, final: Path, record: dict,
     partial.rename(final)
     _sync_dir(root)
     _discard(old)
-    if keep_last is not None:
-        steps = sorted((int(m.group(1)), p) for p in root.iterdir()
-                       if (m := _STEP.fullmatch(p.name)) and (p / META).is_file())
-        for _, folder in steps[:-keep_last]:
-            shutil.rmtree(folder)
+    steps = _steps(root)
+    newer = [folder for step, folder in steps if step > record["step"]]
+    kept = [folder for step, folder in steps if step <= record["step"]]
+    # One timeline per folder: the steps after this one are another's (a run resumed from an
+    # earlier step, allowed to replace them: pyplan run --overwrite), and go.
+    for folder in newer + (kept[:-keep_last] if keep_last is not None else []):
+        shutil.rmtree(folder)
     return final
 
 
