@@ -40,9 +40,11 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pyplan.errors import PlanError, PyplanError
+from pyplan.fileio import read_capped
 from pyplan.run.comm import all_gather_objects
 from pyplan.run.gradients import local
 from pyplan.run.state import SHARD, load_state_dict, state_dict
+from pyplan.train.record import check_record
 
 __all__ = ["CheckpointError", "agree", "consolidate", "find", "load", "locate", "read_meta",
            "save", "verify"]
@@ -51,6 +53,7 @@ STEP = "step-{:08d}"
 _STEP = re.compile(r"step-(\d{8,})")
 _HIDDEN = re.compile(r"\.(step-\d{8,})\.(partial|replaced)")
 META = "pyplan.json"
+MAX_RECORD = 64 << 20  # bytes of pyplan.json read at most (a record is kilobytes)
 FORMAT = 1
 
 
@@ -103,15 +106,15 @@ def _recover(root: Path) -> None:
 def read_meta(folder: Path) -> dict:
     """pyplan.json of a checkpoint folder; CheckpointError when it is missing or damaged."""
     try:
-        meta = json.loads((folder / META).read_text())
+        meta = json.loads(read_capped(folder / META, MAX_RECORD).decode())
     except FileNotFoundError:
         raise CheckpointError(f"{folder}: not a checkpoint written by pyplan (no {META})",
                               hint="give the directory --save wrote") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{folder / META} is damaged ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or \
-            not isinstance(meta.get("step"), int):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{folder / META} is damaged ({str(exc)[:200]})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{folder / META} is damaged (not pyplan's checkpoint record)")
+    check_record(folder / META, meta, CheckpointError)
     return meta
 
 
