@@ -168,3 +168,21 @@ def test_outputs_beside_the_inputs_are_written(ws, cli, monkeypatch, tmp_path):
     code, out, err = cli("run", "m.resolved.yaml", "--dry-run", "--resume", "ckpt", "--save",
                          "ckpt", "--log", tmp_path / "log.jsonl", "--tensorboard", tmp_path / "tb")
     assert "refusing" not in err and "both name" not in err, err
+
+
+def test_a_folder_output_that_is_a_file_fifo_or_device_is_refused_first(ws, cli, monkeypatch,
+                                                                         tmp_path):
+    """--tensorboard and --save name folders: an existing file, named pipe, device or /proc
+    entry is refused before anything starts (TensorBoard's writer raised FileExistsError in the
+    ranks, after they started)."""
+    monkeypatch.chdir(ws)
+    (tmp_path / "file").write_text("mine")
+    os.mkfifo(tmp_path / "fifo")
+    for flag in ("--tensorboard", "--save"):
+        for path in (tmp_path / "file", tmp_path / "fifo", "/dev/null", "/proc/self/status"):
+            code, out, err = cli("run", "m.resolved.yaml", "--dry-run", flag, path)
+            assert (code, out) == (2, "")
+            assert err.startswith(f"error: {flag} {path}: ") and err.count("\n") == 1, err
+            assert "exists and is not a folder" in err or \
+                f"{path} exists and is not a directory" in err, err
+    assert (tmp_path / "file").read_text() == "mine"
