@@ -108,8 +108,10 @@ def check_not_input(output: str | Path, *inputs: str | Path | None, flag: str = 
     the message (`--log PATH: ...`). Commands call it before their work, so nothing is
     computed in vain."""
     named = f"{flag} {output}: " if flag else ""
-    if str(output) == "":
-        raise PyplanError(f"{flag or 'the output'} '': an empty path names no file",
+    if str(output) == "" or "\0" in str(output):
+        raise PyplanError(f"{flag or 'the output'} {str(output)!r}: " +
+                          ("an empty path names no file" if not str(output) else
+                           "a NUL character, which no file name can hold"),
                           hint="give a file or folder name")
     if kind == "file":
         target = check_output(output, f"{flag} " if flag else "")

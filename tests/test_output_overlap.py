@@ -159,6 +159,8 @@ def test_outputs_may_not_name_each_other_nor_be_empty(ws, cli, monkeypatch, tmp_
     for flag in ("--save", "--log", "--tensorboard", "--trace"):
         code, _, err = cli("run", "m.resolved.yaml", "--dry-run", flag, "")
         assert code == 2 and err.startswith(f"error: {flag} '': an empty path"), err
+        code, _, err = cli("run", "m.resolved.yaml", "--dry-run", flag, "a\0b")
+        assert code == 2 and err.startswith(f"error: {flag} 'a\\x00b': a NUL character"), err
 
 
 def test_outputs_beside_the_inputs_are_written(ws, cli, monkeypatch, tmp_path):

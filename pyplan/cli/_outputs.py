@@ -58,11 +58,11 @@ def checkpoint_reads(folder: str | Path | None) -> list[Path]:
     if folder is None or str(folder) in ("", "auto"):
         return []
     path = Path(folder)
-    if (path / ".metadata").is_file() or (path / META).is_file():
-        return [path]
     try:
+        if (path / ".metadata").is_file() or (path / META).is_file():
+            return [path]
         return sorted(p for p in path.iterdir() if p.name.startswith("step-") and p.is_dir())
-    except OSError:
+    except (OSError, ValueError):  # not a folder, or a name no file can have
         return []
 
 
@@ -134,6 +134,8 @@ def check_resume(path: Path) -> None:
 
 def check_save(path: Path) -> None:
     """--save DIR: a directory, or a path that can become one (no file in the way)."""
+    if "\0" in str(path):
+        return  # check_outputs names it
     for folder in [path, *path.resolve().parents]:
         if folder.exists():
             if not folder.is_dir():
