@@ -12,7 +12,6 @@ from pyplan.errors import PyplanError
 
 __all__ = ["check_not_input", "check_output", "hold_lock", "read_capped", "write_atomic"]
 
-LOCK = ".pyplan.lock"
 _HELD: dict[str, int] = {}  # the folders this process holds locked, and the open lock files
 
 
@@ -174,25 +173,22 @@ def _identities(path: str | Path) -> list[tuple[int, int]]:
 
 def hold_lock(folder: str | Path, what: str) -> None:
     """Lock `folder` (created if need be) for this process until it exits: an exclusive flock
-    on its .pyplan.lock, which the kernel releases however the process ends (a kill too), so a
-    stale lock never blocks a restart. PyplanError naming the holder's pid when another
-    process holds it."""
+    on the folder itself (nothing is added to it), which the kernel releases however the
+    process ends (a kill too), so a stale lock never blocks a restart. PyplanError when
+    another process holds it."""
     real = os.path.realpath(folder)
     if real in _HELD:
         return
     try:
         os.makedirs(real, exist_ok=True)
-        fd = os.open(os.path.join(real, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as exc:
         raise PyplanError(f"{what}: cannot lock the folder: {exc.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
         os.close(fd)
-        raise PyplanError(f"{what}: another process{f' (pid {holder})' if holder else ''} is "
-                          "writing into this folder", hint="wait until it ends, or choose "
-                          "another folder") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        raise PyplanError(f"{what}: another process is writing into this folder (a run saving "
+                          "there)", hint="wait until it ends, or choose another folder") \
+            from None
     _HELD[real] = fd

@@ -90,12 +90,13 @@ def test_a_second_run_saving_into_the_folder_is_refused(cli, tmp_path, monkeypat
         code, out, err = cli("run", Path(__file__).parent.parent / "plans" /
                              "transformer-vshape.resolved.yaml", "--save", "ck")
         assert (code, out) == (2, "")
-        assert err == (f"error: --save ck: another process (pid {holder.pid}) is writing into "
-                       "this folder (hint: wait until it ends, or choose another folder)\n")
+        assert err == ("error: --save ck: another process is writing into this folder (a run "
+                       "saving there) (hint: wait until it ends, or choose another folder)\n")
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
         holder.stdout.close()
+    assert sorted(p.name for p in Path("ck").iterdir()) == []  # the lock adds no file
     fileio.hold_lock("ck", "--save ck")  # released with the process that held it
     for fd in fileio._HELD.values():
         __import__("os").close(fd)
