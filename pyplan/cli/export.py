@@ -17,7 +17,8 @@ from pyplan.export.torch_csv import render_torch_csv, torch_stages
 from pyplan.export.trainers import (MEGATRON_CORE, MEGATRON_LM, TORCHTITAN,
                                     megatron_arguments, megatron_layout,
                                     torchtitan_config)
-from pyplan.fileio import check_not_input, write_atomic
+from pyplan.cli._outputs import check_outputs
+from pyplan.fileio import write_atomic
 from pyplan.schedule import Schedule
 from pyplan.planfile.units import count
 from pyplan.solver.templates import template_schedule
@@ -59,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
                         hint=did_you_mean(args.format, names) or f"choose {', '.join(names)}")
     problem, resolved = load_plan(args.plan)
     if args.output != "-":
-        check_not_input(args.output, args.plan, resolved and resolved.plan_path, flag="-o")
+        check_outputs({"-o": (args.output, "file")},
+                      [args.plan, resolved and resolved.plan_path])
     if args.format in LAYOUTS:
         export, client = LAYOUTS[args.format]
         if args.template is not None:

@@ -12,7 +12,8 @@ import time
 from dataclasses import replace
 
 from pyplan.errors import InfeasibleError, PlanError
-from pyplan.fileio import check_not_input, check_output, write_atomic
+from pyplan.cli._outputs import check_outputs
+from pyplan.fileio import write_atomic
 from pyplan.planfile.units import count
 
 __all__ = ["add_arguments", "run"]
@@ -87,11 +88,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("gpus", "global_batch", "seq", "tp", "pp", "dp", "vpp", "micro_batch"):
         _positive(args, name, 10**6 if name != "seq" else 10**7)
     _positive(args, "top", 1000)
-    for flag, path in (("-o", args.output), ("--torchtitan", args.torchtitan),
-                       ("--megatron", args.megatron)):
-        if path and path != "-":
-            check_output(path, flag)
-            check_not_input(path, args.model, args.cluster, flag=flag)
+    check_outputs({"-o": (args.output, "file"), "--torchtitan": (args.torchtitan, "file"),
+                   "--megatron": (args.megatron, "file")}, [args.model, args.cluster])
     model = read_model(args.model)
     cluster = load_cluster(args.cluster)
     gpus = args.gpus or cluster.gpus

@@ -10,7 +10,7 @@ import sys
 
 from pyplan.api import Solution, load_plan, solve
 from pyplan.cli._progress import live_progress
-from pyplan.fileio import check_not_input
+from pyplan.cli._outputs import check_outputs
 from pyplan.resolved import resolved_path
 from pyplan.planfile.units import count
 
@@ -117,7 +117,7 @@ def _interruptible():
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     output = args.output or str(resolved_path(args.plan))
-    check_not_input(output, args.plan, flag="-o")
+    check_outputs({"-o": (output, "file")}, [args.plan])
     with _interruptible(), live_progress(not (args.quiet or args.json)) as progress:
         solution = solve(plan, micro_batches=args.micro_batches,
                          memory=_memory_argument(args.memory), time_limit=args.time_limit,
