@@ -1,4 +1,6 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of it."""
+"""Atomic file writes (a reader sees the old file or the new one, never half of it), the check
+that an output does not land on what a command reads (check_not_input), and the lock of a
+folder one process writes into (hold_lock)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pyplan.errors import PyplanError
 
 __all__ = ["check_not_input", "check_output", "hold_lock", "read_capped", "write_atomic"]
 
-_HELD: dict[str, int] = {}  # the folders this process holds locked, and the open lock files
+_HELD: dict[str, int] = {}  # the folders this process holds locked, and their open descriptors
 
 
 def read_capped(path: str | Path, limit: int) -> bytes:
@@ -122,6 +124,8 @@ def check_not_input(output: str | Path, *inputs: str | Path | None, flag: str = 
         raise PyplanError(f"{named}exists and is not a folder",
                           hint="choose a folder (a new name, or an existing directory)")
     around = _identities(output)
+    if not around:
+        return
     for given in inputs:
         if given is None or str(given) == "" or not os.path.exists(given):
             continue  # nothing there to lose
@@ -168,7 +172,7 @@ def _identities(path: str | Path) -> list[tuple[int, int]]:
         except (OSError, ValueError):
             continue
         found.append((info.st_dev, info.st_ino))
-    return found if os.path.lexists(path) else [(-1, -1), *found]
+    return found if os.path.exists(real) else [(-1, -1), *found]  # -1: a path not there yet
 
 
 def hold_lock(folder: str | Path, what: str) -> None:
@@ -188,7 +192,6 @@ def hold_lock(folder: str | Path, what: str) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        raise PyplanError(f"{what}: another process is writing into this folder (a run saving "
-                          "there)", hint="wait until it ends, or choose another folder") \
-            from None
+        raise PyplanError(f"{what}: another process is saving into this folder",
+                          hint="wait until it ends, or choose another folder") from None
     _HELD[real] = fd

@@ -188,3 +188,16 @@ def test_a_folder_output_that_is_a_file_fifo_or_device_is_refused_first(ws, cli,
             assert "exists and is not a folder" in err or \
                 f"{path} exists and is not a directory" in err, err
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_dangling_symlink_output_is_not_its_folder(ws, cli, monkeypatch, tmp_path):
+    """An output that is a link to nothing yet names a new file where the link points: inside
+    the weights folder, refused as inside it (not as the folder itself); elsewhere, written."""
+    monkeypatch.chdir(ws)
+    (tmp_path / "into").symlink_to(ws / "weights" / "later.json")
+    code, out, err = cli("run", "m.resolved.yaml", "--dry-run", "--log", tmp_path / "into")
+    assert code == 2 and err.startswith(f"error: --log {tmp_path / 'into'}: refusing to write "
+                                        "inside weights, which"), err
+    (tmp_path / "here").symlink_to(tmp_path / "nothing.json")
+    code, out, err = cli("run", "m.resolved.yaml", "--dry-run", "--trace", tmp_path / "here")
+    assert "refusing" not in err, err

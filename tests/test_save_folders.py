@@ -90,8 +90,8 @@ def test_a_second_run_saving_into_the_folder_is_refused(cli, tmp_path, monkeypat
         code, out, err = cli("run", Path(__file__).parent.parent / "plans" /
                              "transformer-vshape.resolved.yaml", "--save", "ck")
         assert (code, out) == (2, "")
-        assert err == ("error: --save ck: another process is writing into this folder (a run "
-                       "saving there) (hint: wait until it ends, or choose another folder)\n")
+        assert err == ("error: --save ck: another process is saving into this folder (hint: "
+                       "wait until it ends, or choose another folder)\n")
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)

@@ -40,7 +40,8 @@ def check_outputs(outputs: dict[str, tuple[str | Path | None, str]],
     for i, first in enumerate(flags):
         for second in flags[i + 1:]:
             a, b = Path(given[first][0]), Path(given[second][0])
-            if a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b)):
+            if a.resolve() == b.resolve() or \
+                    (a.exists() and b.exists() and os.path.samefile(a, b)):
                 raise PlanError(f"{first} and {second} both name {given[second][0]}",
                                 hint="give them different files")
 
@@ -112,7 +113,7 @@ def _shards(weights: Path) -> list[Path]:
     for index in indexes:
         try:
             mapping = json.loads(read_capped(index, 64 << 20)).get("weight_map") or {}
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             continue  # the loader says what is wrong with it
         if isinstance(mapping, dict):
             shards += [weights / str(f) for f in sorted(set(map(str, mapping.values())))]
