@@ -134,11 +134,11 @@ def test_every_new_flag_refuses_bad_values_in_one_line(one_rank, tmp_path, monke
     monkeypatch.syspath_prepend(str(tmp_path))
     one = solved(tmp_path, "one", [UNITS])
     for args, message in [
-            (("--max-time", "soon"), "--max-time 'soon' is not a positive duration"),
-            (("--max-time", "0"), "--max-time '0' is not a positive duration"),
-            (("--steps", "0"), "--steps must be at least 1"),
-            (("--check-steps", "0"), "--check-steps must be at least 1"),
-            (("--max-bad-steps", "0"), "--max-bad-steps must be at least 1"),
+            (("--max-time", "soon"), "--max-time 'soon' is not a duration of at most"),
+            (("--max-time", "0"), "--max-time '0' is not a duration of at most"),
+            (("--steps", "0"), "--steps '0' is not a whole number from 1 to"),
+            (("--check-steps", "0"), "--check-steps '0' is not a whole number from 1 to"),
+            (("--max-bad-steps", "0"), "--max-bad-steps '0' is not a whole number from 1"),
             (("--steps", "3", "--iterations", "2"), "--iterations and --steps both say"),
             (("--resume", "auto"), "--resume auto resumes from --save's folder"),
             (("--perturb", "x"), "--perturb 'x' is not RANK:PARAMETER")]:
@@ -171,7 +171,7 @@ def test_every_new_flag_refuses_bad_values_in_one_line(one_rank, tmp_path, monke
     assert re.search(r"  eval after step 1: loss [0-9.]+ \(3 batches\)", out), out
     assert "; 1 evaluations match" in out
     code, out, err = one_rank("run", one, "--eval-batches", "some")
-    assert code == 2 and err.startswith("error: --eval-batches 'some' is not a number")
+    assert code == 2 and err.startswith("error: --eval-batches 'some' is not a whole number")
     # --resume auto with an empty --save starts afresh; the checkpoint it saves is resumed.
     code, out, err = one_rank("run", one, "--steps", 2, "--save", "ck", "--resume", "auto",
                               "--json")

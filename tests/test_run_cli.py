@@ -56,7 +56,8 @@ def no_workers(monkeypatch):
     (["--nproc-per-node", "1", "--nnodes", "2"], "the plan needs 4 processes (devices: 4), "
                                                  "--nproc-per-node 1 on 2 machines starts 2"),
     (["--nproc-per-node", "2", "--nnodes", "two"], "--nnodes 'two' is not a number of machines"),
-    (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1")])
+    (["--nproc-per-node", "0"], "--nproc-per-node '0' is not a whole number from 1 to "
+                                "4,096")])
 def test_a_launch_that_cannot_run_the_plan_is_refused_before_workers_start(
         options, message, cli, outside_torchrun, no_workers):
     code, out, err = cli("run", VSHAPE, *options)

@@ -21,10 +21,11 @@ import signal
 import sys
 from pathlib import Path
 
+from pyplan.cli._numbers import whole
 from pyplan.cli._torch import require_torch
 from pyplan.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, PlanError, RunError
 
-__all__ = ["LAUNCH_OPTIONS", "PRELOAD", "check_processes", "forkserver", "launch", "launched",
+__all__ = ["LAUNCH_NUMBERS", "LAUNCH_OPTIONS", "PRELOAD", "check_processes", "forkserver", "launch", "launched",
            "worker_environment"]
 
 # torchrun options passed through by `pyplan run --nproc-per-node` (multi-node rendezvous):
@@ -40,6 +41,9 @@ LAUNCH_OPTIONS = {
     "max-restarts": ("N", "restart the workers this many times after a failure (default 0)"),
     "log-dir": ("DIR", "write each worker's output to files in this folder"),
 }
+LAUNCH_NUMBERS = {"node-rank": whole(0, 4095), "master-port": whole(1, 65535),
+                  "max-restarts": whole(0, 1000)}
+"""The launcher's options that are numbers: their ranges."""
 
 # What every worker imports anyway: once, in the forkserver.
 # (pyplan.runtime first: it imports torch without torch's warning about a missing numpy)
@@ -96,7 +100,7 @@ def _launch(args: argparse.Namespace, worker_arguments: list[str]) -> int:
     given = {o: getattr(args, o.replace("-", "_")) for o in LAUNCH_OPTIONS}
     for option, value in given.items():
         if value is not None:
-            options += [f"--{option}", value]
+            options += [f"--{option}", str(value)]
     if all(given[o] is None for o in ("nnodes", "rdzv-endpoint", "master-port", "master-addr")):
         options.append("--standalone")  # one machine: a free port, no fixed 29500
     # SIGUSR1 too (SLURM's --signal): the launcher passes the signal it got on to the workers,

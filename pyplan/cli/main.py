@@ -8,6 +8,7 @@ import os
 import sys
 
 from pyplan._version import __version__
+from pyplan.cli._numbers import name_numbers
 from pyplan.errors import EXIT_INTERRUPTED, PyplanError, exit_now
 from pyplan.export import FORMATS as EXPORTS
 
@@ -45,6 +46,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         sub_parser.set_defaults(_module=module)
         if command in (None, name):
             _load(module).add_arguments(sub_parser)
+            name_numbers(sub_parser)
     return parser
 
 

@@ -22,8 +22,9 @@ from pathlib import Path
 
 from pyplan.cli._outputs import (check_outputs, check_resume, check_save, check_save_folder,
                                  checkpoint_reads, lock_save, model_reads)
+from pyplan.cli._numbers import Number, duration, number, whole
 from pyplan.cli._torch import require_torch
-from pyplan.cli.launch import LAUNCH_OPTIONS, check_processes, launch
+from pyplan.cli.launch import LAUNCH_NUMBERS, LAUNCH_OPTIONS, check_processes, launch
 from pyplan.errors import EXIT_PREEMPTED, EXIT_RUN_FAILED, PlanError, RunError, did_you_mean
 from pyplan.lower import COMPUTE, RECV, SEND, SYNC, WAIT, check_runnable, describe, lower
 from pyplan.resolved import load_resolved
@@ -37,20 +38,26 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "linear", "cosine")
+# The numeric options' ceilings: far above any real run, far below what overflows a count,
+# a timeout or a float32.
+COUNT = 10**9  # steps, iterations, batches
+MAX_SECONDS = 10**8  # about three years
+MAX_PROCESSES = 4096  # a plan's most devices
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", metavar="PLAN", help="resolved plan written by pyplan solve")
-    parser.add_argument("--iterations", type=int, metavar="N",
+    parser.add_argument("--iterations", type=whole(1, COUNT), metavar="N",
                         help="optimizer steps to train, from where the run starts (a resumed "
                         "run: this many more; default 1)")
-    parser.add_argument("--steps", type=int, metavar="N",
+    parser.add_argument("--steps", type=whole(1, COUNT), metavar="N",
                         help="train until step N in total (a resumed run: the steps left), so "
                         "one command line serves the first start and every restart")
-    parser.add_argument("--max-time", metavar="DURATION",
+    parser.add_argument("--max-time", type=duration(MAX_SECONDS, parse_duration),
+                        metavar="DURATION",
                         help="save (with --save) and stop, exit 75, before a step would end "
                         "after DURATION from the start (5400, 90m, 1h30m, 1:30:00)")
-    parser.add_argument("--max-bad-steps", type=int, default=3, metavar="N",
+    parser.add_argument("--max-bad-steps", type=whole(1, COUNT), default=3, metavar="N",
                         help="stop after N steps in a row whose loss or gradients were not "
                         "finite (each one is skipped and logged; default 3)")
     parser.add_argument("--check", action="store_true",
@@ -58,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "batches; over the first --check-steps optimizer steps compare every "
                         "parameter's gradient (before the update) and value (after it) and "
                         "the losses; exit 1 naming the worst parameter if one differs")
-    parser.add_argument("--check-steps", type=int, default=3, metavar="N",
+    parser.add_argument("--check-steps", type=whole(1, 10**6), default=3, metavar="N",
                         help="--check: the optimizer steps compared (default 3)")
     parser.add_argument("--blocking", action="store_true",
                         help="blocking sends and receives (to compare with the default, "
@@ -71,34 +78,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write a Chrome/Perfetto trace of the last iteration (microseconds)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with the results instead of the summary")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
+    parser.add_argument("--seed", type=whole(0, 2**63 - 1), default=0,
+                        help="seed of weights and batches")
     parser.add_argument("--optimizer", choices=OPTIMIZERS,
                         help="torch.optim optimizer (default: the plan's model.optimizer, "
                         "which pyplan partition --optimizer writes, else sgd)")
-    parser.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
-    parser.add_argument("--weight-decay", type=float, default=0.0, metavar="W",
+    parser.add_argument("--lr", type=number(0, 1e6, above=True), default=0.01,
+                        help="learning rate (default 0.01)")
+    parser.add_argument("--weight-decay", type=number(0, 1e6), default=0.0, metavar="W",
                         help="weight decay of the parameters of two or more dimensions; "
                         "biases and norms' weights take none (default 0)")
     parser.add_argument("--adam-betas", default="0.9,0.999", metavar="B1,B2",
                         help="AdamW's betas (default 0.9,0.999)")
-    parser.add_argument("--adam-eps", type=float, default=1e-8, metavar="EPS",
+    parser.add_argument("--adam-eps", type=number(0, 1, above=True), default=1e-8,
+                        metavar="EPS",
                         help="AdamW's eps (default 1e-8)")
-    parser.add_argument("--clip-grad-norm", type=float, metavar="N",
+    parser.add_argument("--clip-grad-norm", type=number(0, 1e12, above=True),
+                        metavar="N",
                         help="clip gradients to this global norm (over all stages and replicas)")
-    parser.add_argument("--lr-warmup", type=int, default=0, metavar="K",
+    parser.add_argument("--lr-warmup", type=whole(0, COUNT), default=0, metavar="K",
                         help="linear learning-rate warm-up over the first K steps")
     parser.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
                         help="after the warm-up: constant (default), or linear or cosine decay "
                         "to --lr-min at the run's last step (torch.optim.lr_scheduler)")
-    parser.add_argument("--lr-min", type=float, default=0.0, metavar="LR",
+    parser.add_argument("--lr-min", type=number(0, 1e6), default=0.0, metavar="LR",
                         help="the learning rate a decay ends at (default 0)")
-    parser.add_argument("--accumulate", type=int, default=1, metavar="K",
+    parser.add_argument("--accumulate", type=whole(1, 10**6), default=1, metavar="K",
                         help="add up the gradients of K global batches (plan iterations) per "
                         "optimizer step (default 1)")
-    parser.add_argument("--eval-every", type=int, metavar="K",
+    parser.add_argument("--eval-every", type=whole(1, COUNT), metavar="K",
                         help="every K steps, the mean loss over --eval-batches batches of the "
                         "data's eval split: data(i, split='eval')")
-    parser.add_argument("--eval-batches", default="1", metavar="N",
+    parser.add_argument("--eval-batches", type=whole(1, COUNT, all=None), default=1,
+                        metavar="N",
                         help="batches per evaluation, or 'all': the whole eval split, until "
                         "the data returns None (default 1); the loss is the mean over the "
                         "batches' target tokens")
@@ -115,9 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="with --save: let this run replace the checkpoints DIR holds "
                         "when it does not continue from their newest")
-    parser.add_argument("--save-every", type=int, metavar="K",
+    parser.add_argument("--save-every", type=whole(1, COUNT), metavar="K",
                         help="with --save: also every K steps")
-    parser.add_argument("--keep-last", type=int, metavar="N",
+    parser.add_argument("--keep-last", type=whole(1, 10**6), metavar="N",
                         help="with --save: keep only the newest N checkpoints in DIR")
     parser.add_argument("--resume", metavar="DIR",
                         help="continue from the newest complete checkpoint in DIR (or the step "
@@ -129,11 +141,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "cuda when every rank has a GPU)")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32",
                         help="compute dtype under autocast (weights and gradients stay fp32)")
-    parser.add_argument("--tolerance", type=float, metavar="T",
+    parser.add_argument("--tolerance", type=number(0, 1), metavar="T",
                         help="--check: largest allowed relative error ||a-b|| / ||b|| of a "
                         "parameter's gradient (default 1e-5 in fp32, 2e-2 in bf16, 1e-2 in "
                         "fp16); its updated value: at least 1e-3")
-    parser.add_argument("--fault-timeout", type=float, default=10.0, metavar="S",
+    parser.add_argument("--fault-timeout", type=number(1, 1e6), default=10.0, metavar="S",
                         help="a rank silent for S seconds counts as dead (default 10)")
     parser.add_argument("--dry-run", action="store_true",
                         help="lower and verify the plan and print each rank's program; "
@@ -150,10 +162,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # (testing aid: RANK adds a small error to PARAMETER's gradient before each update)
     launch = parser.add_argument_group(
         "launching (torchrun's options; used when pyplan run starts the workers itself)")
-    launch.add_argument("--nproc-per-node", type=int, metavar="D",
+    launch.add_argument("--nproc-per-node", type=whole(1, MAX_PROCESSES), metavar="D",
                         help="start D worker processes on this machine through torch's launcher")
     for option, (metavar, what) in LAUNCH_OPTIONS.items():
-        launch.add_argument(f"--{option}", metavar=metavar, help=what)
+        launch.add_argument(f"--{option}", type=LAUNCH_NUMBERS.get(option), metavar=metavar,
+                            help=what)
     for action in parser._actions:  # which options the command line gives (--config's rule)
         if action.option_strings and action.dest != "help":
             action.__class__ = _given(action.__class__)
@@ -213,11 +226,12 @@ def _config_value(source, key, value, action: argparse.Action):
     if isinstance(value, (dict, list)) or value is None or isinstance(value, bool):
         raise source.error((key,), f"--config: {key} takes one value, not "
                            f"{'nothing' if value is None else type(value).__name__}")
+    numeric = isinstance(action.type, Number)
     try:
-        converted = (action.type or str)(str(value))
-    except (TypeError, ValueError):
+        converted = action.type.value(str(value)) if numeric else (action.type or str)(str(value))
+    except (TypeError, ValueError, OverflowError):
         raise source.error((key,), f"--config: {key}: {value!r} is not "
-                           f"{'a number' if action.type in (int, float) else 'valid'}",
+                           f"{action.type.describe() if numeric else 'valid'}",
                            hint=action.help and action.help.split(";")[0]) from None
     if action.choices is not None and converted not in action.choices:
         raise source.error((key,), f"--config: {key}: {value!r} is not one of "
@@ -345,15 +359,15 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
     out = ["run", args.plan]
     for option in ("seed", "lr", "weight_decay", "lr_warmup", "fault_timeout",
                    "dtype", "lr_schedule", "lr_min", "accumulate",
-                   "eval_batches", "check_steps", "max_bad_steps", "adam_betas",
-                   "adam_eps"):
+                   "check_steps", "max_bad_steps", "adam_betas", "adam_eps"):
         out += [f"--{option.replace('_', '-')}", repr(getattr(args, option))
                 if isinstance(getattr(args, option), float) else str(getattr(args, option))]
+    out += ["--eval-batches", "all" if args.eval_batches is None else str(args.eval_batches)]
     for flag in ("check", "blocking", "sync_at_end", "json", "overwrite"):
         if getattr(args, flag):
             out.append(f"--{flag.replace('_', '-')}")
-    for option in ("optimizer", "config", "iterations", "steps", "max_time", "trace", "fail_at", "perturb",
-                   "tolerance", "clip_grad_norm", "save", "save_every", "resume", "device",
+    for option in ("optimizer", "config", "iterations", "steps", "max_time", "trace", "fail_at",
+                   "perturb", "tolerance", "clip_grad_norm", "save", "save_every", "resume", "device",
                    "keep_last", "eval_every", "log", "tensorboard"):
         value = getattr(args, option)
         if value is not None:
@@ -375,7 +389,7 @@ def _session(args, plan, model, fail_at) -> int:
                         accumulate=args.accumulate, betas=_betas(args.adam_betas),
                         eps=args.adam_eps)
     options = Options(iterations=args.iterations or 1, steps=args.steps,
-                      max_time=None if args.max_time is None else parse_duration(args.max_time),
+                      max_time=args.max_time,
                       max_bad_steps=args.max_bad_steps, seed=args.seed, training=training,
                       config=args.config_record,
                       blocking=args.blocking, sync_at_end=args.sync_at_end,
@@ -385,7 +399,7 @@ def _session(args, plan, model, fail_at) -> int:
                       dtype=args.dtype, save=args.save, save_every=args.save_every,
                       keep_last=args.keep_last, resume=args.resume, lines=not args.json,
                       log=args.log, tensorboard=args.tensorboard, eval_every=args.eval_every,
-                      eval_batches=_eval_batches(args.eval_batches), fail_save=fail_at[1])
+                      eval_batches=args.eval_batches, fail_save=fail_at[1])
     session = None
     try:
         session = Session(plan, model, options)
@@ -422,35 +436,11 @@ def _options(args: argparse.Namespace):
         raise PlanError("--iterations and --steps both say how long to train",
                         hint="give --steps N (until step N in total) or --iterations N (N "
                         "more), not both")
-    if args.iterations is not None and args.iterations < 1:
-        raise PlanError("--iterations must be at least 1")
-    if args.max_time is not None:
-        try:
-            parse_duration(args.max_time)
-        except ValueError:
-            raise PlanError(f"--max-time {args.max_time!r} is not a positive duration",
-                            hint="seconds (5400), units (90m, 1h30m, 2d) or [D-]HH:MM:SS")\
-                from None
-    if args.fault_timeout <= 0 or (args.tolerance is not None and args.tolerance < 0):
-        raise PlanError("--fault-timeout must be positive and --tolerance not negative")
-    if not (args.lr > 0 and args.lr < float("inf")) or not 0 <= args.weight_decay < float("inf"):
-        raise PlanError("--lr must be positive and --weight-decay not negative (both finite)")
-    if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < float("inf"):
-        raise PlanError("--clip-grad-norm must be positive and finite")
-    if args.lr_warmup < 0 or (args.save_every is not None and args.save_every < 1):
-        raise PlanError("--lr-warmup must not be negative and --save-every at least 1")
-    if not 0 <= args.lr_min <= args.lr:
-        raise PlanError(f"--lr-min {args.lr_min:g} must be between 0 and --lr {args.lr:g}")
+    # (each number's range is its option's type: pyplan.cli._numbers)
+    if args.lr_min > args.lr:
+        raise PlanError(f"--lr-min {args.lr_min:g} must be at most --lr {args.lr:g}")
     _perturb(args.perturb)
     _betas(args.adam_betas)
-    if not 0 < args.adam_eps < float("inf"):
-        raise PlanError(f"--adam-eps {args.adam_eps:g} must be positive and finite")
-    _eval_batches(args.eval_batches)
-    for name in ("accumulate", "eval_every", "keep_last", "check_steps",
-                 "steps", "max_bad_steps"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise PlanError(f"--{name.replace('_', '-')} must be at least 1")
     for name, needs in (("save_every", "save"), ("keep_last", "save")):
         if getattr(args, name) is not None and getattr(args, needs) is None:
             raise PlanError(f"--{name.replace('_', '-')} needs --{needs} DIR")
@@ -486,7 +476,7 @@ def parse_duration(text: str) -> float:
     not positive."""
     text = text.strip()
     seconds = None
-    if re.fullmatch(r"\d+(\.\d+)?", text):
+    if re.fullmatch(r"\d+(\.\d+)?([eE][-+]?\d+)?", text):  # (a worker is given repr(seconds))
         seconds = float(text)
     elif re.fullmatch(r"(\d+(\.\d+)?[smhd])+", text):
         seconds = sum(float(n) * _UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([smhd])",
@@ -499,16 +489,6 @@ def parse_duration(text: str) -> float:
     if seconds is None or not seconds > 0:
         raise ValueError(text)
     return seconds
-
-
-def _eval_batches(text: str) -> int | None:
-    """--eval-batches N (at least 1), or all (None)."""
-    if text == "all":
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise PlanError(f"--eval-batches {text!r} is not a number of batches (at least 1) or "
-                        "'all'")
-    return int(text)
 
 
 def _betas(text: str) -> tuple[float, float]:

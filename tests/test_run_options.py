@@ -1,0 +1,125 @@
+"""`pyplan run`'s options against hostile values, by class: every numeric option the parser
+declares (found by walking it, not listed here) meets a table of values that must be refused,
+in one line naming it, with exit 2, before any worker starts; and the combinations where an
+option would do nothing (pyplan.cli.run_rules) meet their rules. In-process: nothing is
+launched."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conftest import PLANS
+from pyplan.cli._numbers import Number
+from pyplan.cli.main import _parser
+
+VSHAPE = PLANS / "transformer-vshape.resolved.yaml"
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def subcommand(name: str):
+    parser = _parser(name)
+    return parser._subparsers._group_actions[0].choices[name]
+
+
+def numeric_options(command: str = "run"):
+    return [a for a in subcommand(command)._actions if isinstance(a.type, Number)]
+
+
+RUN_NUMBERS = numeric_options()
+
+# Texts no numeric option takes, whatever its range.
+HOSTILE = ["nan", "NaN", "inf", "-inf", "-1", "1e308", "1e400", str(10**30), "9" * 5000,
+           "abc", "", " ", "0x10", "1,5", "None"]
+
+
+def hostile_values(number: Number) -> list[str]:
+    values = list(HOSTILE)
+    if number.low > 0 or number.above:
+        values.append("0")
+    if number.integral:
+        values += ["1.5", "1e3"]
+    return values
+
+
+@pytest.fixture
+def launch_refused(monkeypatch):
+    """pyplan run outside torchrun, its launcher made to fail the test if it starts a worker."""
+    from pyplan.cli import run
+
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+    def launch(*_):
+        raise AssertionError("workers started")
+    monkeypatch.setattr(run, "launch", launch)
+
+
+def test_the_walk_finds_the_numeric_options():
+    names = {a.option_strings[0] for a in RUN_NUMBERS}
+    assert {"--lr", "--fault-timeout", "--seed", "--max-time", "--eval-batches",
+            "--nproc-per-node", "--master-port"} <= names and len(names) >= 20, names
+
+
+def test_no_option_takes_an_unbounded_number():
+    """A number is declared with its range (pyplan.cli._numbers), never as a bare int or float,
+    and an option whose metavar is a number's is one of them."""
+    numbers = {"N", "K", "S", "D", "T", "EPS", "LR", "W", "PORT", "DURATION", "SEED"}
+    not_one = {"--nnodes"}  # N or MIN:MAX: checked against the plan's processes (launch.py)
+    for action in subcommand("run")._actions:
+        assert action.type not in (int, float), action.option_strings
+        if (action.metavar or action.dest.upper()) in numbers and action.option_strings and \
+                action.option_strings[0] not in not_one and action.nargs != 0:
+            assert isinstance(action.type, Number), action.option_strings
+
+
+@pytest.mark.parametrize("action", RUN_NUMBERS, ids=lambda a: a.option_strings[0])
+def test_every_numeric_option_refuses_every_hostile_value(action, cli, launch_refused):
+    option = action.option_strings[0]
+    for value in hostile_values(action.type):
+        code, out, err = cli("run", VSHAPE, "--nproc-per-node", "4", f"{option}={value}")
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        assert (code, out) == (2, ""), (option, value, err)
+        assert err.startswith(f"error: {option} {shown!r} is not ") and err.count("\n") == 1, \
+            (option, value, err)
+
+
+@pytest.mark.parametrize("action", RUN_NUMBERS, ids=lambda a: a.option_strings[0])
+def test_every_numeric_options_range_is_finite_and_its_ends_are_taken(action):
+    number = action.type
+    assert math.isfinite(number.low) and math.isfinite(number.high) and number.high < 1e30
+    ends = [number.high] if number.above else [number.low, number.high]
+    for end in ends:
+        text = str(int(end)) if number.integral else repr(float(end))
+        if number.parse is None or end > 0:
+            assert number.value(text) == end, (action.option_strings, text)
+    with pytest.raises(ValueError):
+        number.value(str(int(number.high) + 1) if number.integral else repr(number.high * 2))
+
+
+def test_a_config_file_is_checked_by_the_same_types(cli, launch_refused, tmp_path):
+    config = tmp_path / "c.yaml"
+    for text, message in [("lr: .nan\n", "1:5: error: --config: lr: nan is not a number above "
+                                         "0 and at most 1e+06"),
+                          ("fault-timeout: 1e308\n", "1:16: error: --config: fault-timeout: "),
+                          ("seed: -1\n", "1:7: error: --config: seed: -1 is not a whole number")]:
+        config.write_text(text)
+        code, out, err = cli("run", VSHAPE, "--config", config)
+        assert (code, out) == (2, "") and err.count("\n") == 1, err
+        assert err.startswith(f"{config}:{message}"), err
+
+
+def test_a_worker_reads_the_launchers_values_back(launch_refused):
+    """What the launcher hands each worker parses to the same options (a duration's float and
+    --eval-batches all included)."""
+    from pyplan.cli.run import _worker_arguments
+
+    parser = _parser("run")
+    given = ["run", str(VSHAPE), "--max-time", "1e-05", "--eval-batches", "all", "--lr", "3e-4",
+             "--fault-timeout", "2.5", "--master-port", "29501"]
+    args = parser.parse_args(given)
+    again = parser.parse_args(_worker_arguments(args))
+    for name in ("max_time", "eval_batches", "lr", "fault_timeout", "seed"):
+        assert getattr(again, name) == getattr(args, name), name
+    assert (args.max_time, args.eval_batches) == (1e-05, None)
