@@ -123,3 +123,91 @@ def test_a_worker_reads_the_launchers_values_back(launch_refused):
     for name in ("max_time", "eval_batches", "lr", "fault_timeout", "seed"):
         assert getattr(again, name) == getattr(args, name), name
     assert (args.max_time, args.eval_batches) == (1e-05, None)
+
+
+# Each rule of pyplan.cli.run_rules.RULES (by name): a combination it refuses, the message's
+# start, and the same combination made to do something, which passes.
+COMBINATIONS = {
+    "_lr_min_without_decay": (["--lr-min", "0.001"], "--lr-min is where a decay ends",
+                              ["--lr-min", "0.001", "--lr-schedule", "cosine"]),
+    "_decay_after_the_run": (["--lr-schedule", "linear", "--lr-warmup", "5", "--steps", "5"],
+                             "--lr-schedule linear never starts: --lr-warmup 5 lasts the whole "
+                             "run (5 steps)",
+                             ["--lr-schedule", "linear", "--lr-warmup", "4", "--steps", "5"]),
+    "_eval_batches_needs_eval_every": (["--eval-batches", "all"],
+                                       "--eval-batches does nothing without --eval-every K",
+                                       ["--eval-batches", "all", "--eval-every", "1"]),
+    "_eval_every_after_the_run": (["--eval-every", "3", "--iterations", "2"],
+                                  "--eval-every 3 never evaluates: the run ends at step 2",
+                                  ["--eval-every", "2", "--iterations", "2"]),
+    "_tolerance_needs_check": (["--tolerance", "0.1"], "--tolerance does nothing without "
+                               "--check", ["--tolerance", "0.1", "--check"]),
+    "_check_steps_needs_check": (["--check-steps", "1"], "--check-steps does nothing without "
+                                 "--check", ["--check-steps", "1", "--check"]),
+    "_save_every_after_the_run": (["--save", "ck", "--save-every", "2"],
+                                  "--save-every 2 never saves before the end: the run ends at "
+                                  "step 1", ["--save", "ck", "--save-every", "2", "--steps",
+                                             "3"]),
+    "_launching_under_torchrun": (["--master-port", "29501"], "--master-port is an option of "
+                                  "pyplan run's launcher", ["--master-port", "29501",
+                                                            "--nproc-per-node", "4"]),
+    "_rank_that_does_not_exist": (["--fail-at", "4:0"], "--fail-at 4:0: the plan has ranks 0 "
+                                  "to 3, no rank 4", ["--fail-at", "3:0"]),
+    "_instruction_that_does_not_exist": (["--fail-at", "1:64"], "--fail-at 1:64: rank 1 runs "
+                                         "instructions 0 to 63", ["--fail-at", "1:63"]),
+    "_adam_options_without_adam": (["--adam-betas", "0.9,0.95"], "--adam-betas is AdamW's, "
+                                   "and the run trains with sgd",
+                                   ["--adam-betas", "0.9,0.95", "--optimizer", "adamw"]),
+}
+
+
+def test_every_rule_has_its_combination():
+    from pyplan.cli.run_rules import RULES
+
+    assert sorted(rule.__name__ for rule in RULES) == sorted(COMBINATIONS)
+
+
+@pytest.mark.parametrize("rule", sorted(COMBINATIONS))
+def test_an_option_that_would_do_nothing_is_refused_before_workers_start(
+        rule, cli, launch_refused, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    refused, message, fixed = COMBINATIONS[rule]
+    code, out, err = cli("run", VSHAPE, *refused, "--dry-run")
+    assert (code, out) == (2, "") and err.startswith(f"error: {message}") and \
+        err.count("\n") == 1, err
+    from pyplan.cli import run
+
+    monkeypatch.setattr(run, "launch", lambda *_: 0)  # (reached: the rules passed)
+    code, out, err = cli("run", VSHAPE, *fixed,
+                         *([] if "--nproc-per-node" in fixed else ["--dry-run"]))
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("rule", sorted(COMBINATIONS))
+def test_a_config_file_meets_the_same_rules(rule, cli, launch_refused, tmp_path):
+    refused, message, _ = COMBINATIONS[rule]
+    if any(o in ("--fail-at", "--master-port") for o in refused):
+        return  # (options of the command line only)
+    config = tmp_path / "c.yaml"
+    config.write_text("".join(f"{o[2:]}: {v}\n" if v not in ("--check",) else ""
+                              for o, v in zip(refused[::2], refused[1::2])))
+    code, _, err = cli("run", VSHAPE, "--config", config, "--dry-run")
+    assert code == 2 and err.startswith(f"error: {message}"), err
+
+
+@pytest.mark.parametrize("rule", sorted(COMBINATIONS))
+def test_the_workers_command_line_passes_where_the_launchers_did(rule):
+    """A worker is given every option that is not its default, as if given: never more than the
+    launcher's command line gave, so a rule that passed there passes in each worker."""
+    from pyplan.cli.run import _worker_arguments
+    from pyplan.cli.run_rules import Facts, check_rules
+
+    parser = _parser("run")
+    args = parser.parse_args(["run", str(VSHAPE), "--nproc-per-node", "4",
+                              *COMBINATIONS[rule][2]])
+    worker = parser.parse_args(_worker_arguments(args))
+    given = getattr(worker, "_given", frozenset())
+    assert given <= args._given
+    programs = [64] * 4
+    check_rules(args, Facts(args._given, programs=programs, optimizer=args.optimizer or "sgd"))
+    check_rules(worker, Facts(given, programs=programs, optimizer=worker.optimizer or "sgd"))

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from typing import Callable
 
 from pyplan.errors import PlanError
 
-__all__ = ["Number", "duration", "name_numbers", "number", "whole"]
+__all__ = ["Number", "duration", "name_numbers", "number", "parse_duration", "whole"]
 
 
 class Number:
@@ -91,9 +92,9 @@ def number(low: float, high: float, *, above: bool = False) -> Number:
     return Number(low, high, integral=False, above=above)
 
 
-def duration(high: float, parse: Callable[[str], float]) -> Number:
-    """A positive duration of at most `high` seconds, read by `parse` (seconds)."""
-    return Number(0, high, integral=False, above=True, parse=parse,
+def duration(high: float) -> Number:
+    """A positive duration of at most `high` seconds (parse_duration)."""
+    return Number(0, high, integral=False, above=True, parse=parse_duration,
                   what="a duration of at most {high:g} s: seconds (5400), units (90m, 1h30m) "
                   "or [D-]HH:MM:SS")
 
@@ -103,3 +104,27 @@ def name_numbers(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
         if isinstance(action.type, Number) and action.option_strings:
             action.type = action.type.named(action.option_strings[0])
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in `text`: a number of seconds ("5400"), units ("90m", "1h30m", "2d", "45s") or
+    SLURM's [[D-]HH:]MM:SS ("1:30:00", "2-00:00:00"). ValueError when it is none of them or
+    not positive."""
+    text = text.strip()
+    seconds = None
+    if re.fullmatch(r"\d+(\.\d+)?([eE][-+]?\d+)?", text):  # (a worker is given repr(seconds))
+        seconds = float(text)
+    elif re.fullmatch(r"(\d+(\.\d+)?[smhd])+", text):
+        seconds = sum(float(n) * _UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([smhd])",
+                                                                   text))
+    else:
+        found = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text)
+        if found:
+            days, hours, minutes, secs = (int(x or 0) for x in found.groups())
+            seconds = ((days * 24 + hours) * 60 + minutes) * 60 + secs
+    if seconds is None or not seconds > 0:
+        raise ValueError(text)
+    return seconds

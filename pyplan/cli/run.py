@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import os
 import sys
@@ -25,6 +24,7 @@ from pyplan.cli._outputs import (check_outputs, check_resume, check_save, check_
 from pyplan.cli._numbers import Number, duration, number, whole
 from pyplan.cli._torch import require_torch
 from pyplan.cli.launch import LAUNCH_NUMBERS, LAUNCH_OPTIONS, check_processes, launch
+from pyplan.cli.run_rules import Facts, check_rules
 from pyplan.errors import EXIT_PREEMPTED, EXIT_RUN_FAILED, PlanError, RunError, did_you_mean
 from pyplan.lower import COMPUTE, RECV, SEND, SYNC, WAIT, check_runnable, describe, lower
 from pyplan.resolved import load_resolved
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=whole(1, COUNT), metavar="N",
                         help="train until step N in total (a resumed run: the steps left), so "
                         "one command line serves the first start and every restart")
-    parser.add_argument("--max-time", type=duration(MAX_SECONDS, parse_duration),
+    parser.add_argument("--max-time", type=duration(MAX_SECONDS),
                         metavar="DURATION",
                         help="save (with --save) and stop, exit 75, before a step would end "
                         "after DURATION from the start (5400, 90m, 1h30m, 1:30:00)")
@@ -214,6 +214,7 @@ def _apply_config(args: argparse.Namespace) -> dict | None:
         if action.dest in given:
             continue
         setattr(args, action.dest, _config_value(source, key, value, action))
+        args._given = getattr(args, "_given", frozenset()) | {action.dest}  # (the rules')
     return {"file": str(args.config), "options": source.data}
 
 
@@ -254,6 +255,9 @@ def run(args: argparse.Namespace) -> int:
     lowered = lower(problem, plan.schedule)
     verify(lowered)
     verify(lowered, blocking=True)
+    check_rules(args, Facts(getattr(args, "_given", frozenset()),
+                            programs=[len(p) for p in lowered.programs],
+                            optimizer=_trains_with(args.optimizer, problem.model)))
     plan_dir = (plan.plan_path or Path(plan.path)).parent
     if args.dry_run:
         _print_programs(lowered)
@@ -314,7 +318,11 @@ def _optimizer(given: str | None, model) -> str:
         print(f"warning: --optimizer {given}: the plan was partitioned for {planned} "
               f"(model.optimizer), so its memory counts {planned}'s state, not {given}'s "
               f"(hint: re-run pyplan partition with --optimizer {given})", file=sys.stderr)
-    return given or planned or "sgd"
+    return _trains_with(given, model)
+
+
+def _trains_with(given: str | None, model) -> str:
+    return given or model.optimizer or "sgd"
 
 
 def _check_eval_split(model, problem) -> None:
@@ -355,24 +363,23 @@ def _model_check(problem, plan_dir: Path, source: str) -> str:
 
 
 def _worker_arguments(args: argparse.Namespace) -> list[str]:
-    """The command line of one worker: this run's options, without the launcher's."""
+    """The command line of one worker: this run's options, without the launcher's, and only
+    those that are not their defaults (as if given: pyplan.cli.run_rules)."""
     out = ["run", args.plan]
-    for option in ("seed", "lr", "weight_decay", "lr_warmup", "fault_timeout",
-                   "dtype", "lr_schedule", "lr_min", "accumulate",
-                   "check_steps", "max_bad_steps", "adam_betas", "adam_eps"):
-        out += [f"--{option.replace('_', '-')}", repr(getattr(args, option))
-                if isinstance(getattr(args, option), float) else str(getattr(args, option))]
-    out += ["--eval-batches", "all" if args.eval_batches is None else str(args.eval_batches)]
     for flag in ("check", "blocking", "sync_at_end", "json", "overwrite"):
         if getattr(args, flag):
             out.append(f"--{flag.replace('_', '-')}")
-    for option in ("optimizer", "config", "iterations", "steps", "max_time", "trace", "fail_at",
-                   "perturb", "tolerance", "clip_grad_norm", "save", "save_every", "resume", "device",
+    for option in ("seed", "lr", "weight_decay", "lr_warmup", "fault_timeout", "dtype",
+                   "lr_schedule", "lr_min", "accumulate", "eval_batches", "check_steps",
+                   "max_bad_steps", "adam_betas", "adam_eps", "optimizer", "config",
+                   "iterations", "steps", "max_time", "trace", "fail_at", "perturb",
+                   "tolerance", "clip_grad_norm", "save", "save_every", "resume", "device",
                    "keep_last", "eval_every", "log", "tensorboard"):
-        value = getattr(args, option)
-        if value is not None:
-            out += [f"--{option.replace('_', '-')}",
-                    repr(value) if isinstance(value, float) else str(value)]
+        value, name = getattr(args, option), option.replace("_", "-")
+        if option == "eval_batches" and value is None:
+            value = "all"
+        if value is not None and value != _CONFIGURABLE[name].default:
+            out += [f"--{name}", repr(value) if isinstance(value, float) else str(value)]
     return out
 
 
@@ -465,30 +472,6 @@ def _options(args: argparse.Namespace):
     except ValueError:
         raise PlanError(f"--fail-at {args.fail_at!r} is not RANK:INDEX or RANK:INDEX:kill "
                         "(INDEX a number or 'save')") from None
-
-
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in `text`: a number of seconds ("5400"), units ("90m", "1h30m", "2d", "45s") or
-    SLURM's [[D-]HH:]MM:SS ("1:30:00", "2-00:00:00"). ValueError when it is none of them or
-    not positive."""
-    text = text.strip()
-    seconds = None
-    if re.fullmatch(r"\d+(\.\d+)?([eE][-+]?\d+)?", text):  # (a worker is given repr(seconds))
-        seconds = float(text)
-    elif re.fullmatch(r"(\d+(\.\d+)?[smhd])+", text):
-        seconds = sum(float(n) * _UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([smhd])",
-                                                                   text))
-    else:
-        found = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text)
-        if found:
-            days, hours, minutes, secs = (int(x or 0) for x in found.groups())
-            seconds = ((days * 24 + hours) * 60 + minutes) * 60 + secs
-    if seconds is None or not seconds > 0:
-        raise ValueError(text)
-    return seconds
 
 
 def _betas(text: str) -> tuple[float, float]:
