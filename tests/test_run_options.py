@@ -211,3 +211,75 @@ def test_the_workers_command_line_passes_where_the_launchers_did(rule):
     programs = [64] * 4
     check_rules(args, Facts(args._given, programs=programs, optimizer=args.optimizer or "sgd"))
     check_rules(worker, Facts(given, programs=programs, optimizer=worker.optimizer or "sgd"))
+
+
+def variables_read() -> set[str]:
+    """The environment variables pyplan's source reads, found by reading it."""
+    import re
+    from pathlib import Path
+
+    import pyplan
+
+    found = set()
+    for path in Path(pyplan.__file__).parent.rglob("*.py"):
+        text = path.read_text()
+        found |= set(re.findall(r'os\.environ(?:\.get|\.pop)?\s*[(\[]\s*"([A-Z_]+)"', text))
+        found |= set(re.findall(r'"([A-Z_]+)"\s+(?:not\s+)?in\s+os\.environ', text))
+    return found
+
+
+def test_every_variable_pyplan_reads_is_in_the_table():
+    from pyplan.cli.environment import ENVIRONMENT
+
+    read = variables_read()
+    assert {"PYPLAN_DEVICE", "OMP_NUM_THREADS", "RANK", "MASTER_PORT"} <= read, read
+    assert read <= set(ENVIRONMENT), read - set(ENVIRONMENT)
+
+
+def _checked_variables():
+    from pyplan.cli.environment import ENVIRONMENT
+
+    return [(n, v) for n, v in ENVIRONMENT.items() if v.rule is not None]
+
+
+@pytest.mark.parametrize("name, variable", _checked_variables(), ids=lambda x: str(x)[:20])
+def test_every_variable_refuses_every_hostile_value_before_workers_start(
+        name, variable, cli, launch_refused, monkeypatch):
+    words = getattr(variable.rule, "words", ())
+    values = [v for v in HOSTILE + ["0", "1.5", "yes"] if v.strip() and v.strip() not in words]
+    if isinstance(variable.rule, Number):
+        values = [v for v in values if not _takes(variable.rule, v)]
+    assert len(values) >= 10
+    for value in values:
+        monkeypatch.setenv(name, value)
+        code, out, err = cli("run", VSHAPE, "--nproc-per-node", "4")
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        assert (code, out) == (2, ""), (name, value, err)
+        assert err.startswith(f"error: ${name} {shown!r} is not ") and err.count("\n") == 1, \
+            (name, value, err)
+
+
+def _takes(number: Number, text: str) -> bool:
+    try:
+        number.value(text)
+    except ValueError:
+        return False
+    return True
+
+
+def test_torchruns_ranks_must_fit_their_world(cli, launch_refused, monkeypatch):
+    monkeypatch.setenv("RANK", "4")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    code, _, err = cli("run", VSHAPE)
+    assert code == 2 and err.startswith("error: $RANK 4 is not a rank of $WORLD_SIZE 4 (0 to "
+                                        "3)"), err
+
+
+def test_a_variable_is_checked_by_the_commands_that_read_it(cli, monkeypatch):
+    monkeypatch.setenv("PYPLAN_DEVICE", "gpu")  # read by run alone
+    monkeypatch.setenv("OMP_NUM_THREADS", "many")  # read by run, profile and partition
+    code, out, err = cli("validate", PLANS / "transformer-vshape.yaml")
+    assert code == 0, err
+    code, out, err = cli("profile", PLANS / "transformer-vshape.yaml")
+    assert code == 2 and err.startswith("error: $OMP_NUM_THREADS 'many' is not a whole number"),\
+        err

@@ -9,6 +9,7 @@ import sys
 
 from pyplan._version import __version__
 from pyplan.cli._numbers import name_numbers
+from pyplan.cli.environment import check_environment
 from pyplan.errors import EXIT_INTERRUPTED, PyplanError, exit_now
 from pyplan.export import FORMATS as EXPORTS
 
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem is not None:
             raise problem
         args = _parser(command if command in _COMMANDS else None).parse_args(argv)
+        check_environment(args.command)
         return _load(args._module).run(args)
     except PyplanError as exc:
         # One write: under torchrun every rank shares stderr, and print() writes the newline
