@@ -25,6 +25,19 @@ GOOD = {
 }
 SIGNATURES = {"model": "model()", "batch": "batch(step)", "loss": "loss(output, target)",
               "build": "build(name, group)"}
+# What a data or loss function may return that looks right and is not: (value, what the error
+# line says).
+HOSTILE_RETURNS = {
+    "batch": [("torch.randn(8, 4), torch.randn(16, 4)", "returned inputs of 8 samples and "
+               "targets of 16"),
+              ("(torch.randn(8, 4), None), torch.randn(8, 4)", "that hold None at inputs[1]"),
+              ("{'x': torch.randn(8, 4)}, {'y': torch.randn(8, 4), 'w': None}",
+               "that hold None at targets['w']"),
+              ("torch.randn(8, 4, device='meta'), torch.randn(8, 4)", "on the meta device"),
+              ("torch.randn(8, 4), torch.randn(4, 4)", "of 8 samples and targets of 4")],
+    "loss": [("torch.zeros((), device='meta')", "returned a loss on the meta device"),
+             ("torch.tensor(1.0)", "returned a loss that does not require grad")],
+}
 EXCEPTIONS = ["ValueError", "RuntimeError", "KeyError", "TypeError", "IndexError",
               "AttributeError", "ZeroDivisionError", "AssertionError", "OSError",
               "NotImplementedError", "MemoryError", "RecursionError"]
@@ -33,8 +46,8 @@ EXCEPTIONS = ["ValueError", "RuntimeError", "KeyError", "TypeError", "IndexError
 def _failure(rng: random.Random, function: str) -> tuple[str, str]:
     """(source of a failing `function`, what the error line must contain)."""
     head = f"def {SIGNATURES[function]}:\n"
-    mode = rng.choice(["raise", "exit", "type", "shape", "none", "syntax", "import"])
-    if function in ("model", "build") and mode == "shape":
+    mode = rng.choice(["raise", "exit", "type", "shape", "none", "syntax", "import", "hostile"])
+    if function in ("model", "build") and mode in ("shape", "hostile"):
         mode = "type"
     if mode == "raise":
         kind = rng.choice(EXCEPTIONS)
@@ -51,6 +64,9 @@ def _failure(rng: random.Random, function: str) -> tuple[str, str]:
         return head + f"    return {value}\n", "returned a tensor"
     if mode == "none":
         return head + "    pass\n", "returned"
+    if mode == "hostile":
+        value, expect = rng.choice(HOSTILE_RETURNS[function])
+        return head + f"    return {value}\n", expect
     if mode == "syntax":
         return head + "    return (\n", "SyntaxError"
     return head + "    import no_such_module_pyplan\n", "raised ModuleNotFoundError"

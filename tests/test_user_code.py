@@ -187,6 +187,18 @@ def block(name, group):
     return nn.Linear(4, 4)
 
 
+def batch_pairs_wrong(step):
+    return torch.randn(8, 4), torch.randn(16, 4)
+
+
+def batch_meta(step):
+    return torch.randn(8, 4, device="meta"), torch.randn(8, 4)
+
+
+def loss_meta(output, target):
+    return torch.zeros((), device="meta")
+
+
 def block_raises(name, group):
     raise KeyError(name)
 """
@@ -200,6 +212,13 @@ def block_raises(name, group):
     ("block", "batch", "loss_vector", "11:9",
      "model.loss (usermodel:loss_vector) returned a tensor of shape (4, 4), not a scalar "
      "tensor"),
+    ("block", "batch_pairs_wrong", "loss", "10:9",
+     "model.data (usermodel:batch_pairs_wrong) returned inputs of 8 samples and targets of 16 "
+     "(along dim 0)"),
+    ("block", "batch_meta", "loss", "10:9",
+     "model.data (usermodel:batch_meta) returned inputs with a tensor on the meta device"),
+    ("block", "batch", "loss_meta", "11:9",
+     "model.loss (usermodel:loss_meta) returned a loss on the meta device"),
 ])
 def test_run_names_the_users_function_at_its_plan_line(user, monkeypatch, capfd, blocks, data,
                                                         loss, where, message):
@@ -285,3 +304,41 @@ def test_the_time_limit_lets_a_slow_unit_finish():
         with time_limit("unit slow", 0.5):
             while True:
                 pass
+
+
+def _hostile_batches():
+    import torch
+
+    x = torch.ones(8, 4)
+    return [
+        (None, "returned a NoneType, not (inputs, targets)"),
+        ((x,), "returned a tuple of 1, not (inputs, targets)"),
+        ((x, x, x), "returned a tuple of 3, not (inputs, targets)"),
+        ((None, x), "returned inputs that hold None"),
+        (((x, None), x), "returned inputs that hold None at inputs[1]"),
+        ((x, {"labels": None}), "returned targets that hold None at targets['labels']"),
+        (({"ids": x, "mask": "all"}, x), "returned inputs that hold a str at inputs['mask']"),
+        ((x, torch.tensor(1.0)), "returned targets that hold a 0-dim tensor"),
+        (([], x), "returned inputs that hold no tensor"),
+        ((x, torch.ones(0, 4)), "returned targets of no sample (a tensor of shape (0, 4)): an "
+                                "empty batch"),
+        ((torch.ones(8, 4, device="meta"), x), "returned inputs with a tensor on the meta "
+                                               "device, which holds no values"),
+        ((x, torch.ones(16)), "returned inputs of 8 samples and targets of 16 (along dim 0)"),
+        (((x, torch.ones(4, 4)), x), "returned inputs[0] of 8 samples and inputs[1] of 4"),
+        ((x, {"y": x, "w": torch.ones(9)}), "returned inputs of 8 samples and targets['w'] of 9"),
+    ]
+
+
+def test_every_hostile_batch_is_named_by_its_field():
+    """A table of what a data function might return: each refused, naming the field."""
+    import torch
+
+    from pyplan.run.data import check_batch
+
+    for batch, message in _hostile_batches():
+        why = check_batch(batch)
+        assert why is not None and why.startswith(message), (batch, why)
+    x = torch.ones(8, 4)
+    for good in [(x, x), ((x, x), {"y": x}), ({"ids": x.long()}, [x, torch.ones(8)])]:
+        assert check_batch(good) is None

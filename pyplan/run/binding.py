@@ -104,6 +104,9 @@ def loss_function(model: Model) -> Callable:
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             raise _user_error(model, "loss", f"returned {describe(value)}, not a scalar tensor",
                               _HINTS["loss"])
+        if value.is_meta:
+            raise _user_error(model, "loss", "returned a loss on the meta device, which holds no "
+                              "value", _HINTS["loss"])
         if not value.is_floating_point():
             raise _user_error(model, "loss", f"returned a scalar of dtype {str(value.dtype)[6:]}, "
                               "not a real floating-point one", _HINTS["loss"])

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from pyplan.errors import PlanError
 
@@ -133,17 +134,33 @@ def batches_from(data: Any) -> Source | None:
 
 
 def check_batch(batch) -> str | None:
-    """What is wrong with a batch the data gave (None: nothing)."""
+    """What is wrong with a batch the data gave (None: nothing), naming the field: every leaf
+    a tensor of at least one dimension, with values (not on the meta device), and as many
+    samples along dim 0 as every other (each tensor is split into micro-batches on its own:
+    inputs and targets of different sizes would pair the wrong rows)."""
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         return f"returned {describe(batch)}, not (inputs, targets)"
+    sizes = []
     for part, what in zip(batch, ("inputs", "targets")):
-        leaves = torch.utils._pytree.tree_leaves(part)
-        bad = next((x for x in leaves if not isinstance(x, torch.Tensor) or x.dim() == 0), None)
-        if not leaves or bad is not None:
-            return f"returned {what} that hold {describe(bad) if leaves else 'no tensor'}"
-        empty = next((x for x in leaves if x.shape[0] == 0), None)
-        if empty is not None:
-            return f"returned {what} of no sample ({describe(empty)}): an empty batch"
+        leaves = tree_flatten_with_path(part)[0]
+        if not leaves:
+            return f"returned {what} that hold no tensor"
+        for path, x in leaves:
+            field = what + keystr(path)
+            at = f" at {field}" if path else ""
+            if not isinstance(x, torch.Tensor) or x.dim() == 0:
+                return f"returned {what} that hold {'None' if x is None else describe(x)}{at}"
+            if x.shape[0] == 0:
+                return f"returned {what} of no sample ({describe(x)}){at}: an empty batch"
+            if x.is_meta:
+                return (f"returned {what} with a tensor on the meta device{at}, which holds no "
+                        "values")
+            sizes.append((field, x.shape[0]))
+    other = next(((f, n) for f, n in sizes if n != sizes[0][1]), None)
+    if other is not None:
+        return (f"returned {sizes[0][0]} of {sizes[0][1]} samples and {other[0]} of {other[1]} "
+                "(along dim 0): split into micro-batches each on its own, they would pair the "
+                "wrong rows")
     return None
 
 
