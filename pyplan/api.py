@@ -35,6 +35,8 @@ from pyplan.planfile.units import MAX_MEMORY
 __all__ = ["Baseline", "PartitionPlan", "Plan", "ResolvedPlan", "Solution", "load_plan",
            "load_resolved", "partition_plans", "solve", "templates", "with_overrides"]
 
+MAX_TIME_LIMIT = 1e6  # seconds: as milliseconds, within Z3's timeout (an unsigned int); the
+# plan schema's search.time_limit has the same maximum
 UNITS_PER_STAGE = 100  # a partition plan's time unit: its slowest stage spans about this many
 
 Plan = Problem
@@ -163,9 +165,10 @@ def with_overrides(plan: Plan, *, micro_batches: int | None = None,
             raise PlanError(f"memory must use the plan's unit: {unit}")
     if time_limit is not None and (isinstance(time_limit, bool) or
                                    not isinstance(time_limit, (int, float)) or
-                                   not 0 < time_limit < math.inf):
-        raise PlanError(f"the time limit must be positive and finite (seconds), got "
-                        f"{time_limit!r}")
+                                   not 0 < time_limit <= MAX_TIME_LIMIT):
+        raise PlanError(f"the time limit must be positive and finite (seconds), at most "
+                        f"{MAX_TIME_LIMIT:g}, got {time_limit!r}",
+                        hint="a longer one would overflow Z3's timeout")
     if effort is not None and (isinstance(effort, bool) or
                                not isinstance(effort, (int, float)) or not 0 < effort <= 1000):
         raise PlanError(f"the effort must be a number in (0, 1000], got {effort!r}",
@@ -352,7 +355,7 @@ def _check_partition_arguments(units, *, devices, name, factory, data, loss, mic
                         hint="use fewer devices or chunks, or a model of more units")
     _number(micro_batches, "micro_batches", 1, MAX_MICRO_BATCHES, integer=True)
     _number(keep, "keep", 1, 100, integer=True)
-    _number(time_limit, "time_limit", 1e-3, 1e9)
+    _number(time_limit, "time_limit", 1e-3, MAX_TIME_LIMIT)
     if isinstance(memory, list):  # devices that differ: one capacity (or None) each
         if len(memory) != devices:
             raise PlanError(f"memory lists {len(memory)} capacities for {devices} devices")

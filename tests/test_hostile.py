@@ -97,6 +97,8 @@ CASES = {
                     "topology.within_node.latency_ms must be a finite number, got nan"),
     "inf-time-limit": (HEAD + VSHAPE + "search: {time_limit: .inf}\n",
                        "search.time_limit must be a finite number, got inf"),
+    "huge-time-limit": (HEAD + VSHAPE + "search: {time_limit: 1.0e+300}\n",
+                        "search.time_limit must be <= 1000000"),
     "tiny-time-unit": (HEAD + 'shape: {kind: vshape, stage: {output: "1MiB"}}\n'
                        "topology: {time_unit_ms: 1.0e-300}\n",
                        "time units to send, more than the supported 1,000,000"),

@@ -119,6 +119,8 @@ def test_load_plan_takes_a_file_name_or_text(source, capfd):
     ({"time_limit": "x"}, "the time limit must be positive and finite (seconds)"),
     ({"time_limit": math.inf}, "the time limit must be positive and finite (seconds)"),
     ({"time_limit": math.nan}, "the time limit must be positive and finite (seconds)"),
+    ({"time_limit": 1e308}, "the time limit must be positive and finite (seconds), at most "
+                            "1e+06"),
 ])
 def test_with_overrides_refuses_what_makes_no_sense(overrides, expected):
     plan = pyplan.load_plan(PLANS / "tessel-vshape.yaml")
@@ -155,6 +157,7 @@ ARGUMENTS = dict(devices=2, name="m", factory="a:b", data="a:b", loss="a:b", mic
     (UNITS, {"micro_batches": 2.5}, "micro_batches must be an integer"),
     (UNITS, {"memory": math.nan}, "memory (bytes per device) must be an integer"),
     (UNITS, {"time_limit": math.nan}, "time_limit must be a finite number"),
+    (UNITS, {"time_limit": 1e7}, "time_limit must be a finite number in 0.001 .. "),
     (UNITS, {"name": "a b"}, "name must use letters"),
     (UNITS, {"factory": 3}, "factory must be an import path"),
     (UNITS, {"recompute": "sometimes"}, "recompute must be never, always or auto"),

@@ -19,7 +19,7 @@ from typing import Callable
 
 from pyplan.errors import PlanError
 
-__all__ = ["Number", "duration", "name_numbers", "number", "parse_duration", "whole"]
+__all__ = ["SEED", "Number", "duration", "name_numbers", "number", "parse_duration", "whole"]
 
 
 class Number:
@@ -97,6 +97,10 @@ def duration(high: float) -> Number:
     return Number(0, high, integral=False, above=True, parse=parse_duration,
                   what="a duration of at most {high:g} s: seconds (5400), units (90m, 1h30m) "
                   "or [D-]HH:MM:SS")
+
+
+SEED = whole(0, 2**63 - 1)
+"""A seed: any whole number torch's generators take (pyplan hashes it with what it seeds)."""
 
 
 def name_numbers(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ import sys
 from pyplan._version import __version__
 from pyplan.cli._numbers import name_numbers
 from pyplan.cli.environment import check_environment
-from pyplan.errors import EXIT_INTERRUPTED, PyplanError, exit_now
+from pyplan.errors import EXIT_INTERRUPTED, PlanError, PyplanError, exit_now
 from pyplan.export import FORMATS as EXPORTS
 
 __all__ = ["entry", "main"]
@@ -34,14 +34,22 @@ _COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its usage errors one line like every other error (exit 2)."""
+
+    def error(self, message: str):
+        raise PlanError(message[0].lower() + message[1:], hint=f"{self.prog} --help")
+
+
 def _parser(command: str | None = None) -> argparse.ArgumentParser:
     """The argument parser; with `command`, only that subcommand's module is imported (each
     pulls in what it needs: z3, torch, the exporters), which keeps a command's start fast."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pyplan",
         description="Plan, solve and run pipeline-parallel schedules.")
     parser.add_argument("--version", action="version", version=f"pyplan {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                parser_class=_Parser)
     for name, (module, help_text) in _COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         sub_parser.set_defaults(_module=module)

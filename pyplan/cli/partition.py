@@ -10,6 +10,7 @@ import math
 import sys
 from pathlib import Path
 
+from pyplan.cli._numbers import SEED, whole
 from pyplan.cli._torch import require_torch
 from pyplan.cli.profile import MAX_REPEATS, add_time_limit, check_time_limit
 from pyplan.errors import PlanError
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fn(step) -> (inputs, targets), the global batch")
     parser.add_argument("--loss", required=True, metavar="PKG.MOD:FN",
                         help="fn(output, targets) -> a scalar mean loss")
-    parser.add_argument("--devices", type=int, required=True, metavar="D",
+    parser.add_argument("--devices", type=whole(1, MAX_DEVICES), required=True, metavar="D",
                         help="devices (pipeline ranks) to cut the model for")
     parser.add_argument("--shape", choices=("vshape", "interleaved", "mshape", "auto"),
                         default="vshape",
@@ -38,9 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the head on all devices, sharded over the vocabulary, one stage per "
                         "device between them; auto: solve every placement that applies and "
                         "write the shortest")
-    parser.add_argument("--chunks", type=int, default=2, metavar="C",
+    parser.add_argument("--chunks", type=whole(1, MAX_DEVICES), metavar="C",
                         help="stages per device with --shape interleaved (default 2)")
-    parser.add_argument("--micro-batches", type=int, metavar="N",
+    parser.add_argument("--micro-batches", type=whole(1, MAX_MICRO_BATCHES), metavar="N",
                         help="micro-batches per iteration (default 2 x stages)")
     parser.add_argument("--memory", metavar="SIZE", help="memory per device, e.g. 24GiB, or "
                         "one per device, e.g. 80GiB,80GiB,40GiB,40GiB (default: unlimited)")
@@ -59,10 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the optimizer pyplan run will train with (its --optimizer): its "
                         "state counts in the weights' memory, its step's temporaries and time "
                         "are measured; adam is adamw's former name here")
-    parser.add_argument("--repeats", type=int, default=5, metavar="K",
+    parser.add_argument("--repeats", type=whole(1, MAX_REPEATS), default=5, metavar="K",
                         help="timed runs per unit and direction; the median counts")
     add_time_limit(parser, "unit")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of weights and data")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="measure the units on this device (cuda: the first GPU, timed "
                         "with CUDA events)")
@@ -82,10 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _options(args: argparse.Namespace):
     """(stages, micro-batches, memory in bytes: one amount or one per device, speeds)."""
-    if not 1 <= args.devices <= MAX_DEVICES:
-        raise PlanError(f"--devices must lie in 1 .. {MAX_DEVICES}")
-    if args.chunks < 1 or not 1 <= args.repeats <= MAX_REPEATS:
-        raise PlanError(f"--chunks must be at least 1 and --repeats lie in 1 .. {MAX_REPEATS}")
+    if args.chunks is not None and args.shape in ("vshape", "mshape"):
+        raise PlanError(f"--chunks does nothing with --shape {args.shape}",
+                        hint="give --shape interleaved (or auto), or leave --chunks out")
+    args.chunks = 2 if args.chunks is None else args.chunks
     check_time_limit(args.unit_time_limit, "--unit-time-limit")
     stages = args.devices * (args.chunks if args.shape == "interleaved" else 1)
     n = args.micro_batches if args.micro_batches is not None else 2 * stages

@@ -7,6 +7,7 @@ import json
 import statistics
 from pathlib import Path
 
+from pyplan.cli._numbers import SEED
 from pyplan.cli._torch import require_torch
 from pyplan.errors import PlanError
 from pyplan.problem import load_problem
@@ -31,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="milliseconds per time unit of the suggested costs (default: the "
                         "fastest forward block)")
     add_time_limit(parser, "block")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of weights and data")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="measure on this device (cuda: the first GPU, timed with CUDA "
                         "events)")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pyplan.cli._outputs import (check_outputs, check_resume, check_save, check_save_folder,
                                  checkpoint_reads, lock_save, model_reads)
-from pyplan.cli._numbers import Number, duration, number, whole
+from pyplan.cli._numbers import SEED, Number, duration, number, whole
 from pyplan.cli._torch import require_torch
 from pyplan.cli.launch import LAUNCH_NUMBERS, LAUNCH_OPTIONS, check_processes, launch
 from pyplan.cli.run_rules import Facts, check_rules
@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write a Chrome/Perfetto trace of the last iteration (microseconds)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with the results instead of the summary")
-    parser.add_argument("--seed", type=whole(0, 2**63 - 1), default=0,
+    parser.add_argument("--seed", type=SEED, default=0,
                         help="seed of weights and batches")
     parser.add_argument("--optimizer", choices=OPTIMIZERS,
                         help="torch.optim optimizer (default: the plan's model.optimizer, "

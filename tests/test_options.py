@@ -1,12 +1,15 @@
-"""`pyplan run`'s options against hostile values, by class: every numeric option the parser
-declares (found by walking it, not listed here) meets a table of values that must be refused,
-in one line naming it, with exit 2, before any worker starts; and the combinations where an
-option would do nothing (pyplan.cli.run_rules) meet their rules. In-process: nothing is
-launched."""
+"""Options and environment against hostile values, by class: every numeric option the parsers
+declare (found by walking them, not listed here) meets a table of values that must be refused,
+in one line naming it, with exit 2, before any worker starts; `pyplan run`'s combinations where
+an option would do nothing (pyplan.cli.run_rules) meet their rules; every environment variable
+the source reads is in pyplan.cli.environment's table and meets its hostile values. In-process:
+nothing is launched.
+"""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -283,3 +286,53 @@ def test_a_variable_is_checked_by_the_commands_that_read_it(cli, monkeypatch):
     code, out, err = cli("profile", PLANS / "transformer-vshape.yaml")
     assert code == 2 and err.startswith("error: $OMP_NUM_THREADS 'many' is not a whole number"),\
         err
+
+
+# Each other command, with what it needs besides the option under test (nothing it would run
+# for long: a hostile value must stop it first).
+OTHER_COMMANDS = {
+    "solve": ["solve", PLANS / "transformer-vshape.yaml", "--quiet", "-o", "{tmp}/x.yaml"],
+    "show": ["show", VSHAPE],
+    "profile": ["profile", PLANS / "transformer-vshape.yaml"],
+    "partition": ["partition", "pyplan.examples.transformer:model", "--data",
+                  "pyplan.examples.transformer:batch", "--loss",
+                  "pyplan.examples.transformer:loss", "--devices", "2", "-o", "{tmp}/p.yaml"],
+    "plan": ["plan", "{tmp}/config.json", "--cluster", "dgx-h100", "--global-batch", "8",
+             "--seq", "128"],
+}
+# Texts no numeric option of any command takes.
+NEVER = ["nan", "inf", "-inf", "1e308", "1e400", str(10**30), "abc", "", "0x10", "1,5"]
+
+
+def other_numeric_options():
+    from pyplan.cli.main import _COMMANDS
+
+    return [(command, action.option_strings[0]) for command in sorted(_COMMANDS)
+            if command != "run" for action in subcommand(command)._actions
+            if action.type in (int, float) or isinstance(action.type, Number)]
+
+
+def test_the_walk_finds_every_commands_numeric_options():
+    found = set(other_numeric_options())
+    assert {("solve", "--time-limit"), ("show", "--width"), ("plan", "--gpus"),
+            ("partition", "--seed"), ("profile", "--unit-ms")} <= found, found
+    assert {command for command, _ in found} <= set(OTHER_COMMANDS), found
+
+
+@pytest.mark.parametrize("command, option", other_numeric_options())
+def test_every_commands_numeric_option_refuses_what_no_number_option_takes(
+        command, option, cli, tmp_path):
+    base = [str(a).replace("{tmp}", str(tmp_path)) for a in OTHER_COMMANDS[command]]
+    words = option.strip("-").replace("-", "[-_ ]")
+    for value in NEVER:
+        code, out, err = cli(*base, f"{option}={value}")
+        assert code == 2 and err.count("\n") == 1, (option, value, err)
+        assert re.search(words, err), (option, value, err)
+        assert not list(tmp_path.iterdir()), (option, value)
+
+
+def test_partition_chunks_without_an_interleaved_shape_is_refused(cli, tmp_path):
+    base = [str(a).replace("{tmp}", str(tmp_path)) for a in OTHER_COMMANDS["partition"]]
+    code, _, err = cli(*base, "--chunks", "3")
+    assert code == 2 and err == ("error: --chunks does nothing with --shape vshape (hint: give "
+                                 "--shape interleaved (or auto), or leave --chunks out)\n"), err
