@@ -128,6 +128,9 @@ def test_a_worker_reads_the_launchers_values_back(launch_refused):
     assert (args.max_time, args.eval_batches) == (1e-05, None)
 
 
+INFERENCE = "--inference"  # (in a combination: run an inference plan instead)
+
+
 # Each rule of pyplan.cli.run_rules.RULES (by name): a combination it refuses, the message's
 # start, and the same combination made to do something, which passes.
 COMBINATIONS = {
@@ -158,10 +161,29 @@ COMBINATIONS = {
                                   "to 3, no rank 4", ["--fail-at", "3:0"]),
     "_instruction_that_does_not_exist": (["--fail-at", "1:64"], "--fail-at 1:64: rank 1 runs "
                                          "instructions 0 to 63", ["--fail-at", "1:63"]),
+    "_update_without_training": (["--lr", "0.1", INFERENCE], "--lr does nothing on an "
+                                 "inference plan", [INFERENCE]),
     "_adam_options_without_adam": (["--adam-betas", "0.9,0.95"], "--adam-betas is AdamW's, "
                                    "and the run trains with sgd",
                                    ["--adam-betas", "0.9,0.95", "--optimizer", "adamw"]),
 }
+
+
+def plan_and_options(options: list[str], folder) -> list[str]:
+    """The plan a combination runs, and its options: with INFERENCE, a task: inference plan of
+    the same model solved in `folder`."""
+    if INFERENCE not in options:
+        return [VSHAPE, *options]
+    from pyplan.cli.main import main
+
+    (folder / "inf.yaml").write_text(
+        "pyplan: 1\nname: inf\ndevices: 4\nmicro_batches: 8\ntask: inference\n"
+        "shape: {kind: vshape, stage: {time: 1}}\nmodel:\n"
+        "  blocks: pyplan.examples.transformer:build\n"
+        "  data: pyplan.examples.transformer:batch\n"
+        "  loss: pyplan.examples.transformer:loss\n")
+    assert main(["solve", str(folder / "inf.yaml"), "--quiet"]) == 0
+    return [folder / "inf.resolved.yaml", *(o for o in options if o != INFERENCE)]
 
 
 def test_every_rule_has_its_combination():
@@ -175,13 +197,13 @@ def test_an_option_that_would_do_nothing_is_refused_before_workers_start(
         rule, cli, launch_refused, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     refused, message, fixed = COMBINATIONS[rule]
-    code, out, err = cli("run", VSHAPE, *refused, "--dry-run")
+    code, out, err = cli("run", *plan_and_options(refused, tmp_path), "--dry-run")
     assert (code, out) == (2, "") and err.startswith(f"error: {message}") and \
         err.count("\n") == 1, err
     from pyplan.cli import run
 
     monkeypatch.setattr(run, "launch", lambda *_: 0)  # (reached: the rules passed)
-    code, out, err = cli("run", VSHAPE, *fixed,
+    code, out, err = cli("run", *plan_and_options(fixed, tmp_path),
                          *([] if "--nproc-per-node" in fixed else ["--dry-run"]))
     assert code == 0, err
 
@@ -191,10 +213,11 @@ def test_a_config_file_meets_the_same_rules(rule, cli, launch_refused, tmp_path)
     refused, message, _ = COMBINATIONS[rule]
     if any(o in ("--fail-at", "--master-port") for o in refused):
         return  # (options of the command line only)
+    options = [o for o in refused if o != INFERENCE]
     config = tmp_path / "c.yaml"
-    config.write_text("".join(f"{o[2:]}: {v}\n" if v not in ("--check",) else ""
-                              for o, v in zip(refused[::2], refused[1::2])))
-    code, _, err = cli("run", VSHAPE, "--config", config, "--dry-run")
+    config.write_text("".join(f"{o[2:]}: {v}\n" for o, v in zip(options[::2], options[1::2])))
+    code, _, err = cli("run", *plan_and_options([o for o in refused if o == INFERENCE],
+                                                tmp_path), "--config", config, "--dry-run")
     assert code == 2 and err.startswith(f"error: {message}"), err
 
 
@@ -206,14 +229,15 @@ def test_the_workers_command_line_passes_where_the_launchers_did(rule):
     from pyplan.cli.run_rules import Facts, check_rules
 
     parser = _parser("run")
+    fixed = COMBINATIONS[rule][2]
     args = parser.parse_args(["run", str(VSHAPE), "--nproc-per-node", "4",
-                              *COMBINATIONS[rule][2]])
+                              *(o for o in fixed if o != INFERENCE)])
     worker = parser.parse_args(_worker_arguments(args))
     given = getattr(worker, "_given", frozenset())
     assert given <= args._given
-    programs = [64] * 4
-    check_rules(args, Facts(args._given, programs=programs, optimizer=args.optimizer or "sgd"))
-    check_rules(worker, Facts(given, programs=programs, optimizer=worker.optimizer or "sgd"))
+    for options, known in ((args, args._given), (worker, given)):
+        check_rules(options, Facts(known, programs=[64] * 4, training=INFERENCE not in fixed,
+                                   optimizer=options.optimizer or "sgd"))
 
 
 def variables_read() -> set[str]:

@@ -38,7 +38,6 @@ class Number:
         self.parse = parse
         self.what = what
         self.option = option
-        self.__name__ = "int" if integral else "float"  # for argparse's own messages
 
     def named(self, option: str) -> Number:
         """This type for the option `option` (its messages name it)."""

@@ -38,7 +38,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse's parser, its usage errors one line like every other error (exit 2)."""
 
     def error(self, message: str):
-        raise PlanError(message[0].lower() + message[1:], hint=f"{self.prog} --help")
+        raise PlanError(message, hint=f"{self.prog} --help")
 
 
 def _parser(command: str | None = None) -> argparse.ArgumentParser:

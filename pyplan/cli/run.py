@@ -257,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
     verify(lowered, blocking=True)
     check_rules(args, Facts(getattr(args, "_given", frozenset()),
                             programs=[len(p) for p in lowered.programs],
-                            optimizer=_trains_with(args.optimizer, problem.model)))
+                            optimizer=_trains_with(args.optimizer, problem.model),
+                            training=problem.training))
     plan_dir = (plan.plan_path or Path(plan.path)).parent
     if args.dry_run:
         _print_programs(lowered)

@@ -13,6 +13,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable
 
+from pyplan.cli.launch import LAUNCH_OPTIONS
 from pyplan.errors import PlanError
 
 __all__ = ["Facts", "RULES", "check_rules", "last_step"]
@@ -29,6 +30,8 @@ class Facts:
     """Each rank's number of instructions."""
     optimizer: str | None = None
     """The optimizer the run trains with (--optimizer, else the plan's, else sgd)."""
+    training: bool = True
+    """Whether the plan trains (False: a task: inference plan, forward only)."""
 
 
 def last_step(args: argparse.Namespace) -> int | None:
@@ -41,8 +44,7 @@ def last_step(args: argparse.Namespace) -> int | None:
 
 
 Message = tuple[str, str] | None
-LAUNCHING = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "master_addr",
-             "master_port", "max_restarts", "log_dir")
+LAUNCHING = tuple(o.replace("-", "_") for o in LAUNCH_OPTIONS)
 
 
 def _lr_min_without_decay(args, facts: Facts) -> Message:
@@ -99,10 +101,10 @@ def _rank_that_does_not_exist(args, facts: Facts) -> Message:
     if facts.programs is None:
         return None
     ranks = len(facts.programs)
-    for option, rank in (("--fail-at", args.fail_at), ("--perturb", args.perturb)):
-        number = rank and rank.partition(":")[0]
-        if number and number.isdigit() and int(number) >= ranks:
-            return (f"{option} {rank}: the plan has ranks 0 to {ranks - 1}, no rank {number}",
+    for option, value in (("--fail-at", args.fail_at), ("--perturb", args.perturb)):
+        rank = (value or "").partition(":")[0]
+        if rank.isdigit() and int(rank) >= ranks:
+            return (f"{option} {value}: the plan has ranks 0 to {ranks - 1}, no rank {rank}",
                     f"name a rank below {ranks}")
     return None
 
@@ -117,6 +119,20 @@ def _instruction_that_does_not_exist(args, facts: Facts) -> Message:
         return (f"--fail-at {args.fail_at}: rank {rank} runs instructions 0 to "
                 f"{facts.programs[int(rank)] - 1} an iteration, no instruction {index}",
                 "pyplan run --dry-run lists each rank's")
+    return None
+
+
+UPDATING = ("optimizer", "lr", "weight_decay", "adam_betas", "adam_eps", "clip_grad_norm",
+            "lr_warmup", "lr_schedule", "lr_min")
+"""The options of the update, which a forward-only run does not make."""
+
+
+def _update_without_training(args, facts: Facts) -> Message:
+    given = [o for o in UPDATING if o in facts.given]
+    if given and not facts.training:
+        option = "--" + given[0].replace("_", "-")
+        return (f"{option} does nothing on an inference plan, which runs forward only (no "
+                "update)", f"leave {option} out, or run a task: training plan")
     return None
 
 
@@ -142,6 +158,7 @@ RULES = (
     _launching_under_torchrun,
     _rank_that_does_not_exist,
     _instruction_that_does_not_exist,
+    _update_without_training,
     _adam_options_without_adam,
 )
 """Each option that would do nothing, and when."""
