@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pyplan.cli import main  # noqa: E402
-from pyplan.errors import PlanError, PyplanError, RunError, UserCodeError  # noqa: E402
+from pyplan.errors import PyplanError, RunError, UserCodeError  # noqa: E402
 from test_checkpoints import alone  # noqa: E402
 
 MODEL = """\
@@ -123,15 +123,22 @@ def test_clipping_takes_positive_finite_norms(pipeline):
 def test_batches_that_are_not_tensors_or_are_empty(pipeline):
     pipe = pipeline()
     y = torch.randn(8, 4)
-    _refused(RunError, r"Pipeline.step: the inputs hold an int \(hint: pass tensors",
-             pipe.step, [1, 2, 3], y)
-    _refused(RunError, "Pipeline.step: the inputs hold a str", pipe.step, "abc", y)
-    _refused(RunError, "Pipeline.step: the targets hold a 0-dim tensor", pipe.step,
+    _refused(RunError, r"Pipeline.step got inputs that hold an int at inputs\[0\] \(hint: "
+             "pass tensors", pipe.step, [1, 2, 3], y)
+    _refused(RunError, "Pipeline.step got inputs that hold a str", pipe.step, "abc", y)
+    _refused(RunError, "Pipeline.step got targets that hold a 0-dim tensor", pipe.step,
              torch.randn(8, 4), torch.tensor(1.0))
-    _refused(PlanError, r"a batch tensor of shape \(0, 4\) holds no sample: an empty batch",
-             pipe.step, torch.randn(0, 4), torch.randn(0, 4))
-    _refused(PlanError, "an evaluation batch of 0 samples: an empty batch", pipe.eval_step,
-             torch.randn(0, 4))
+    _refused(RunError, r"Pipeline.step got inputs of no sample \(a tensor of shape \(0, 4\)\): "
+             "an empty batch", pipe.step, torch.randn(0, 4), torch.randn(0, 4))
+    # What would pair the wrong rows, or hold nothing to compute with: named by its field.
+    _refused(RunError, "Pipeline.step got inputs of 8 samples and targets of 16", pipe.step,
+             torch.randn(8, 4), torch.randn(16, 4))
+    _refused(RunError, r"Pipeline.step got targets that hold None at targets\['w'\]",
+             pipe.step, torch.randn(8, 4), {"y": y, "w": None})
+    _refused(RunError, "Pipeline.step got inputs with a tensor on the meta device", pipe.step,
+             torch.randn(8, 4, device="meta"), y)
+    _refused(RunError, r"Pipeline.eval_step got inputs of no sample \(a tensor of shape "
+             r"\(0, 4\)\): an empty batch", pipe.eval_step, torch.randn(0, 4))
     # The user's block cannot take these inputs: named with the block and the micro-batch.
     _refused(UserCodeError, r"block 'a' \(micro-batch 0\) raised RuntimeError: mat1 and mat2 "
              r"shapes cannot be multiplied \(2x5 and 4x4\)", pipe.step, torch.randn(8, 5), y)

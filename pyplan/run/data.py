@@ -29,7 +29,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from pyplan.errors import PlanError
 
-__all__ = ["DATA_HINT", "Source", "batches_from", "check_batch", "describe", "split_batch",
+__all__ = ["DATA_HINT", "Source", "batch_problem", "batches_from", "check_batch", "describe", "split_batch",
            "to_device"]
 
 DATA_HINT = "batch(step) returns (inputs, targets) for the global batch"
@@ -134,33 +134,39 @@ def batches_from(data: Any) -> Source | None:
 
 
 def check_batch(batch) -> str | None:
-    """What is wrong with a batch the data gave (None: nothing), naming the field: every leaf
-    a tensor of at least one dimension, with values (not on the meta device), and as many
-    samples along dim 0 as every other (each tensor is split into micro-batches on its own:
-    inputs and targets of different sizes would pair the wrong rows)."""
+    """What is wrong with a batch the data gave (None: nothing): "returned ..."."""
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         return f"returned {describe(batch)}, not (inputs, targets)"
+    why = batch_problem({"inputs": batch[0], "targets": batch[1]})
+    return None if why is None else f"returned {why}"
+
+
+def batch_problem(parts: dict[str, Any]) -> str | None:
+    """What is wrong with these parts of a batch ("inputs", "targets"), naming the field
+    ("inputs that hold None at inputs[1]"), or None: every leaf a tensor of at least one
+    dimension, with values (not on the meta device), and as many samples along dim 0 as every
+    other (each tensor is split into micro-batches on its own: inputs and targets of different
+    sizes would pair the wrong rows)."""
     sizes = []
-    for part, what in zip(batch, ("inputs", "targets")):
+    for what, part in parts.items():
         leaves = tree_flatten_with_path(part)[0]
         if not leaves:
-            return f"returned {what} that hold no tensor"
+            return f"{what} that hold no tensor"
         for path, x in leaves:
             field = what + keystr(path)
             at = f" at {field}" if path else ""
             if not isinstance(x, torch.Tensor) or x.dim() == 0:
-                return f"returned {what} that hold {'None' if x is None else describe(x)}{at}"
+                return f"{what} that hold {'None' if x is None else describe(x)}{at}"
             if x.shape[0] == 0:
-                return f"returned {what} of no sample ({describe(x)}){at}: an empty batch"
+                return f"{what} of no sample ({describe(x)}){at}: an empty batch"
             if x.is_meta:
-                return (f"returned {what} with a tensor on the meta device{at}, which holds no "
-                        "values")
+                return f"{what} with a tensor on the meta device{at}, which holds no values"
             sizes.append((field, x.shape[0]))
     other = next(((f, n) for f, n in sizes if n != sizes[0][1]), None)
     if other is not None:
-        return (f"returned {sizes[0][0]} of {sizes[0][1]} samples and {other[0]} of {other[1]} "
-                "(along dim 0): split into micro-batches each on its own, they would pair the "
-                "wrong rows")
+        return (f"{sizes[0][0]} of {sizes[0][1]} samples and {other[0]} of {other[1]} (along "
+                "dim 0): split into micro-batches each on its own, they would pair the wrong "
+                "rows")
     return None
 
 

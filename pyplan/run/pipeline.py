@@ -42,7 +42,7 @@ from pyplan.resolved import ResolvedPlan, load_resolved
 import pyplan.run.state as state_dicts
 from pyplan.run.binding import (Built, Model, block_inputs, build, kept_rng, load_model,
                                 loss_function, shared_across_devices)
-from pyplan.run.data import describe, split_batch, to_device
+from pyplan.run.data import batch_problem, describe, split_batch, to_device
 from pyplan.run.comm import Comm, join_world
 from pyplan.run.executor import Executor, IterationResult
 from pyplan.run.gradients import PipelineGradients
@@ -318,7 +318,8 @@ class Pipeline(PipelineGradients):
 
     def _needs(self, inputs, targets, what: str) -> None:
         """RunError when this rank is given None for what its blocks read, or a batch that
-        is not tensors with the batch along dim 0."""
+        is not tensors with the batch along dim 0 (pyplan.run.data.batch_problem)."""
+        parts = {}
         for given, needed, name in ((inputs, self.takes_inputs, "inputs"),
                                     (targets, self.takes_targets, "targets")):
             if given is None and needed:
@@ -326,16 +327,12 @@ class Pipeline(PipelineGradients):
                                f"{name}, but got None for them",
                                hint="pass the global batch on the ranks whose takes_inputs / "
                                     "takes_targets is True (any rank may get it)")
-            if given is None or not needed or (name == "targets" and given == ()):
-                continue
-            leaves = torch.utils._pytree.tree_leaves(given)
-            bad = next((x for x in leaves if not isinstance(x, torch.Tensor) or x.dim() == 0),
-                       None)
-            if not leaves or bad is not None:
-                raise RunError(f"Pipeline.{what}: the {name} hold "
-                               f"{describe(bad) if leaves else 'no tensor'}",
-                               hint="pass tensors (or tuples, lists or dicts of them) with the "
-                                    "batch along dim 0")
+            if given is not None and needed and not (name == "targets" and given == ()):
+                parts[name] = given
+        why = batch_problem(parts) if parts else None
+        if why is not None:
+            raise RunError(f"Pipeline.{what} got {why}", hint="pass tensors (or tuples, lists or "
+                           "dicts of them) with the batch along dim 0")
 
     def _agreed_micro_batches(self, inputs) -> int:
         """The micro-batches an evaluation batch runs in, the same on every rank (the ranks
