@@ -108,8 +108,8 @@ def test_clipping_on_blocks_that_span_devices():
 @pytest.mark.torchrun
 def test_an_inference_plan_runs_forward_only_and_its_losses_are_one_process_forwards(tmp_path):
     """task: inference with a model: run steps the forward schedule alone, and --check judges
-    every step's loss against the single-process forward of that step's batch (with --lr 10 a
-    parameter that moved would show in the next step's loss)."""
+    every step's loss against the single-process forward of that step's batch (a parameter
+    that moved would show in the next step's loss)."""
     shutil.copy(MODELS / "hf.py", tmp_path / "hf.py")
     two = [UNITS[0] + UNITS[1] + UNITS[2], UNITS[3] + UNITS[4] + UNITS[5]]
     text = _plan("forward", two).replace("training: {backward: {time_ratio: 2}}",
@@ -119,7 +119,7 @@ def test_an_inference_plan_runs_forward_only_and_its_losses_are_one_process_forw
                                        text=True, cwd=tmp_path, timeout=300)
     assert run("solve", "forward.yaml", "--quiet").returncode == 0
     result = run("run", "forward.resolved.yaml", "--nproc-per-node", 2, "--device", "cpu",
-                 "--check", "--iterations", 3, "--lr", 10)
+                 "--check", "--iterations", 3)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "micro-batches, forward only (an inference plan: no update)\n" in result.stdout
     assert "check: 3 forward-only steps: the losses match the single-process forwards'" in \
