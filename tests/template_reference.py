@@ -230,18 +230,6 @@ def _greedy(stage_device: list[int], n: int, split: bool, in_flight: list[int],
     raise NotApplicable("the template does not make progress")
 
 
-def zb_2p(problem: Problem):
-    require_training(problem, split=True)
-    stages = single_chain_stages(problem)
-    p = len(stages)
-    # ZB-2p: every stage holds up to 2p micro-batches' activations, deferring W passes
-    programs = _greedy(list(range(p)), problem.num_micro_batches, True, [2 * p] * p,
-                       _deltas(problem, stages))
-    device_of = [stage_device(problem, st) for st in stages]
-    return _device_orders(problem, stages, [programs[device_of.index(d)] if d in device_of
-                                            else [] for d in range(problem.num_devices)])
-
-
 def _deltas(problem: Problem, stages) -> list[dict] | None:
     """Each stage's memory change per op, when every forward allocates (else None)."""
     delta = [{op: sum(problem.blocks[b].memory for b in stage_ops(problem, st, op))
@@ -249,17 +237,26 @@ def _deltas(problem: Problem, stages) -> list[dict] | None:
     return delta if all(d["F"] > 0 for d in delta) else None
 
 
-def zb_h2(problem: Problem):
+def _zb_chain(problem: Problem, in_flight):
     require_training(problem, split=True)
     stages = single_chain_stages(problem)
     p = len(stages)
-    # ZB-H2: about twice 1F1B's warmup forwards (2(p - s) - 1 in flight on stage s), so the
-    # warmup has no bubble; deferred W passes fill the cooldown.
     programs = _greedy(list(range(p)), problem.num_micro_batches, True,
-                       [2 * (p - s) - 1 for s in range(p)], _deltas(problem, stages))
+                       [in_flight(s, p) for s in range(p)], _deltas(problem, stages))
     device_of = [stage_device(problem, st) for st in stages]
     return _device_orders(problem, stages, [programs[device_of.index(d)] if d in device_of
                                             else [] for d in range(problem.num_devices)])
+
+
+def zb_h2(problem: Problem):
+    # ZB-H2: about twice 1F1B's warmup forwards (2(p - s) - 1 in flight on stage s), so the
+    # warmup has no bubble; deferred W passes fill the cooldown.
+    return _zb_chain(problem, lambda s, p: 2 * (p - s) - 1)
+
+
+def zb_2p(problem: Problem):
+    # ZB-2p: every stage holds up to 2p micro-batches' activations, deferring W passes
+    return _zb_chain(problem, lambda s, p: 2 * p)
 
 
 def zb_v(problem: Problem):

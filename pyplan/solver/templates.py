@@ -187,29 +187,29 @@ def _3f1b(problem: Problem):
 
 # ---------------------------------------------------------------- device-level programs
 
-def _zb_h2(problem: Problem):
-    """ZB-H2: about twice 1F1B's warmup forwards (2(p - s) - 1 in flight on stage s), so the
-    warmup has no bubble; deferred W passes fill the cooldown."""
+def _zb_chain(problem: Problem, in_flight) -> list[list[tuple[int, int]]]:
+    """Zero bubble's greedy order on one stage per device, stage s holding up to
+    in_flight(s, p) forwards' activations."""
     require_training(problem, split=True)
     stages = single_chain_stages(problem)
     p = len(stages)
     return _made(_core.greedy_orders(
         problem.graph, [stage_blocks(problem, s) for s in stages], list(range(p)),
-        problem.num_micro_batches, True, [2 * (p - s) - 1 for s in range(p)],
+        problem.num_micro_batches, True, [in_flight(s, p) for s in range(p)],
         [stage_device(problem, st) for st in stages]))
+
+
+def _zb_h2(problem: Problem):
+    """ZB-H2: about twice 1F1B's warmup forwards (2(p - s) - 1 in flight on stage s), so the
+    warmup has no bubble; deferred W passes fill the cooldown."""
+    return _zb_chain(problem, lambda s, p: 2 * (p - s) - 1)
 
 
 def _zb_2p(problem: Problem):
     """ZB-2p, the zero bubble paper's automatic schedule at its memory limit: every stage may
     hold 2p micro-batches' activations (with the W passes' held inputs), so W passes are
     deferred (more forwards run first) and fill the cooldown (Qi et al., section 3)."""
-    require_training(problem, split=True)
-    stages = single_chain_stages(problem)
-    p = len(stages)
-    return _made(_core.greedy_orders(
-        problem.graph, [stage_blocks(problem, s) for s in stages], list(range(p)),
-        problem.num_micro_batches, True, [2 * p] * p,
-        [stage_device(problem, st) for st in stages]))
+    return _zb_chain(problem, lambda s, p: 2 * p)
 
 
 def _zb_v(problem: Problem):
