@@ -120,7 +120,7 @@ def test_unwritable_output(cli, tmp_path):
     target = tmp_path / "missing-dir" / "a.svg"
     code, out, err = cli("export", PLANS / "1f1b-4stage.yaml", "--format", "svg", "-o", target)
     assert (code, out) == (2, "")
-    assert err == (f"error: cannot write {target}: its directory does not exist (hint: create "
+    assert err == (f"error: -o {target}: its directory does not exist (hint: create "
                    "the directory first, or choose another output)\n")
 
 

@@ -120,7 +120,10 @@ shared = pipe.step(inputs, targets)
 for p in pipe.parameters():
     p.grad = None
 own = pipe.step(inputs, targets, share_loss=False)
-print("rank", pipe.rank, repr(float(shared)), None if own is None else repr(float(own)))
+# one write per line: print's text and newline are two, which the ranks' lines interleave
+own = None if own is None else float(own)
+sys.stdout.write(f"rank {pipe.rank} {float(shared)!r} {own!r}\\n")
+sys.stdout.flush()
 pipe.close()
 """
 
