@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pyplan.runtime import torch
-from pyplan.run import comm
+from pyplan.run import comm, devices
 from pyplan.run.backward import backward_input, backward_weight
 from warm_torchrun import torchrun
 
@@ -92,11 +92,11 @@ def test_a_stage_without_trainable_parameters_clips_and_steps_with_the_others(tm
 # ---------------------------------------------------------------- 2: a caller's one-sided group
 
 def test_backend_sides_are_read_from_the_group_configuration():
-    assert comm._sides("cuda:nccl") == {"cuda": "nccl"}  # init_process_group("nccl")
-    assert "cpu" not in comm._sides("cuda:nccl")
-    assert comm._sides("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
-    assert comm.device_backend(torch.device("cpu")) == "gloo"
-    assert comm.device_backend(torch.device("cuda", 0)) == "nccl"
+    assert devices._sides("cuda:nccl") == {"cuda": "nccl"}  # init_process_group("nccl")
+    assert "cpu" not in devices._sides("cuda:nccl")
+    assert devices._sides("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
+    assert devices.device_backend(torch.device("cpu")) == "gloo"
+    assert devices.device_backend(torch.device("cuda", 0)) == "nccl"
 
 
 CALLERS_GROUP = """\
@@ -106,7 +106,7 @@ CALLERS_GROUP = """\
     import torch.distributed as dist
 
     from pyplan.runtime import Pipeline
-    from pyplan.run.comm import all_gather_objects
+    from pyplan.run.devices import all_gather_objects
 
     dist.init_process_group("cpu:gloo")  # the caller's group, with one side only
     pipe = Pipeline(sys.argv[1])
@@ -153,9 +153,9 @@ def test_a_rank_uses_local_rank_modulo_the_gpus_it_sees(monkeypatch, visible, lo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     monkeypatch.setattr(torch.cuda, "get_device_properties", _Properties)
-    monkeypatch.setattr(comm.socket, "gethostname", lambda: "node")
-    assert comm.local_gpu(local) == expected
-    assert comm.gpu_identity(local) == (None if expected is None else f"node/GPU-{expected}")
+    monkeypatch.setattr(devices.socket, "gethostname", lambda: "node")
+    assert devices.local_gpu(local) == expected
+    assert devices.gpu_identity(local) == (None if expected is None else f"node/GPU-{expected}")
 
 
 def test_ranks_that_would_share_a_gpu_do_not_count_as_having_their_own(monkeypatch):
@@ -163,11 +163,11 @@ def test_ranks_that_would_share_a_gpu_do_not_count_as_having_their_own(monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "get_device_properties", _Properties)
-    gpus = [comm.gpu_identity(local) for local in range(8)]
-    assert not comm.choose_cuda("auto", gpus)
-    assert comm.choose_cuda("auto", gpus[:4])
+    gpus = [devices.gpu_identity(local) for local in range(8)]
+    assert not devices.choose_cuda("auto", gpus)
+    assert devices.choose_cuda("auto", gpus[:4])
     # One GPU visible to each process, each a different one (their UUIDs differ).
-    assert comm.choose_cuda("cuda", [f"node/GPU-{r}" for r in range(4)])
+    assert devices.choose_cuda("cuda", [f"node/GPU-{r}" for r in range(4)])
 
 
 # ---------------------------------------------------------------- 6: fp16 overflow

@@ -152,7 +152,7 @@ NCCL_ONLY = """\
 
     import review
     from pyplan.runtime import Pipeline
-    from pyplan.run.comm import all_gather_objects
+    from pyplan.run.devices import all_gather_objects
 
     waits = []
 

@@ -32,7 +32,7 @@ from pyplan.verify import verify
 
 __all__ = ["DEVICES", "DTYPES", "OPTIMIZERS", "SCHEDULES", "add_arguments", "run"]
 
-# The runtime's choices (pyplan.run.comm, pyplan.run.pipeline, pyplan.train.training), spelled
+# The runtime's choices (pyplan.run.devices, pyplan.run.pipeline, pyplan.train.training), spelled
 # here so that the CLI parses without importing torch (tests/test_run_cli.py checks they agree).
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")

@@ -1,8 +1,8 @@
 """The engine that runs one rank's program (the lowest layer of what needs torch): values and
 data between blocks -> census (live tensor bytes) -> binding (the plan's model: section, a
-rank's blocks, seeds) -> backward (whole, or split into B and W) -> comm (devices, backends,
-communicators) -> gradients (sums over a block's ranks, ties and replicas; sharded data
-parallelism), steps (a program compiled into steps over slots) -> executor (one rank's
+rank's blocks, seeds) -> backward (whole, or split into B and W) -> devices (the device and
+backends) -> comm (communicators, buffer lifetimes) -> gradients (sums over a block's ranks,
+ties and replicas; sharded data parallelism), steps (a program compiled into steps over slots) -> executor (one rank's
 iteration) -> state (the name-keyed state dicts) -> pipeline (`Pipeline`, the engine).
 
 Nothing here imports pyplan.measure, pyplan.train or pyplan.runtime (tests/test_layers.py).

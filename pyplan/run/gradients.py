@@ -17,7 +17,8 @@ from pyplan.lower import REDUCE
 from pyplan.models.chunks import shard_dim
 from pyplan.models.collectives import all_reduce_
 from pyplan.run.binding import Built
-from pyplan.run.comm import device_backend, transfer_error
+from pyplan.run.comm import transfer_error
+from pyplan.run.devices import device_backend
 
 __all__ = ["PipelineGradients", "Reductions", "Slots", "flat_gradients", "local",
            "norm_argument", "padded", "set_gradients", "unflatten_into"]

@@ -43,7 +43,8 @@ import pyplan.run.state as state_dicts
 from pyplan.run.binding import (Built, Model, block_inputs, build, kept_rng, load_model,
                                 loss_function, shared_across_devices)
 from pyplan.run.data import batch_problem, describe, split_batch, to_device
-from pyplan.run.comm import Comm, join_world
+from pyplan.run.comm import Comm
+from pyplan.run.devices import join_world
 from pyplan.run.executor import Executor, IterationResult
 from pyplan.run.gradients import PipelineGradients
 from pyplan.run.mesh import DataParallel, world_mesh

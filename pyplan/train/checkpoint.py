@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from pyplan.errors import PlanError, PyplanError
 from pyplan.fileio import read_capped
-from pyplan.run.comm import all_gather_objects
+from pyplan.run.devices import all_gather_objects
 from pyplan.run.gradients import local
 from pyplan.run.state import SHARD, load_state_dict, state_dict
 from pyplan.train.record import check_record

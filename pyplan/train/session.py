@@ -24,7 +24,8 @@ from pyplan.run.binding import Model, make_batch
 from pyplan.run.census import Census
 from pyplan.train.check import (TOLERANCE, Verdict, compare, gathered, reference_run,
                                 tokens_of)
-from pyplan.run.comm import TransferError, all_gather_objects
+from pyplan.run.comm import TransferError
+from pyplan.run.devices import all_gather_objects
 from pyplan.train import flops
 from pyplan.train.faults import Watchdog
 from pyplan.run.gradients import local

@@ -1,5 +1,5 @@
 """Run under torch.distributed.run on one rank: prints the gloo threads still alive after
-pyplan's world (comm.join_world) is destroyed, once torch._dynamo has been imported."""
+pyplan's world (devices.join_world) is destroyed, once torch._dynamo has been imported."""
 
 import gc
 import glob
@@ -7,7 +7,7 @@ import glob
 import torch
 import torch.distributed as dist
 
-from pyplan.run.comm import join_world
+from pyplan.run.devices import join_world
 
 
 def threads() -> list[str]:
