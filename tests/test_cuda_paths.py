@@ -139,35 +139,27 @@ def test_a_callers_group_with_one_side_carries_pyplans_transfers(tmp_path):
 
 # ---------------------------------------------------------------- 3: the GPU a rank takes
 
-class _Properties:
-    def __init__(self, index: int) -> None:
-        self.uuid = f"GPU-{index}"
-
-
 @pytest.mark.parametrize("visible, local, expected", [
     (0, 0, None), (1, 0, 0), (1, 3, 0), (4, 3, 3), (4, 5, 1), (2, 3, 1)],
     ids=["none", "one-visible", "one-visible-rank3", "four", "oversubscribed", "two"])
-def test_a_rank_uses_local_rank_modulo_the_gpus_it_sees(monkeypatch, visible, local, expected):
+def test_a_rank_uses_local_rank_modulo_the_gpus_it_sees(visible, local, expected):
     """SLURM --gpus-per-task=1 and a pod per GPU show each process one GPU: that is its own
     (it used to count as none when LOCAL_RANK >= 1, and the world fell back to the CPU)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", _Properties)
-    monkeypatch.setattr(devices.socket, "gethostname", lambda: "node")
-    assert devices.local_gpu(local) == expected
-    assert devices.gpu_identity(local) == (None if expected is None else f"node/GPU-{expected}")
+    gpus = tuple(f"GPU-{i}" for i in range(visible))
+    choice = devices.choose("auto", [devices.Seen("node", gpus, local)])
+    assert choice.gpus == (expected,) and choice.cuda == (expected is not None)
 
 
-def test_ranks_that_would_share_a_gpu_do_not_count_as_having_their_own(monkeypatch):
+def test_ranks_that_would_share_a_gpu_do_not_count_as_having_their_own():
     """Eight processes on a node with four visible GPUs: ranks 0 and 4 would share GPU 0."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", _Properties)
-    gpus = [devices.gpu_identity(local) for local in range(8)]
-    assert not devices.choose_cuda("auto", gpus)
-    assert devices.choose_cuda("auto", gpus[:4])
+    four = tuple(f"GPU-{i}" for i in range(4))
+    seen = [devices.Seen("node", four, local) for local in range(8)]
+    assert devices.choose("auto", seen) == devices.Choice(
+        False, (None,) * 8, "ranks 0 and 4 would share one GPU (node/GPU-0)")
+    assert devices.choose("auto", seen[:4]).gpus == (0, 1, 2, 3)
     # One GPU visible to each process, each a different one (their UUIDs differ).
-    assert devices.choose_cuda("cuda", [f"node/GPU-{r}" for r in range(4)])
+    one_each = [devices.Seen("node", (f"GPU-{r}",), r) for r in range(4)]
+    assert devices.choose("cuda", one_each).gpus == (0, 0, 0, 0)
 
 
 # ---------------------------------------------------------------- 6: fp16 overflow

@@ -1,0 +1,212 @@
+"""The third CUDA/NCCL review's findings (issue 47), each shown where a CPU can show it: the GPU a
+rank takes without LOCAL_RANK, the rendezvous traffic of choosing the device, why --device auto
+runs on the CPU. tests/test_gpu.py runs the CUDA side."""
+
+from __future__ import annotations
+
+import collections
+import socket
+import textwrap
+import threading
+import warnings
+
+import pytest
+
+from pyplan.errors import RunError
+from pyplan.runtime import torch
+from pyplan.run import devices
+from pyplan.run.devices import Choice, Seen, agree, choose
+from warm_torchrun import torchrun
+
+FOUR = tuple(f"GPU-{i}" for i in range(4))
+
+
+# ---------------------------------------------------------------- 1: no LOCAL_RANK
+
+def test_without_local_rank_a_rank_takes_its_position_among_its_hosts_ranks():
+    """mpirun or a Python launcher sets no LOCAL_RANK: every rank used to take GPU 0 (and the
+    world fell back to the CPU, or NCCL failed on a caller's group)."""
+    hosts = ["a", "b", "a", "b", "a", "b", "a", "b"]  # ranks interleaved over two hosts
+    seen = [Seen(host, FOUR, None) for host in hosts]
+    assert choose("auto", seen) == Choice(True, (0, 0, 1, 1, 2, 2, 3, 3))
+    # LOCAL_RANK, where a launcher sets it, wins.
+    assert choose("auto", [Seen("a", FOUR, 3), Seen("a", FOUR, 2)]).gpus == (3, 2)
+    # More ranks on a host than GPUs: two would share one.
+    with pytest.raises(RunError, match=r"ranks 0 and 4 would share one GPU \(a/GPU-0\)"):
+        choose("cuda", [Seen("a", FOUR, None) for _ in range(5)])
+
+
+CALLERS_GROUP = """\
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    from pyplan.errors import RunError
+    from pyplan.run import devices
+
+    dist.init_process_group("gloo")
+    del os.environ["LOCAL_RANK"]  # as mpirun or a Python launcher
+    # A node of two GPUs, seen through the caller's NCCL group (faked: the CPU has neither).
+    dist.get_backend_config = lambda group=None: "cpu:gloo,cuda:nccl"
+    torch.cuda.is_available = lambda: True
+    torch.cuda.current_device = lambda: 0
+    uuids = sys.argv[1].split(",")
+    torch.cuda.device_count = lambda: len(uuids)
+
+    class Properties:
+        def __init__(self, index):
+            self.uuid = uuids[index]
+
+    torch.cuda.get_device_properties = Properties
+    try:
+        found = str(devices._device_of_group("auto"))
+    except RunError as exc:
+        found = str(exc)
+    sys.stdout.write(f"rank {dist.get_rank()}: {found}\\n")
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torchrun
+def test_a_callers_group_without_local_rank_gives_each_rank_its_own_gpu(tmp_path):
+    (tmp_path / "script.py").write_text(textwrap.dedent(CALLERS_GROUP))
+    result = torchrun("script.py", "GPU-a,GPU-b", nproc=2, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(result.stdout.splitlines()) == ["rank 0: cuda:0", "rank 1: cuda:1"]
+    # One GPU on the node for both ranks: refused in one line, before NCCL fails obscurely.
+    result = torchrun("script.py", "GPU-a", nproc=2, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    host = socket.gethostname()
+    expected = (f"error: the process group's backend is cpu:gloo,cuda:nccl, but ranks 0 and 1 "
+                f"would share one GPU ({host}/GPU-a) (hint: start one process per GPU, or "
+                "create the group with init_process_group(..., device_id=torch.device('cuda', "
+                "i)))")
+    assert sorted(result.stdout.splitlines()) == [f"rank {r}: {expected}" for r in (0, 1)]
+
+
+# ---------------------------------------------------------------- 10: --device auto says why
+
+@pytest.mark.parametrize("cuda, visible, warned, nvidia, expected", [
+    ("12.4", "", [], True, "CUDA_VISIBLE_DEVICES='' hides every GPU"),
+    ("12.4", None, ["CUDA initialization: The NVIDIA driver on your system is too old "
+                    "(found version 11040).\nPlease update"], True,
+     "CUDA initialization: The NVIDIA driver on your system is too old (found version 11040)."),
+    ("12.4", "3", [], True, "torch finds no GPU among CUDA_VISIBLE_DEVICES='3'"),
+    (None, None, [], True, f"torch {torch.__version__} is built without CUDA"),
+    (None, None, [], False, ""),  # a machine without CUDA: nothing to say
+    ("12.4", None, [], False, ""),
+], ids=["hidden", "driver", "not-visible", "cpu-build", "no-cuda", "cuda-build-no-gpu"])
+def test_why_a_rank_has_no_gpu(monkeypatch, cuda, visible, warned, nvidia, expected):
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(devices.Path, "exists", lambda self: nvidia)
+    assert devices._why_no_gpu(warned) == expected
+
+
+def test_seen_here_reads_torchs_warning_when_cuda_fails(monkeypatch):
+    def failing() -> bool:
+        warnings.warn("CUDA initialization: Found no NVIDIA driver on your system.")
+        return False
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", failing)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    seen = devices.seen_here()
+    assert (seen.gpus, seen.local_rank, seen.why_none) == \
+        ((), 2, "CUDA initialization: Found no NVIDIA driver on your system.")
+
+
+def test_auto_on_the_cpu_says_which_rank_and_why():
+    driver = "CUDA initialization: The NVIDIA driver on your system is too old"
+    seen = [Seen("a", ("GPU-0",), 0), Seen("a", (), 1, driver), Seen("b", (), 0, driver)]
+    assert choose("auto", seen).why_cpu == f"rank 1 has no GPU: {driver} (2 of 3 ranks have none)"
+    assert choose("auto", [Seen("a", FOUR, 0), Seen("a", (), 1)]).why_cpu == "rank 1 has no GPU"
+    assert choose("auto", [Seen("a", (), 0), Seen("b", (), 0)]).why_cpu == ""  # no CUDA at all
+
+
+# ---------------------------------------------------------------- 11: O(ranks) store traffic
+
+class CountingStore:
+    """A store shared by threads, counting what each key is read and written."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+        self.reads: collections.Counter = collections.Counter()
+        self.writes: collections.Counter = collections.Counter()
+        self.requests = 0
+        self.changed = threading.Condition()
+
+    def set(self, key: str, value: str) -> None:
+        with self.changed:
+            self.requests += 1
+            self.writes[key] += 1
+            self.values[key] = value
+            self.changed.notify_all()
+
+    def wait(self, keys: list[str]) -> None:
+        with self.changed:
+            self.requests += 1
+            assert self.changed.wait_for(lambda: all(k in self.values for k in keys), 30)
+
+    def get(self, key: str) -> str:
+        self.wait([key])
+        with self.changed:
+            self.reads[key] += 1
+            return self.values[key]
+
+    def multi_get(self, keys: list[str]) -> list[str]:
+        with self.changed:
+            self.requests += 1
+            self.reads.update(keys)
+            return [self.values[k] for k in keys]
+
+
+@pytest.mark.parametrize("request_", ["auto", "cuda", "cpu"])
+def test_choosing_the_device_reads_each_key_once(request_, capsys):
+    """Every rank used to read every rank's key: world^2 reads (a million at a thousand
+    ranks). Now each of the 2 x world - 1 keys is written and read once."""
+    world = 64
+    store = CountingStore()
+    found: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        try:
+            found[r] = agree(store, r, world, request_, Seen(f"node{r // 8}", FOUR[:2], r % 8))
+        except RunError as exc:
+            found[r] = str(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    keys = 2 * world - 1
+    assert len(store.writes) == len(store.reads) == keys
+    assert set(store.writes.values()) == set(store.reads.values()) == {1}
+    assert store.requests <= 3 * world + 1  # O(world) requests too (rank 0: one multi_get)
+    # 8 ranks per node, 2 GPUs each: ranks 0 and 2 would share GPU 0 of node0.
+    share = "ranks 0 and 2 would share one GPU (node0/GPU-0)"
+    if request_ == "cuda":
+        assert set(found.values()) == {f"error: --device cuda, but {share} (hint: start at most "
+                                       "one process per GPU on each node, or use --device cpu)"}
+    else:
+        assert set(found.values()) == {None}
+    err = capsys.readouterr().err
+    assert err == (f"warning: --device auto runs on the CPU: {share}\n"
+                   if request_ == "auto" else "")
+
+
+def test_repeated_joins_agree_under_keys_of_their_own():
+    assert next(devices._JOINED) != next(devices._JOINED)
+
+
+def test_seen_round_trips_through_the_store():
+    seen = Seen("host-1", FOUR, None, "CUDA_VISIBLE_DEVICES='' hides every GPU")
+    assert Seen.read(seen.text().encode()) == seen
+
