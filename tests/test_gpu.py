@@ -314,3 +314,38 @@ def test_the_fused_loss_is_fp32_under_cuda_autocast(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     theirs, ours, difference = result.stdout.split()
     assert theirs == ours == "torch.float32" and float(difference) < 1e-5
+
+
+# ---------------------------------------------------------------- issue 47's review, on GPUs
+
+SENDS_LIVE = """\
+    import sys
+
+    import torch
+
+    import review
+    from pyplan.runtime import Pipeline
+
+    pipe = Pipeline(sys.argv[1], device="cuda")
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.01)
+    for step in range(3):
+        inputs, targets = review.batch(step)
+        optimizer.zero_grad()
+        pipe.step(inputs, targets)
+        pipe.step_optimizer(optimizer)
+    # Every send still listed has not completed; once the GPU is idle, all have.
+    pending = all(not x.work.is_completed() for x in pipe.comm.sends.sent)
+    torch.cuda.synchronize()
+    pipe.comm.sends.poll()
+    words = ["rank", pipe.rank, pending, len(pipe.comm.sends.sent), pipe.comm.sending_bytes]
+    sys.stdout.write(" ".join(map(str, words)) + "\\n")
+    pipe.close()
+"""
+
+
+def test_an_nccl_sends_tensor_lives_until_its_work_completes(tmp_path):
+    plan = _review_plan(tmp_path, "sends", PAIR.format(name="sends", build="two", loss="loss"))
+    result = _torchrun_script(tmp_path, SENDS_LIVE, plan)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))
+    assert lines == [f"rank {r} True 0 0" for r in (0, 1)], lines

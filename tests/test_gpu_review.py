@@ -15,6 +15,7 @@ import pytest
 from pyplan.errors import RunError
 from pyplan.runtime import torch
 from pyplan.run import devices
+from pyplan.run.comm import Sends
 from pyplan.run.devices import Choice, Seen, agree, choose
 from warm_torchrun import torchrun
 
@@ -210,3 +211,49 @@ def test_seen_round_trips_through_the_store():
     seen = Seen("host-1", FOUR, None, "CUDA_VISIBLE_DEVICES='' hides every GPU")
     assert Seen.read(seen.text().encode()) == seen
 
+
+
+# ---------------------------------------------------------------- 2: a send's buffer lifetime
+
+class Work:
+    """A send's Work: complete once `done` is set (NCCL: its CUDA event has fired)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waits = 0
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        self.waits += 1
+        self.done = True
+
+
+def test_an_nccl_send_keeps_its_tensor_until_its_work_completes():
+    """It used to be dropped when the rank heard back from the peer, or at the iteration's end,
+    whether or not NCCL's stream had finished reading it."""
+    sends = Sends(lambda work: work.wait())
+    works = [Work(), Work()]
+    for seq, work in enumerate(works):
+        sends.add(work, torch.zeros(4), peer=1, seq=seq, polled=True)
+    sends.heard_from(1, 5)  # the peer sent something after both: not a reason to let go
+    sends.finish()          # nor the iteration's end
+    assert [x.work for x in sends.sent] == works and sends.bytes == 32
+    works[0].done = True
+    sends.poll()            # released once complete, not waited for
+    assert [x.work for x in sends.sent] == works[1:] and sends.bytes == 16
+    assert [w.waits for w in works] == [0, 0]
+    sends.close()           # the stream waits for what is left, then it goes
+    assert sends.sent == [] and sends.bytes == 0 and works[1].waits == 1
+
+
+def test_a_gloo_send_is_completed_once_the_peer_has_posted_its_receive():
+    sends = Sends(lambda work: work.wait())
+    early, late = Work(), Work()
+    sends.add(early, torch.zeros(2), peer=1, seq=0, polled=False)
+    sends.add(late, torch.zeros(2), peer=1, seq=7, polled=False)
+    sends.heard_from(1, 3)  # the peer sent at 3: it has posted the receive of the send at 0
+    assert (early.waits, late.waits) == (1, 0) and [x.work for x in sends.sent] == [late]
+    sends.finish()
+    assert late.waits == 1 and sends.sent == []

@@ -21,9 +21,11 @@ receiver's own forward output. int16, which NCCL lacks, travels as its bytes.
 Lifetimes: a sent tensor is kept only until its send completes, a received one until the
 executor drops it after its last use, so a rank holds the tensors of the micro-batches in
 flight, not of the iteration. On NCCL a send is never waited for (a wait would make the compute
-stream wait until the receiver has the data): its completion is polled, and once the rank has
-heard back from the peer (below), or the iteration ends, pyplan drops it; torch keeps the tensor
-of an unfinished NCCL send alive until the send completes. gloo reports a send complete only
+stream wait until the receiver has the data): its Work and its tensor are kept, and released
+once its completion (the Work's CUDA event, polled at every transfer) is seen, not earlier (the
+caching allocator would hand its memory to a new tensor while NCCL's stream still reads it)
+and not later: a send still in flight at the iteration's end is polled in the next one, and
+closing the Pipeline makes the stream wait for those left. gloo reports a send complete only
 once it is waited for, and waiting must not stall the sender on a receiver that is busy: sends
 and receives sit in one global order (pyplan.lower), so once a rank has received something its
 peer sent after one of its own sends in that order, the peer has posted the matching receive
@@ -46,7 +48,7 @@ from pyplan.errors import RunError, UserCodeError, exit_now
 from pyplan.run.devices import CPU_GROUPS
 from pyplan.run.values import flatten, rebuild, spec_text, structure, value_text
 
-__all__ = ["Comm", "Pending", "TransferError", "leave", "transfer_error"]
+__all__ = ["Comm", "Pending", "Sends", "TransferError", "leave", "transfer_error"]
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -82,12 +84,72 @@ class Pending:
 class _Sent:
     work: object
     tensor: torch.Tensor
+    """Kept until the send is known complete: the caching allocator must not hand its memory
+    to another tensor while NCCL's stream still reads it."""
     peer: int
     seq: int
     """The send's position in the global order."""
     polled: bool
     """NCCL: never waited for, only polled; gloo: completed by waiting."""
     nbytes: int
+
+
+class Sends:
+    """The sends not known complete, each with its Work and its tensor (the lifetimes above).
+    `wait` completes a Work (Comm._wait)."""
+
+    def __init__(self, wait) -> None:
+        self.wait = wait
+        self.sent: list[_Sent] = []
+        self.bytes = 0
+        """Bytes of the tensors whose sends have not completed yet."""
+
+    def add(self, work, tensor: torch.Tensor, peer: int, seq: int, polled: bool) -> None:
+        size = tensor.numel() * tensor.element_size()
+        self.sent.append(_Sent(work, tensor, peer, seq, polled, size))
+        self.bytes += size
+        if not polled:
+            mine = [x for x in self.sent if x.peer == peer and not x.polled]
+            if len(mine) > MAX_PENDING:
+                self.wait(mine[0].work)
+        self.poll()
+
+    def poll(self) -> None:
+        """Release every send that has completed."""
+        self._release(lambda x: x.work.is_completed())
+
+    def heard_from(self, peer: int, seq: int) -> None:
+        """This rank has received what `peer` sent at position `seq`: every gloo send to it
+        from before that position has been matched by a posted receive, so waiting for it
+        costs nothing; complete and release those, and whatever else has completed (an NCCL
+        send only once it has: its tensor stays until then)."""
+        def done(x: _Sent) -> bool:
+            if x.peer == peer and x.seq < seq and not x.polled:
+                self.wait(x.work)
+                return True
+            return x.work.is_completed()
+        self._release(done)
+
+    def finish(self) -> None:
+        """The end of the iteration: every gloo send completed; the NCCL sends that have not
+        completed stay (polled in the next iteration, or waited for by `close`)."""
+        for x in self.sent:
+            if not x.polled:
+                self.wait(x.work)
+        self.poll()
+
+    def close(self) -> None:
+        """Make the current stream wait for the NCCL sends still in flight, then let go of
+        them: memory the allocator hands out again is used after them on that stream."""
+        for x in self.sent:
+            self.wait(x.work)
+        self._release(lambda x: True)
+
+    def _release(self, done) -> None:
+        kept = [x for x in self.sent if not done(x)]
+        if len(kept) < len(self.sent):
+            self.sent = kept
+            self.bytes = sum(x.nbytes for x in kept)
 
 
 class Comm:
@@ -107,15 +169,21 @@ class Comm:
         self.links = {d: dist.new_group(sorted(d), backend="nccl", timeout=timeout)
                       if self.nccl else self.cpu_group for d in directions}
         """(source, destination) -> the group carrying its tensors."""
-        self.sending: list[_Sent] = []
-        """The sends not known done."""
-        self.sending_bytes = 0
-        """Bytes of the tensors whose sends have not completed yet."""
+        self.sends = Sends(self._wait)
         self.new_iteration()
 
+    @property
+    def sending_bytes(self) -> int:
+        """Bytes of the tensors whose sends have not completed yet."""
+        return self.sends.bytes
+
     def close(self) -> None:
-        """Let go of pyplan's groups (each holds the world's store, whose server would stay up
-        until the groups are collected)."""
+        """Let go of the sends in flight and of pyplan's groups (each holds the world's store,
+        whose server would stay up until the groups are collected)."""
+        try:
+            self.sends.close()
+        except TransferError:  # a peer failed: that failure is the one reported
+            self.sends = Sends(self._wait)
         CPU_GROUPS[:] = [g for g in CPU_GROUPS if g is not self.cpu_group]
         self.cpu_group, self.links = None, {}
 
@@ -157,41 +225,11 @@ class Comm:
         if self.blocking:
             self._wait(work)
             return
-        polled = self.nccl and tensor.is_cuda
-        size = tensor.numel() * tensor.element_size()
-        self.sending.append(_Sent(work, tensor, peer, seq, polled, size))
-        self.sending_bytes += size
-        if not polled:
-            mine = [x for x in self.sending if x.peer == peer and not x.polled]
-            if len(mine) > MAX_PENDING:
-                self._wait(mine[0].work)
-        self._release(lambda x: x.work.is_completed())
-
-    def heard_from(self, peer: int, seq: int) -> None:
-        """This rank has received what `peer` sent at position `seq`: every send to it from
-        before that position has been matched by a posted receive; complete (gloo) or let go
-        (NCCL: torch holds the tensor until the send is done) and drop them."""
-        def matched(x: _Sent) -> bool:
-            if x.peer == peer and x.seq < seq:
-                if not x.polled:
-                    self._wait(x.work)
-                return True
-            return x.work.is_completed()
-        self._release(matched)
-
-    def _release(self, done) -> None:
-        kept = [x for x in self.sending if not done(x)]
-        if len(kept) < len(self.sending):
-            self.sending = kept
-            self.sending_bytes = sum(x.nbytes for x in kept)
+        self.sends.add(work, tensor, peer, seq, polled=self.nccl and tensor.is_cuda)
 
     def finish(self) -> None:
-        """The end of the iteration: complete every gloo send; let go of the NCCL ones."""
-        for x in self.sending:
-            if not x.polled:
-                self._wait(x.work)
-        self.sending.clear()
-        self.sending_bytes = 0
+        """The end of the iteration: complete every gloo send (NCCL ones stay until done)."""
+        self.sends.finish()
 
     # -- receiving
 
@@ -225,7 +263,7 @@ class Comm:
             for work in pending.works:
                 self._wait(work)
             pending.works = None
-        self.heard_from(peer, seq)
+        self.sends.heard_from(peer, seq)
         return pending.tensors if pending.spec is None else rebuild(pending.tensors,
                                                                      pending.spec)
 
