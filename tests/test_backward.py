@@ -1,6 +1,8 @@
 """The zero-bubble split backward: B (input gradients) then W (weight gradients) give exactly
 the gradients of one full backward, and together do the full backward's work, no more
-(counted with torch.utils.flop_counter): on an MLP B and W each do half the matmuls."""
+(counted with torch.utils.flop_counter): on an MLP B and W each do half the matmuls; a custom
+autograd.Function or a torch.compile'd block, whose backward computes every gradient at once,
+runs it once."""
 
 from __future__ import annotations
 
@@ -39,6 +41,45 @@ class Embedder(nn.Module):
         return self.fc(self.embed(ids)).relu()
 
 
+class _Linear(torch.autograd.Function):
+    """x @ w.T with a hand-written backward that computes both gradients at once (as any
+    custom Function does); counts its backward's runs."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Linear.calls += 1
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.t() @ x
+
+
+class CustomFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.w = nn.Linear(16, 16), nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x):
+        return torch.tanh(self.a(torch.tanh(_Linear.apply(x, self.w))))
+
+
+class SharedWithAFunction(nn.Module):
+    """One weight used by the custom Function and again by a matmul after it: W reaches the
+    Function again from the matmul's side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x):
+        return torch.tanh(torch.tanh(_Linear.apply(x, self.w)) @ self.w.t())
+
+
 def _cases():
     torch.manual_seed(0)
     mlp = nn.Sequential(*(nn.Linear(32, 32) for _ in range(4)))
@@ -48,6 +89,8 @@ def _cases():
         "transformer-layer": (layer, [torch.randn(2, 8, 32)]),
         "two-outputs-shared-weight": (TwoOutputs(), [torch.randn(8, 16)]),
         "first-stage": (Embedder(), [torch.randint(0, 50, (4, 8))]),
+        "custom-function": (CustomFunction(), [torch.randn(8, 16)]),
+        "custom-function-shared-weight": (SharedWithAFunction(), [torch.randn(8, 16)]),
     }
 
 
@@ -133,3 +176,42 @@ def test_a_collective_in_the_backward_runs_once_with_the_split():
     backward_weight(work)
     # The one on the input path runs in B, the one on a parameter's path in W: each once.
     assert (after_b, _Collective.calls) == (1, 2)
+
+
+def test_a_custom_functions_backward_runs_once_with_the_split():
+    """It used to run in B (for the input gradient) and again in W (for the weight's): a
+    Function's backward computes both whatever autograd asks for."""
+    torch.manual_seed(0)
+    module = CustomFunction()
+    x = torch.randn(8, 16, requires_grad=True)
+    out = module(x)
+    _Linear.calls = 0
+    _, work = backward_input([out], [torch.ones_like(out)], [x], list(module.parameters()))
+    backward_weight(work)
+    assert _Linear.calls == 1
+    assert work.captured_bytes >= module.w.numel() * 4  # its weight gradient waits for W
+
+
+def test_a_compiled_block_splits_without_running_its_backward_twice():
+    """torch.compile's region is one autograd node (aot_autograd's CompiledFunction) computing
+    every gradient: B runs it once, W only accumulates what it gave the weights."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    compiled = torch.compile(eager, backend="aot_eager")
+    x, grad = torch.randn(8, 16), torch.randn(8, 16)
+    leaf = x.clone().requires_grad_()
+    eager(leaf).backward(grad)
+    want = [leaf.grad, *(p.grad.clone() for p in eager.parameters())]
+    eager.zero_grad(set_to_none=True)
+
+    leaf = x.clone().requires_grad_()
+    out = compiled(leaf)
+    node = out.grad_fn
+    runs = []
+    node.register_prehook(lambda g: runs.append(1))
+    (input_grad,), work = backward_input([out], [grad], [leaf], list(eager.parameters()))
+    assert all(p.grad is None for p in eager.parameters())
+    backward_weight(work)
+    assert len(runs) == 1
+    for got, expected in zip([input_grad, *(p.grad for p in eager.parameters())], want):
+        torch.testing.assert_close(got, expected)

@@ -5,10 +5,16 @@ runs on the CPU. tests/test_gpu.py runs the CUDA side."""
 from __future__ import annotations
 
 import collections
+import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import textwrap
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +26,35 @@ from pyplan.run.devices import Choice, Seen, agree, choose
 from warm_torchrun import torchrun
 
 FOUR = tuple(f"GPU-{i}" for i in range(4))
+MODELS = Path(__file__).resolve().parent / "models"
+PYPLAN = str(Path(sys.executable).with_name("pyplan"))
+
+PAIR = """\
+pyplan: 1
+name: {name}
+devices: 2
+memory: 8
+micro_batches: 4
+training: {{backward: {{time_ratio: 2{split}}}}}
+blocks:
+  - {{name: a, devices: [0], time: 1, memory: 1}}
+  - {{name: b, devices: [1], time: 1, memory: 1}}
+model: {{blocks: "gpu_review:{build}", data: "gpu_review:batch", loss: "gpu_review:{loss}"}}
+"""
+
+
+def _pyplan(tmp_path, *args, env=None, timeout=300):
+    return subprocess.run([PYPLAN, *map(str, args)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def _solved(tmp_path, name: str, build: str, loss: str = "loss", split: str = "") -> str:
+    shutil.copy(MODELS / "gpu_review.py", tmp_path / "gpu_review.py")
+    (tmp_path / f"{name}.yaml").write_text(PAIR.format(name=name, build=build, loss=loss,
+                                                       split=split))
+    result = _pyplan(tmp_path, "solve", f"{name}.yaml", "--quiet")
+    assert result.returncode == 0, result.stderr
+    return f"{name}.resolved.yaml"
 
 
 # ---------------------------------------------------------------- 1: no LOCAL_RANK
@@ -257,3 +292,18 @@ def test_a_gloo_send_is_completed_once_the_peer_has_posted_its_receive():
     assert (early.waits, late.waits) == (1, 0) and [x.work for x in sends.sent] == [late]
     sends.finish()
     assert late.waits == 1 and sends.sent == []
+
+
+# ---------------------------------------------------------------- 3: a Function, split
+
+@pytest.mark.torchrun
+def test_a_custom_function_under_the_split_backward_runs_its_backward_once(tmp_path):
+    """Zero bubble's B and W each used to run the Function's backward (it computes both
+    gradients at once): twice the work; now once per micro-batch, and --check agrees."""
+    plan = _solved(tmp_path, "custom", "custom", split=", weight_time_ratio: 1")
+    counts = tmp_path / "counts"
+    result = _pyplan(tmp_path, "run", plan, "--nproc-per-node", 2, "--iterations", 2,
+                     "--check", "--json", env={"GPU_REVIEW_COUNTS": str(counts)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1])["check"]["ok"]
+    assert len(Path(f"{counts}1").read_text().splitlines()) == 2 * 4  # iterations x micro-batches

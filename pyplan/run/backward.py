@@ -17,6 +17,13 @@ parameter used in two places) are one call, with the captured gradients pinned w
 call reaches another captured node. Each node of the graph therefore runs at most once, and a
 collective inside a backward (tensor-parallel blocks) is issued once.
 
+A node whose backward computes every gradient at once, whatever autograd asks for (a custom
+torch.autograd.Function, a torch.compile'd region: aot_autograd's CompiledFunction), cannot
+be split so: run again in W, it would redo its input gradients and run its backward twice. B
+keeps what it computed for the parameter side (a hook on the node) and W starts from there, at
+its parameter-side children; where W would reach such a node again (a parameter shared with
+another start), the node's outputs are dropped, so each gradient still counts once.
+
 A weight gradient W finds may be a gradient B already handed on (`x + p`: both gradients are
 the output's, the same tensor, which may still be on its way to the previous stage): W stores
 a copy of such a gradient in `.grad`, which later micro-batches add to in place.
@@ -81,19 +88,32 @@ def _post_order(roots: list) -> list:
     return order
 
 
+CAPTURED, ROOT, FUSED = "captured", "root", "fused"
+"""Where W starts: an input-side node with the gradients B captured arriving there; a root
+without an input side, with its own gradient; a fused node's parameter-side child, with what
+the node computed for it in B."""
+
+
+def fused(node) -> bool:
+    """Whether a node's backward computes all its gradients whatever autograd needs (a Python
+    autograd.Function's, torch.compile's among them); a built-in node computes only those."""
+    return isinstance(node, torch.autograd.function.BackwardCFunction)
+
+
 @dataclass
 class WeightWork:
-    """What W needs after B: per piece of the parameter side, where it starts (a node and the
-    gradients B captured there, or a root and its gradient) and the parameters it reaches."""
+    """What W needs after B: per piece of the parameter side, where it starts and the
+    parameters it reaches, and the fused nodes whose work B has done."""
 
-    pieces: list[tuple[list[tuple[object, tuple, bool]], list[torch.Tensor]]]
-    """(seeds, parameters); a seed is (node, gradients at its outputs, captured in B)."""
+    pieces: list[tuple[list[tuple[object, tuple, str]], list[torch.Tensor], list]]
+    """(seeds, parameters, fused nodes done); a seed is (node, gradients at its inputs by
+    index, CAPTURED/ROOT/FUSED)."""
 
     @property
     def captured_bytes(self) -> int:
         """What B keeps for W besides the graph: the gradients it captured."""
-        return sum(g.numel() * g.element_size() for seeds, _ in self.pieces
-                   for _, at, captured in seeds if captured for g in at if g is not None)
+        return sum(g.numel() * g.element_size() for seeds, _, _ in self.pieces
+                   for _, at, kind in seeds if kind != ROOT for g in at if g is not None)
 
 
 def full_backward(roots: list, grads: list[torch.Tensor]) -> None:
@@ -145,8 +165,11 @@ def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor],
             piece[0].append(node)
 
     captured: dict = {}
+    computed: dict = {}  # a fused start -> what its backward returned for each of its edges
     handles = [n.register_prehook(lambda g, n=n: captured.__setitem__(n, g))
                for piece in by_piece.values() for n in piece[0] if to_input[n]]
+    handles += [n.register_hook(lambda given, _, n=n: computed.__setitem__(n, given))
+                for piece in by_piece.values() for n in piece[0] if to_input[n] and fused(n)]
     try:
         wanted = [x for x in inputs if _node(x) in to_input]
         got = iter(torch.autograd.grad([r for r, _ in pairs], wanted, [g for _, g in pairs],
@@ -160,21 +183,32 @@ def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor],
     root_outputs = dict(zip(nodes, (r.output_nr for r, _ in pairs)))
     pieces = []
     for piece_starts, piece_params in by_piece.values():
-        seeds = []
+        seeds, done = [], []
+        at_children: dict = {}  # a fused start's parameter-side child -> {input: gradient}
         for node in piece_starts:
-            if to_input[node]:
-                seeds.append((node, captured.get(node, ()), True))
+            param_side = [(i, c, nr) for i, (c, nr) in enumerate(node.next_functions)
+                          if c is not None and not to_input[c]]
+            given = computed.get(node)
+            if given is not None and all(given[i] is not None for i, _, _ in param_side):
+                done.append(node)  # its backward has run: W starts below it
+                for i, child, nr in param_side:
+                    into = at_children.setdefault(child, {})
+                    into[nr] = given[i] if nr not in into else into[nr] + given[i]
+            elif to_input[node]:
+                seeds.append((node, captured.get(node, ()), CAPTURED))
             else:  # a root without an input side: seeded with its own gradient
                 grads_at = [None] * (root_outputs[node] + 1)
                 grads_at[root_outputs[node]] = root_grads[node]
-                seeds.append((node, tuple(grads_at), False))
-        pieces.append((seeds, [params[i] for i in sorted(piece_params)]))
+                seeds.append((node, tuple(grads_at), ROOT))
+        for child, into in at_children.items():
+            seeds.append((child, tuple(into.get(k) for k in range(max(into) + 1)), FUSED))
+        pieces.append((seeds, [params[i] for i in sorted(piece_params)], done))
     return input_grads, WeightWork(pieces)
 
 
 def backward_weight(work: WeightWork) -> None:
     """W: accumulate the weight gradients into the parameters' .grad."""
-    for seeds, params in work.pieces:
+    for seeds, params, done in work.pieces:
         edges, grads = [], []
         for node, at, _ in seeds:
             for i, g in enumerate(at):
@@ -184,12 +218,14 @@ def backward_weight(work: WeightWork) -> None:
         if not edges:
             continue
         # Where this call reaches another start of the piece through the input side, that
-        # node gets exactly what B gave it (what arrives there again is already counted).
-        pins = [node.register_prehook(lambda _, at=at: at) for node, at, captured in seeds
-                if captured and at and len(seeds) > 1]
+        # node gets exactly what B gave it (what arrives there again is already counted), and
+        # a fused node whose work B did hands on nothing (its children are seeded).
+        hooks = [node.register_prehook(lambda _, at=at: at) for node, at, kind in seeds
+                 if kind == CAPTURED and at and len(seeds) > 1]
+        hooks += [node.register_hook(lambda given, _: (None,) * len(given)) for node in done]
         try:  # each parameter's gradient added to its .grad as it is made, as a backward does
             # (a gradient B still holds is referenced here too: autograd copies, never steals it)
             torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)
         finally:
-            for pin in pins:
-                pin.remove()
+            for hook in hooks:
+                hook.remove()
