@@ -307,3 +307,25 @@ def test_a_custom_function_under_the_split_backward_runs_its_backward_once(tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.splitlines()[-1])["check"]["ok"]
     assert len(Path(f"{counts}1").read_text().splitlines()) == 2 * 4  # iterations x micro-batches
+
+
+# ---------------------------------------------------------------- 5: autocast's weight copies
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocasts_weight_copies_are_not_a_micro_batchs_activations(dtype):
+    """Linear, ReLU, Linear, ReLU saves its input and the two ReLU outputs: in fp32 3 x 8 x 256
+    floats, under autocast the same in half the bytes. autocast's 16-bit copies of the weights
+    (saved for the backward too, but cast once per iteration) used to count as well: 2 x 128
+    KiB on top, 22x the activations."""
+    from pyplan.run.values import saved_bytes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 256), torch.nn.ReLU())
+    x = torch.randn(8, 256).requires_grad_()
+    with saved_bytes(list(model.parameters())) as full:
+        model(x.view_as(x))
+    with torch.autocast("cpu", dtype=dtype), saved_bytes(list(model.parameters())) as low:
+        model(x.view_as(x))
+    assert full.bytes == 3 * 8 * 256 * 4
+    assert low.bytes == full.bytes // 2

@@ -17,8 +17,8 @@ from torch.utils import _pytree as pytree
 
 from pyplan.errors import UserCodeError
 
-__all__ = ["Saved", "Value", "concatenated", "differentiable", "flatten", "nbytes", "plain",
-           "rebuild", "saved_bytes", "spec_text", "structure", "value_text"]
+__all__ = ["Saved", "Value", "cast_of", "concatenated", "differentiable", "flatten", "nbytes",
+           "plain", "rebuild", "saved_bytes", "spec_text", "structure", "value_text"]
 
 Value = Any  # a tensor or a (nested) tuple, list or dict of tensors
 
@@ -126,21 +126,38 @@ class Saved:
     """The data pointers of the storages those tensors live in."""
 
 
+def cast_of(t: torch.Tensor, params: set[int]) -> bool:
+    """Whether t is (a view of) autocast's cast copy of a parameter (ids in `params`): a copy
+    the iteration holds once, in autocast's cache, not one per micro-batch."""
+    base = t._base if t._is_view() and t._base is not None else t
+    node = base.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0":
+        return False
+    source = node.next_functions[0][0]
+    return id(getattr(source, "variable", None)) in params
+
+
 @contextlib.contextmanager
 def saved_bytes(params):
     """What autograd saves while the body runs (yields a Saved, filled when it ends): what a
     forward holds until its backward. `params`: the parameters, or a function giving them as
-    they are while the body runs (FSDP2 unshards them inside the forward)."""
+    they are while the body runs (FSDP2 unshards them inside the forward). Neither they nor
+    autocast's cast copies of them count (held once for every micro-batch: the bf16 weights
+    of a Linear are not a micro-batch's activations)."""
     skip: set[int] = set()
+    mine: set[int] = set()
     seen: dict[tuple, int] = {}
     storages: set[int] = set()
     found = Saved()
 
     def pack(t: torch.Tensor):
         if not skip:  # the parameters as the forward uses them, once it has begun
-            skip.update(x.untyped_storage().data_ptr() for p in
-                        (params() if callable(params) else params) for x in plain(p))
+            now = list(params() if callable(params) else params)
+            skip.update(x.untyped_storage().data_ptr() for p in now for x in plain(p))
+            mine.update(id(p) for p in now)
             skip.add(-1)  # (known, even with no parameters)
+        if cast_of(t, mine):
+            return t.detach()
         for x in plain(t):  # a DTensor's local tensor: the wrapper has no storage
             storage = x.untyped_storage().data_ptr()
             if storage not in skip:
