@@ -329,3 +329,20 @@ def test_autocasts_weight_copies_are_not_a_micro_batchs_activations(dtype):
         model(x.view_as(x))
     assert full.bytes == 3 * 8 * 256 * 4
     assert low.bytes == full.bytes // 2
+
+
+# ---------------------------------------------------------------- 6: the backward's seed
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_backward_of_a_loss_starts_in_fp32(dtype):
+    """As GradScaler's fp32 scale: the seed (the micro-batch's share times fp16's scale) used
+    to be made in the loss's dtype; 2**16 is inf in fp16."""
+    from pyplan.run.executor import loss_seed
+
+    x = torch.randn(4, 3).to(dtype).requires_grad_()
+    loss = (x * x).mean()  # mean is no fp32 operation of autocast's: the loss stays in dtype
+    (root,), (seed,) = loss_seed(loss, 2.0 ** 16 / 4)
+    assert root.dtype == seed.dtype == torch.float32 and float(seed) == 2.0 ** 14
+    torch.autograd.backward([root], [seed])
+    expected = (2 * x.detach().float() / x.numel() * 2.0 ** 14).to(dtype)
+    torch.testing.assert_close(x.grad, expected)

@@ -50,7 +50,7 @@ from pyplan.run.steps import (STEP_BACKWARD, STEP_FORWARD, STEP_RECV_ACT, STEP_R
 from pyplan.run.values import differentiable, flatten, nbytes, rebuild, saved_bytes
 from pyplan.trace import TraceEvent
 
-__all__ = ["Executor", "IterationResult"]
+__all__ = ["Executor", "IterationResult", "loss_seed"]
 
 
 @dataclass
@@ -311,8 +311,8 @@ class Executor:
                                    if x.untyped_storage().data_ptr() in saved.storages}
         if trains and not recomputed:
             self._free_inputs(b, inputs, leaves, out)
-        if loss is not None:  # a copy: a loss may live in a buffer its input's size (mse)
-            self.losses.append(loss.detach().clone())
+        if loss is not None:  # an fp32 copy: a loss may live in a buffer its input's size
+            self.losses.append(loss.detach().to(torch.float32, copy=True))  # (mse)
         detached = _detach(out)
         self.keep(out_slot, detached)
         if b == self.output and not keep:
@@ -354,9 +354,7 @@ class Executor:
             roots = [root(tensors[i]) for i in differentiable(tensors)]
             del out, tensors
         if loss is not None:  # the loss counts once, on the first rank of the last block
-            roots = [loss]
-            grads = [torch.full((), self.scale * self.loss_scale, dtype=loss.dtype,
-                                device=loss.device)]
+            roots, grads = loss_seed(loss, self.scale * self.loss_scale)
         else:
             grads = _summed([self.values[s] for s in grad_slots], state.shapes, self.device)
         inputs = [x for _, xs in state.leaves for x in xs if x.requires_grad]
@@ -422,6 +420,14 @@ class _Clock:
 
     def seconds(self, a, b) -> float:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+def loss_seed(loss: torch.Tensor, value: float) -> tuple[list, list[torch.Tensor]]:
+    """Where the backward of a loss starts and its gradient there, `value` (the micro-batch's
+    share times fp16's loss scale): in fp32, as torch.amp.GradScaler scales (a loss left in
+    fp16 or bf16 is cast up first; its own gradient is then the value rounded once, by
+    autograd, into its dtype)."""
+    return [loss.float()], [torch.full((), value, dtype=torch.float32, device=loss.device)]
 
 
 def _detach(value):
