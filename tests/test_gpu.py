@@ -349,3 +349,41 @@ def test_an_nccl_sends_tensor_lives_until_its_work_completes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))
     assert lines == [f"rank {r} True 0 0" for r in (0, 1)], lines
+
+
+def _review47_plan(tmp_path, name: str, build: str, loss: str = "loss") -> Path:
+    shutil.copy(MODELS / "gpu_review.py", tmp_path / "gpu_review.py")
+    text = PAIR.format(name=name, build=build, loss=loss).replace('"review:', '"gpu_review:')
+    return _solved(tmp_path, name, text)
+
+
+def test_a_block_returning_a_cpu_tensor_is_named_with_the_device(tmp_path):
+    plan = _review47_plan(tmp_path, "cpu_out", "on_the_cpu")
+    result = subprocess.run([PYPLAN, "run", str(plan), "--nproc-per-node", "2", "--device",
+                             "cuda"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "block 'a' (micro-batch 0) returned a tensor on cpu, but this rank computes on " \
+        "cuda:0" in result.stderr, result.stderr[-3000:]
+
+
+def test_fp16_with_a_loss_left_in_fp16_checks(tmp_path):
+    """The loss (a mean, which autocast leaves in fp16) is cast up; the backward starts in
+    fp32 (issue 47, item 6)."""
+    plan = _review47_plan(tmp_path, "half_loss", "two", loss="low_precision_loss")
+    report = _run(tmp_path, plan, 2, "--dtype", "fp16")
+    assert report["dtype"] == "fp16"
+
+
+def test_a_custom_function_split_on_gpus_runs_its_backward_once(tmp_path):
+    plan = _review47_plan(tmp_path, "custom", "custom")
+    text = plan.with_suffix("").with_suffix(".yaml")
+    text.write_text(text.read_text().replace("time_ratio: 2}", "time_ratio: 2, "
+                                             "weight_time_ratio: 1}"))
+    plan = _solved(tmp_path, "custom", text.read_text())
+    counts = tmp_path / "counts"
+    os.environ["GPU_REVIEW_COUNTS"] = str(counts)
+    try:
+        _run(tmp_path, plan, 2)
+    finally:
+        del os.environ["GPU_REVIEW_COUNTS"]
+    assert len(Path(f"{counts}1").read_text().splitlines()) == 3 * 4  # iterations x micro-batches

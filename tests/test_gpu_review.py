@@ -346,3 +346,29 @@ def test_the_backward_of_a_loss_starts_in_fp32(dtype):
     torch.autograd.backward([root], [seed])
     expected = (2 * x.detach().float() / x.numel() * 2.0 ** 14).to(dtype)
     torch.testing.assert_close(x.grad, expected)
+
+
+# ---------------------------------------------------------------- 7: a tensor on another device
+
+def test_a_tensor_on_another_device_than_the_ranks_is_named_with_its_block():
+    from pyplan.errors import UserCodeError
+    from pyplan.run.comm import on_device
+
+    on_device([torch.zeros(2)], torch.device("cpu"), "block 'a' (micro-batch 0)")
+    with pytest.raises(UserCodeError) as caught:
+        on_device([torch.zeros(2)], torch.device("cuda", 0), "block 'a' (micro-batch 0)")
+    assert str(caught.value) == (
+        "error: block 'a' (micro-batch 0) returned a tensor on cpu, but this rank computes on "
+        "cuda:0 (hint: create tensors on the input's device (x.device), and leave no .cpu() or "
+        ".to(...) in the block's output)")
+
+
+@pytest.mark.torchrun
+def test_a_block_returning_a_tensor_elsewhere_fails_in_one_line_naming_it(tmp_path):
+    """On a GPU a .cpu() left in a block (tests/test_gpu.py); here a tensor on the meta device:
+    it used to end in a bare TransferError from the send."""
+    plan = _solved(tmp_path, "meta", "on_meta")
+    result = _pyplan(tmp_path, "run", plan, "--nproc-per-node", 2)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "block 'a' (micro-batch 0) returned a tensor on meta, but this rank computes on " \
+        "cpu" in result.stderr, result.stderr[-3000:]

@@ -48,7 +48,8 @@ from pyplan.errors import RunError, UserCodeError, exit_now
 from pyplan.run.devices import CPU_GROUPS
 from pyplan.run.values import flatten, rebuild, spec_text, structure, value_text
 
-__all__ = ["Comm", "Pending", "Sends", "TransferError", "leave", "transfer_error"]
+__all__ = ["Comm", "Pending", "Sends", "TransferError", "leave", "on_device",
+           "transfer_error"]
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -201,6 +202,7 @@ class Comm:
         shapes = [(t.dtype, t.shape) for t in leaves]
         announced = self.announced.get((peer, stream))
         if announced is None:
+            on_device(leaves, self.device, what)
             self.announced[(peer, stream)] = (spec, shapes, what)
             self._send(_header(leaves, spec, what), peer, self.cpu_group, seq)
         elif announced[1] != shapes or announced[0] != spec:
@@ -284,6 +286,17 @@ class Comm:
             work.wait()
         except RuntimeError as exc:
             raise transfer_error(exc) from exc
+
+
+def on_device(leaves: list[torch.Tensor], device: torch.device, what: str) -> None:
+    """UserCodeError naming the block (`what`) when a tensor it hands to another rank is not
+    on the rank's device (a .cpu() left in a CUDA run: NCCL would fail without saying where)."""
+    for leaf in leaves:
+        if leaf.device != device:
+            raise UserCodeError(f"{what} returned a tensor on {leaf.device}, but this rank "
+                                f"computes on {device}",
+                                hint="create tensors on the input's device (x.device), and "
+                                     "leave no .cpu() or .to(...) in the block's output")
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:

@@ -163,7 +163,8 @@ def _device_of_group(request: str) -> torch.device:
         return torch.device("cpu")
     bound = dist.group.WORLD.bound_device_id
     if bound is not None:
-        return bound
+        return torch.device("cuda", torch.cuda.current_device() if bound.index is None
+                            else bound.index)
     if torch.cuda.is_available() and torch.cuda.current_device() != 0:
         return torch.device("cuda", torch.cuda.current_device())
     choice = choose("auto", [Seen.read(t) for t in all_gather_objects(seen_here().text())])

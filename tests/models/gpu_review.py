@@ -62,18 +62,24 @@ def custom(name: str, group) -> nn.Module:
     return nn.Sequential(_Custom(), nn.Linear(DIM, 1))
 
 
-class _OnTheCpu(nn.Module):
-    def __init__(self) -> None:
+class _Elsewhere(nn.Module):
+    def __init__(self, device: str) -> None:
         super().__init__()
-        self.linear = nn.Linear(DIM, DIM)
+        self.linear, self.device = nn.Linear(DIM, DIM), device
 
     def forward(self, x):
-        return self.linear(x).cpu()
+        return self.linear(x).to(self.device)
 
 
 def on_the_cpu(name: str, group) -> nn.Module:
     """a: returns its output on the CPU (a .cpu() left in); b: the head."""
-    return _OnTheCpu() if name == "a" else nn.Linear(DIM, 1)
+    return _Elsewhere("cpu") if name == "a" else nn.Linear(DIM, 1)
+
+
+def on_meta(name: str, group) -> nn.Module:
+    """a: returns its output on the meta device (on the CPU, another device than the rank's);
+    b: the head."""
+    return _Elsewhere("meta") if name == "a" else nn.Linear(DIM, 1)
 
 
 def two(name: str, group) -> nn.Module:
