@@ -372,3 +372,27 @@ def test_a_block_returning_a_tensor_elsewhere_fails_in_one_line_naming_it(tmp_pa
     assert result.returncode == 2, result.stderr[-3000:]
     assert "block 'a' (micro-batch 0) returned a tensor on meta, but this rank computes on " \
         "cpu" in result.stderr, result.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- 9: tensor-parallel boundaries
+
+def test_tensor_parallel_boundaries_pair_each_tensor_rank_with_its_counterpart():
+    """Nothing goes through a stage's first tensor rank: each tensor rank t of a stage sends its
+    (replicated) boundary to tensor rank t of the next, over a channel of its own (on NCCL, a
+    communicator per direction), for every data index."""
+    from pyplan.lower import channels, lower
+    from pyplan.planfile import spec_from_text
+    from pyplan.problem import build_problem
+    from pyplan.solver import solve
+
+    problem = build_problem(spec_from_text(
+        "pyplan: 1\nname: tp\ndevices: 3\nmemory: 4\nmicro_batches: 4\n"
+        "mesh: {tensor: 2, data: 2}\ntraining: {backward: {time_ratio: 2}}\n"
+        "shape: {kind: vshape, stage: {time: 1, memory: 1}}\n"))
+    used = channels(lower(problem, solve(problem).schedule))
+    coords = problem.mesh.coords
+    pairs = {(coords(src), coords(dst), kind) for src, dst, kind in used}
+    expected = {((d, i, t), (d + step, i, t), kind) for i in range(2) for t in range(2)
+                for d, step, kind in ((0, 1, "activation"), (1, 1, "activation"),
+                                      (1, -1, "gradient"), (2, -1, "gradient"))}
+    assert pairs == expected and len(used) == len(expected) == 16
