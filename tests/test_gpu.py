@@ -136,12 +136,14 @@ def _review_plan(tmp_path, name: str, text: str) -> Path:
 
 
 def _torchrun_script(tmp_path, script: str, *args, nproc: int = 2, env=None):
+    """The script on `nproc` ranks, choosing their device as a user's would (without the
+    suite's PYPLAN_DEVICE=cpu, which would refuse a caller's NCCL-only group)."""
     (tmp_path / "script.py").write_text(textwrap.dedent(script))
+    base = {k: v for k, v in os.environ.items() if k != "PYPLAN_DEVICE"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", str(nproc), "script.py", *map(str, args)],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          env={**os.environ, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-                               **(env or {})})
+                          env={**base, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", **(env or {})})
 
 
 NCCL_ONLY = """\
@@ -387,3 +389,55 @@ def test_a_custom_function_split_on_gpus_runs_its_backward_once(tmp_path):
     finally:
         del os.environ["GPU_REVIEW_COUNTS"]
     assert len(Path(f"{counts}1").read_text().splitlines()) == 3 * 4  # iterations x micro-batches
+
+
+NO_LOCAL_RANK = """\
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    import review
+    from pyplan.runtime import Pipeline
+
+    del os.environ["LOCAL_RANK"]  # as mpirun or a Python launcher
+    dist.init_process_group("nccl")
+    pipe = Pipeline(sys.argv[1])
+    inputs, targets = review.batch(0)
+    pipe.step(inputs, targets)
+    sys.stdout.write(f"rank {pipe.rank} {pipe.device}\\n")
+    pipe.close()
+    dist.destroy_process_group()
+"""
+
+
+def test_a_callers_nccl_group_without_local_rank_puts_each_rank_on_its_own_gpu(tmp_path):
+    plan = _review_plan(tmp_path, "nolocal", PAIR.format(name="nolocal", build="two",
+                                                         loss="loss"))
+    result = _torchrun_script(tmp_path, NO_LOCAL_RANK, plan)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))
+    assert lines == ["rank 0 cuda:0", "rank 1 cuda:1"], lines
+
+
+HIDDEN = """\
+    import os
+    import sys
+
+    if os.environ["RANK"] == "1":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch looks at the GPUs
+
+    from pyplan.cli import main
+
+    raise SystemExit(main(["run", sys.argv[1], "--device", "auto", "--json"]))
+"""
+
+
+def test_auto_on_the_cpu_says_which_rank_has_no_gpu_and_why(tmp_path):
+    plan = _solved(tmp_path, "two", TWO_STAGES.format(name="two", split=""))
+    result = _torchrun_script(tmp_path, HIDDEN, plan)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1])["device"] == "cpu"
+    assert "warning: --device auto runs on the CPU: rank 1 has no GPU: " \
+        "CUDA_VISIBLE_DEVICES='' hides every GPU" in result.stderr, result.stderr[-3000:]
