@@ -396,3 +396,76 @@ def test_tensor_parallel_boundaries_pair_each_tensor_rank_with_its_counterpart()
                 for d, step, kind in ((0, 1, "activation"), (1, 1, "activation"),
                                       (1, -1, "gradient"), (2, -1, "gradient"))}
     assert pairs == expected and len(used) == len(expected) == 16
+
+
+# ---------------------------------------------------------------- what GPU users expect
+
+PROFILED = """\
+    import sys
+
+    import torch
+
+    import gpu_review
+    from pyplan.runtime import Pipeline
+
+    pipe = Pipeline(sys.argv[1], device="cpu", compile=sys.argv[2] or None)
+    inputs, targets = gpu_review.batch(0)
+    pipe.step(inputs, targets)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pipe.step(inputs, targets)
+    names = sorted({e.name for e in prof.events() if "@" in e.name and " " not in e.name})
+    sys.stdout.write(f"rank {pipe.rank} {' '.join(names)}\\n")
+    pipe.close()
+"""
+
+
+@pytest.mark.torchrun
+def test_each_block_is_a_named_range_in_torch_profilers_trace(tmp_path):
+    """(On CUDA also an NVTX range, profiler or not: tests/test_gpu.py.)"""
+    plan = _solved(tmp_path, "named", "two", split=", weight_time_ratio: 1")
+    (tmp_path / "script.py").write_text(textwrap.dedent(PROFILED))
+    result = torchrun("script.py", plan, "", nproc=2, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))
+    blocks = {0: ("a", "a.b", "a.w"), 1: ("b", "b.b", "b.w")}
+    assert lines == [f"rank {r} " + " ".join(sorted(f"{name}@{m}" for name in blocks[r]
+                                                     for m in range(4))) for r in (0, 1)]
+
+
+COMPILED = """\
+    import sys
+
+    import torch
+
+    import torch.distributed as dist
+
+    import gpu_review
+    from pyplan.runtime import Pipeline
+
+    dist.init_process_group("gloo")  # (one world for both pipelines)
+    found = {}
+    for backend in (None, "aot_eager"):
+        pipe = Pipeline(sys.argv[1], device="cpu", compile=backend)
+        inputs, targets = gpu_review.batch(0)
+        loss = pipe.step(inputs, targets)
+        found[backend] = [float(loss)] + [p.grad.clone() for p in pipe.parameters()]
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        rank = pipe.rank
+        pipe.close()
+    same = all(torch.allclose(a, b, atol=1e-6) if isinstance(a, torch.Tensor) else
+               abs(a - b) < 1e-6 for a, b in zip(found[None], found["aot_eager"]))
+    sys.stdout.write(f"rank {rank} {same} graphs {graphs > 0}\\n")
+"""
+
+
+@pytest.mark.torchrun
+def test_compiled_blocks_train_as_eager_ones_with_the_split_backward(tmp_path):
+    """Pipeline(compile=BACKEND): torch.compile per block (aot_eager here: the CPU's inductor
+    build takes minutes on a busy machine); the custom Function's block runs under the split
+    backward too."""
+    plan = _solved(tmp_path, "compiled", "custom", split=", weight_time_ratio: 1")
+    (tmp_path / "script.py").write_text(textwrap.dedent(COMPILED))
+    result = torchrun("script.py", plan, nproc=2, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))
+    assert lines == [f"rank {r} True graphs True" for r in (0, 1)], lines

@@ -93,13 +93,17 @@ class Executor:
     def __init__(self, lowered: Lowered, rank: int, modules: dict, groups: dict, comm: Comm,
                  loss_fn, output_block: int, *, seed: int, wants_inputs=frozenset(),
                  data_parallel=None, tensor_random=None, sync_at_end: bool = False,
-                 autocast: torch.dtype | None = None,
+                 autocast: torch.dtype | None = None, compiled: bool = False,
                  fail_at: tuple[int, int, str] | None = None, tied=frozenset()):
         problem = lowered.problem
         self.lowered, self.rank, self.modules, self.groups = lowered, rank, modules, groups
         self.comm, self.loss_fn, self.output = comm, loss_fn, output_block
         self.device = comm.device
         self.seed, self.autocast = seed, autocast
+        self.compiled = compiled
+        """The blocks are torch.compile'd: their first forward (which measures what autograd
+        saves) runs eagerly, and no received input is freed early (a compiled graph may save
+        other tensors than the eager forward that was measured)."""
         self.tensor_random = tensor_random
         """Tensor-parallel regions' own random stream (pyplan.run.tensor.TensorRandom)."""
         self.wants_inputs = wants_inputs
@@ -147,6 +151,9 @@ class Executor:
         self.forwarded = compiled.forwarded
         """Slots this rank sends on (a received value handed on)."""
         self.received = compiled.received
+        self.labels = [f"{self.blocks[ins.block].name}@{ins.micro_batch}" if ins.op == COMPUTE
+                       else describe(self.lowered, ins) for ins in self.program]
+        """Each step's name in profiles: NVTX ranges, torch.profiler's record_function."""
 
     # -- one iteration
 
@@ -181,6 +188,7 @@ class Executor:
 
     def _steps(self, clock: _Clock, marks: list, trace: bool, forward_only: bool,
                iteration: int) -> None:
+        annotate = _annotation(self.device)
         for index, step in enumerate(self.steps):
             self.index = index
             if self.fail_at and self.fail_at[1] == index and iteration == 0:
@@ -188,24 +196,35 @@ class Executor:
             code = step[0]
             if code <= STEP_WEIGHT:
                 before = clock.mark()
-                if code == STEP_FORWARD:
-                    self.forward(*step[1:], keep=not forward_only)
-                elif code == STEP_BACKWARD:
-                    self.backward(*step[1:])
+                if annotate is None:
+                    self.compute(step, forward_only)
                 else:
-                    work, held = self.weight_work.pop((step[1], step[2]))
-                    backward_weight(work)
-                    del work  # its graph goes now, not at the next W (that rebinds the name)
-                    self.held -= held
+                    with annotate(self.labels[index]):
+                        self.compute(step, forward_only)
                 marks.append((index, before, clock.mark()))
             elif trace:
                 before = clock.mark()
                 self.communicate(step)
                 marks.append((index, before, clock.mark()))
+            elif annotate is not None:
+                with annotate(self.labels[index]):
+                    self.communicate(step)
             else:
                 self.communicate(step)
             for s in self.drops[index]:
                 self.drop(s)
+
+    def compute(self, step, forward_only: bool) -> None:
+        code = step[0]
+        if code == STEP_FORWARD:
+            self.forward(*step[1:], keep=not forward_only)
+        elif code == STEP_BACKWARD:
+            self.backward(*step[1:])
+        else:
+            work, held = self.weight_work.pop((step[1], step[2]))
+            backward_weight(work)
+            del work  # its graph goes now, not at the next W (that rebinds the name)
+            self.held -= held
 
     def communicate(self, step) -> None:
         code = step[0]
@@ -300,7 +319,9 @@ class Executor:
         recomputed = trains and self.blocks[b].recomputed
         measure = trains and not recomputed and b not in self.saved_bytes
         with saved_bytes(lambda: self.params[b]) if measure else \
-                contextlib.nullcontext() as saved:
+                contextlib.nullcontext() as saved, \
+                torch.compiler.set_stance("force_eager") if measure and self.compiled else \
+                contextlib.nullcontext():  # (torch.compile does not trace the hooks)
             out, loss = self._call(b, m, args, trains and not recomputed)
         if measure:
             self.saved_bytes[b] = saved.bytes
@@ -309,7 +330,7 @@ class Executor:
             self.kept_inputs[b] = {(i, j) for i, (_, xs) in enumerate(leaves)
                                    for j, x in enumerate(xs)
                                    if x.untyped_storage().data_ptr() in saved.storages}
-        if trains and not recomputed:
+        if trains and not recomputed and not self.compiled:
             self._free_inputs(b, inputs, leaves, out)
         if loss is not None:  # an fp32 copy: a loss may live in a buffer its input's size
             self.losses.append(loss.detach().to(torch.float32, copy=True))  # (mse)
@@ -385,6 +406,24 @@ class Executor:
                               start * 1e6, seconds * 1e6, ins.micro_batch)
         return TraceEvent(self.rank, describe(self.lowered, ins), ins.op, start * 1e6,
                           seconds * 1e6, ins.micro_batch)
+
+
+def _annotation(device: torch.device):
+    """How the iteration's steps are named in profiles, or None: torch.profiler's
+    record_function while a profiler runs (its trace shows each block), and on CUDA an NVTX
+    range around each block (Nsight Systems shows them, profiler or not)."""
+    profiled = torch.autograd.profiler._is_profiler_enabled
+    if device.type != "cuda":
+        return torch.profiler.record_function if profiled else None
+    if not profiled:
+        return torch.cuda.nvtx.range
+    return _both
+
+
+@contextlib.contextmanager
+def _both(label: str):
+    with torch.cuda.nvtx.range(label), torch.profiler.record_function(label):
+        yield
 
 
 @contextlib.contextmanager

@@ -61,11 +61,13 @@ class Pipeline(PipelineGradients):
     def __init__(self, plan: str | Path | ResolvedPlan, *, device: str | None = None,
                  seed: int = 0, dtype: str = "fp32", blocking: bool = False,
                  sync_at_end: bool = False, model: Model | None = None,
-                 fail_at: tuple[int, int, str] | None = None, timeout: float = 600.0) -> None:
+                 fail_at: tuple[int, int, str] | None = None, timeout: float = 600.0,
+                 compile: str | None = None) -> None:
         """Load, lower and verify the plan, join the default process group (creating it from
         torchrun's environment unless the caller did; its backend decides the device, else
         `device` (None: $PYPLAN_DEVICE, else auto = CUDA when every rank has a GPU);
-        collectives time out after `timeout` seconds), and build this rank's modules."""
+        collectives time out after `timeout` seconds), and build this rank's modules;
+        `compile`: torch.compile each block's module with that backend ("inductor", ...)."""
         resolved = plan if isinstance(plan, ResolvedPlan) else load_resolved(plan)
         resolved.check_fresh()
         problem = resolved.problem
@@ -117,6 +119,7 @@ class Pipeline(PipelineGradients):
         self.iteration = -1
         self.closed = False
         self.timeout = timedelta(seconds=timeout)
+        self.compiled = compile
         try:
             self._build(blocking, sync_at_end, fail_at)
         except BaseException:
@@ -154,6 +157,9 @@ class Pipeline(PipelineGradients):
             if mesh.tensor > 1 else None
         if mesh.tensor > 1:
             self._tensor_parallel()
+        if self.compiled is not None:  # after tensor, before data parallelism (torchtitan's)
+            for module in self.modules.values():
+                _compile_forward(module, self.compiled)
         self.data_parallel = self._data_parallel() \
             if problem.training and replicas > 1 else None
         for owner, attr, name in places:
@@ -175,7 +181,7 @@ class Pipeline(PipelineGradients):
         self._params = list({id(p): p for m in self.modules.values() for p in m.parameters()
                              if p.requires_grad}.values())
         options = dict(seed=self.seed, wants_inputs=built.wants_inputs, autocast=self.autocast,
-                       tensor_random=self.tensor_random)
+                       tensor_random=self.tensor_random, compiled=self.compiled is not None)
         loss = loss_function(self.model)
         self.executor = Executor(self.lowered, self.rank, self.modules, self.groups, self.comm,
                                  loss, self.output, data_parallel=self.data_parallel,
@@ -370,7 +376,8 @@ class Pipeline(PipelineGradients):
                                            self.comm, self.evaluator.loss_fn, self.output,
                                            seed=self.seed, wants_inputs=self.built.wants_inputs,
                                            autocast=self.autocast,
-                                           tensor_random=self.tensor_random)
+                                           tensor_random=self.tensor_random,
+                                           compiled=self.compiled is not None)
         return self._evaluators[n]
 
     def state_dict(self, optimizer=None) -> dict:
@@ -440,6 +447,17 @@ class Pipeline(PipelineGradients):
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
+
+
+def _compile_forward(module: torch.nn.Module, backend: str) -> None:
+    """torch.compile the module's forward in place: its hooks (FSDP's gathers) stay eager, and
+    torch.nn's own classes compile too (Module.compile leaves their frames to eager Python)."""
+    forward = module.forward
+
+    def block_forward(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    module.forward = torch.compile(block_forward, backend=backend)
 
 
 def _first_micro_batches(lowered: Lowered, n: int) -> Lowered:
