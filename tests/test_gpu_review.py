@@ -469,3 +469,55 @@ def test_compiled_blocks_train_as_eager_ones_with_the_split_backward(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))
     assert lines == [f"rank {r} True graphs True" for r in (0, 1)], lines
+
+
+MASTERS = """\
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    import gpu_review
+    from pyplan.runtime import Pipeline
+
+    dist.init_process_group("gloo")  # (one world for both pipelines)
+    losses, kinds = {}, {}
+    for params in ("fp32", "bf16"):
+        pipe = Pipeline(sys.argv[1], device="cpu", dtype="bf16", params=params)
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        losses[params] = []
+        for step in range(4):
+            inputs, targets = gpu_review.batch(step)
+            optimizer.zero_grad()
+            losses[params].append(float(pipe.step(inputs, targets)))
+            pipe.clip_grad_norm_(1.0)
+            pipe.step_optimizer(optimizer)
+        held = [p for m in pipe.modules.values() for p in m.parameters()]
+        kinds[params] = (sorted({str(p.dtype) for p in held}),
+                         sorted({str(p.dtype) for p in pipe.parameters()}),
+                         sorted({str(t.dtype) for t in pipe.state_dict()["model"].values()}))
+        if params == "bf16":  # the blocks hold the masters rounded to bf16
+            rounded = all(torch.equal(p, pipe.masters.of[id(p)].to(torch.bfloat16))
+                          for p in held)
+        rank = pipe.rank
+        pipe.close()
+    close = max(abs(a - b) for a, b in zip(losses["fp32"], losses["bf16"])) < 5e-2
+    moved = losses["bf16"][-1] < losses["bf16"][0]
+    sys.stdout.write(f"rank {rank} {kinds['fp32']} {kinds['bf16']} {rounded} {close} "
+                     f"{moved}\\n")
+"""
+
+
+@pytest.mark.torchrun
+def test_bf16_parameters_train_through_fp32_masters(tmp_path):
+    """Pipeline(params="bf16"): the blocks hold bf16 parameters, the optimizer, clipping and
+    the state dict fp32 masters (Megatron-LM's --bf16); the losses follow fp32 parameters
+    under bf16 autocast within bf16's tolerance."""
+    plan = _solved(tmp_path, "masters", "two")
+    (tmp_path / "script.py").write_text(textwrap.dedent(MASTERS))
+    result = torchrun("script.py", plan, nproc=2, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))
+    fp32, bf16 = "['torch.float32']", "['torch.bfloat16']"
+    assert lines == [f"rank {r} ({fp32}, {fp32}, {fp32}) ({bf16}, {fp32}, {fp32}) True True "
+                     "True" for r in (0, 1)], lines

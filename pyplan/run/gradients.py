@@ -20,8 +20,8 @@ from pyplan.run.binding import Built
 from pyplan.run.comm import transfer_error
 from pyplan.run.devices import device_backend
 
-__all__ = ["PipelineGradients", "Reductions", "Slots", "flat_gradients", "local",
-           "norm_argument", "padded", "set_gradients", "unflatten_into"]
+__all__ = ["MasterWeights", "PipelineGradients", "Reductions", "Slots", "flat_gradients",
+           "local", "norm_argument", "padded", "set_gradients", "unflatten_into"]
 
 
 def tensor_sharded(p: torch.Tensor) -> bool:
@@ -158,6 +158,47 @@ class Reductions:
         self.deferred = []
 
 
+class MasterWeights:
+    """bf16 parameters trained through fp32 master copies (Megatron-LM's --bf16): the blocks
+    compute with the bf16 parameters, whose gradients (accumulated over a step's micro-batches
+    in bf16) are added into the masters' fp32 gradients after each step; the optimizer, clipping
+    and checkpoints see the masters, whose values go back into the bf16 parameters after each
+    optimizer step. Make it from the fp32 parameters before they are cast (`cast`)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.pairs = [(p, nn.Parameter(p.detach().clone().float())) for p in params]
+        self.of = {id(p): m for p, m in self.pairs}
+        """id of a bf16 parameter -> its master."""
+
+    def cast(self) -> None:
+        for p, _ in self.pairs:
+            p.data = p.data.to(torch.bfloat16)
+
+    def grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The gradient that counts for a block's parameter: its master's."""
+        master = self.of.get(id(p))
+        return p.grad if master is None else master.grad
+
+    def gather(self) -> None:
+        """After a step: each parameter's gradient (this step's) added to its master's."""
+        for p, master in self.pairs:
+            if p.grad is not None:
+                grad = p.grad.float()
+                master.grad = grad if master.grad is None else master.grad.add_(grad)
+
+    def release(self) -> None:
+        """Before a step: its micro-batches' gradients start from none (the earlier steps'
+        are in the masters)."""
+        for p, _ in self.pairs:
+            p.grad = None
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """The masters' values into the bf16 parameters (after the optimizer, or a load)."""
+        for p, master in self.pairs:
+            local(p).copy_(local(master))
+
+
 class PipelineGradients:
     """What `Pipeline` does with the gradients around the schedule's iteration (a base class of
     pyplan.run.pipeline.Pipeline, whose attributes these methods read: problem, rank, data_index,
@@ -197,7 +238,10 @@ class PipelineGradients:
         of a replicated parameter over the block's ranks: summing those again would count the
         earlier steps once per copy. So the sum stays on the one rank that keeps it (the one
         clip_grad_norm_ counts) and the others start from zero. fp16: the kept gradient is
-        scaled back up (a power of two: exact) so that the step's unscale divides it once."""
+        scaled back up (a power of two: exact) so that the step's unscale divides it once.
+        bf16 parameters: their gradients start from none, the earlier steps' in the masters."""
+        if self.masters is not None:
+            self.masters.release()
         for _, param, group in self.ties:
             if param.grad is not None and dist.get_process_group_ranks(group)[0] != self.rank:
                 param.grad.zero_()
@@ -307,7 +351,7 @@ class PipelineGradients:
         for b, module in self.modules.items():
             block = self.problem.blocks[b]
             for p in module.parameters():
-                if id(p) in seen or p.grad is None or not p.requires_grad:
+                if id(p) in seen or self._grad(p) is None or not p.requires_grad:
                     continue
                 seen.add(id(p))
                 if id(p) in tied_here and dist.get_process_group_ranks(tied_here[id(p)])[0] \
@@ -318,8 +362,11 @@ class PipelineGradients:
                     continue
                 if self.tensor_index != 0 and not tensor_sharded(p):
                     continue  # (the same on every tensor rank)
-                out.append(local(p.grad))
+                out.append(local(self._grad(p)))
         return out
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        return p.grad if self.masters is None else self.masters.grad(p)
 
 
 def norm_argument(name: str, value) -> float:

@@ -46,15 +46,16 @@ from pyplan.run.data import batch_problem, describe, split_batch, to_device
 from pyplan.run.comm import Comm
 from pyplan.run.devices import join_world
 from pyplan.run.executor import Executor, IterationResult
-from pyplan.run.gradients import PipelineGradients
+from pyplan.run.gradients import MasterWeights, PipelineGradients
 from pyplan.run.mesh import DataParallel, world_mesh
 from pyplan.run.tensor import TensorRandom, parallelize, tensor_plan
 from pyplan.run.values import concatenated
 from pyplan.verify import verify
 
-__all__ = ["DTYPES", "Pipeline"]
+__all__ = ["DTYPES", "PARAMS", "Pipeline"]
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PARAMS = ("fp32", "bf16")
 
 
 class Pipeline(PipelineGradients):
@@ -62,12 +63,15 @@ class Pipeline(PipelineGradients):
                  seed: int = 0, dtype: str = "fp32", blocking: bool = False,
                  sync_at_end: bool = False, model: Model | None = None,
                  fail_at: tuple[int, int, str] | None = None, timeout: float = 600.0,
-                 compile: str | None = None) -> None:
+                 compile: str | None = None, params: str = "fp32") -> None:
         """Load, lower and verify the plan, join the default process group (creating it from
         torchrun's environment unless the caller did; its backend decides the device, else
         `device` (None: $PYPLAN_DEVICE, else auto = CUDA when every rank has a GPU);
         collectives time out after `timeout` seconds), and build this rank's modules;
-        `compile`: torch.compile each block's module with that backend ("inductor", ...)."""
+        `compile`: torch.compile each block's module with that backend ("inductor", ...);
+        `params="bf16"` (with dtype bf16): the blocks hold bf16 parameters, which the optimizer
+        trains through fp32 masters (pyplan.run.gradients.MasterWeights; with data
+        parallelism FSDP2's fp32 shards are those, its unsharded parameters bf16)."""
         resolved = plan if isinstance(plan, ResolvedPlan) else load_resolved(plan)
         resolved.check_fresh()
         problem = resolved.problem
@@ -77,6 +81,10 @@ class Pipeline(PipelineGradients):
                             "pyplan solve", file=resolved.plan_path and str(resolved.plan_path))
         if dtype not in DTYPES:
             raise PlanError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if params not in PARAMS or (params == "bf16" and dtype != "bf16"):
+            raise PlanError(f"parameters in {params!r} with dtype {dtype!r}: the parameters "
+                            "are fp32, or bf16 with dtype bf16",
+                            hint="--params bf16 --dtype bf16, or leave --params out")
         self.resolved, self.problem, self.seed = resolved, problem, seed
         self.output = check_runnable(problem)
         self.lowered: Lowered = lower(problem, resolved.schedule)
@@ -120,6 +128,8 @@ class Pipeline(PipelineGradients):
         self.closed = False
         self.timeout = timedelta(seconds=timeout)
         self.compiled = compile
+        self.param_dtype = params
+        self.masters: MasterWeights | None = None
         try:
             self._build(blocking, sync_at_end, fail_at)
         except BaseException:
@@ -157,6 +167,8 @@ class Pipeline(PipelineGradients):
             if mesh.tensor > 1 else None
         if mesh.tensor > 1:
             self._tensor_parallel()
+        if self.param_dtype == "bf16" and replicas == 1:
+            self._master_weights()
         if self.compiled is not None:  # after tensor, before data parallelism (torchtitan's)
             for module in self.modules.values():
                 _compile_forward(module, self.compiled)
@@ -180,6 +192,8 @@ class Pipeline(PipelineGradients):
                          timeout=self.timeout)
         self._params = list({id(p): p for m in self.modules.values() for p in m.parameters()
                              if p.requires_grad}.values())
+        if self.masters is not None:
+            self._params = [self.masters.of[id(p)] for p in self._params]
         options = dict(seed=self.seed, wants_inputs=built.wants_inputs, autocast=self.autocast,
                        tensor_random=self.tensor_random, compiled=self.compiled is not None)
         loss = loss_function(self.model)
@@ -190,6 +204,22 @@ class Pipeline(PipelineGradients):
         self.evaluator = Executor(self.evaluation, self.rank, self.modules, self.groups,
                                   self.comm, loss, self.output, **options)
         self._evaluators: dict[int, Executor] = {}
+
+    def _master_weights(self) -> None:
+        """bf16 parameters in the blocks, fp32 masters for the optimizer, named as they are."""
+        if self.problem.mesh.tensor > 1:
+            where = str(self.resolved.plan_path or self.resolved.path)
+            raise PlanError(f"{where}: bf16 parameters with mesh.tensor need data parallelism "
+                            "(FSDP2 keeps their fp32 masters)",
+                            hint="add mesh.data, or train fp32 parameters (no --params bf16)")
+        trained = {id(p): p for m in self.modules.values() for p in m.parameters()
+                   if p.requires_grad and p.is_floating_point()}
+        self.masters = MasterWeights(list(trained.values()))
+        self.masters.cast()
+        names = self.built.names
+        for p, master in self.masters.pairs:
+            if id(p) in names:
+                names[id(master)] = names[id(p)]
 
     def _data_parallel(self) -> DataParallel:
         """FSDP2 over this rank's stages: each stage's listed modules a unit (with the stage's
@@ -276,6 +306,8 @@ class Pipeline(PipelineGradients):
         self.executor.loss_scale = self.loss_scale
         result = self._run(self.executor, inputs, targets, trace=trace)
         self.last = result
+        if self.masters is not None:  # this step's bf16 gradients into the fp32 masters'
+            self.masters.gather()
         self._unscale(result.loss)  # fp16's unscaling; inf/NaN skip the step in any dtype
         return self._global_loss(result.loss) if share_loss else result.loss
 
@@ -292,6 +324,8 @@ class Pipeline(PipelineGradients):
         if optimizer is None or skip:
             return False
         optimizer.step()
+        if self.masters is not None:
+            self.masters.publish()
         return True
 
     def eval_step(self, inputs, targets=None, *, loss: bool | None = None):
@@ -396,6 +430,8 @@ class Pipeline(PipelineGradients):
             raise RunError(f"Pipeline.load_state_dict: got {describe(state)}, not what "
                            "state_dict() returns ({'model': ..., 'optimizer': ...})")
         state_dicts.load_state_dict(self, state, optimizer)
+        if self.masters is not None:
+            self.masters.publish()
 
     def _run(self, executor: Executor, inputs, targets, *, training: bool = True, micro_batches: int | None = None,
              **kwargs) -> IterationResult:

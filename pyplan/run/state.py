@@ -51,6 +51,10 @@ def _view(pipe) -> _Named:
     block_of = {id(p): b for b, m in pipe.modules.items() for p in m.parameters()}
     named = list(pipe.named_parameters())
     seen = {id(p) for _, p in named}
+    model_of = {}  # bf16 parameters: their fp32 masters stand for them
+    if pipe.masters is not None:
+        seen |= set(pipe.masters.of)
+        model_of = {id(m): p for p, m in pipe.masters.pairs}
     for b, module in pipe.modules.items():  # frozen parameters: not trained, still the model's
         for n, p in module.named_parameters():
             if id(p) not in seen:
@@ -59,12 +63,13 @@ def _view(pipe) -> _Named:
                               p))
     params = {}
     for name, param in named:
-        block = block_of.get(id(param))
+        model = model_of.get(id(param), param)
+        block = block_of.get(id(model))
         if block is not None and len(pipe.problem.blocks[block].devices) > 1 and \
-                shard_dim(param) is not None:
+                shard_dim(model) is not None:
             devices = pipe.problem.blocks[block].devices
             name += SHARD.format(devices.index(pipe.device_index), len(devices),
-                                  shard_dim(param))
+                                  shard_dim(model))
         params[name] = param
     buffers = {}
     whole = pipe.built.whole
