@@ -23,8 +23,8 @@ is exactly the semantics of differentiable collectives such as an all-reduce. Th
 output only feeds the loss on the same ranks, so it may stay sharded: with several ranks the
 loss gets the block's group, every rank computes it, and it counts once, on the first rank.
 
-Time: the host clock on the CPU; on CUDA, events on the compute stream, read once at the end of
-the iteration (no synchronisation inside it).
+Time: the host clock on the CPU; on CUDA, events on the compute stream, read when the figures are
+first asked for (no synchronisation inside the iteration, nor at its end).
 """
 
 from __future__ import annotations
@@ -58,8 +58,6 @@ class IterationResult:
     loss: torch.Tensor | None
     """Mean loss over the micro-batches, a 0-dim tensor on the rank that owns the loss (its
     value is read only when someone asks for it), else None."""
-    seconds: float
-    compute: float
     peak_activation_bytes: int
     """The most bytes of activations this rank held at once, as its plan counts them (blocks'
     `memory:`): what each forward keeps for its backward (what autograd saved; a recomputed
@@ -67,7 +65,22 @@ class IterationResult:
     in transfer and temporaries are the plan's workspace, which the census counts."""
     outputs: list = field(default_factory=list)
     """Forward-only runs: the last block's output per micro-batch (on its ranks)."""
-    events: list[TraceEvent] = field(default_factory=list)
+    timing: _Timing | None = None
+
+    @property
+    def seconds(self) -> float:
+        """The iteration's time (on CUDA read from its events: waits for its work)."""
+        return self.timing.figures()[0]
+
+    @property
+    def compute(self) -> float:
+        """Of which its blocks' work."""
+        return self.timing.figures()[1]
+
+    @property
+    def events(self) -> list[TraceEvent]:
+        """Each step's trace event, when the iteration was traced."""
+        return self.timing.figures()[2]
 
 
 @dataclass
@@ -178,13 +191,9 @@ class Executor:
         self.index = len(self.steps)
         self.comm.finish()
         end = clock.mark()
-        clock.finish()
-        compute = sum(clock.seconds(a, b) for i, a, b in marks if self.steps[i][0] <= STEP_WEIGHT)
-        events = [self.event(i, clock.seconds(start, a), clock.seconds(a, b))
-                  for i, a, b in marks] if trace else []
         loss = torch.stack(self.losses).mean() if self.reports_loss and self.losses else None
-        return IterationResult(loss, clock.seconds(start, end), compute, self.peak,
-                               self.outputs, events)
+        return IterationResult(loss, self.peak, self.outputs,
+                               _Timing(self, clock, start, end, marks, trace))
 
     def _steps(self, clock: _Clock, marks: list, trace: bool, forward_only: bool,
                iteration: int) -> None:
@@ -441,7 +450,7 @@ def _no_host_sync(device: torch.device):
 
 
 class _Clock:
-    """Marks on the host clock, or CUDA events on the compute stream resolved at the end."""
+    """Marks on the host clock, or CUDA events on the compute stream (resolved by _Timing)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -453,12 +462,34 @@ class _Clock:
         event.record()
         return event
 
-    def finish(self) -> None:
-        if self.cuda:
-            torch.cuda.current_stream().synchronize()
-
     def seconds(self, a, b) -> float:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+class _Timing:
+    """An iteration's clock marks, turned into figures when first asked for: on CUDA the
+    host waits for the iteration's last event then, not at the iteration's end (a loop that
+    reads them a step later never waits)."""
+
+    def __init__(self, executor: Executor, clock: _Clock, start, end, marks: list,
+                 trace: bool) -> None:
+        self.executor, self.clock, self.start, self.end = executor, clock, start, end
+        self.marks, self.trace = marks, trace
+        self.steps, self.program = executor.steps, executor.program
+        self.found: tuple | None = None
+
+    def figures(self) -> tuple[float, float, list[TraceEvent]]:
+        if self.found is None:
+            clock, start = self.clock, self.start
+            if clock.cuda:
+                self.end.synchronize()
+            compute = sum(clock.seconds(a, b) for i, a, b in self.marks
+                          if self.steps[i][0] <= STEP_WEIGHT)
+            events = [self.executor.event(i, clock.seconds(start, a), clock.seconds(a, b))
+                      for i, a, b in self.marks] if self.trace else []
+            self.found = (clock.seconds(start, self.end), compute, events)
+            self.executor = self.marks = None  # (the figures hold no events or executor)
+        return self.found
 
 
 def loss_seed(loss: torch.Tensor, value: float) -> tuple[list, list[torch.Tensor]]:
