@@ -521,3 +521,20 @@ def test_bf16_parameters_train_through_fp32_masters(tmp_path):
     fp32, bf16 = "['torch.float32']", "['torch.bfloat16']"
     assert lines == [f"rank {r} ({fp32}, {fp32}, {fp32}) ({bf16}, {fp32}, {fp32}) True True "
                      "True" for r in (0, 1)], lines
+
+
+# ---------------------------------------------------------------- 4: profile in the run's dtype
+
+@pytest.mark.parametrize("dtype, width", [("fp32", 4), ("bf16", 2), ("fp16", 2)])
+def test_profile_measures_in_the_runs_dtype(tmp_path, dtype, width):
+    """`pyplan profile --dtype` runs the forwards under autocast as `pyplan run --dtype` does:
+    block a (a Linear on 8 rows of 16) saves its input as autocast casts it, 8 x 16 x 2 bytes
+    in bf16 and fp16 (it measured fp32's 4 bytes per number whatever the run's dtype)."""
+    shutil.copy(MODELS / "gpu_review.py", tmp_path / "gpu_review.py")
+    (tmp_path / "pair.yaml").write_text(PAIR.format(name="pair", build="two", loss="loss",
+                                                    split=""))
+    result = _pyplan(tmp_path, "profile", "pair.yaml", "--dtype", dtype, "--json",
+                     "--repeats", 1)
+    assert result.returncode == 0, result.stderr
+    blocks = {b["name"]: b for b in json.loads(result.stdout)["blocks"]}
+    assert blocks["a"]["activation_bytes"] == 8 * 16 * width

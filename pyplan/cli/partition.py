@@ -13,6 +13,7 @@ from pathlib import Path
 from pyplan.cli._numbers import SEED, whole
 from pyplan.cli._torch import require_torch
 from pyplan.cli.profile import MAX_REPEATS, add_time_limit, check_time_limit
+from pyplan.cli.run import DTYPES
 from pyplan.errors import PlanError
 from pyplan.fileio import write_atomic
 from pyplan.partition import OPTIMIZER_STATE
@@ -67,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="measure the units on this device (cuda: the first GPU, timed "
                         "with CUDA events)")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32",
+                        help="measure the forwards under autocast to this dtype, as pyplan run "
+                        "--dtype runs them (default fp32)")
     parser.add_argument("--split-backward", action="store_true",
                         help="measure each unit's input and weight gradients apart and write "
                         "a split backward (zero bubble: the plan's blocks get B and W)")
@@ -151,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         recompute=args.recompute, optimizer="adamw" if args.optimizer == "adam" else
         args.optimizer,
         split_backward=args.split_backward, weights=args.weights, repeats=args.repeats,
-        seed=args.seed, device=args.device, links=args.links, progress=progress,
+        dtype=args.dtype, seed=args.seed, device=args.device, links=args.links, progress=progress,
         unit_seconds=args.unit_time_limit, host_memory=host))
     units, plans = found.units, found.plans
     how = {"chain": "", "traced": "cut by torch's pipeline tracer, ",

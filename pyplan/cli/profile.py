@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pyplan.cli._numbers import SEED
 from pyplan.cli._torch import require_torch
+from pyplan.cli.run import DTYPES
 from pyplan.errors import PlanError
 from pyplan.problem import load_problem
 from pyplan.planfile import format_memory
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="measure on this device (cuda: the first GPU, timed with CUDA "
                         "events)")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32",
+                        help="measure the forwards under autocast to this dtype, as pyplan run "
+                        "--dtype runs them (default fp32)")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
     parser.add_argument("--links", action="store_true",
                         help="also measure the link between two processes on this machine "
@@ -105,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     require_torch("profile")
     from pyplan.run.binding import load_model  # torch only from here on
     from pyplan.measure.profile import Measured, profile_blocks
+    from pyplan.run.pipeline import DTYPES as COMPUTE
 
     import torch
 
@@ -113,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     measured = Measured()
     costs = profile_blocks(problem, model, seed=args.seed, repeats=args.repeats,
                            device=device, measured=measured, measure_collectives=args.links,
-                           unit_seconds=args.block_time_limit)
+                           unit_seconds=args.block_time_limit, dtype=COMPUTE[args.dtype])
     unit = args.unit_ms or max(MIN_UNIT_MS, min(c.forward_ms for c in costs))
     longest = max(max(c.forward_ms, c.backward_ms or 0.0) for c in costs)
     if longest / unit > MAX_TIME:  # the suggested times would be refused by the plan
@@ -133,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
              "input_bytes": c.input_bytes, "output_bytes": c.output_bytes}
             for c in costs]}, sort_keys=True))
         return 0
-    print(f"{problem.name}: one micro-batch per block, median of {args.repeats} runs")
+    print(f"{problem.name}: one micro-batch per block, median of {args.repeats} runs"
+          + ("" if args.dtype == "fp32" else f", forwards in {args.dtype} (autocast)"))
     print(f"  {'block':16} {'devices':>8} {'forward ms':>11} {'backward ms':>12} "
           f"{'activations':>12}")
     for c in costs:

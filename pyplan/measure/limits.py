@@ -20,7 +20,8 @@ import time
 
 from pyplan.errors import PyplanError, UserCodeError, describe_exception
 
-__all__ = ["DEFAULT_SECONDS", "TimeLimitError", "guarded", "idle_seconds", "time_limit"]
+__all__ = ["DEFAULT_SECONDS", "TimeLimitError", "computing_in", "guarded", "idle_seconds",
+           "in_compute_dtype", "time_limit"]
 
 DEFAULT_SECONDS = 300.0  # CPU seconds per measured unit (or block): generous
 _IDLE_SHARE = 0.01       # below this share of one core for the idle stretch: not computing
@@ -88,15 +89,54 @@ def time_limit(what: str, limit: float | None, option: str = "--unit-time-limit"
         signal.signal(signal.SIGALRM, previous)
 
 
+_COMPUTE: list = [None]
+"""(device type, dtype) the measured forwards run under autocast to (computing_in), or None."""
+
+
+@contextlib.contextmanager
+def computing_in(device, dtype):
+    """Measured forwards (`guarded`, `in_compute_dtype`) under autocast to `dtype` while the
+    body runs, as `pyplan run --dtype` runs them (None: as they are); as there, autocast's
+    casts of the weights are kept throughout (a run casts each once per iteration)."""
+    import torch
+
+    if dtype is None:
+        yield
+        return
+    _COMPUTE[0] = (device.type, dtype)
+    try:
+        with torch.autocast(device.type, dtype=dtype, enabled=False):
+            yield
+    finally:
+        _COMPUTE[0] = None
+
+
+def in_compute_dtype(fn):
+    """fn(*args) under computing_in's autocast (a loss: the run computes it so)."""
+    def call(*args):
+        with _autocast():
+            return fn(*args)
+    return call
+
+
+def _autocast():
+    if _COMPUTE[0] is None:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.autocast(_COMPUTE[0][0], dtype=_COMPUTE[0][1])
+
+
 def guarded(module, what: str):
     """module(*args) as the user's code: an exception (SystemExit too) is a UserCodeError
     naming `what` (e.g. "unit layers.3"), and so is an output that is not a tensor or a
-    tuple, list or dict of tensors."""
+    tuple, list or dict of tensors; under computing_in's autocast."""
     from pyplan.run.values import flatten
 
     def call(*args):
         try:
-            out = module(*args)
+            with _autocast():
+                out = module(*args)
         except (PyplanError, KeyboardInterrupt):
             raise
         except BaseException as exc:  # noqa: BLE001 - the user's forward failed

@@ -27,6 +27,7 @@ from pyplan.placements import CHUNKS, Placement, Sharded, mshape_plans, placemen
 from pyplan.run.binding import Model, defer_whole, import_function, loss_function, make_batch
 from pyplan.run.census import storage_bytes
 from pyplan.run.data import batches_from, split_batch
+from pyplan.run.pipeline import DTYPES
 from pyplan.measure.limits import DEFAULT_SECONDS
 from pyplan.measure.links import measure_link
 from pyplan.measure.measure import Measured, host_bytes, rss_bytes
@@ -80,7 +81,8 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
                     memory: int | list[int] | None = None, speeds: list[float] | None = None,
                     recompute: str = "never", optimizer: str = "sgd",
                     split_backward: bool = False, weights: str | Path | None = None,
-                    repeats: int = 5, seed: int = 0, device: str = "cpu", links: bool = False,
+                    repeats: int = 5, seed: int = 0, device: str = "cpu", dtype: str = "fp32",
+                    links: bool = False,
                     progress=None, unit_seconds: float | None = DEFAULT_SECONDS,
                     host_memory: int | None = None) -> Partitioned:
     """Plans for the model `factory` ("pkg.mod:fn" returning the whole nn.Module) trained on
@@ -95,7 +97,8 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     `repeats` (timed runs per measurement), `device` (cpu, or cuda to measure on the first
     GPU), `links` (measure the link between two processes here, pyplan.measure.links, and time
     the stages' outputs on it; else on the CPU pyplan's CPU-class default, CPU_LINK, on a GPU a
-    GPU node's default). `progress(done, total)` is called as units are measured;
+    GPU node's default), `dtype` (fp32, or bf16 or fp16: the forwards under autocast, as
+    `pyplan run --dtype` runs them). `progress(done, total)` is called as units are measured;
     `unit_seconds` bounds each unit's measurement (CPU seconds, pyplan.measure.limits).
     `host_memory`: the bytes of the machine the CPU ranks share (pyplan.partition.
     host_capacity); each rank's planned host memory is in Partitioned.host.
@@ -109,6 +112,8 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
         chunks if shape == "interleaved" else 1)
     if device == "cuda" and not torch.cuda.is_available():
         raise PlanError("device cuda, but torch sees no GPU", hint="measure on the CPU")
+    if dtype not in DTYPES:
+        raise PlanError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     where = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     output = Path(output)
     if "" not in sys.path and os.getcwd() not in sys.path:
@@ -133,7 +138,8 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     units, cut = profile_units(deferred, inputs, targets, loss_function(user),
                                optimizer=optimizer, repeats=repeats, device=where,
                                progress=progress, measured=measured, split=split_backward,
-                               unit_seconds=unit_seconds, batch_bytes=held)
+                               unit_seconds=unit_seconds, batch_bytes=held,
+                               dtype=DTYPES[dtype])
     if len(units) < stages and shape != "auto":
         raise PlanError(f"{factory} has {len(units)} units "
                         f"({', '.join(u.name for u in units)}), fewer than the {stages} stages "

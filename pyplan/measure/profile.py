@@ -31,7 +31,8 @@ from pyplan.run.binding import (Model, block_inputs, build, forward_blocks, loss
                                 make_batch)
 from pyplan.run.data import split_batch, to_device
 from pyplan.run.census import storage_bytes
-from pyplan.measure.limits import DEFAULT_SECONDS, guarded, time_limit
+from pyplan.measure.limits import (DEFAULT_SECONDS, computing_in, guarded, in_compute_dtype,
+                                   time_limit)
 from pyplan.measure.measure import (BlockCost, Measured, Timer, block_arguments, busy,
                                     compute_threads, leaves, measure, memory_peaks,
                                     split_backward, unit_buffer_bytes, unit_parameters,
@@ -45,13 +46,15 @@ __all__ = ["BlockCost", "Measured", "profile_blocks", "profile_units"]
 def profile_blocks(problem: Problem, model: Model, *, seed: int = 0, repeats: int = 5,
                    device: torch.device | None = None, measured: Measured | None = None,
                    measure_collectives: bool = False, threads: int | None = None,
-                   unit_seconds: float | None = DEFAULT_SECONDS) -> list[BlockCost]:
+                   unit_seconds: float | None = DEFAULT_SECONDS,
+                   dtype: torch.dtype | None = None) -> list[BlockCost]:
     """Costs of every forward block, in plan order (the collectives of vocabulary-sharded
     blocks measured among local processes with `measure_collectives`, else modelled on the
     default link), computed with `threads` CPU threads (default: as each rank of a run),
-    each block's measurement within `unit_seconds` of CPU time (pyplan.measure.limits)."""
+    each block's measurement within `unit_seconds` of CPU time (pyplan.measure.limits), the
+    forwards under autocast to `dtype` (as `pyplan run --dtype`)."""
     device = device or torch.device("cpu")
-    with compute_threads(device, threads):
+    with compute_threads(device, threads), computing_in(device, dtype):
         return _profile_blocks(problem, model, seed=seed, repeats=repeats, device=device,
                                measured=measured, measure_collectives=measure_collectives,
                                unit_seconds=unit_seconds)
@@ -81,7 +84,7 @@ def _profile_blocks(problem: Problem, model: Model, *, seed: int, repeats: int, 
         timer.cold_for(len(forward) * sum(p.numel() * p.element_size() for p in params))
         args, wrt = block_arguments(b, preds, outputs, inputs, built.wants_inputs, grad)
         whole = (None,) if len(problem.blocks[b].devices) > 1 else ()
-        loss_fn = (lambda out: loss_function(model)(out, targets, *whole)) \
+        loss_fn = in_compute_dtype(lambda out: loss_function(model)(out, targets, *whole)) \
             if b == output_block else None
         block = problem.blocks[b]
         what = f"block '{block.name}'"
@@ -106,7 +109,8 @@ def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
                   progress=None, measured: Measured | None = None,
                   threads: int | None = None, split: bool = False,
                   unit_seconds: float | None = DEFAULT_SECONDS,
-                  batch_bytes: int = 0) -> tuple[list[UnitCost], Cut]:
+                  batch_bytes: int = 0,
+                  dtype: torch.dtype | None = None) -> tuple[list[UnitCost], Cut]:
     """Costs of each unit of a model on one micro-batch, and how the model is cut (see
     pyplan.models): median forward and backward milliseconds (the backward of exactly that
     unit; the last unit's from the loss), the activation bytes autograd saves, and the weights'
@@ -116,9 +120,10 @@ def profile_units(model: torch.nn.Module | Deferred, inputs, targets, loss, *,
     at a time, so the whole model is never in memory. Each unit's measurement is bounded by
     `unit_seconds` of CPU time (pyplan.measure.limits), and the user's forward failing is one
     error naming the unit. `batch_bytes`: the global batch's (inputs and targets), which the
-    ranks of the stages that read the inputs or compute the loss hold."""
+    ranks of the stages that read the inputs or compute the loss hold. The forwards run under
+    autocast to `dtype` (as `pyplan run --dtype`)."""
     device = device or torch.device("cpu")
-    with compute_threads(device, threads):
+    with compute_threads(device, threads), computing_in(device, dtype):
         return _profile_units(model, inputs, targets, loss, optimizer=optimizer,
                               repeats=repeats, device=device, progress=progress,
                               measured=measured, split=split, unit_seconds=unit_seconds,
@@ -160,7 +165,7 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
         else:
             args = [inputs if received is None else received]
         last = k == len(units) - 1
-        loss_fn = (lambda out: loss(out, targets)) if last else None
+        loss_fn = in_compute_dtype(lambda out: loss(out, targets)) if last else None
         what = f"unit {unit.name}"
         with time_limit(what, unit_seconds):
             forward_ms, backward_ms, saved, out = measure(timer, guarded(module, what), args,
