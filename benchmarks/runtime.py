@@ -155,6 +155,7 @@ class TorchScheduleCase:
         from pyplan.run.data import split_batch
 
         seconds = []
+        dist.barrier()  # (once: the steps follow each other as pyplan run's do)
         for step in range(ITERATIONS):
             inputs, targets = make_batch(self.model, step, 0, torch.device("cpu"))
             if self.replica is not None:
@@ -162,15 +163,14 @@ class TorchScheduleCase:
                 inputs = split_batch(inputs, replicas)[index]
                 targets = split_batch(targets, replicas)[index]
             self.optimizer.zero_grad(set_to_none=True)
-            dist.barrier()
             started = time.perf_counter()
             kwargs = {"target": targets, "losses": []} if self.last else {}
             self.schedule.step(*([inputs] if self.first else []), **kwargs)
             self.optimizer.step()
-            mine = torch.tensor([time.perf_counter() - started])
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-            seconds.append(float(mine))
-        return seconds
+            seconds.append(time.perf_counter() - started)
+        slowest = torch.tensor(seconds, dtype=torch.float64)  # each step's slowest rank
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return slowest.tolist()
 
 
 class TorchCase(TorchScheduleCase):

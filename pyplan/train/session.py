@@ -205,21 +205,22 @@ class Session:
             inputs, targets = self.batch(self.batches)
             if inputs is not None:
                 self.samples, self.tokens = (x * K if x else x for x in _sizes(inputs))
-            dist.barrier()
+            # No barrier: a rank that is early waits where the schedule makes it. On CUDA no
+            # synchronisation either: pipe.step returns once every rank's verdict on
+            # non-finite values is in (the one wait a step needs), by when the iteration's work
+            # is done; the optimizer's kernels then overlap the next step's launch.
             started = time.perf_counter()
             pipe.step(inputs, targets, trace=opts.trace is not None and trace and j == K - 1,
                       share_loss=False)
             self.batches += 1
-            if j < K - 1:
-                self._sync_device()
-                seconds += time.perf_counter() - started
+            seconds += time.perf_counter() - started
             compute += pipe.last.compute
             bad = bad or self._bad(pipe.nonfinite)
             peak = max(peak, pipe.last.peak_activation_bytes)
             if pipe.last.loss is not None:
                 mine.append(float(pipe.last.loss))
+        started = time.perf_counter()
         norm = self.optimizer_step(optimizer, scheduler, check=check)
-        self._sync_device()
         seconds += time.perf_counter() - started - self.check_seconds
         self.bad_steps = self.bad_steps + 1 if bad else 0
         if self.bad_steps >= self.options.max_bad_steps:  # every rank knows: all raise it
@@ -315,6 +316,9 @@ class Session:
             started = time.perf_counter()
             self.snapshots.append({"gradients": gathered(pipe, "gradients")})
             self.check_seconds += time.perf_counter() - started
+        # Read before the update is queued: the host waits for the norm alone, not for the
+        # optimizer's kernels, which run while the next step starts.
+        norm = None if norm is None else float(norm)
         if optimizer is not None:
             pipe.step_optimizer(optimizer)  # skipped when fp16 overflowed in any batch
             with warnings.catch_warnings():  # an fp16 step skipped: the schedule still moves
@@ -324,7 +328,7 @@ class Session:
             started = time.perf_counter()
             self.snapshots[-1]["values"] = gathered(pipe, "values")
             self.check_seconds += time.perf_counter() - started
-        return None if norm is None else float(norm)  # read after the step: no sync before
+        return norm
 
     def batch(self, step: int, split: str | None = None):
         """The global batch of `step` where this rank's blocks read it, else (None, None): only
@@ -428,10 +432,6 @@ class Session:
                                  keep_last=opts.keep_last, fail=fail)
         self.save_seconds = max(self.save_seconds, time.monotonic() - started)
         self.saved = str(folder)
-
-    def _sync_device(self) -> None:
-        if self.pipe.device.type == "cuda":
-            torch.cuda.synchronize(self.pipe.device)
 
     def report(self, first, records, events, snapshots, samples, tokens, evals) -> Report:
         pipe = self.pipe
