@@ -56,6 +56,8 @@ ENVIRONMENT = {
     "PYPLAN_CACHE_DIR": Variable(None, "the cache of validated plans (empty: none)"),
     "XDG_CACHE_HOME": Variable(None, "the cache's parent when $PYPLAN_CACHE_DIR is not set"),
     "OMP_NUM_THREADS": Variable(whole(1, 4096), "CPU threads of each process", MEASURE),
+    "CUDA_VISIBLE_DEVICES": Variable(None, "CUDA's: the GPUs a process sees; read only to say "
+                                     "why --device auto chose the CPU", RUN),
     "PYTHONSAFEPATH": Variable(None, "Python's: pyplan run's launcher sets it for its "
                                "forkserver alone when it is not set"),
     # torchrun's, set for each worker; checked when a worker's are there (RANK)
