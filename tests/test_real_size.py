@@ -274,6 +274,30 @@ def test_a_checkpoint_that_does_not_fit_is_one_line_naming_the_tensor(damage, me
     assert message in caught.value.message and "\n" not in caught.value.message
 
 
+@pytest.mark.parametrize("command", ["run --dry-run", "consolidate"])
+def test_an_index_naming_a_shard_without_the_tensor_is_one_line(command, cli, tmp_path):
+    """The index lists model.norm.weight in a shard that lacks it: one line naming the index,
+    the tensor and the shard, exit 2 (it was safetensors' traceback)."""
+    plan = _pretrained_plan(tmp_path)
+    index = tmp_path / "ckpt" / "model.safetensors.index.json"
+    record = json.loads(index.read_text())
+    shards = sorted(set(record["weight_map"].values()))
+    wrong = next(s for s in shards if s != record["weight_map"]["model.norm.weight"])
+    record["weight_map"]["model.norm.weight"] = wrong
+    index.write_text(json.dumps(record))
+    assert cli("solve", plan, "--quiet")[0] == 0
+    resolved = plan.with_suffix(".resolved.yaml")
+    (tmp_path / "saved").mkdir()
+    args = ([resolved, "--dry-run"] if command == "run --dry-run" else
+            [resolved, tmp_path / "saved", "-o", tmp_path / "out.pt"])
+    code, _, err = cli(command.split()[0], *args)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"model.safetensors.index.json lists tensor model.norm.weight in {wrong}, which " \
+           "lacks it" in err, err
+    assert not (tmp_path / "out.pt").exists()
+
+
 @pytest.mark.torchrun
 def test_a_run_from_a_sharded_checkpoint_trains_as_one_process_from_it(tmp_path):
     plan = _pretrained_plan(tmp_path)

@@ -80,7 +80,13 @@ class Checkpoint:
     def header(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         """name -> (shape, dtype) of every tensor, from the files' headers alone."""
         found = {}
+        held: dict[Path, set[str]] = {}
         for name, path in self.files.items():
+            if path not in held:
+                held[path] = set(self._handle(path).keys())
+            if name not in held[path]:  # the index names a shard that lacks the tensor
+                raise PlanError(f"{self.where}: {self.folder / INDEX} lists tensor {name} in "
+                                f"{path.name}, which lacks it", hint=_HINT)
             piece = self._handle(path).get_slice(name)
             found[name] = (tuple(piece.get_shape()), _DTYPES.get(piece.get_dtype()))
         return found
