@@ -280,6 +280,10 @@ def run(args: argparse.Namespace) -> int:
             require_torch("run")
             from pyplan.run.binding import load_model
             _check_eval_split(load_model(problem, plan_dir, _source(plan)), problem)
+        if getattr(problem.model, "weights", None) is not None:  # its headers, read now
+            require_torch("run")
+            from pyplan.run.binding import check_weights
+            check_weights(problem, plan_dir, _source(plan))
         return launch(args, _worker_arguments(args))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RunError("pyplan run runs one process per device under torchrun",

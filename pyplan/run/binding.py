@@ -305,11 +305,17 @@ def _check_stage_names(whole: torch.nn.Module, model: Model, problem: Problem) -
                        "list the submodules of every declared block")
         for i, unit in enumerate(model.stages[name]):
             try:
-                whole.get_submodule(unit)
+                module = whole.get_submodule(unit)
             except AttributeError:
                 raise fail((name, i), f"model.stages: the model has no submodule '{unit}' "
                            f"(block '{name}')", "names are dotted paths as in "
                            "named_modules(), e.g. layers.0") from None
+            # A chain calls each unit; a container (ModuleList, ModuleDict) has no forward.
+            if model.cut.kind == CHAIN and type(module).forward is torch.nn.Module.forward:
+                raise fail((name, i), f"model.stages: '{unit}' (block '{name}') is a "
+                           f"{type(module).__name__}, which has no forward to call",
+                           "name its items instead, e.g. "
+                           f"{unit}.{next(iter(dict(module.named_children())), '0')}")
 
 
 def defer_whole(model: Model, seed: int, *, say: bool = True) -> Deferred:
@@ -334,6 +340,18 @@ def defer_whole(model: Model, seed: int, *, say: bool = True) -> Deferred:
         except PlanError as exc:  # at the line that names the checkpoint
             raise located(model.source, ("model", "weights"), exc.message, exc.hint) from None
     return deferred
+
+
+def check_weights(problem: Problem, plan_dir: Path, source: str | None = None) -> None:
+    """The checkpoint model.weights names opens and its index agrees with its shards, from
+    the files' headers alone (no tensor read, no model built): cheap enough to say before any
+    process starts what would otherwise fail on every rank."""
+    if problem.model is None or getattr(problem.model, "weights", None) is None:
+        return
+    try:
+        open_checkpoint(plan_dir / problem.model.weights).header()
+    except PlanError as exc:  # at the line that names the checkpoint
+        raise located(source, ("model", "weights"), exc.message, exc.hint) from None
 
 
 def eager_whole(factory, seed: int) -> Deferred:
