@@ -342,3 +342,61 @@ def test_every_hostile_batch_is_named_by_its_field():
     x = torch.ones(8, 4)
     for good in [(x, x), ((x, x), {"y": x}), ({"ids": x.long()}, [x, torch.ones(8)])]:
         assert check_batch(good) is None
+
+
+STAGED = """\
+pyplan: 1
+name: staged
+devices: 2
+micro_batches: 2
+training: {{backward: {{time_ratio: 1}}}}
+blocks:
+  - {{name: a, devices: [0], time: 1, memory: 1}}
+  - {{name: b, devices: [1], time: 1, memory: 1}}
+model: {{module: "staged:net", stages: {{a: [{first}], b: [head]}}, data: "staged:batch",
+         loss: "staged:loss", path: {path}}}
+"""
+
+NET = GOOD + """
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def net():
+    return Net()
+"""
+
+
+@pytest.mark.parametrize("folder, first, message", [
+    # round 4's leftovers (the others: tests/test_hostile_run.py): a stage given as a
+    # ModuleList, at the line of the plan the user wrote (not of its resolved copy); a model
+    # folder whose name holds quotes and a backslash (YAML-quoted, imported as it is)
+    ("models", "layers", "9:44: error: model.stages: 'layers' (block 'a') is a ModuleList, "
+     "which has no forward to call (hint: name its items instead, e.g. layers.0)"),
+    ("q'u\"o\\te", "layers.0, layers.1", None),
+])
+def test_a_cut_models_stages_and_folder_are_checked_before_running(cli, tmp_path, folder,
+                                                                   first, message):
+    import json
+
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / "staged.py").write_text(NET)
+    plan = tmp_path / "staged.yaml"
+    plan.write_text(STAGED.format(first=first, path=json.dumps(str(tmp_path / folder))))
+    assert cli("solve", plan, "--quiet")[0] == 0
+    code, out, err = cli("run", plan.with_suffix(".resolved.yaml"), "--dry-run")
+    if message is None:
+        assert code == 0 and err == "", err
+        assert "staged:net built all 2 declared blocks" in out, out
+    else:
+        assert code == 2 and err.count("\n") == 1, err
+        assert err == f"{plan}:{message}\n", err  # at the line of the plan the user wrote

@@ -296,7 +296,8 @@ def _check_stage_names(whole: torch.nn.Module, model: Model, problem: Problem) -
     """Every block has an entry in model.stages naming submodules the model has; PlanError
     at the entry's position otherwise."""
     def fail(where: tuple, message: str, hint: str) -> PlanError:
-        return located(problem.source_path, ("model", "stages") + where, message, hint)
+        return located(model.source or problem.source_path, ("model", "stages") + where,
+                       message, hint)
 
     for b in forward_blocks(problem):
         name = problem.blocks[b].name
