@@ -349,3 +349,11 @@ def check_recorded(reader: Reader, schedule: Schedule) -> None:
                 type(v) in (int, float) for v in base.values())):
             raise reader.fail(("baselines", name), "malformed baseline",
                               "the file was edited; re-run pyplan solve")
+        # A baseline that exceeds the capacity peaks above some device's: an edited (raised)
+        # memory shows here even where the schedule still fits it.
+        peak = base.get("exceeds_memory") if isinstance(base, dict) else None
+        limits = [c for c in schedule.problem.capacities if c is not None]
+        if peak is not None and (not limits or peak <= min(limits)):
+            raise reader.fail(("memory",), f"'memory' does not match baseline {name}, which "
+                              f"exceeds it with a peak of {peak}",
+                              "the file was edited; re-run pyplan solve")

@@ -102,6 +102,7 @@ FORGED = {
     "capacity-and-peak": "the schedule does not run",
     "dependency-deleted": "'dependencies' does not match the plan",
     "order-rules-as-an-integer": "'order_rules' must be a list",
+    "capacity": "'memory' does not match baseline gpipe, which exceeds it with a peak of 16",
     "micro-batch-beyond-int32": "names a micro-batch or a start outside the schedule",
     "gradient-syncs": "the gradient synchronisations do not match the schedule",
 }
@@ -125,6 +126,7 @@ UNDERIVED = {
     "dependency-deleted": "does not match its order",
     "capacity-and-peak": "the schedule does not run",
     "backward-frees-less": "memory does not balance on device 0",
+    "capacity": "'memory' does not match baseline gpipe",
 }
 
 
