@@ -67,6 +67,20 @@ def wide_batch(step):
 
 def loss(output, target):
     return ((output[:, :4] - target) ** 2).mean()
+
+
+class Exits(nn.Linear):
+    def forward(self, x):
+        import sys
+        sys.exit(5)
+
+
+def exits(name, group):
+    return Exits(4, 4)
+
+
+def pair(name, group):
+    return nn.Linear(4, 4), nn.Linear(4, 4)
 """
 
 PLAN = """\
@@ -110,3 +124,64 @@ def test_the_users_blocks_failing_exit_2_on_every_rank(tmp_path, blocks, data, e
     assert len(errors) == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert any(line.startswith(f"error: {message}") for line in errors), errors
     assert any(line.startswith("error: rank ") and " stops: " in line for line in errors), errors
+
+
+NO_TARGETS = """\
+import sys
+
+import torch
+
+from pyplan.errors import RunError
+from pyplan.runtime import Pipeline
+
+pipe = Pipeline(sys.argv[1], device="cpu")
+x, y = torch.randn(8, 4), torch.randn(8, 4)
+try:
+    pipe.step(x, None)  # the last rank computes the loss and needs them
+except RunError as exc:
+    sys.stdout.write(f"{exc}\\n")
+sys.stdout.write(f"rank {pipe.rank} steps after: {float(pipe.step(x, y)) > 0}\\n")
+pipe.close()
+"""
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case, message", [
+    ("exit-in-forward", "block 'a' (micro-batch 0) raised SystemExit(5) (it called sys.exit)"),
+    ("block-is-a-tuple", "model.blocks (hostile_run:pair) returned tuple for block 'a', not a "
+     "torch.nn.Module"),
+    ("step-without-targets", "Pipeline.step: rank 1 runs a block that reads the targets, but "
+     "got None for them"),
+])
+def test_round_4_leftovers_are_one_line_on_every_rank(tmp_path, case, message):
+    """Left from round 4: sys.exit in a block's forward, a block factory returning a tuple,
+    and Pipeline.step without targets on the rank that reads them (the other rank waited in a
+    transfer: gloo's traceback). The others: a stage given as a ModuleList in
+    tests/test_user_code.py, a resealed plan with edited memory in
+    tests/test_resolved_seal.py ("capacity")."""
+    (tmp_path / "hostile_run.py").write_text(MODEL)
+    blocks = {"exit-in-forward": "exits", "block-is-a-tuple": "pair"}.get(case, "plain")
+    (tmp_path / "p.yaml").write_text(PLAN.format(name=case, blocks=blocks, data="batch"))
+    assert _pyplan(tmp_path, "solve", "p.yaml", "--quiet").returncode == 0
+    if case == "step-without-targets":
+        from warm_torchrun import torchrun
+
+        (tmp_path / "no_targets.py").write_text(NO_TARGETS)
+        result = torchrun("no_targets.py", "p.resolved.yaml", nproc=2, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        errors = sorted(line for line in result.stdout.splitlines() if "error:" in line)
+        assert errors == ["error: Pipeline.step: rank 1 refused its batch, so no rank runs it "
+                          "(hint: that rank's error says why)",
+                          f"error: {message} (hint: pass the global batch on the ranks whose "
+                          "takes_inputs / takes_targets is True (any rank may get it))"], \
+            result.stdout
+        assert result.stdout.count("steps after: True") == 2, result.stdout
+        return
+    dry = case == "block-is-a-tuple"  # refused before any rank starts
+    result = _pyplan(tmp_path, "run", "p.resolved.yaml", "--device", "cpu",
+                     *(["--dry-run"] if dry else ["--nproc-per-node", 2]))
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == (1 if dry else 2) and "Traceback" not in result.stderr, \
+        result.stderr[-3000:]
+    assert any(message in line for line in errors), errors

@@ -358,22 +358,38 @@ class Pipeline(PipelineGradients):
                            hint="create a new Pipeline to train again")
 
     def _needs(self, inputs, targets, what: str) -> None:
-        """RunError when this rank is given None for what its blocks read, or a batch that
-        is not tensors with the batch along dim 0 (pyplan.run.data.batch_problem)."""
+        """RunError on every rank when any rank's batch is refused (`_refusal`): the ranks
+        agree first, so that none waits in a transfer for a rank that raised (a traceback
+        from the collective)."""
+        error = self._refusal(inputs, targets, what)
+        if self.world > 1:
+            first = torch.tensor([self.rank if error is not None else self.world])
+            dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.comm.cpu_group)
+            if error is None and int(first) < self.world:
+                error = RunError(f"Pipeline.{what}: rank {int(first)} refused its batch, so no "
+                                 "rank runs it", hint="that rank's error says why")
+        if error is not None:
+            raise error
+
+    def _refusal(self, inputs, targets, what: str) -> RunError | None:
+        """Why this rank cannot run `what` on its batch: None given for what its blocks read,
+        or a batch that is not tensors with the batch along dim 0
+        (pyplan.run.data.batch_problem)."""
         parts = {}
         for given, needed, name in ((inputs, self.takes_inputs, "inputs"),
                                     (targets, self.takes_targets, "targets")):
             if given is None and needed:
-                raise RunError(f"Pipeline.{what}: rank {self.rank} runs a block that reads the "
-                               f"{name}, but got None for them",
-                               hint="pass the global batch on the ranks whose takes_inputs / "
-                                    "takes_targets is True (any rank may get it)")
+                return RunError(f"Pipeline.{what}: rank {self.rank} runs a block that reads the "
+                                f"{name}, but got None for them",
+                                hint="pass the global batch on the ranks whose takes_inputs / "
+                                     "takes_targets is True (any rank may get it)")
             if given is not None and needed and not (name == "targets" and given == ()):
                 parts[name] = given
         why = batch_problem(parts) if parts else None
         if why is not None:
-            raise RunError(f"Pipeline.{what} got {why}", hint="pass tensors (or tuples, lists or "
-                           "dicts of them) with the batch along dim 0")
+            return RunError(f"Pipeline.{what} got {why}", hint="pass tensors (or tuples, lists "
+                            "or dicts of them) with the batch along dim 0")
+        return None
 
     def _agreed_micro_batches(self, inputs) -> int:
         """The micro-batches an evaluation batch runs in, the same on every rank (the ranks
