@@ -7,8 +7,8 @@
   recompute, weights, mesh, model: sections) with hostile values at random places;
 - exports: every export format of example and generated plans, odd widths, outputs onto inputs;
 - csv: torch schedule CSVs of random cells (huge fields, long numbers, NULs, wrong ranks);
-- arguments: the command lines of solve, show, export, import, run, partition and profile with
-  numbers and names they cannot take;
+- arguments: the command lines of solve, show, export, import, run (its preemption options
+  too), partition, profile and plan with numbers and names they cannot take;
 - api: the Python API called with arguments of the wrong type, NaN, huge or negative.
 
 Every command runs in a worker process under a memory limit (1 GiB of data) and a limit of CPU
@@ -354,6 +354,7 @@ _NUMBERS = ["0", "-1", "1", "nan", "inf", "-inf", "1e400", "99999999999999999999
 
 def gen_arguments(rng, work: Path, *_) -> tuple[str, list[tuple]]:
     n = lambda: rng.choice(_NUMBERS)  # noqa: E731
+    m = lambda plausible: rng.choice([plausible, plausible, n()])  # noqa: E731
     plan = PLANS / rng.choice(["tessel-vshape.yaml", "transformer-vshape.yaml",
                                "gpt24-recompute.yaml"])
     resolved = PLANS / rng.choice(["tessel-vshape.resolved.yaml",
@@ -377,8 +378,35 @@ def gen_arguments(rng, work: Path, *_) -> tuple[str, list[tuple]]:
         ("profile", rng.choice([plan, resolved, work / "none.yaml"]), "--repeats",
          rng.choice(["0", "-1", "x"]), "--unit-ms",
          rng.choice([v for v in _NUMBERS if v not in ("nan", "inf")])),
+        # round 5: preemption (a time budget, resuming, a save folder to replace)
+        ("run", resolved, "--dry-run", "--max-time", rng.choice(_NUMBERS + ["1h", "-5m", "2d",
+                                                                          "1h", "30s"]),
+         *rng.choice([(), ("--resume", rng.choice(["auto", "", work / "none", work]))]),
+         *rng.choice([(), ("--save", rng.choice(["", work / "saved", resolved])),
+                      ("--save", work / "saved", "--overwrite", "--keep-last", n())])),
+        # cluster planning: a model's config.json on a preset or missing cluster
+        # (mostly plausible values, so that cases get past the options' own ranges)
+        ("plan", rng.choice([_config_json(work), _config_json(work), resolved,
+                             work / "none.json"]), "--cluster",
+         rng.choice(["dgx-h100", "dgx-a100-80gb", "nope", str(resolved)]), "--gpus", m("8"),
+         "--global-batch", m("16"), "--seq", m("128"),
+         *rng.choice([(), ("--tp", m("2")), ("--pp", m("2"), "--vpp", m("2")),
+                      ("--dp", m("4")), ("--micro-batch", m("1")), ("--top", m("3"))]),
+         *rng.choice([(), ("-o", work / "c.yaml"), ("-o", resolved), ("--megatron", "-"),
+                      ("--torchtitan", work / "c.yaml", "-o", work / "c.yaml")])),
     ]
     return "arguments", [rng.choice(commands)]
+
+
+def _config_json(work: Path) -> Path:
+    """A small Llama's config.json (pyplan plan's MODEL), written once per work folder."""
+    path = work / "config.json"
+    if not path.exists():
+        path.write_text(json.dumps({"model_type": "llama", "hidden_size": 256,
+                                    "intermediate_size": 512, "num_hidden_layers": 4,
+                                    "num_attention_heads": 8, "num_key_value_heads": 2,
+                                    "vocab_size": 1000}))
+    return path
 
 
 # ---------------------------------------------------------------- the API
