@@ -382,7 +382,7 @@ def gen_arguments(rng, work: Path, *_) -> tuple[str, list[tuple]]:
         ("run", resolved, "--dry-run", "--max-time", rng.choice(_NUMBERS + ["1h", "-5m", "2d",
                                                                           "1h", "30s"]),
          *rng.choice([(), ("--resume", rng.choice(["auto", "", work / "none", work]))]),
-         *rng.choice([(), ("--save", rng.choice(["", work / "saved", resolved])),
+         *rng.choice([(), ("--save", rng.choice(["", work / "saved", _config_json(work)])),
                       ("--save", work / "saved", "--overwrite", "--keep-last", n())])),
         # cluster planning: a model's config.json on a preset or missing cluster
         # (mostly plausible values, so that cases get past the options' own ranges)
@@ -392,7 +392,9 @@ def gen_arguments(rng, work: Path, *_) -> tuple[str, list[tuple]]:
          "--global-batch", m("16"), "--seq", m("128"),
          *rng.choice([(), ("--tp", m("2")), ("--pp", m("2"), "--vpp", m("2")),
                       ("--dp", m("4")), ("--micro-batch", m("1")), ("--top", m("3"))]),
-         *rng.choice([(), ("-o", work / "c.yaml"), ("-o", resolved), ("--megatron", "-"),
+         # (outputs in the work folder only: a write the user asked for replaces what it names)
+         *rng.choice([(), ("-o", work / "c.yaml"), ("-o", _config_json(work)),
+                      ("--megatron", "-"),
                       ("--torchtitan", work / "c.yaml", "-o", work / "c.yaml")])),
     ]
     return "arguments", [rng.choice(commands)]
