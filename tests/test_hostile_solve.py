@@ -211,3 +211,18 @@ def test_a_template_that_meets_the_bound_loses_a_tie_to_a_repetend():
     solution = pyplan.solve(pyplan.load_plan(_zero_bubble(4, 8)))
     assert solution.status == "optimal" and solution.origin == "search"
     assert solution.schedule.repetend is not None
+
+
+@pytest.mark.parametrize("memory", [2**31, 2**40, 2**50], ids=["2^31", "2^40", "2^50"])
+@pytest.mark.parametrize("plan", ["gpt-mshape-blocks", "1f1b-4stage"])
+def test_a_vast_memory_capacity_limits_nothing(plan, memory):
+    """A capacity of 2^31 or more (the fuzzer, seed 8) made 1F1B's in-flight limits overflow
+    the core's int: a TypeError from the extension. A vast capacity solves as an ample one."""
+    import re
+
+    text = (PLANS / f"{plan}.yaml").read_text()
+    assert re.search(r"\nmemory: \d+", text)
+    vast, ample = (pyplan.solve(pyplan.load_plan(re.sub(r"\nmemory: \d+", f"\nmemory: {m}",
+                                                        text)), time_limit=2)
+                   for m in (memory, 10_000))
+    assert vast.makespan == ample.makespan

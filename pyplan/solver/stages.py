@@ -121,8 +121,11 @@ def in_flight_limits(problem: Problem, stages: list[list[int]]) -> list[int] | N
     for stage in stages:
         device = stage_device(problem, stage)
         room = problem.headroom(device)
-        limits.append(max(1, room // held[device]) if held[device] > 0 and room is not None
-                      else len(stages))
+        fits = max(1, room // held[device]) if held[device] > 0 and room is not None \
+            else len(stages)
+        # No stage holds more than all the micro-batches: a vast capacity (2^31 or more)
+        # limits nothing, and stays within the core's int.
+        limits.append(min(fits, problem.num_micro_batches))
     return limits
 
 
