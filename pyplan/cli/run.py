@@ -25,7 +25,7 @@ from pyplan.cli._numbers import SEED, Number, duration, number, whole
 from pyplan.cli._torch import require_torch
 from pyplan.cli.launch import LAUNCH_NUMBERS, LAUNCH_OPTIONS, check_processes, launch
 from pyplan.cli.run_rules import Facts, check_rules
-from pyplan.errors import EXIT_PREEMPTED, EXIT_RUN_FAILED, PlanError, RunError, did_you_mean
+from pyplan.errors import EXIT_PREEMPTED, PlanError, RunError, did_you_mean
 from pyplan.lower import COMPUTE, RECV, SEND, SYNC, WAIT, check_runnable, describe, lower
 from pyplan.resolved import load_resolved
 from pyplan.verify import verify
@@ -430,8 +430,8 @@ def _session(args, plan, model, fail_at) -> int:
         return 0
     ok = report.verdict is None or report.verdict.ok
     done = EXIT_PREEMPTED if session.stopped else 0
-    if session.rank != 0:
-        return done if ok else EXIT_RUN_FAILED
+    if session.rank != 0:  # the verdict is rank 0's to say: a rank failing here could end the
+        return done        # run (torchrun stops the others) before rank 0 has said why
     lowered = session.lowered
     if args.json:
         print(json.dumps(_json(report, lowered, options), sort_keys=True))
