@@ -400,3 +400,61 @@ def test_a_cut_models_stages_and_folder_are_checked_before_running(cli, tmp_path
     else:
         assert code == 2 and err.count("\n") == 1, err
         assert err == f"{plan}:{message}\n", err  # at the line of the plan the user wrote
+
+
+HANGS = """
+import os
+import time
+
+from longrun import batch as _batch, loss, model  # noqa: F401
+
+
+def batch(step, split="train"):
+    if step >= 1 and os.environ["RANK"] == "1":  # its first call has the start-up grace
+        time.sleep(3600)
+    return _batch(step, split)
+"""
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("sent, code, message", [
+    (None, 1, "rank 1: the data function hang:batch (two.yaml model.data) has not returned for "
+     "2 s (it hangs, or needs longer than --fault-timeout)"),
+    ("SIGTERM", 75, "rank 1: the data function hang:batch (two.yaml model.data) has not "
+     "returned for 2 s, so the step asked to stop by SIGTERM cannot end; stopped without a save "
+     "(the checkpoints saved before are intact)"),
+    ("SIGINT", 130, None),
+])
+def test_a_data_function_that_never_returns_is_a_named_fault(tmp_path, sent, code, message):
+    """A data function hanging on one rank (the other waits for it in a collective, both
+    heartbeats beating) ends the run within --fault-timeout naming it, on every rank; SIGTERM
+    to the launcher (a preemption) cannot save after a step that never ends, and says so;
+    Ctrl-C (SIGINT to the whole process group) interrupts at once, without a traceback."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from test_checkpoints import PYPLAN, solved
+
+    solved(tmp_path, "two", [["0"], ["1", "2", "3", "4", "5"]], data="hang:batch")
+    (tmp_path / "hang.py").write_text(HANGS)
+    with subprocess.Popen([PYPLAN, "run", "two.resolved.yaml", "--nproc-per-node", "2",
+                           "--device", "cpu", "--iterations", "3", "--fault-timeout", "2"],
+                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as process:
+        first = process.stdout.readline() + process.stdout.readline()
+        assert "step 1:" in first, (first, process.stderr.read())  # batch 1 is being read
+        if sent == "SIGTERM":
+            process.send_signal(signal.SIGTERM)
+        elif sent == "SIGINT":
+            os.killpg(process.pid, signal.SIGINT)
+        started = time.monotonic()
+        out, err = process.communicate(timeout=60)
+    assert process.returncode == code, err
+    assert time.monotonic() - started < 30 and "Traceback" not in err, err
+    if message is None:
+        assert "interrupted" in err and "error:" not in err, err
+    else:
+        for rank in (0, 1):
+            assert f"\nerror: rank {rank} stops: {message}\n" in err, err

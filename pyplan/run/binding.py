@@ -20,7 +20,7 @@ import hashlib
 import importlib
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -34,6 +34,7 @@ from pyplan.models.deferred import Deferred, defer
 from pyplan.models.weights import open_checkpoint
 from pyplan.run.data import (DATA_HINT, Source, batches_from, check_batch, describe, split_batch,
                              to_device)
+from pyplan.run.user_calls import running
 from pyplan.problem import Problem
 from pyplan.planfile import load_yaml
 
@@ -84,9 +85,13 @@ _HINTS = {"blocks": "build(block_name, group) must return an nn.Module for every
 def call_user(model: Model | None, what: str, fn: Callable, *args, context: str = ""):
     """Call the user's function `what` ('data', 'loss', 'module', 'blocks'); any exception,
     SystemExit included, becomes one UserCodeError naming it (and `context`, e.g. which
-    block it was building)."""
+    block it was building). The data and the loss are watched while they run (a factory
+    builds, maybe downloads, for as long as it needs)."""
+    watched = running((id(model), what), lambda: _named(model, what)) \
+        if what in ("data", "loss") else nullcontext()
     try:
-        return fn(*args)
+        with watched:
+            return fn(*args)
     except (PlanError, RunError):
         raise
     except BaseException as exc:  # SystemExit too: the user's code must not end the run
@@ -132,14 +137,27 @@ def located(source: str | None, keys: tuple, message: str, hint: str | None = No
     return error(message, hint=hint, file=source)
 
 
-def _user_error(model: Model | None, what: str, message: str, hint: str | None = None):
-    names = model.names if model is not None else {}
-    path = names.get(what, f"model.{what}")
+def _who(model: Model | None, what: str) -> tuple[str, str | None]:
+    """(the plan key naming the user's function `what`, its "module:name" if known)."""
+    path = (model.names if model is not None else {}).get(what, f"model.{what}")
     function = getattr(model, {"module": "whole", "blocks": "build"}.get(what, what), None) \
         if model is not None else None
     label = getattr(function, "__qualname__", None)
     module = getattr(function, "__module__", None)
-    who = f"{path} ({module}:{label})" if label and module else path
+    return path, f"{module}:{label}" if label and module else None
+
+
+def _named(model: Model | None, what: str) -> str:
+    """"the data function pkg.mod:fn (plan.yaml model.data)"."""
+    path, function = _who(model, what)
+    where = f"{model.source} {path}" if model is not None and model.source else path
+    word = {"module": "model factory", "blocks": "block factory"}.get(what, what)
+    return f"the {word} function {function} ({where})" if function else f"the {word} ({where})"
+
+
+def _user_error(model: Model | None, what: str, message: str, hint: str | None = None):
+    path, function = _who(model, what)
+    who = f"{path} ({function})" if function else path
     if model is None or model.source is None:
         return UserCodeError(f"{who} {message}", hint=hint)
     return located(model.source, tuple(path.split(".")), f"{who} {message}", hint,

@@ -13,6 +13,9 @@ signal through a wakeup fd even while the main thread is blocked inside a collec
 the rank that died once its heartbeat stops. A SIGTERM or SIGUSR1 is also a request to stop
 after the current step (pyplan.train.stopping): `stop_signal` says which came, for the main
 thread to agree on with the others at the step's end; a second one exits at once.
+A user function (the data, the loss: pyplan.run.user_calls) that has not returned for `timeout`
+seconds is this rank's fault, named (its first call gets the start-up grace: it may load a
+dataset); the others wait for it in a collective, so their heartbeats alone would never tell.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from pyplan.errors import RunError
+from pyplan.run import user_calls
 from pyplan.train.stopping import SIGNALS
 
 __all__ = ["Watchdog"]
@@ -141,6 +145,19 @@ class Watchdog:
     def _watch(self, seen) -> None:
         if self.store.check(["failed"]):
             self._exit(*_split(self.store.get("failed").decode()))
+            return
+        user = user_calls.now()
+        limit = self.startup if user is not None and user.first else self.timeout
+        if user is not None and time.monotonic() - user.since > limit:
+            hangs = f"rank {self.rank}: {user.name()} has not returned for {limit:g} s"
+            if self.stop_signal is None:
+                self._exit(*_split(self.publish(f"{hangs} (it hangs, or needs longer than "
+                                                "--fault-timeout)")))
+            else:  # asked to stop after a step that cannot end: stop as a second signal does
+                self._exit(*_split(self.publish(
+                    f"{hangs}, so the step asked to stop by {self.stop_signal.name} cannot end; "
+                    "stopped without a save (the checkpoints saved before are intact)",
+                    128 + self.stop_signal)))
             return
         states, now = self.states(), time.monotonic()
         for r in seen:
