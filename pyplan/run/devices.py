@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import socket
 import sys
 import warnings
@@ -33,10 +34,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pyplan.errors import RunError
+from pyplan.errors import PyplanError, RunError
 
-__all__ = ["CUDA_BACKEND", "Choice", "DEVICES", "Seen", "agree", "all_gather_objects",
-           "choose", "choose_cuda", "device_backend", "has_cpu_side", "join_world",
+__all__ = ["CUDA_BACKEND", "Choice", "DEVICES", "Seen", "agree", "agree_on_error",
+           "all_gather_objects", "choose", "choose_cuda", "device_backend", "has_cpu_side", "join_world",
            "objects_group", "seen_here"]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -276,6 +277,33 @@ def all_gather_objects(obj) -> list:
     dist.all_gather(buffers, buffer, group=group)
     return [pickle.loads(ctypes.string_at(b.data_ptr(), int(n)))
             for b, n in zip(buffers, sizes)]
+
+
+def agree_on_error(error: PyplanError | None, group=None) -> None:
+    """Raise on every rank the first (lowest rank's) of the ranks' errors, the same class,
+    message (naming that rank) and hint, so that no rank goes on into a collective another
+    left (the others would fail with the backend's "connection closed"); return when no rank
+    has one: one all-reduce of an integer over `group` (a group with a CPU side; default:
+    objects_group's)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = objects_group() if group is None else group
+    first = torch.tensor([rank if error is not None else world], dtype=torch.int64)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    if int(first) == world:
+        return
+    told = all_gather_objects(None if rank != int(first) else (
+        type(error), error.message, error.hint, error.file, error.line, error.column,
+        error.exit_code))
+    kind, message, hint, file, line, column, code = told[int(first)]
+    if not re.search(rf"\brank {int(first)}\b", message):
+        message = f"rank {int(first)}: {message}"
+    raised = kind(message, hint=hint, file=file, line=line, column=column)
+    raised.exit_code = code
+    raise raised
 
 
 CPU_GROUPS: list = []

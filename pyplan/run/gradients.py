@@ -18,7 +18,7 @@ from pyplan.models.chunks import shard_dim
 from pyplan.models.collectives import all_reduce_
 from pyplan.run.binding import Built
 from pyplan.run.comm import transfer_error
-from pyplan.run.devices import device_backend
+from pyplan.run.devices import agree_on_error, device_backend
 
 __all__ = ["MasterWeights", "PipelineGradients", "Reductions", "Slots", "flat_gradients",
            "local", "norm_argument", "padded", "set_gradients", "unflatten_into"]
@@ -312,12 +312,17 @@ class PipelineGradients:
         must call it (an all-reduce), whatever its stages hold. max_norm is positive and
         finite, norm_type positive (inf: the largest absolute value)."""
         self._open("clip_grad_norm_")
-        max_norm, norm_type = norm_argument("max_norm", max_norm), \
-            norm_argument("norm_type", norm_type)
-        if max_norm == math.inf:
-            raise RunError("Pipeline.clip_grad_norm_: max_norm inf clips nothing",
-                           hint="give a positive, finite max_norm")
-        total = self.grad_norm(norm_type)
+        try:  # every rank raises the same error, none waits in the all-reduce
+            max_norm, norm_type = norm_argument("max_norm", max_norm), \
+                norm_argument("norm_type", norm_type)
+            if max_norm == math.inf:
+                raise RunError("Pipeline.clip_grad_norm_: max_norm inf clips nothing",
+                               hint="give a positive, finite max_norm")
+            error = None
+        except RunError as exc:
+            error = exc
+        agree_on_error(error, self.comm.cpu_group)
+        total = self._norm(norm_type)
         # (torch's clip_grads_with_norm_, on the local parts: a DTensor shard and the plain
         # coefficient do not mix)
         grads = [local(p.grad) for p in self.parameters() if p.grad is not None]
@@ -328,6 +333,14 @@ class PipelineGradients:
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The gradients' norm over the whole model (every parameter once), on every rank, as
         a tensor on the device; every rank must call it (an all-reduce)."""
+        try:
+            norm_type, error = norm_argument("norm_type", norm_type, "grad_norm"), None
+        except RunError as exc:
+            error = exc
+        agree_on_error(error, self.comm.cpu_group)
+        return self._norm(norm_type)
+
+    def _norm(self, norm_type: float) -> torch.Tensor:
         counted = self._counted_gradients()
         total = torch.nn.utils.get_total_norm(counted, norm_type).float().to(self.device) \
             if counted else torch.zeros((), device=self.device)
@@ -369,14 +382,15 @@ class PipelineGradients:
         return p.grad if self.masters is None else self.masters.grad(p)
 
 
-def norm_argument(name: str, value) -> float:
-    """A clip_grad_norm_ argument as a float: positive (not NaN), else RunError."""
+def norm_argument(name: str, value, method: str = "clip_grad_norm_") -> float:
+    """A clip_grad_norm_ (or grad_norm) argument as a float: positive (not NaN), else
+    RunError."""
     try:
         number = float(value) if not isinstance(value, bool) else math.nan
     except (TypeError, ValueError):
         number = math.nan
     if not number > 0:  # also NaN
-        raise RunError(f"Pipeline.clip_grad_norm_: {name} {value!r} is not a positive number",
+        raise RunError(f"Pipeline.{method}: {name} {value!r} is not a positive number",
                        hint="max_norm: the largest norm allowed, e.g. 1.0; norm_type: 2.0 "
                             "(default), 1.0 or inf")
     return number

@@ -44,7 +44,8 @@ from pyplan.run.binding import (Built, Model, block_inputs, build, kept_rng, loa
                                 loss_function, shared_across_devices)
 from pyplan.run.data import batch_problem, describe, split_batch, to_device
 from pyplan.run.comm import Comm
-from pyplan.run.devices import join_world
+from pyplan.run import arguments
+from pyplan.run.devices import agree_on_error, all_gather_objects, join_world
 from pyplan.run.executor import Executor, IterationResult
 from pyplan.run.gradients import MasterWeights, PipelineGradients
 from pyplan.run.mesh import DataParallel, world_mesh
@@ -98,6 +99,8 @@ class Pipeline(PipelineGradients):
         self.model = model or load_model(problem, plan_dir, str(source))
         mesh = problem.mesh
         world = mesh.world(problem.num_devices)
+        if (error := arguments.seconds("timeout", timeout)) is not None:  # joining needs it
+            raise error
         if "RANK" not in os.environ and not dist.is_initialized():
             raise RunError("a Pipeline runs in one process per device, under torchrun",
                            hint=f"torchrun --nproc-per-node {world} your_script.py")
@@ -131,12 +134,27 @@ class Pipeline(PipelineGradients):
         self.param_dtype = params
         self.masters: MasterWeights | None = None
         try:
+            self._agree_on_arguments(seed, blocking=blocking, sync_at_end=sync_at_end)
             self._build(blocking, sync_at_end, fail_at)
         except BaseException:
             self.close()  # a group this call created does not outlive it
             raise
 
     # -- building
+
+    def _agree_on_arguments(self, seed, **flags) -> None:
+        """The constructor's arguments checked on every rank, which raise the same error; the
+        seed the same everywhere (each block's weights and dropout masks follow it)."""
+        error = arguments.seed(seed)
+        for name, value in flags.items():
+            error = error or arguments.flag("Pipeline", name, value)
+        agree_on_error(error)
+        seeds = all_gather_objects(seed) if self.world > 1 else [seed]
+        if len(set(seeds)) > 1:
+            other = next(r for r, s in enumerate(seeds) if s != seeds[0])
+            raise RunError(f"Pipeline: rank {other} has seed {seeds[other]}, rank 0 seed "
+                           f"{seeds[0]}: each block's weights and dropout follow the seed",
+                           hint="pass the same seed on every rank")
 
     def _build(self, blocking: bool, sync_at_end: bool, fail_at) -> None:
         problem, mesh = self.problem, self.problem.mesh
@@ -301,7 +319,7 @@ class Pipeline(PipelineGradients):
         mean loss and the others None, as torch.distributed.pipelining's schedules and
         Megatron-LM hand it out."""
         self._open("step")
-        self._needs(inputs, targets, "step")
+        self._needs(inputs, targets, "step", trace=trace, share_loss=share_loss)
         self._before_accumulating()
         self.executor.loss_scale = self.loss_scale
         result = self._run(self.executor, inputs, targets, trace=trace)
@@ -316,11 +334,11 @@ class Pipeline(PipelineGradients):
         not finite (an fp16 overflow, a NaN; GradScaler's `step` contract; with gradients
         accumulated over several steps, any of them); None (a rank whose stages train no
         parameter) does nothing. Returns whether the optimizer stepped (step a learning-rate
-        schedule only then)."""
+        schedule only then). Every rank calls it: the ranks agree on their arguments."""
+        self._open("step_optimizer")
+        agree_on_error(arguments.optimizer("Pipeline.step_optimizer", optimizer, len(self._params)),
+                       self.comm.cpu_group)
         skip, self._overflowed = self._overflowed, False
-        if optimizer is not None and not callable(getattr(optimizer, "step", None)):
-            raise RunError(f"Pipeline.step_optimizer: got {type(optimizer).__name__}, not an "
-                           "optimizer (or None on a rank whose stages train no parameter)")
         if optimizer is None or skip:
             return False
         optimizer.step()
@@ -338,7 +356,7 @@ class Pipeline(PipelineGradients):
         most, up to that number, that divide each replica's share (the ranks agree on it)."""
         self._open("eval_step")
         loss = targets is not None if loss is None else loss
-        self._needs(inputs, targets if loss else (), "eval_step")
+        self._needs(inputs, targets if loss else (), "eval_step", loss=loss)
         n = self._agreed_micro_batches(inputs)
         with torch.no_grad():
             result = self._run(self._evaluator(n), inputs, targets, forward_only=True,
@@ -357,19 +375,13 @@ class Pipeline(PipelineGradients):
             raise RunError(f"Pipeline.{what}: the pipeline is closed (close() was called)",
                            hint="create a new Pipeline to train again")
 
-    def _needs(self, inputs, targets, what: str) -> None:
-        """RunError on every rank when any rank's batch is refused (`_refusal`): the ranks
-        agree first, so that none waits in a transfer for a rank that raised (a traceback
-        from the collective)."""
-        error = self._refusal(inputs, targets, what)
-        if self.world > 1:
-            first = torch.tensor([self.rank if error is not None else self.world])
-            dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.comm.cpu_group)
-            if error is None and int(first) < self.world:
-                error = RunError(f"Pipeline.{what}: rank {int(first)} refused its batch, so no "
-                                 "rank runs it", hint="that rank's error says why")
-        if error is not None:
-            raise error
+    def _needs(self, inputs, targets, what: str, **flags) -> None:
+        """The same RunError on every rank when any rank's batch (`_refusal`) or flag is
+        refused: the ranks agree first, so that none waits in a transfer for a rank that
+        raised (a traceback from the collective)."""
+        error = next((e for name, value in flags.items()
+                      if (e := arguments.flag(f"Pipeline.{what}", name, value)) is not None), None)
+        agree_on_error(error or self._refusal(inputs, targets, what), self.comm.cpu_group)
 
     def _refusal(self, inputs, targets, what: str) -> RunError | None:
         """Why this rank cannot run `what` on its batch: None given for what its blocks read,
@@ -436,15 +448,22 @@ class Pipeline(PipelineGradients):
         (`dcp.save(pipe.state_dict(opt), checkpoint_id=DIR)`; pyplan.runtime.save does that
         safely, in step folders). Every rank calls it, one without an optimizer too."""
         self._open("state_dict")
+        agree_on_error(arguments.optimizer("Pipeline.state_dict", optimizer, 0), self.comm.cpu_group)
         return state_dicts.state_dict(self, optimizer)
 
     def load_state_dict(self, state: dict, optimizer=None) -> None:
         """Put `state` (a state_dict() that DCP loaded into) into this rank's parameters,
         buffers and optimizer."""
         self._open("load_state_dict")
+        error = arguments.optimizer("Pipeline.load_state_dict", optimizer, 0)
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-            raise RunError(f"Pipeline.load_state_dict: got {describe(state)}, not what "
-                           "state_dict() returns ({'model': ..., 'optimizer': ...})")
+            error = error or RunError(f"Pipeline.load_state_dict: got {describe(state)}, not "
+                                      "what state_dict() returns ({'model': ..., "
+                                      "'optimizer': ...})")
+        elif optimizer is not None:  # (a rank without parameters has no optimizer)
+            error = error or arguments.optimizer_state("Pipeline.load_state_dict",
+                                                       state.get("optimizer", {}), optimizer)
+        agree_on_error(error, self.comm.cpu_group)
         state_dicts.load_state_dict(self, state, optimizer)
         if self.masters is not None:
             self.masters.publish()
@@ -483,6 +502,8 @@ class Pipeline(PipelineGradients):
 
     def train(self, mode: bool = True) -> "Pipeline":
         """Training mode for every module of this rank (dropout on), as nn.Module.train."""
+        if (error := arguments.flag("Pipeline.train", "mode", mode)) is not None:  # no collective here
+            raise error
         for module in self.modules.values():
             module.train(mode)
         return self

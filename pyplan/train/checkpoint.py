@@ -41,8 +41,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from pyplan.errors import PlanError, PyplanError
 from pyplan.fileio import read_capped
+from pyplan.run import arguments
+from pyplan.run.data import describe
 from pyplan.run.devices import all_gather_objects
 from pyplan.run.gradients import local
+from pyplan.run.pipeline import Pipeline
 from pyplan.run.state import SHARD, load_state_dict, state_dict
 from pyplan.train.record import check_record
 
@@ -140,6 +143,11 @@ def save(directory: str | Path, pipe, optimizer=None, *, step: int, scheduler=No
     rename; with `keep_last`, remove all but the newest `keep_last` step folders. Returns the
     folder. `fail` ("raise" or "kill") is a testing aid: this rank fails after writing its part,
     before the checkpoint is complete."""
+    what = "pyplan.runtime.save"
+    _arguments(what, directory, pipe, optimizer, scheduler,
+               arguments.whole(what, "step", step, 0),
+               arguments.whole(what, "keep_last", keep_last, 1, none=True),
+               arguments.instance(what, "meta", meta, dict, "a dict", none=True))
     root = Path(directory)
     final = root / STEP.format(step)
     partial = root / f".{final.name}.partial"
@@ -245,6 +253,26 @@ def _serializable(record: dict) -> None:
             from None
 
 
+def _arguments(what: str, directory, pipe, optimizer, scheduler, *errors) -> None:
+    """save's or load's arguments checked, the same CheckpointError on every rank (`pipe`
+    must be a Pipeline to agree through)."""
+    if not isinstance(pipe, Pipeline) or pipe.closed:
+        raise CheckpointError(f"{what}: pipe is {describe(pipe)}, not an open "
+                              "pyplan.runtime.Pipeline")
+    problems = [*errors, arguments.instance(what, "directory", directory, (str, os.PathLike),
+                                            "a folder's path"),
+                arguments.optimizer(what, optimizer, 0)]
+    if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
+        problems.append(arguments.instance(what, "scheduler", scheduler, (), "a learning-rate "
+                                           "scheduler"))
+
+    def first() -> None:
+        error = next((e for e in problems if e is not None), None)
+        if error is not None:
+            raise error
+    agree(first)
+
+
 def _describe(optimizer) -> dict | None:
     if optimizer is None:
         return None
@@ -316,6 +344,7 @@ def load(directory: str | Path, pipe, optimizer=None, *, scheduler=None) -> dict
     and the hyper-parameters it was saved with, as torch's load_state_dict does) and the
     scheduler; returns its record (pyplan.json: "step", "optimizer", the meta given to save),
     with "path"."""
+    _arguments("pyplan.runtime.load", directory, pipe, optimizer, scheduler)
     folder = agree(lambda: locate(directory))
     meta = agree(lambda: read_meta(folder))
     stored = agree(lambda: _check_files(folder))

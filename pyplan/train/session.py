@@ -319,8 +319,8 @@ class Session:
         # Read before the update is queued: the host waits for the norm alone, not for the
         # optimizer's kernels, which run while the next step starts.
         norm = None if norm is None else float(norm)
+        pipe.step_optimizer(optimizer)  # every rank; skipped when fp16 overflowed anywhere
         if optimizer is not None:
-            pipe.step_optimizer(optimizer)  # skipped when fp16 overflowed in any batch
             with warnings.catch_warnings():  # an fp16 step skipped: the schedule still moves
                 warnings.simplefilter("ignore")
                 scheduler.step()
