@@ -458,3 +458,27 @@ def test_a_data_function_that_never_returns_is_a_named_fault(tmp_path, sent, cod
     else:
         for rank in (0, 1):
             assert f"\nerror: rank {rank} stops: {message}\n" in err, err
+
+
+def test_the_data_and_loss_are_named_for_the_watchdog_while_they_run():
+    """What the fault watchdog names when a user function does not return
+    (pyplan.run.user_calls): the data and the loss, each call's start, the first call marked
+    (it gets the start-up grace); not the factories, which build as long as they need."""
+    from pyplan.run import user_calls
+    from pyplan.run.binding import Model, call_user
+
+    seen = []
+
+    def loss(output, target):
+        running = user_calls.now()
+        seen.append(None if running is None else (running.name(), running.first))
+        return output
+
+    model = Model(build=None, data=lambda step: None, loss=loss, source="p.yaml",
+                  names={"loss": "model.loss", "module": "model.module"})
+    named = f"the loss function {__name__}:{loss.__qualname__} (p.yaml model.loss)"
+    for _ in range(2):
+        call_user(model, "loss", model.loss, 1, 2)
+    call_user(model, "module", model.loss, 1, 2)
+    assert seen == [(named, True), (named, False), None]
+    assert user_calls.now() is None  # nothing runs between calls
