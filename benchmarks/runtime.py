@@ -132,8 +132,8 @@ class PyplanCase:
         self.session = Session(resolved, None, Options(iterations=ITERATIONS,
                                                        blocking=blocking,
                                                        sync_at_end=sync_at_end), watch=False)
-        # The memory census (one iteration of every train(), Python per operation) is not
-        # what these cases time, nor what torch's cases do.
+        # The measured step (memory census and FLOP count, one iteration of every train(),
+        # Python per operation) is not what these cases time, nor what torch's cases do.
         self.session.census = lambda optimizer: contextlib.nullcontext()
 
     def run(self) -> list[float]:

@@ -222,11 +222,11 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
                      + ", ".join(problem.recomputed))
     model_flops, peak = report.flops
     if model_flops:
+        counted = report.first_step + (report.census_iteration or 0) + 1
         lines.append(f"  model FLOPs per step: {model_flops:.3g} (torch's flop_registry, step "
-                     f"{report.first_step + 1}); " + (f"MFU against {peak / 1e12:g} TFLOPS a "
-                                                       "device" if peak else "MFU: no peak "
-                                                       f"known for {report.device} "
-                                                       f"{options.dtype}"))
+                     f"{counted}); " + (f"MFU against {peak / 1e12:g} TFLOPS a device" if peak
+                                         else f"MFU: no peak known for {report.device} "
+                                         f"{options.dtype}"))
     elif problem.recomputed:
         lines.append("  MFU: not shown (the plan recomputes: its FLOPs are not the model's)")
     if report.verdict is not None:

@@ -158,8 +158,8 @@ class Session:
         last = first + self.iterations - 1
         self.first, self.last = first, last
         # One step, the second when there are several (everything the run holds exists by
-        # then: gradients, the optimizer's state), is counted by the memory census; its time
-        # does not count (the census costs Python per operation).
+        # then: gradients, the optimizer's state), is measured: the memory census and the
+        # model FLOPs; its time does not count (both cost Python per operation).
         self.census_step = first + (1 if self.iterations > 1 else 0)
         try:
             for step in range(first, last + 1):
@@ -168,12 +168,9 @@ class Session:
                 with contextlib.ExitStack() as around:
                     if step == self.census_step:
                         around.enter_context(self.census(optimizer))
-                    counted = around.enter_context(flops.counter()) if step == first else None
                     records.append(self.one_step(optimizer, scheduler, trace=step == last,
                                                  check=opts.check and
                                                  len(records) < opts.check_steps))
-                if counted is not None and not self.problem.recomputed:  # model FLOPs only
-                    self.flops = counted.get_total_flops()
                 self.stopped = self.progress(step, records, lr)
                 if opts.eval_every and (step + 1) % opts.eval_every == 0:
                     eval_losses.append((step + 1, self.evaluate(step + 1)))
@@ -247,7 +244,8 @@ class Session:
         on the CPU, torch.cuda's peak on a GPU): `self.memory` = (peak, static) bytes, where
         static is what the run holds for good (parameters, gradients, optimizer state,
         buffers) counted after the step: in a run's first step the gradients and the
-        optimizer's state appear only during it."""
+        optimizer's state appear only during it. It counts the step's FLOPs too
+        (`self.flops`; not when the plan recomputes: those are not the model's)."""
         pipe = self.pipe
 
         def held() -> list:
@@ -517,13 +515,17 @@ class _Counting:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            return self
-        self.census = Census(self.device)
-        self.census.__enter__()
-        self.census.track(self.held())
+        else:
+            self.census = Census(self.device)
+            self.census.__enter__()
+            self.census.track(self.held())
+        self.flops = flops.counter().__enter__()  # (innermost: it allocates nothing)
         return self
 
     def __exit__(self, *exc):
+        self.flops.__exit__(*exc)
+        if not self.session.problem.recomputed:  # a recomputing plan's FLOPs are not the model's
+            self.session.flops = self.flops.get_total_flops()
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
