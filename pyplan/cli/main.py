@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from pyplan._version import __version__
@@ -77,10 +78,23 @@ def _core_problem() -> PyplanError | None:
     return None
 
 
+def catch_interrupts() -> None:
+    """Ctrl-C raises KeyboardInterrupt once (the commands say "interrupted", exit 130). A
+    second SIGINT (a rank gets the terminal's and torchrun's) while the first unwinds would
+    land anywhere, in a weakref callback as a printed traceback or in the error report
+    itself: it ends the process at once, with the same code."""
+    def interrupted(signum, frame) -> None:
+        signal.signal(signal.SIGINT, lambda *_: exit_now(EXIT_INTERRUPTED))
+        sys.unraisablehook = lambda _: None  # objects cut off mid-construction complain
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, interrupted)
+
+
 def entry() -> None:
     """The `pyplan` command: main()'s exit code. A rank under torchrun leaves without Python's
     teardown (pyplan.run.comm.leave says why), and so does a launcher whose workers have
     ended (pyplan.cli.launch: the teardown of torch would cost it a second of CPU)."""
+    catch_interrupts()
     code = main()
     if "RANK" in os.environ and "torch.distributed" in sys.modules:
         from pyplan.run.comm import leave

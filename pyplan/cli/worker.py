@@ -7,9 +7,10 @@ pyplan.run.comm.leave would."""
 import sys
 
 from pyplan.cli.launch import worker_environment
-from pyplan.cli.main import main
+from pyplan.cli.main import catch_interrupts, main
 
 worker_environment()
+catch_interrupts()
 code = main(sys.argv[1:])
 if code:
     sys.exit(code)
