@@ -13,11 +13,13 @@ __all__ = ["SEEDS", "flag", "instance", "optimizer", "optimizer_state", "seconds
 SEEDS = range(2**63)
 """The seeds `pyplan run --seed` takes (torch.manual_seed takes no more)."""
 
+
 def seed(value) -> RunError | None:
     if isinstance(value, bool) or not isinstance(value, int) or value not in SEEDS:
         return RunError(f"Pipeline: seed {value!r} is not an integer from 0 to 2**63 - 1",
                         hint="the same integer seed on every rank, e.g. seed=0")
     return None
+
 
 def seconds(what: str, value) -> RunError | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
@@ -44,10 +46,12 @@ def instance(what: str, name: str, value, kind: type | tuple, words: str,
         return None
     return RunError(f"{what}: {name} is {describe(value)}, not {words}")
 
+
 def flag(what: str, name: str, value) -> RunError | None:
     if not isinstance(value, bool):
         return RunError(f"{what}: {name} {value!r} is not True or False")
     return None
+
 
 def optimizer(what: str, value, parameters: int) -> RunError | None:
     """A torch.optim optimizer, or None on a rank with no trainable parameter."""
@@ -63,6 +67,7 @@ def optimizer(what: str, value, parameters: int) -> RunError | None:
         return RunError(f"{what}: got {type(value).__name__}, not an optimizer (or "
                         "None on a rank whose stages train no parameter)")
     return None
+
 
 def optimizer_state(what: str, state, value) -> RunError | None:
     """What `state_dict(optimizer)` returns for `value`: RunError if it is not a dict, or

@@ -37,8 +37,8 @@ import torch.distributed as dist
 from pyplan.errors import PyplanError, RunError
 
 __all__ = ["CUDA_BACKEND", "Choice", "DEVICES", "Seen", "agree", "agree_on_error",
-           "all_gather_objects", "choose", "choose_cuda", "device_backend", "has_cpu_side", "join_world",
-           "objects_group", "seen_here"]
+           "all_gather_objects", "choose", "choose_cuda", "device_backend", "has_cpu_side",
+           "join_world", "objects_group", "seen_here"]
 
 DEVICES = ("auto", "cpu", "cuda")
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
