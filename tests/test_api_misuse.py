@@ -357,3 +357,44 @@ def test_one_ranks_bad_argument_is_every_ranks_error(tmp_path):
         "2.0 (default), 1.0 or inf)",
         "step: RunError: error: rank 1: Pipeline.step: trace 'yes' is not True or False",
         "steps after: True"], result.stdout
+
+
+AGAIN = """\
+import sys
+
+import torch
+
+from misuse import batch
+from pyplan.runtime import Pipeline
+
+for attempt in range(2):  # the second joins a new world of its own (torchrun's, again)
+    pipe = Pipeline(sys.argv[1], device="cpu")
+    inputs, targets = batch(0)
+    loss = pipe.step(inputs, targets)
+    pipe.step_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+    sys.stdout.write(f"{pipe.rank} {attempt} {float(loss):.6f}\\n")  # one write: no interleave
+    sys.stdout.flush()
+    pipe.close()
+"""
+
+
+@pytest.mark.torchrun
+def test_a_pipeline_after_a_closed_one_joins_a_new_world(tmp_path):
+    """A Pipeline that made the process group leaves it on close(); the next one makes a new
+    one (it read the first group's addresses from torchrun's store, failing to connect) and
+    computes the same loss from the same seed."""
+    from warm_torchrun import torchrun
+
+    (tmp_path / "misuse.py").write_text(MODEL)
+    (tmp_path / "p.yaml").write_text(PLAN.format(name="two", blocks="block", loss="loss")
+                                     .replace("devices: 1", "devices: 2")
+                                     .replace("name: b, devices: [0]", "name: b, devices: [1]"))
+    assert main(["solve", str(tmp_path / "p.yaml"), "--quiet"]) == 0
+    (tmp_path / "again.py").write_text(AGAIN)
+    result = torchrun("again.py", "p.resolved.yaml", nproc=2, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = sorted(line.split() for line in result.stdout.splitlines()
+                    if line[:2] in ("0 ", "1 "))
+    assert [(rank, attempt) for rank, attempt, _ in losses] == [
+        ("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], result.stdout
+    assert len({loss for _, _, loss in losses}) == 1, result.stdout

@@ -247,7 +247,8 @@ def join_world(request: str = "auto", *, timeout: float = 600.0) -> tuple[torch.
     root = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                          is_master=rank == 0 and not hosted, timeout=timedelta(seconds=timeout),
                          wait_for_workers=False)
-    store = dist.PrefixStore(f"pyplan/devices/{next(_JOINED)}/", root)
+    joined = next(_JOINED)  # (each rank's count of its joins: the same on every rank)
+    store = dist.PrefixStore(f"pyplan/devices/{joined}/", root)
     gpu = agree(store, rank, world, request, seen_here())
     device = torch.device("cpu") if gpu is None else torch.device("cuda", gpu)
     if device.type == "cuda":
@@ -257,8 +258,12 @@ def join_world(request: str = "auto", *, timeout: float = 600.0) -> tuple[torch.
     # first, it does not.
     importlib.import_module("torch._dynamo")
 
-    dist.init_process_group(CUDA_BACKEND if gpu is not None else "gloo", store=root,
-                            rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+    # A join of its own in the store: a second Pipeline after close() would otherwise read the
+    # first group's addresses (the default group's keys are the same each time) and fail to
+    # connect.
+    dist.init_process_group(CUDA_BACKEND if gpu is not None else "gloo",
+                            store=dist.PrefixStore(f"pyplan/world/{joined}/", root), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout))
     return device, True
 
 
