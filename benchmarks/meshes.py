@@ -8,9 +8,14 @@ into 2 stages, with 2 data-parallel ranks per stage.
 2. Data 2 x PP 2 (gradients all-reduced): the iteration's median time and the time the ranks
    spend in the SYNC instructions (from `--trace`), hand-written all-reduce against FSDP2.
 3. `--check` (single-process training, AdamW, clipping, accumulation) of every layout:
-   TP 2 x PP 2, FSDP 2 x PP 2, data 2 x PP 2, HSDP 2 x 2 and TP 2 x FSDP 2.
+   TP 2 x PP 2 (sequence-parallel), FSDP 2 x PP 2, data 2 x PP 2, HSDP 2 x 2 and TP 2 x
+   FSDP 2.
+4. TP 2 x PP 2 with sequence parallelism (`mesh: {tensor: 2}`) against without it
+   (`sequence: false`): each one's `--check` and peak memory per rank (the census's live
+   tensor bytes, the iteration's activations on top of the weights: sequence parallelism
+   holds the norms' and residuals' in slices).
 
-    python benchmarks/meshes.py [--iterations 8] [--old REV]
+    python benchmarks/meshes.py [--iterations 8] [--old REV] [--only sequence]
 """
 
 from __future__ import annotations
@@ -99,7 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--old", default=OLD, help=f"the hand-written code's commit ({OLD})")
+    parser.add_argument("--only", choices=("all", "sequence"), default="all",
+                        help="sequence: part 4 alone (no worktree of the old commit)")
     args = parser.parse_args(argv)
+    if args.only == "sequence":
+        with tempfile.TemporaryDirectory(prefix="pyplan-meshes-") as tmp:
+            folder = Path(tmp)
+            _partitioned(folder)
+            sequence(folder)
+        return 0
     with tempfile.TemporaryDirectory(prefix="pyplan-meshes-") as tmp:
         folder, old = Path(tmp) / "work", Path(tmp) / "old"
         folder.mkdir()
@@ -110,16 +123,42 @@ def main(argv: list[str] | None = None) -> int:
         from pyplan import _core  # the compiled core (csrc/ is the same at both commits)
         shutil.copy(_core.__file__, old / "pyplan")
         try:
-            (folder / "model.py").write_text(MODEL.format(tests=str(ROOT / "tests" / "models")))
-            pyplan("partition", "model:llama", "--data", "model:batch", "--loss", "model:loss",
-                   "--devices", 2, "--repeats", 1, "--optimizer", "adam", "-o", "llama.yaml",
-                   cwd=folder)
+            _partitioned(folder)
             compare(folder, old, args.iterations)
             checks(folder)
+            sequence(folder)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)],
                            capture_output=True)
     return 0
+
+
+def _partitioned(folder: Path) -> None:
+    (folder / "model.py").write_text(MODEL.format(tests=str(ROOT / "tests" / "models")))
+    pyplan("partition", "model:llama", "--data", "model:batch", "--loss", "model:loss",
+           "--devices", 2, "--repeats", 1, "--optimizer", "adam", "-o", "llama.yaml",
+           cwd=folder)
+
+
+def _check_line(got: dict) -> str:
+    return f"{'ok' if got['check']['ok'] else 'FAILED'}: {got['check']['message']}"
+
+
+def sequence(folder: Path) -> None:
+    print("4. TP 2 x PP 2, with and without sequence parallelism: --check (AdamW, clipping 0.5, "
+          "accumulate 2, 3 steps) and peak per rank, MiB (live tensor bytes, the census)")
+    peaks = {}
+    for label, mesh in (("sequence-parallel", "{tensor: 2}"),
+                        ("without", "{tensor: 2, sequence: false}")):
+        name = "sp-" + "".join(c for c in mesh if c.isalnum())
+        got = report(folder, meshed(folder, mesh, name), 3, "--check", "--lr", "0.003",
+                     "--clip-grad-norm", "0.5", "--accumulate", "2")
+        peaks[label] = [r["peak_bytes"] / 2**20 for r in got["rank_memory"]]
+        print(f"   {label:<18} " + "  ".join(f"{x:7.1f}" for x in peaks[label]) +
+              f"  |  {_check_line(got)}")
+    a, b = peaks.values()
+    print(f"   sequence-parallel / without, the largest rank: {max(a) / max(b):.2f}x; "
+          f"rank by rank: " + " ".join(f"{x / y:.2f}x" for x, y in zip(a, b)))
 
 
 def compare(folder: Path, old: Path, iterations: int) -> None:
@@ -165,8 +204,7 @@ def checks(folder: Path) -> None:
         got = report(folder, resolved, 3, "--check", "--lr", "0.003", "--clip-grad-norm",
                      "0.5", "--accumulate", "2")
         layout = ("PP 2 x " if plan == "llama" else "PP 1 x ") + mesh
-        print(f"   {layout:<42} {'ok' if got['check']['ok'] else 'FAILED'}: "
-              f"{got['check']['message']}")
+        print(f"   {layout:<42} {_check_line(got)}")
 
 
 if __name__ == "__main__":

@@ -244,7 +244,8 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
                     everywhere: tuple[str, ...] = (),
                     recompute: str = "never", weights: str | None = None,
                     link: LinkSpec | None = None,
-                    optimizer: str | None = None) -> list[PartitionPlan]:
+                    optimizer: str | None = None,
+                    mesh: str | None = None) -> list[PartitionPlan]:
     """Plans for the best `keep` partitions of measured units into devices x chunks stages
     (stage s on device s mod devices; chunks > 1: interleaved) and for the even splits, each
     solved, shortest makespan first (ties: least bottleneck). `memory` is bytes per device,
@@ -253,7 +254,8 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
     into the plans (devices: [{memory, speed}, ...]). `recompute` goes to the plans'
     training.recompute and widens what fits (pyplan.partition.candidates); `weights` (a
     checkpoint folder, relative to the plan) to model.weights; `link` (between two devices)
-    times the stages' outputs (topology.within_node; None: a GPU node's default). InfeasibleError
+    times the stages' outputs (topology.within_node; None: a GPU node's default); `mesh` is
+    the plans' mesh mapping (`{tensor: 2}`, units priced per tensor rank). InfeasibleError
     when no partition fits the memory even one micro-batch at a time (its hint: the smallest
     memory that does) or solve finds none feasible."""
     _check_partition_arguments(units, devices=devices, name=name, factory=factory, data=data,
@@ -290,7 +292,7 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
                            time_unit_ms=unit_ms, shape=shape, cut=cut,
                            layer_returns=layer_returns, everywhere=everywhere,
                            recompute=recompute, speeds=speeds, weights=weights, link=link,
-                           optimizer=optimizer))
+                           optimizer=optimizer, mesh=mesh))
              for p in found]
     return solved_plans(texts, source=source, time_limit=time_limit, unit_ms=unit_ms)
 

@@ -440,7 +440,8 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
               speeds: Sequence[float] | None = None, names: tuple[str, ...] | None = None,
               placement: tuple[tuple[int, ...] | None, ...] | None = None,
               vocab: tuple[str, str] | None = None, weights: str | None = None,
-              link: LinkSpec | None = None, optimizer: str | None = None) -> str:
+              link: LinkSpec | None = None, optimizer: str | None = None,
+              mesh: str | None = None) -> str:
     """A plan for `partition`: one block per stage (stage s on device s mod devices, or on
     placement[s], None for all devices; named names[s], default stage{s}) with the measured
     times in units of `time_unit_ms`, activation memory, weights, output (timed on `link`,
@@ -450,7 +451,8 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
     start from: model.weights). `capacity` per device (a list) or `speeds` write the devices
     one by one (devices: [{memory, speed}, ...]). Units measured with a split backward give
     each block its input and weight gradients apart (zero bubble): B keeps the graph and the
-    gradients it captures until W frees them, as pyplan run's executor does."""
+    gradients it captures until W frees them, as pyplan run's executor does. `mesh`: the
+    plan's mesh mapping (`{tensor: 2}`: the units are one tensor rank's costs)."""
     names = names or tuple(f"stage{s}" for s in range(partition.num_stages))
     placement = placement or tuple((s % devices,) for s in range(partition.num_stages))
     about = (f"Written by pyplan partition from {factory}: {len(units)} units in "
@@ -473,7 +475,8 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
                 ([] if s == 1 else [f"speed: {s:.6g}"])
             lines.append(f"  - {{{', '.join(fields)}}}")
     split = all(u.input_grad_ms is not None for u in units)
-    lines += [f"micro_batches: {micro_batches}", "training:",
+    lines += [f"micro_batches: {micro_batches}"] + ([f"mesh: {mesh}"] if mesh else []) + [
+              "training:",
               "  backward: {time_ratio: 1" + (", weight_time_ratio: 1}" if split else "}"),
               f"  recompute: {recompute}",
               f"topology: {{time_unit_ms: {time_unit_ms:.6g}" + (

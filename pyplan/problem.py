@@ -193,6 +193,9 @@ class _Builder:
         producer is not on: a forward edge carries the producer's output, a gradient edge
         (c.b -> a.b) the gradient of a's output, the same size."""
         topology = self.spec.topology
+        # With sequence parallelism each tensor rank sends its own slice to its peer, 1:1.
+        mesh = self.spec.mesh
+        slices = mesh.tensor if mesh.sequence_parallel else 1
         out = []
         for x, y in self.edges:
             src, dst = self.blocks[x], self.blocks[y]
@@ -205,7 +208,7 @@ class _Builder:
             elif spec.transfer is not None:
                 out.append(spec.transfer)
             elif spec.output is not None:
-                time = max(min(topology.transfer_time(spec.output, p, q)
+                time = max(min(topology.transfer_time(-(-spec.output // slices), p, q)
                                for p in src.devices) for q in missing)
                 if time > MAX_TIME:
                     raise self.fail(spec.path + ("output",), f"the output of '{owner}' takes "

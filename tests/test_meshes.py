@@ -1,9 +1,11 @@
 """Tensor and data parallelism inside pipeline stages on torch's own libraries (DeviceMesh,
 parallelize_module, FSDP2's fully_shard), each layout trained with AdamW, clipping and
 accumulation against single-process training (`pyplan run --check`) on 4 gloo ranks:
-TP 2 x PP 2 with a zero-bubble split backward (Llama), FSDP 2 x PP 2 with a tie across
-stages (GPT-2), HSDP 2 x 2 and TP 2 x FSDP 2 (Llama); a checkpoint saved under one mesh
-resumes under another to the same losses; bad meshes get one line."""
+TP 2 x PP 2 with a zero-bubble split backward (Llama; sequence-parallel, from a plan
+`pyplan partition --tensor 2` priced, and without sequence parallelism), TP 2 x PP 2
+sequence-parallel (GPT-2), FSDP 2 x PP 2 with a tie across stages (GPT-2), HSDP 2 x 2 and TP 2
+x FSDP 2 (Llama, sequence-parallel); a checkpoint saved under one mesh resumes under another
+to the same losses; bad meshes get one line."""
 
 from __future__ import annotations
 
@@ -57,6 +59,8 @@ def partitioned(tmp_path_factory):
     shutil.copy(MODELS / "hf.py", folder / "hf.py")
     (folder / "meshed.py").write_text(MESHED)
     for name, factory, devices, extra in (("llama2", "llama", 2, ("--split-backward",)),
+                                          ("llama2-tp", "llama", 2,
+                                           ("--split-backward", "--tensor", "2")),
                                           ("llama1", "llama", 1, ()),
                                           ("gpt2", "gpt2", 2, ()),
                                           ("gpt2-nodrop", "gpt2_without_dropout", 2, ())):
@@ -105,17 +109,34 @@ def test_a_sharded_run_prints_no_warnings(tmp_path):
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("plan, mesh", [
-    ("llama2", "{tensor: 2}"),                       # TP 2 x PP 2, zero-bubble split backward
+    ("llama2", "{tensor: 2, sequence: false}"),      # TP 2 x PP 2 without SP, zero bubble
     ("gpt2", "{data: 2, shard: true}"),              # FSDP 2 x PP 2, a tie across the stages
     ("llama1", "{data: 2, shard: 2}"),               # HSDP: 2 replicas of 2 shards
     ("llama1", "{tensor: 2, data: 2, shard: true}"),  # TP 2 x FSDP 2
-    ("gpt2-nodrop", "{tensor: 2}"),                  # GPT-2's packed q, k, v in Conv1D
+    ("gpt2-nodrop", "{tensor: 2}"),                  # SP; GPT-2's packed q, k, v in Conv1D
 ])
 def test_a_meshed_layout_trains_the_single_process_model(partitioned, plan, mesh):
     name = f"{plan}-" + "".join(c for c in mesh if c.isalnum())
     report = _checked(partitioned, _meshed(partitioned, plan, mesh, name))
     if plan == "gpt2":
         assert report["ties"] == ["transformer.wte.weight"]
+
+
+@pytest.mark.torchrun
+def test_a_plan_partition_prices_per_tensor_rank_trains_the_single_process_model(partitioned):
+    """`pyplan partition --tensor 2` writes mesh: {tensor: 2} (sequence-parallel) with one
+    tensor rank's costs: the activations its blocks hold are below the whole model's the same
+    partition measured (pyplan.cluster.ranks); and TP 2 x PP 2 with a zero-bubble split
+    backward, sequence-parallel, trains as one process does."""
+    from pyplan.problem import load_problem
+
+    text = (partitioned / "llama2-tp.yaml").read_text()
+    assert "\nmesh: {tensor: 2}\n" in text
+    held = {name: sum(b.memory for b in load_problem(partitioned / f"{name}.yaml").blocks
+                      if b.is_forward) for name in ("llama2", "llama2-tp")}
+    assert held["llama2-tp"] < 0.9 * held["llama2"], held
+    assert _pyplan(partitioned, "solve", "llama2-tp.yaml", "--quiet").returncode == 0
+    _checked(partitioned, "llama2-tp.resolved.yaml")
 
 
 @pytest.mark.torchrun

@@ -81,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", metavar="DIR",
                         help="a safetensors checkpoint folder (save_pretrained) the parameters "
                         "start from: measured with them, and named in the plan (model.weights)")
+    parser.add_argument("--tensor", type=whole(1, 1024), default=1, metavar="T",
+                        help="plan a mesh of T tensor-parallel GPUs per device (mesh.tensor, "
+                        "sequence-parallel): each unit priced as one of T ranks runs it, with "
+                        "pyplan plan's cost model (a Hugging Face model)")
+    parser.add_argument("--no-sequence-parallel", action="store_true",
+                        help="with --tensor: keep the activations between the tensor-parallel "
+                        "regions whole (mesh.sequence: false)")
     parser.add_argument("-o", "--output", required=True, metavar="PLAN",
                         help="where to write the plan (then pyplan solve PLAN)")
 
@@ -90,6 +97,12 @@ def _options(args: argparse.Namespace):
     if args.chunks is not None and args.shape in ("vshape", "mshape"):
         raise PlanError(f"--chunks does nothing with --shape {args.shape}",
                         hint="give --shape interleaved (or auto), or leave --chunks out")
+    if args.no_sequence_parallel and args.tensor == 1:
+        raise PlanError("--no-sequence-parallel does nothing without --tensor",
+                        hint="give --tensor T, or leave --no-sequence-parallel out")
+    if args.tensor > 1 and args.shape not in ("vshape", "interleaved"):
+        raise PlanError(f"--tensor does not combine with --shape {args.shape} (its blocks on "
+                        "every device)", hint="give --shape vshape or interleaved")
     args.chunks = 2 if args.chunks is None else args.chunks
     check_time_limit(args.unit_time_limit, "--unit-time-limit")
     stages = args.devices * (args.chunks if args.shape == "interleaved" else 1)
@@ -156,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
         args.optimizer,
         split_backward=args.split_backward, weights=args.weights, repeats=args.repeats,
         dtype=args.dtype, seed=args.seed, device=args.device, links=args.links, progress=progress,
-        unit_seconds=args.unit_time_limit, host_memory=host))
+        unit_seconds=args.unit_time_limit, host_memory=host, tensor=args.tensor,
+        sequence_parallel=not args.no_sequence_parallel))
     units, plans = found.units, found.plans
     how = {"chain": "", "traced": "cut by torch's pipeline tracer, ",
            "forward": "cut in the model's own forward, "}[found.cut.kind]

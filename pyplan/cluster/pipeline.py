@@ -206,6 +206,8 @@ def plan_text(name: str, chunk_list: list[Chunk], layout: Layout, micro_batches:
         mesh.append("shard: true")
     if layout.tp > 1:
         mesh.append(f"tensor: {layout.tp}")
+        if not layout.sequence_parallel:
+            mesh.append("sequence: false")
     if sync > 0:
         mesh.append(f"sync: {units(sync)}")
     if mesh:

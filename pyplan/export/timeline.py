@@ -258,7 +258,9 @@ def _legend(schedule: Schedule, grid: _Grid, cut: tuple | None) -> list[str]:
         if mesh.tensor > 1:
             order = f"({order}) x {mesh.tensor} + tensor index" if mesh.data_parallel > 1 \
                 else f"{order} x {mesh.tensor} + tensor index"
-        lines.append(f"mesh: {mesh.describe(problem.num_devices)}; world rank = {order}")
+        sequence = ", sequence parallel" if mesh.sequence_parallel else ""
+        lines.append(f"mesh: {mesh.describe(problem.num_devices)}{sequence}; world rank = "
+                     f"{order}")
     if schedule.syncs:
         what = "reduce-scattered" if mesh.shards > 1 else "all-reduced"
         each = ", ".join(f"d{x.device} {problem.blocks[x.layer].name} t={x.start}..{x.end}"

@@ -22,7 +22,7 @@ from pyplan.errors import InfeasibleError, PlanError
 from pyplan.fileio import check_not_input
 from pyplan.models import FORWARD, TRACED, Cut, Unit, everywhere
 from pyplan.partition import UnitCost, host_capacity, ties
-from pyplan.planfile.types import CPU_LINK, LinkSpec
+from pyplan.planfile.types import CPU_LINK, LinkSpec, TopologySpec
 from pyplan.placements import CHUNKS, Placement, Sharded, mshape_plans, placements
 from pyplan.run.binding import Model, defer_whole, import_function, loss_function, make_batch
 from pyplan.run.census import storage_bytes
@@ -84,7 +84,8 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
                     repeats: int = 5, seed: int = 0, device: str = "cpu", dtype: str = "fp32",
                     links: bool = False,
                     progress=None, unit_seconds: float | None = DEFAULT_SECONDS,
-                    host_memory: int | None = None) -> Partitioned:
+                    host_memory: int | None = None, tensor: int = 1,
+                    sequence_parallel: bool = True) -> Partitioned:
     """Plans for the model `factory` ("pkg.mod:fn" returning the whole nn.Module) trained on
     `data` ("pkg.mod:fn", batch(step) -> (inputs, targets), or a dataset or loader) with
     `loss` ("pkg.mod:fn", loss(output, targets)) over `devices` devices, for a plan to be
@@ -101,7 +102,9 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     `pyplan run --dtype` runs them). `progress(done, total)` is called as units are measured;
     `unit_seconds` bounds each unit's measurement (CPU seconds, pyplan.measure.limits).
     `host_memory`: the bytes of the machine the CPU ranks share (pyplan.partition.
-    host_capacity); each rank's planned host memory is in Partitioned.host.
+    host_capacity); each rank's planned host memory is in Partitioned.host. `tensor` > 1:
+    plans of mesh.tensor (with `sequence_parallel`, or mesh.sequence: false), each unit
+    priced as one tensor rank runs it (pyplan.cluster.ranks).
     PlanError for bad arguments, a model that cannot be cut or an `output` that is one of the
     model's modules; InfeasibleError when nothing fits."""
     if shape not in SHAPES:
@@ -144,16 +147,22 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
         raise PlanError(f"{factory} has {len(units)} units "
                         f"({', '.join(u.name for u in units)}), fewer than the {stages} stages "
                         "asked for", hint="use fewer devices (or chunks)")
+    mesh = None
+    if tensor > 1:
+        if shape not in ("vshape", "interleaved"):
+            raise PlanError(f"tensor {tensor} with shape {shape}: the M-shape's blocks on "
+                            "every device do not combine with tensor parallelism",
+                            hint="use shape vshape or interleaved")
+        units = _per_tensor_rank(units, deferred.model, cut, inputs, factory, tensor,
+                                 sequence_parallel, dtype, _link(links, device))
+        mesh = f"{{tensor: {tensor}" + ("" if sequence_parallel else ", sequence: false") + "}"
     if host_memory is not None and device == "cpu":  # host memory is the device's
         memory = host_capacity(memory, host_memory, devices, baseline)
     shared = everywhere(deferred.model, [Unit(u.name, u.module_names) for u in units]) \
         if cut.kind == FORWARD else ()
     folder = output.resolve().parent
     root = _package_root(sys.modules[factory.partition(":")[0]])
-    measured_link = None
-    if links:
-        bandwidth, latency, _ = measure_link(device)
-        measured_link = LinkSpec(bandwidth=bandwidth, latency_ms=latency)
+    measured_link = _link(links, device) if links else None
     link = measured_link or (CPU_LINK if device == "cpu" else None)
     options = dict(link=link, optimizer=optimizer, name=output.name.split(".")[0],
                    factory=factory, data=data, loss=loss,
@@ -190,7 +199,8 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
         plans, chosen = mshape_plans(units, sharded, devices=devices, **options), "mshape"
     else:
         plans = partition_plans(units, devices=devices, speeds=speeds,
-                                chunks=chunks if shape == "interleaved" else 1, **options)
+                                chunks=chunks if shape == "interleaved" else 1, mesh=mesh,
+                                **options)
         chosen = shape
     if chosen == "mshape":
         names = ("embed", *(f"stage{s}" for s in range(devices)), "head")
@@ -214,6 +224,50 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
                        about if chosen == "mshape" else [], warnings,
                        ties(units, plans[0].partition, shared, names), host, baseline,
                        measured_link)
+
+
+_LINKS: dict[tuple[bool, str], LinkSpec] = {}
+
+
+def _link(measure: bool, device: str) -> LinkSpec:
+    """The link between two devices: measured here (once per process), else the default."""
+    if not measure:
+        return CPU_LINK if device == "cpu" else TopologySpec().within_node
+    if (measure, device) not in _LINKS:
+        bandwidth, latency, _ = measure_link(device)
+        _LINKS[(measure, device)] = LinkSpec(bandwidth=bandwidth, latency_ms=latency)
+    return _LINKS[(measure, device)]
+
+
+def _per_tensor_rank(units: list[UnitCost], model, cut: Cut, inputs, factory: str,
+                     tensor: int, sequence_parallel: bool, dtype: str,
+                     link: LinkSpec) -> list[UnitCost]:
+    """The units as one of `tensor` ranks runs them (pyplan.cluster.ranks): a Hugging Face
+    model cut at its decoder layers, its micro-batch token ids (batch x sequence)."""
+    from pyplan.cluster.model import from_config
+    from pyplan.cluster.ranks import rank_units
+    from pyplan.models.forward import decoder_layers
+
+    config = getattr(model, "config", None)
+    layers = decoder_layers(model) if cut.kind == FORWARD else None
+    if config is None or not hasattr(config, "to_dict") or layers is None:
+        raise PlanError(f"{factory}: tensor parallelism is priced from a Hugging Face model's "
+                        "config, cut at its decoder layers, and this model is not one",
+                        hint="partition it without --tensor")
+    tokens = inputs.get("input_ids") if isinstance(inputs, dict) else inputs
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        raise PlanError(f"{factory}: tensor parallelism is priced for token ids of shape "
+                        "(batch, sequence), which the data's inputs are not",
+                        hint="partition it without --tensor")
+    kinds, seen = [], False
+    for unit in units:
+        inside = any(m.startswith(f"{layers}.") for m in unit.module_names)
+        seen = seen or inside
+        kinds.append("layer" if inside else "head" if seen else "embedding")
+    shape = from_config(config.to_dict(), where=factory)
+    return rank_units(units, kinds, shape, tensor=tensor, sequence_parallel=sequence_parallel,
+                      micro_batch=tokens.shape[0], sequence=tokens.shape[1],
+                      dtype=dtype, link=link)
 
 
 def _package_root(module) -> Path | None:

@@ -323,7 +323,8 @@ def _build(source: Source) -> PlanSpec:
     mesh_raw = doc.get("mesh", {})
     mesh = MeshSpec(data=mesh_raw.get("data", 1), shard=mesh_raw.get("shard", False),
                     sync=mesh_raw.get("sync", 0), tensor=mesh_raw.get("tensor", 1),
-                    tensor_plan=tuple(sorted((mesh_raw.get("tensor_plan") or {}).items())))
+                    tensor_plan=tuple(sorted((mesh_raw.get("tensor_plan") or {}).items())),
+                    sequence=mesh_raw.get("sequence", True))
     if mesh.world(num_devices) > MAX_WORLD:
         raise source.error(("mesh",), f"the mesh's {mesh.world(num_devices)} GPUs ({num_devices} "
                            f"devices x {mesh.data_parallel} data-parallel x {mesh.tensor} "

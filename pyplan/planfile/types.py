@@ -163,6 +163,13 @@ class MeshSpec:
     """Tensor-parallel GPUs per pipeline device."""
     tensor_plan: tuple[tuple[str, str], ...] = ()
     """(module path pattern, style) pairs added to (or overriding) the model's own plan."""
+    sequence: bool = True
+    """Sequence parallelism beside tensor parallelism (Megatron-LM's --sequence-parallel):
+    the norms and dropouts between the tensor-parallel regions run on sequence slices."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tensor > 1 and self.sequence
 
     @property
     def replicas(self) -> int:

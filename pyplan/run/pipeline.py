@@ -281,14 +281,15 @@ class Pipeline(PipelineGradients):
                                 f"the model's {key} ({count})",
                                 hint="use a tensor degree that divides the heads and the width")
         plan = tensor_plan(self.built.whole, dict(problem.mesh.tensor_plan))
-        sharded = parallelize(self.built.whole, plan, self.mesh["tp"], where=where)
+        sharded, around = parallelize(self.built.whole, plan, self.mesh["tp"], where=where,
+                                      sequence=problem.mesh.sequence_parallel)
         packed = next((path for path, style in sharded.items() if style.startswith("packed")),
                       None)
         if packed is not None and problem.mesh.shards > 1:
             raise PlanError(f"{where}: module {packed} packs several matrices into one, whose "
                             "tensor-parallel parts FSDP cannot shard again", hint="replicate "
                             "the data ranks (mesh.shard: false) or keep mesh.tensor: 1")
-        self.tensor_random.watch(self.built.whole, sharded)
+        self.tensor_random.watch(self.built.whole, sharded, around)
         if not sharded:
             raise PlanError(f"{where}: {type(self.built.whole).__name__} has no tensor-parallel "
                             "plan pyplan can read (a Hugging Face config's base_model_tp_plan)",

@@ -5,30 +5,41 @@ The plan comes from the model itself where it has one: a Hugging Face model's co
 `base_model_tp_plan` (its attention's q/k/v column-wise and output row-wise, its MLP's up and
 gate column-wise and down row-wise), which pyplan reads as data and maps onto torch's styles;
 a plan's `mesh.tensor_plan` adds to it or overrides it per module path (`*` matches one name).
-Activations between those pairs stay whole on every tensor rank (no sequence parallelism), so
-a stage hands each tensor rank's copy to its peer in the next stage, 1:1.
+
+Sequence parallelism (on with the tensor degree unless a plan says `mesh.sequence: false`;
+Megatron-LM's --sequence-parallel, torchtitan's Llama layout) keeps the residual stream between
+those regions in sequence slices: the layers' norms run on each tensor rank's slice (torch's
+SequenceParallel, whose replicated weights get their gradients summed over the slices), the
+first layer's input is cut into slices, an attention or MLP gathers its input's slices
+(all-gather; backward, a reduce-scatter) and its row-wise output is reduce-scattered into
+slices, and the final norm's output is gathered whole for the head. A stage hands each tensor
+rank's slice (without it: each rank's whole copy) to its peer in the next stage, 1:1.
 
 Randomness follows Megatron-LM's RNG tracker: between a column-wise layer and the row-wise one
 that closes its region (attention's heads, the MLP's inner width) each tensor rank holds its
 own part of the activations, and dropout there draws from a stream of its own, seeded from the
 block's seed, the tensor rank and how many regions the block has opened; everywhere else
-(whole activations) every tensor rank draws the same masks. A recomputed block reseeds the same
-way, so its masks are its forward's.
+(whole activations) every tensor rank draws the same masks. With sequence parallelism a rank's
+activations are its own from the layers' first norm to the final norm's gather (its heads or
+its slice of the sequence), so that whole span is one region. A recomputed block reseeds the
+same way, so its masks are its forward's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from pyplan.errors import PlanError
+from pyplan.errors import PlanError, RunError
 from pyplan.models.collectives import all_reduce_, summed_gradient
+from pyplan.models.forward import _hidden_position, decoder_layers
 
-__all__ = ["STYLES", "TensorRandom", "parallelize", "tensor_plan"]
+__all__ = ["STYLES", "TensorRandom", "parallelize", "sequence_modules", "tensor_plan"]
 
 STYLES = ("colwise", "rowwise", "packed_colwise", "colwise_rep", "rowwise_rep",
           "colwise_gather_output", "embedding_rowwise", "replicate")
@@ -45,12 +56,13 @@ _BY_CLASS = {"GPT2Attention": {"c_attn": "packed_colwise:3", "c_proj": "rowwise"
 _RESIZED = {"GPT2Attention": ("split_size",)}
 
 
-def _style(name: str):
-    from torch.distributed.tensor import Replicate
+def _style(name: str, sequence: bool = False):
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return {"colwise": ColwiseParallel(),
-            "rowwise": RowwiseParallel(),
+            "rowwise": RowwiseParallel(output_layouts=Shard(1)) if sequence else
+            RowwiseParallel(),
             "colwise_rep": ColwiseParallel(output_layouts=Replicate()),
             "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),
             "rowwise_rep": RowwiseParallel(input_layouts=Replicate())}[name]
@@ -77,11 +89,12 @@ def tensor_plan(model: nn.Module, overrides: dict[str, str] | None = None) -> di
     return plan
 
 
-def parallelize(root: nn.Module, plan: dict[str, str], mesh, *,
-                where: str) -> dict[str, str]:
+def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str,
+                sequence: bool = False) -> tuple[dict[str, str], Around | None]:
     """Apply `plan` to the modules of `root` its patterns match (modules a rank does not hold
-    match nothing); returns the sharded modules' paths and styles. PlanError naming a module
-    whose style pyplan does not know."""
+    match nothing), with `sequence` parallelism around them; returns the sharded modules'
+    paths and styles, and where sequence parallelism went. PlanError naming a module whose
+    style pyplan does not know."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     modules = dict(root.named_modules())
@@ -103,15 +116,129 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *,
                             hint="tensor parallelism shards nn.Linear and Conv1D layers (packed "
                             "ones too); give mesh.tensor_plan without it, or mesh.tensor: 1")
     sharded = {path: style for path, style in sorted(chosen.items()) if style not in _WHOLE}
+    around = sequence_modules(root, sharded, where) if sequence and sharded else None
     if sharded:
-        parallelize_module(root, mesh, {path: _style(s) if isinstance(modules[path], nn.Linear)
-                                        and not s.startswith("packed") else _Local(s)
+        parallelize_module(root, mesh, {path: _style(s, sequence)
+                                        if isinstance(modules[path], nn.Linear)
+                                        and not s.startswith("packed") else _Local(s, sequence)
                                         for path, s in sharded.items()})
+    if around is not None:
+        _sequence_parallel(root, around, mesh)
     for path in {p.rpartition(".")[0] for p in sharded}:
         parent = modules.get(path)
         for attr in _RESIZED.get(type(parent).__name__, ()):
             setattr(parent, attr, getattr(parent, attr) // mesh.size())
-    return sharded
+    return sharded, around
+
+
+class Around(NamedTuple):
+    """The modules sequence parallelism works on, of those this rank holds (module paths)."""
+
+    norms: tuple[str, ...]
+    """The norms on the residual stream: each layer's own, then the final one."""
+    final: tuple[str, ...]
+    """The final norm, whose output is gathered whole for the head."""
+    first: str | None
+    """The first layer, whose input is cut into sequence slices."""
+    gathered: tuple[str, ...]
+    """The attentions and MLPs, whose input slices are gathered."""
+
+
+def _holds(module: nn.Module) -> bool:
+    return any(p is not None for p in module._parameters.values())
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("Norm") and _holds(module)
+
+
+def sequence_modules(root: nn.Module, sharded: dict[str, str], where: str) -> Around:
+    """Where sequence parallelism goes in a model cut at its decoder layers (Hugging Face's
+    GPT-2, Llama, Mistral, Qwen2: a layer's norms are its children; its column-wise layers sit
+    in an attention or MLP module): PlanError naming what does not fit."""
+    layers_name = decoder_layers(root)
+    hint = "give mesh.sequence: false (tensor parallelism without sequence parallelism)"
+    if layers_name is None:
+        raise PlanError(f"{where}: sequence parallelism needs a model of decoder layers (an "
+                        f"nn.ModuleList); {type(root).__name__} has none", hint=hint)
+    inside = f"{layers_name}."
+    modules = dict(root.named_modules())
+    gathered = sorted({path.rpartition(".")[0] for path, style in sharded.items()
+                       if path.startswith(inside) and not style.startswith("rowwise")})
+    for path in gathered:
+        if path.count(".") == layers_name.count(".") + 1:
+            raise PlanError(f"{where}: module {path} is a decoder layer whose column-wise "
+                            "layers are its own children, not an attention's or MLP's, so "
+                            "sequence parallelism has no module to gather their input at",
+                            hint=hint)
+    layers = [f"{layers_name}.{i}" for i in range(len(root.get_submodule(layers_name)))]
+    norms = [f"{layer}.{name}" for layer in layers
+             for name, child in modules[layer].named_children() if _is_norm(child)]
+    final = [path for path, m in modules.items() if not path.startswith(inside)
+             and _is_norm(m)]
+    if len(final) > 1:
+        raise PlanError(f"{where}: {type(root).__name__} has {len(final)} norms outside its "
+                        f"layers ({', '.join(final)}); sequence parallelism gathers the "
+                        "sequence after one, the final norm", hint=hint)
+    held = [layer for layer in layers if any(_holds(m) for m in modules[layer].modules())]
+    for layer in held:
+        if not any(n.startswith(f"{layer}.") for n in norms):
+            raise PlanError(f"{where}: decoder layer {layer} has no norm of its own (a "
+                            "child whose class ends in Norm) for sequence parallelism to run "
+                            "on the sequence slices", hint=hint)
+    first = layers[0] if layers and layers[0] in held else None
+    return Around(tuple(norms + final), tuple(final), first, tuple(gathered))
+
+
+class _HiddenStates(ParallelStyle):
+    """torch's PrepareModuleInput for a module's hidden states wherever its caller passes
+    them (the first positional tensor, else the `hidden_states` keyword: HF's attentions take
+    a keyword, its MLPs and GPT-2's attention a positional), the other inputs as they are."""
+
+    def __init__(self, layout, desired, *, local: bool) -> None:
+        super().__init__()
+        from torch.distributed.tensor.parallel import PrepareModuleInput
+
+        self.prepare = PrepareModuleInput(input_layouts=layout, desired_input_layouts=desired,
+                                          use_local_output=local)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        layout, desired = self.prepare.input_layouts[0], self.prepare.desired_input_layouts[0]
+
+        def hook(_module, args, kwargs):
+            where = _hidden_position(args, kwargs)
+            if where is None:
+                return None
+            value = args[where] if isinstance(where, int) else kwargs[where]
+            if layout != desired and getattr(desired, "dim", None) == 1 and \
+                    value.shape[1] % device_mesh.size():
+                raise RunError(f"sequence parallelism cuts the sequence into "
+                               f"{device_mesh.size()} slices, but this micro-batch's has "
+                               f"{value.shape[1]} positions", hint="use a sequence length "
+                               "the tensor degree divides, or mesh.sequence: false")
+            value = self.prepare._prepare_input_arg(value, device_mesh, layout, desired)
+            if isinstance(where, int):
+                return (*args[:where], value, *args[where + 1:]), kwargs
+            return args, {**kwargs, where: value}
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def _sequence_parallel(root: nn.Module, around: Around, mesh) -> None:
+    """torch's styles around the tensor-parallel regions (see the module's docstring)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (PrepareModuleOutput, SequenceParallel,
+                                                   parallelize_module)
+
+    plan = {path: SequenceParallel() for path in around.norms}
+    plan.update((path, _HiddenStates(Shard(1), Replicate(), local=False))
+                for path in around.gathered)
+    if around.first is not None:  # (a stage starting later receives slices)
+        plan[around.first] = _HiddenStates(Replicate(), Shard(1), local=True)
+    parallelize_module(root, mesh, plan)
+    parallelize_module(root, mesh, {path: PrepareModuleOutput(
+        output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)
+        for path in around.final})
 
 
 def _shardable(module: nn.Module, style: str) -> bool:
@@ -130,10 +257,10 @@ class _Local(ParallelStyle):
     rank the same part of each of the N, torch's _StridedShard), which torch's styles do not
     shard."""
 
-    def __init__(self, style: str) -> None:
+    def __init__(self, style: str, sequence: bool = False) -> None:
         super().__init__()
         name, _, parts = style.partition(":")
-        self.rowwise = name == "rowwise"
+        self.rowwise, self.sequence = name == "rowwise", sequence
         self.parts = int(parts) if parts else (2 if name == "packed_colwise" else 1)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
@@ -153,18 +280,32 @@ class _Local(ParallelStyle):
             module.register_parameter(name, nn.Parameter(
                 distribute_tensor(param, device_mesh, [placement]),
                 requires_grad=param.requires_grad))
-        module.forward = _local_forward(module, conv, self.rowwise, device_mesh.get_group())
+        module.forward = _local_forward(module, conv, self.rowwise, device_mesh,
+                                        self.sequence)
         return module
 
 
-def _local_forward(module: nn.Module, conv: bool, rowwise: bool, group):
+def _local_forward(module: nn.Module, conv: bool, rowwise: bool, mesh, sequence: bool):
+    """Column-wise: the input whole (with sequence parallelism, the DTensor its module's
+    input was gathered into, whose gradient each rank holds a part of: reduce-scattered);
+    row-wise: the partial products summed (reduce-scattered into sequence slices, the bias's
+    gradient then summed over the slices)."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    group = mesh.get_group()
+
     def forward(x):
         weight = module.weight.to_local()
         bias = module.bias.to_local() if module.bias is not None else None
         if not rowwise:
-            x = summed_gradient(x, group)
+            x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) \
+                else summed_gradient(x, group)
         out = x @ (weight if conv else weight.t())
-        if rowwise:
+        if rowwise and sequence:
+            out = DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(
+                mesh, [Shard(1)]).to_local()
+            bias = None if bias is None else summed_gradient(bias, group)
+        elif rowwise:
             out = _Summed.apply(out, group)
         return out if bias is None else out + bias
     return forward
@@ -216,9 +357,16 @@ class TensorRandom:
             torch.cuda.set_rng_state(self.saved[1], self.device)
         self.saved = None
 
-    def watch(self, root: nn.Module, plan: dict[str, str]) -> None:
-        """A column-wise layer opens a region (after it runs), a row-wise one closes it."""
+    def watch(self, root: nn.Module, plan: dict[str, str],
+              around: Around | None = None) -> None:
+        """A column-wise layer opens a region (after it runs), a row-wise one closes it; with
+        sequence parallelism (`around`), a layer's norm opens it, the final norm closes it."""
         modules = dict(root.named_modules())
+        if around is not None:
+            for path in around.norms:
+                (modules[path].register_forward_hook(self.leave) if path in around.final
+                 else modules[path].register_forward_pre_hook(self.enter))
+            return
         for path, style in plan.items():
             if style.startswith("colwise"):
                 modules[path].register_forward_hook(self.enter)

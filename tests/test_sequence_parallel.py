@@ -1,0 +1,161 @@
+"""Sequence parallelism beside tensor parallelism (`mesh.tensor`, unless `mesh.sequence:
+false`): where it goes in a Hugging Face model (one process, torch's fake process group
+standing in for the other tensor rank: shapes, not values), what the plan's transfers cost,
+and how a plan spells it. Its training against one process (`--check`) is in
+tests/test_meshes.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyplan.problem import build_problem
+from pyplan.planfile import load_spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PLAN = """\
+pyplan: 1
+name: sp
+devices: 2
+micro_batches: 2
+training:
+  backward: {{time_ratio: 2}}
+topology: {{time_unit_ms: 1, within_node: {{bandwidth: 1MiB, latency_ms: 0}}}}
+{mesh}
+blocks:
+  - {{name: a, devices: [0], time: 10, memory: 1KiB, output: 4MiB}}
+  - {{name: b, devices: [1], time: 10, memory: 1KiB, after: [a]}}
+"""
+
+
+def _problem(tmp_path, mesh: str):
+    path = tmp_path / "sp.yaml"
+    path.write_text(PLAN.format(mesh=mesh))
+    return build_problem(load_spec(path))
+
+
+def test_each_tensor_rank_sends_its_own_slice_between_stages(tmp_path):
+    """4 MiB at 1 MiB/s: 4000 ms whole; each of 2 tensor ranks sends its half of the sequence
+    with sequence parallelism, its whole copy without."""
+    whole = _problem(tmp_path, "mesh: {tensor: 2, sequence: false}").transfers
+    sliced = _problem(tmp_path, "mesh: {tensor: 2}").transfers
+    assert max(whole) == 4000 and max(sliced) == 2000
+    assert max(_problem(tmp_path, "").transfers) == 4000
+    assert _problem(tmp_path, "mesh: {tensor: 2}").mesh.sequence_parallel
+    assert not _problem(tmp_path, "mesh: {sequence: true}").mesh.sequence_parallel
+
+
+def test_a_sequence_key_that_is_not_a_boolean_is_one_line(tmp_path, cli):
+    path = tmp_path / "sp.yaml"
+    path.write_text(PLAN.format(mesh="mesh: {tensor: 2, sequence: 2}"))
+    code, out, err = cli("validate", str(path))
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    line = PLAN.splitlines().index("{mesh}") + 1
+    assert lines[0].startswith(f"{path}:{line}:") and "error:" in lines[0] and "sequence" in lines[0]
+
+
+def test_sequence_false_survives_the_resolved_plan_and_show_says_which(tmp_path, cli):
+    for mesh, shown in (("mesh: {tensor: 2}", True), ("mesh: {tensor: 2, sequence: false}",
+                                                       False)):
+        path = tmp_path / "sp.yaml"
+        path.write_text(PLAN.format(mesh=mesh))
+        code, _, err = cli("solve", str(path), "--quiet")
+        assert code == 0, err
+        code, out, err = cli("show", str(tmp_path / "sp.resolved.yaml"))
+        assert code == 0, err
+        assert ("sequence parallel" in out) is shown, out
+        assert ("sequence: false" in (tmp_path / "sp.resolved.yaml").read_text()) is not shown
+
+
+@pytest.fixture
+def fake_world():
+    """A process group of 2 ranks of which this process is rank 0 (torch's fake backend: the
+    collectives return at once)."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_residual_stream_runs_in_sequence_slices(fake_world, family):
+    """The first layer cuts the sequence in two, every layer hands on its rank's half, the
+    norms hold replicated DTensor weights (their gradients summed over the slices), and the
+    final norm's output is whole again for the head; without sequence parallelism every
+    layer hands on the whole sequence."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from models import hf
+
+    from pyplan.run.tensor import parallelize, tensor_plan
+
+    for sequence in (True, False):
+        extra = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8) \
+            if family == "llama" else dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = hf.build(family, **extra)
+        base = model.model if family == "llama" else model.transformer
+        layers = base.layers if family == "llama" else base.h
+        seen = []
+        for layer in layers:
+            layer.register_forward_hook(lambda m, a, out: seen.append(tuple(
+                (out[0] if isinstance(out, tuple) else out).shape)))
+        model.lm_head.register_forward_pre_hook(lambda m, a: seen.append(
+            ("head", type(a[0]), tuple(a[0].shape))))
+        sharded, around = parallelize(model, tensor_plan(model), fake_world, where="plan",
+                                      sequence=sequence)
+        assert sharded
+        tokens = torch.randint(0, hf.VOCAB, (2, hf.SEQUENCE))
+        model(tokens)
+        width = model.config.hidden_size
+        part = hf.SEQUENCE // 2 if sequence else hf.SEQUENCE
+        assert seen[:-1] == [(2, part, width)] * len(layers), seen
+        assert seen[-1] == ("head", torch.Tensor, (2, hf.SEQUENCE, width))
+        norm = (layers[0].input_layernorm if family == "llama" else layers[0].ln_1).weight
+        assert isinstance(norm, DTensor) is sequence
+        if sequence:
+            assert norm.placements == (Replicate(),)
+            assert around.first is not None and len(around.gathered) == 2 * len(layers)
+        else:
+            assert around is None
+
+
+def test_a_measured_unit_is_priced_per_tensor_rank_by_the_cost_model():
+    """`pyplan partition --tensor`: a layer's activations shrink with the tensor degree, more
+    with sequence parallelism (pyplan.cluster.memory's counts), its compute shrinks, and its
+    forward carries the model's two collectives on the plan's link: all-reduces of the
+    layer's activations (b s h, fp32) over 2 ranks, each (2 - 1) / 2 x 2 x bytes / bandwidth
+    at no latency."""
+    from pyplan.cluster.model import gpt
+    from pyplan.cluster.ranks import rank_units
+    from pyplan.partition import UnitCost
+    from pyplan.planfile.types import LinkSpec
+
+    model = gpt(2, 256, 8, vocab=1024, sequence=64)
+    units = [UnitCost(name, 10.0, 20.0, 1 << 20, 1 << 20, input_bytes=1000,
+                      forward_peak_bytes=2 << 20) for name in ("embed", "h.0", "h.1", "head")]
+    kinds = ["embedding", "layer", "layer", "head"]
+    slow = LinkSpec(bandwidth=10**6, latency_ms=0)
+    fast = LinkSpec(bandwidth=10**15, latency_ms=0)
+
+    def priced(tensor, sequence_parallel, link):
+        return rank_units(units, kinds, model, tensor=tensor,
+                          sequence_parallel=sequence_parallel, micro_batch=2, sequence=64,
+                          dtype="fp32", link=link)
+    assert priced(1, True, slow) == units
+    sp, tp = priced(2, True, fast)[1], priced(2, False, fast)[1]
+    assert sp.activation_bytes < tp.activation_bytes < units[1].activation_bytes
+    assert sp.input_bytes == 500 and tp.input_bytes == 1000
+    assert sp.forward_ms < units[1].forward_ms and sp.weight_bytes == units[1].weight_bytes
+    collectives_ms = priced(2, True, slow)[1].forward_ms - sp.forward_ms
+    assert collectives_ms == pytest.approx(2 * (2 * 64 * 256 * 4) / 10**6 * 1e3, rel=1e-3)
