@@ -146,8 +146,20 @@ class Reductions:
 
     def finish(self) -> None:
         """Wait for the synchronisations: every gradient averaged over the data-parallel ranks
-        into its (sharded) parameter's .grad."""
+        into its (sharded) parameter's .grad. Without data parallelism, a gradient DTensor
+        left as a pending sum over the tensor ranks (Partial: sequence parallelism's norms,
+        each rank's from its slice) is summed now, once per iteration (FSDP2 sums them in its
+        reduction)."""
         if self.data_parallel is None:
+            from torch.distributed.tensor import Replicate
+
+            for params in self.params.items():
+                for p in params[1]:
+                    grad = p.grad
+                    if grad is not None and any(x.is_partial() for x in
+                                                getattr(grad, "placements", ())):
+                        p.grad = grad.redistribute(placements=[
+                            Replicate() if x.is_partial() else x for x in grad.placements])
             return
         try:
             for block in self.deferred:
