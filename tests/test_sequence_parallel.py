@@ -159,3 +159,46 @@ def test_a_measured_unit_is_priced_per_tensor_rank_by_the_cost_model():
     assert sp.forward_ms < units[1].forward_ms and sp.weight_bytes == units[1].weight_bytes
     collectives_ms = priced(2, True, slow)[1].forward_ms - sp.forward_ms
     assert collectives_ms == pytest.approx(2 * (2 * 64 * 256 * 4) / 10**6 * 1e3, rel=1e-3)
+
+
+def test_a_sequence_the_tensor_degree_does_not_divide_is_one_line(fake_world):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from models import hf
+
+    from pyplan.errors import RunError
+    from pyplan.run.tensor import parallelize, tensor_plan
+
+    model = hf.build("llama", num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    parallelize(model, tensor_plan(model), fake_world, where="plan", sequence=True)
+    with pytest.raises(RunError) as raised:
+        model(torch.randint(0, hf.VOCAB, (2, 15)))
+    assert "cuts the sequence into 2 slices, but this micro-batch's has 15 positions" in \
+        str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_model_sequence_parallelism_does_not_fit_is_one_line_naming_the_module():
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from pyplan.errors import PlanError
+    from pyplan.run.tensor import sequence_modules
+
+    def layer(norm: bool) -> nn.Module:
+        found = nn.Module()
+        found.mlp = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+        if norm:
+            found.norm = nn.LayerNorm(8)
+        return found
+    model = nn.Module()
+    model.layers = nn.ModuleList([layer(True), layer(False)])
+    plan = {f"layers.{i}.mlp.{j}": style for i in range(2)
+            for j, style in (("0", "colwise"), ("1", "rowwise"))}
+    with pytest.raises(PlanError) as raised:
+        sequence_modules(model, plan, "plan.yaml")
+    assert "decoder layer layers.1 has no norm of its own" in str(raised.value)
+    assert raised.value.hint.startswith("give mesh.sequence: false")
+    model.layers[1].norm = nn.LayerNorm(8)
+    around = sequence_modules(model, plan, "plan.yaml")
+    assert around.gathered == ("layers.0.mlp", "layers.1.mlp") and around.first == "layers.0"
+    assert around.norms == ("layers.0.norm", "layers.1.norm") and around.final == ()
