@@ -202,3 +202,35 @@ def test_a_model_sequence_parallelism_does_not_fit_is_one_line_naming_the_module
     around = sequence_modules(model, plan, "plan.yaml")
     assert around.gathered == ("layers.0.mlp", "layers.1.mlp") and around.first == "layers.0"
     assert around.norms == ("layers.0.norm", "layers.1.norm") and around.final == ()
+
+
+def test_under_sequence_parallelism_a_ranks_dropout_is_its_own_from_the_first_norm_on():
+    """A rank's activations are its own (its slice, its heads) from a layer's first norm to
+    the final norm, so dropout there draws each tensor rank's own masks (one region: the
+    first norm opens it, the next ones are inside it); after the final norm's gather every
+    rank draws the same; a rerun from the block's seed draws the same again."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from pyplan.run.tensor import Around, TensorRandom
+
+    def masks(tensor_index: int):
+        model = nn.Sequential(nn.LayerNorm(64), nn.Dropout(0.5), nn.LayerNorm(64),
+                              nn.Dropout(0.5), nn.LayerNorm(64), nn.Dropout(0.5))
+        random = TensorRandom(tensor_index, torch.device("cpu"))
+        random.watch(model, {}, Around(("0", "2", "4"), ("4",), None, ()))
+        seen = []
+        for k in (1, 3, 5):
+            model[k].register_forward_hook(lambda m, i, o: seen.append(o != 0))
+        torch.manual_seed(7)
+        random.begin(7)
+        with torch.no_grad():
+            model(torch.arange(8 * 64.0).reshape(8, 64))
+        return seen
+
+    first, second, after = masks(0)
+    other = masks(1)
+    assert not torch.equal(first, other[0]) and not torch.equal(second, other[1])
+    assert not torch.equal(first, second)        # one stream, two draws
+    assert torch.equal(after, other[2])           # after the gather: the same on every rank
+    assert all(torch.equal(a, b) for a, b in zip(masks(0), (first, second, after)))

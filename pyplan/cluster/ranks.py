@@ -9,7 +9,8 @@ own cost model (pyplan.cluster.costs and .memory) for everything the degree chan
   on the plan's link (its bandwidth and latency as a node's links);
 - activations: the measured bytes times memory.py's per-layer bytes at T (sequence-parallel or
   not) over those at 1; the stage's input kept for recomputation is a slice with sequence
-  parallelism.
+  parallelism;
+- the optimizer's step: over a rank's 1/T of the parameters (as pipeline.py's chunks count it).
 
 Weights stay whole in the plan: `pyplan run` divides a stage's state by the tensor (and shard)
 degrees with memory.mesh_state_bytes, the one home of that rule.
@@ -103,6 +104,8 @@ def rank_units(units: list[UnitCost], kinds: list[str], model: Transformer, *, t
             backward_peak_bytes=round(unit.backward_peak_bytes * held),
             saved_input_bytes=round(unit.saved_input_bytes * sliced),
             saved_output_bytes=round(unit.saved_output_bytes * sliced),
+            update_ms=unit.update_ms / tensor,
+            update_peak_bytes=round(unit.update_peak_bytes / tensor),
             captured_bytes=round(unit.captured_bytes * held),
             released_bytes=round(unit.released_bytes * held),
             input_bytes=round(unit.input_bytes * sliced)))
