@@ -234,3 +234,23 @@ def test_under_sequence_parallelism_a_ranks_dropout_is_its_own_from_the_first_no
     assert not torch.equal(first, second)        # one stream, two draws
     assert torch.equal(after, other[2])           # after the gather: the same on every rank
     assert all(torch.equal(a, b) for a, b in zip(masks(0), (first, second, after)))
+
+
+def test_pyplan_plan_writes_whether_its_tensor_parallel_layout_is_sequence_parallel(
+        tmp_path, cli):
+    """A cluster plan's layout with tp and without sequence parallelism becomes `mesh:
+    {..., tensor: 2, sequence: false}` (its activations whole on each tensor rank, as its
+    costs counted them); with it, the default."""
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoConfig.for_model(
+        "llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=4, vocab_size=32000).save_pretrained(
+        tmp_path / "llama")
+    for flag, written in (("--sequence-parallel", False), ("--no-sequence-parallel", True)):
+        out = tmp_path / f"{flag}.yaml"
+        code, _, err = cli("plan", str(tmp_path / "llama" / "config.json"), "--cluster",
+                           "dgx-h100", "--gpus", "8", "--tp", "2", "--pp", "2", "--dp", "2",
+                           "--global-batch", "16", "--seq", "1024", flag, "-o", str(out))
+        assert code == 0, err
+        mesh = next(line for line in out.read_text().splitlines() if line.startswith("mesh:"))
+        assert "tensor: 2" in mesh and ("sequence: false" in mesh) is written, mesh
