@@ -78,6 +78,9 @@ def pyplan(*args, cwd, source: Path = ROOT) -> subprocess.CompletedProcess:
 def meshed(folder: Path, mesh: str, name: str, source: Path = ROOT, plan: str = "llama"
            ) -> str:
     text = (folder / f"{plan}.yaml").read_text()
+    if source != ROOT:  # (model.optimizer came later than the old commit: run's flag says it)
+        text = "".join(line for line in text.splitlines(keepends=True)
+                       if not line.startswith("  optimizer: "))
     (folder / f"{name}.yaml").write_text(text.replace("\ntraining:", f"\nmesh: {mesh}\ntraining:"))
     pyplan("solve", f"{name}.yaml", "--quiet", cwd=folder, source=source)
     return f"{name}.resolved.yaml"
