@@ -86,7 +86,7 @@ def fake_world():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt2"])
 def test_the_residual_stream_runs_in_sequence_slices(fake_world, family):
     """The first layer cuts the sequence in two, every layer hands on its rank's half, the
     norms hold replicated DTensor weights (their gradients summed over the slices), and the
@@ -101,11 +101,12 @@ def test_the_residual_stream_runs_in_sequence_slices(fake_world, family):
     from pyplan.run.tensor import parallelize, tensor_plan
 
     for sequence in (True, False):
-        extra = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8) \
-            if family == "llama" else dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        gpt2 = family == "gpt2"
+        extra = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if gpt2 else \
+            dict(num_attention_heads=4, num_key_value_heads=2)
         model = hf.build(family, **extra)
-        base = model.model if family == "llama" else model.transformer
-        layers = base.layers if family == "llama" else base.h
+        base = model.transformer if gpt2 else model.model
+        layers = base.h if gpt2 else base.layers
         seen = []
         for layer in layers:
             layer.register_forward_hook(lambda m, a, out: seen.append(tuple(
@@ -121,7 +122,7 @@ def test_the_residual_stream_runs_in_sequence_slices(fake_world, family):
         part = hf.SEQUENCE // 2 if sequence else hf.SEQUENCE
         assert seen[:-1] == [(2, part, width)] * len(layers), seen
         assert seen[-1] == ("head", torch.Tensor, (2, hf.SEQUENCE, width))
-        norm = (layers[0].input_layernorm if family == "llama" else layers[0].ln_1).weight
+        norm = (layers[0].ln_1 if gpt2 else layers[0].input_layernorm).weight
         assert isinstance(norm, DTensor) is sequence
         if sequence:
             assert norm.placements == (Replicate(),)
