@@ -255,3 +255,20 @@ def test_pyplan_plan_writes_whether_its_tensor_parallel_layout_is_sequence_paral
         assert code == 0, err
         mesh = next(line for line in out.read_text().splitlines() if line.startswith("mesh:"))
         assert "tensor: 2" in mesh and ("sequence: false" in mesh) is written, mesh
+
+
+def test_partition_tensor_on_a_model_it_cannot_price_is_one_line(tmp_path, cli):
+    """`--tensor` prices a Hugging Face model's decoder layers; pyplan's example transformer
+    (a chain of its own modules, no config) gets one line naming it, exit 2, nothing
+    written."""
+    pytest.importorskip("torch")
+    out = tmp_path / "t.yaml"
+    code, _, err = cli("partition", "pyplan.examples.transformer:model", "--data",
+                       "pyplan.examples.transformer:batch", "--loss",
+                       "pyplan.examples.transformer:loss", "--devices", "2", "--repeats", "1",
+                       "--tensor", "2", "-o", str(out))
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "pyplan.examples.transformer:model: tensor parallelism is " \
+        "priced from a Hugging Face model's config" in lines[0], err
+    assert not out.exists()
