@@ -101,7 +101,37 @@ def state_dict(pipe, optimizer=None) -> dict:
         warnings.simplefilter("ignore")
         model, optim = get_state_dict(view, () if optimizer is None else optimizer,
                                       options=_options())
+    model, optim = _whole_strided(model), _whole_strided(optim)
     return {"model": model, "optimizer": optim} if optimizer is not None else {"model": model}
+
+
+def _strided(value) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard)
+                                              for p in value.placements)
+
+
+def _whole_strided(state: dict) -> dict:
+    """A strided shard (GPT-2's packed q, k, v under tensor parallelism: each rank holds the
+    same part of each) as the whole tensor: DCP's chunk metadata describes a shard by one
+    offset per dimension, and refuses these as overlapping chunks. Whole, every tensor rank's
+    copy is the same (DCP writes it once) and loads under any mesh. (An all-gather over the
+    tensor ranks, in the state's own order: the same on each of them.)"""
+    return {key: value.full_tensor() if _strided(value) else value
+            for key, value in state.items()}
+
+
+def _placed(state: dict, like: dict) -> dict:
+    """`state`'s whole tensors (_whole_strided) cut back to this rank's strided shards, as
+    `like` (this rank's own state) places them; no communication."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return {key: distribute_tensor(value, like[key].device_mesh, like[key].placements,
+                                   src_data_rank=None)
+            if _strided(like.get(key)) and not _strided(value) else value
+            for key, value in state.items()}
 
 
 def load_state_dict(pipe, state: dict, optimizer=None) -> None:
@@ -111,7 +141,9 @@ def load_state_dict(pipe, state: dict, optimizer=None) -> None:
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        model, optim = get_state_dict(view, () if optimizer is None else optimizer,
+                                      options=_options())
         set_state_dict(view, () if optimizer is None else optimizer,
-                       model_state_dict=state["model"],
-                       optim_state_dict=state.get("optimizer", {}) if optimizer is not None
-                       else {}, options=_options())
+                       model_state_dict=_placed(state["model"], model),
+                       optim_state_dict=_placed(state.get("optimizer", {}), optim)
+                       if optimizer is not None else {}, options=_options())
