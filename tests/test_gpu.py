@@ -47,8 +47,9 @@ model:
 """
 
 
-def _run(tmp_path, resolved, ranks: int, *extra) -> dict:
-    env = {**os.environ, "PYPLAN_CHECK_SYNC": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+def _run(tmp_path, resolved, ranks: int, *extra, check_sync: bool = True) -> dict:
+    env = {**os.environ, "PYPLAN_CHECK_SYNC": "1" if check_sync else "0",
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     result = subprocess.run([PYPLAN, "run", str(resolved), "--nproc-per-node", str(ranks),
                              "--device", "cuda", "--check", "--iterations", "3", "--json",
                              "--fault-timeout", "30", *extra],
@@ -78,6 +79,22 @@ def test_bf16_under_autocast_matches_within_its_tolerance(tmp_path):
     resolved = _solved(tmp_path, "bf16", TWO_STAGES.format(name="bf16", split=""))
     report = _run(tmp_path, resolved, 2, "--dtype", "bf16")
     assert report["dtype"] == "bf16"
+
+
+def test_run_compiles_blocks_with_inductor_on_gpus(tmp_path):
+    """--compile inductor: steps 3 and 4 run the compiled blocks (steps 1 and 2 run eagerly);
+    inductor's first call compiles, which may synchronise: no sync check here."""
+    resolved = _solved(tmp_path, "compiled", TWO_STAGES.format(name="compiled", split=""))
+    report = _run(tmp_path, resolved, 2, "--compile", "inductor", "--iterations", "4",
+                  "--check-steps", "4", check_sync=False)
+    assert report["compile"] == "inductor"
+    assert all(r["compiled_graphs"] > 0 for r in report["rank_memory"]), report["rank_memory"]
+
+
+def test_run_trains_bf16_parameters_through_fp32_masters_on_gpus(tmp_path):
+    resolved = _solved(tmp_path, "masters", TWO_STAGES.format(name="masters", split=""))
+    report = _run(tmp_path, resolved, 2, "--dtype", "bf16", "--params", "bf16")
+    assert (report["dtype"], report["params"]) == ("bf16", "bf16")
 
 
 def test_a_tied_hugging_face_model_on_gpus(tmp_path):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import os
 import sys
 from pathlib import Path
@@ -30,12 +29,13 @@ from pyplan.lower import COMPUTE, RECV, SEND, SYNC, WAIT, check_runnable, descri
 from pyplan.resolved import load_resolved
 from pyplan.verify import verify
 
-__all__ = ["DEVICES", "DTYPES", "OPTIMIZERS", "SCHEDULES", "add_arguments", "run"]
+__all__ = ["DEVICES", "DTYPES", "OPTIMIZERS", "PARAMS", "SCHEDULES", "add_arguments", "run"]
 
 # The runtime's choices (pyplan.run.devices, pyplan.run.pipeline, pyplan.train.training), spelled
 # here so that the CLI parses without importing torch (tests/test_run_cli.py checks they agree).
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
+PARAMS = ("fp32", "bf16")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "linear", "cosine")
 # The numeric options' ceilings: far above any real run, far below what overflows a count,
@@ -140,7 +140,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cpu or cuda for every rank (default: $PYPLAN_DEVICE, else auto: "
                         "cuda when every rank has a GPU)")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32",
-                        help="compute dtype under autocast (weights and gradients stay fp32)")
+                        help="compute dtype under autocast (weights and gradients stay fp32 "
+                        "unless --params bf16)")
+    parser.add_argument("--params", choices=PARAMS, default="fp32",
+                        help="the blocks' parameters: fp32 (default), or bf16 with --dtype bf16, "
+                        "which the optimizer, clipping and checkpoints see as fp32 master "
+                        "weights (Megatron-LM's --bf16)")
+    parser.add_argument("--compile", metavar="BACKEND",
+                        help="torch.compile each block's forward with BACKEND (inductor, "
+                        "aot_eager, ...: torch._dynamo.list_backends()); pyplan's hooks stay "
+                        "eager and a split backward runs each compiled region's backward once")
     parser.add_argument("--tolerance", type=number(0, 1), metavar="T",
                         help="--check: largest allowed relative error ||a-b|| / ||b|| of a "
                         "parameter's gradient (default 1e-5 in fp32, 2e-2 in bf16, 1e-2 in "
@@ -259,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
                             programs=[len(p) for p in lowered.programs],
                             optimizer=_trains_with(args.optimizer, problem.model),
                             training=problem.training))
+    if args.compile is not None:
+        _check_backend(args.compile)
     plan_dir = (plan.plan_path or Path(plan.path)).parent
     if args.dry_run:
         _print_programs(lowered)
@@ -330,6 +341,17 @@ def _trains_with(given: str | None, model) -> str:
     return given or model.optimizer or "sgd"
 
 
+def _check_backend(name: str) -> None:
+    """--compile names a backend torch.compile has (before any worker starts)."""
+    require_torch("run --compile")
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=())
+    if name not in known:
+        raise PlanError(f"--compile {name!r} is not a torch.compile backend",
+                        hint=did_you_mean(name, known) or "one of: " + ", ".join(known))
+
+
 def _check_eval_split(model, problem) -> None:
     """--eval-every reads batches of the data's eval split: data(i, split="eval")."""
     import inspect
@@ -379,7 +401,7 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
                    "max_bad_steps", "adam_betas", "adam_eps", "optimizer", "config",
                    "iterations", "steps", "max_time", "trace", "fail_at", "perturb",
                    "tolerance", "clip_grad_norm", "save", "save_every", "resume", "device",
-                   "keep_last", "eval_every", "log", "tensorboard"):
+                   "keep_last", "eval_every", "log", "tensorboard", "params", "compile"):
         value, name = getattr(args, option), option.replace("_", "-")
         if option == "eval_batches" and value is None:
             value = "all"
@@ -391,7 +413,7 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
 def _session(args, plan, model, fail_at) -> int:
     """What torchrun runs on every rank: init -> build -> train -> close."""
     from pyplan.train.checkpoint import CheckpointError
-    from pyplan.train.report import Options, summary
+    from pyplan.train.report import Options, as_json, summary
     from pyplan.train.session import Session
     from pyplan.train.training import Training
 
@@ -408,7 +430,8 @@ def _session(args, plan, model, fail_at) -> int:
                       check=args.check, tolerance=args.tolerance, trace=args.trace,
                       check_steps=args.check_steps, perturb=_perturb(args.perturb),
                       fault_timeout=args.fault_timeout, fail_at=fail_at[0], device=args.device,
-                      dtype=args.dtype, save=args.save, save_every=args.save_every,
+                      dtype=args.dtype, params=args.params, compile=args.compile,
+                      save=args.save, save_every=args.save_every,
                       keep_last=args.keep_last, resume=args.resume, lines=not args.json,
                       log=args.log, tensorboard=args.tensorboard, eval_every=args.eval_every,
                       eval_batches=args.eval_batches, fail_save=fail_at[1])
@@ -434,7 +457,7 @@ def _session(args, plan, model, fail_at) -> int:
         return done        # run (torchrun stops the others) before rank 0 has said why
     lowered = session.lowered
     if args.json:
-        print(json.dumps(_json(report, lowered, options), sort_keys=True))
+        print(json.dumps(as_json(report, lowered, options), sort_keys=True))
     else:
         print("\n".join(summary(report, lowered, options)))
     if not ok:
@@ -518,47 +541,3 @@ def _print_programs(lowered) -> None:
               ", ".join(f"{n} {op}" for op, n in counts.items()) + ")")
         for index, ins in enumerate(program):
             print(f"  {index:4} {describe(lowered, ins)}")
-
-
-def _json(report, lowered, options) -> dict:
-    from pyplan.train.report import timed
-
-    problem = lowered.problem
-    predicted = report.predicted[0] if report.predicted is not None else None
-    return {
-        "plan": problem.name,
-        "ranks": len(lowered.programs),
-        "backend": report.backend,
-        "device": report.device,
-        "dtype": options.dtype,
-        "blocking": options.blocking,
-        "micro_batches": problem.num_micro_batches,
-        "optimizer": options.training.optimizer,
-        "first_iteration": report.first_step,
-        "iteration_seconds": report.seconds,
-        "losses": report.losses,
-        "grad_norms": report.grad_norms,
-        "samples_per_second": [report.samples / s for s in report.seconds]
-        if report.samples else None,
-        "tokens_per_second": [report.tokens / s for s in report.seconds]
-        if report.tokens else None,
-        "predicted_seconds": predicted,
-        "predicted_makespan_seconds": report.predicted[1] if report.predicted else None,
-        "prediction_note": report.link_note,
-        "median_seconds": statistics.median(timed(report.seconds, report)),
-        "census_iteration": report.census_iteration,
-        "rank_memory": report.ranks,
-        "compute_seconds": report.compute,
-        "rank_iteration_seconds": report.iteration_seconds,
-        "peak_activation_bytes": report.peak_activation_bytes,
-        "predicted_activation_bytes": report.predicted_activation_bytes,
-        "cuda_max_allocated": report.cuda_max_allocated,
-        "ties": report.ties,
-        "model_flops": report.flops[0],
-        "peak_flops": report.flops[1],
-        "eval_losses": [{"step": step, "loss": loss} for step, loss in report.eval_losses],
-        "resumed": report.resumed,
-        "checkpoint": report.saved,
-        "check": None if report.verdict is None else {"ok": report.verdict.ok,
-                                                      "message": report.verdict.message},
-    }

@@ -147,6 +147,13 @@ def _adam_options_without_adam(args, facts: Facts) -> Message:
     return None
 
 
+def _bf16_parameters_without_bf16(args, facts: Facts) -> Message:
+    if args.params == "bf16" and args.dtype != "bf16":
+        return (f"--params bf16 computes in bf16, and --dtype is {args.dtype}",
+                "add --dtype bf16, or leave --params out")
+    return None
+
+
 RULES = (
     _lr_min_without_decay,
     _decay_after_the_run,
@@ -160,6 +167,7 @@ RULES = (
     _instruction_that_does_not_exist,
     _update_without_training,
     _adam_options_without_adam,
+    _bf16_parameters_without_bf16,
 )
 """Each option that would do nothing, and when."""
 

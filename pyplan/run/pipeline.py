@@ -53,7 +53,7 @@ from pyplan.run.tensor import TensorRandom, parallelize, tensor_plan
 from pyplan.run.values import concatenated
 from pyplan.verify import verify
 
-__all__ = ["DTYPES", "PARAMS", "Pipeline"]
+__all__ = ["DTYPES", "PARAMS", "Pipeline", "compiled_graphs"]
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PARAMS = ("fp32", "bf16")
@@ -532,6 +532,13 @@ def _compile_forward(module: torch.nn.Module, backend: str) -> None:
         return forward(*args, **kwargs)
 
     module.forward = torch.compile(block_forward, backend=backend)
+
+
+def compiled_graphs() -> int:
+    """The graphs torch.compile has captured in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def _first_micro_batches(lowered: Lowered, n: int) -> Lowered:

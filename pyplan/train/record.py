@@ -57,7 +57,8 @@ _MAPPING = _kind(dict, what="a mapping")
 _TRAINING = {"optimizer": _TEXT, "lr": _number(positive=True), "weight_decay": _number(),
              "clip_grad_norm": _or_null(_number(positive=True)), "lr_warmup": _int(0, MAX_STEP),
              "lr_schedule": _TEXT, "lr_min": _number(), "accumulate": _int(1, 10**6),
-             "steps": _int(0, MAX_STEP), "eps": _number(positive=True), "betas": _betas}
+             "steps": _int(0, MAX_STEP), "eps": _number(positive=True), "betas": _betas,
+             "dtype": _TEXT, "params": _TEXT, "compile": _or_null(_TEXT)}
 _FIELDS = {"step": _int(0, MAX_STEP), "batches": _int(0, MAX_BATCHES),
            "iterations": _int(0, MAX_BATCHES), "world": _int(1, 10**6),
            "loss_scale": _number(positive=True), "seed": _int(-2**63, 2**64),

@@ -17,7 +17,7 @@ from pyplan.train.check import Verdict
 from pyplan.run.pipeline import Pipeline
 from pyplan.train.training import Training
 
-__all__ = ["Options", "Report", "activation_peaks", "header", "iteration_line", "link_note",
+__all__ = ["Options", "Report", "activation_peaks", "as_json", "header", "iteration_line", "link_note",
            "planned_memory", "predicted", "summary", "timed"]
 
 
@@ -49,6 +49,10 @@ class Options:
     device: str | None = None
     """cpu, cuda or auto; None: $PYPLAN_DEVICE, else auto."""
     dtype: str = "fp32"
+    params: str = "fp32"
+    """The blocks' parameters: fp32, or bf16 (with dtype bf16) trained through fp32 masters."""
+    compile: str | None = None
+    """A torch.compile backend each block's forward is compiled with (None: eager)."""
     save: str | None = None
     save_every: int | None = None
     keep_last: int | None = None
@@ -68,6 +72,12 @@ class Options:
     """--config: {"file": ..., "options": ...}, recorded in each checkpoint."""
     fail_save: tuple[int, str] | None = None
     """Testing aid: (rank, "raise" or "kill") fails in the middle of the first save."""
+
+    def settings(self, steps: int) -> dict:
+        """What a checkpoint records of the run's settings, and a resume compares
+        (training.changes): the update's, the schedule's length and the precision."""
+        return {**self.training.record(), "steps": steps, "dtype": self.dtype,
+                "params": self.params, "compile": self.compile}
 
 
 @dataclass(frozen=True)
@@ -129,8 +139,11 @@ def header(problem, ranks: int, device: str, backend: str, options: Options,
     """The line rank 0 prints before the first step."""
     mode = "blocking" if options.blocking else "non-blocking"
     plural = "s" if steps != 1 else ""
+    precision = options.dtype + (" with bf16 parameters and fp32 masters"
+                                 if options.params == "bf16" else "")
+    compiled = f", torch.compile {options.compile}" if options.compile else ""
     return (f"{problem.name}: {steps} step{plural} on {ranks} ranks ({device}, {backend}, "
-            f"{options.dtype}), {mode} communication, {problem.num_micro_batches} "
+            f"{precision}{compiled}), {mode} communication, {problem.num_micro_batches} "
             f"micro-batches, " + (options.training.describe() if problem.training else
                                   "forward only (an inference plan: no update)"))
 
@@ -206,6 +219,11 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
             f"{r}: {_mib(x['max_rss_bytes'])}, {x['setup_seconds']:.1f} s"
             + (f", {x['weights_read']} tensors read" if x["weights_read"] else "")
             for r, x in enumerate(report.ranks)))
+    if options.compile and report.ranks:  # (the steps counted run eagerly: pyplan.train.session)
+        lines.append(f"  torch.compile {options.compile}: graphs captured per rank: " + "  ".join(
+            f"{r}: {x.get('compiled_graphs', 0)}" for r, x in enumerate(report.ranks)) +
+            ("" if all(x.get("compiled_graphs") for x in report.ranks) else
+             " (a rank without any ran its blocks eagerly)"))
     held = "  ".join(f"{r}: {_mib(b)}" for r, b in enumerate(report.peak_activation_bytes))
     lines.append(f"  peak activations held per rank: {held}")
     if report.predicted_activation_bytes is not None:
@@ -316,3 +334,48 @@ def activation_peaks(pipe: Pipeline) -> list[int] | None:
         return None
     static = problem.static_memory
     return [peak - base for peak, base in zip(pipe.resolved.schedule.peak_memory, static)]
+
+
+def as_json(report: Report, lowered: Lowered, options: Options) -> dict:
+    """What pyplan run --json prints."""
+    problem = lowered.problem
+    forecast = report.predicted[0] if report.predicted is not None else None
+    return {
+        "plan": problem.name,
+        "ranks": len(lowered.programs),
+        "backend": report.backend,
+        "device": report.device,
+        "dtype": options.dtype,
+        "params": options.params,
+        "compile": options.compile,
+        "blocking": options.blocking,
+        "micro_batches": problem.num_micro_batches,
+        "optimizer": options.training.optimizer,
+        "first_iteration": report.first_step,
+        "iteration_seconds": report.seconds,
+        "losses": report.losses,
+        "grad_norms": report.grad_norms,
+        "samples_per_second": [report.samples / s for s in report.seconds]
+        if report.samples else None,
+        "tokens_per_second": [report.tokens / s for s in report.seconds]
+        if report.tokens else None,
+        "predicted_seconds": forecast,
+        "predicted_makespan_seconds": report.predicted[1] if report.predicted else None,
+        "prediction_note": report.link_note,
+        "median_seconds": statistics.median(timed(report.seconds, report)),
+        "census_iteration": report.census_iteration,
+        "rank_memory": report.ranks,
+        "compute_seconds": report.compute,
+        "rank_iteration_seconds": report.iteration_seconds,
+        "peak_activation_bytes": report.peak_activation_bytes,
+        "predicted_activation_bytes": report.predicted_activation_bytes,
+        "cuda_max_allocated": report.cuda_max_allocated,
+        "ties": report.ties,
+        "model_flops": report.flops[0],
+        "peak_flops": report.flops[1],
+        "eval_losses": [{"step": step, "loss": loss} for step, loss in report.eval_losses],
+        "resumed": report.resumed,
+        "checkpoint": report.saved,
+        "check": None if report.verdict is None else {"ok": report.verdict.ok,
+                                                      "message": report.verdict.message},
+    }

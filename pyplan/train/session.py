@@ -29,7 +29,7 @@ from pyplan.run.devices import all_gather_objects
 from pyplan.train import flops
 from pyplan.train.faults import Watchdog
 from pyplan.run.gradients import local
-from pyplan.run.pipeline import DTYPES, Pipeline
+from pyplan.run.pipeline import DTYPES, Pipeline, compiled_graphs
 from pyplan.train.logs import Log
 from pyplan.train.stopping import out_of_time
 from pyplan.train.report import (Options, Report, activation_peaks, header,
@@ -59,7 +59,8 @@ class Session:
         self.pipe = Pipeline(plan, device=options.device, seed=options.seed,
                              dtype=options.dtype, blocking=options.blocking,
                              sync_at_end=options.sync_at_end, model=model,
-                             fail_at=options.fail_at)
+                             fail_at=options.fail_at, compile=options.compile,
+                             params=options.params)
         self.setup_seconds = time.perf_counter() - started
         pipe = self.pipe
         self.lowered: Lowered = pipe.lowered
@@ -166,6 +167,9 @@ class Session:
                 lr = scheduler.get_last_lr()[0] if scheduler is not None else None
                 self.current = step + 1  # steps are named 1-based: the step just completed
                 with contextlib.ExitStack() as around:
+                    if opts.compile and step in (first, self.census_step):  # (a dispatch mode
+                        # would make torch.compile skip the blocks for good: run them eagerly)
+                        around.enter_context(torch.compiler.set_stance("force_eager"))
                     if step == self.census_step:
                         around.enter_context(self.census(optimizer))
                     records.append(self.one_step(optimizer, scheduler, trace=step == last,
@@ -271,7 +275,7 @@ class Session:
         """Load the checkpoint to resume from: (first step, batches consumed, the history of
         settings, the line that says so); with no --resume, a fresh start."""
         opts, pipe = self.options, self.pipe
-        now = {**opts.training.record(), "steps": steps}
+        now = opts.settings(steps)
         if self.checkpoint is None:
             return 0, 0, [{"step": 0, "batches": 0, **now}], None
         folder, meta = self.checkpoint
@@ -422,7 +426,7 @@ class Session:
         self.step_index = SAVE
         fail = opts.fail_save[1] if opts.fail_save and opts.fail_save[0] == self.rank else None
         meta = {"seed": opts.seed, "batches": self.batches,
-                "training": {**opts.training.record(), "steps": steps}, "history": history}
+                "training": opts.settings(steps), "history": history}
         if opts.config is not None:
             meta["config"] = opts.config
         started = time.monotonic()
@@ -438,6 +442,8 @@ class Session:
         mine = {"peak_bytes": self.memory[0], "static_bytes": self.memory[1],
                 "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "setup_seconds": self.setup_seconds, "weights_read": len(pipe.built.read)}
+        if self.options.compile:  # (a block torch.compile gave up on runs eagerly, unsaid)
+            mine["compiled_graphs"] = compiled_graphs()
         every = all_gather_objects((records, events, snapshots, cuda, mine))
         result = None
         if self.rank == 0:

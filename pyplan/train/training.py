@@ -128,7 +128,8 @@ class Training:
 _FLAGS = {"lr": "lr", "betas": "adam betas", "eps": "adam eps", "weight_decay": "weight decay",
           "clip_grad_norm": "clip grad norm",
           "lr_warmup": "lr warmup", "lr_schedule": "lr schedule", "lr_min": "lr min",
-          "accumulate": "accumulate", "steps": "schedule length (steps)"}
+          "accumulate": "accumulate", "steps": "schedule length (steps)", "dtype": "dtype",
+          "params": "params", "compile": "compile"}
 
 
 def changes(now: dict, saved: dict) -> list[str]:

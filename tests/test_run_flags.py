@@ -1,0 +1,76 @@
+"""`pyplan run`'s GPU flags, shown on 2 gloo CPU ranks: --compile BACKEND (torch.compile per
+block; aot_eager here: dynamo's capture and AOTAutograd's joint forward/backward graph, as
+inductor has, without inductor's C++ build, which takes most of a minute per graph on a
+busy machine), --params bf16 (bf16 parameters, fp32 masters), each checked against the
+single-process run (--check), shown in the header and --json, recorded in the checkpoint; and
+their bad combinations refused before any worker starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_checkpoints import launch, report, solved
+from test_run_cli import VSHAPE, no_workers, outside_torchrun  # noqa: F401  (fixtures)
+
+TWO = [["0", "1", "2"], ["3", "4", "5"]]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--params", "bf16"], "--params bf16 computes in bf16, and --dtype is fp32 (hint: add "
+                           "--dtype bf16, or leave --params out)"),
+    (["--params", "bf16", "--dtype", "fp16"], "--params bf16 computes in bf16, and --dtype is "
+                                              "fp16"),
+    (["--compile", "inductr"], "--compile 'inductr' is not a torch.compile backend (hint: did "
+                               "you mean 'inductor'?)"),
+])
+def test_bad_combinations_are_refused_before_workers_start(options, message, cli,
+                                                           outside_torchrun, no_workers):
+    if "--compile" in options:
+        pytest.importorskip("torch")
+    code, out, err = cli("run", VSHAPE, "--nproc-per-node", "4", *options)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_params_takes_fp32_or_bf16(cli, outside_torchrun, no_workers):
+    code, out, err = cli("run", VSHAPE, "--nproc-per-node", "4", "--params", "fp16")
+    assert (code, out) == (2, "")
+    assert err == ("error: argument --params: invalid choice: 'fp16' (choose from 'fp32', "
+                   "'bf16') (hint: pyplan run --help)\n")
+
+
+@pytest.mark.torchrun
+def test_compiled_blocks_pass_the_check(tmp_path):
+    """Steps 1 and 2 run eagerly (the FLOP counter and the census are dispatch modes, under
+    which torch.compile would give the blocks up for good); steps 3 and 4 run the compiled
+    graphs, which --check compares with the eager single-process run at fp32's tolerance."""
+    solved(tmp_path, "two", TWO)
+    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--compile", "aot_eager",
+                            "--iterations", 4, "--check", "--check-steps", 4, "--json")
+    assert code == 0, err
+    result = report(out)
+    assert result["check"]["ok"] and "tolerance 1e-05" in result["check"]["message"], result
+    assert result["compile"] == "aot_eager" and result["params"] == "fp32"
+    assert [r["compiled_graphs"] for r in result["rank_memory"]] == [1, 1]
+
+
+@pytest.mark.torchrun
+def test_bf16_parameters_pass_the_check_and_are_recorded(tmp_path):
+    solved(tmp_path, "two", TWO)
+    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--params", "bf16", "--dtype",
+                            "bf16", "--iterations", 3, "--check", "--save", "ck", "--json")
+    assert code == 0, err
+    result = report(out)
+    assert result["check"]["ok"] and "tolerance 0.02" in result["check"]["message"], result
+    assert (result["params"], result["dtype"], result["compile"]) == ("bf16", "bf16", None)
+    record = json.loads((tmp_path / "ck" / "step-00000003" / "pyplan.json").read_text())
+    assert {k: record["training"][k] for k in ("dtype", "params", "compile")} == \
+        {"dtype": "bf16", "params": "bf16", "compile": None}
+    # The checkpoint holds the fp32 masters: fp32 parameters continue from it, and say so.
+    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--dtype", "bf16", "--resume",
+                            "ck", "--iterations", 1)
+    assert code == 0, err
+    assert "two: 1 step on 2 ranks (cpu, gloo, bf16), " in out
+    assert "; changed: params fp32 (was bf16 in the checkpoint)" in out, out
