@@ -97,6 +97,17 @@ def test_run_trains_bf16_parameters_through_fp32_masters_on_gpus(tmp_path):
     assert (report["dtype"], report["params"]) == ("bf16", "bf16")
 
 
+def test_profile_records_the_cuda_kernels_and_the_blocks(tmp_path):
+    resolved = _solved(tmp_path, "profiled", TWO_STAGES.format(name="profiled", split=""))
+    _run(tmp_path, resolved, 2, "--profile", "prof", check_sync=False)  # (the profiler syncs)
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "prof" / f"rank{rank}-step3.json").read_text())
+        events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        assert any(e.get("cat") == "kernel" for e in events), "no CUDA kernel in the trace"
+        blocks = {e["name"] for e in events if "@" in e["name"] and " " not in e["name"]}
+        assert {name.split("@")[1] for name in blocks} == {"0", "1", "2", "3"}, blocks
+
+
 def test_a_tied_hugging_face_model_on_gpus(tmp_path):
     pytest.importorskip("transformers")
     shutil.copy(MODELS / "hf.py", tmp_path / "hf.py")

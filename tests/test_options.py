@@ -166,6 +166,16 @@ COMBINATIONS = {
     "_adam_options_without_adam": (["--adam-betas", "0.9,0.95"], "--adam-betas is AdamW's, "
                                    "and the run trains with sgd",
                                    ["--adam-betas", "0.9,0.95", "--optimizer", "adamw"]),
+    "_bf16_parameters_without_bf16": (["--params", "bf16"], "--params bf16 computes in bf16, "
+                                      "and --dtype is fp32",
+                                      ["--params", "bf16", "--dtype", "bf16"]),
+    "_profile_steps_needs_profile": (["--profile-steps", "1"], "--profile-steps does nothing "
+                                     "without --profile DIR",
+                                     ["--profile-steps", "1", "--profile", "p"]),
+    "_profile_steps_after_the_run": (["--profile", "p", "--profile-steps", "2"],
+                                     "--profile-steps: step 2 is never profiled: the run ends "
+                                     "at step 1", ["--profile", "p", "--profile-steps", "1,2",
+                                                   "--steps", "2"]),
 }
 
 

@@ -1,13 +1,15 @@
 """`pyplan run`'s GPU flags, shown on 2 gloo CPU ranks: --compile BACKEND (torch.compile per
 block; aot_eager here: dynamo's capture and AOTAutograd's joint forward/backward graph, as
-inductor has, without inductor's C++ build, which takes most of a minute per graph on a
-busy machine), --params bf16 (bf16 parameters, fp32 masters), each checked against the
-single-process run (--check), shown in the header and --json, recorded in the checkpoint; and
-their bad combinations refused before any worker starts."""
+inductor has, without inductor's C++ build, which took 17 s for one small graph here),
+--params bf16 (bf16 parameters, fp32 masters), each checked against the single-process run
+(--check), shown in the header and --json, recorded in the checkpoint; --profile DIR (a
+torch.profiler Chrome trace per rank and chosen step); and their bad combinations refused
+before any worker starts."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -24,6 +26,15 @@ TWO = [["0", "1", "2"], ["3", "4", "5"]]
                                               "fp16"),
     (["--compile", "inductr"], "--compile 'inductr' is not a torch.compile backend (hint: did "
                                "you mean 'inductor'?)"),
+    (["--profile-steps", "2"], "--profile-steps does nothing without --profile DIR (hint: "
+                               "give --profile, or leave --profile-steps out)"),
+    (["--profile", "p", "--profile-steps", "1,9", "--iterations", "3"],
+     "--profile-steps: step 9 is never profiled: the run ends at step 3 (hint: give steps up "
+     "to 3, or train longer)"),
+    (["--profile", "p", "--profile-steps", "2,x"], "--profile-steps '2,x' is not whole numbers "
+                                                   "from 1 to 1,000,000,000, separated by "
+                                                   "commas"),
+    (["--profile", str(VSHAPE)], f"--profile {VSHAPE}: exists and is not a folder"),
 ])
 def test_bad_combinations_are_refused_before_workers_start(options, message, cli,
                                                            outside_torchrun, no_workers):
@@ -74,3 +85,23 @@ def test_bf16_parameters_pass_the_check_and_are_recorded(tmp_path):
     assert code == 0, err
     assert "two: 1 step on 2 ranks (cpu, gloo, bf16), " in out
     assert "; changed: params fp32 (was bf16 in the checkpoint)" in out, out
+
+
+@pytest.mark.torchrun
+def test_profile_writes_a_chrome_trace_per_rank_and_step_with_the_blocks(tmp_path):
+    solved(tmp_path, "two", TWO)
+    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--iterations", 3, "--profile",
+                            "prof", "--profile-steps", "1,3", "--json")
+    assert code == 0, err
+    report(out)  # (the profiler's own lines leave stdout's JSON whole)
+    names = sorted(os.listdir(tmp_path / "prof"))
+    assert names == ["rank0-step1.json", "rank0-step3.json", "rank1-step1.json",
+                     "rank1-step3.json"]  # (nothing half-written is left beside them)
+    for rank, stage in ((0, "stage0"), (1, "stage1")):
+        for step in (1, 3):
+            trace = json.loads((tmp_path / "prof" / f"rank{rank}-step{step}.json").read_text())
+            ranges = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+            blocks = {f"{stage}{part}@{m}" for part in ("", ".b") for m in range(4)}
+            assert blocks <= ranges, sorted(ranges)[:40]
+            assert not any(n.startswith("stage") and not n.startswith(stage) and "@" in n
+                           and " " not in n for n in ranges)  # (this rank's blocks only)

@@ -19,7 +19,8 @@ from typing import Callable
 
 from pyplan.errors import PlanError
 
-__all__ = ["SEED", "Number", "duration", "name_numbers", "number", "parse_duration", "whole"]
+__all__ = ["SEED", "Number", "Steps", "duration", "name_numbers", "number", "parse_duration",
+           "whole"]
 
 
 class Number:
@@ -81,6 +82,29 @@ class Number:
             raise PlanError(f"{name}{shown!r} is not {self.describe()}") from None
 
 
+class Steps:
+    """An argparse type: a comma-separated list of whole numbers from `low` to `high`
+    (--profile-steps 3,5), as a sorted tuple without repeats; Number's interface."""
+
+    def __init__(self, low: int, high: int, option: str | None = None) -> None:
+        self.one = Number(low, high, integral=True)
+        self.option = option
+
+    def named(self, option: str) -> Steps:
+        return Steps(self.one.low, self.one.high, option=option)
+
+    def describe(self) -> str:
+        return f"whole numbers from {self.one.low:,} to {self.one.high:,}, separated by commas"
+
+    def value(self, text: str) -> tuple[int, ...]:
+        parts = text.split(",")
+        if len(parts) > 1000:  # (a bounded list: far more than anyone profiles)
+            raise ValueError(text)
+        return tuple(sorted({self.one.value(part) for part in parts}))
+
+    __call__ = Number.__call__
+
+
 def whole(low: int, high: int, **words) -> Number:
     """A whole number from `low` to `high`; `words`: texts that stand for a value."""
     return Number(low, high, integral=True, words=words)
@@ -105,7 +129,7 @@ SEED = whole(0, 2**63 - 1)
 def name_numbers(parser: argparse.ArgumentParser) -> None:
     """Give each numeric option's type its option's name, for its messages."""
     for action in parser._actions:
-        if isinstance(action.type, Number) and action.option_strings:
+        if isinstance(action.type, (Number, Steps)) and action.option_strings:
             action.type = action.type.named(action.option_strings[0])
 
 

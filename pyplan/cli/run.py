@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pyplan.cli._outputs import (check_outputs, check_resume, check_save, check_save_folder,
                                  checkpoint_reads, lock_save, model_reads)
-from pyplan.cli._numbers import SEED, Number, duration, number, whole
+from pyplan.cli._numbers import SEED, Number, Steps, duration, number, whole
 from pyplan.cli._torch import require_torch
 from pyplan.cli.launch import LAUNCH_NUMBERS, LAUNCH_OPTIONS, check_processes, launch
 from pyplan.cli.run_rules import Facts, check_rules
@@ -76,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "compare)")
     parser.add_argument("--trace", metavar="FILE",
                         help="write a Chrome/Perfetto trace of the last iteration (microseconds)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="torch.profiler around the --profile-steps: a Chrome trace per rank "
+                        "and step, DIR/rank{R}-step{S}.json (CUDA kernels too on a GPU)")
+    parser.add_argument("--profile-steps", type=Steps(1, COUNT), metavar="N,...",
+                        help="--profile: the steps profiled, as the log numbers them (default: "
+                        "the run's last)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with the results instead of the summary")
     parser.add_argument("--seed", type=SEED, default=0,
@@ -236,7 +242,7 @@ def _config_value(source, key, value, action: argparse.Action):
     if isinstance(value, (dict, list)) or value is None or isinstance(value, bool):
         raise source.error((key,), f"--config: {key} takes one value, not "
                            f"{'nothing' if value is None else type(value).__name__}")
-    numeric = isinstance(action.type, Number)
+    numeric = isinstance(action.type, (Number, Steps))
     try:
         converted = action.type.value(str(value)) if numeric else (action.type or str)(str(value))
     except (TypeError, ValueError, OverflowError):
@@ -317,6 +323,7 @@ def _check_outputs(args: argparse.Namespace, plan) -> None:
     plan_dir = (plan.plan_path or Path(plan.path)).parent
     check_outputs({"--trace": (args.trace, "file"), "--log": (args.log, "file"),
                    "--tensorboard": (args.tensorboard, "folder"),
+                   "--profile": (args.profile, "folder"),
                    "--save": (args.save, "folder")},
                   [args.plan, plan.plan_path, args.config,
                    *model_reads(plan.problem.model, plan_dir),
@@ -401,10 +408,13 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
                    "max_bad_steps", "adam_betas", "adam_eps", "optimizer", "config",
                    "iterations", "steps", "max_time", "trace", "fail_at", "perturb",
                    "tolerance", "clip_grad_norm", "save", "save_every", "resume", "device",
-                   "keep_last", "eval_every", "log", "tensorboard", "params", "compile"):
+                   "keep_last", "eval_every", "log", "tensorboard", "params", "compile",
+                   "profile", "profile_steps"):
         value, name = getattr(args, option), option.replace("_", "-")
         if option == "eval_batches" and value is None:
             value = "all"
+        if option == "profile_steps" and value is not None:
+            value = ",".join(map(str, value))
         if value is not None and value != _CONFIGURABLE[name].default:
             out += [f"--{name}", repr(value) if isinstance(value, float) else str(value)]
     return out
@@ -431,6 +441,7 @@ def _session(args, plan, model, fail_at) -> int:
                       check_steps=args.check_steps, perturb=_perturb(args.perturb),
                       fault_timeout=args.fault_timeout, fail_at=fail_at[0], device=args.device,
                       dtype=args.dtype, params=args.params, compile=args.compile,
+                      profile=args.profile, profile_steps=args.profile_steps,
                       save=args.save, save_every=args.save_every,
                       keep_last=args.keep_last, resume=args.resume, lines=not args.json,
                       log=args.log, tensorboard=args.tensorboard, eval_every=args.eval_every,

@@ -88,6 +88,15 @@ def _after_the_run(option: str, what: str):
     return rule
 
 
+def _profile_steps_after_the_run(args, facts: Facts) -> Message:
+    last = last_step(args)
+    beyond = [s for s in args.profile_steps or () if last is not None and s > last]
+    if beyond:
+        return (f"--profile-steps: step {beyond[0]} is never profiled: the run ends at step "
+                f"{last}", f"give steps up to {last}, or train longer")
+    return None
+
+
 def _launching_under_torchrun(args, facts: Facts) -> Message:
     given = [o for o in LAUNCHING if o in facts.given]
     if given and args.nproc_per_node is None:
@@ -162,6 +171,8 @@ RULES = (
     _needs("tolerance", "--check", lambda a: a.check),
     _needs("check-steps", "--check", lambda a: a.check),
     _after_the_run("save-every", "saves before the end"),
+    _needs("profile-steps", "--profile DIR", lambda a: a.profile is not None),
+    _profile_steps_after_the_run,
     _launching_under_torchrun,
     _rank_that_does_not_exist,
     _instruction_that_does_not_exist,

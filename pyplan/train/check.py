@@ -29,11 +29,13 @@ from pyplan.models.chunks import shard_dim
 from pyplan.run.binding import (Model, block_inputs, block_seeds, build, build_whole,
                                 forward_blocks, forward_seed, loss_function, make_batch,
                                 seed_generators)
+from pyplan.errors import RunError
 from pyplan.run.data import split_batch
+from pyplan.run.gradients import local
 from pyplan.run.values import concatenated
 from pyplan.train.training import Training
 
-__all__ = ["TOLERANCE", "Verdict", "compare", "gathered", "reference_run"]
+__all__ = ["TOLERANCE", "Verdict", "compare", "gathered", "perturb", "reference_run"]
 
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 1e-2}
 """--check's default relative tolerance per --dtype, for losses and gradients."""
@@ -366,3 +368,18 @@ def compare(losses: list[float], snapshots: list[dict], ref_losses: list[float],
         text += (f"; {len(evals)} evaluations match (largest relative error "
                  f"{max(_loss_error(a[1], b[1]) for a, b in zip(evals, ref_evals)):.1e})")
     return Verdict(True, text)
+
+
+def perturb(pipe, name: str) -> None:
+    """Testing aid (--perturb RANK:PARAMETER): add a small error (1e-3 of the gradient's norm,
+    in its first element) to one parameter's gradient on this rank, just before the
+    optimizer's step, as a wrong gradient computed by one stage would be: what --check must
+    catch and name."""
+    for key, param in pipe.named_parameters():
+        if key == name and param.grad is not None:
+            grad = local(param.grad)  # (a DTensor's part on this rank)
+            grad.view(-1)[0] += 1e-3 * max(float(grad.norm()), 1e-6)
+            return
+    raise RunError(f"--perturb: rank {pipe.rank} holds no parameter {name!r} with a gradient",
+                   hint="name one of the rank's parameters: " +
+                   ", ".join(k for k, _ in pipe.named_parameters()[:5]))

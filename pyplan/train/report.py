@@ -53,6 +53,10 @@ class Options:
     """The blocks' parameters: fp32, or bf16 (with dtype bf16) trained through fp32 masters."""
     compile: str | None = None
     """A torch.compile backend each block's forward is compiled with (None: eager)."""
+    profile: str | None = None
+    """--profile: the folder of the torch.profiler traces (pyplan.train.profiling)."""
+    profile_steps: tuple[int, ...] | None = None
+    """The steps profiled (1-based); None: the run's last."""
     save: str | None = None
     save_every: int | None = None
     keep_last: int | None = None

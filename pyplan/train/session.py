@@ -22,15 +22,15 @@ from pyplan.lower import COMPUTE, Lowered, describe
 import pyplan.train.checkpoint as checkpoint
 from pyplan.run.binding import Model, make_batch
 from pyplan.run.census import Census
-from pyplan.train.check import (TOLERANCE, Verdict, compare, gathered, reference_run,
-                                tokens_of)
+from pyplan.train.check import (TOLERANCE, Verdict, compare, gathered, perturb,
+                                reference_run, tokens_of)
 from pyplan.run.comm import TransferError
 from pyplan.run.devices import all_gather_objects
 from pyplan.train import flops
 from pyplan.train.faults import Watchdog
-from pyplan.run.gradients import local
 from pyplan.run.pipeline import DTYPES, Pipeline, compiled_graphs
 from pyplan.train.logs import Log
+from pyplan.train.profiling import StepProfiler
 from pyplan.train.stopping import out_of_time
 from pyplan.train.report import (Options, Report, activation_peaks, header,
                                  iteration_line, link_note, planned_memory, predicted)
@@ -162,6 +162,8 @@ class Session:
         # then: gradients, the optimizer's state), is measured: the memory census and the
         # model FLOPs; its time does not count (both cost Python per operation).
         self.census_step = first + (1 if self.iterations > 1 else 0)
+        profiler = None if opts.profile is None else \
+            StepProfiler(opts.profile, opts.profile_steps, last + 1, self.rank, pipe.device)
         try:
             for step in range(first, last + 1):
                 lr = scheduler.get_last_lr()[0] if scheduler is not None else None
@@ -170,6 +172,8 @@ class Session:
                     if opts.compile and step in (first, self.census_step):  # (a dispatch mode
                         # would make torch.compile skip the blocks for good: run them eagerly)
                         around.enter_context(torch.compiler.set_stance("force_eager"))
+                    if profiler is not None:
+                        around.enter_context(profiler.step(step + 1))
                     if step == self.census_step:
                         around.enter_context(self.census(optimizer))
                     records.append(self.one_step(optimizer, scheduler, trace=step == last,
@@ -313,7 +317,7 @@ class Session:
         else:
             norm = pipe.grad_norm()
         if opts.perturb is not None and opts.perturb[0] == self.rank:
-            _perturb(pipe, opts.perturb[1])
+            perturb(pipe, opts.perturb[1])
         if check:
             started = time.perf_counter()
             self.snapshots.append({"gradients": gathered(pipe, "gradients")})
@@ -581,18 +585,3 @@ def _sizes(inputs) -> tuple[int, int | None]:
         return 0, None
     tokens = ids.numel() if ids.dim() == 2 and not ids.is_floating_point() else None
     return ids.shape[0], tokens
-
-
-def _perturb(pipe: Pipeline, name: str) -> None:
-    """Testing aid (--perturb RANK:PARAMETER): add a small error (1e-3 of the gradient's norm,
-    in its first element) to one parameter's gradient on this rank, just before the
-    optimizer's step, as a wrong gradient computed by one stage would be: what --check must
-    catch and name."""
-    for key, param in pipe.named_parameters():
-        if key == name and param.grad is not None:
-            grad = local(param.grad)  # (a DTensor's part on this rank)
-            grad.view(-1)[0] += 1e-3 * max(float(grad.norm()), 1e-6)
-            return
-    raise RunError(f"--perturb: rank {pipe.rank} holds no parameter {name!r} with a gradient",
-                   hint="name one of the rank's parameters: " +
-                   ", ".join(k for k, _ in pipe.named_parameters()[:5]))
