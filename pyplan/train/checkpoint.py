@@ -32,6 +32,7 @@ import re
 import shutil
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,8 +50,8 @@ from pyplan.run.pipeline import Pipeline
 from pyplan.run.state import SHARD, load_state_dict, state_dict
 from pyplan.train.record import check_record
 
-__all__ = ["CheckpointError", "agree", "consolidate", "find", "load", "locate", "read_meta",
-           "save", "verify"]
+__all__ = ["CheckpointError", "Pending", "agree", "begin", "consolidate", "find", "finish",
+           "load", "locate", "read_meta", "save", "verify"]
 
 STEP = "step-{:08d}"
 _STEP = re.compile(r"step-(\d{8,})")
@@ -143,6 +144,43 @@ def save(directory: str | Path, pipe, optimizer=None, *, step: int, scheduler=No
     rename; with `keep_last`, remove all but the newest `keep_last` step folders. Returns the
     folder. `fail` ("raise" or "kill") is a testing aid: this rank fails after writing its part,
     before the checkpoint is complete."""
+    pending = begin(directory, pipe, optimizer, step=step, scheduler=scheduler, meta=meta,
+                    keep_last=keep_last, fail=fail)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(pending.state, storage_writer=pending.writer)
+        failure = None
+    except (CheckpointException, OSError) as exc:
+        failure = pending.cannot(exc)
+    return finish(pending, pipe, failure)
+
+
+@dataclass
+class Pending:
+    """A checkpoint begun: its folders, its record so far, the state DCP writes and the
+    writer (which hashes the files it wrote)."""
+
+    root: Path
+    partial: Path
+    final: Path
+    record: dict
+    keep_last: int | None
+    state: dict
+    writer: _Writer
+
+    def cannot(self, exc: BaseException) -> str:
+        """What went wrong writing it, in one line."""
+        why = _cause(exc) if isinstance(exc, CheckpointException) else \
+            getattr(exc, "strerror", None) or str(exc)
+        return f"cannot write the checkpoint of step {self.record['step']} in {self.root}: {why}"
+
+
+def begin(directory: str | Path, pipe, optimizer=None, *, step: int, scheduler=None,
+          meta: dict | None = None, keep_last: int | None = None,
+          fail: str | None = None) -> Pending:
+    """save's first half on every rank: the arguments, the record, the weights finite, the
+    folder ready; what DCP then writes (the state as it is now) into the temporary folder."""
     what = "pyplan.runtime.save"
     _arguments(what, directory, pipe, optimizer, scheduler,
                arguments.whole(what, "step", step, 0),
@@ -164,38 +202,45 @@ def save(directory: str | Path, pipe, optimizer=None, *, step: int, scheduler=No
     agree(lambda: _serializable(record))
     agree(lambda: _finite(pipe, step))
     agree(lambda: _prepare(root, partial) if pipe.rank == 0 else None)
-    state = state_dict(pipe, optimizer)
-    writer = _Writer(str(partial), fail=fail)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.save(state, storage_writer=writer)
-        failure = None
-    except CheckpointException as exc:
-        failure = f"cannot write the checkpoint of step {step} in {root}: {_cause(exc)}"
-    except OSError as exc:
-        failure = f"cannot write the checkpoint of step {step} in {root}: {exc.strerror or exc}"
+    return Pending(root, partial, final, record, keep_last, state_dict(pipe, optimizer),
+                   _Writer(str(partial), fail=fail))
+
+
+def finish(pending: Pending, pipe, failure: str | None) -> Path:
+    """save's second half on every rank, once DCP has written (`failure`: this rank's, if
+    any): on a failure anywhere the temporary folder goes and every rank raises it; else the
+    record with every file's sha256 (each rank hashed the parts it wrote, rank 0 DCP's
+    .metadata) and the rename."""
+    root, partial = pending.root, pending.partial
+    failure = next((f for f in all_gather_objects(failure) if f is not None), None)
     if failure is not None:
         agree(lambda: _discard(partial) if pipe.rank == 0 else None)
         kept = find(root)
         raise CheckpointError(failure, hint=f"{kept} is intact" if kept is not None else None)
-    # Every rank hashes a share of the files (the parts and DCP's .metadata); the record
-    # keeps them all, for load and consolidate to check.
-    shares = all_gather_objects(agree(lambda: _hashes(partial, pipe.rank, pipe.world)))
-    record["sha256"] = {name: digest for share in shares for name, digest in share.items()}
-    return agree(lambda: _complete(root, partial, final, record, keep_last)
-                   if pipe.rank == 0 else final)
+    shares = all_gather_objects(agree(lambda: {**pending.writer.hashes, **(
+        {".metadata": _sha256(partial / ".metadata")} if pipe.rank == 0 else {})}))
+    record = {**pending.record,
+              "sha256": {name: digest for share in shares for name, digest in share.items()}}
+    return agree(lambda: _complete(root, partial, pending.final, record, pending.keep_last)
+                 if pipe.rank == 0 else pending.final)
 
 
 class _Writer(dcp.FileSystemWriter):
+    """DCP's writer, which also hashes the files this rank wrote (`hashes`, by name), where it
+    wrote them (in async_save's thread for an asynchronous save)."""
+
     def __init__(self, path: str, fail: str | None) -> None:
         super().__init__(path, sync_files=True, overwrite=True)
         self.fail = fail
+        self.hashes: dict[str, str] = {}
 
     def write_data(self, plan, planner):
         written = super().write_data(plan, planner)
+        written.wait()
+        prefix, folder = plan.storage_data.prefix, Path(self.path)
+        self.hashes = {p.name: _sha256(p) for p in sorted(folder.iterdir())
+                       if p.name.startswith(prefix) and p.is_file()}
         if self.fail is not None:
-            written.wait()
             if self.fail == "kill":
                 time.sleep(0.5)  # as a save that takes a while: the others saw it start
                 os.kill(os.getpid(), 9)
@@ -211,13 +256,6 @@ def _finite(pipe, step: int) -> None:
             raise CheckpointError(f"not saving the checkpoint of step {step}: {name} holds "
                                   f"non-finite values (rank {pipe.rank})",
                                   hint="resume from the newest checkpoint with a lower --lr")
-
-
-def _hashes(folder: Path, rank: int, world: int) -> dict[str, str]:
-    """sha256 of this rank's share (every world-th, sorted by name) of the files in
-    `folder`."""
-    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != META)
-    return {name: _sha256(folder / name) for name in names[rank::world]}
 
 
 def _sha256(path: Path) -> str:
