@@ -169,6 +169,8 @@ COMBINATIONS = {
     "_bf16_parameters_without_bf16": (["--params", "bf16"], "--params bf16 computes in bf16, "
                                       "and --dtype is fp32",
                                       ["--params", "bf16", "--dtype", "bf16"]),
+    "_async_save_needs_save": (["--async-save"], "--async-save does nothing without --save "
+                               "DIR", ["--async-save", "--save", "ck"]),
     "_profile_steps_needs_profile": (["--profile-steps", "1"], "--profile-steps does nothing "
                                      "without --profile DIR",
                                      ["--profile-steps", "1", "--profile", "p"]),

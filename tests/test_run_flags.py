@@ -3,8 +3,9 @@ block; aot_eager here: dynamo's capture and AOTAutograd's joint forward/backward
 inductor has, without inductor's C++ build, which took 17 s for one small graph here),
 --params bf16 (bf16 parameters, fp32 masters), each checked against the single-process run
 (--check), shown in the header and --json, recorded in the checkpoint; --profile DIR (a
-torch.profiler Chrome trace per rank and chosen step); and their bad combinations refused
-before any worker starts."""
+torch.profiler Chrome trace per rank and chosen step); --async-save (checkpoints written
+while training goes on, as complete and checked as the synchronous ones); and their bad
+combinations refused before any worker starts."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 
 import pytest
 
-from test_checkpoints import launch, report, solved
+from test_checkpoints import launch, listing, report, solved
 from test_run_cli import VSHAPE, no_workers, outside_torchrun  # noqa: F401  (fixtures)
 
 TWO = [["0", "1", "2"], ["3", "4", "5"]]
@@ -35,6 +36,8 @@ TWO = [["0", "1", "2"], ["3", "4", "5"]]
                                                    "from 1 to 1,000,000,000, separated by "
                                                    "commas"),
     (["--profile", str(VSHAPE)], f"--profile {VSHAPE}: exists and is not a folder"),
+    (["--async-save"], "--async-save does nothing without --save DIR (hint: give --save, or "
+                       "leave --async-save out)"),
 ])
 def test_bad_combinations_are_refused_before_workers_start(options, message, cli,
                                                            outside_torchrun, no_workers):
@@ -105,3 +108,83 @@ def test_profile_writes_a_chrome_trace_per_rank_and_step_with_the_blocks(tmp_pat
             assert blocks <= ranges, sorted(ranges)[:40]
             assert not any(n.startswith("stage") and not n.startswith(stage) and "@" in n
                            and " " not in n for n in ranges)  # (this rank's blocks only)
+
+
+def _whole(folder) -> dict:
+    """Every tensor of a checkpoint (model and optimizer state), read in this process."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = folder.parent / f"{folder.parent.name}-{folder.name}.pt"
+    dcp_to_torch_save(folder, out)
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}", item)
+        else:
+            flat[prefix] = value
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+def _same(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+@pytest.mark.torchrun
+def test_async_saves_resume_exactly_as_synchronous_ones(tmp_path):
+    """The state is copied when the save starts, so the steps that run while it is written
+    change nothing in it: every tensor of both checkpoints is the synchronous run's, bit for
+    bit, and a run resumed from the asynchronous one ends where the uninterrupted one did."""
+    solved(tmp_path, "two", TWO)
+    runs = {}
+    for folder, extra in (("sync", ()), ("async", ("--async-save",))):
+        code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--iterations", 4, "--save",
+                                folder, "--save-every", 2, "--json", *extra)
+        assert code == 0, err
+        runs[folder] = report(out)
+        assert listing(tmp_path / folder) == ["step-00000002", "step-00000004"]
+    assert runs["async"]["losses"] == runs["sync"]["losses"]
+    assert runs["async"]["checkpoint"] == "async/step-00000004"
+    for step in ("step-00000002", "step-00000004"):
+        assert _same(_whole(tmp_path / "sync" / step), _whole(tmp_path / "async" / step))
+    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--resume",
+                            "async/step-00000002", "--iterations", 2, "--save", "resumed",
+                            "--async-save", "--json")
+    assert code == 0, err
+    assert report(out)["losses"] == runs["sync"]["losses"][2:]
+    assert _same(_whole(tmp_path / "sync" / "step-00000004"),
+                 _whole(tmp_path / "resumed" / "step-00000004"))
+
+
+@pytest.mark.torchrun
+def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    """Rank 1 is killed in async_save's thread, after writing its part of step 5's checkpoint,
+    while the ranks train on: the run fails naming it, step 5 stays under its temporary name,
+    and step 4 resumes as it was (its parts' sha256 checked)."""
+    solved(tmp_path, "two", TWO)
+    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--iterations", 4, "--save",
+                            "ck", "--save-every", 2, "--async-save", "--json")
+    assert code == 0, err
+    losses = report(out)["losses"]
+    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--iterations", 3, "--resume",
+                            "ck", "--save", "ck", "--save-every", 1, "--async-save",
+                            "--fail-at", "1:save:kill", "--fault-timeout", 3)
+    assert code != 0
+    assert any("rank 1 stopped responding" in e for e in err), err
+    assert listing(tmp_path / "ck") == [".step-00000005.partial", "step-00000002",
+                                        "step-00000004"]
+    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--resume", "ck/step-00000002",
+                            "--iterations", 2, "--json")
+    assert code == 0, err
+    assert report(out)["losses"] == losses[2:]
+    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--resume", "ck",
+                            "--iterations", 1, "--save", "ck", "--async-save", "--json")
+    assert code == 0, err
+    assert report(out)["resumed"]["step"] == 4
+    assert listing(tmp_path / "ck") == ["step-00000002", "step-00000004", "step-00000005"]

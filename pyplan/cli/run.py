@@ -135,6 +135,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "when it does not continue from their newest")
     parser.add_argument("--save-every", type=whole(1, COUNT), metavar="K",
                         help="with --save: also every K steps")
+    parser.add_argument("--async-save", action="store_true",
+                        help="with --save: write each checkpoint while the next steps run "
+                        "(torch.distributed.checkpoint.async_save); it is renamed into place "
+                        "once every rank has written it, the last before the run ends")
     parser.add_argument("--keep-last", type=whole(1, 10**6), metavar="N",
                         help="with --save: keep only the newest N checkpoints in DIR")
     parser.add_argument("--resume", metavar="DIR",
@@ -400,7 +404,7 @@ def _worker_arguments(args: argparse.Namespace) -> list[str]:
     """The command line of one worker: this run's options, without the launcher's, and only
     those that are not their defaults (as if given: pyplan.cli.run_rules)."""
     out = ["run", args.plan]
-    for flag in ("check", "blocking", "sync_at_end", "json", "overwrite"):
+    for flag in ("check", "blocking", "sync_at_end", "json", "overwrite", "async_save"):
         if getattr(args, flag):
             out.append(f"--{flag.replace('_', '-')}")
     for option in ("seed", "lr", "weight_decay", "lr_warmup", "fault_timeout", "dtype",
@@ -442,7 +446,7 @@ def _session(args, plan, model, fail_at) -> int:
                       fault_timeout=args.fault_timeout, fail_at=fail_at[0], device=args.device,
                       dtype=args.dtype, params=args.params, compile=args.compile,
                       profile=args.profile, profile_steps=args.profile_steps,
-                      save=args.save, save_every=args.save_every,
+                      save=args.save, async_save=args.async_save, save_every=args.save_every,
                       keep_last=args.keep_last, resume=args.resume, lines=not args.json,
                       log=args.log, tensorboard=args.tensorboard, eval_every=args.eval_every,
                       eval_batches=args.eval_batches, fail_save=fail_at[1])

@@ -171,6 +171,7 @@ RULES = (
     _needs("tolerance", "--check", lambda a: a.check),
     _needs("check-steps", "--check", lambda a: a.check),
     _after_the_run("save-every", "saves before the end"),
+    _needs("async-save", "--save DIR", lambda a: a.save is not None),
     _needs("profile-steps", "--profile DIR", lambda a: a.profile is not None),
     _profile_steps_after_the_run,
     _launching_under_torchrun,

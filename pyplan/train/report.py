@@ -59,6 +59,8 @@ class Options:
     """The steps profiled (1-based); None: the run's last."""
     save: str | None = None
     save_every: int | None = None
+    async_save: bool = False
+    """--async-save: checkpoints written while the next steps run."""
     keep_last: int | None = None
     """Checkpoints kept in --save's folder (None: all)."""
     resume: str | None = None

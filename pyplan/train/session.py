@@ -20,6 +20,7 @@ import torch.distributed as dist
 from pyplan.errors import EXIT_RUN_FAILED, PlanError, PyplanError, RunError
 from pyplan.lower import COMPUTE, Lowered, describe
 import pyplan.train.checkpoint as checkpoint
+from pyplan.train.async_checkpoint import AsyncCheckpoints
 from pyplan.run.binding import Model, make_batch
 from pyplan.run.census import Census
 from pyplan.train.check import (TOLERANCE, Verdict, compare, gathered, perturb,
@@ -63,6 +64,8 @@ class Session:
                              params=options.params)
         self.setup_seconds = time.perf_counter() - started
         pipe = self.pipe
+        self.saves = AsyncCheckpoints(pipe.timeout) \
+            if options.async_save and options.save else None
         self.lowered: Lowered = pipe.lowered
         self.problem, self.rank = pipe.problem, pipe.rank
         if options.check and self.problem.mesh.tensor > 1 and _drops(pipe):
@@ -185,6 +188,9 @@ class Session:
                 if opts.save and ((opts.save_every and (step + 1) % opts.save_every == 0)
                                   or step == last or self.stopped):
                     self.save(optimizer, step + 1, history, steps)
+                if self.saves is not None:  # the last save is waited for before the run ends
+                    done = self.saves.poll(pipe, wait=step == last or bool(self.stopped))
+                    self.saved = str(done) if done is not None else self.saved
                 if self.stopped:
                     log.say(f"  stopped after step {step + 1} of {steps}: {self.stopped}; " +
                             (f"saved {self.saved}; " if opts.save else "nothing saved (no "
@@ -434,10 +440,13 @@ class Session:
         if opts.config is not None:
             meta["config"] = opts.config
         started = time.monotonic()
-        folder = checkpoint.save(opts.save, pipe, optimizer, step=step, meta=meta,
-                                 keep_last=opts.keep_last, fail=fail)
+        if self.saves is not None:  # written while the next steps run (train: poll)
+            self.saves.start(opts.save, pipe, optimizer, step=step, meta=meta,
+                             keep_last=opts.keep_last, fail=fail)
+        else:
+            self.saved = str(checkpoint.save(opts.save, pipe, optimizer, step=step, meta=meta,
+                                             keep_last=opts.keep_last, fail=fail))
         self.save_seconds = max(self.save_seconds, time.monotonic() - started)
-        self.saved = str(folder)
 
     def report(self, first, records, events, snapshots, samples, tokens, evals) -> Report:
         pipe = self.pipe
