@@ -6,7 +6,8 @@ with CUDA events and the NCCL link measurement run too. The CUDA side of issue 3
 (tests/test_cuda_paths.py shows the rest on CPU): a caller's NCCL-only group, one GPU visible
 per process, sends never waited for, one communicator per direction, int16 over NCCL, fp16
 overflow, the fused loss in fp32 under CUDA autocast, clipping and the optimizer's step without
-a host synchronisation, a stage without parameters."""
+a host synchronisation, a stage without parameters. Issue 47's flags: --compile inductor,
+--params bf16, --profile with CUDA kernels, --async-save."""
 
 from __future__ import annotations
 
@@ -106,6 +107,20 @@ def test_profile_records_the_cuda_kernels_and_the_blocks(tmp_path):
         assert any(e.get("cat") == "kernel" for e in events), "no CUDA kernel in the trace"
         blocks = {e["name"] for e in events if "@" in e["name"] and " " not in e["name"]}
         assert {name.split("@")[1] for name in blocks} == {"0", "1", "2", "3"}, blocks
+
+
+def test_async_saves_on_gpus_resume_as_synchronous_ones(tmp_path):
+    """--async-save on CUDA: the state is staged to host memory, DCP writes it over the gloo
+    group beside NCCL; the run resumed from it continues with the synchronous run's losses."""
+    resolved = _solved(tmp_path, "saved", TWO_STAGES.format(name="saved", split=""))
+    sync = _run(tmp_path, resolved, 2, "--save", "sync", "--save-every", "1")
+    saved = _run(tmp_path, resolved, 2, "--save", "async", "--save-every", "1", "--async-save")
+    assert saved["losses"] == sync["losses"] and saved["checkpoint"] == "async/step-00000003"
+    assert sorted(p.name for p in (tmp_path / "async").iterdir()) == \
+        [f"step-0000000{s}" for s in (1, 2, 3)]
+    resumed = _run(tmp_path, resolved, 2, "--resume", "async/step-00000001", "--iterations",
+                   "2")
+    assert resumed["losses"] == sync["losses"][1:]
 
 
 def test_a_tied_hugging_face_model_on_gpus(tmp_path):

@@ -227,7 +227,12 @@ def test_a_config_file_meets_the_same_rules(rule, cli, launch_refused, tmp_path)
         return  # (options of the command line only)
     options = [o for o in refused if o != INFERENCE]
     config = tmp_path / "c.yaml"
-    config.write_text("".join(f"{o[2:]}: {v}\n" for o, v in zip(options[::2], options[1::2])))
+    pairs, i = [], 0
+    while i < len(options):  # (a flag is followed by another option or nothing: true)
+        flag = i + 1 == len(options) or options[i + 1].startswith("--")
+        pairs.append((options[i], "true" if flag else options[i + 1]))
+        i += 1 if flag else 2
+    config.write_text("".join(f"{o[2:]}: {v}\n" for o, v in pairs))
     code, _, err = cli("run", *plan_and_options([o for o in refused if o == INFERENCE],
                                                 tmp_path), "--config", config, "--dry-run")
     assert code == 2 and err.startswith(f"error: {message}"), err

@@ -10,8 +10,9 @@ A checkpoint is one folder per step, `DIR/step-00000020`: DCP's files (a part pe
 `.metadata`) and `pyplan.json` (the step, the plan's name and seal, the model, the optimizer and
 its hyper-parameters, and what the trainer adds). It is written under a temporary name beside
 the others and renamed once complete, so a save that fails, or a rank killed during it, leaves
-every earlier checkpoint as it was. The record holds the sha256 of every file (the ranks hash a
-share each); load and consolidate check them, so a flipped bit is refused, naming the file.
+every earlier checkpoint as it was. The record holds the sha256 of every file (each rank
+hashes the parts it wrote); load and consolidate check them, so a flipped bit is refused,
+naming the file.
 Weights that are not finite are never saved. Loading takes the newest complete folder and
 checks it against this run before any rank reads a tensor (every part present, whole and as
 hashed, the same model's names and shapes, the same optimizer); the ranks agree on the verdict, so a damaged checkpoint
