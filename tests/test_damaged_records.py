@@ -24,8 +24,10 @@ def accepted(name: str, kind: str, original) -> bool:
     """Whether the damage is a value of the kind pyplan writes there (the range of a float
     setting is run's options' business): a string for a string, an empty mapping or list for
     one, null where pyplan writes null, any finite float for a float setting, any integer
-    seed."""
+    seed, a string or null for compile."""
     last = name.rpartition(".")[2]
+    if last == "compile":  # a backend's name, or null: eager
+        return kind in ("null", "string")
     if kind == "null":
         return last in NULLABLE
     if last in FLOATS:
