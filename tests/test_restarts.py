@@ -52,7 +52,9 @@ def _wait_for_step(path: Path, step: int, process, timeout=120.0) -> None:
 
 
 @pytest.mark.torchrun
-def test_sigterm_saves_and_the_same_command_continues_exactly(tmp_path):
+@pytest.mark.parametrize("saving", [(), ("--async-save",)], ids=["sync", "async"])
+def test_sigterm_saves_and_the_same_command_continues_exactly(tmp_path, saving):
+    """(--async-save: the stop's save is waited for before the exit, so it is there.)"""
     solved(tmp_path, "two", TWO)
     command = [PYPLAN, "run", "two.resolved.yaml", "--nproc-per-node", "2", "--device", "cpu",
                "--optimizer", "adamw", "--steps", "6"]
@@ -60,7 +62,7 @@ def test_sigterm_saves_and_the_same_command_continues_exactly(tmp_path):
                           text=True, timeout=300)
     assert full.returncode == 0, full.stderr
     restartable = command + ["--save", "ck", "--save-every", "1", "--resume", "auto",
-                             "--log", "log.jsonl"]
+                             "--log", "log.jsonl", *saving]
     slow = {**os.environ, "LONGRUN_SLOW_FROM": "1"}  # a second per batch from batch 1 on
 
     # SIGTERM to the launcher in step 3: it passes it on; the ranks finish the step, save
