@@ -94,7 +94,7 @@ def test_bf16_parameters_pass_the_check_and_are_recorded(tmp_path):
 def test_profile_writes_a_chrome_trace_per_rank_and_step_with_the_blocks(tmp_path):
     solved(tmp_path, "two", TWO)
     code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--iterations", 3, "--profile",
-                            "prof", "--profile-steps", "1,3", "--json")
+                            "prof", "--profile-steps", "1,3", "--json", "--save", "ck")
     assert code == 0, err
     report(out)  # (the profiler's own lines leave stdout's JSON whole)
     names = sorted(os.listdir(tmp_path / "prof"))
@@ -108,6 +108,13 @@ def test_profile_writes_a_chrome_trace_per_rank_and_step_with_the_blocks(tmp_pat
             assert blocks <= ranges, sorted(ranges)[:40]
             assert not any(n.startswith("stage") and not n.startswith(stage) and "@" in n
                            and " " not in n for n in ranges)  # (this rank's blocks only)
+    # A resumed run's steps are known once it has read its checkpoint: a step before them
+    # is refused then, on every rank, before anything trains.
+    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--resume", "ck", "--iterations",
+                            2, "--profile", "prof", "--profile-steps", "2,5")
+    assert code == 2 and len(err) == 2 and len(set(err)) == 1, err
+    assert err[0] == ("error: --profile-steps: step 2 is never profiled: the run trains steps "
+                      "4 to 5 (hint: give steps from 4 to 5)"), err
 
 
 def _whole(folder) -> dict:

@@ -14,6 +14,7 @@ signal, --max-time) before the run exits.
 
 from __future__ import annotations
 
+import time
 import warnings
 from concurrent.futures import Future
 from datetime import timedelta
@@ -33,11 +34,16 @@ class AsyncCheckpoints:
         """Every rank, at the same point (it creates a process group)."""
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.pending: tuple[checkpoint.Pending, Future] | None = None
+        self.started = 0.0
+        self.seconds = 0.0
+        """The longest save so far, from its start to when it was seen complete (at most a
+        step late): what --max-time keeps free for the save at a stop, which is waited for."""
 
     def start(self, directory: str | Path, pipe, optimizer, **save) -> None:
         """checkpoint.save's arguments: wait for the save in flight, if any, then start this
         one, which returns once the state is copied."""
         self.wait(pipe)
+        self.started = time.monotonic()
         pending = checkpoint.begin(directory, pipe, optimizer, **save)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (DCP's experimental-feature warnings)
@@ -66,4 +72,6 @@ class AsyncCheckpoints:
             failure = None
         except Exception as exc:  # (DCP's CheckpointException, an OSError, gloo's error)
             failure = pending.cannot(exc)
-        return checkpoint.finish(pending, pipe, failure)
+        folder = checkpoint.finish(pending, pipe, failure)
+        self.seconds = max(self.seconds, time.monotonic() - self.started)
+        return folder

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pyplan.errors import RunError
+from pyplan.errors import PlanError, RunError
 
 __all__ = ["StepProfiler", "trace_name"]
 
@@ -27,9 +27,16 @@ def trace_name(rank: int, step: int) -> str:
 
 
 class StepProfiler:
-    def __init__(self, folder: str | Path, steps: tuple[int, ...] | None, last: int, rank: int,
-                 device: torch.device) -> None:
-        """Profile `steps` (None: `last`) on this rank, into `folder`."""
+    def __init__(self, folder: str | Path, steps: tuple[int, ...] | None, first: int,
+                 last: int, rank: int, device: torch.device) -> None:
+        """Profile `steps` (None: `last`) of the run's steps `first` .. `last` on this rank,
+        into `folder`; PlanError for a step the run does not train (a resumed run's are known
+        only now)."""
+        outside = [s for s in steps or () if not first <= s <= last]
+        if outside:
+            raise PlanError(f"--profile-steps: step {outside[0]} is never profiled: the run "
+                            f"trains steps {first} to {last}",
+                            hint=f"give steps from {first} to {last}")
         self.folder, self.rank = Path(folder), rank
         self.steps = frozenset(steps) if steps else frozenset({last})
         self.activities = [torch.profiler.ProfilerActivity.CPU]

@@ -165,8 +165,9 @@ class Session:
         # then: gradients, the optimizer's state), is measured: the memory census and the
         # model FLOPs; its time does not count (both cost Python per operation).
         self.census_step = first + (1 if self.iterations > 1 else 0)
-        profiler = None if opts.profile is None else \
-            StepProfiler(opts.profile, opts.profile_steps, last + 1, self.rank, pipe.device)
+        profiler = None if opts.profile is None else checkpoint.agree(  # (every rank says it)
+            lambda: StepProfiler(opts.profile, opts.profile_steps, first + 1, last + 1,
+                                 self.rank, pipe.device))
         try:
             for step in range(first, last + 1):
                 lr = scheduler.get_last_lr()[0] if scheduler is not None else None
@@ -191,6 +192,7 @@ class Session:
                 if self.saves is not None:  # the last save is waited for before the run ends
                     done = self.saves.poll(pipe, wait=step == last or bool(self.stopped))
                     self.saved = str(done) if done is not None else self.saved
+                    self.save_seconds = max(self.save_seconds, self.saves.seconds)
                 if self.stopped:
                     log.say(f"  stopped after step {step + 1} of {steps}: {self.stopped}; " +
                             (f"saved {self.saved}; " if opts.save else "nothing saved (no "
