@@ -68,6 +68,8 @@ def test_compiled_blocks_pass_the_check(tmp_path):
     assert result["check"]["ok"] and "tolerance 1e-05" in result["check"]["message"], result
     assert result["compile"] == "aot_eager" and result["params"] == "fp32"
     assert [r["compiled_graphs"] for r in result["rank_memory"]] == [1, 1]
+    assert (result["census_iteration"], result["compile_iteration"]) == (1, 2)  # (not timed)
+    assert result["median_seconds"] == result["iteration_seconds"][3]
 
 
 @pytest.mark.torchrun

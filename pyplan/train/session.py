@@ -495,6 +495,8 @@ class Session:
                                    zip(every, planned_memory(
                                        pipe, self.options.training.optimizer))],
                             census_iteration=self.census_step - first,
+                            compile_iteration=self.census_step - first + 1
+                            if self.options.compile else None,
                             predicted=predicted(pipe, self.options),
                             flops=(self.model_flops, self.peak_flops),
                             link_note=link_note(pipe.resolved, pipe.device.type),
