@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 
-from test_checkpoints import launch, listing, report, solved
+from test_checkpoints import PYPLAN, launch, listing, report, solved
 from test_run_cli import VSHAPE, no_workers, outside_torchrun  # noqa: F401  (fixtures)
 
 TWO = [["0", "1", "2"], ["3", "4", "5"]]
@@ -55,12 +56,27 @@ def test_params_takes_fp32_or_bf16(cli, outside_torchrun, no_workers):
                    "'bf16') (hint: pyplan run --help)\n")
 
 
+def _split(folder) -> None:
+    """two.resolved.yaml with a split backward (zero bubble's B and W)."""
+    plan = (folder / "two.yaml").read_text()
+    (folder / "two.yaml").write_text(plan.replace("time_ratio: 2}", "time_ratio: 2, "
+                                                  "weight_time_ratio: 1}"))
+    assert "weight_time_ratio" in (folder / "two.yaml").read_text()
+    result = subprocess.run([PYPLAN, "solve", "two.yaml", "--quiet"], cwd=folder,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.torchrun
-def test_compiled_blocks_pass_the_check(tmp_path):
+@pytest.mark.parametrize("split", [False, True], ids=["1f1b", "split-backward"])
+def test_compiled_blocks_pass_the_check(tmp_path, split):
     """Steps 1 and 2 run eagerly (the FLOP counter and the census are dispatch modes, under
     which torch.compile would give the blocks up for good); steps 3 and 4 run the compiled
-    graphs, which --check compares with the eager single-process run at fp32's tolerance."""
+    graphs, which --check compares with the eager single-process run at fp32's tolerance,
+    under a split backward too (each compiled region's backward runs once, in B)."""
     solved(tmp_path, "two", TWO)
+    if split:
+        _split(tmp_path)
     code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--compile", "aot_eager",
                             "--iterations", 4, "--check", "--check-steps", 4, "--json")
     assert code == 0, err
