@@ -83,8 +83,9 @@ def test_bf16_under_autocast_matches_within_its_tolerance(tmp_path):
 
 
 def test_run_compiles_blocks_with_inductor_on_gpus(tmp_path):
-    """--compile inductor: steps 3 and 4 run the compiled blocks (steps 1 and 2 run eagerly);
-    inductor's first call compiles, which may synchronise: no sync check here."""
+    """--compile inductor: steps 1, 3 and 4 run the compiled blocks (step 2, the census's,
+    runs eagerly); inductor's first call compiles, which may synchronise: no sync check
+    here."""
     resolved = _solved(tmp_path, "compiled", TWO_STAGES.format(name="compiled", split=""))
     report = _run(tmp_path, resolved, 2, "--compile", "inductor", "--iterations", "4",
                   "--check-steps", "4", check_sync=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 
 import pytest
@@ -70,10 +71,10 @@ def _split(folder) -> None:
 @pytest.mark.torchrun
 @pytest.mark.parametrize("split", [False, True], ids=["1f1b", "split-backward"])
 def test_compiled_blocks_pass_the_check(tmp_path, split):
-    """Steps 1 and 2 run eagerly (the FLOP counter and the census are dispatch modes, under
-    which torch.compile would give the blocks up for good); steps 3 and 4 run the compiled
-    graphs, which --check compares with the eager single-process run at fp32's tolerance,
-    under a split backward too (each compiled region's backward runs once, in B)."""
+    """Step 2, the census's, runs eagerly (the FLOP counter and the census are dispatch
+    modes, under which torch.compile would give the blocks up for good); steps 1, 3 and 4 run
+    the compiled graphs, which --check compares with the eager single-process run at fp32's
+    tolerance, under a split backward too (each compiled region's backward runs once, in B)."""
     solved(tmp_path, "two", TWO)
     if split:
         _split(tmp_path)
@@ -84,8 +85,8 @@ def test_compiled_blocks_pass_the_check(tmp_path, split):
     assert result["check"]["ok"] and "tolerance 1e-05" in result["check"]["message"], result
     assert result["compile"] == "aot_eager" and result["params"] == "fp32"
     assert [r["compiled_graphs"] for r in result["rank_memory"]] == [1, 1]
-    assert (result["census_iteration"], result["compile_iteration"]) == (1, 2)  # (not timed)
-    assert result["median_seconds"] == result["iteration_seconds"][3]
+    assert result["census_iteration"] == 1
+    assert result["median_seconds"] == statistics.median(result["iteration_seconds"][2:])
 
 
 @pytest.mark.torchrun

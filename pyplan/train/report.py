@@ -131,9 +131,6 @@ class Report:
     FLOP/s) when known (pyplan.train.flops)."""
     census_iteration: int | None = None
     """The iteration (counted from the first of this run) the memory census ran in: not timed."""
-    compile_iteration: int | None = None
-    """With --compile, the first iteration that ran the compiled blocks (and compiled them):
-    not timed."""
     link_note: str | None = None
     """How the prediction timed the transfers, when on one of pyplan's default links
     (link_note)."""
@@ -195,11 +192,7 @@ def summary(report: Report, lowered: Lowered, options: Options) -> list[str]:
     for r, (compute, total) in enumerate(zip(report.compute, report.iteration_seconds)):
         c, t_ = statistics.median(timed(compute, report)), statistics.median(timed(total, report))
         parts.append(f"{r}: {c * 1e3:.1f}/{max(t_ - c, 0.0) * 1e3:.1f}")
-    count, compiled = len(report.seconds), report.compile_iteration is not None
-    left_out = "" if count <= 2 else \
-        " (the first, the census's and the first compiled left out)" if compiled and count > 3 \
-        else " (the census's and the first compiled left out)" if compiled else \
-        " (the first and the census's left out)"
+    left_out = " (the first and the census's left out)" if len(report.seconds) > 2 else ""
     lines.append(f"  median iteration {median * 1e3:.1f} ms{left_out}; compute/rest per rank "
                  "(ms): " + "  ".join(parts))
     if report.predicted is not None:  # the schedule, transfers included, and the updates
@@ -311,12 +304,12 @@ def link_note(resolved, device: str) -> str | None:
 
 
 def timed(values: list, report: Report) -> list:
-    """The figures of the iterations whose time counts: all but the census's, the first
-    compiled one's (which compiles) and the first (a warm-up: first-touch allocations, the
-    transports' first messages), as long as one is left."""
-    skipped = (report.census_iteration, report.compile_iteration)
-    kept = [v for i, v in enumerate(values) if i not in skipped] or values[:1]
-    return kept[1:] if len(kept) > 1 else kept
+    """The figures of the iterations whose time counts: all but the census's and the first
+    (a warm-up: first-touch allocations, the transports' first messages, torch.compile's
+    compilation), as long as one is left."""
+    index = report.census_iteration
+    not_census = [v for i, v in enumerate(values) if i != index] if len(values) > 1 else values
+    return not_census[1:] if len(not_census) > 1 else not_census
 
 
 def planned_memory(pipe: Pipeline, optimizer: str) -> list[dict]:
@@ -377,7 +370,6 @@ def as_json(report: Report, lowered: Lowered, options: Options) -> dict:
         "prediction_note": report.link_note,
         "median_seconds": statistics.median(timed(report.seconds, report)),
         "census_iteration": report.census_iteration,
-        "compile_iteration": report.compile_iteration,
         "rank_memory": report.ranks,
         "compute_seconds": report.compute,
         "rank_iteration_seconds": report.iteration_seconds,

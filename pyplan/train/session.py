@@ -173,8 +173,8 @@ class Session:
                 lr = scheduler.get_last_lr()[0] if scheduler is not None else None
                 self.current = step + 1  # steps are named 1-based: the step just completed
                 with contextlib.ExitStack() as around:
-                    if opts.compile and step in (first, self.census_step):  # (a dispatch mode
-                        # would make torch.compile skip the blocks for good: run them eagerly)
+                    if opts.compile and step == self.census_step:  # (under its dispatch
+                        # modes torch.compile would give the blocks up for good: eager)
                         around.enter_context(torch.compiler.set_stance("force_eager"))
                     if profiler is not None:
                         around.enter_context(profiler.step(step + 1))
@@ -495,8 +495,6 @@ class Session:
                                    zip(every, planned_memory(
                                        pipe, self.options.training.optimizer))],
                             census_iteration=self.census_step - first,
-                            compile_iteration=self.census_step - first + 1
-                            if self.options.compile else None,
                             predicted=predicted(pipe, self.options),
                             flops=(self.model_flops, self.peak_flops),
                             link_note=link_note(pipe.resolved, pipe.device.type),
