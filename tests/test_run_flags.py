@@ -214,3 +214,12 @@ def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint_intact(tmp_p
     assert code == 0, err
     assert report(out)["resumed"]["step"] == 4
     assert listing(tmp_path / "ck") == ["step-00000002", "step-00000004", "step-00000005"]
+    # A write that fails (a rank raising in the writer thread): seen at a later step's end,
+    # one line on every rank, exit 2; its temporary folder goes, the others stay.
+    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--resume", "ck",
+                            "--iterations", 3, "--save", "ck", "--save-every", 1,
+                            "--async-save", "--fail-at", "1:save")
+    assert code == 2 and len(err) == 2 and len(set(err)) == 1, err
+    assert err[0] == ("error: cannot write the checkpoint of step 6 in ck: rank 1: failing on "
+                      "purpose (--fail-at RANK:save) (hint: ck/step-00000005 is intact)"), err
+    assert listing(tmp_path / "ck") == ["step-00000002", "step-00000004", "step-00000005"]

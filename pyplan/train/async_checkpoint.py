@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from pyplan.run.devices import all_gather_objects
 from pyplan.train import checkpoint
@@ -70,7 +71,7 @@ class AsyncCheckpoints:
         try:
             written.result()
             failure = None
-        except Exception as exc:  # (DCP's CheckpointException, an OSError, gloo's error)
+        except (CheckpointException, Exception) as exc:  # (DCP's is a BaseException)
             failure = pending.cannot(exc)
         folder = checkpoint.finish(pending, pipe, failure)
         self.seconds = max(self.seconds, time.monotonic() - self.started)
