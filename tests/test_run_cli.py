@@ -185,11 +185,11 @@ def test_the_clis_choices_are_the_runtimes():
     pytest.importorskip("torch")
     from pyplan.cli import run
     from pyplan.run.devices import DEVICES
-    from pyplan.run.pipeline import DTYPES
+    from pyplan.run.pipeline import DTYPES, PARAMS
     from pyplan.train.training import OPTIMIZERS, SCHEDULES
 
-    assert (run.DEVICES, run.DTYPES, run.OPTIMIZERS, run.SCHEDULES) == \
-        (DEVICES, tuple(DTYPES), OPTIMIZERS, SCHEDULES)
+    assert (run.DEVICES, run.DTYPES, run.OPTIMIZERS, run.SCHEDULES, run.PARAMS) == \
+        (DEVICES, tuple(DTYPES), OPTIMIZERS, SCHEDULES, PARAMS)
 
 
 def test_the_clis_torch_free_copies_are_the_runtimes():
