@@ -35,7 +35,7 @@ __all__ = ["DEVICES", "DTYPES", "OPTIMIZERS", "PARAMS", "SCHEDULES", "add_argume
 # here so that the CLI parses without importing torch (tests/test_run_cli.py checks they agree).
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
-PARAMS = ("fp32", "bf16")  # (pyplan.run.pipeline.PARAMS)
+PARAMS = ("fp32", "bf16")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "linear", "cosine")
 # The numeric options' ceilings: far above any real run, far below what overflows a count,
