@@ -78,6 +78,8 @@ COMMANDS = {  # (command, output flag): its arguments, OUT standing for the outp
                         "config.yaml",
     ("run", "--tensorboard"): "run m.resolved.yaml --dry-run --resume ckpt --tensorboard OUT "
                               "--config config.yaml",
+    ("run", "--profile"): "run m.resolved.yaml --dry-run --resume ckpt --profile OUT --config "
+                          "config.yaml",
     ("run", "--save"): "run m.resolved.yaml --dry-run --resume ckpt/step-00000002 --save OUT "
                        "--config config.yaml",
     ("consolidate", "-o"): "consolidate m.resolved.yaml ckpt -o OUT",
@@ -156,7 +158,7 @@ def test_outputs_may_not_name_each_other_nor_be_empty(ws, cli, monkeypatch, tmp_
                        "--tensorboard", tmp_path / "x")
     assert code == 2 and err == (f"error: --log and --tensorboard both name {tmp_path / 'x'} "
                                  "(hint: give them different files)\n")
-    for flag in ("--save", "--log", "--tensorboard", "--trace"):
+    for flag in ("--save", "--log", "--tensorboard", "--trace", "--profile"):
         code, _, err = cli("run", "m.resolved.yaml", "--dry-run", flag, "")
         assert code == 2 and err.startswith(f"error: {flag} '': an empty path"), err
         code, _, err = cli("run", "m.resolved.yaml", "--dry-run", flag, "a\0b")
@@ -180,7 +182,7 @@ def test_a_folder_output_that_is_a_file_fifo_or_device_is_refused_first(ws, cli,
     monkeypatch.chdir(ws)
     (tmp_path / "file").write_text("mine")
     os.mkfifo(tmp_path / "fifo")
-    for flag in ("--tensorboard", "--save"):
+    for flag in ("--tensorboard", "--save", "--profile"):
         for path in (tmp_path / "file", tmp_path / "fifo", "/dev/null", "/proc/self/status"):
             code, out, err = cli("run", "m.resolved.yaml", "--dry-run", flag, path)
             assert (code, out) == (2, "")
