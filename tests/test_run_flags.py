@@ -192,12 +192,12 @@ def test_async_saves_resume_exactly_as_synchronous_ones(tmp_path):
 def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint_intact(tmp_path):
     """Rank 1 is killed in async_save's thread, after writing its part of step 5's checkpoint,
     while the ranks train on: the run fails naming it, step 5 stays under its temporary name,
-    and step 4 resumes as it was (its parts' sha256 checked)."""
+    and step 4 resumes (its parts' sha256 checked: as it was)."""
     solved(tmp_path, "two", TWO)
     code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--iterations", 4, "--save",
                             "ck", "--save-every", 2, "--async-save", "--json")
     assert code == 0, err
-    losses = report(out)["losses"]
+    kept = {p.name: p.read_bytes() for p in (tmp_path / "ck" / "step-00000004").iterdir()}
     code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--iterations", 3, "--resume",
                             "ck", "--save", "ck", "--save-every", 1, "--async-save",
                             "--fail-at", "1:save:kill", "--fault-timeout", 3)
@@ -205,10 +205,8 @@ def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint_intact(tmp_p
     assert any("rank 1 stopped responding" in e for e in err), err
     assert listing(tmp_path / "ck") == [".step-00000005.partial", "step-00000002",
                                         "step-00000004"]
-    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--resume", "ck/step-00000002",
-                            "--iterations", 2, "--json")
-    assert code == 0, err
-    assert report(out)["losses"] == losses[2:]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ck" / "step-00000004").iterdir()} \
+        == kept
     code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--resume", "ck",
                             "--iterations", 1, "--save", "ck", "--async-save", "--json")
     assert code == 0, err
