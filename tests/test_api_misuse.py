@@ -321,6 +321,15 @@ sys.stdout.write("".join(f"{rank} {line}\\n" for line in lines))  # one write
 """.replace("import os\n", "import math\nimport os\n", 1)
 
 
+def _two_ranks(folder) -> None:
+    """p.resolved.yaml in `folder`: blocks a and b on two devices, misuse.py beside it."""
+    (folder / "misuse.py").write_text(MODEL)
+    (folder / "p.yaml").write_text(PLAN.format(name="two", blocks="block", loss="loss")
+                                     .replace("devices: 1", "devices: 2")
+                                     .replace("name: b, devices: [0]", "name: b, devices: [1]"))
+    assert main(["solve", str(folder / "p.yaml"), "--quiet"]) == 0
+
+
 @pytest.mark.torchrun
 def test_one_ranks_bad_argument_is_every_ranks_error(tmp_path):
     """Rank 1 alone passes a bad argument (rank 0 for clipping): both ranks raise the same
@@ -328,11 +337,7 @@ def test_one_ranks_bad_argument_is_every_ranks_error(tmp_path):
     "connection closed"), and both step on after it."""
     from warm_torchrun import torchrun
 
-    (tmp_path / "misuse.py").write_text(MODEL)
-    (tmp_path / "p.yaml").write_text(PLAN.format(name="two", blocks="block", loss="loss")
-                                     .replace("devices: 1", "devices: 2")
-                                     .replace("name: b, devices: [0]", "name: b, devices: [1]"))
-    assert main(["solve", str(tmp_path / "p.yaml"), "--quiet"]) == 0
+    _two_ranks(tmp_path)
     (tmp_path / "same_error.py").write_text(SAME_ERROR)
     result = torchrun("same_error.py", "p.resolved.yaml", nproc=2, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -385,11 +390,7 @@ def test_a_pipeline_after_a_closed_one_joins_a_new_world(tmp_path):
     computes the same loss from the same seed."""
     from warm_torchrun import torchrun
 
-    (tmp_path / "misuse.py").write_text(MODEL)
-    (tmp_path / "p.yaml").write_text(PLAN.format(name="two", blocks="block", loss="loss")
-                                     .replace("devices: 1", "devices: 2")
-                                     .replace("name: b, devices: [0]", "name: b, devices: [1]"))
-    assert main(["solve", str(tmp_path / "p.yaml"), "--quiet"]) == 0
+    _two_ranks(tmp_path)
     (tmp_path / "again.py").write_text(AGAIN)
     result = torchrun("again.py", "p.resolved.yaml", nproc=2, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -139,22 +139,23 @@ def test_a_plan_partition_prices_per_tensor_rank_trains_the_single_process_model
     _checked(partitioned, "llama2-tp.resolved.yaml")
 
 
+def _losses(folder: Path, resolved: str, iterations: int, *extra) -> list[float]:
+    """The losses of an AdamW run of `resolved` on 4 CPU ranks (its --json report)."""
+    done = _pyplan(folder, "run", resolved, "--nproc-per-node", 4, "--iterations", iterations,
+                   "--json", "--optimizer", "adamw", "--device", "cpu", *extra)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])["losses"]
+
+
 @pytest.mark.torchrun
 def test_a_checkpoint_resumes_under_another_mesh_to_the_same_losses(partitioned):
     """Saved by 2 replicas (the gradients all-reduced), resumed by 2 FSDP shards: DCP reshards
     the parameters and AdamW's moments; the losses are an uninterrupted run's."""
     replicated = _meshed(partitioned, "gpt2", "{data: 2}", "gpt2-replicated")
     sharded = _meshed(partitioned, "gpt2", "{data: 1, shard: 2}", "gpt2-sharded")
-    options = ("--json", "--optimizer", "adamw", "--device", "cpu")
-
-    def losses(resolved, iterations, *extra):
-        done = _pyplan(partitioned, "run", resolved, "--nproc-per-node", 4, "--iterations",
-                       iterations, *options, *extra)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])["losses"]
-    whole = losses(replicated, 4)
-    first = losses(replicated, 2, "--save", "ck")
-    second = losses(sharded, 2, "--resume", "ck")
+    whole = _losses(partitioned, replicated, 4)
+    first = _losses(partitioned, replicated, 2, "--save", "ck")
+    second = _losses(partitioned, sharded, 2, "--resume", "ck")
     assert first + second == whole
 
 
@@ -166,17 +167,11 @@ def test_packed_tensor_parallel_weights_save_and_resume_under_another_mesh(parti
     sums in another order); DCP refused the save before."""
     tensor = _meshed(partitioned, "gpt2-nodrop", "{tensor: 2}", "gpt2-tp-saved")
     data = _meshed(partitioned, "gpt2-nodrop", "{data: 2}", "gpt2-dp-resumed")
-    options = ("--json", "--optimizer", "adamw", "--device", "cpu")
-
-    def losses(resolved, iterations, *extra):
-        done = _pyplan(partitioned, "run", resolved, "--nproc-per-node", 4, "--iterations",
-                       iterations, *options, *extra)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])["losses"]
-    whole = losses(tensor, 4)
-    assert losses(tensor, 2, "--save", "tp-ck") == whole[:2]
-    assert losses(tensor, 2, "--resume", "tp-ck") == whole[2:]
-    assert losses(data, 2, "--resume", "tp-ck") == pytest.approx(whole[2:], rel=1e-6)
+    whole = _losses(partitioned, tensor, 4)
+    assert _losses(partitioned, tensor, 2, "--save", "tp-ck") == whole[:2]
+    assert _losses(partitioned, tensor, 2, "--resume", "tp-ck") == whole[2:]
+    assert _losses(partitioned, data, 2, "--resume", "tp-ck") == pytest.approx(whole[2:],
+                                                                              rel=1e-6)
 
 
 @pytest.mark.torchrun
