@@ -33,8 +33,8 @@ from torch import nn
 
 from pyplan.models.deferred import move
 
-__all__ = ["ForwardStage", "call_order", "decoder_layers", "logits", "observe", "prune",
-           "stand_in", "units", "whole_forward"]
+__all__ = ["ForwardStage", "call_order", "decoder_layers", "hidden_position", "logits",
+           "observe", "prune", "stand_in", "units", "whole_forward"]
 
 
 def decoder_layers(model: nn.Module) -> str | None:
@@ -171,7 +171,7 @@ def logits(output):
     return output if found is None else found
 
 
-def _hidden_position(args: tuple, kwargs: dict):
+def hidden_position(args: tuple, kwargs: dict):
     """Where a module call's hidden states are: its first positional tensor, else the
     `hidden_states` keyword, else its first tensor keyword."""
     if args and isinstance(args[0], torch.Tensor):
@@ -263,7 +263,7 @@ class ForwardStage(nn.Module):
     def _enter(self, module, args, kwargs):
         if self.calls.stage is not self:
             return None
-        where = _hidden_position(args, kwargs)
+        where = hidden_position(args, kwargs)
         if where is None:
             raise RuntimeError(f"the stage's first module {self.entry_name} was called without "
                                "a tensor to replace with the received hidden states")
@@ -275,7 +275,7 @@ class ForwardStage(nn.Module):
     def _leave(self, module, args, kwargs):
         if self.calls.stage is not self:
             return None
-        where = _hidden_position(args, kwargs)
+        where = hidden_position(args, kwargs)
         if where is None:
             raise RuntimeError(f"the next stage's first module {self.exit_name} was called "
                                "without hidden states to hand on")
@@ -316,7 +316,7 @@ def _restore_rng(state) -> None:
 def _through(args: tuple, kwargs: dict, returns: int):
     """A layer call's hidden states, handed on as the layer would return them: alone
     (`returns` 0), or first in a tuple of `returns` (None for the rest)."""
-    where = _hidden_position(args, kwargs)
+    where = hidden_position(args, kwargs)
     hidden = args[where] if isinstance(where, int) else kwargs[where]
     return (hidden,) + (None,) * (returns - 1) if returns else hidden
 

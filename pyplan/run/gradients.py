@@ -96,6 +96,7 @@ class Reductions:
     def __init__(self, program, params: Slots, groups: dict, *, data_parallel=None,
                  tied=frozenset(), sync_at_end: bool = False) -> None:
         self.program, self.params, self.groups = program, params, groups
+        self.distributed: list | None = None  # the DTensor parameters, once finish() looks
         self.data_parallel = data_parallel
         self.tied = tied
         """ids of tied parameters whose gradients the tie's all-reduce sums over every rank
@@ -151,15 +152,16 @@ class Reductions:
         each rank's from its slice) is summed now, once per iteration (FSDP2 sums them in its
         reduction)."""
         if self.data_parallel is None:
-            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor import DTensor, Replicate
 
-            for params in self.params.items():
-                for p in params[1]:
-                    grad = p.grad
-                    if grad is not None and any(x.is_partial() for x in
-                                                getattr(grad, "placements", ())):
-                        p.grad = grad.redistribute(placements=[
-                            Replicate() if x.is_partial() else x for x in grad.placements])
+            if self.distributed is None:  # (found once: the parameters do not change)
+                self.distributed = [p for _, params in self.params.items() for p in params
+                                    if isinstance(p, DTensor)]
+            for p in self.distributed:
+                grad = p.grad
+                if grad is not None and any(x.is_partial() for x in grad.placements):
+                    p.grad = grad.redistribute(placements=[
+                        Replicate() if x.is_partial() else x for x in grad.placements])
             return
         try:
             for block in self.deferred:

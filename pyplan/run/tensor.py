@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from pyplan.errors import PlanError, RunError
 from pyplan.models.collectives import all_reduce_, summed_gradient
-from pyplan.models.forward import _hidden_position, decoder_layers
+from pyplan.models.forward import hidden_position, decoder_layers
 
 __all__ = ["STYLES", "TensorRandom", "parallelize", "sequence_modules", "tensor_plan"]
 
@@ -206,7 +206,7 @@ class _HiddenStates(ParallelStyle):
         layout, desired = self.prepare.input_layouts[0], self.prepare.desired_input_layouts[0]
 
         def hook(_module, args, kwargs):
-            where = _hidden_position(args, kwargs)
+            where = hidden_position(args, kwargs)
             if where is None:
                 return None
             value = args[where] if isinstance(where, int) else kwargs[where]
