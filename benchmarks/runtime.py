@@ -25,7 +25,8 @@ are bound by the CPU time of all of them): 1F1B and GPipe over 2 stages of 4 lay
 interleaved 1F1B over 4 stages of 2 layers, 2 per rank (the plan gets the memory torch's
 interleaved order takes on the first rank: 5 micro-batch stages); beside the times, each
 case's CPU time per iteration summed over the ranks (getrusage: the work each runtime does,
-whatever else the machine runs).
+whatever else the machine runs); then how long rank 1 waits for a message its peer sent while
+it was busy, its receive posted before or after (why pyplan posts receives early).
 
 The script solves the plans it needs into a temporary directory and re-launches itself under
 torchrun; the workers run every case in turn (in reverse on odd rounds), `rounds` times, in the
@@ -382,7 +383,36 @@ def worker_two(directory: Path, rounds: int) -> None:
             print_ratio(rounds_of, f"{label} (time)", slow, fast, width=50)
             print(f"{label + ' (CPU time)':50} "
                   f"{per_iteration[slow] / per_iteration[fast]:.2f}x")
+    receive_posting()
     dist.destroy_process_group()
+
+
+def receive_posting(repeats: int = 60) -> None:
+    """Why pyplan posts a receive early (pyplan.lower._early_receives): rank 1 waits for one
+    activation-sized message (64 KB) rank 0 sent while rank 1 was busy (a 10 ms sleep), its
+    receive posted before the busy time or only after it; medians of the waits."""
+    import torch
+    import torch.distributed as dist
+
+    rank, sent = dist.get_rank(), torch.randn(16384)
+    waits: dict[str, list[float]] = {"early": [], "late": []}
+    for k in range(repeats):
+        posting = "late" if k % 2 else "early"
+        dist.barrier()
+        if rank == 0:
+            dist.isend(sent, 1).wait()
+        elif rank == 1:
+            buffer = torch.empty_like(sent)
+            work = dist.irecv(buffer, 0) if posting == "early" else None
+            time.sleep(0.01)
+            started = time.perf_counter()
+            work = work or dist.irecv(buffer, 0)
+            work.wait()
+            waits[posting].append(time.perf_counter() - started)
+    if rank == 1:
+        early, late = (statistics.median(waits[p][5:]) * 1e3 for p in ("early", "late"))
+        print(f"a 64 KB receive posted before the sender sent: waited {early:.3f} ms; posted "
+              f"after: {late:.3f} ms (median of {repeats // 2 - 5})", flush=True)
 
 
 def run_rounds(cases, rounds: int, cpu: dict[str, float] | None = None

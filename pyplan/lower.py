@@ -6,6 +6,8 @@ per-device orders), fixes where every rank posts its sends and receives. Each SE
 sits right after the block instance that produces its tensor, at the same place on both ranks,
 so the pairs between two ranks are posted in the same order on both sides and cannot cross;
 each WAIT sits right before the first block instance on its rank that consumes the tensor.
+With non-blocking communication a receive then moves up to where the one before it from the
+same rank has been waited for (`_early_receives`: the data moves while the receiver computes).
 
 Routing of a tensor between a producer on devices P and a consumer on devices C: an activation
 (one tensor, the same on every device of P) goes to each device of C that is not in P from the
@@ -100,10 +102,13 @@ def global_order(problem: Problem, schedule: Schedule) -> tuple[tuple[int, int],
     return tuple(order)
 
 
-def lower(problem: Problem, schedule: Schedule) -> Lowered:
+def lower(problem: Problem, schedule: Schedule, *, early_receives: bool = True) -> Lowered:
     """Per-rank programs for one iteration (all micro-batches) of a schedule, for every rank of
-    every data-parallel replica."""
+    every data-parallel replica; `early_receives`: receives posted ahead (`_early_receives`:
+    non-blocking communication only)."""
     pipeline = _pipeline(problem, schedule)
+    if early_receives:
+        pipeline = [_early_receives(problem, program) for program in pipeline]
     programs = [_with_syncs(problem, schedule, d, program) for d, program in enumerate(pipeline)]
     mesh = problem.mesh
     world = [_moved(programs[device], mesh, device, data_index, tensor_index)
@@ -195,6 +200,51 @@ def _pipeline(problem: Problem, schedule: Schedule) -> list[list[Instruction]]:
                     programs[d].append(Instruction(REDUCE, seq, block.index, -1,
                                                    group=block.devices))
     return programs
+
+
+def _early_receives(problem: Problem, program: list[Instruction]) -> list[Instruction]:
+    """The program with each receive posted as soon as the one before it from the same rank
+    has been waited for, rather than where the global order puts its send: gloo (and NCCL)
+    move the data once the receive is posted, so a receive posted at the global order's place,
+    which a real run often reaches after its sender has sent, costs a round trip in the wait
+    that follows (benchmarks/runtime.py). From each rank the receives keep their order
+    (messages match in posting order), a gradient's comes after the forward whose output
+    shapes it, and the first activation of a stream stays: posting it blocks on the header
+    with its shapes (pyplan.run.comm), which its sender may send only later."""
+    out: list[Instruction] = []
+    free: dict[int, int | None] = {}  # peer -> the earliest place for its next receive
+    last: dict[int, Value] = {}  # peer -> its last receive so far
+    forwards: dict[tuple[int, int], int] = {}  # (forward block, micro-batch) -> place
+    streams: set[tuple[int, int]] = set()  # (peer, producer) whose header has come
+
+    def insert(at: int, ins: Instruction) -> None:
+        out.insert(at, ins)
+        for table in (free, forwards):
+            for key, where in table.items():
+                if where is not None and where >= at:
+                    table[key] = where + 1
+
+    for ins in program:
+        if ins.op == RECV:
+            value, peer = ins.value, ins.peer
+            if value.kind == ACTIVATION and (peer, value.block) not in streams:
+                streams.add((peer, value.block))
+                at = len(out)
+            else:
+                at = free.get(peer, 0)
+                at = len(out) if at is None else at
+                if value.kind == GRADIENT:
+                    layer = problem.by_name[problem.blocks[value.consumer].layer]
+                    at = max(at, forwards[(layer, value.micro_batch)] + 1)
+            insert(at, ins)
+            free[peer], last[peer] = None, value  # the next: not before this one's wait
+        else:
+            if ins.op == WAIT and last.get(ins.peer) == ins.value:
+                free[ins.peer] = len(out) + 1
+            elif ins.op == COMPUTE and problem.blocks[ins.block].is_forward:
+                forwards[(ins.block, ins.micro_batch)] = len(out)
+            out.append(ins)
+    return out
 
 
 def forward_only(lowered: Lowered) -> Lowered:

@@ -28,12 +28,47 @@ SOLVED = ["tessel-nnshape", "tessel-xshape", "zero-bubble", "interleaved-1f1b",
           "alphafold2-3f1b", "tessel-kshape-inference"]
 
 
-def _lowered(name: str):
+def _scheduled(name: str):
     if name in EXAMPLES:
         plan = load_resolved(PLANS / f"{name}.resolved.yaml")
-        return lower(plan.problem, plan.schedule)
+        return plan.problem, plan.schedule
     problem = load_problem(PLANS / f"{name}.yaml")
-    return lower(problem, solve(problem).schedule)
+    return problem, solve(problem).schedule
+
+
+def _lowered(name: str, early_receives: bool = True):
+    return lower(*_scheduled(name), early_receives=early_receives)
+
+
+def _verified_both_ways(problem, schedule):
+    """The programs verify with non-blocking communication and receives posted early, and
+    with blocking communication at the global order's places; the early ones differ only in
+    where receives sit, each no later than its place (relative to the rest) and in the same
+    order per sender; gradient receives come after the forward that shapes them."""
+    early = lower(problem, schedule)
+    plain = lower(problem, schedule, early_receives=False)
+    verify(early)
+    verify(plain, blocking=True)
+    for ours, theirs in zip(early.programs, plain.programs):
+        assert [i for i in ours if i.op != RECV] == [i for i in theirs if i.op != RECV]
+        assert len(ours) == len(theirs)
+        for peer in {i.peer for i in ours if i.op == RECV}:
+            assert [i for i in ours if i.op == RECV and i.peer == peer] == \
+                [i for i in theirs if i.op == RECV and i.peer == peer]
+
+            assert _most_in_flight(ours, peer) <= max(_most_in_flight(theirs, peer), 1)
+
+        def rest_before(program, ins):  # how many other instructions precede `ins`
+            return sum(1 for i in program[:program.index(ins)] if i.op != RECV)
+
+        for ins in (i for i in theirs if i.op == RECV):
+            assert rest_before(ours, ins) <= rest_before(theirs, ins)
+            if ins.value.kind == GRADIENT:
+                layer = problem.by_name[problem.blocks[ins.value.consumer].layer]
+                forward = next(i for i in ours if i.op == COMPUTE and i.block == layer and
+                               i.micro_batch == ins.value.micro_batch)
+                assert ours.index(forward) < ours.index(ins)
+    return early
 
 
 def _pairs_in_order(lowered) -> None:
@@ -51,16 +86,27 @@ def _waits_right_before_consumers(lowered) -> None:
     for program in lowered.programs:
         for k, ins in enumerate(program):
             if ins.op == WAIT:
-                after = next(i for i in program[k:] if i.op != WAIT)
+                after = next(i for i in program[k:] if i.op not in (WAIT, RECV))
                 assert after.op == COMPUTE and ins.value in after.inputs
                 assert (after.block, after.micro_batch) == (ins.block, ins.micro_batch)
 
 
 @pytest.mark.parametrize("name", EXAMPLES + SOLVED)
+def _most_in_flight(program, peer: int) -> int:
+    """The most receives from `peer` posted and not yet waited for at once."""
+    posted, most = set(), 0
+    for ins in program:
+        if ins.op == RECV and ins.peer == peer:
+            posted.add(ins.value)
+            most = max(most, len(posted))
+        elif ins.op == WAIT:
+            posted.discard(ins.value)
+    return most
+
+
+@pytest.mark.parametrize("name", EXAMPLES + SOLVED)
 def test_plans_lower_to_verified_programs(name):
-    lowered = _lowered(name)
-    verify(lowered)
-    verify(lowered, blocking=True)
+    lowered = _verified_both_ways(*_scheduled(name))
     _pairs_in_order(lowered)
     _waits_right_before_consumers(lowered)
     problem = lowered.problem
@@ -119,9 +165,7 @@ def scheduled_problems(draw):
 @given(scheduled_problems())
 def test_random_schedules_lower_to_verified_programs(case):
     problem, schedule = case
-    lowered = lower(problem, schedule)
-    verify(lowered)
-    verify(lowered, blocking=True)
+    lowered = _verified_both_ways(problem, schedule)
     _pairs_in_order(lowered)
     _waits_right_before_consumers(lowered)
 
@@ -162,7 +206,7 @@ def test_missing_first_send_makes_the_later_pairs_cross():
 
 
 def test_crossed_receives_are_refused():
-    lowered = _lowered("transformer-vshape")
+    lowered = _lowered("transformer-vshape", early_receives=False)
 
     def swap(program):
         first = _index(program, RECV, lambda i: i.peer == 0)
@@ -272,7 +316,7 @@ def _crossing_pair():
                        "  - {name: b, time: 1, devices: [1], after: []}\n"
                        "  - {name: c, time: 1, devices: [0], after: [b]}\n"
                        "  - {name: d, time: 1, devices: [1], after: [a, c]}\n")
-    return lower(problem, solve(problem).schedule)
+    return lower(problem, solve(problem).schedule, early_receives=False)
 
 
 def test_send_before_receive_on_both_sides_deadlocks_only_when_blocking():

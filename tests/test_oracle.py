@@ -128,12 +128,16 @@ from pyplan.run.binding import make_batch
 batch = 0
 for step in range(3):
     optimizer.zero_grad()
-    for _ in range(4):                       # accumulate 4 global batches per step
+    for k in range(4):                       # accumulate 4 global batches per step
         inputs, labels = make_batch(pipe.model, batch, 0, torch.device("cpu"))
         batch += 1
-        pipe.step(inputs, labels)
+        pipe.step(inputs, labels, grad_norm=k == 3)
     for p in pipe.parameters():
         p.grad.div_(4)
+    # The norm the last step found with its inf/NaN check, of the 4 steps' sum: the norm
+    # grad_norm's own collective finds (tied copies counted once in both).
+    assert torch.allclose(pipe.step_norm / 4, pipe.grad_norm(), rtol=1e-6), pipe.step_norm
+    pipe.clip_grads_with_norm_(1e6, pipe.step_norm / 4)  # (far above it: changes nothing)
     pipe.step_optimizer(optimizer)
 save("ck", pipe, optimizer, step=3)
 pipe.close()

@@ -120,6 +120,8 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
     assert [r.get("skipped") for r in steps] == [
         None, "a non-finite gradient on rank 0 (stage0)", None, None]
     assert all(r["loss"] == r["loss"] for r in (steps[0], *steps[2:]))  # finite after it
+    # The skipped step's norm is not finite (the log has no NaN: null); the others' are.
+    assert steps[1]["grad_norm"] is None and all(r["grad_norm"] > 0 for r in steps[2:])
     assert "SKIPPED: a non-finite gradient on rank 0 (stage0)" in out
     code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--iterations", 6,
                             "--save", "ck", "--save-every", "1", env={"LONGRUN_NAN_AT": "1,2,3"})

@@ -97,10 +97,10 @@ def test_dry_run_prints_verified_programs(cli, outside_torchrun):
     lines = out.splitlines()
     assert lines[0] == ("gpt-mshape-blocks: 96 block instances on 4 ranks; verified: no "
                         "send/recv pair can cross or block forever, and every collective is reached by all "
-                        "its ranks in the same order (non-blocking and blocking)")
+                        "its ranks in the same order (non-blocking communication)")
     assert "rank 0: 98 instructions (48 compute, 16 send, 16 recv, 16 wait)" in lines
     assert "     0 compute embed@0 on ranks 0-3" in lines
-    assert "     8 wait for stage3@0 output from rank 3 before head@0" in lines
+    assert "     9 wait for stage3@0 output from rank 3 before head@0" in lines
 
 
 def test_dry_run_verifies_every_replica_and_its_gradient_syncs(cli, outside_torchrun):

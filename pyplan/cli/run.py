@@ -271,9 +271,8 @@ def run(args: argparse.Namespace) -> int:
                         hint="add model: {blocks: ..., data: ..., loss: ...} and re-run "
                         "pyplan solve", file=plan.plan_path and str(plan.plan_path))
     check_runnable(problem)
-    lowered = lower(problem, plan.schedule)
-    verify(lowered)
-    verify(lowered, blocking=True)
+    lowered = lower(problem, plan.schedule, early_receives=not args.blocking)
+    verify(lowered, blocking=args.blocking)
     check_rules(args, Facts(getattr(args, "_given", frozenset()),
                             programs=[len(p) for p in lowered.programs],
                             optimizer=_trains_with(args.optimizer, problem.model),
@@ -282,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         _check_backend(args.compile)
     plan_dir = (plan.plan_path or Path(plan.path)).parent
     if args.dry_run:
-        _print_programs(lowered)
+        _print_programs(lowered, args.blocking)
         print(_model_check(problem, plan_dir, _source(plan)))
         return 0
     lock_save(args.save)
@@ -539,15 +538,15 @@ def _perturb(value: str | None) -> tuple[int, str] | None:
     return int(rank), name
 
 
-def _print_programs(lowered) -> None:
+def _print_programs(lowered, blocking: bool) -> None:
     problem = lowered.problem
     ranks = len(lowered.programs)
     where = f"{ranks} ranks" if ranks == problem.num_devices else \
         f"{problem.mesh.describe(problem.num_devices)} ({ranks} ranks)"
     print(f"{problem.name}: {len(lowered.order)} block instances on {where}; "
           "verified: no send/recv pair can cross or block forever, and every "
-          "collective is reached by all its ranks in the same order (non-blocking and "
-          "blocking)")
+          "collective is reached by all its ranks in the same order ("
+          f"{'blocking' if blocking else 'non-blocking'} communication)")
     for rank, program in enumerate(lowered.programs):
         counts = {op: sum(1 for i in program if i.op == op)
                   for op in (COMPUTE, SEND, RECV, WAIT, SYNC)}

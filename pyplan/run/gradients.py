@@ -18,6 +18,7 @@ from pyplan.models.chunks import shard_dim
 from pyplan.models.collectives import all_reduce_
 from pyplan.run.binding import Built
 from pyplan.run.comm import transfer_error
+from pyplan.run.data import describe
 from pyplan.run.devices import agree_on_error, device_backend
 
 __all__ = ["MasterWeights", "PipelineGradients", "Reductions", "Slots", "flat_gradients",
@@ -279,11 +280,14 @@ class PipelineGradients:
             except RuntimeError as exc:
                 raise transfer_error(exc) from exc
 
-    def _unscale(self, loss: torch.Tensor | None) -> None:
+    def _unscale(self, loss: torch.Tensor | None, norm: bool = False) -> None:
         """Every gradient divided by the loss scale (fp16; 1 otherwise) and checked for
         inf/NaN at once (torch's foreach kernel, as GradScaler), with this rank's loss; the
         verdicts of every rank all-reduced in one collective (a rank without parameters too)
-        and read once, after the iteration. After a non-finite gradient or loss anywhere,
+        and read once, after the iteration. With `norm`, the gradients' 2-norm over the whole
+        model travels in the same collective (`step_norm`; inf or NaN with a non-finite
+        gradient): a training loop that logs or clips by it needs no second one.
+        After a non-finite gradient or loss anywhere,
         `overflow` is True, `nonfinite` lists (rank, gradients?, loss?) of the ranks that saw
         one, no gradient is left (torch.optim skips p.grad None) and step_optimizer skips the
         step; fp16 also halves its scale (and doubles it after 2000 clean steps)."""
@@ -295,11 +299,15 @@ class PipelineGradients:
             by_dtype.setdefault(p.grad.dtype, []).append(local(p.grad))
         for grads in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
-        flags = torch.zeros(2 * self.world, device=self.device)
+        # Each rank writes only its own two flags: summed, they are every rank's verdicts.
+        flags = torch.zeros(2 * self.world + 1, device=self.device)
         flags[2 * self.rank] = found
         if loss is not None:
             flags[2 * self.rank + 1] = (~torch.isfinite(loss.detach().float())).any()
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if norm:
+            flags[-1] = self._local_norm(2.0) ** 2
+        dist.all_reduce(flags)
+        self.step_norm = flags[-1] ** 0.5 if norm else None
         seen = flags.tolist()
         self.nonfinite = [(r, bool(seen[2 * r]), bool(seen[2 * r + 1]))
                           for r in range(self.world) if seen[2 * r] or seen[2 * r + 1]]
@@ -337,11 +345,7 @@ class PipelineGradients:
             error = exc
         agree_on_error(error, self.comm.cpu_group)
         total = self._norm(norm_type)
-        # (torch's clip_grads_with_norm_, on the local parts: a DTensor shard and the plain
-        # coefficient do not mix)
-        grads = [local(p.grad) for p in self.parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        self.clip_grads_with_norm_(max_norm, total)
         return total
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
@@ -354,10 +358,30 @@ class PipelineGradients:
         agree_on_error(error, self.comm.cpu_group)
         return self._norm(norm_type)
 
-    def _norm(self, norm_type: float) -> torch.Tensor:
+    def clip_grads_with_norm_(self, max_norm: float, total_norm: torch.Tensor) -> None:
+        """Scale every gradient by max_norm / total_norm when that is below 1, as
+        torch.nn.utils.clip_grads_with_norm_: clipping by a norm already known (`step_norm`),
+        on this rank alone (no collective)."""
+        self._open("clip_grads_with_norm_")
+        max_norm = norm_argument("max_norm", max_norm, "clip_grads_with_norm_")
+        if not isinstance(total_norm, torch.Tensor) or total_norm.numel() != 1:
+            raise RunError(f"Pipeline.clip_grads_with_norm_: got {describe(total_norm)} for "
+                           "total_norm, not a one-element tensor",
+                           hint="pass pipe.step_norm after pipe.step(..., grad_norm=True)")
+        # (torch's clip_grads_with_norm_, on the local parts: a DTensor shard and the plain
+        # coefficient do not mix)
+        grads = [local(p.grad) for p in self.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
+
+    def _local_norm(self, norm_type: float) -> torch.Tensor:
+        """The norm of the gradients this rank counts (`_counted_gradients`), on the device."""
         counted = self._counted_gradients()
-        total = torch.nn.utils.get_total_norm(counted, norm_type).float().to(self.device) \
+        return torch.nn.utils.get_total_norm(counted, norm_type).float().to(self.device) \
             if counted else torch.zeros((), device=self.device)
+
+    def _norm(self, norm_type: float) -> torch.Tensor:
+        total = self._local_norm(norm_type)
         if norm_type == math.inf:
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
         else:

@@ -88,9 +88,8 @@ class Pipeline(PipelineGradients):
                             hint="--params bf16 --dtype bf16, or leave --params out")
         self.resolved, self.problem, self.seed = resolved, problem, seed
         self.output = check_runnable(problem)
-        self.lowered: Lowered = lower(problem, resolved.schedule)
-        verify(self.lowered)
-        verify(self.lowered, blocking=True)
+        self.lowered: Lowered = lower(problem, resolved.schedule, early_receives=not blocking)
+        verify(self.lowered, blocking=blocking)
         self.evaluation = forward_only(self.lowered)
         verify(self.evaluation)
         plan_dir = (resolved.plan_path or Path(resolved.path)).parent
@@ -125,6 +124,7 @@ class Pipeline(PipelineGradients):
         self.overflow = False
         self.nonfinite: list[tuple[int, bool, bool]] = []
         self._overflowed = False  # since the optimizer last stepped (steps may accumulate)
+        self.step_norm: torch.Tensor | None = None  # step(grad_norm=True)'s
         self._clean_steps = 0
         self.executor: Executor | None = None
         self.iteration = -1
@@ -311,23 +311,27 @@ class Pipeline(PipelineGradients):
         names = self.built.names
         return [(names.get(id(p), f"parameter{i}"), p) for i, p in enumerate(self._params)]
 
-    def step(self, inputs, targets, *, trace: bool = False,
-             share_loss: bool = True) -> torch.Tensor | None:
+    def step(self, inputs, targets, *, trace: bool = False, share_loss: bool = True,
+             grad_norm: bool = False) -> torch.Tensor | None:
         """One iteration of the schedule on the global batch: forward and backward of every
         micro-batch; gradients accumulate into .grad (zero them between steps, as usual).
         Returns the global batch's loss on every rank; with `share_loss=False` the collective
         that shares it is skipped: the rank that computes a replica's loss gets that replica's
         mean loss and the others None, as torch.distributed.pipelining's schedules and
-        Megatron-LM hand it out."""
+        Megatron-LM hand it out. With `grad_norm`, `step_norm` is then the 2-norm of the
+        gradients in .grad after the step (as `grad_norm()`; inf or NaN when one is not
+        finite), on every rank, found in the collective that checks them for inf/NaN: clip by
+        it with `clip_grads_with_norm_` and the step has no other collective."""
         self._open("step")
-        self._needs(inputs, targets, "step", trace=trace, share_loss=share_loss)
+        self._needs(inputs, targets, "step", trace=trace, share_loss=share_loss,
+                    grad_norm=grad_norm)
         self._before_accumulating()
         self.executor.loss_scale = self.loss_scale
         result = self._run(self.executor, inputs, targets, trace=trace)
         self.last = result
         if self.masters is not None:  # this step's bf16 gradients into the fp32 masters'
             self.masters.gather()
-        self._unscale(result.loss)  # fp16's unscaling; inf/NaN skip the step in any dtype
+        self._unscale(result.loss, grad_norm)  # fp16's unscaling; inf/NaN skip the step
         return self._global_loss(result.loss) if share_loss else result.loss
 
     def step_optimizer(self, optimizer) -> bool:

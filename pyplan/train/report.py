@@ -4,6 +4,7 @@ throughput, --check's verdict), with the lines it logs as it goes."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -342,6 +343,12 @@ def activation_peaks(pipe: Pipeline) -> list[int] | None:
     return [peak - base for peak, base in zip(pipe.resolved.schedule.peak_memory, static)]
 
 
+def _finite_or_none(values: list | None) -> list | None:
+    """JSON has no NaN or infinity (a skipped step's loss or norm): null instead."""
+    return None if values is None else \
+        [v if v is None or math.isfinite(v) else None for v in values]
+
+
 def as_json(report: Report, lowered: Lowered, options: Options) -> dict:
     """What pyplan run --json prints."""
     problem = lowered.problem
@@ -359,8 +366,8 @@ def as_json(report: Report, lowered: Lowered, options: Options) -> dict:
         "optimizer": options.training.optimizer,
         "first_iteration": report.first_step,
         "iteration_seconds": report.seconds,
-        "losses": report.losses,
-        "grad_norms": report.grad_norms,
+        "losses": _finite_or_none(report.losses),
+        "grad_norms": _finite_or_none(report.grad_norms),
         "samples_per_second": [report.samples / s for s in report.seconds]
         if report.samples else None,
         "tokens_per_second": [report.tokens / s for s in report.seconds]

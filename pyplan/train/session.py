@@ -224,7 +224,7 @@ class Session:
             # is done; the optimizer's kernels then overlap the next step's launch.
             started = time.perf_counter()
             pipe.step(inputs, targets, trace=opts.trace is not None and trace and j == K - 1,
-                      share_loss=False)
+                      share_loss=False, grad_norm=j == K - 1 and self.problem.training)
             self.batches += 1
             seconds += time.perf_counter() - started
             compute += pipe.last.compute
@@ -314,16 +314,16 @@ class Session:
         self.check_seconds = 0.0
         if not self.problem.training:
             return None
-        if opts.training.accumulate > 1:
+        K = opts.training.accumulate
+        if K > 1:
             for p in pipe.parameters():
                 if p.grad is not None:
-                    p.grad.mul_(1 / opts.training.accumulate)
-        # Collectives: every rank, one whose stage has no trainable parameter (no optimizer)
-        # too. The norm is logged at every step, before clipping.
+                    p.grad.mul_(1 / K)
+        # The norm (logged at every step, before clipping) of the K steps' sum came with the
+        # last step's check for inf/NaN: no collective of its own.
+        norm = pipe.step_norm / K
         if opts.training.clip_grad_norm is not None:
-            norm = pipe.clip_grad_norm_(opts.training.clip_grad_norm)
-        else:
-            norm = pipe.grad_norm()
+            pipe.clip_grads_with_norm_(opts.training.clip_grad_norm, norm)
         if opts.perturb is not None and opts.perturb[0] == self.rank:
             perturb(pipe, opts.perturb[1])
         if check:
@@ -332,7 +332,7 @@ class Session:
             self.check_seconds += time.perf_counter() - started
         # Read before the update is queued: the host waits for the norm alone, not for the
         # optimizer's kernels, which run while the next step starts.
-        norm = None if norm is None else float(norm)
+        norm = float(norm)
         pipe.step_optimizer(optimizer)  # every rank; skipped when fp16 overflowed anywhere
         if optimizer is not None:
             with warnings.catch_warnings():  # an fp16 step skipped: the schedule still moves
