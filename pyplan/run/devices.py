@@ -37,8 +37,8 @@ import torch.distributed as dist
 from pyplan.errors import PyplanError, RunError
 
 __all__ = ["CUDA_BACKEND", "Choice", "DEVICES", "Seen", "agree", "agree_on_error",
-           "all_gather_objects", "choose", "choose_cuda", "device_backend", "has_cpu_side",
-           "join_world", "objects_group", "seen_here"]
+           "all_gather_numbers", "all_gather_objects", "choose", "choose_cuda", "device_backend",
+           "has_cpu_side", "join_world", "objects_group", "seen_here"]
 
 DEVICES = ("auto", "cpu", "cuda")
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
@@ -282,6 +282,19 @@ def all_gather_objects(obj) -> list:
     dist.all_gather(buffers, buffer, group=group)
     return [pickle.loads(ctypes.string_at(b.data_ptr(), int(n)))
             for b, n in zip(buffers, sizes)]
+
+
+def all_gather_numbers(values: tuple, whole: tuple[int, ...] = ()) -> list[tuple]:
+    """Every rank's tuple of numbers or None (the same length everywhere), on every rank, in
+    one all-gather of a small tensor (all_gather_objects pickles and takes two): the positions
+    in `whole` come back as ints (exact below 2**53), the others as floats."""
+    mine = torch.tensor([[float("nan") if v is None else float(v) for v in values],
+                         [v is not None for v in values]], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine, group=objects_group())
+    return [tuple(None if not given else int(v) if i in whole else v
+                  for i, (v, given) in enumerate(zip(*t.tolist())))
+            for t in every]
 
 
 def agree_on_error(error: PyplanError | None, group=None) -> None:

@@ -26,7 +26,7 @@ from pyplan.run.census import Census
 from pyplan.train.check import (TOLERANCE, Verdict, compare, gathered, perturb,
                                 reference_run, tokens_of)
 from pyplan.run.comm import TransferError
-from pyplan.run.devices import all_gather_objects
+from pyplan.run.devices import all_gather_numbers, all_gather_objects
 from pyplan.train import flops
 from pyplan.train.faults import Watchdog
 from pyplan.run.pipeline import DTYPES, Pipeline, compiled_graphs
@@ -359,9 +359,10 @@ class Session:
         signal any rank got, --max-time), the same on every rank, or None."""
         seconds, _, own, peak, norm, bad = records[-1]
         signalled = self.watchdog.stop_signal if self.watchdog is not None else None
-        every = all_gather_objects((own, seconds, peak, lr, norm, self.samples, self.tokens,
+        every = all_gather_numbers((own, seconds, peak, lr, norm, self.samples, self.tokens,
                                     None if signalled is None else int(signalled),
-                                    time.monotonic() - self.clock, self.flops))
+                                    time.monotonic() - self.clock, self.flops),
+                                   whole=(2, 5, 6, 7, 9))
         # The batch's size from a rank that read it (a rank that reads none has no batch).
         samples = self.samples = max(g[5] for g in every)
         tokens = self.tokens = max((g[6] for g in every if g[6]), default=None)
