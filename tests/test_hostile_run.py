@@ -103,7 +103,7 @@ def _pyplan(tmp_path, *args):
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("blocks, data, extra, message", [
-    ("keys", "batch", [], "rank 0 failed at instruction 3 of iteration 0 (send a@1 output to "
+    ("keys", "batch", [], "rank 0 failed at instruction 4 of iteration 0 (send a@1 output to "
      "rank 1): block 'a' (micro-batch 1) returned {'b': float32 (2, 4)}, but block 'a' "
      "(micro-batch 0) returned {'a': float32 (2, 4)} in this iteration"),
     ("last_wider", "batch", ["--check"], "rank 0 failed at the final report: block 'b' "

@@ -19,7 +19,7 @@ from pyplan.models.collectives import all_reduce_
 from pyplan.run.binding import Built
 from pyplan.run.comm import transfer_error
 from pyplan.run.data import describe
-from pyplan.run.devices import agree_on_error, device_backend
+from pyplan.run.devices import device_backend
 
 __all__ = ["MasterWeights", "PipelineGradients", "Reductions", "Slots", "flat_gradients",
            "local", "norm_argument", "padded", "set_gradients", "unflatten_into"]
@@ -343,7 +343,7 @@ class PipelineGradients:
             error = None
         except RunError as exc:
             error = exc
-        agree_on_error(error, self.comm.cpu_group)
+        self._agreed(error)
         total = self._norm(norm_type)
         self.clip_grads_with_norm_(max_norm, total)
         return total
@@ -355,7 +355,7 @@ class PipelineGradients:
             norm_type, error = norm_argument("norm_type", norm_type, "grad_norm"), None
         except RunError as exc:
             error = exc
-        agree_on_error(error, self.comm.cpu_group)
+        self._agreed(error)
         return self._norm(norm_type)
 
     def clip_grads_with_norm_(self, max_norm: float, total_norm: torch.Tensor) -> None:

@@ -64,7 +64,8 @@ class Pipeline(PipelineGradients):
                  seed: int = 0, dtype: str = "fp32", blocking: bool = False,
                  sync_at_end: bool = False, model: Model | None = None,
                  fail_at: tuple[int, int, str] | None = None, timeout: float = 600.0,
-                 compile: str | None = None, params: str = "fp32") -> None:
+                 compile: str | None = None, params: str = "fp32",
+                 agree_arguments: bool = True) -> None:
         """Load, lower and verify the plan, join the default process group (creating it from
         torchrun's environment unless the caller did; its backend decides the device, else
         `device` (None: $PYPLAN_DEVICE, else auto = CUDA when every rank has a GPU);
@@ -72,7 +73,11 @@ class Pipeline(PipelineGradients):
         `compile`: torch.compile each block's module with that backend ("inductor", ...);
         `params="bf16"` (with dtype bf16): the blocks hold bf16 parameters, which the optimizer
         trains through fp32 masters (pyplan.run.gradients.MasterWeights; with data
-        parallelism FSDP2's fp32 shards are those, its unsharded parameters bf16)."""
+        parallelism FSDP2's fp32 shards are those, its unsharded parameters bf16);
+        `agree_arguments=False`: `step`, `eval_step`, `step_optimizer`, `grad_norm` and
+        `clip_grad_norm_` raise a refused argument on its rank alone, without agreeing first
+        with the others (a small collective each): for a loop that checks what it passes and
+        stops every rank when one fails (pyplan run's, whose watchdog does)."""
         resolved = plan if isinstance(plan, ResolvedPlan) else load_resolved(plan)
         resolved.check_fresh()
         problem = resolved.problem
@@ -134,7 +139,9 @@ class Pipeline(PipelineGradients):
         self.param_dtype = params
         self.masters: MasterWeights | None = None
         try:
-            self._agree_on_arguments(seed, blocking=blocking, sync_at_end=sync_at_end)
+            self._agree_on_arguments(seed, blocking=blocking, sync_at_end=sync_at_end,
+                                     agree_arguments=agree_arguments)
+            self.agree_arguments = agree_arguments
             self._build(blocking, sync_at_end, fail_at)
         except BaseException:
             self.close()  # a group this call created does not outlive it
@@ -341,8 +348,8 @@ class Pipeline(PipelineGradients):
         parameter) does nothing. Returns whether the optimizer stepped (step a learning-rate
         schedule only then). Every rank calls it: the ranks agree on their arguments."""
         self._open("step_optimizer")
-        agree_on_error(arguments.optimizer("Pipeline.step_optimizer", optimizer, len(self._params)),
-                       self.comm.cpu_group)
+        self._agreed(arguments.optimizer("Pipeline.step_optimizer", optimizer,
+                                         len(self._params)))
         skip, self._overflowed = self._overflowed, False
         if optimizer is None or skip:
             return False
@@ -386,7 +393,15 @@ class Pipeline(PipelineGradients):
         raised (a traceback from the collective)."""
         error = next((e for name, value in flags.items()
                       if (e := arguments.flag(f"Pipeline.{what}", name, value)) is not None), None)
-        agree_on_error(error or self._refusal(inputs, targets, what), self.comm.cpu_group)
+        self._agreed(error or self._refusal(inputs, targets, what))
+
+    def _agreed(self, error: RunError | None) -> None:
+        """Raise `error` (None: nothing) on every rank, the lowest rank's when several have
+        one (agree_on_error), or, without agree_arguments, on its own rank alone."""
+        if self.agree_arguments:
+            agree_on_error(error, self.comm.cpu_group)
+        elif error is not None:
+            raise error
 
     def _refusal(self, inputs, targets, what: str) -> RunError | None:
         """Why this rank cannot run `what` on its batch: None given for what its blocks read,

@@ -57,11 +57,12 @@ class Session:
         self.stopped: str | None = None
         """Why the run stopped before its last step (a signal, --max-time), if it did."""
         started = time.perf_counter()
+        # No agreement per call: make_batch checks the batches, the optimizer is ours.
         self.pipe = Pipeline(plan, device=options.device, seed=options.seed,
                              dtype=options.dtype, blocking=options.blocking,
                              sync_at_end=options.sync_at_end, model=model,
                              fail_at=options.fail_at, compile=options.compile,
-                             params=options.params)
+                             params=options.params, agree_arguments=False)
         self.setup_seconds = time.perf_counter() - started
         pipe = self.pipe
         self.saves = AsyncCheckpoints(pipe.timeout) \
