@@ -38,12 +38,14 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from pyplan.errors import PlanError, RunError
 from pyplan.models.collectives import all_reduce_, summed_gradient
 from pyplan.models.forward import hidden_position, decoder_layers
+from pyplan.run.experts import EXPERTS, Experts, check_experts
 
 __all__ = ["STYLES", "TensorRandom", "parallelize", "sequence_modules", "tensor_plan"]
 
 STYLES = ("colwise", "rowwise", "packed_colwise", "colwise_rep", "rowwise_rep",
-          "colwise_gather_output", "embedding_rowwise", "replicate")
-"""The style names pyplan maps onto torch.distributed.tensor.parallel (Hugging Face's names).
+          "colwise_gather_output", "embedding_rowwise", "replicate", EXPERTS)
+"""The style names pyplan maps onto torch.distributed.tensor.parallel (Hugging Face's names;
+a MoE layer's experts: pyplan.run.experts).
 `embedding_rowwise` keeps the embedding whole on every tensor rank, as `replicate` does:
 torch's row-wise nn.Embedding leaves its weight's gradient replicated (whole on every rank)
 where the weight is sharded, so clipping and FSDP would see it once per tensor rank."""
@@ -99,18 +101,22 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str,
 
     modules = dict(root.named_modules())
     chosen: dict[str, str] = {}
-    for pattern, style in plan.items():  # `*` is one name, as in torch's and HF's plans
-        match = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+    for pattern, style in plan.items():
         chosen.update((path, style) for path, module in modules.items()
-                      if match.fullmatch(path) and any(  # (a stand-in holds none)
-                          p is not None for p in module._parameters.values()))
+                      if _matches(pattern, path) and _holds(module))  # (a stand-in holds none)
+    experts = {path: {name: style for pattern, style in plan.items()  # their parameters'
+                      for name in modules[path]._parameters if _matches(pattern,
+                                                                        f"{path}.{name}")}
+               for path, style in chosen.items() if style == EXPERTS}
     for path, style in sorted(chosen.items()):
         if style.partition(":")[0] not in STYLES:
             raise PlanError(f"{where}: module {path} asks for tensor-parallel style {style!r}, "
                             "which pyplan does not run", hint="styles: " + ", ".join(STYLES) +
                             "; give mesh.tensor_plan for this module, or mesh.tensor: 1")
         module = modules[path]
-        if style not in _WHOLE and not _shardable(module, style):
+        if style == EXPERTS:
+            check_experts(module, experts[path], mesh.size(), path, where)
+        elif style not in _WHOLE and not _shardable(module, style):
             raise PlanError(f"{where}: module {path} is a {type(module).__name__}, which "
                             f"the {style} style does not shard",
                             hint="tensor parallelism shards nn.Linear and Conv1D layers (packed "
@@ -118,7 +124,8 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str,
     sharded = {path: style for path, style in sorted(chosen.items()) if style not in _WHOLE}
     around = sequence_modules(root, sharded, where) if sequence and sharded else None
     if sharded:
-        parallelize_module(root, mesh, {path: _style(s, sequence)
+        parallelize_module(root, mesh, {path: Experts(experts[path], sequence) if s == EXPERTS
+                                        else _style(s, sequence)
                                         if isinstance(modules[path], nn.Linear)
                                         and not s.startswith("packed") else _Local(s, sequence)
                                         for path, s in sharded.items()})
@@ -129,6 +136,12 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str,
         for attr in _RESIZED.get(type(parent).__name__, ()):
             setattr(parent, attr, getattr(parent, attr) // mesh.size())
     return sharded, around
+
+
+def _matches(pattern: str, path: str) -> bool:
+    """Whether a plan's module path pattern names `path` (`*` is one name, as in torch's and
+    HF's plans)."""
+    return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), path) is not None
 
 
 class Around(NamedTuple):
@@ -142,6 +155,9 @@ class Around(NamedTuple):
     """The first layer, whose input is cut into sequence slices."""
     gathered: tuple[str, ...]
     """The attentions and MLPs, whose input slices are gathered."""
+    moe: tuple[str, ...] = ()
+    """The MoE blocks (a router and its experts), whose input slices are gathered into a plain
+    tensor and whose output, each rank's partial sum, is reduce-scattered into slices."""
 
 
 def _holds(module: nn.Module) -> bool:
@@ -163,9 +179,18 @@ def sequence_modules(root: nn.Module, sharded: dict[str, str], where: str) -> Ar
                         f"nn.ModuleList); {type(root).__name__} has none", hint=hint)
     inside = f"{layers_name}."
     modules = dict(root.named_modules())
+    moe = sorted({path.rpartition(".")[0] for path, style in sharded.items()
+                  if path.startswith(inside) and style == EXPERTS})
     gathered = sorted({path.rpartition(".")[0] for path, style in sharded.items()
-                       if path.startswith(inside) and not style.startswith("rowwise")})
-    for path in gathered:
+                       if path.startswith(inside) and not style.startswith("rowwise")} - set(moe))
+    for path in moe:
+        holding = [name for name, child in modules[path].named_children()
+                   if any(_holds(m) for m in child.modules())]
+        if len(holding) != 2 or any(p.startswith(f"{path}.") for p in gathered):
+            raise PlanError(f"{where}: MoE block {path} holds {', '.join(holding)}: sequence "
+                            "parallelism reduces a block of a router and its experts only "
+                            "(not shared experts beside them)", hint=hint)
+    for path in gathered + moe:
         if path.count(".") == layers_name.count(".") + 1:
             raise PlanError(f"{where}: module {path} is a decoder layer whose column-wise "
                             "layers are its own children, not an attention's or MLP's, so "
@@ -187,7 +212,7 @@ def sequence_modules(root: nn.Module, sharded: dict[str, str], where: str) -> Ar
                             "child whose class ends in Norm) for sequence parallelism to run "
                             "on the sequence slices", hint=hint)
     first = layers[0] if layers and layers[0] in held else None
-    return Around(tuple(norms + final), tuple(final), first, tuple(gathered))
+    return Around(tuple(norms + final), tuple(final), first, tuple(gathered), tuple(moe))
 
 
 class _HiddenStates(ParallelStyle):
@@ -226,19 +251,24 @@ class _HiddenStates(ParallelStyle):
 
 def _sequence_parallel(root: nn.Module, around: Around, mesh) -> None:
     """torch's styles around the tensor-parallel regions (see the module's docstring)."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import (PrepareModuleOutput, SequenceParallel,
                                                    parallelize_module)
 
     plan = {path: SequenceParallel() for path in around.norms}
     plan.update((path, _HiddenStates(Shard(1), Replicate(), local=False))
                 for path in around.gathered)
+    plan.update((path, _HiddenStates(Shard(1), Replicate(), local=True))
+                for path in around.moe)  # (the router takes plain tensors)
     if around.first is not None:  # (a stage starting later receives slices)
         plan[around.first] = _HiddenStates(Replicate(), Shard(1), local=True)
     parallelize_module(root, mesh, plan)
     parallelize_module(root, mesh, {path: PrepareModuleOutput(
         output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)
         for path in around.final})
+    parallelize_module(root, mesh, {path: PrepareModuleOutput(
+        output_layouts=Partial(), desired_output_layouts=Shard(1), use_local_output=True)
+        for path in around.moe})
 
 
 def _shardable(module: nn.Module, style: str) -> bool:

@@ -1,0 +1,119 @@
+"""Tensor parallelism of a Mixture-of-Experts layer's experts (Hugging Face's `moe_tp_experts`).
+
+transformers keeps a MoE layer's experts in one module of fused 3-D parameters: `gate_up_proj`
+[experts, 2 * inner, hidden] (each expert's gate rows, then its up rows) and `down_proj`
+[experts, hidden, inner]; its config's `base_model_tp_plan` names the module `moe_tp_experts`
+and the parameters `packed_colwise` and `rowwise`. Each tensor rank holds every expert's
+1/T of the inner width: of `gate_up_proj` the same rows of the gate and of the up part
+(torch's _StridedShard, as for GPT-2's packed q, k, v), of `down_proj` the matching columns.
+The experts' own forward runs on those local parts, so each rank's output is a partial sum
+(a DTensor Partial) that torch redistributes: summed whole (all-reduce), or with sequence
+parallelism reduce-scattered into sequence slices at the MoE block's output, as torch's
+RowwiseParallel does for an MLP.
+
+The router (the block's `gate`) stays whole on every rank and routes the whole input: every
+rank picks the same experts for a token. The experts' input and routing weights are each
+rank's whole copy whose gradient each rank computes a part of (its slice of every expert):
+those gradients are summed over the tensor ranks, so the router's weight gets the whole
+gradient on every rank, as a replicated parameter should.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from pyplan.errors import PlanError
+from pyplan.models.collectives import summed_gradient
+
+__all__ = ["EXPERTS", "Experts", "check_experts"]
+
+EXPERTS = "moe_tp_experts"
+"""The style of a MoE layer's experts module (Hugging Face's name)."""
+_PARAMETER_STYLES = ("packed_colwise", "colwise", "rowwise")
+_HINT = "give mesh.tensor_plan without the experts (or mesh.tensor: 1)"
+
+
+def check_experts(module: nn.Module, styles: dict[str, str], tensor: int, path: str,
+                  where: str) -> None:
+    """PlanError naming what of the experts module at `path` does not shard as `styles` (its
+    parameters' styles) ask over `tensor` ranks."""
+    kind = type(module).__name__
+    for flag, wanted in (("is_transposed", False), ("has_bias", False)):
+        if getattr(module, flag, wanted) != wanted:
+            raise PlanError(f"{where}: experts module {path} ({kind}) has {flag}="
+                            f"{not wanted}, which pyplan's tensor parallelism does not shard",
+                            hint=_HINT)
+    for name, param in module.named_parameters(recurse=False):
+        style = styles.get(name)
+        if style not in _PARAMETER_STYLES:
+            raise PlanError(f"{where}: experts module {path} has parameter {name} "
+                            + ("without a tensor-parallel style" if style is None else
+                               f"of style {style!r}, which pyplan does not run for experts"),
+                            hint="the plan gives each of the experts' parameters one of "
+                            + ", ".join(_PARAMETER_STYLES) + "; " + _HINT)
+        if param.dim() != 3:
+            raise PlanError(f"{where}: experts parameter {path}.{name} has {param.dim()} "
+                            "dimensions, not 3 ([experts, out, in])", hint=_HINT)
+        if style == "packed_colwise" and not getattr(module, "is_concatenated", True):
+            raise PlanError(f"{where}: experts module {path} interleaves its gate and up "
+                            "rows, which packed_colwise does not cut", hint=_HINT)
+        dim, parts = (2, 1) if style == "rowwise" else (1, 2 if style == "packed_colwise"
+                                                        else 1)
+        if param.shape[dim] % (tensor * parts):
+            raise PlanError(f"{where}: mesh.tensor {tensor} does not divide the experts' "
+                            f"inner width ({param.shape[dim] // parts}) of {path}.{name}",
+                            hint="use a tensor degree that divides the experts' "
+                            "intermediate size")
+
+
+class Experts(ParallelStyle):
+    """Each tensor rank's slice of every expert (see the module's docstring); `styles`: the
+    experts' parameters' styles; `sequence`: the MoE block around reduces their output into
+    sequence slices (else the experts sum it whole)."""
+
+    def __init__(self, styles: dict[str, str], sequence: bool = False) -> None:
+        super().__init__()
+        self.styles, self.sequence = styles, sequence
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import (DTensor, Partial, Replicate, Shard,
+                                              distribute_tensor)
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        for name, param in list(module.named_parameters(recurse=False)):
+            style = self.styles[name]
+            placement = Shard(2) if style == "rowwise" else Shard(1) if style == "colwise" \
+                else _StridedShard(1, split_factor=2)  # the same rows of gate and of up
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(param, device_mesh, [placement]),
+                requires_grad=param.requires_grad))
+        original, group, sequence = module.forward, device_mesh.get_group(), self.sequence
+
+        def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+            hidden_states = summed_gradient(hidden_states, group)
+            top_k_weights = summed_gradient(top_k_weights, group)
+            with _local_parameters(module):
+                out = original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+            if sequence:  # (reduce-scattered at the MoE block's output: pyplan.run.tensor)
+                return out
+            return DTensor.from_local(out, device_mesh, [Partial()], run_check=False
+                                      ).redistribute(device_mesh, [Replicate()]).to_local()
+        module.forward = forward
+        return module
+
+
+@contextlib.contextmanager
+def _local_parameters(module: nn.Module):
+    """The module's DTensor parameters as their local tensors (differentiably) while its own
+    forward runs: transformers' experts kernels index and multiply plain tensors."""
+    held = dict(module._parameters)
+    module._parameters.update((name, p.to_local()) for name, p in held.items()
+                              if p is not None)
+    try:
+        yield
+    finally:
+        module._parameters.update(held)
+
