@@ -12,23 +12,27 @@ parallelism reduce-scattered into sequence slices at the MoE block's output, as 
 RowwiseParallel does for an MLP.
 
 The router (the block's `gate`) stays whole on every rank and routes the whole input: every
-rank picks the same experts for a token. The experts' input and routing weights are each
-rank's whole copy whose gradient each rank computes a part of (its slice of every expert):
-those gradients are summed over the tensor ranks, so the router's weight gets the whole
-gradient on every rank, as a replicated parameter should.
+rank picks the same experts for a token. The routing weights' gradient each rank computes a
+part of (its slice of every expert) is summed over the tensor ranks, so the router's weight
+gets the whole gradient on every rank, as a replicated parameter should. So is the experts'
+input's; with sequence parallelism it is left partial instead, and the gradient of the block's
+gathered input reduce-scattered into slices, as torch's styles do for an MLP: the router's
+part of it, whole on every rank, then counts on the first tensor rank only.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from pyplan.errors import PlanError
 from pyplan.models.collectives import summed_gradient
+from pyplan.models.forward import hidden_position
 
-__all__ = ["EXPERTS", "Experts", "check_experts"]
+__all__ = ["EXPERTS", "Experts", "MoeBlock", "check_experts"]
 
 EXPERTS = "moe_tp_experts"
 """The style of a MoE layer's experts module (Hugging Face's name)."""
@@ -71,8 +75,9 @@ def check_experts(module: nn.Module, styles: dict[str, str], tensor: int, path: 
 
 class Experts(ParallelStyle):
     """Each tensor rank's slice of every expert (see the module's docstring); `styles`: the
-    experts' parameters' styles; `sequence`: the MoE block around reduces their output into
-    sequence slices (else the experts sum it whole)."""
+    experts' parameters' styles; `sequence`: the MoE block around (MoeBlock) sums their
+    input's gradient and reduces their output into sequence slices (else the experts sum
+    both whole)."""
 
     def __init__(self, styles: dict[str, str], sequence: bool = False) -> None:
         super().__init__()
@@ -93,11 +98,12 @@ class Experts(ParallelStyle):
         original, group, sequence = module.forward, device_mesh.get_group(), self.sequence
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-            hidden_states = summed_gradient(hidden_states, group)
+            if not sequence:
+                hidden_states = summed_gradient(hidden_states, group)
             top_k_weights = summed_gradient(top_k_weights, group)
             with _local_parameters(module):
                 out = original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
-            if sequence:  # (reduce-scattered at the MoE block's output: pyplan.run.tensor)
+            if sequence:
                 return out
             return DTensor.from_local(out, device_mesh, [Partial()], run_check=False
                                       ).redistribute(device_mesh, [Replicate()]).to_local()
@@ -117,3 +123,61 @@ def _local_parameters(module: nn.Module):
     finally:
         module._parameters.update(held)
 
+
+
+class MoeBlock(ParallelStyle):
+    """With sequence parallelism, a MoE block of a `router` and experts (Experts): its input's
+    sequence slices gathered into the whole plain tensor the router routes, that input's
+    partial gradients reduce-scattered back into slices, the router's counted on the first
+    tensor rank only; its output, each rank's partial sum of the experts, reduce-scattered
+    into slices."""
+
+    def __init__(self, router: str) -> None:
+        super().__init__()
+        self.router = router
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        first = device_mesh.get_local_rank() == 0
+
+        def gather(value):
+            if not isinstance(value, DTensor):
+                value = DTensor.from_local(value, device_mesh, [Shard(1)], run_check=False)
+            return value.redistribute(device_mesh, [Replicate()]).to_local(
+                grad_placements=[Partial()])
+
+        def scatter(_module, _args, out):
+            return DTensor.from_local(out, device_mesh, [Partial()], run_check=False
+                                      ).redistribute(device_mesh, [Shard(1)]).to_local()
+        module.register_forward_pre_hook(_on_hidden(gather), with_kwargs=True)
+        module.register_forward_hook(scatter)
+        module.get_submodule(self.router).register_forward_pre_hook(
+            _on_hidden(lambda x: _Once.apply(x, first)), with_kwargs=True)
+        return module
+
+
+def _on_hidden(change):
+    """A forward pre-hook (with_kwargs) passing a module's hidden states through `change`."""
+    def hook(_module, args, kwargs):
+        where = hidden_position(args, kwargs)
+        if where is None:
+            return None
+        if isinstance(where, int):
+            return (*args[:where], change(args[where]), *args[where + 1:]), kwargs
+        return args, {**kwargs, where: change(kwargs[where])}
+    return hook
+
+
+class _Once(torch.autograd.Function):
+    """x itself; backward, its gradient on the first tensor rank and zeros on the others (a
+    gradient every rank holds whole, counted once in a sum over the ranks)."""
+
+    @staticmethod
+    def forward(ctx, x, first):
+        ctx.first = first
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.first else torch.zeros_like(grad)), None

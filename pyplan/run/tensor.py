@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from pyplan.errors import PlanError, RunError
 from pyplan.models.collectives import all_reduce_, summed_gradient
 from pyplan.models.forward import hidden_position, decoder_layers
-from pyplan.run.experts import EXPERTS, Experts, check_experts
+from pyplan.run.experts import EXPERTS, Experts, MoeBlock, check_experts
 
 __all__ = ["STYLES", "TensorRandom", "parallelize", "sequence_modules", "tensor_plan"]
 
@@ -155,9 +155,8 @@ class Around(NamedTuple):
     """The first layer, whose input is cut into sequence slices."""
     gathered: tuple[str, ...]
     """The attentions and MLPs, whose input slices are gathered."""
-    moe: tuple[str, ...] = ()
-    """The MoE blocks (a router and its experts), whose input slices are gathered into a plain
-    tensor and whose output, each rank's partial sum, is reduce-scattered into slices."""
+    moe: dict[str, str] | None = None
+    """The MoE blocks (pyplan.run.experts.MoeBlock) and their routers (a child's name)."""
 
 
 def _holds(module: nn.Module) -> bool:
@@ -181,6 +180,7 @@ def sequence_modules(root: nn.Module, sharded: dict[str, str], where: str) -> Ar
     modules = dict(root.named_modules())
     moe = sorted({path.rpartition(".")[0] for path, style in sharded.items()
                   if path.startswith(inside) and style == EXPERTS})
+    routers: dict[str, str] = {}
     gathered = sorted({path.rpartition(".")[0] for path, style in sharded.items()
                        if path.startswith(inside) and not style.startswith("rowwise")} - set(moe))
     for path in moe:
@@ -190,6 +190,7 @@ def sequence_modules(root: nn.Module, sharded: dict[str, str], where: str) -> Ar
             raise PlanError(f"{where}: MoE block {path} holds {', '.join(holding)}: sequence "
                             "parallelism reduces a block of a router and its experts only "
                             "(not shared experts beside them)", hint=hint)
+        routers[path] = next(name for name in holding if f"{path}.{name}" not in sharded)
     for path in gathered + moe:
         if path.count(".") == layers_name.count(".") + 1:
             raise PlanError(f"{where}: module {path} is a decoder layer whose column-wise "
@@ -212,7 +213,7 @@ def sequence_modules(root: nn.Module, sharded: dict[str, str], where: str) -> Ar
                             "child whose class ends in Norm) for sequence parallelism to run "
                             "on the sequence slices", hint=hint)
     first = layers[0] if layers and layers[0] in held else None
-    return Around(tuple(norms + final), tuple(final), first, tuple(gathered), tuple(moe))
+    return Around(tuple(norms + final), tuple(final), first, tuple(gathered), routers)
 
 
 class _HiddenStates(ParallelStyle):
@@ -251,24 +252,20 @@ class _HiddenStates(ParallelStyle):
 
 def _sequence_parallel(root: nn.Module, around: Around, mesh) -> None:
     """torch's styles around the tensor-parallel regions (see the module's docstring)."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (PrepareModuleOutput, SequenceParallel,
                                                    parallelize_module)
 
     plan = {path: SequenceParallel() for path in around.norms}
     plan.update((path, _HiddenStates(Shard(1), Replicate(), local=False))
                 for path in around.gathered)
-    plan.update((path, _HiddenStates(Shard(1), Replicate(), local=True))
-                for path in around.moe)  # (the router takes plain tensors)
+    plan.update((path, MoeBlock(router)) for path, router in (around.moe or {}).items())
     if around.first is not None:  # (a stage starting later receives slices)
         plan[around.first] = _HiddenStates(Replicate(), Shard(1), local=True)
     parallelize_module(root, mesh, plan)
     parallelize_module(root, mesh, {path: PrepareModuleOutput(
         output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)
         for path in around.final})
-    parallelize_module(root, mesh, {path: PrepareModuleOutput(
-        output_layouts=Partial(), desired_output_layouts=Shard(1), use_local_output=True)
-        for path in around.moe})
 
 
 def _shardable(module: nn.Module, style: str) -> bool:
