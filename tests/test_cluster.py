@@ -110,6 +110,37 @@ def test_a_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_bytes():
     assert eight == pytest.approx(2 * 15 / 16 * 1e9 / (8 * 25e9 * A100.network_efficiency))
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_moe_layer_under_tensor_parallelism_is_each_ranks_slice_of_every_expert(
+        monkeypatch, sp):
+    """At tensor degree t a rank runs 1/t of attention and of every expert's three GEMMs (its
+    slice of the inner width, for the expert's share of the routed tokens) and the whole
+    router; it sends the MLP's collectives (two of the layer's activations each way) and, in
+    the backward, the sum of the routing weights' gradient (fp32, top-k per token)."""
+    from pyplan.cluster.model import Transformer
+
+    h, q, kv, d, E, k, f, b, s, t = 1024, 1024, 256, 64, 8, 2, 2048, 2, 512, 4
+    model = Transformer(family="mixtral", layers=2, hidden=h, heads=q // d, kv_heads=kv // d,
+                        head_dim=d, ffn=4096, vocab=32000, gated=True, norm="rmsnorm",
+                        biases=False, experts=E, top_k=k, expert_ffn=f, moe_layers=2)
+    flops = []
+    monkeypatch.setattr(Costs, "gemm", lambda self, m, n, k_, count=1.0:
+                        flops.append(2 * m * n * k_ * count) or 0.0)
+    layout = Layout(t, 1, 1, 1, b, "none", sp, "1f1b", False)
+    layer = Costs(model, A100, layout, Batch(b, s, "bf16", flash_attention=False)).layer(True)
+    T = b * s
+    weights = 2 * T * ((h * (q + 2 * kv) + q * h) / t  # q, k, v and out, each rank's heads
+                       + E * h                          # the router, whole
+                       + k * 3 * h * f / t)             # each token's k experts, 1/t of each
+    scores = 2 * 2 * b * (q // d / t) * s * s * d      # QK^T and PV of each rank's heads
+    assert sum(flops) == pytest.approx(3 * weights + scores)  # F, B and W of each weight
+    ring = 2 * (t - 1) / t / (A100.link_gbs * 1e9 * A100.link_efficiency)
+    latency = 2 * A100.bandwidth(t, t)[1]
+    assert layer.forward.parts["tp_comm"] == pytest.approx(2 * (latency + T * h * 2 * ring))
+    assert layer.backward.parts["tp_comm"] == pytest.approx(
+        2 * (latency + T * h * 2 * ring) + latency + T * k * 4 * ring)
+
+
 def _uniform(layout: Layout, m: int):
     """A GPT whose stages all hold the same layers and no ends (as in the closed forms)."""
     model = gpt(16, 1024, 16, sequence=1024)

@@ -12,7 +12,9 @@ sum of named parts so that a total can be traced to what makes it.
   and writes, at the memory-bound kernels' share of HBM bandwidth.
 - Tensor parallelism: two all-reduces per layer in the forward and two in the backward (all-
   gathers and reduce-scatters with sequence parallelism), on the node's links, not hidden
-  behind compute (as Megatron-LM runs them by default).
+  behind compute (as Megatron-LM runs them by default); an MoE layer's experts are sharded as
+  its MLP would be (each rank every expert's slice of the inner width, the router whole), and
+  its backward sums the routing weights' gradient too.
 - Recomputation: full reruns each layer's forward before its backward; selective reruns the
   attention core only.
 Counts follow Megatron-LM's GPT layer (Korthikanti et al. 2022) generalised to grouped
@@ -156,11 +158,15 @@ class Costs:
         f.add("kernels", self.kernels(launches))
         b_.add("kernels", self.kernels(launches * 1.5))
 
-        # Tensor parallelism: two collectives each way
+        # Tensor parallelism: two collectives each way (the experts' as the MLP's); an MoE
+        # layer's backward also sums the routing weights' gradient (fp32, top-k per token),
+        # which each rank computes a part of (its slice of the experts)
         if t > 1:
             comm = self.tp_collective(T * h * self.bytes)
             f.add("tp_comm", 2 * comm)
             b_.add("tp_comm", 2 * comm)
+            if moe:
+                b_.add("tp_comm", self.cluster.all_reduce(T * model.top_k * 4, t, t))
 
         if layout.recompute == "full":
             b_ = b_ + f
