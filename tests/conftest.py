@@ -52,3 +52,18 @@ def cli(capsys):
         return code, out, err
 
     return run
+
+
+@pytest.fixture
+def fake_world():
+    """A process group of 2 ranks of which this process is rank 0 (torch's fake backend: the
+    collectives return at once)."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()

@@ -71,21 +71,6 @@ def test_sequence_false_survives_the_resolved_plan_and_show_says_which(tmp_path,
         assert ("sequence: false" in (tmp_path / "sp.resolved.yaml").read_text()) is not shown
 
 
-@pytest.fixture
-def fake_world():
-    """A process group of 2 ranks of which this process is rank 0 (torch's fake backend: the
-    collectives return at once)."""
-    torch = pytest.importorskip("torch")
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("fake", rank=0, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt2"])
 def test_the_residual_stream_runs_in_sequence_slices(fake_world, family):
     """The first layer cuts the sequence in two, every layer hands on its rank's half, the

@@ -45,11 +45,17 @@ def check_experts(module: nn.Module, styles: dict[str, str], tensor: int, path: 
     """PlanError naming what of the experts module at `path` does not shard as `styles` (its
     parameters' styles) ask over `tensor` ranks."""
     kind = type(module).__name__
+    if not hasattr(module, "is_concatenated"):  # (set by transformers' experts decorator)
+        raise PlanError(f"{where}: module {path} ({kind}) is not transformers' fused experts "
+                        "(use_experts_implementation), which the moe_tp_experts style shards",
+                        hint=_HINT)
     for flag, wanted in (("is_transposed", False), ("has_bias", False)):
         if getattr(module, flag, wanted) != wanted:
             raise PlanError(f"{where}: experts module {path} ({kind}) has {flag}="
                             f"{not wanted}, which pyplan's tensor parallelism does not shard",
                             hint=_HINT)
+    grouped = getattr(getattr(module, "config", None), "_experts_implementation",
+                      None) == "grouped_mm"
     for name, param in module.named_parameters(recurse=False):
         style = styles.get(name)
         if style not in _PARAMETER_STYLES:
@@ -71,6 +77,13 @@ def check_experts(module: nn.Module, styles: dict[str, str], tensor: int, path: 
                             f"inner width ({param.shape[dim] // parts}) of {path}.{name}",
                             hint="use a tensor degree that divides the experts' "
                             "intermediate size")
+        inner = param.shape[dim] // parts // tensor
+        if grouped and inner * param.element_size() % 16:  # (torch._grouped_mm's strides)
+            raise PlanError(f"{where}: each of {tensor} tensor ranks would hold {inner} of the "
+                            f"experts' inner width of {path}.{name}, whose rows transformers' "
+                            "grouped_mm experts need in multiples of 16 bytes",
+                            hint="use a tensor degree that leaves each rank such a width, or "
+                            "build the model with experts_implementation=\"eager\"")
 
 
 class Experts(ParallelStyle):

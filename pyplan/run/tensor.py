@@ -207,11 +207,19 @@ def sequence_modules(root: nn.Module, sharded: dict[str, str], where: str) -> Ar
                         f"layers ({', '.join(final)}); sequence parallelism gathers the "
                         "sequence after one, the final norm", hint=hint)
     held = [layer for layer in layers if any(_holds(m) for m in modules[layer].modules())]
+    regions = set(gathered) | set(moe)
     for layer in held:
         if not any(n.startswith(f"{layer}.") for n in norms):
             raise PlanError(f"{where}: decoder layer {layer} has no norm of its own (a "
                             "child whose class ends in Norm) for sequence parallelism to run "
                             "on the sequence slices", hint=hint)
+        whole = next((f"{layer}.{name}" for name, child in modules[layer].named_children()
+                      if f"{layer}.{name}" not in regions and not _is_norm(child)
+                      and any(_holds(m) for m in child.modules())), None)
+        if whole is not None:  # (it would get the sequence slices where it needs the whole)
+            raise PlanError(f"{where}: module {whole} has no tensor-parallel layers, so "
+                            "sequence parallelism has no place to gather the sequence for it",
+                            hint=hint + ", or a mesh.tensor_plan that shards it")
     first = layers[0] if layers and layers[0] in held else None
     return Around(tuple(norms + final), tuple(final), first, tuple(gathered), routers)
 
