@@ -103,6 +103,8 @@ def test_each_tensor_rank_holds_its_slice_of_every_expert(fake_world, sequence):
     ("qwen2_moe", True, {}, "MoE block model.layers.0.mlp holds gate, experts, shared_expert, "
      "shared_expert_gate: sequence parallelism reduces a block of a router and its experts "
      "only"),
+    ("mixtral", True, dict(router_jitter_noise=0.1), "MoE block model.layers.0.mlp "
+     "multiplies its input by random jitter"),
 ])
 def test_experts_the_tensor_ranks_cannot_share_are_one_line(fake_world, family, sequence,
                                                             changes, message):

@@ -190,6 +190,10 @@ def sequence_modules(root: nn.Module, sharded: dict[str, str], where: str) -> Ar
             raise PlanError(f"{where}: MoE block {path} holds {', '.join(holding)}: sequence "
                             "parallelism reduces a block of a router and its experts only "
                             "(not shared experts beside them)", hint=hint)
+        if getattr(modules[path], "jitter_noise", 0):  # (Mixtral's router_jitter_noise)
+            raise PlanError(f"{where}: MoE block {path} multiplies its input by random jitter, "
+                            "which under sequence parallelism each tensor rank would draw "
+                            "its own of, and route differently", hint=hint)
         routers[path] = next(name for name in holding if f"{path}.{name}" not in sharded)
     for path in gathered + moe:
         if path.count(".") == layers_name.count(".") + 1:
