@@ -1,10 +1,11 @@
 """Tensor parallelism of a Mixture-of-Experts model's experts (pyplan.run.experts): where each
 tensor rank's slice of every expert goes (one process, torch's fake process group standing in
 for the other rank: placements and shapes, not values), the models it refuses in one line,
-and a tiny Mixtral (4 experts, top 2) trained on 4 gloo ranks against single-process training
-(`pyplan run --check`): TP 2 x PP 2 sequence-parallel from `pyplan partition --tensor 2`'s
-plan, TP 2 x PP 2 without sequence parallelism, TP 2 x FSDP 2; a checkpoint saved at tensor 2
-resumes exactly."""
+and tiny MoEs (4 experts, top 2) trained on 4 gloo ranks against single-process training
+(`pyplan run --check`): Qwen3-MoE TP 2 x PP 2 sequence-parallel from `pyplan partition
+--tensor 2`'s plan (its q and k norms' gradients summed over the tensor ranks), Qwen2-MoE
+(shared experts beside the routed ones) TP 2 x PP 2 without sequence parallelism, Mixtral
+TP 2 x FSDP 2 sequence-parallel; a Mixtral checkpoint saved at tensor 2 resumes exactly."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def mixtral():
     """4 experts of inner width 64, top 2; 4 heads over 2 key/value groups: all divide over
     2 tensor ranks."""
     return hf.build("mixtral", **SIZES)
+
+
+def qwen2_moe():
+    return hf.build("qwen2_moe", **SIZES)
+
+
+def qwen3_moe():
+    return hf.build("qwen3_moe", **SIZES)
 
 
 def mixtral_odd():
@@ -121,6 +130,29 @@ def test_experts_the_tensor_ranks_cannot_share_are_one_line(fake_world, family, 
     assert raised.value.hint
 
 
+def test_qwen3s_head_norms_are_replicated_with_their_gradients_summed(fake_world):
+    """Qwen3(-MoE)'s q and k norms run on each rank's heads: their weights are replicated
+    DTensors whose gradients are each rank's part (replicated_with_grad_allreduce); its
+    experts are sharded as Mixtral's."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from models import hf
+
+    from pyplan.run.tensor import parallelize, tensor_plan
+
+    hf.transformers_quiet()
+    model = hf.build("qwen3_moe", **SIZES)
+    sharded, _ = parallelize(model, tensor_plan(model), fake_world, where="plan")
+    attention = model.model.layers[0].self_attn
+    assert sharded["model.layers.0.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    for norm in (attention.q_norm, attention.k_norm):
+        assert isinstance(norm.weight, DTensor) and norm.weight.placements == (Replicate(),)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.placements == (_StridedShard(1, split_factor=2),)
+    model(torch.randint(3, 128, (2, 16)))
+
+
 def test_a_module_that_is_not_transformers_fused_experts_is_refused(fake_world):
     from torch import nn
 
@@ -141,13 +173,13 @@ def _pyplan(cwd, *args, timeout=300):
 
 @pytest.fixture(scope="module")
 def partitioned(tmp_path_factory):
-    """Mixtral partitioned once on 2 devices, again priced per tensor rank (--tensor 2), on 1
-    device; the odd-width one on 1 device."""
+    """Qwen3-MoE on 2 devices priced per tensor rank (--tensor 2), Qwen2-MoE on 2 devices,
+    Mixtral and the odd-width one on 1 device."""
     folder = tmp_path_factory.mktemp("experts")
     shutil.copy(MODELS / "hf.py", folder / "hf.py")
     (folder / "moe.py").write_text(MOE)
-    for name, factory, devices, extra in (("mix2", "mixtral", 2, ()),
-                                          ("mix2-tp", "mixtral", 2, ("--tensor", "2")),
+    for name, factory, devices, extra in (("q3-tp", "qwen3_moe", 2, ("--tensor", "2")),
+                                          ("q2", "qwen2_moe", 2, ()),
                                           ("mix1", "mixtral", 1, ()),
                                           ("odd1", "mixtral_odd", 1, ())):
         made = _pyplan(folder, "partition", f"moe:{factory}", "--data", "moe:batch",
@@ -173,8 +205,8 @@ def _run(folder: Path, resolved: str, ranks: int, *extra):
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("plan, mesh", [
-    ("mix2-tp", None),                                   # TP 2 x PP 2, sequence-parallel
-    ("mix2", "{tensor: 2, sequence: false}"),            # TP 2 x PP 2
+    ("q3-tp", None),                                     # TP 2 x PP 2, sequence-parallel
+    ("q2", "{tensor: 2, sequence: false}"),              # TP 2 x PP 2, shared experts
     ("mix1", "{tensor: 2, data: 2, shard: true}"),       # TP 2 x FSDP 2 (experts over dp)
 ])
 def test_tensor_parallel_experts_train_the_single_process_model(partitioned, plan, mesh):
@@ -191,11 +223,11 @@ def test_tensor_parallel_experts_train_the_single_process_model(partitioned, pla
 @pytest.mark.torchrun
 def test_tensor_parallel_experts_save_and_resume_exactly(partitioned):
     """gate_up_proj's strided shards are checkpointed whole (pyplan.run.state), cut back on
-    load: 2 steps saved and 2 resumed at tensor 2 are an uninterrupted run's 4."""
-    resolved = _meshed(partitioned, "mix2", "{tensor: 2}", "mix2-saved")
+    load: 2 steps saved and 2 resumed at tensor 2 (2 ranks) are an uninterrupted run's 4."""
+    resolved = _meshed(partitioned, "mix1", "{tensor: 2}", "mix1-saved")
 
     def losses(*extra):
-        done = _run(partitioned, resolved, 4, "--optimizer", "adamw", "--device", "cpu",
+        done = _run(partitioned, resolved, 2, "--optimizer", "adamw", "--device", "cpu",
                     *extra)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])["losses"]

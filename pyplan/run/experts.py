@@ -32,7 +32,7 @@ from pyplan.errors import PlanError
 from pyplan.models.collectives import summed_gradient
 from pyplan.models.forward import hidden_position
 
-__all__ = ["EXPERTS", "Experts", "MoeBlock", "check_experts"]
+__all__ = ["EXPERTS", "Experts", "MoeBlock", "check_experts", "local_parameters"]
 
 EXPERTS = "moe_tp_experts"
 """The style of a MoE layer's experts module (Hugging Face's name)."""
@@ -114,7 +114,7 @@ class Experts(ParallelStyle):
             if not sequence:
                 hidden_states = summed_gradient(hidden_states, group)
             top_k_weights = summed_gradient(top_k_weights, group)
-            with _local_parameters(module):
+            with local_parameters(module):
                 out = original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
             if sequence:
                 return out
@@ -125,12 +125,13 @@ class Experts(ParallelStyle):
 
 
 @contextlib.contextmanager
-def _local_parameters(module: nn.Module):
-    """The module's DTensor parameters as their local tensors (differentiably) while its own
-    forward runs: transformers' experts kernels index and multiply plain tensors."""
+def local_parameters(module: nn.Module, grad_placements=None):
+    """The module's DTensor parameters as their local tensors (differentiably; their
+    gradients of `grad_placements`, by default their own) while its own forward runs:
+    transformers' experts kernels index and multiply plain tensors."""
     held = dict(module._parameters)
-    module._parameters.update((name, p.to_local()) for name, p in held.items()
-                              if p is not None)
+    module._parameters.update((name, p.to_local(grad_placements=grad_placements))
+                              for name, p in held.items() if p is not None)
     try:
         yield
     finally:

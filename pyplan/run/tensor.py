@@ -38,14 +38,17 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from pyplan.errors import PlanError, RunError
 from pyplan.models.collectives import all_reduce_, summed_gradient
 from pyplan.models.forward import hidden_position, decoder_layers
-from pyplan.run.experts import EXPERTS, Experts, MoeBlock, check_experts
+from pyplan.run.experts import EXPERTS, Experts, MoeBlock, check_experts, local_parameters
 
 __all__ = ["STYLES", "TensorRandom", "parallelize", "sequence_modules", "tensor_plan"]
 
+_SUMMED = "replicated_with_grad_allreduce"
 STYLES = ("colwise", "rowwise", "packed_colwise", "colwise_rep", "rowwise_rep",
-          "colwise_gather_output", "embedding_rowwise", "replicate", EXPERTS)
+          "colwise_gather_output", "embedding_rowwise", "replicate", EXPERTS, _SUMMED)
 """The style names pyplan maps onto torch.distributed.tensor.parallel (Hugging Face's names;
-a MoE layer's experts: pyplan.run.experts).
+a MoE layer's experts: pyplan.run.experts; `replicated_with_grad_allreduce`: a module whole on
+every rank that runs on each rank's own part of the activations, Qwen3's q and k norms on its
+heads, its weights' gradients summed over the tensor ranks).
 `embedding_rowwise` keeps the embedding whole on every tensor rank, as `replicate` does:
 torch's row-wise nn.Embedding leaves its weight's gradient replicated (whole on every rank)
 where the weight is sharded, so clipping and FSDP would see it once per tensor rank."""
@@ -116,7 +119,7 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str,
         module = modules[path]
         if style == EXPERTS:
             check_experts(module, experts[path], mesh.size(), path, where)
-        elif style not in _WHOLE and not _shardable(module, style):
+        elif style not in _WHOLE + (_SUMMED,) and not _shardable(module, style):
             raise PlanError(f"{where}: module {path} is a {type(module).__name__}, which "
                             f"the {style} style does not shard",
                             hint="tensor parallelism shards nn.Linear and Conv1D layers (packed "
@@ -125,6 +128,7 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str,
     around = sequence_modules(root, sharded, where) if sequence and sharded else None
     if sharded:
         parallelize_module(root, mesh, {path: Experts(experts[path], sequence) if s == EXPERTS
+                                        else _Summed() if s == _SUMMED
                                         else _style(s, sequence)
                                         if isinstance(modules[path], nn.Linear)
                                         and not s.startswith("packed") else _Local(s, sequence)
@@ -324,6 +328,28 @@ class _Local(ParallelStyle):
         return module
 
 
+class _Summed(ParallelStyle):
+    """A module whole on every tensor rank (its weights replicated DTensors) run on each
+    rank's own activations (its heads): its weights' gradients are each rank's part, a pending
+    sum (Partial) that FSDP2's reduction or pyplan once per iteration completes, as for
+    sequence parallelism's norms."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import Partial, Replicate, distribute_tensor
+
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(param, device_mesh, [Replicate()]),
+                requires_grad=param.requires_grad))
+        original = module.forward
+
+        def forward(*args, **kwargs):
+            with local_parameters(module, [Partial()]):
+                return original(*args, **kwargs)
+        module.forward = forward
+        return module
+
+
 def _local_forward(module: nn.Module, conv: bool, rowwise: bool, mesh, sequence: bool):
     """Column-wise: the input whole (with sequence parallelism, the DTensor its module's
     input was gathered into, whose gradient each rank holds a part of: reduce-scattered);
@@ -345,12 +371,12 @@ def _local_forward(module: nn.Module, conv: bool, rowwise: bool, mesh, sequence:
                 mesh, [Shard(1)]).to_local()
             bias = None if bias is None else summed_gradient(bias, group)
         elif rowwise:
-            out = _Summed.apply(out, group)
+            out = _SummedOutput.apply(out, group)
         return out if bias is None else out + bias
     return forward
 
 
-class _Summed(torch.autograd.Function):
+class _SummedOutput(torch.autograd.Function):
     """Summed over the tensor ranks forward; backward, the (whole, identical) gradient as it
     is."""
 
