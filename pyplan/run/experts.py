@@ -88,9 +88,9 @@ def check_experts(module: nn.Module, styles: dict[str, str], tensor: int, path: 
 
 class Experts(ParallelStyle):
     """Each tensor rank's slice of every expert (see the module's docstring); `styles`: the
-    experts' parameters' styles; `sequence`: the MoE block around (MoeBlock) sums their
-    input's gradient and reduces their output into sequence slices (else the experts sum
-    both whole)."""
+    experts' parameters' styles; `sequence`: the MoE block around them (MoeBlock)
+    reduce-scatters their input's gradient and their output into sequence slices (else the
+    experts sum both whole)."""
 
     def __init__(self, styles: dict[str, str], sequence: bool = False) -> None:
         super().__init__()
@@ -136,7 +136,6 @@ def local_parameters(module: nn.Module, grad_placements=None):
         yield
     finally:
         module._parameters.update(held)
-
 
 
 class MoeBlock(ParallelStyle):

@@ -128,7 +128,7 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str,
     around = sequence_modules(root, sharded, where) if sequence and sharded else None
     if sharded:
         parallelize_module(root, mesh, {path: Experts(experts[path], sequence) if s == EXPERTS
-                                        else _Summed() if s == _SUMMED
+                                        else _ReplicatedSummed() if s == _SUMMED
                                         else _style(s, sequence)
                                         if isinstance(modules[path], nn.Linear)
                                         and not s.startswith("packed") else _Local(s, sequence)
@@ -328,7 +328,7 @@ class _Local(ParallelStyle):
         return module
 
 
-class _Summed(ParallelStyle):
+class _ReplicatedSummed(ParallelStyle):
     """A module whole on every tensor rank (its weights replicated DTensors) run on each
     rank's own activations (its heads): its weights' gradients are each rank's part, a pending
     sum (Partial) that FSDP2's reduction or pyplan once per iteration completes, as for
@@ -371,12 +371,12 @@ def _local_forward(module: nn.Module, conv: bool, rowwise: bool, mesh, sequence:
                 mesh, [Shard(1)]).to_local()
             bias = None if bias is None else summed_gradient(bias, group)
         elif rowwise:
-            out = _SummedOutput.apply(out, group)
+            out = _Summed.apply(out, group)
         return out if bias is None else out + bias
     return forward
 
 
-class _SummedOutput(torch.autograd.Function):
+class _Summed(torch.autograd.Function):
     """Summed over the tensor ranks forward; backward, the (whole, identical) gradient as it
     is."""
 
