@@ -5,7 +5,8 @@ and tiny MoEs (4 experts, top 2) trained on 4 gloo ranks against single-process 
 (`pyplan run --check`): Qwen3-MoE TP 2 x PP 2 sequence-parallel from `pyplan partition
 --tensor 2`'s plan (its q and k norms' gradients summed over the tensor ranks), Qwen2-MoE
 (shared experts beside the routed ones) TP 2 x PP 2 without sequence parallelism, Mixtral
-TP 2 x FSDP 2 sequence-parallel; a Mixtral checkpoint saved at tensor 2 resumes exactly."""
+TP 2 x FSDP 2 sequence-parallel, Mixtral's experts split whole over 2 tensor ranks
+(moe_ep_experts); a Mixtral checkpoint saved at tensor 2 resumes exactly."""
 
 from __future__ import annotations
 
@@ -153,6 +154,33 @@ def test_qwen3s_head_norms_are_replicated_with_their_gradients_summed(fake_world
     model(torch.randint(3, 128, (2, 16)))
 
 
+def test_expert_parallelism_gives_each_tensor_rank_whole_experts(fake_world):
+    """moe_ep_experts: each of 2 tensor ranks holds 2 of the 4 experts whole (Shard(0)) and
+    routes the others' tokens to transformers' expert-parallel sentinel; 3 experts do not
+    split over 2 ranks."""
+    from torch.distributed.tensor import Shard
+
+    from pyplan.errors import PlanError
+    from pyplan.run.tensor import parallelize, tensor_plan
+
+    ep = {"model.layers.*.mlp.experts": "moe_ep_experts"}
+    model = _mixtral()
+    sharded, around = parallelize(model, tensor_plan(model, ep), fake_world, where="plan",
+                                  sequence=True)
+    experts = model.model.layers[0].mlp.experts
+    assert sharded["model.layers.0.mlp.experts"] == "moe_ep_experts"
+    assert experts.gate_up_proj.placements == experts.down_proj.placements == (Shard(0),)
+    assert experts.gate_up_proj.to_local().shape == (2, 128, 32)
+    assert experts.num_experts == 2 and experts._is_expert_parallel
+    assert around.moe["model.layers.0.mlp"] == "gate"
+    model(torch.randint(3, 128, (2, 16)))
+    odd = _mixtral(num_local_experts=3, num_experts=3)  # (the second an alias of the first)
+    with pytest.raises(PlanError) as raised:
+        parallelize(odd, tensor_plan(odd, ep), fake_world, where="plan")
+    assert "mesh.tensor 2 does not divide the 3 experts of model.layers.0.mlp.experts" in \
+        str(raised.value)
+
+
 def test_a_module_that_is_not_transformers_fused_experts_is_refused(fake_world):
     from torch import nn
 
@@ -208,12 +236,14 @@ def _run(folder: Path, resolved: str, ranks: int, *extra):
     ("q3-tp", None),                                     # TP 2 x PP 2, sequence-parallel
     ("q2", "{tensor: 2, sequence: false}"),              # TP 2 x PP 2, shared experts
     ("mix1", "{tensor: 2, data: 2, shard: true}"),       # TP 2 x FSDP 2 (experts over dp)
+    ("mix1", "{tensor: 2, tensor_plan: {'model.layers.*.mlp.experts': moe_ep_experts}}"),
 ])
 def test_tensor_parallel_experts_train_the_single_process_model(partitioned, plan, mesh):
     if mesh is None:
         assert "\nmesh: {tensor: 2}\n" in (partitioned / f"{plan}.yaml").read_text()
     name = f"{plan}-" + "".join(c for c in mesh or "" if c.isalnum())
-    done = _run(partitioned, _meshed(partitioned, plan, mesh, name), 4, "--iterations", 3,
+    ranks = 2 if plan == "mix1" and "data" not in mesh else 4  # (EP 2: one stage)
+    done = _run(partitioned, _meshed(partitioned, plan, mesh, name), ranks, "--iterations", 3,
                 "--check", *TRAIN)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

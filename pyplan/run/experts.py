@@ -11,6 +11,14 @@ The experts' own forward runs on those local parts, so each rank's output is a p
 parallelism reduce-scattered into sequence slices at the MoE block's output, as torch's
 RowwiseParallel does for an MLP.
 
+`moe_ep_experts` (given in a plan's mesh.tensor_plan) splits the experts themselves over the
+tensor ranks instead (expert parallelism over the tensor group): each rank holds E/T whole
+experts (Shard(0)) and runs the tokens routed to them, every token reaching every rank as the
+tensor ranks hold it (whole, or with sequence parallelism all-gathered at the MoE block:
+Megatron-LM's all-gather token dispatcher, not an all-to-all); transformers' kernels skip the
+tokens of other ranks' experts (their expert-parallel sentinels), and the partial outputs are
+summed as above.
+
 The router (the block's `gate`) stays whole on every rank and routes the whole input: every
 rank picks the same experts for a token. The routing weights' gradient each rank computes a
 part of (its slice of every expert) is summed over the tensor ranks, so the router's weight
@@ -32,23 +40,34 @@ from pyplan.errors import PlanError
 from pyplan.models.collectives import summed_gradient
 from pyplan.models.forward import hidden_position
 
-__all__ = ["EXPERTS", "Experts", "MoeBlock", "check_experts", "local_parameters"]
+__all__ = ["EXPERTS", "EXPERT_PARALLEL", "Experts", "MoeBlock", "check_experts",
+           "local_parameters"]
 
 EXPERTS = "moe_tp_experts"
 """The style of a MoE layer's experts module (Hugging Face's name)."""
+EXPERT_PARALLEL = "moe_ep_experts"
+"""The style that splits the experts over the tensor ranks (pyplan's name)."""
 _PARAMETER_STYLES = ("packed_colwise", "colwise", "rowwise")
 _HINT = "give mesh.tensor_plan without the experts (or mesh.tensor: 1)"
 
 
 def check_experts(module: nn.Module, styles: dict[str, str], tensor: int, path: str,
-                  where: str) -> None:
+                  where: str, by_expert: bool = False) -> None:
     """PlanError naming what of the experts module at `path` does not shard as `styles` (its
-    parameters' styles) ask over `tensor` ranks."""
+    parameters' styles) ask over `tensor` ranks (`by_expert`: whole experts over them)."""
     kind = type(module).__name__
     if not hasattr(module, "is_concatenated"):  # (set by transformers' experts decorator)
         raise PlanError(f"{where}: module {path} ({kind}) is not transformers' fused experts "
-                        "(use_experts_implementation), which the moe_tp_experts style shards",
-                        hint=_HINT)
+                        f"(use_experts_implementation), which the "
+                        f"{EXPERT_PARALLEL if by_expert else EXPERTS} style shards", hint=_HINT)
+    if by_expert:
+        count = getattr(module, "num_experts", None)
+        if not isinstance(count, int) or count % tensor:
+            raise PlanError(f"{where}: mesh.tensor {tensor} does not divide the {count} "
+                            f"experts of {path} ({EXPERT_PARALLEL})",
+                            hint="use a tensor degree that divides the experts, or "
+                            f"{EXPERTS}")
+        return
     for flag, wanted in (("is_transposed", False), ("has_bias", False)):
         if getattr(module, flag, wanted) != wanted:
             raise PlanError(f"{where}: experts module {path} ({kind}) has {flag}="
@@ -92,9 +111,10 @@ class Experts(ParallelStyle):
     reduce-scatters their input's gradient and their output into sequence slices (else the
     experts sum both whole)."""
 
-    def __init__(self, styles: dict[str, str], sequence: bool = False) -> None:
+    def __init__(self, styles: dict[str, str], sequence: bool = False,
+                 by_expert: bool = False) -> None:
         super().__init__()
-        self.styles, self.sequence = styles, sequence
+        self.styles, self.sequence, self.by_expert = styles, sequence, by_expert
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         from torch.distributed.tensor import (DTensor, Partial, Replicate, Shard,
@@ -102,18 +122,29 @@ class Experts(ParallelStyle):
         from torch.distributed.tensor.placement_types import _StridedShard
 
         for name, param in list(module.named_parameters(recurse=False)):
-            style = self.styles[name]
-            placement = Shard(2) if style == "rowwise" else Shard(1) if style == "colwise" \
+            style = "by_expert" if self.by_expert else self.styles[name]
+            placement = Shard(0) if style == "by_expert" else Shard(2) if style == "rowwise" \
+                else Shard(1) if style == "colwise" \
                 else _StridedShard(1, split_factor=2)  # the same rows of gate and of up
             module.register_parameter(name, nn.Parameter(
                 distribute_tensor(param, device_mesh, [placement]),
                 requires_grad=param.requires_grad))
         original, group, sequence = module.forward, device_mesh.get_group(), self.sequence
+        owned = None
+        if self.by_expert:  # (transformers' kernels skip ids from num_experts on)
+            owned = module.num_experts // device_mesh.size()
+            first = device_mesh.get_local_rank() * owned
+            module.num_experts, module._is_expert_parallel = owned, True
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             if not sequence:
                 hidden_states = summed_gradient(hidden_states, group)
             top_k_weights = summed_gradient(top_k_weights, group)
+            if owned is not None:  # this rank's experts' ids, the others' the sentinel
+                local = top_k_index - first
+                mine = (local >= 0) & (local < owned)
+                top_k_index = torch.where(mine, local, owned)
+                top_k_weights = top_k_weights * mine
             with local_parameters(module):
                 out = original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
             if sequence:

@@ -38,13 +38,15 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from pyplan.errors import PlanError, RunError
 from pyplan.models.collectives import all_reduce_, summed_gradient
 from pyplan.models.forward import hidden_position, decoder_layers
-from pyplan.run.experts import EXPERTS, Experts, MoeBlock, check_experts, local_parameters
+from pyplan.run.experts import (EXPERT_PARALLEL, EXPERTS, Experts, MoeBlock, check_experts,
+                                 local_parameters)
 
 __all__ = ["STYLES", "TensorRandom", "parallelize", "sequence_modules", "tensor_plan"]
 
 _SUMMED = "replicated_with_grad_allreduce"
 STYLES = ("colwise", "rowwise", "packed_colwise", "colwise_rep", "rowwise_rep",
-          "colwise_gather_output", "embedding_rowwise", "replicate", EXPERTS, _SUMMED)
+          "colwise_gather_output", "embedding_rowwise", "replicate", EXPERTS, EXPERT_PARALLEL,
+          _SUMMED)
 """The style names pyplan maps onto torch.distributed.tensor.parallel (Hugging Face's names;
 a MoE layer's experts: pyplan.run.experts; `replicated_with_grad_allreduce`: a module whole on
 every rank that runs on each rank's own part of the activations, Qwen3's q and k norms on its
@@ -110,15 +112,16 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str,
     experts = {path: {name: style for pattern, style in plan.items()  # their parameters'
                       for name in modules[path]._parameters if _matches(pattern,
                                                                         f"{path}.{name}")}
-               for path, style in chosen.items() if style == EXPERTS}
+               for path, style in chosen.items() if style in (EXPERTS, EXPERT_PARALLEL)}
     for path, style in sorted(chosen.items()):
         if style.partition(":")[0] not in STYLES:
             raise PlanError(f"{where}: module {path} asks for tensor-parallel style {style!r}, "
                             "which pyplan does not run", hint="styles: " + ", ".join(STYLES) +
                             "; give mesh.tensor_plan for this module, or mesh.tensor: 1")
         module = modules[path]
-        if style == EXPERTS:
-            check_experts(module, experts[path], mesh.size(), path, where)
+        if style in (EXPERTS, EXPERT_PARALLEL):
+            check_experts(module, experts[path], mesh.size(), path, where,
+                          by_expert=style == EXPERT_PARALLEL)
         elif style not in _WHOLE + (_SUMMED,) and not _shardable(module, style):
             raise PlanError(f"{where}: module {path} is a {type(module).__name__}, which "
                             f"the {style} style does not shard",
@@ -127,7 +130,9 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str,
     sharded = {path: style for path, style in sorted(chosen.items()) if style not in _WHOLE}
     around = sequence_modules(root, sharded, where) if sequence and sharded else None
     if sharded:
-        parallelize_module(root, mesh, {path: Experts(experts[path], sequence) if s == EXPERTS
+        parallelize_module(root, mesh, {path: Experts(experts[path], sequence,
+                                                      by_expert=s == EXPERT_PARALLEL)
+                                        if s in (EXPERTS, EXPERT_PARALLEL)
                                         else _ReplicatedSummed() if s == _SUMMED
                                         else _style(s, sequence)
                                         if isinstance(modules[path], nn.Linear)
@@ -183,7 +188,7 @@ def sequence_modules(root: nn.Module, sharded: dict[str, str], where: str) -> Ar
     inside = f"{layers_name}."
     modules = dict(root.named_modules())
     moe = sorted({path.rpartition(".")[0] for path, style in sharded.items()
-                  if path.startswith(inside) and style == EXPERTS})
+                  if path.startswith(inside) and style in (EXPERTS, EXPERT_PARALLEL)})
     routers: dict[str, str] = {}
     gathered = sorted({path.rpartition(".")[0] for path, style in sharded.items()
                        if path.startswith(inside) and not style.startswith("rowwise")} - set(moe))
