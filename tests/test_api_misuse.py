@@ -194,6 +194,7 @@ def test_outputs_whose_width_changes_between_micro_batches(pipeline):
                        ("10", "'10'")]],
     ({"blocking": "no"}, "Pipeline: blocking 'no' is not True or False"),
     ({"sync_at_end": 1}, "Pipeline: sync_at_end 1 is not True or False"),
+    ({"agree_arguments": None}, "Pipeline: agree_arguments None is not True or False"),
 ])
 def test_the_constructor_checks_its_arguments(pipeline, arguments, message):
     _refused(RunError, re.escape(message), pipeline, **arguments)
@@ -322,6 +323,13 @@ attempt("clip_grad_norm_", lambda: pipe.clip_grad_norm_(math.nan if rank == 0 el
 attempt("step", lambda: pipe.step(x, y, trace="yes" if rank else False))
 lines.append(f"steps after: {float(pipe.step(x, y)) > 0}")
 pipe.close()
+# Without the agreement a bad argument is its own rank's error alone (no collective waits).
+alone = Pipeline(sys.argv[1], device="cpu", agree_arguments=False)
+alone.step(x, y)
+attempt("alone", lambda: alone.step_optimizer(
+    None if rank else torch.optim.SGD(alone.parameters(), lr=0.1)))
+lines.append(f"alone after: {float(alone.step(x, y)) > 0}")
+alone.close()
 dist.destroy_process_group()
 sys.stdout.write("".join(f"{rank} {line}\\n" for line in lines))  # one write
 """.replace("import os\n", "import math\nimport os\n", 1)
@@ -349,8 +357,14 @@ def test_one_ranks_bad_argument_is_every_ranks_error(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = {rank: [line[2:] for line in result.stdout.splitlines() if line[:2] == f"{rank} "]
              for rank in (0, 1)}
-    assert lines[0] == lines[1], result.stdout
-    assert lines[0] == [
+    assert lines[0][:-2] == lines[1][:-2], result.stdout
+    assert [lines[0][-2:], lines[1][-2:]] == [
+        ["alone: no error", "alone after: True"],
+        ["alone: RunError: error: Pipeline.step_optimizer: got None for the optimizer, but "
+         "this rank holds 2 trainable parameters, which would not be updated (hint: pass the "
+         "optimizer built over pipe.parameters() on every rank where they are not empty)",
+         "alone after: True"]], result.stdout
+    assert lines[0][:-2] == [
         "seed: RunError: error: rank 1: Pipeline: seed 1.5 is not an integer from 0 to 2**63 - 1 "
         "(hint: the same integer seed on every rank, e.g. seed=0)",
         "seeds: RunError: error: Pipeline: rank 1 has seed 1, rank 0 seed 0: each block's "
