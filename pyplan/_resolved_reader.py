@@ -39,7 +39,8 @@ _MODEL = {"blocks": (str, (), 0), "module": (str, (), 0), "stages": (dict, 0, 0)
           "vocab_parallel": (dict, 0, 0), "weights": (str, (), 0),
           "optimizer": (str, ("sgd", "adamw"), 0)}
 _MESH = {"data": (int, 1, MAX_WORLD), "sync": (int, 0, MAX_TIME),
-         "tensor": (int, 1, MAX_DEVICES), "sequence": (bool, 0, 1)}
+         "tensor": (int, 1, MAX_DEVICES), "sequence": (bool, 0, 1),
+         "priced": (int, 1, MAX_DEVICES)}
 
 
 class Reader:
@@ -182,14 +183,16 @@ class Reader:
             if not (type(shard) is bool or (type(shard) is int and 1 <= shard <= MAX_WORLD)):
                 raise self.fail(("mesh", "shard"), f"'shard' cannot be {shard!r} here",
                                 "the file was edited; re-run pyplan solve")
-            self.typed(raw_mesh, ("mesh",), _MESH, set(_MESH) - {"tensor", "sequence"})
+            self.typed(raw_mesh, ("mesh",), _MESH, set(_MESH) - {"tensor", "sequence",
+                                                                  "priced"})
             mesh = MeshSpec(data=self.get("data", int, ("mesh",), low=1,
                                           high=MAX_WORLD // num_devices),
                             shard=shard,
                             sync=self.get("sync", int, ("mesh",), low=0, high=MAX_TIME),
                             tensor=self.doc["mesh"].get("tensor", 1),
                             tensor_plan=tuple(sorted(tensor_plan.items())),
-                            sequence=self.doc["mesh"].get("sequence", True))
+                            sequence=self.doc["mesh"].get("sequence", True),
+                            priced=self.doc["mesh"].get("priced", 1))
         unit = self.doc.get("time_unit_ms")
         if unit is not None and (type(unit) not in (int, float) or not 0 < unit <= 1e6):
             raise self.fail(("time_unit_ms",), "'time_unit_ms' must be a positive number",

@@ -149,7 +149,8 @@ def render_resolved(solution: Solution, plan_rel: str | None) -> str:
         shard = str(mesh.shard).lower() if type(mesh.shard) is bool else mesh.shard
         plan = ", ".join(f"{_quoted(k)}: {v}" for k, v in mesh.tensor_plan)
         lines.append(f"mesh: {{data: {mesh.data}, shard: {shard}, sync: {mesh.sync}"
-                     + (f", tensor: {mesh.tensor}" if mesh.tensor > 1 else "")
+                     + (f", tensor: {mesh.tensor}, priced: {mesh.priced}"
+                        if mesh.tensor > 1 else "")
                      + (", sequence: false" if mesh.tensor > 1 and not mesh.sequence else "")
                      + (f", tensor_plan: {{{plan}}}" if plan else "") + "}")
     lines += [

@@ -207,7 +207,7 @@ def _plan(path: Path, name: str, devices: int, stages: list, micro_batches: int,
     """A plan as pyplan partition writes it; dp replicas shard the state (mesh shard)."""
     placement = placement or [s % devices for s in range(len(stages))]
     backward = "{time_ratio: 2" + (", weight_time_ratio: 1}" if split else "}")
-    mesh = f"mesh: {{data: {dp}, shard: {'true' if dp > 1 else 'false'}, tensor: {tp}}}\n"
+    mesh = f"mesh: {{data: {dp}, shard: {'true' if dp > 1 else 'false'}, tensor: {tp}, priced: {tp}}}\n"
     text = (f"pyplan: 1\nname: {name}\ndevices: {devices}\nmicro_batches: {micro_batches}\n"
             f"training: {{backward: {backward}}}\n" + mesh +
             "blocks:\n" +

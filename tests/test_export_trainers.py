@@ -211,7 +211,7 @@ def test_megatron_args_of_a_plan(cli, tmp_path):
     assert "Schedule: Megatron-LM's 1F1B (pyplan's own order is not one Megatron-LM runs" in \
         " ".join(line.lstrip("# ") for line in out.splitlines())
     # a mesh with sharding: data parallel 2, Megatron-LM's distributed optimizer; tensor 2
-    plan = _plan(tmp_path, extra="mesh: {data: 2, shard: true, tensor: 2}\n")
+    plan = _plan(tmp_path, extra="mesh: {data: 2, shard: true, tensor: 2, priced: 2}\n")
     code, out, err = cli("export", plan, "--format", "megatron-args", "-o", tmp_path / "a.txt")
     assert (code, err) == (0, "")
     assert out == (f"wrote {tmp_path / 'a.txt'}: megatron-args, p, for Megatron-LM "

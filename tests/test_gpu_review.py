@@ -387,7 +387,7 @@ def test_tensor_parallel_boundaries_pair_each_tensor_rank_with_its_counterpart()
 
     problem = build_problem(spec_from_text(
         "pyplan: 1\nname: tp\ndevices: 3\nmemory: 4\nmicro_batches: 4\n"
-        "mesh: {tensor: 2, data: 2}\ntraining: {backward: {time_ratio: 2}}\n"
+        "mesh: {tensor: 2, priced: 2, data: 2}\ntraining: {backward: {time_ratio: 2}}\n"
         "shape: {kind: vshape, stage: {time: 1, memory: 1}}\n"))
     used = channels(lower(problem, solve(problem).schedule))
     coords = problem.mesh.coords

@@ -40,17 +40,17 @@ def _problem(tmp_path, mesh: str):
 def test_each_tensor_rank_sends_its_own_slice_between_stages(tmp_path):
     """4 MiB at 1 MiB/s: 4000 ms whole; each of 2 tensor ranks sends its half of the sequence
     with sequence parallelism, its whole copy without."""
-    whole = _problem(tmp_path, "mesh: {tensor: 2, sequence: false}").transfers
-    sliced = _problem(tmp_path, "mesh: {tensor: 2}").transfers
+    whole = _problem(tmp_path, "mesh: {tensor: 2, priced: 2, sequence: false}").transfers
+    sliced = _problem(tmp_path, "mesh: {tensor: 2, priced: 2}").transfers
     assert max(whole) == 4000 and max(sliced) == 2000
     assert max(_problem(tmp_path, "").transfers) == 4000
-    assert _problem(tmp_path, "mesh: {tensor: 2}").mesh.sequence_parallel
+    assert _problem(tmp_path, "mesh: {tensor: 2, priced: 2}").mesh.sequence_parallel
     assert not _problem(tmp_path, "mesh: {sequence: true}").mesh.sequence_parallel
 
 
 def test_a_sequence_key_that_is_not_a_boolean_is_one_line(tmp_path, cli):
     path = tmp_path / "sp.yaml"
-    path.write_text(PLAN.format(mesh="mesh: {tensor: 2, sequence: 2}"))
+    path.write_text(PLAN.format(mesh="mesh: {tensor: 2, priced: 2, sequence: 2}"))
     code, out, err = cli("validate", str(path))
     assert code == 2, err
     lines = err.strip().splitlines()
@@ -59,7 +59,7 @@ def test_a_sequence_key_that_is_not_a_boolean_is_one_line(tmp_path, cli):
 
 
 def test_sequence_false_survives_the_resolved_plan_and_show_says_which(tmp_path, cli):
-    for mesh, shown in (("mesh: {tensor: 2}", True), ("mesh: {tensor: 2, sequence: false}",
+    for mesh, shown in (("mesh: {tensor: 2, priced: 2}", True), ("mesh: {tensor: 2, priced: 2, sequence: false}",
                                                        False)):
         path = tmp_path / "sp.yaml"
         path.write_text(PLAN.format(mesh=mesh))

@@ -205,7 +205,7 @@ def plan_text(name: str, chunk_list: list[Chunk], layout: Layout, micro_batches:
     if layout.dp > 1 and layout.distributed_optimizer:  # (the optimizer's state sharded)
         mesh.append("shard: true")
     if layout.tp > 1:
-        mesh.append(f"tensor: {layout.tp}")
+        mesh.append(f"tensor: {layout.tp}, priced: {layout.tp}")  # (the chunks' costs)
         if not layout.sequence_parallel:
             mesh.append("sequence: false")
     if sync > 0:

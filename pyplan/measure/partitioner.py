@@ -155,7 +155,8 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
                             hint="use shape vshape or interleaved")
         units = _per_tensor_rank(units, deferred.model, cut, inputs, factory, tensor,
                                  sequence_parallel, dtype, _link(links, device))
-        mesh = f"{{tensor: {tensor}" + ("" if sequence_parallel else ", sequence: false") + "}"
+        mesh = f"{{tensor: {tensor}, priced: {tensor}" + \
+            ("" if sequence_parallel else ", sequence: false") + "}"
     if host_memory is not None and device == "cpu":  # host memory is the device's
         memory = host_capacity(memory, host_memory, devices, baseline)
     shared = everywhere(deferred.model, [Unit(u.name, u.module_names) for u in units]) \

@@ -324,7 +324,8 @@ def _build(source: Source) -> PlanSpec:
     mesh = MeshSpec(data=mesh_raw.get("data", 1), shard=mesh_raw.get("shard", False),
                     sync=mesh_raw.get("sync", 0), tensor=mesh_raw.get("tensor", 1),
                     tensor_plan=tuple(sorted((mesh_raw.get("tensor_plan") or {}).items())),
-                    sequence=mesh_raw.get("sequence", True))
+                    sequence=mesh_raw.get("sequence", True), priced=mesh_raw.get("priced", 1))
+    _check_priced(source, mesh)
     if mesh.world(num_devices) > MAX_WORLD:
         raise source.error(("mesh",), f"the mesh's {mesh.world(num_devices)} GPUs ({num_devices} "
                            f"devices x {mesh.data_parallel} data-parallel x {mesh.tensor} "
@@ -413,3 +414,22 @@ def load_spec(path: str | Path) -> PlanSpec:
 def spec_from_text(text: str, name: str = "<plan>") -> PlanSpec:
     """Parse a plan from a string (tests, tools)."""
     return parse_spec(parse_yaml(text, name))
+
+
+def _check_priced(source: Source, mesh: MeshSpec) -> None:
+    """The blocks' costs are one tensor rank's of the mesh's degree (mesh.priced), or the
+    plan is refused: nothing here can price them again (that needs the model's config and its
+    measured units, which a plan does not carry)."""
+    if mesh.priced == mesh.tensor:
+        return
+    hint = (f"re-run pyplan partition --tensor {mesh.tensor}, which prices each unit as one "
+            "tensor rank runs it" if mesh.tensor > 1 else
+            "re-run pyplan partition without --tensor")
+    if mesh.priced == 1:
+        raise source.error(("mesh", "tensor"), f"mesh.tensor is {mesh.tensor}, but the blocks' "
+                           "costs are a whole model's (mesh.priced is not given): each tensor "
+                           "rank would be planned the time and memory of the whole",
+                           hint + f"; for costs written as one of {mesh.tensor} tensor "
+                           f"ranks', add priced: {mesh.tensor} to mesh")
+    raise source.error(("mesh", "priced"), f"the blocks' costs are one of {mesh.priced} tensor "
+                       f"ranks' (mesh.priced), but mesh.tensor is {mesh.tensor}", hint)

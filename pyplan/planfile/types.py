@@ -166,6 +166,10 @@ class MeshSpec:
     sequence: bool = True
     """Sequence parallelism beside tensor parallelism (Megatron-LM's --sequence-parallel):
     the norms and dropouts between the tensor-parallel regions run on sequence slices."""
+    priced: int = 1
+    """The tensor degree the blocks' costs are one rank's of (`pyplan partition --tensor T`
+    and `pyplan plan` write it): a plan loads only where it equals `tensor`, so no mesh runs on
+    costs measured for another (a whole model's, most often)."""
 
     @property
     def sequence_parallel(self) -> bool:
