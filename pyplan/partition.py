@@ -26,7 +26,7 @@ import itertools
 import json
 import math
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,10 +44,13 @@ MAX_ENUMERATED = 20_000  # partitions: up to this many, every one is ranked (els
 OPTIMIZER_STATE = {"sgd": 0, "adamw": 2}
 
 
-def weight_bytes(params: list, optimizer: str) -> int:
+def weight_bytes(params: list, optimizer: str, *, tensor: int = 1,
+                 sharded: Collection[int] = ()) -> int:
     """What `params` hold for the whole run: themselves, their gradients and the optimizer's
-    state (AdamW: two moments each, and its step count, a 4-byte tensor per parameter)."""
-    size = sum(p.numel() * p.element_size() for p in params)
+    state (AdamW: two moments each, and its step count, a 4-byte tensor per parameter); on one
+    of `tensor` ranks, 1/tensor of each parameter whose id is in `sharded`."""
+    size = sum(p.numel() * p.element_size() // (tensor if id(p) in sharded else 1)
+               for p in params)
     return size * (2 + OPTIMIZER_STATE[optimizer]) + (4 * len(params) if optimizer == "adamw"
                                                       else 0)
 

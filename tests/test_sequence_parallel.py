@@ -121,7 +121,8 @@ def test_a_measured_unit_is_priced_per_tensor_rank_by_the_cost_model():
     with sequence parallelism (pyplan.cluster.memory's counts), its compute shrinks, and its
     forward carries the model's two collectives on the plan's link: all-reduces of the
     layer's activations (b s h, fp32) over 2 ranks, each (2 - 1) / 2 x 2 x bytes / bandwidth
-    at no latency."""
+    at no latency; its weights are the rank's the caller counts, its optimizer step over
+    that share of them."""
     from pyplan.cluster.model import gpt
     from pyplan.cluster.ranks import rank_units
     from pyplan.partition import UnitCost
@@ -129,7 +130,9 @@ def test_a_measured_unit_is_priced_per_tensor_rank_by_the_cost_model():
 
     model = gpt(2, 256, 8, vocab=1024, sequence=64)
     units = [UnitCost(name, 10.0, 20.0, 1 << 20, 1 << 20, input_bytes=1000,
-                      forward_peak_bytes=2 << 20) for name in ("embed", "h.0", "h.1", "head")]
+                      forward_peak_bytes=2 << 20, update_ms=4.0)
+             for name in ("embed", "h.0", "h.1", "head")]
+    weights = [1 << 20, 1 << 19, 1 << 19, 3 << 18]  # (a rank's: the caller counts them)
     kinds = ["embedding", "layer", "layer", "head"]
     slow = LinkSpec(bandwidth=10**6, latency_ms=0)
     fast = LinkSpec(bandwidth=10**15, latency_ms=0)
@@ -137,12 +140,14 @@ def test_a_measured_unit_is_priced_per_tensor_rank_by_the_cost_model():
     def priced(tensor, sequence_parallel, link):
         return rank_units(units, kinds, model, tensor=tensor,
                           sequence_parallel=sequence_parallel, micro_batch=2, sequence=64,
-                          dtype="fp32", link=link)
+                          dtype="fp32", link=link, weights=weights)
     assert priced(1, True, slow) == units
     sp, tp = priced(2, True, fast)[1], priced(2, False, fast)[1]
     assert sp.activation_bytes < tp.activation_bytes < units[1].activation_bytes
     assert sp.input_bytes == 500 and tp.input_bytes == 1000
-    assert sp.forward_ms < units[1].forward_ms and sp.weight_bytes == units[1].weight_bytes
+    assert sp.forward_ms < units[1].forward_ms
+    assert [u.weight_bytes for u in priced(2, True, fast)] == weights
+    assert [u.update_ms for u in priced(2, True, fast)] == [4.0, 2.0, 2.0, 3.0]
     collectives_ms = priced(2, True, slow)[1].forward_ms - sp.forward_ms
     assert collectives_ms == pytest.approx(2 * (2 * 64 * 256 * 4) / 10**6 * 1e3, rel=1e-3)
 

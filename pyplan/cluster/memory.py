@@ -5,7 +5,8 @@ gated MLPs, experts and runs without dropout). How many micro-batches a stage ho
 is not a closed form here: the schedule pyplan's solver evaluates holds them.
 
 These rules are the one memory model of a mesh: `pyplan plan` costs a cluster with them and
-`pyplan run` divides a stage's state by its tensor and shard degrees the same way.
+`pyplan run` divides a stage's state by its shard degree the same way (a plan's blocks are
+already one tensor rank's: mesh.priced).
 """
 
 from __future__ import annotations
@@ -130,15 +131,14 @@ def stage_state(parameters: float, batch: Batch, layout: Layout,
                  parameters * per["optimizer"])
 
 
-def mesh_state_bytes(state_bytes: float, state_tensors: int, *, tensor: int = 1,
-                     shards: int = 1) -> float:
-    """What one rank of a mesh holds at its peak of a stage's `state_bytes` (parameters,
-    gradients and optimizer state: `state_tensors` tensors of the parameters' size, as pyplan
-    partition counts them): everything divided by the tensor degree (its sharded layers);
-    with FSDP's shards under a pipeline, the parameters and gradients whole over the data
-    ranks from the first forward to the last backward (pyplan.run.mesh: one all-gather per
-    iteration) beside their shards, and the optimizer's state sharded."""
-    per_tensor = state_bytes / max(state_tensors, 1) / tensor
+def mesh_state_bytes(state_bytes: float, state_tensors: int, *, shards: int = 1) -> float:
+    """What one rank of a mesh holds at its peak of a stage's `state_bytes` (one tensor rank's
+    parameters, gradients and optimizer state, as the plan's blocks give them: `pyplan
+    partition --tensor` counts what a tensor rank holds; `state_tensors` tensors of the
+    parameters' size): with FSDP's shards under a pipeline, the parameters and gradients whole
+    over the data ranks from the first forward to the last backward (pyplan.run.mesh: one
+    all-gather per iteration) beside their shards, and the optimizer's state sharded."""
     if shards <= 1:
-        return per_tensor * state_tensors
-    return 2 * per_tensor + per_tensor * state_tensors / shards
+        return state_bytes
+    per = state_bytes / max(state_tensors, 1)
+    return 2 * per + per * state_tensors / shards

@@ -10,10 +10,14 @@ own cost model (pyplan.cluster.costs and .memory) for everything the degree chan
 - activations: the measured bytes times memory.py's per-layer bytes at T (sequence-parallel or
   not) over those at 1; the stage's input kept for recomputation is a slice with sequence
   parallelism;
-- the optimizer's step: over a rank's 1/T of the parameters (as pipeline.py's chunks count it).
+- weights (parameters, gradients, optimizer state): what the caller gives, a tensor rank's
+  (pyplan partition counts what `pyplan run` holds: its tensor plan's sharded layers divided,
+  the embedding, norms and the rest whole), and the optimizer's step over them.
 
-Weights stay whole in the plan: `pyplan run` divides a stage's state by the tensor (and shard)
-degrees with memory.mesh_state_bytes, the one home of that rule.
+An embedding or head of which a tensor rank holds all the weights (pyplan run keeps GPT-2's
+and Llama's embedding whole, and GPT-2's head tied to it) runs whole: it keeps its measured
+costs. The plan's blocks are then all one tensor rank's (mesh.priced); `pyplan run` divides a
+stage's state further by the shard degree only (memory.mesh_state_bytes).
 """
 
 from __future__ import annotations
@@ -68,9 +72,11 @@ def _ratio(part: float, whole: float) -> float:
 
 def rank_units(units: list[UnitCost], kinds: list[str], model: Transformer, *, tensor: int,
                sequence_parallel: bool, micro_batch: int, sequence: int, dtype: str,
-               link: LinkSpec) -> list[UnitCost]:
+               link: LinkSpec, weights: list[int]) -> list[UnitCost]:
     """`units` (measured whole; `kinds[i]`: embedding, layer or head) as one of `tensor`
-    ranks runs them, for micro-batches of `micro_batch` sequences of `sequence` tokens."""
+    ranks runs them, for micro-batches of `micro_batch` sequences of `sequence` tokens;
+    `weights[i]`: what a tensor rank holds of unit i's weights (its optimizer's step works
+    over that share)."""
     if tensor <= 1:
         return list(units)
     batch = Batch(global_batch=micro_batch, sequence=sequence, dtype=dtype,
@@ -78,9 +84,12 @@ def rank_units(units: list[UnitCost], kinds: list[str], model: Transformer, *, t
     one = _costs(model, 1, False, batch, micro_batch, link)
     many = _costs(model, tensor, sequence_parallel, batch, micro_batch, link)
     out, layer = [], 0
-    for unit, kind in zip(units, kinds):
+    for unit, kind, mine_bytes in zip(units, kinds, weights):
         moe = kind == "layer" and model.is_moe(min(layer, model.layers - 1))
         layer += kind == "layer"
+        if kind != "layer" and mine_bytes == unit.weight_bytes:
+            out.append(unit)  # an embedding or head kept whole runs whole on every rank
+            continue
         whole, mine = _pieces(one, kind, moe), _pieces(many, kind, moe)
         held = _ratio(_held(model, tensor, sequence_parallel, batch, micro_batch, kind,
                             moe).held,
@@ -93,6 +102,7 @@ def rank_units(units: list[UnitCost], kinds: list[str], model: Transformer, *, t
         comm_f = mine.forward.parts["tp_comm"] * 1e3
         comm_b = mine.backward.parts["tp_comm"] * 1e3
         sliced = 1 / tensor if sequence_parallel else 1.0
+        share = _ratio(mine_bytes, unit.weight_bytes)
         out.append(dataclasses.replace(
             unit, forward_ms=unit.forward_ms * f + comm_f,
             backward_ms=unit.backward_ms * bw + comm_b,
@@ -104,8 +114,8 @@ def rank_units(units: list[UnitCost], kinds: list[str], model: Transformer, *, t
             backward_peak_bytes=round(unit.backward_peak_bytes * held),
             saved_input_bytes=round(unit.saved_input_bytes * sliced),
             saved_output_bytes=round(unit.saved_output_bytes * sliced),
-            update_ms=unit.update_ms / tensor,
-            update_peak_bytes=round(unit.update_peak_bytes / tensor),
+            weight_bytes=mine_bytes, update_ms=unit.update_ms * share,
+            update_peak_bytes=round(unit.update_peak_bytes * share),
             captured_bytes=round(unit.captured_bytes * held),
             released_bytes=round(unit.released_bytes * held),
             input_bytes=round(unit.input_bytes * sliced)))

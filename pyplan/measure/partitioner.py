@@ -154,7 +154,7 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
                             "every device do not combine with tensor parallelism",
                             hint="use shape vshape or interleaved")
         units = _per_tensor_rank(units, deferred.model, cut, inputs, factory, tensor,
-                                 sequence_parallel, dtype, _link(links, device))
+                                 sequence_parallel, dtype, _link(links, device), optimizer)
         mesh = f"{{tensor: {tensor}, priced: {tensor}" + \
             ("" if sequence_parallel else ", sequence: false") + "}"
     if host_memory is not None and device == "cpu":  # host memory is the device's
@@ -242,12 +242,17 @@ def _link(measure: bool, device: str) -> LinkSpec:
 
 def _per_tensor_rank(units: list[UnitCost], model, cut: Cut, inputs, factory: str,
                      tensor: int, sequence_parallel: bool, dtype: str,
-                     link: LinkSpec) -> list[UnitCost]:
+                     link: LinkSpec, optimizer: str) -> list[UnitCost]:
     """The units as one of `tensor` ranks runs them (pyplan.cluster.ranks): a Hugging Face
-    model cut at its decoder layers, its micro-batch token ids (batch x sequence)."""
+    model cut at its decoder layers, its micro-batch token ids (batch x sequence). A unit's
+    weights are what a tensor rank of `pyplan run` holds of them: the parameters its tensor
+    plan shards (pyplan.run.tensor.sharded_parameters) divided, the rest whole."""
     from pyplan.cluster.model import from_config
     from pyplan.cluster.ranks import rank_units
+    from pyplan.measure.measure import unit_parameters
     from pyplan.models.forward import decoder_layers
+    from pyplan.partition import weight_bytes
+    from pyplan.run.tensor import sharded_parameters, tensor_plan
 
     config = getattr(model, "config", None)
     layers = decoder_layers(model) if cut.kind == FORWARD else None
@@ -266,9 +271,15 @@ def _per_tensor_rank(units: list[UnitCost], model, cut: Cut, inputs, factory: st
         seen = seen or inside
         kinds.append("layer" if inside else "head" if seen else "embedding")
     shape = from_config(config.to_dict(), where=factory)
+    sharded = sharded_parameters(model, tensor_plan(model))
+    weights = []
+    for unit in units:
+        params = unit_parameters(model, Unit(unit.name, unit.module_names))
+        weights.append(unit.weight_bytes - weight_bytes(params, optimizer) + weight_bytes(
+            params, optimizer, tensor=tensor, sharded=sharded))
     return rank_units(units, kinds, shape, tensor=tensor, sequence_parallel=sequence_parallel,
                       micro_batch=tokens.shape[0], sequence=tokens.shape[1],
-                      dtype=dtype, link=link)
+                      dtype=dtype, link=link, weights=weights)
 
 
 def _package_root(module) -> Path | None:

@@ -41,7 +41,8 @@ from pyplan.models.forward import hidden_position, decoder_layers
 from pyplan.run.experts import (EXPERT_PARALLEL, EXPERTS, Experts, MoeBlock, check_experts,
                                  local_parameters)
 
-__all__ = ["STYLES", "TensorRandom", "parallelize", "sequence_modules", "tensor_plan"]
+__all__ = ["STYLES", "TensorRandom", "parallelize", "sequence_modules", "sharded_parameters",
+           "tensor_plan"]
 
 _SUMMED = "replicated_with_grad_allreduce"
 STYLES = ("colwise", "rowwise", "packed_colwise", "colwise_rep", "rowwise_rep",
@@ -105,10 +106,7 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str,
     from torch.distributed.tensor.parallel import parallelize_module
 
     modules = dict(root.named_modules())
-    chosen: dict[str, str] = {}
-    for pattern, style in plan.items():
-        chosen.update((path, style) for path, module in modules.items()
-                      if _matches(pattern, path) and _holds(module))  # (a stand-in holds none)
+    chosen = _chosen(modules, plan)
     experts = {path: {name: style for pattern, style in plan.items()  # their parameters'
                       for name in modules[path]._parameters if _matches(pattern,
                                                                         f"{path}.{name}")}
@@ -151,6 +149,29 @@ def _matches(pattern: str, path: str) -> bool:
     """Whether a plan's module path pattern names `path` (`*` is one name, as in torch's and
     HF's plans)."""
     return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), path) is not None
+
+
+def _chosen(modules: dict[str, nn.Module], plan: dict[str, str]) -> dict[str, str]:
+    """The modules (path -> style) `plan`'s patterns match, of those holding parameters."""
+    chosen: dict[str, str] = {}
+    for pattern, style in plan.items():
+        chosen.update((path, style) for path, module in modules.items()
+                      if _matches(pattern, path) and _holds(module))  # (a stand-in holds none)
+    return chosen
+
+
+def sharded_parameters(root: nn.Module, plan: dict[str, str]) -> set[int]:
+    """The parameters of `root` (their ids) that `parallelize` with `plan` splits over the
+    tensor ranks, each rank holding 1/T of them: the sharded layers' weights and biases but a
+    row-wise layer's bias (replicated: added once, after the sum), a MoE's experts (a slice of
+    each, or E/T of them). Everything else stays whole on every tensor rank: the embedding
+    (`embedding_rowwise`, `replicate`), the norms (`replicated_with_grad_allreduce` too), the
+    router, the parameters no style names. What a tensor rank's weights cost (pyplan partition
+    --tensor) counts these."""
+    chosen = _chosen(dict(root.named_modules()), plan)
+    return {id(p) for path, style in chosen.items() if style not in _WHOLE + (_SUMMED,)
+            for name, p in root.get_submodule(path).named_parameters(recurse=False)
+            if not (style.startswith("rowwise") and name == "bias")}
 
 
 class Around(NamedTuple):

@@ -328,8 +328,7 @@ def planned_memory(pipe: Pipeline, optimizer: str) -> list[dict]:
     out = []
     for r in range(pipe.world):
         device = mesh.coords(r)[0]
-        mine = mesh_state_bytes(weights[device], tensors, tensor=mesh.tensor,
-                                shards=mesh.shards)
+        mine = mesh_state_bytes(weights[device], tensors, shards=mesh.shards)
         out.append({"planned_peak_bytes": peaks[device] - weights[device] + mine,
                     "planned_static_bytes": mine})
     return out
