@@ -81,6 +81,8 @@ def meshed(folder: Path, mesh: str, name: str, source: Path = ROOT, plan: str = 
     if source != ROOT:  # (model.optimizer came later than the old commit: run's flag says it)
         text = "".join(line for line in text.splitlines(keepends=True)
                        if not line.startswith("  optimizer: "))
+    text = "".join(line for line in text.splitlines(keepends=True)
+                   if not line.startswith("mesh:"))  # (a tensor plan's own: replaced)
     (folder / f"{name}.yaml").write_text(text.replace("\ntraining:", f"\nmesh: {mesh}\ntraining:"))
     pyplan("solve", f"{name}.yaml", "--quiet", cwd=folder, source=source)
     return f"{name}.resolved.yaml"
@@ -137,10 +139,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _partitioned(folder: Path) -> None:
+    """The Llama in 2 stages (llama.yaml) and, priced per tensor rank of 2 (`--tensor 2`:
+    mesh.priced), with and without sequence parallelism (llama-tp, llama-tp-nosp)."""
     (folder / "model.py").write_text(MODEL.format(tests=str(ROOT / "tests" / "models")))
-    pyplan("partition", "model:llama", "--data", "model:batch", "--loss", "model:loss",
-           "--devices", 2, "--repeats", 1, "--optimizer", "adam", "-o", "llama.yaml",
-           cwd=folder)
+    for name, extra in (("llama", ()), ("llama-tp", ("--tensor", 2)),
+                        ("llama-tp-nosp", ("--tensor", 2, "--no-sequence-parallel"))):
+        pyplan("partition", "model:llama", "--data", "model:batch", "--loss", "model:loss",
+               "--devices", 2, "--repeats", 1, "--optimizer", "adam", *extra,
+               "-o", f"{name}.yaml", cwd=folder)
 
 
 def _check_line(got: dict) -> str:
@@ -151,11 +157,12 @@ def sequence(folder: Path) -> None:
     print("4. TP 2 x PP 2, with and without sequence parallelism: --check (AdamW, clipping 0.5, "
           "accumulate 2, 3 steps) and peak per rank, MiB (live tensor bytes, the census)")
     peaks = {}
-    for label, mesh in (("sequence-parallel", "{tensor: 2}"),
-                        ("without", "{tensor: 2, sequence: false}")):
+    for label, mesh, plan in (("sequence-parallel", "{tensor: 2, priced: 2}", "llama-tp"),
+                              ("without", "{tensor: 2, priced: 2, sequence: false}",
+                               "llama-tp-nosp")):
         name = "sp-" + "".join(c for c in mesh if c.isalnum())
-        got = report(folder, meshed(folder, mesh, name), 3, "--check", "--lr", "0.003",
-                     "--clip-grad-norm", "0.5", "--accumulate", "2")
+        got = report(folder, meshed(folder, mesh, name, plan=plan), 3, "--check", "--lr",
+                     "0.003", "--clip-grad-norm", "0.5", "--accumulate", "2")
         peaks[label] = [r["peak_bytes"] / 2**20 for r in got["rank_memory"]]
         print(f"   {label:<18} " + "  ".join(f"{x:7.1f}" for x in peaks[label]) +
               f"  |  {_check_line(got)}")
@@ -195,18 +202,18 @@ def compare(folder: Path, old: Path, iterations: int) -> None:
 def checks(folder: Path) -> None:
     print("3. --check against single-process training (AdamW, clipping 0.5, accumulate 2, 3 "
           "steps)")
-    (folder / "one.yaml").write_text((folder / "llama.yaml").read_text())
-    pyplan("partition", "model:llama", "--data", "model:batch", "--loss", "model:loss",
-           "--devices", 1, "--repeats", 1, "--optimizer", "adam", "-o", "one.yaml",
-           cwd=folder)
-    for plan, mesh in (("llama", "{tensor: 2}"), ("llama", "{data: 2, shard: true}"),
+    for name, extra in (("one", ()), ("one-tp", ("--tensor", 2))):
+        pyplan("partition", "model:llama", "--data", "model:batch", "--loss", "model:loss",
+               "--devices", 1, "--repeats", 1, "--optimizer", "adam", *extra,
+               "-o", f"{name}.yaml", cwd=folder)
+    for plan, mesh in (("llama-tp", "{tensor: 2, priced: 2}"), ("llama", "{data: 2, shard: true}"),
                        ("llama", "{data: 2}"), ("one", "{data: 2, shard: 2}"),
-                       ("one", "{tensor: 2, data: 2, shard: true}")):
+                       ("one-tp", "{tensor: 2, priced: 2, data: 2, shard: true}")):
         name = f"check-{plan}-" + "".join(c for c in mesh if c.isalnum())
         resolved = meshed(folder, mesh, name, plan=plan)
         got = report(folder, resolved, 3, "--check", "--lr", "0.003", "--clip-grad-norm",
                      "0.5", "--accumulate", "2")
-        layout = ("PP 2 x " if plan == "llama" else "PP 1 x ") + mesh
+        layout = ("PP 2 x " if plan.startswith("llama") else "PP 1 x ") + mesh
         print(f"   {layout:<42} {_check_line(got)}")
 
 

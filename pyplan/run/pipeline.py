@@ -49,7 +49,7 @@ from pyplan.run.devices import agree_on_error, all_gather_objects, join_world
 from pyplan.run.executor import Executor, IterationResult
 from pyplan.run.gradients import MasterWeights, PipelineGradients
 from pyplan.run.mesh import DataParallel, world_mesh
-from pyplan.run.tensor import TensorRandom, parallelize, tensor_plan
+from pyplan.run.tensor import TensorRandom, packed_layouts, parallelize, tensor_plan
 from pyplan.run.values import concatenated
 from pyplan.verify import verify
 
@@ -192,6 +192,8 @@ class Pipeline(PipelineGradients):
             if mesh.tensor > 1 else None
         if mesh.tensor > 1:
             self._tensor_parallel()
+        self.packed = packed_layouts(places)
+        """Packed parameters' layouts by name (pyplan.run.tensor.rank_major)."""
         if self.param_dtype == "bf16" and replicas == 1:
             self._master_weights()
         if self.compiled is not None:  # after tensor, before data parallelism (torchtitan's)
@@ -290,12 +292,6 @@ class Pipeline(PipelineGradients):
         plan = tensor_plan(self.built.whole, dict(problem.mesh.tensor_plan))
         sharded, around = parallelize(self.built.whole, plan, self.mesh["tp"], where=where,
                                       sequence=problem.mesh.sequence_parallel)
-        packed = next((path for path, style in sharded.items() if style.startswith("packed")),
-                      None)
-        if packed is not None and problem.mesh.shards > 1:
-            raise PlanError(f"{where}: module {packed} packs several matrices into one, whose "
-                            "tensor-parallel parts FSDP cannot shard again", hint="replicate "
-                            "the data ranks (mesh.shard: false) or keep mesh.tensor: 1")
         self.tensor_random.watch(self.built.whole, sharded, around)
         if not sharded:
             raise PlanError(f"{where}: {type(self.built.whole).__name__} has no tensor-parallel "

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 
 from pyplan.models.chunks import shard_dim
+from pyplan.run.tensor import model_major, rank_major
 
 __all__ = ["SHARD", "load_state_dict", "state_dict"]
 
@@ -101,36 +102,41 @@ def state_dict(pipe, optimizer=None) -> dict:
         warnings.simplefilter("ignore")
         model, optim = get_state_dict(view, () if optimizer is None else optimizer,
                                       options=_options())
-    model, optim = _whole_strided(model), _whole_strided(optim)
+    model, optim = _model_layout(model, pipe.packed), _model_layout(optim, pipe.packed)
     return {"model": model, "optimizer": optim} if optimizer is not None else {"model": model}
 
 
-def _strided(value) -> bool:
+def _packed(key: str, packed: dict) -> tuple[int, int, int] | None:
+    """The layout of the packed parameter a model key (NAME) or flattened optimizer key
+    (state.NAME.STATE) is of, else None."""
+    if key.startswith("state."):
+        key = key[len("state."):].rpartition(".")[0]
+    return packed.get(key)
+
+
+def _model_layout(state: dict, packed: dict) -> dict:
+    """A packed parameter (GPT-2's q, k, v under tensor parallelism, each rank's part of each
+    contiguous: pyplan.run.tensor.rank_major) and its optimizer state whole, in the model's
+    own layout: saved so, they load under any mesh (every tensor rank's copy is the same: DCP
+    writes it once). (An all-gather over its mesh, in the state's own order: the same on each
+    of its ranks.)"""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard)
-                                              for p in value.placements)
-
-
-def _whole_strided(state: dict) -> dict:
-    """A strided shard (GPT-2's packed q, k, v under tensor parallelism: each rank holds the
-    same part of each) as the whole tensor: DCP's chunk metadata describes a shard by one
-    offset per dimension, and refuses these as overlapping chunks. Whole, every tensor rank's
-    copy is the same (DCP writes it once) and loads under any mesh. (An all-gather over the
-    tensor ranks, in the state's own order: the same on each of them.)"""
-    return {key: value.full_tensor() if _strided(value) else value
+    return {key: model_major(value.full_tensor(), *_packed(key, packed))
+            if isinstance(value, DTensor) and _packed(key, packed) else value
             for key, value in state.items()}
 
 
-def _placed(state: dict, like: dict) -> dict:
-    """`state`'s whole tensors (_whole_strided) cut back to this rank's strided shards, as
+def _placed(state: dict, like: dict, packed: dict) -> dict:
+    """`state`'s whole packed tensors (_model_layout) cut back to this rank's shards, as
     `like` (this rank's own state) places them; no communication."""
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    return {key: distribute_tensor(value, like[key].device_mesh, like[key].placements,
+    return {key: distribute_tensor(rank_major(value, *_packed(key, packed)),
+                                   like[key].device_mesh, like[key].placements,
                                    src_data_rank=None)
-            if _strided(like.get(key)) and not _strided(value) else value
+            if isinstance(like.get(key), DTensor) and _packed(key, packed)
+            and not isinstance(value, DTensor) else value
             for key, value in state.items()}
 
 
@@ -144,6 +150,6 @@ def load_state_dict(pipe, state: dict, optimizer=None) -> None:
         model, optim = get_state_dict(view, () if optimizer is None else optimizer,
                                       options=_options())
         set_state_dict(view, () if optimizer is None else optimizer,
-                       model_state_dict=_placed(state["model"], model),
-                       optim_state_dict=_placed(state.get("optimizer", {}), optim)
+                       model_state_dict=_placed(state["model"], model, pipe.packed),
+                       optim_state_dict=_placed(state.get("optimizer", {}), optim, pipe.packed)
                        if optimizer is not None else {}, options=_options())

@@ -41,8 +41,8 @@ from pyplan.models.forward import hidden_position, decoder_layers
 from pyplan.run.experts import (EXPERT_PARALLEL, EXPERTS, Experts, MoeBlock, check_experts,
                                  local_parameters)
 
-__all__ = ["STYLES", "TensorRandom", "parallelize", "sequence_modules", "sharded_parameters",
-           "tensor_plan"]
+__all__ = ["STYLES", "TensorRandom", "model_major", "packed_layouts", "parallelize",
+           "rank_major", "sequence_modules", "sharded_parameters", "tensor_plan"]
 
 _SUMMED = "replicated_with_grad_allreduce"
 STYLES = ("colwise", "rowwise", "packed_colwise", "colwise_rep", "rowwise_rep",
@@ -57,7 +57,7 @@ torch's row-wise nn.Embedding leaves its weight's gradient replicated (whole on 
 where the weight is sharded, so clipping and FSDP would see it once per tensor rank."""
 _WHOLE = ("replicate", "embedding_rowwise")
 # Modules without a plan of their own, by class: GPT-2's attention packs q, k and v into one
-# Conv1D (c_attn), which each tensor rank holds a third of each of (torch's _StridedShard), its
+# Conv1D (c_attn), which each tensor rank holds a part of each of (rank_major), its
 # MLP two Conv1Ds; `split_size` (where c_attn's output is cut into q, k, v) is then a rank's.
 _BY_CLASS = {"GPT2Attention": {"c_attn": "packed_colwise:3", "c_proj": "rowwise"},
              "GPT2MLP": {"c_fc": "colwise", "c_proj": "rowwise"}}
@@ -323,8 +323,8 @@ class _Local(ParallelStyle):
     of the output and the input's gradient is summed over the ranks; row-wise, each rank's
     partial product is summed, then the bias added once. For GPT-2's Conv1D (weight: in x out)
     and packed layers (q, k, v or gate and up in one matrix: `packed_colwise:N` gives each
-    rank the same part of each of the N, torch's _StridedShard), which torch's styles do not
-    shard."""
+    rank the same part of each of the N, laid out rank-major: see rank_major), which torch's
+    styles do not shard."""
 
     def __init__(self, style: str, sequence: bool = False) -> None:
         super().__init__()
@@ -334,21 +334,21 @@ class _Local(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-        from torch.distributed.tensor.placement_types import _StridedShard
 
         conv = type(module).__name__ == "Conv1D"
         out_dim = 1 if conv else 0  # the weight's output features
+        packed = {}
         for name, param in list(module.named_parameters(recurse=False)):
-            dim = out_dim if name == "weight" else 0
+            dim, trained = (out_dim if name == "weight" else 0), param.requires_grad
+            placement = Shard(dim)
             if self.rowwise:
                 placement = Replicate() if name == "bias" else Shard(1 - out_dim)
-            elif self.parts > 1:
-                placement = _StridedShard(dim, split_factor=self.parts)
-            else:
-                placement = Shard(dim)
+            elif self.parts > 1:  # (see rank_major)
+                packed[name] = (dim, self.parts, device_mesh.size())
+                param = rank_major(param.detach(), *packed[name])
             module.register_parameter(name, nn.Parameter(
-                distribute_tensor(param, device_mesh, [placement]),
-                requires_grad=param.requires_grad))
+                distribute_tensor(param, device_mesh, [placement]), requires_grad=trained))
+        module.packed_layout = packed
         module.forward = _local_forward(module, conv, self.rowwise, device_mesh,
                                         self.sequence)
         return module
@@ -374,6 +374,31 @@ class _ReplicatedSummed(ParallelStyle):
                 return original(*args, **kwargs)
         module.forward = forward
         return module
+
+
+def rank_major(tensor: torch.Tensor, dim: int, parts: int, ranks: int) -> torch.Tensor:
+    """A packed parameter (`parts` matrices side by side along `dim`: GPT-2's q, k, v) laid
+    out so that each of `ranks` tensor ranks' share of every part is contiguous, [q0 k0 v0 |
+    q1 k1 v1] for [q0 q1 | k0 k1 | v0 v1]: a plain Shard(dim) then gives each rank its part of
+    each (what torch's _StridedShard describes), and FSDP2 can shard that again, as it shards
+    any tensor-parallel Shard (it cannot shard a _StridedShard's dim: its placement for the
+    data ranks would have to nest two strides). What a packed parameter's DTensor holds whole
+    is this layout; the model's own is model_major's (checkpoints, --check)."""
+    n = tensor.shape[dim] // (parts * ranks)
+    return tensor.unflatten(dim, (parts, ranks, n)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def model_major(tensor: torch.Tensor, dim: int, parts: int, ranks: int) -> torch.Tensor:
+    """rank_major undone: a packed parameter whole in the model's own layout."""
+    n = tensor.shape[dim] // (parts * ranks)
+    return tensor.unflatten(dim, (ranks, parts, n)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def packed_layouts(places) -> dict[str, tuple[int, int, int]]:
+    """The packed parameters' layouts by the model's names ((dim, parts, ranks) for
+    rank_major): `places` lists (module, attribute, name) of the parameters."""
+    return {name: owner.packed_layout[attr] for owner, attr, name in places
+            if name is not None and attr in getattr(owner, "packed_layout", {})}
 
 
 def _local_forward(module: nn.Module, conv: bool, rowwise: bool, mesh, sequence: bool):

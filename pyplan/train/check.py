@@ -26,6 +26,7 @@ from pyplan.models import FORWARD, TRACED
 from pyplan.models.forward import logits, whole_forward
 from pyplan.problem import Problem
 from pyplan.models.chunks import shard_dim
+from pyplan.run.tensor import model_major
 from pyplan.run.binding import (Model, block_inputs, block_seeds, build, build_whole,
                                 forward_blocks, forward_seed, loss_function, make_batch,
                                 seed_generators)
@@ -65,15 +66,17 @@ def gathered(pipe, what: str) -> dict[tuple[str, str], torch.Tensor]:
                 tensor = param.detach()
             else:
                 tensor = torch.zeros_like(param) if param.grad is None else param.grad.detach()
+            key = pipe.built.names.get(id(param), f"{block.name}.{name}")
             if hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor()
+                if key in pipe.packed:  # (in the model's own layout)
+                    tensor = model_major(tensor, *pipe.packed[key])
             dim = shard_dim(param)
             if len(block.devices) > 1 and dim is not None:
                 parts = [torch.empty_like(tensor) for _ in block.devices]
                 dist.all_gather(parts, tensor.contiguous(), group=pipe.groups[b])
                 tensor = torch.cat(parts, dim)
             if block.devices[0] == pipe.device_index and pipe.data_index == 0:
-                key = pipe.built.names.get(id(param), f"{block.name}.{name}")
                 out[(key, block.name)] = tensor.float().cpu().clone()
     return out
 
