@@ -285,8 +285,8 @@ def test_dropout_in_a_tensor_parallel_region_draws_each_ranks_own_masks():
 
 def test_every_placement_a_tensor_plan_gives_counts_as_sharded_or_replicated():
     """clip_grad_norm_ counts a parameter on every tensor rank when each holds its own part:
-    torch's Shard and its _StridedShard (GPT-2's packed q, k, v, which is no Shard), not a
-    Replicate (counted once)."""
+    torch's Shard and its _StridedShard (which is no Shard), not a Replicate (counted
+    once)."""
     from types import SimpleNamespace
 
     from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
