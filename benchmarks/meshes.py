@@ -140,10 +140,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _partitioned(folder: Path) -> None:
     """The Llama in 2 stages (llama.yaml) and, priced per tensor rank of 2 (`--tensor 2`:
-    mesh.priced), with and without sequence parallelism (llama-tp, llama-tp-nosp)."""
+    mesh.priced), llama-tp.yaml."""
     (folder / "model.py").write_text(MODEL.format(tests=str(ROOT / "tests" / "models")))
-    for name, extra in (("llama", ()), ("llama-tp", ("--tensor", 2)),
-                        ("llama-tp-nosp", ("--tensor", 2, "--no-sequence-parallel"))):
+    for name, extra in (("llama", ()), ("llama-tp", ("--tensor", 2))):
         pyplan("partition", "model:llama", "--data", "model:batch", "--loss", "model:loss",
                "--devices", 2, "--repeats", 1, "--optimizer", "adam", *extra,
                "-o", f"{name}.yaml", cwd=folder)
@@ -157,12 +156,12 @@ def sequence(folder: Path) -> None:
     print("4. TP 2 x PP 2, with and without sequence parallelism: --check (AdamW, clipping 0.5, "
           "accumulate 2, 3 steps) and peak per rank, MiB (live tensor bytes, the census)")
     peaks = {}
-    for label, mesh, plan in (("sequence-parallel", "{tensor: 2, priced: 2}", "llama-tp"),
-                              ("without", "{tensor: 2, priced: 2, sequence: false}",
-                               "llama-tp-nosp")):
+    # (The same stages both ways: llama-tp's, its costs priced with sequence parallelism.)
+    for label, mesh in (("sequence-parallel", "{tensor: 2, priced: 2}"),
+                        ("without", "{tensor: 2, priced: 2, sequence: false}")):
         name = "sp-" + "".join(c for c in mesh if c.isalnum())
-        got = report(folder, meshed(folder, mesh, name, plan=plan), 3, "--check", "--lr",
-                     "0.003", "--clip-grad-norm", "0.5", "--accumulate", "2")
+        got = report(folder, meshed(folder, mesh, name, plan="llama-tp"), 3, "--check",
+                     "--lr", "0.003", "--clip-grad-norm", "0.5", "--accumulate", "2")
         peaks[label] = [r["peak_bytes"] / 2**20 for r in got["rank_memory"]]
         print(f"   {label:<18} " + "  ".join(f"{x:7.1f}" for x in peaks[label]) +
               f"  |  {_check_line(got)}")

@@ -455,7 +455,7 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
     one by one (devices: [{memory, speed}, ...]). Units measured with a split backward give
     each block its input and weight gradients apart (zero bubble): B keeps the graph and the
     gradients it captures until W frees them, as pyplan run's executor does. `mesh`: the
-    plan's mesh mapping (`{tensor: 2}`: the units are one tensor rank's costs)."""
+    plan's mesh mapping (`{tensor: 2, priced: 2}`: the units are one tensor rank's costs)."""
     names = names or tuple(f"stage{s}" for s in range(partition.num_stages))
     placement = placement or tuple((s % devices,) for s in range(partition.num_stages))
     about = (f"Written by pyplan partition from {factory}: {len(units)} units in "
