@@ -256,8 +256,8 @@ def partition_plans(units: list[UnitCost], *, devices: int, name: str, factory: 
     checkpoint folder, relative to the plan) to model.weights; `link` (between two devices)
     times the stages' outputs (topology.within_node; None: a GPU node's default); `mesh` is
     the plans' mesh mapping (`{tensor: 2, priced: 2}`, units priced per tensor rank).
-    InfeasibleError when no partition fits the memory even one micro-batch at a time (its hint: the smallest
-    memory that does) or solve finds none feasible."""
+    InfeasibleError when no partition fits the memory even one micro-batch at a time (its
+    hint: the smallest memory that does) or solve finds none feasible."""
     _check_partition_arguments(units, devices=devices, name=name, factory=factory, data=data,
                                loss=loss, micro_batches=micro_batches, chunks=chunks,
                                memory=memory, path=path, keep=keep, time_limit=time_limit,
