@@ -427,7 +427,7 @@ def _check_priced(source: Source, mesh: MeshSpec) -> None:
             "re-run pyplan partition without --tensor")
     if mesh.priced == 1:
         raise source.error(("mesh", "tensor"), f"mesh.tensor is {mesh.tensor}, but the blocks' "
-                           "costs are a whole model's (mesh.priced is not given): each tensor "
+                           "costs are a whole model's (mesh.priced: 1, the default): each tensor "
                            "rank would be planned the time and memory of the whole",
                            hint + f"; for costs written as one of {mesh.tensor} tensor "
                            f"ranks', add priced: {mesh.tensor} to mesh")
