@@ -201,14 +201,15 @@ def _pyplan(cwd, *args, timeout=300):
 
 @pytest.fixture(scope="module")
 def partitioned(tmp_path_factory):
-    """Qwen3-MoE on 2 devices priced per tensor rank (--tensor 2), Qwen2-MoE on 2 devices,
-    Mixtral and the odd-width one on 1 device."""
+    """Qwen3-MoE on 2 devices, Qwen2-MoE on 2 devices (without sequence parallelism) and
+    Mixtral on 1 device priced per tensor rank (--tensor 2); the odd-width one on 1 device."""
     folder = tmp_path_factory.mktemp("experts")
     shutil.copy(MODELS / "hf.py", folder / "hf.py")
     (folder / "moe.py").write_text(MOE)
     for name, factory, devices, extra in (("q3-tp", "qwen3_moe", 2, ("--tensor", "2")),
-                                          ("q2", "qwen2_moe", 2, ()),
-                                          ("mix1", "mixtral", 1, ()),
+                                          ("q2-tp", "qwen2_moe", 2,
+                                           ("--tensor", "2", "--no-sequence-parallel")),
+                                          ("mix1-tp", "mixtral", 1, ("--tensor", "2")),
                                           ("odd1", "mixtral_odd", 1, ())):
         made = _pyplan(folder, "partition", f"moe:{factory}", "--data", "moe:batch",
                        "--loss", "moe:loss", "--devices", devices, "--repeats", "1",
@@ -219,7 +220,9 @@ def partitioned(tmp_path_factory):
 
 def _meshed(folder: Path, plan: str, mesh: str | None, name: str) -> str:
     text = (folder / f"{plan}.yaml").read_text()
-    if mesh is not None:
+    if mesh is not None:  # (in place of the plan's own)
+        text = "".join(line for line in text.splitlines(keepends=True)
+                       if not line.startswith("mesh:"))
         text = text.replace("\ntraining:", f"\nmesh: {mesh}\ntraining:")
     (folder / f"{name}.yaml").write_text(text)
     solved = _pyplan(folder, "solve", f"{name}.yaml", "--quiet")
@@ -234,15 +237,16 @@ def _run(folder: Path, resolved: str, ranks: int, *extra):
 @pytest.mark.torchrun
 @pytest.mark.parametrize("plan, mesh", [
     ("q3-tp", None),                                     # TP 2 x PP 2, sequence-parallel
-    ("q2", "{tensor: 2, sequence: false}"),              # TP 2 x PP 2, shared experts
-    ("mix1", "{tensor: 2, data: 2, shard: true}"),       # TP 2 x FSDP 2 (experts over dp)
-    ("mix1", "{tensor: 2, tensor_plan: {'model.layers.*.mlp.experts': moe_ep_experts}}"),
+    ("q2-tp", None),                                     # TP 2 x PP 2, shared experts
+    ("mix1-tp", "{tensor: 2, priced: 2, data: 2, shard: true}"),  # TP 2 x FSDP 2
+    ("mix1-tp", "{tensor: 2, priced: 2, "
+                "tensor_plan: {'model.layers.*.mlp.experts': moe_ep_experts}}"),
 ])
 def test_tensor_parallel_experts_train_the_single_process_model(partitioned, plan, mesh):
-    if mesh is None:
-        assert "\nmesh: {tensor: 2}\n" in (partitioned / f"{plan}.yaml").read_text()
+    if plan == "q3-tp":
+        assert "\nmesh: {tensor: 2, priced: 2}\n" in (partitioned / f"{plan}.yaml").read_text()
     name = f"{plan}-" + "".join(c for c in mesh or "" if c.isalnum())
-    ranks = 2 if plan == "mix1" and "data" not in mesh else 4  # (EP 2: one stage)
+    ranks = 2 if plan == "mix1-tp" and "data" not in mesh else 4  # (EP 2: one stage)
     done = _run(partitioned, _meshed(partitioned, plan, mesh, name), ranks, "--iterations", 3,
                 "--check", *TRAIN)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -254,7 +258,7 @@ def test_tensor_parallel_experts_train_the_single_process_model(partitioned, pla
 def test_tensor_parallel_experts_save_and_resume_exactly(partitioned):
     """gate_up_proj's strided shards are checkpointed whole (pyplan.run.state), cut back on
     load: 2 steps saved and 2 resumed at tensor 2 (2 ranks) are an uninterrupted run's 4."""
-    resolved = _meshed(partitioned, "mix1", "{tensor: 2}", "mix1-saved")
+    resolved = _meshed(partitioned, "mix1-tp", None, "mix1-saved")
 
     def losses(*extra):
         done = _run(partitioned, resolved, 2, "--optimizer", "adamw", "--device", "cpu",
@@ -268,7 +272,8 @@ def test_tensor_parallel_experts_save_and_resume_exactly(partitioned):
 
 @pytest.mark.torchrun
 def test_experts_a_tensor_degree_does_not_divide_are_one_line(partitioned):
-    resolved = _meshed(partitioned, "odd1", "{tensor: 3}", "odd1-tp")
+    # (priced written by hand: the refusal is run's, the costs do not matter here)
+    resolved = _meshed(partitioned, "odd1", "{tensor: 3, priced: 3}", "odd1-tp")
     done = _run(partitioned, resolved, 3, "--device", "cpu")
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if "error:" in line]

@@ -114,30 +114,44 @@ def _packed(key: str, packed: dict) -> tuple[int, int, int] | None:
     return packed.get(key)
 
 
+def _strided(value) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard)
+                                              for p in value.placements)
+
+
 def _model_layout(state: dict, packed: dict) -> dict:
     """A packed parameter (GPT-2's q, k, v under tensor parallelism, each rank's part of each
     contiguous: pyplan.run.tensor.rank_major) and its optimizer state whole, in the model's
-    own layout: saved so, they load under any mesh (every tensor rank's copy is the same: DCP
-    writes it once). (An all-gather over its mesh, in the state's own order: the same on each
-    of its ranks.)"""
+    own layout; a strided shard (a MoE's gate_up_proj: torch's _StridedShard, whose chunks
+    DCP's metadata cannot describe, one offset per dimension) whole too. Saved so, they load
+    under any mesh (every rank's copy is the same: DCP writes it once). (An all-gather over
+    its mesh, in the state's own order: the same on each of its ranks.)"""
     from torch.distributed.tensor import DTensor
 
-    return {key: model_major(value.full_tensor(), *_packed(key, packed))
-            if isinstance(value, DTensor) and _packed(key, packed) else value
-            for key, value in state.items()}
+    def whole(key, value):
+        if isinstance(value, DTensor) and _packed(key, packed):
+            return model_major(value.full_tensor(), *_packed(key, packed))
+        return value.full_tensor() if _strided(value) else value
+    return {key: whole(key, value) for key, value in state.items()}
 
 
 def _placed(state: dict, like: dict, packed: dict) -> dict:
-    """`state`'s whole packed tensors (_model_layout) cut back to this rank's shards, as
-    `like` (this rank's own state) places them; no communication."""
+    """`state`'s whole tensors (_model_layout) cut back to this rank's shards, as `like`
+    (this rank's own state) places them; no communication."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    return {key: distribute_tensor(rank_major(value, *_packed(key, packed)),
-                                   like[key].device_mesh, like[key].placements,
-                                   src_data_rank=None)
-            if isinstance(like.get(key), DTensor) and _packed(key, packed)
-            and not isinstance(value, DTensor) else value
-            for key, value in state.items()}
+    def placed(key, value):
+        mine = like.get(key)
+        if not isinstance(mine, DTensor) or isinstance(value, DTensor) or not (
+                _packed(key, packed) or _strided(mine)):
+            return value
+        if _packed(key, packed):
+            value = rank_major(value, *_packed(key, packed))
+        return distribute_tensor(value, mine.device_mesh, mine.placements, src_data_rank=None)
+    return {key: placed(key, value) for key, value in state.items()}
 
 
 def load_state_dict(pipe, state: dict, optimizer=None) -> None:
