@@ -287,18 +287,18 @@ def loss(out, target):
 
 def test_mshape_on_a_model_without_an_embedding_is_one_line(cli, tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    (tmp_path / "plain.py").write_text(NO_EMBEDDING)
+    (tmp_path / "no_embedding.py").write_text(NO_EMBEDDING)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    code, out, err = cli("partition", "plain:model", "--data", "plain:batch", "--loss",
-                         "plain:loss", "--devices", "2", "--shape", "mshape", "--repeats", "1",
-                         "-o", tmp_path / "p.yaml")
+    code, out, err = cli("partition", "no_embedding:model", "--data", "no_embedding:batch",
+                         "--loss", "no_embedding:loss", "--devices", "2", "--shape", "mshape",
+                         "--repeats", "1", "-o", tmp_path / "p.yaml")
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("error: shape mshape: the first unit has no token embedding")
     # auto leaves the M-shape out and says why
-    code, out, err = cli("partition", "plain:model", "--data", "plain:batch", "--loss",
-                         "plain:loss", "--devices", "2", "--shape", "auto", "--repeats", "1",
-                         "-o", tmp_path / "p.yaml")
+    code, out, err = cli("partition", "no_embedding:model", "--data", "no_embedding:batch",
+                         "--loss", "no_embedding:loss", "--devices", "2", "--shape", "auto",
+                         "--repeats", "1", "-o", tmp_path / "p.yaml")
     assert code == 0, err
     assert re.search(r"mshape +not applicable: the first unit has no token embedding", out)
 
