@@ -30,7 +30,7 @@ def tensor_sharded(p: torch.Tensor) -> bool:
     mesh's tp dim); else every tensor rank holds the same."""
     mesh = getattr(p, "device_mesh", None)
     names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
-    # (not is_shard(): torch's _StridedShard, GPT-2's packed q, k, v, is no Shard)
+    # (not is_shard(): torch's _StridedShard, a MoE's packed gate and up, is no Shard)
     return "tp" in names and not p.placements[names.index("tp")].is_replicate()
 
 
