@@ -5,7 +5,7 @@ transformers keeps a MoE layer's experts in one module of fused 3-D parameters: 
 [experts, hidden, inner]; its config's `base_model_tp_plan` names the module `moe_tp_experts`
 and the parameters `packed_colwise` and `rowwise`. Each tensor rank holds every expert's
 1/T of the inner width: of `gate_up_proj` the same rows of the gate and of the up part
-(torch's _StridedShard, as for GPT-2's packed q, k, v), of `down_proj` the matching columns.
+(torch's _StridedShard), of `down_proj` the matching columns.
 The experts' own forward runs on those local parts, so each rank's output is a partial sum
 (a DTensor Partial) that torch redistributes: summed whole (all-reduce), or with sequence
 parallelism reduce-scattered into sequence slices at the MoE block's output, as torch's
