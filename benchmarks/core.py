@@ -14,7 +14,7 @@ import argparse
 import time
 
 from pyplan import _core
-from pyplan import reference as ref
+from pyplan.problem import reference as ref
 from pyplan.problem import build_problem
 from pyplan.planfile import spec_from_text
 

@@ -36,7 +36,7 @@ GPT_UNIT_MS = 0.03191  # plans/gpt24-recompute.yaml: topology.time_unit_ms
 
 def aware_vs_blind(problem) -> tuple[int, int]:
     """Makespans with transfers of the transfer-aware schedule and of the blind one."""
-    from pyplan.schedule import schedule_from_orders
+    from pyplan.problem.schedule import schedule_from_orders
     from pyplan.solver import solve
 
     aware = solve(problem).schedule

@@ -77,7 +77,7 @@ def _placements(directory: Path) -> dict[str, float]:
     from pyplan.models import FORWARD, find_units
     from pyplan.models.forward import logits, whole_forward
     from pyplan.models.vocab import find
-    from pyplan.placements import Sharded, placements
+    from pyplan.measure.placements import Sharded, placements
     from pyplan.problem import build_problem
     from pyplan.resolved import write_resolved
     from pyplan.run.binding import Model, make_batch, seed_everything

@@ -513,7 +513,7 @@ def launch(script: str, description: str, prepare, worker, *, rank_counts=(4,),
     parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        from pyplan.run.comm import leave
+        from pyplan.comm import leave
 
         worker(Path(args.worker), args.rounds)
         leave(0)  # a rank: no interpreter teardown (see leave)

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 from pyplan.errors import InfeasibleError, PlanError
-from pyplan._runnable import check_model
+from pyplan.lower.runnable import check_model
 from pyplan.partition import Partition, UnitCost, candidates, plan_text, smallest_capacity
 from pyplan.problem import Problem, build_problem, load_problem
 from pyplan.resolved import ResolvedPlan, write_resolved

@@ -110,7 +110,7 @@ def did_you_mean(word: str, choices) -> str | None:
 
 def exit_now(code: int) -> NoReturn:
     """End the process with exit code `code` once stdout and stderr are flushed, without
-    Python's teardown (a rank: pyplan.run.comm.leave; a launcher whose workers ended:
+    Python's teardown (a rank: pyplan.comm.leave; a launcher whose workers ended:
     pyplan.cli.launch)."""
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pyplan.problem import build_problem
-from pyplan.schedule import schedule_from_orders
+from pyplan.problem.schedule import schedule_from_orders
 from pyplan.solver.budget import Budget
 from pyplan.solver.exact import modulo_repetend, time_optimal
 from pyplan.planfile import spec_from_text

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pyplan import _core
 from pyplan.problem import load_problem
-from pyplan.schedule import build_schedule
+from pyplan.problem.schedule import build_schedule
 from pyplan.solver.budget import Budget
 from pyplan.solver.complete import search_whole
 from pyplan.solver.exact import time_optimal
@@ -113,7 +113,7 @@ def test_the_exhaustive_search_refuses_what_it_cannot_search():
 def _random_schedule(problem, rng):
     """Some schedule of the problem: instances in a random order that keeps the dependencies
     and each block's micro-batch order, each as early as that order allows."""
-    from pyplan.schedule import schedule_from_orders
+    from pyplan.problem.schedule import schedule_from_orders
 
     blocks, n = problem.blocks, problem.num_micro_batches
     preds = {b.index: [a for a, c in problem.edges if c == b.index] for b in blocks}

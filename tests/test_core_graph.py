@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from dags import core_graph, problems
 from pyplan import _core
-from pyplan import reference as ref
+from pyplan.problem import reference as ref
 
 
 @settings(max_examples=300, deadline=None)

@@ -14,9 +14,9 @@ from conftest import PLANS, solved
 from pyplan.cli import main
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.problem import build_problem, load_problem
-from pyplan._seal import reseal
+from pyplan.resolved.seal import reseal
 from pyplan.resolved import load_resolved, write_resolved
-from pyplan.schedule import schedule_from_orders
+from pyplan.problem.schedule import schedule_from_orders
 from pyplan.solver import solve
 from pyplan.planfile import spec_from_text
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from pyplan.runtime import torch
-from pyplan.run import comm, devices
+from pyplan import comm
+from pyplan.comm import devices
 from pyplan.run.backward import backward_input, backward_weight
 from warm_torchrun import torchrun
 
@@ -106,7 +107,7 @@ CALLERS_GROUP = """\
     import torch.distributed as dist
 
     from pyplan.runtime import Pipeline
-    from pyplan.run.devices import all_gather_objects
+    from pyplan.comm.devices import all_gather_objects
 
     dist.init_process_group("cpu:gloo")  # the caller's group, with one side only
     pipe = Pipeline(sys.argv[1])

@@ -1,4 +1,4 @@
-"""Tensor parallelism of a Mixture-of-Experts model's experts (pyplan.run.experts): where each
+"""Tensor parallelism of a Mixture-of-Experts model's experts (pyplan.mesh.experts): where each
 tensor rank's slice of every expert goes (one process, torch's fake process group standing in
 for the other rank: placements and shapes, not values), the models it refuses in one line,
 and tiny MoEs (4 experts, top 2) trained on 4 gloo ranks against single-process training
@@ -77,7 +77,7 @@ def test_each_tensor_rank_holds_its_slice_of_every_expert(fake_world, sequence):
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from pyplan.run.tensor import parallelize, tensor_plan
+    from pyplan.mesh.tensor import parallelize, tensor_plan
 
     model = _mixtral()
     sharded, around = parallelize(model, tensor_plan(model), fake_world, where="plan",
@@ -121,7 +121,7 @@ def test_experts_the_tensor_ranks_cannot_share_are_one_line(fake_world, family, 
     from models import hf
 
     from pyplan.errors import PlanError
-    from pyplan.run.tensor import parallelize, tensor_plan
+    from pyplan.mesh.tensor import parallelize, tensor_plan
 
     hf.transformers_quiet()
     model = hf.build(family, **{**SIZES, **changes})
@@ -140,7 +140,7 @@ def test_qwen3s_head_norms_are_replicated_with_their_gradients_summed(fake_world
 
     from models import hf
 
-    from pyplan.run.tensor import parallelize, tensor_plan
+    from pyplan.mesh.tensor import parallelize, tensor_plan
 
     hf.transformers_quiet()
     model = hf.build("qwen3_moe", **SIZES)
@@ -161,7 +161,7 @@ def test_expert_parallelism_gives_each_tensor_rank_whole_experts(fake_world):
     from torch.distributed.tensor import Shard
 
     from pyplan.errors import PlanError
-    from pyplan.run.tensor import parallelize, tensor_plan
+    from pyplan.mesh.tensor import parallelize, tensor_plan
 
     ep = {"model.layers.*.mlp.experts": "moe_ep_experts"}
     model = _mixtral()
@@ -185,7 +185,7 @@ def test_a_module_that_is_not_transformers_fused_experts_is_refused(fake_world):
     from torch import nn
 
     from pyplan.errors import PlanError
-    from pyplan.run.tensor import parallelize
+    from pyplan.mesh.tensor import parallelize
 
     model = nn.Module()
     model.experts = nn.Linear(8, 8)
@@ -256,7 +256,7 @@ def test_tensor_parallel_experts_train_the_single_process_model(partitioned, pla
 
 @pytest.mark.torchrun
 def test_tensor_parallel_experts_save_and_resume_exactly(partitioned):
-    """gate_up_proj's strided shards are checkpointed whole (pyplan.run.state), cut back on
+    """gate_up_proj's strided shards are checkpointed whole (pyplan.mesh.state), cut back on
     load: 2 steps saved and 2 resumed at tensor 2 (2 ranks) are an uninterrupted run's 4."""
     resolved = _meshed(partitioned, "mix1-tp", None, "mix1-saved")
 

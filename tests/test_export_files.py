@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from conftest import PLANS, solved
-from pyplan._seal import reseal
+from pyplan.resolved.seal import reseal
 from pyplan.export._layout import memory_steps
 
 SVG = "{http://www.w3.org/2000/svg}"

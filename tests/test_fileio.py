@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from pyplan.errors import PyplanError
-from pyplan.fileio import write_atomic
+from pyplan.files import write_atomic
 
 
 def test_new_file_gets_umask_mode(tmp_path):

@@ -182,7 +182,7 @@ def gen_mutated(rng, work: Path, sources: list[Path], csv: Path) -> tuple[str, l
 
 
 def gen_forged(rng, work: Path, sources: list[Path], csv: Path) -> tuple[str, list[tuple]]:
-    from pyplan._seal import reseal
+    from pyplan.resolved.seal import reseal
 
     source = rng.choice([p for p in sources if p.name.endswith(".resolved.yaml")])
     text = _mutate(source.read_text(), rng)

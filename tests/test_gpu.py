@@ -198,7 +198,7 @@ NCCL_ONLY = """\
 
     import review
     from pyplan.runtime import Pipeline
-    from pyplan.run.devices import all_gather_objects
+    from pyplan.comm.devices import all_gather_objects
 
     waits = []
 

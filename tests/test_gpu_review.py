@@ -20,9 +20,9 @@ import pytest
 
 from pyplan.errors import RunError
 from pyplan.runtime import torch
-from pyplan.run import devices
-from pyplan.run.comm import Sends
-from pyplan.run.devices import Choice, Seen, agree, choose
+from pyplan.comm import devices
+from pyplan.comm import Sends
+from pyplan.comm.devices import Choice, Seen, agree, choose
 from warm_torchrun import torchrun
 
 FOUR = tuple(f"GPU-{i}" for i in range(4))
@@ -80,7 +80,7 @@ CALLERS_GROUP = """\
     import torch.distributed as dist
 
     from pyplan.errors import RunError
-    from pyplan.run import devices
+    from pyplan.comm import devices
 
     dist.init_process_group("gloo")
     del os.environ["LOCAL_RANK"]  # as mpirun or a Python launcher
@@ -317,7 +317,7 @@ def test_autocasts_weight_copies_are_not_a_micro_batchs_activations(dtype):
     floats, under autocast the same in half the bytes. autocast's 16-bit copies of the weights
     (saved for the backward too, but cast once per iteration) used to count as well: 2 x 128
     KiB on top, 22x the activations."""
-    from pyplan.run.values import saved_bytes
+    from pyplan.comm.values import saved_bytes
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
@@ -352,7 +352,7 @@ def test_the_backward_of_a_loss_starts_in_fp32(dtype):
 
 def test_a_tensor_on_another_device_than_the_ranks_is_named_with_its_block():
     from pyplan.errors import UserCodeError
-    from pyplan.run.comm import on_device
+    from pyplan.comm import on_device
 
     on_device([torch.zeros(2)], torch.device("cpu"), "block 'a' (micro-batch 0)")
     with pytest.raises(UserCodeError) as caught:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import pyplan
-from pyplan import _seal, solver
+from pyplan import solver
+from pyplan.resolved import seal as _seal
 from pyplan.cli.main import main
 from pyplan.solver.budget import Budget, Effort
 

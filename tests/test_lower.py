@@ -17,11 +17,11 @@ from pyplan.lower import (ACTIVATION, COMPUTE, GRADIENT, RECV, REDUCE, SEND, SYN
                           check_runnable, lower)
 from pyplan.problem import FORWARD, Block, Problem, load_problem
 from pyplan.resolved import load_resolved
-from pyplan.schedule import build_schedule
+from pyplan.problem.schedule import build_schedule
 from pyplan.solver import solve
 from pyplan.planfile import spec_from_text
 from pyplan.problem import build_problem
-from pyplan.verify import verify
+from pyplan.lower.verify import verify
 
 EXAMPLES = ["gpt-mshape", "gpt-mshape-blocks", "flava-kshape", "transformer-vshape"]
 SOLVED = ["tessel-nnshape", "tessel-xshape", "zero-bubble", "interleaved-1f1b",

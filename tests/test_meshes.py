@@ -256,7 +256,7 @@ def test_dropout_in_a_tensor_parallel_region_draws_each_ranks_own_masks():
     seed (recomputation) draws the forward's masks again."""
     from torch import nn
 
-    from pyplan.run.tensor import TensorRandom
+    from pyplan.mesh.tensor import TensorRandom
 
     def masks(tensor_index: int, seed: int):
         model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5), nn.Linear(64, 64),

@@ -35,7 +35,7 @@ def _units(layer_ms: float, head_ms: float) -> list[UnitCost]:
 def _sharded(units, devices: int = 4):
     from dataclasses import replace
 
-    from pyplan.placements import Sharded
+    from pyplan.measure.placements import Sharded
 
     # One rank's share of the heavy ends (plus a little for the collectives).
     return Sharded(replace(units[0], forward_ms=units[0].forward_ms / devices + 0.1,
@@ -50,7 +50,7 @@ _OPTIONS = dict(name="p", factory="m:model", data="m:batch", loss="m:loss", micr
 
 @pytest.mark.parametrize("head_ms, winner", [(40.0, "mshape"), (0.2, None)])
 def test_auto_ranks_the_placements_by_predicted_makespan(head_ms, winner):
-    from pyplan.placements import CHUNKS, placements
+    from pyplan.measure.placements import CHUNKS, placements
 
     units = _units(1.0, head_ms)
     shapes = ("vshape", *(f"interleaved-{c}" for c in CHUNKS), "mshape")
@@ -72,7 +72,7 @@ def test_auto_ranks_the_placements_by_predicted_makespan(head_ms, winner):
 def test_ranks_sharing_cores_rank_the_placements_by_what_the_cores_can_do():
     from dataclasses import replace
 
-    from pyplan.placements import Sharded, placements
+    from pyplan.measure.placements import Sharded, placements
 
     units = _units(1.0, 40.0)  # heavy ends: 20 + 40 ms each, whole
     # Each rank's share of an end costs 0.4 of the whole: with a core per device the M-shape
@@ -97,7 +97,7 @@ def test_ranks_sharing_cores_rank_the_placements_by_what_the_cores_can_do():
 
 
 def test_mshape_plan_puts_the_sharded_units_on_all_devices_and_records_the_tie():
-    from pyplan.placements import mshape_plans
+    from pyplan.measure.placements import mshape_plans
     from pyplan.problem import build_problem
     from pyplan.planfile import spec_from_text
 
@@ -122,7 +122,7 @@ def test_mshape_plan_puts_the_sharded_units_on_all_devices_and_records_the_tie()
 
 def test_mshape_needs_units_between_the_ends():
     from pyplan.errors import PlanError
-    from pyplan.placements import mshape_plans
+    from pyplan.measure.placements import mshape_plans
 
     units = _units(1.0, 1.0)[:4]
     with pytest.raises(PlanError, match="needs at least 4 units between the first and the "

@@ -14,7 +14,7 @@ import pytest
 
 from pyplan.errors import RunError
 from pyplan.runtime import torch  # noqa: F401  (torch without its numpy warning)
-from pyplan.run.devices import choose_cuda
+from pyplan.comm.devices import choose_cuda
 from warm_torchrun import torchrun
 
 MODELS = Path(__file__).resolve().parent / "models"

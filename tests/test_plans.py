@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from conftest import PLANS, example_plans, spec_plans
-from pyplan._seal import reseal
+from pyplan.resolved.seal import reseal
 from pyplan.problem import load_problem
 from pyplan.planfile import spec_from_text
 from pyplan.problem import build_problem

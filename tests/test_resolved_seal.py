@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from conftest import PLANS
-from pyplan._seal import reseal
+from pyplan.resolved.seal import reseal
 from pyplan.resolved import load_resolved
 
 # (plan, edit as (pattern, replacement), the field the error names)
@@ -86,7 +86,7 @@ def test_run_refuses_an_edited_plan_before_anything_runs(name, cli, tmp_path):
     assert (code, out) == (2, "") and err.count("\n") == 1 and f"'{field}'" in err, err
 
 
-# Edits whose seal was made to match (someone who read pyplan/_seal.py): with the plan file
+# Edits whose seal was made to match (someone who read pyplan/resolved/seal.py): with the plan file
 # present and fresh, what the plan determines is derived again and compared.
 FORGED = {
     "mesh-shard-flipped": "'mesh' does not match the plan",

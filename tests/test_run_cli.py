@@ -184,7 +184,7 @@ assert main(["run", {str(out)!r}]) == 1
 def test_the_clis_choices_are_the_runtimes():
     pytest.importorskip("torch")
     from pyplan.cli import run
-    from pyplan.run.devices import DEVICES
+    from pyplan.comm.devices import DEVICES
     from pyplan.run.pipeline import DTYPES, PARAMS
     from pyplan.train.training import OPTIMIZERS, SCHEDULES
 

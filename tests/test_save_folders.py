@@ -75,14 +75,14 @@ def test_resuming_an_earlier_step_keeps_the_step_it_saves(one_rank, tmp_path, mo
 
 def test_a_second_run_saving_into_the_folder_is_refused(cli, tmp_path, monkeypatch):
     """The lock is the kernel's (flock): held while the first run lives, gone when it ends."""
-    from pyplan import fileio
+    from pyplan import files
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(fileio, "_HELD", {})
+    monkeypatch.setattr(files, "_HELD", {})
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("PYPLAN_SAVE_LOCKED", raising=False)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pyplan.fileio import hold_lock; "
+        [sys.executable, "-c", "import sys; from pyplan.files import hold_lock; "
          "hold_lock('ck', '--save ck'); print('held', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -97,8 +97,8 @@ def test_a_second_run_saving_into_the_folder_is_refused(cli, tmp_path, monkeypat
         holder.wait(timeout=30)
         holder.stdout.close()
     assert sorted(p.name for p in Path("ck").iterdir()) == []  # the lock adds no file
-    fileio.hold_lock("ck", "--save ck")  # released with the process that held it
-    for fd in fileio._HELD.values():
+    files.hold_lock("ck", "--save ck")  # released with the process that held it
+    for fd in files._HELD.values():
         __import__("os").close(fd)
 
 

@@ -83,7 +83,7 @@ def test_the_residual_stream_runs_in_sequence_slices(fake_world, family):
 
     from models import hf
 
-    from pyplan.run.tensor import parallelize, tensor_plan
+    from pyplan.mesh.tensor import parallelize, tensor_plan
 
     for sequence in (True, False):
         gpt2 = family == "gpt2"
@@ -158,7 +158,7 @@ def test_a_sequence_the_tensor_degree_does_not_divide_is_one_line(fake_world):
     from models import hf
 
     from pyplan.errors import RunError
-    from pyplan.run.tensor import parallelize, tensor_plan
+    from pyplan.mesh.tensor import parallelize, tensor_plan
 
     model = hf.build("llama", num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     parallelize(model, tensor_plan(model), fake_world, where="plan", sequence=True)
@@ -173,7 +173,7 @@ def test_a_model_sequence_parallelism_does_not_fit_is_one_line_naming_the_module
     from torch import nn
 
     from pyplan.errors import PlanError
-    from pyplan.run.tensor import sequence_modules
+    from pyplan.mesh.tensor import sequence_modules
 
     def layer(norm: bool) -> nn.Module:
         found = nn.Module()
@@ -203,7 +203,7 @@ def test_under_sequence_parallelism_a_ranks_dropout_is_its_own_from_the_first_no
     torch = pytest.importorskip("torch")
     from torch import nn
 
-    from pyplan.run.tensor import Around, TensorRandom
+    from pyplan.mesh.tensor import Around, TensorRandom
 
     def masks(tensor_index: int):
         model = nn.Sequential(nn.LayerNorm(64), nn.Dropout(0.5), nn.LayerNorm(64),

@@ -16,7 +16,7 @@ from pyplan.planfile import spec_from_text
 from pyplan import _core
 from pyplan.problem import load_problem
 from pyplan.resolved import load_resolved, render_resolved, resolved_path, write_resolved
-from pyplan.schedule import build_schedule, gradient_syncs
+from pyplan.problem.schedule import build_schedule, gradient_syncs
 from pyplan.solver import min_memory, solve
 from pyplan.solver.budget import Budget
 from pyplan.solver.exact import time_optimal

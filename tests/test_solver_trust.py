@@ -18,7 +18,7 @@ from conftest import PLANS
 from pyplan import _core
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.problem import build_problem, load_problem
-from pyplan.schedule import schedule_from_orders
+from pyplan.problem.schedule import schedule_from_orders
 from pyplan.solver import incumbents, min_memory, solve
 from pyplan.solver.budget import Budget
 from pyplan.solver.complete import cheap_completion, climb

@@ -53,7 +53,7 @@ def test_costs_priced_for_the_mesh_solve(tmp_path, cli):
 
 
 def test_a_tensor_ranks_weights_are_what_pyplan_run_holds():
-    """The parameters `pyplan run`'s tensor plan splits (pyplan.run.tensor.sharded_parameters)
+    """The parameters `pyplan run`'s tensor plan splits (pyplan.mesh.tensor.sharded_parameters)
     and a tensor rank's weights (parameters, gradients, AdamW's two moments and step counts):
     GPT-2's layers split but for their row-wise layers' biases and their norms; its
     embeddings, final norm and head (tied to the embedding) whole; Llama's head split, its
@@ -63,7 +63,7 @@ def test_a_tensor_ranks_weights_are_what_pyplan_run_holds():
     from models import hf
 
     from pyplan.partition import weight_bytes
-    from pyplan.run.tensor import sharded_parameters, tensor_plan
+    from pyplan.mesh.tensor import sharded_parameters, tensor_plan
 
     model = hf.gpt2()
     sharded = sharded_parameters(model, tensor_plan(model))

@@ -5,7 +5,7 @@ import os
 import runpy
 import sys
 
-import pyplan.run.comm
+import pyplan.comm
 from pyplan.cli.launch import worker_environment
 
 worker_environment()
@@ -17,5 +17,5 @@ sys.path[:] = [os.path.dirname(script)] + [p for p in sys.path if os.path.abspat
 # A script's comm.leave(code) (os._exit: no teardown) would end this process before torch's
 # launcher has its return value; exiting through SystemExit, the process still ends without
 # teardown (multiprocessing ends it with os._exit).
-pyplan.run.comm.leave = sys.exit
+pyplan.comm.leave = sys.exit
 runpy.run_path(script, run_name="__main__")

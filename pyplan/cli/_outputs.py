@@ -1,7 +1,7 @@
 """What a command reads or must keep, and the one check of its outputs against them: every
 output flag of every command (run's --log, --trace, --tensorboard and --save, consolidate -o,
 export -o, ...) goes through check_outputs before the command starts, so no output lands on
-the plan, the model's code, its pretrained weights or a checkpoint (pyplan.fileio's
+the plan, the model's code, its pretrained weights or a checkpoint (pyplan.files's
 check_not_input compares inodes, after links)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from pyplan.errors import PlanError
-from pyplan.fileio import check_not_input, hold_lock, read_capped
+from pyplan.files import check_not_input, hold_lock, read_capped
 
 __all__ = ["check_outputs", "check_resume", "check_save", "check_save_folder", "checkpoint_reads",
            "lock_save", "model_reads", "newest_step"]

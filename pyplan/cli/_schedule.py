@@ -10,7 +10,7 @@ from pyplan.cli._progress import live_progress
 from pyplan.errors import PlanError
 from pyplan.problem import Problem, load_problem
 from pyplan.resolved import ResolvedPlan, is_resolved, load_resolved
-from pyplan.schedule import Schedule
+from pyplan.problem.schedule import Schedule
 from pyplan.solver import solve
 from pyplan.solver.templates import template_schedule
 

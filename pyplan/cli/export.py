@@ -18,8 +18,8 @@ from pyplan.export.trainers import (MEGATRON_CORE, MEGATRON_LM, TORCHTITAN,
                                     megatron_arguments, megatron_layout,
                                     torchtitan_config)
 from pyplan.cli._outputs import check_outputs
-from pyplan.fileio import write_atomic
-from pyplan.schedule import Schedule
+from pyplan.files import write_atomic
+from pyplan.problem.schedule import Schedule
 from pyplan.planfile.units import count
 from pyplan.solver.templates import template_schedule
 

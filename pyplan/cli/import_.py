@@ -9,7 +9,7 @@ import json
 from pyplan.cli._schedule import load_plan
 from pyplan.errors import PlanError, did_you_mean
 from pyplan.export.torch_csv import read_torch_csv, torch_stages
-from pyplan.schedule import Evaluated, schedule_from_orders
+from pyplan.problem.schedule import Evaluated, schedule_from_orders
 
 __all__ = ["FORMATS", "add_arguments", "run", "summary_json", "summary_text"]
 

@@ -92,12 +92,12 @@ def catch_interrupts() -> None:
 
 def entry() -> None:
     """The `pyplan` command: main()'s exit code. A rank under torchrun leaves without Python's
-    teardown (pyplan.run.comm.leave says why), and so does a launcher whose workers have
+    teardown (pyplan.comm.leave says why), and so does a launcher whose workers have
     ended (pyplan.cli.launch: the teardown of torch would cost it a second of CPU)."""
     catch_interrupts()
     code = main()
     if "RANK" in os.environ and "torch.distributed" in sys.modules:
-        from pyplan.run.comm import leave
+        from pyplan.comm import leave
 
         leave(code)
     launcher = sys.modules.get("pyplan.cli.launch")

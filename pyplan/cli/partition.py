@@ -15,7 +15,7 @@ from pyplan.cli._torch import require_torch
 from pyplan.cli.profile import MAX_REPEATS, add_time_limit, check_time_limit
 from pyplan.cli.run import DTYPES
 from pyplan.errors import PlanError
-from pyplan.fileio import write_atomic
+from pyplan.files import write_atomic
 from pyplan.partition import OPTIMIZER_STATE
 from pyplan.planfile import parse_memory
 from pyplan.planfile.plan import MAX_DEVICES, MAX_MICRO_BATCHES

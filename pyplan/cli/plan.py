@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.cli._outputs import check_outputs
-from pyplan.fileio import write_atomic
+from pyplan.files import write_atomic
 from pyplan.planfile.units import count
 
 __all__ = ["add_arguments", "run"]

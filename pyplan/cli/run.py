@@ -27,11 +27,11 @@ from pyplan.cli.run_rules import Facts, check_rules
 from pyplan.errors import EXIT_PREEMPTED, PlanError, RunError, did_you_mean
 from pyplan.lower import COMPUTE, RECV, SEND, SYNC, WAIT, check_runnable, describe, lower
 from pyplan.resolved import load_resolved
-from pyplan.verify import verify
+from pyplan.lower.verify import verify
 
 __all__ = ["DEVICES", "DTYPES", "OPTIMIZERS", "PARAMS", "SCHEDULES", "add_arguments", "run"]
 
-# The runtime's choices (pyplan.run.devices, pyplan.run.pipeline, pyplan.train.training), spelled
+# The runtime's choices (pyplan.comm.devices, pyplan.run.pipeline, pyplan.train.training), spelled
 # here so that the CLI parses without importing torch (tests/test_run_cli.py checks they agree).
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")

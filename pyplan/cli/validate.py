@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pyplan._runnable import check_model
+from pyplan.lower.runnable import check_model
 from pyplan.errors import EXIT_BAD_INPUT, PlanError
 from pyplan.problem import Problem, load_problem
 from pyplan.resolved import is_resolved, load_resolved

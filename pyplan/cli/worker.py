@@ -2,7 +2,7 @@
 file (runpy) in a process forked from pyplan's forkserver, with the rank's torchrun environment.
 The exit code is the process's: 0 returns (torch's launcher waits for the return value), any
 other exits; the process then ends without Python's teardown (multiprocessing's os._exit), as
-pyplan.run.comm.leave would."""
+pyplan.comm.leave would."""
 
 import sys
 

@@ -136,7 +136,7 @@ def mesh_state_bytes(state_bytes: float, state_tensors: int, *, shards: int = 1)
     parameters, gradients and optimizer state, as the plan's blocks give them: `pyplan
     partition --tensor` counts what a tensor rank holds; `state_tensors` tensors of the
     parameters' size): with FSDP's shards under a pipeline, the parameters and gradients whole
-    over the data ranks from the first forward to the last backward (pyplan.run.mesh: one
+    over the data ranks from the first forward to the last backward (pyplan.mesh: one
     all-gather per iteration) beside their shards, and the optimizer's state sharded."""
     if shards <= 1:
         return state_bytes

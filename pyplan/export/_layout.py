@@ -6,7 +6,7 @@ from functools import reduce
 from math import gcd
 
 from pyplan.problem import FORWARD, Problem
-from pyplan.schedule import Schedule
+from pyplan.problem.schedule import Schedule
 
 __all__ = ["device_chunks", "memory_steps", "repetitions", "time_step"]
 

@@ -8,8 +8,8 @@ ui.perfetto.dev or chrome://tracing.
 from __future__ import annotations
 
 from pyplan.errors import PlanError
-from pyplan.schedule import Schedule
-from pyplan.trace import TraceEvent, chrome_trace, write_chrome_trace
+from pyplan.problem.schedule import Schedule
+from pyplan.files.trace import TraceEvent, chrome_trace, write_chrome_trace
 
 MAX_EVENTS = 1_000_000  # block executions in one trace (about 150 MB of JSON)
 

@@ -9,9 +9,9 @@ from xml.sax.saxutils import escape, quoteattr
 
 from pyplan.errors import PlanError
 from pyplan.export._layout import device_chunks, memory_steps, repetitions, time_step
-from pyplan.fileio import write_atomic
+from pyplan.files import write_atomic
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT
-from pyplan.schedule import Schedule
+from pyplan.problem.schedule import Schedule
 from pyplan.planfile.units import count
 
 __all__ = ["render_svg", "write_svg"]

@@ -18,7 +18,7 @@ import textwrap
 from pyplan.errors import PlanError
 from pyplan.export._layout import device_chunks, repetitions, time_step
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT
-from pyplan.schedule import Schedule
+from pyplan.problem.schedule import Schedule
 from pyplan.planfile.units import count
 
 __all__ = ["STYLES", "Line", "render_plain", "render_rich", "timeline"]

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from pyplan.errors import PlanError
 from pyplan.export._layout import time_step
-from pyplan.fileio import read_capped, write_atomic
+from pyplan.files import read_capped, write_atomic
 from pyplan.problem import BACKWARD, FORWARD, WEIGHT, Problem
-from pyplan.schedule import Instance, Schedule
+from pyplan.problem.schedule import Instance, Schedule
 from pyplan.planfile.plan import MAX_MICRO_BATCHES
 from pyplan.planfile.source import MAX_FILE_BYTES
 

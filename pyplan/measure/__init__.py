@@ -9,6 +9,6 @@ Imports pyplan.run and what is below it; never pyplan.train, pyplan.runtime or p
 
 from __future__ import annotations
 
-import pyplan.run  # noqa: F401 - torch, without its warning about a missing numpy
+import pyplan.comm  # noqa: F401 - torch, without its warning about a missing numpy
 
 __all__: list[str] = []

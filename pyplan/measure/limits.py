@@ -131,7 +131,7 @@ def guarded(module, what: str):
     """module(*args) as the user's code: an exception (SystemExit too) is a UserCodeError
     naming `what` (e.g. "unit layers.3"), and so is an output that is not a tensor or a
     tuple, list or dict of tensors; under computing_in's autocast."""
-    from pyplan.run.values import flatten
+    from pyplan.comm.values import flatten
 
     def call(*args):
         try:

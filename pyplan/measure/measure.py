@@ -18,8 +18,8 @@ from torch.utils._pytree import tree_leaves
 
 from pyplan.models import Unit
 from pyplan.run.backward import backward_input, backward_weight
-from pyplan.run.census import Census, storage_bytes
-from pyplan.run.values import flatten, rebuild, saved_bytes
+from pyplan.measure.census import Census, storage_bytes
+from pyplan.comm.values import flatten, rebuild, saved_bytes
 
 __all__ = ["MORE", "SPREAD", "BlockCost", "Measured", "Peaks", "Timer", "block_arguments", "busy",
            "compute_threads", "host_bytes", "leaves", "measure", "memory_peaks", "optimizer", "rss_bytes", "run_threads",
@@ -238,7 +238,7 @@ def block_arguments(b: int, preds: dict, outputs: dict, inputs, wants_inputs, gr
 
 
 def _saved_bytes(fn, params) -> int:
-    """Bytes autograd saves for backward while fn runs (pyplan.run.values.saved_bytes)."""
+    """Bytes autograd saves for backward while fn runs (pyplan.comm.values.saved_bytes)."""
     with saved_bytes(params) as saved:
         fn()
     return saved.bytes

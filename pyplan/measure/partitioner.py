@@ -5,7 +5,7 @@ units measured one at a time on one micro-batch of the data, as each rank of a r
 programming (pyplan.partition), the best few partitions and the even splits are solved, and
 the plans come back shortest first. With `shape="mshape"` or `"auto"`, the embedding and head
 are also measured sharded over the vocabulary (pyplan.measure.sharded) and, for auto, every
-placement that applies is solved (pyplan.placements).
+placement that applies is solved (pyplan.measure.placements).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import torch
 
 from pyplan.api import PartitionPlan, partition_plans
 from pyplan.errors import InfeasibleError, PlanError
-from pyplan.fileio import check_not_input
+from pyplan.files import check_not_input
 from pyplan.models import FORWARD, TRACED, Cut, Unit, everywhere
 from pyplan.partition import UnitCost, host_capacity, ties
 from pyplan.planfile.types import CPU_LINK, LinkSpec, TopologySpec
-from pyplan.placements import CHUNKS, Placement, Sharded, mshape_plans, placements
+from pyplan.measure.placements import CHUNKS, Placement, Sharded, mshape_plans, placements
 from pyplan.run.binding import Model, defer_whole, import_function, loss_function, make_batch
-from pyplan.run.census import storage_bytes
+from pyplan.measure.census import storage_bytes
 from pyplan.run.data import batches_from, split_batch
 from pyplan.run.pipeline import DTYPES
 from pyplan.measure.limits import DEFAULT_SECONDS
@@ -246,13 +246,13 @@ def _per_tensor_rank(units: list[UnitCost], model, cut: Cut, inputs, factory: st
     """The units as one of `tensor` ranks runs them (pyplan.cluster.ranks): a Hugging Face
     model cut at its decoder layers, its micro-batch token ids (batch x sequence). A unit's
     weights are what a tensor rank of `pyplan run` holds of them: the parameters its tensor
-    plan shards (pyplan.run.tensor.sharded_parameters) divided, the rest whole."""
+    plan shards (pyplan.mesh.tensor.sharded_parameters) divided, the rest whole."""
     from pyplan.cluster.model import from_config
     from pyplan.cluster.ranks import rank_units
     from pyplan.measure.measure import unit_parameters
     from pyplan.models.forward import decoder_layers
     from pyplan.partition import weight_bytes
-    from pyplan.run.tensor import sharded_parameters, tensor_plan
+    from pyplan.mesh.tensor import sharded_parameters, tensor_plan
 
     config = getattr(model, "config", None)
     layers = decoder_layers(model) if cut.kind == FORWARD else None

@@ -30,7 +30,7 @@ from pyplan.problem import Problem
 from pyplan.run.binding import (Model, block_inputs, build, forward_blocks, loss_function,
                                 make_batch)
 from pyplan.run.data import split_batch, to_device
-from pyplan.run.census import storage_bytes
+from pyplan.measure.census import storage_bytes
 from pyplan.measure.limits import (DEFAULT_SECONDS, computing_in, guarded, in_compute_dtype,
                                    time_limit)
 from pyplan.measure.measure import (BlockCost, Measured, Timer, block_arguments, busy,
@@ -38,7 +38,7 @@ from pyplan.measure.measure import (BlockCost, Measured, Timer, block_arguments,
                                     split_backward, unit_buffer_bytes, unit_parameters,
                                     update_ms)
 from pyplan.measure.sharded import sharded_blocks
-from pyplan.run.values import flatten, nbytes, rebuild
+from pyplan.comm.values import flatten, nbytes, rebuild
 
 __all__ = ["BlockCost", "Measured", "profile_blocks", "profile_units"]
 

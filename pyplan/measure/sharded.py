@@ -33,7 +33,7 @@ from pyplan.run.binding import block_inputs, build, loss_function
 from pyplan.measure.measure import (BlockCost, Measured, Timer, block_arguments, leaves,
                                     unit_parameters)
 from pyplan.measure.measure import measure as measure_block
-from pyplan.run.values import nbytes
+from pyplan.comm.values import nbytes
 from pyplan.planfile.types import LinkSpec, TopologySpec
 
 __all__ = ["Collective", "ShardedUnits", "collective_ms", "measure_collectives", "profile_sharded",

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pyplan.errors import MAX_REPORTED, PlanError, PyplanError, did_you_mean
-from pyplan.fileio import write_atomic
+from pyplan.files import write_atomic
 from pyplan.planfile.source import Source
 
 if TYPE_CHECKING:

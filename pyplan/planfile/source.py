@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from pyplan.errors import PlanError
-from pyplan.fileio import read_capped
+from pyplan.files import read_capped
 
 __all__ = ["Source", "error_at", "load_yaml", "parse_yaml"]
 

@@ -1,6 +1,6 @@
 """The Pipeline API's arguments, checked as `pyplan run` checks its options: each check
 returns the RunError a bad value deserves, or None, so that Pipeline can agree on it with the
-other ranks first (pyplan.run.devices.agree_on_error) and every rank raises the same error."""
+other ranks first (pyplan.comm.devices.agree_on_error) and every rank raises the same error."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ synchronisation across data-parallel replicas.
 The program is compiled once into steps over numbered slots (one per value the rank holds at
 some point; pyplan.run.steps), so an iteration does list indexing, not dictionary traffic. The
 REDUCEs and SYNCs are pyplan.run.gradients' Reductions. A value is a tensor or a tuple, list
-or dict of tensors (pyplan.run.values); gradients travel for its floating tensors only.
+or dict of tensors (pyplan.comm.values); gradients travel for its floating tensors only.
 
 Every block's inputs are detached leaves, so a backward block runs autograd for exactly its
 block: from the saved forward output (or the loss, in the last block) back to those leaves,
@@ -42,13 +42,13 @@ from pyplan.errors import PyplanError, UserCodeError, describe_exception
 from pyplan.lower import COMPUTE, Lowered, describe, is_gradient
 from pyplan.run.backward import backward_input, backward_weight, full_backward, root
 from pyplan.run.binding import block_seeds, forward_seed, seed_generators
-from pyplan.run.comm import Comm
+from pyplan.comm import Comm
 from pyplan.run.gradients import Reductions, Slots
 from pyplan.run.steps import (STEP_BACKWARD, STEP_FORWARD, STEP_RECV_ACT, STEP_RECV_GRAD,
                               STEP_REDUCE, STEP_SEND_ACT, STEP_SEND_GRAD, STEP_WAIT, STEP_WEIGHT,
                               compile_steps)
-from pyplan.run.values import differentiable, flatten, nbytes, rebuild, saved_bytes
-from pyplan.trace import TraceEvent
+from pyplan.comm.values import differentiable, flatten, nbytes, rebuild, saved_bytes
+from pyplan.files.trace import TraceEvent
 
 __all__ = ["Executor", "IterationResult", "loss_seed"]
 
@@ -118,7 +118,7 @@ class Executor:
         saves) runs eagerly, and no received input is freed early (a compiled graph may save
         other tensors than the eager forward that was measured)."""
         self.tensor_random = tensor_random
-        """Tensor-parallel regions' own random stream (pyplan.run.tensor.TensorRandom)."""
+        """Tensor-parallel regions' own random stream (pyplan.mesh.tensor.TensorRandom)."""
         self.wants_inputs = wants_inputs
         device, self.data_index, tensor_index = problem.mesh.coords(rank)
         # Micro-batch m of data-parallel rank i is micro-batch i x N + m of the global batch.

@@ -1,5 +1,5 @@
 """Gradients between ranks: one flat tensor per collective, the executor's REDUCE and SYNC
-(Reductions; SYNC is FSDP2's, pyplan.run.mesh) and what the Pipeline does with the gradients
+(Reductions; SYNC is FSDP2's, pyplan.mesh) and what the Pipeline does with the gradients
 around an iteration (PipelineGradients: ties, accumulation, fp16, clipping). Gradients may be
 DTensors (FSDP2's shards): what crosses ranks here is each rank's local part.
 """
@@ -17,9 +17,9 @@ from pyplan.lower import REDUCE
 from pyplan.models.chunks import shard_dim
 from pyplan.models.collectives import all_reduce_
 from pyplan.run.binding import Built
-from pyplan.run.comm import transfer_error
+from pyplan.comm import transfer_error
 from pyplan.run.data import describe
-from pyplan.run.devices import device_backend
+from pyplan.comm.devices import device_backend
 
 __all__ = ["MasterWeights", "PipelineGradients", "Reductions", "Slots", "flat_gradients",
            "local", "norm_argument", "padded", "set_gradients", "unflatten_into"]

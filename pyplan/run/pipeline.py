@@ -22,7 +22,7 @@ Parameters are named as in the user's model (`module:` plans: the whole model's 
 parameter under the first of its names; `blocks:` plans: `block.parameter`).
 
 What a step does with the gradients (ties, accumulation, fp16's unscaling, `clip_grad_norm_`)
-is the base class pyplan.run.gradients.PipelineGradients; the state dicts are pyplan.run.state's.
+is the base class pyplan.run.gradients.PipelineGradients; the state dicts are pyplan.mesh.state's.
 """
 
 from __future__ import annotations
@@ -39,19 +39,19 @@ from pyplan.errors import PlanError, RunError
 from pyplan.models import FORWARD, TRACED
 from pyplan.lower import Lowered, channels, check_runnable, forward_only, lower
 from pyplan.resolved import ResolvedPlan, load_resolved
-import pyplan.run.state as state_dicts
+import pyplan.mesh.state as state_dicts
 from pyplan.run.binding import (Built, Model, block_inputs, build, kept_rng, load_model,
                                 loss_function, shared_across_devices)
 from pyplan.run.data import batch_problem, describe, split_batch, to_device
-from pyplan.run.comm import Comm
+from pyplan.comm import Comm
 from pyplan.run import arguments
-from pyplan.run.devices import agree_on_error, all_gather_objects, join_world
+from pyplan.comm.devices import agree_on_error, all_gather_objects, join_world
 from pyplan.run.executor import Executor, IterationResult
 from pyplan.run.gradients import MasterWeights, PipelineGradients
-from pyplan.run.mesh import DataParallel, world_mesh
-from pyplan.run.tensor import TensorRandom, packed_layouts, parallelize, tensor_plan
-from pyplan.run.values import concatenated
-from pyplan.verify import verify
+from pyplan.mesh import DataParallel, world_mesh
+from pyplan.mesh.tensor import TensorRandom, packed_layouts, parallelize, tensor_plan
+from pyplan.comm.values import concatenated
+from pyplan.lower.verify import verify
 
 __all__ = ["DTYPES", "PARAMS", "Pipeline", "compiled_graphs"]
 
@@ -193,7 +193,7 @@ class Pipeline(PipelineGradients):
         if mesh.tensor > 1:
             self._tensor_parallel()
         self.packed = packed_layouts(places)
-        """Packed parameters' layouts by name (pyplan.run.tensor.rank_major)."""
+        """Packed parameters' layouts by name (pyplan.mesh.tensor.rank_major)."""
         if self.param_dtype == "bf16" and replicas == 1:
             self._master_weights()
         if self.compiled is not None:  # after tensor, before data parallelism (torchtitan's)
@@ -270,7 +270,7 @@ class Pipeline(PipelineGradients):
                             and not self.problem.split_layers)
 
     def _tensor_parallel(self) -> None:
-        """Each stage's layers sharded over the tensor ranks (pyplan.run.tensor): a model cut
+        """Each stage's layers sharded over the tensor ranks (pyplan.mesh.tensor): a model cut
         into its own modules (model: {module: ...}), with a plan of its own or the plan's."""
         problem, model = self.problem, self.model
         where = str(self.resolved.plan_path or self.resolved.path)

@@ -15,7 +15,7 @@ multi-device blocks with `shard` (see the `model:` contract in schemas/plan.sche
 
 from __future__ import annotations
 
-from pyplan.run import torch  # noqa: F401 - torch, without its warning about a missing numpy
+from pyplan.comm import torch  # noqa: F401 - torch, without its warning about a missing numpy
 from pyplan.models.chunks import shard
 from pyplan.run.pipeline import Pipeline
 from pyplan.train.checkpoint import CheckpointError, load, save

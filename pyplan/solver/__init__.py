@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from pyplan.errors import InfeasibleError
 from pyplan.problem import Problem
-from pyplan.schedule import Schedule, build_schedule
+from pyplan.problem.schedule import Schedule, build_schedule
 from pyplan.solver.bounds import check_fits, min_memory
 from pyplan.solver.budget import LAYOUT_SECONDS, Budget, Clock, Effort
 from pyplan.solver.complete import (COMPLETION_COST, WINDOW_LIMIT, cheap_completion, climb,

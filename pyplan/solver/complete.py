@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pyplan import _core
 from pyplan.problem import Problem
-from pyplan.schedule import Instance, Schedule, build_schedule, repetend_from_core
+from pyplan.problem.schedule import Instance, Schedule, build_schedule, repetend_from_core
 from pyplan.solver.budget import Budget
 from pyplan.solver.exact import Anchor, reoptimise, time_optimal
 from pyplan.planfile.units import count

@@ -17,7 +17,7 @@ from operator import itemgetter
 from pyplan import _core
 from pyplan.errors import PlanError, did_you_mean
 from pyplan.problem import BACKWARD, Problem
-from pyplan.schedule import Schedule, schedule_from_orders, with_syncs
+from pyplan.problem.schedule import Schedule, schedule_from_orders, with_syncs
 from pyplan.solver.budget import Budget
 from pyplan.solver.stages import (NotApplicable, backward_of, forward_chains, in_flight_limits,
                                   require_training, single_chain_stages, stage_blocks,

@@ -9,6 +9,6 @@ pyplan.runtime or pyplan.cli (tests/test_layers.py).
 
 from __future__ import annotations
 
-import pyplan.run  # noqa: F401 - torch, without its warning about a missing numpy
+import pyplan.comm  # noqa: F401 - torch, without its warning about a missing numpy
 
 __all__: list[str] = []

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from pyplan.run.devices import all_gather_objects
+from pyplan.comm.devices import all_gather_objects
 from pyplan.train import checkpoint
 
 __all__ = ["AsyncCheckpoints"]

@@ -26,14 +26,14 @@ from pyplan.models import FORWARD, TRACED
 from pyplan.models.forward import logits, whole_forward
 from pyplan.problem import Problem
 from pyplan.models.chunks import shard_dim
-from pyplan.run.tensor import model_major
+from pyplan.mesh.tensor import model_major
 from pyplan.run.binding import (Model, block_inputs, block_seeds, build, build_whole,
                                 forward_blocks, forward_seed, loss_function, make_batch,
                                 seed_generators)
 from pyplan.errors import RunError
 from pyplan.run.data import split_batch
 from pyplan.run.gradients import local
-from pyplan.run.values import concatenated
+from pyplan.comm.values import concatenated
 from pyplan.train.training import Training
 
 __all__ = ["TOLERANCE", "Verdict", "compare", "gathered", "perturb", "reference_run"]

@@ -2,7 +2,7 @@
 buffers and optimizer state it holds, keyed by the model's own parameter names, so a
 checkpoint saved under one plan loads under another plan of the same model (other stages,
 another device count): DCP reads each rank's keys wherever they were written. The keys are
-pyplan.run.state's (the engine's `Pipeline.state_dict`): a tied or replicated parameter is one
+pyplan.mesh.state's (the engine's `Pipeline.state_dict`): a tied or replicated parameter is one
 key written once; sharded chunks and flat shards load under a plan that shards them the same
 way.
 
@@ -42,13 +42,13 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pyplan.errors import PlanError, PyplanError
-from pyplan.fileio import read_capped
+from pyplan.files import read_capped
 from pyplan.run import arguments
 from pyplan.run.data import describe
-from pyplan.run.devices import all_gather_objects
+from pyplan.comm.devices import all_gather_objects
 from pyplan.run.gradients import local
 from pyplan.run.pipeline import Pipeline
-from pyplan.run.state import SHARD, load_state_dict, state_dict
+from pyplan.mesh.state import SHARD, load_state_dict, state_dict
 from pyplan.train.record import check_record
 
 __all__ = ["CheckpointError", "Pending", "agree", "begin", "consolidate", "find", "finish",

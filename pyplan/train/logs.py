@@ -10,7 +10,7 @@ import math
 import sys
 
 from pyplan.errors import PlanError
-from pyplan.fileio import write_atomic
+from pyplan.files import write_atomic
 
 __all__ = ["Log", "summary_writer", "tensorboard_writer"]
 

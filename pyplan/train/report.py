@@ -13,7 +13,7 @@ from pyplan.lower import Lowered
 from pyplan.partition import OPTIMIZER_STATE
 from pyplan.planfile import load_spec
 from pyplan.planfile.types import CPU_LINK, TopologySpec
-from pyplan.shapes import expand_blocks
+from pyplan.problem.shapes import expand_blocks
 from pyplan.train.check import Verdict
 from pyplan.run.pipeline import Pipeline
 from pyplan.train.training import Training

@@ -22,11 +22,11 @@ from pyplan.lower import COMPUTE, Lowered, describe
 import pyplan.train.checkpoint as checkpoint
 from pyplan.train.async_checkpoint import AsyncCheckpoints
 from pyplan.run.binding import Model, make_batch
-from pyplan.run.census import Census
+from pyplan.measure.census import Census
 from pyplan.train.check import (TOLERANCE, Verdict, compare, gathered, perturb,
                                 reference_run, tokens_of)
-from pyplan.run.comm import TransferError
-from pyplan.run.devices import all_gather_numbers, all_gather_objects
+from pyplan.comm import TransferError
+from pyplan.comm.devices import all_gather_numbers, all_gather_objects
 from pyplan.train import flops
 from pyplan.train.faults import Watchdog
 from pyplan.run.pipeline import DTYPES, Pipeline, compiled_graphs
@@ -36,7 +36,7 @@ from pyplan.train.stopping import out_of_time
 from pyplan.train.report import (Options, Report, activation_peaks, header,
                                  iteration_line, link_note, planned_memory, predicted)
 from pyplan.train.training import changes
-from pyplan.trace import chrome_trace, write_chrome_trace
+from pyplan.files.trace import chrome_trace, write_chrome_trace
 
 __all__ = ["Session"]
 
@@ -257,7 +257,7 @@ class Session:
         return None
 
     def census(self, optimizer):
-        """A context counting what this rank holds at most while it runs (pyplan.run.census
+        """A context counting what this rank holds at most while it runs (pyplan.measure.census
         on the CPU, torch.cuda's peak on a GPU): `self.memory` = (peak, static) bytes, where
         static is what the run holds for good (parameters, gradients, optimizer state,
         buffers) counted after the step: in a run's first step the gradients and the

@@ -8,7 +8,7 @@ import os
 import sys
 
 from pyplan.cli.main import main
-from pyplan.run.devices import join_world
+from pyplan.comm.devices import join_world
 
 join_world("cpu")
 for plan in sys.argv[1:]:

@@ -21,7 +21,7 @@ from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from pyplan.models import stage_modules
 from pyplan.resolved import load_resolved
 from pyplan.run.binding import build_whole, load_model, make_batch
-from pyplan.run.comm import leave
+from pyplan.comm import leave
 from pyplan.run.data import split_batch
 
 
@@ -73,4 +73,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    leave(0)  # a rank: no interpreter teardown (see pyplan.run.comm.leave)
+    leave(0)  # a rank: no interpreter teardown (see pyplan.comm.leave)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from pyplan.models.vocab import _cross_entropy_form, parallel_loss
 from pyplan.models.collectives import STAR_BYTES, all_reduce_
-from pyplan.run.comm import leave
+from pyplan.comm import leave
 
 LOSSES = {
     "mean": lambda l, t: F.cross_entropy(l.reshape(-1, l.shape[-1]), t.reshape(-1)),
@@ -59,4 +59,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    leave(0)  # a rank: no interpreter teardown (see pyplan.run.comm.leave)
+    leave(0)  # a rank: no interpreter teardown (see pyplan.comm.leave)

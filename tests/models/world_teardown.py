@@ -7,7 +7,7 @@ import glob
 import torch
 import torch.distributed as dist
 
-from pyplan.run.devices import join_world
+from pyplan.comm.devices import join_world
 
 
 def threads() -> list[str]:

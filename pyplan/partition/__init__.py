@@ -177,7 +177,7 @@ def stage_workspace(part: Sequence[UnitCost], receives: bool = True,
     """What a stage of these units needs while it runs beyond what its plan holds (block
     `workspace:`). A device reserves its blocks' largest beside the most its micro-batches
     hold at once, and the plan adds a micro-batch's activations when its forward starts and
-    frees them when its backward starts (pyplan.problem_ir); so the workspace is the stage's
+    frees them when its backward starts (pyplan.problem.ir); so the workspace is the stage's
     most at any moment of one micro-batch, less its activations:
 
     - in unit k's forward, the units before it keep theirs, its input is alive (received, or

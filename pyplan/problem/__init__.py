@@ -1,7 +1,7 @@
 """The problem IR built from a plan: shapes expanded, backward blocks derived, and every check
 that needs the expanded blocks, each pointing back at the plan line it concerns.
 
-The IR itself (Block, OrderRule, Problem) lives in pyplan.problem_ir; its names are importable
+The IR itself (Block, OrderRule, Problem) lives in pyplan.problem.ir; its names are importable
 from here too, beside build_problem and load_problem.
 """
 
@@ -11,11 +11,11 @@ import dataclasses
 from pathlib import Path
 
 from pyplan import _core
-from pyplan.constraints import RuleSyntaxError, expand_template
+from pyplan.problem.constraints import RuleSyntaxError, expand_template
 from pyplan.errors import PlanError, did_you_mean
-from pyplan.problem_ir import (BACKWARD, FORWARD, OTHER, WEIGHT, Block, OrderRule, Problem,
+from pyplan.problem.ir import (BACKWARD, FORWARD, OTHER, WEIGHT, Block, OrderRule, Problem,
                                RuleError, layer_of, reaches, resolve_rule)
-from pyplan.shapes import expand_blocks
+from pyplan.problem.shapes import expand_blocks
 from pyplan.planfile import BackwardSpec, BlockSpec, PlanSpec, format_memory, load_spec
 from pyplan.planfile.plan import MAX_TIME
 

@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from pyplan.run.values import plain
+from pyplan.comm.values import plain
 
 __all__ = ["Census", "storage_bytes"]
 

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pyplan.fileio import write_atomic
+from pyplan.files import write_atomic
 
 __all__ = ["TraceEvent", "chrome_trace", "write_chrome_trace"]
 

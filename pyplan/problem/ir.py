@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from pyplan import _core
-from pyplan.constraints import RuleSyntaxError, parse_rule
+from pyplan.problem.constraints import RuleSyntaxError, parse_rule
 from pyplan.errors import did_you_mean
 from pyplan.planfile import MeshSpec, ModelSpec, SearchSpec, format_memory
 from pyplan.planfile.plan import MAX_INSTANCES

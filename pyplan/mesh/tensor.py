@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from pyplan.errors import PlanError, RunError
 from pyplan.models.collectives import all_reduce_, summed_gradient
 from pyplan.models.forward import hidden_position, decoder_layers
-from pyplan.run.experts import (EXPERT_PARALLEL, EXPERTS, Experts, MoeBlock, check_experts,
+from pyplan.mesh.experts import (EXPERT_PARALLEL, EXPERTS, Experts, MoeBlock, check_experts,
                                  local_parameters)
 
 __all__ = ["STYLES", "TensorRandom", "model_major", "packed_layouts", "parallelize",
@@ -49,7 +49,7 @@ STYLES = ("colwise", "rowwise", "packed_colwise", "colwise_rep", "rowwise_rep",
           "colwise_gather_output", "embedding_rowwise", "replicate", EXPERTS, EXPERT_PARALLEL,
           _SUMMED)
 """The style names pyplan maps onto torch.distributed.tensor.parallel (Hugging Face's names;
-a MoE layer's experts: pyplan.run.experts; `replicated_with_grad_allreduce`: a module whole on
+a MoE layer's experts: pyplan.mesh.experts; `replicated_with_grad_allreduce`: a module whole on
 every rank that runs on each rank's own part of the activations, Qwen3's q and k norms on its
 heads, its weights' gradients summed over the tensor ranks).
 `embedding_rowwise` keeps the embedding whole on every tensor rank, as `replicate` does:
@@ -186,7 +186,7 @@ class Around(NamedTuple):
     gathered: tuple[str, ...]
     """The attentions and MLPs, whose input slices are gathered."""
     moe: dict[str, str] | None = None
-    """The MoE blocks (pyplan.run.experts.MoeBlock) and their routers (a child's name)."""
+    """The MoE blocks (pyplan.mesh.experts.MoeBlock) and their routers (a child's name)."""
 
 
 def _holds(module: nn.Module) -> bool:

@@ -1,4 +1,4 @@
-"""Writing a resolved plan: the canonical text of a Solution, ended by its seal (pyplan._seal).
+"""Writing a resolved plan: the canonical text of a Solution, ended by its seal (pyplan.resolved.seal).
 
 Deterministic: the same solution gives the same bytes, and every value reads back as itself.
 """
@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import yaml
 
 from pyplan._version import __version__
-from pyplan._seal import seal_lines
+from pyplan.resolved.seal import seal_lines
 from pyplan.errors import PlanError
-from pyplan.fileio import check_not_input, write_atomic
-from pyplan.problem_ir import Problem
-from pyplan.schedule import Schedule
+from pyplan.files import check_not_input, write_atomic
+from pyplan.problem.ir import Problem
+from pyplan.problem.schedule import Schedule
 
 if TYPE_CHECKING:
     from pyplan.solver import Solution

@@ -9,12 +9,12 @@ import math
 import re
 from pathlib import Path
 
-from pyplan._resolved_writer import FORMAT, format_rate
-from pyplan._seal import check_seal
-from pyplan.constraints import RuleSyntaxError
+from pyplan.resolved.writer import FORMAT, format_rate
+from pyplan.resolved.seal import check_seal
+from pyplan.problem.constraints import RuleSyntaxError
 from pyplan.errors import PlanError
-from pyplan.problem_ir import Block, Problem, layer_of, resolve_rule
-from pyplan.schedule import Schedule
+from pyplan.problem.ir import Block, Problem, layer_of, resolve_rule
+from pyplan.problem.schedule import Schedule
 from pyplan.planfile import MeshSpec, ModelSpec, load_yaml
 from pyplan.planfile.plan import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_TIME, MAX_WORLD
 from pyplan.planfile.types import LAYER_RETURNS

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pyplan.problem import BACKWARD, WEIGHT, Problem
-from pyplan.schedule import Schedule
+from pyplan.problem.schedule import Schedule
 from pyplan.planfile.source import error_at
 
 __all__ = ["ACTIVATION", "COMPUTE", "GRADIENT", "RECV", "REDUCE", "SEND", "SYNC", "WAIT",
@@ -210,7 +210,7 @@ def _early_receives(problem: Problem, program: list[Instruction]) -> list[Instru
     that follows (benchmarks/runtime.py). From each rank the receives keep their order
     (messages match in posting order), a gradient's comes after the forward whose output
     shapes it, and the first activation of a stream stays: posting it blocks on the header
-    with its shapes (pyplan.run.comm), which its sender may send only later."""
+    with its shapes (pyplan.comm), which its sender may send only later."""
     out: list[Instruction] = []
     free: dict[int, int | None] = {}  # peer -> the earliest place for its next receive
     last: dict[int, Value] = {}  # peer -> its last receive so far

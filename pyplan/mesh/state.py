@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 
 from pyplan.models.chunks import shard_dim
-from pyplan.run.tensor import model_major, rank_major
+from pyplan.mesh.tensor import model_major, rank_major
 
 __all__ = ["SHARD", "load_state_dict", "state_dict"]
 
@@ -124,7 +124,7 @@ def _strided(value) -> bool:
 
 def _model_layout(state: dict, packed: dict) -> dict:
     """A packed parameter (GPT-2's q, k, v under tensor parallelism, each rank's part of each
-    contiguous: pyplan.run.tensor.rank_major) and its optimizer state whole, in the model's
+    contiguous: pyplan.mesh.tensor.rank_major) and its optimizer state whole, in the model's
     own layout; a strided shard (a MoE's gate_up_proj: torch's _StridedShard, whose chunks
     DCP's metadata cannot describe, one offset per dimension) whole too. Saved so, they load
     under any mesh (every rank's copy is the same: DCP writes it once). (An all-gather over

@@ -20,6 +20,7 @@ iteration's end waits for them.
 
 from __future__ import annotations
 
+import pyplan.comm  # noqa: F401 - torch, without its warning about a missing numpy
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only

@@ -7,8 +7,8 @@ count from the end (@-1 is the last). Every entry reads "block@micro-batch start
 the schedule; reading a resolved plan re-evaluates them in the core and checks the recorded
 times, so hand edits that break the schedule are caught.
 
-The writer is pyplan._resolved_writer, the reader pyplan._resolved_reader and the seal that
-catches edits pyplan._seal; this module holds the plan as read and where it lives.
+The writer is pyplan.resolved.writer, the reader pyplan.resolved.reader and the seal that
+catches edits pyplan.resolved.seal; this module holds the plan as read and where it lives.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pyplan import _core
-from pyplan._derived import compare_with_plan
-from pyplan._resolved_reader import Reader, check_recorded
-from pyplan._resolved_writer import FORMAT, render_resolved, write_resolved
+from pyplan.resolved.derived import compare_with_plan
+from pyplan.resolved.reader import Reader, check_recorded
+from pyplan.resolved.writer import FORMAT, render_resolved, write_resolved
 from pyplan.errors import PlanError
-from pyplan.fileio import read_capped
-from pyplan.problem_ir import Problem
-from pyplan.schedule import Schedule, build_schedule, repetend_from_core
+from pyplan.files import read_capped
+from pyplan.problem.ir import Problem
+from pyplan.problem.schedule import Schedule, build_schedule, repetend_from_core
 from pyplan.planfile.source import MAX_FILE_BYTES
 
 __all__ = ["FORMAT", "ResolvedPlan", "is_resolved", "load_resolved", "render_resolved",

@@ -1,5 +1,5 @@
 """Point-to-point transfers between ranks: which communicator carries a tensor and how long it
-is kept (pyplan.run.devices decides the device and the backends).
+is kept (pyplan.comm.devices decides the device and the backends).
 
 Channels: a channel is one direction between two ranks (source, destination). On NCCL each
 gets a communicator of its own, created in the same order on every rank: NCCL runs each
@@ -9,7 +9,7 @@ each other at once without one transfer waiting behind the other; a V-shape of D
 posting a transfer waited for the connection another transfer on it was using (0.47 ms per
 receive posted against 0.22 ms with a group per direction, on 2 ranks of interleaved 1F1B).
 Activations and gradients of one direction share its channel: both ranks post them in the one
-global order of pyplan.lower, which pyplan.verify checks message by message.
+global order of pyplan.lower, which pyplan.lower.verify checks message by message.
 
 Shapes: the first activation of a stream (one producing block, one receiver) in every
 iteration is preceded by a header with the value's structure and each tensor's dtype and shape,
@@ -38,16 +38,21 @@ receive depends only on what came earlier in the order, so this never deadlocks)
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
 
-import torch
+with warnings.catch_warnings():
+    # The lowest layer that needs torch (pyplan.mesh, run, measure, train and runtime import it
+    # through here): torch warns at import when numpy is absent, and nothing here needs numpy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch
 import torch.distributed as dist
 
 from pyplan.errors import RunError, UserCodeError, exit_now
-from pyplan.run.devices import CPU_GROUPS
-from pyplan.run.values import flatten, rebuild, spec_text, structure, value_text
+from pyplan.comm.devices import CPU_GROUPS
+from pyplan.comm.values import flatten, rebuild, spec_text, structure, value_text
 
 __all__ = ["Comm", "Pending", "Sends", "TransferError", "leave", "on_device",
            "transfer_error"]
