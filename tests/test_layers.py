@@ -34,6 +34,7 @@ pyplan.run
 pyplan.measure
 pyplan.train
 pyplan.runtime
+pyplan.options
 pyplan.cli pyplan.examples
 pyplan pyplan.__main__
 """

@@ -2,7 +2,7 @@
 declare (found by walking them, not listed here) meets a table of values that must be refused,
 in one line naming it, with exit 2, before any worker starts; `pyplan run`'s combinations where
 an option would do nothing (pyplan.cli.run_rules) meet their rules; every environment variable
-the source reads is in pyplan.cli.environment's table and meets its hostile values. In-process:
+the source reads is in pyplan.options.environment's table and meets its hostile values. In-process:
 nothing is launched.
 """
 
@@ -14,7 +14,7 @@ import re
 import pytest
 
 from conftest import PLANS
-from pyplan.cli._numbers import Number
+from pyplan.options.numbers import Number
 from pyplan.cli.main import _parser
 
 VSHAPE = PLANS / "transformer-vshape.resolved.yaml"
@@ -66,7 +66,7 @@ def test_the_walk_finds_the_numeric_options():
 
 
 def test_no_option_takes_an_unbounded_number():
-    """A number is declared with its range (pyplan.cli._numbers), never as a bare int or float,
+    """A number is declared with its range (pyplan.options.numbers), never as a bare int or float,
     and an option whose metavar is a number's is one of them."""
     numbers = {"N", "K", "S", "D", "T", "EPS", "LR", "W", "PORT", "DURATION", "SEED"}
     not_one = {"--nnodes"}  # N or MIN:MAX: checked against the plan's processes (launch.py)
@@ -273,7 +273,7 @@ def variables_read() -> set[str]:
 
 
 def test_every_variable_pyplan_reads_is_in_the_table():
-    from pyplan.cli.environment import ENVIRONMENT
+    from pyplan.options.environment import ENVIRONMENT
 
     read = variables_read()
     assert {"PYPLAN_DEVICE", "OMP_NUM_THREADS", "RANK", "MASTER_PORT"} <= read, read
@@ -281,7 +281,7 @@ def test_every_variable_pyplan_reads_is_in_the_table():
 
 
 def _checked_variables():
-    from pyplan.cli.environment import ENVIRONMENT
+    from pyplan.options.environment import ENVIRONMENT
 
     return [(n, v) for n, v in ENVIRONMENT.items() if v.rule is not None]
 

@@ -196,7 +196,8 @@ def test_the_clis_torch_free_copies_are_the_runtimes():
     """What the CLI spells again so that it parses without torch: the time limit of a
     measurement (profile, partition) and the name of a checkpoint's record (the output checks)."""
     pytest.importorskip("torch")
-    from pyplan.cli import _outputs, profile
+    from pyplan.cli import profile
+    from pyplan.options import outputs as _outputs
     from pyplan.measure.limits import DEFAULT_SECONDS
     from pyplan.train.checkpoint import META
 

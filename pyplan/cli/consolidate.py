@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pyplan.cli._torch import require_torch
 from pyplan.errors import PlanError
-from pyplan.cli._outputs import check_outputs, checkpoint_reads, model_reads
+from pyplan.options.outputs import check_outputs, checkpoint_reads, model_reads
 from pyplan.files import write_atomic
 from pyplan.resolved import load_resolved
 

@@ -17,7 +17,7 @@ from pyplan.export.torch_csv import render_torch_csv, torch_stages
 from pyplan.export.trainers import (MEGATRON_CORE, MEGATRON_LM, TORCHTITAN,
                                     megatron_arguments, megatron_layout,
                                     torchtitan_config)
-from pyplan.cli._outputs import check_outputs
+from pyplan.options.outputs import check_outputs
 from pyplan.files import write_atomic
 from pyplan.problem.schedule import Schedule
 from pyplan.planfile.units import count

@@ -21,7 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
-from pyplan.cli._numbers import whole
+from pyplan.options.numbers import whole
 from pyplan.cli._torch import require_torch
 from pyplan.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, PlanError, RunError
 

@@ -9,8 +9,8 @@ import signal
 import sys
 
 from pyplan._version import __version__
-from pyplan.cli._numbers import name_numbers
-from pyplan.cli.environment import check_environment
+from pyplan.options.numbers import name_numbers
+from pyplan.options.environment import check_environment
 from pyplan.errors import EXIT_INTERRUPTED, PlanError, PyplanError, exit_now
 from pyplan.export import FORMATS as EXPORTS
 

@@ -10,7 +10,7 @@ import math
 import sys
 from pathlib import Path
 
-from pyplan.cli._numbers import SEED, whole
+from pyplan.options.numbers import SEED, whole
 from pyplan.cli._torch import require_torch
 from pyplan.cli.profile import MAX_REPEATS, add_time_limit, check_time_limit
 from pyplan.cli.run import DTYPES

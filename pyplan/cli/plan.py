@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 
 from pyplan.errors import InfeasibleError, PlanError
-from pyplan.cli._outputs import check_outputs
+from pyplan.options.outputs import check_outputs
 from pyplan.files import write_atomic
 from pyplan.planfile.units import count
 

@@ -7,7 +7,7 @@ import json
 import statistics
 from pathlib import Path
 
-from pyplan.cli._numbers import SEED
+from pyplan.options.numbers import SEED
 from pyplan.cli._torch import require_torch
 from pyplan.cli.run import DTYPES
 from pyplan.errors import PlanError

@@ -18,9 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-from pyplan.cli._outputs import (check_outputs, check_resume, check_save, check_save_folder,
+from pyplan.options.outputs import (check_outputs, check_resume, check_save, check_save_folder,
                                  checkpoint_reads, lock_save, model_reads)
-from pyplan.cli._numbers import SEED, Number, Steps, duration, number, whole
+from pyplan.options.numbers import SEED, Number, Steps, duration, number, whole
 from pyplan.cli._torch import require_torch
 from pyplan.cli.launch import LAUNCH_NUMBERS, LAUNCH_OPTIONS, check_processes, launch
 from pyplan.cli.run_rules import Facts, check_rules
@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_outputs(args: argparse.Namespace, plan) -> None:
-    """No output of this run lands on what it reads or keeps (pyplan.cli._outputs)."""
+    """No output of this run lands on what it reads or keeps (pyplan.options.outputs)."""
     plan_dir = (plan.plan_path or Path(plan.path)).parent
     check_outputs({"--trace": (args.trace, "file"), "--log": (args.log, "file"),
                    "--tensorboard": (args.tensorboard, "folder"),
@@ -485,7 +485,7 @@ def _options(args: argparse.Namespace):
         raise PlanError("--iterations and --steps both say how long to train",
                         hint="give --steps N (until step N in total) or --iterations N (N "
                         "more), not both")
-    # (each number's range is its option's type: pyplan.cli._numbers)
+    # (each number's range is its option's type: pyplan.options.numbers)
     if args.lr_min > args.lr:
         raise PlanError(f"--lr-min {args.lr_min:g} must be at most --lr {args.lr:g}")
     _perturb(args.perturb)

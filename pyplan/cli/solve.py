@@ -10,7 +10,7 @@ import sys
 
 from pyplan.api import Solution, load_plan, solve
 from pyplan.cli._progress import live_progress
-from pyplan.cli._outputs import check_outputs
+from pyplan.options.outputs import check_outputs
 from pyplan.resolved import resolved_path
 from pyplan.planfile.units import count
 

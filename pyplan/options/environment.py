@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pyplan.cli._numbers import Number, whole
+from pyplan.options.numbers import Number, whole
 from pyplan.errors import PlanError
 
 __all__ = ["ENVIRONMENT", "Words", "Variable", "check_environment"]
