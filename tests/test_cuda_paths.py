@@ -373,7 +373,8 @@ def test_a_rank_still_building_its_stages_is_not_declared_dead(tmp_path):
     assert result.stdout.split() == ["alive", "heard"], (result.stdout, result.stderr)
     assert result.returncode == 1
     assert result.stderr.strip() == ("error: rank 0 stops: rank 1 stopped responding for 1 s "
-                                     "(its process died or hangs); last seen at set-up")
+                                     "(its process is stopped or hangs, or its host is "
+                                     "lost); last seen at set-up")
     assert time.monotonic() - started < 60
     # A rank never heard from is dead once the grace is over.
     result = subprocess.run([sys.executable, "dog.py", str(port), "2"], capture_output=True,

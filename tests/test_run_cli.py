@@ -190,6 +190,9 @@ def test_the_clis_choices_are_the_runtimes():
 
     assert (run.DEVICES, run.DTYPES, run.OPTIMIZERS, run.SCHEDULES, run.PARAMS) == \
         (DEVICES, tuple(DTYPES), OPTIMIZERS, SCHEDULES, PARAMS)
+    from pyplan.train.faults import TIMEOUT
+    from pyplan.train.report import Options
+    assert run.FAULT_TIMEOUT == TIMEOUT == Options.fault_timeout
 
 
 def test_the_clis_torch_free_copies_are_the_runtimes():

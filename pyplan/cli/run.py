@@ -38,6 +38,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 PARAMS = ("fp32", "bf16")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "linear", "cosine")
+FAULT_TIMEOUT = 300.0  # pyplan.train.faults.TIMEOUT, which says why
 # The numeric options' ceilings: far above any real run, far below what overflows a count,
 # a timeout or a float32.
 COUNT = 10**9  # steps, iterations, batches
@@ -164,8 +165,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--check: largest allowed relative error ||a-b|| / ||b|| of a "
                         "parameter's gradient (default 1e-5 in fp32, 2e-2 in bf16, 1e-2 in "
                         "fp16); its updated value: at least 1e-3")
-    parser.add_argument("--fault-timeout", type=number(1, 1e6), default=10.0, metavar="S",
-                        help="a rank silent for S seconds counts as dead (default 10)")
+    parser.add_argument("--fault-timeout", type=number(1, 1e6), default=FAULT_TIMEOUT,
+                        metavar="S", help="a rank that hangs for S seconds (stopped, or in "
+                        "the data or loss function) has failed; one that dies is named at once "
+                        f"(default {FAULT_TIMEOUT:g})")
     parser.add_argument("--dry-run", action="store_true",
                         help="lower and verify the plan and print each rank's program; "
                         "run nothing (no torchrun needed)")
@@ -455,6 +458,10 @@ def _session(args, plan, model, fail_at) -> int:
         report = session.train()
     except CheckpointError:  # every rank raised it together: each says it and exits 2
         session.close()
+        raise
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: this one ends saying so (not
+        if session is not None and session.watchdog is not None:  # as a death to the others)
+            session.watchdog.close()
         raise
     except Exception as exc:  # every rank agrees on the first failure, then exits
         if session is None:

@@ -45,7 +45,7 @@ class Options:
     perturb: tuple[int, str] | None = None
     """Testing aid: (rank, parameter) whose gradient is made slightly wrong at every step."""
     trace: str | None = None
-    fault_timeout: float = 10.0
+    fault_timeout: float = 300.0  # (pyplan.train.faults.TIMEOUT)
     fail_at: tuple[int, int, str] | None = None
     device: str | None = None
     """cpu, cuda or auto; None: $PYPLAN_DEVICE, else auto."""
