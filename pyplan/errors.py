@@ -87,6 +87,11 @@ class RunError(PyplanError):
     exit_code = EXIT_RUN_FAILED
 
 
+class TimeLimitError(PyplanError):
+    """The user's code measured by pyplan went past its time limit (exit 2): raised into the
+    user's code, so each `except Exception` that calls the model lets it through."""
+
+
 class UserCodeError(RunError):
     """The user's own code (the model's factory, forward, data or loss) failed or returned what
     pyplan cannot take (exit 2): the message names the function, the unit or micro-batch."""
@@ -94,8 +99,15 @@ class UserCodeError(RunError):
     exit_code = EXIT_BAD_INPUT
 
 
+class OsExit(SystemExit):
+    """os._exit called by the user's code where pyplan refuses it (pyplan.measure.limits
+    .users_code): caught wherever a SystemExit of the user's code is."""
+
+
 def describe_exception(exc: BaseException) -> str:
     """An exception the user's code raised, in a few words: "ValueError: first line"."""
+    if isinstance(exc, OsExit):
+        return f"OsExit({exc.code!r}) (it called os._exit)"
     if isinstance(exc, SystemExit):
         return f"SystemExit({exc.code!r}) (it called sys.exit)"
     text = str(exc).splitlines()[0] if str(exc) else ""

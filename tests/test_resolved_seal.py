@@ -206,3 +206,35 @@ def test_time_units_read_back(unit, cli, tmp_path):
                     f"topology: {{time_unit_ms: {unit}}}\n")
     assert cli("solve", plan, "--quiet") == (0, "", "")
     assert load_resolved(tmp_path / "t.resolved.yaml").problem.time_unit_ms == float(unit)
+
+
+def _peaks(text: str) -> list[int]:
+    found = re.search(r"^peak_memory: \[(.*)\]", text, re.M)
+    return [int(x) for x in found[1].split(",")] if found else []
+
+
+@pytest.mark.parametrize("plan", sorted(p.name[:-len(".resolved.yaml")]
+                                        for p in PLANS.glob("*.resolved.yaml")
+                                        if max(_peaks(p.read_text()), default=0) > 1))
+def test_a_capacity_below_the_schedules_peak_is_refused_wherever_it_is_read(cli, tmp_path,
+                                                                            plan):
+    """Round 5's leftover, generated over every committed plan: `memory:` (or a device's
+    device_memory) edited below the schedule's peak and sealed again is refused by show and
+    validate, with the plan file beside it or `plan: null` (the seal proves who wrote the
+    file, the schedule whether it fits)."""
+    text = (PLANS / f"{plan}.resolved.yaml").read_text()
+    shutil.copy(PLANS / f"{plan}.yaml", tmp_path / f"{plan}.yaml")
+    peaks = _peaks(text)
+    low = max(peaks) - 1  # (a capacity is at least 1)
+    capacity = re.sub(r"^memory: .*$", f"memory: {low}", text, count=1, flags=re.M)
+    devices = re.sub(r"^(memory: .*\n)", rf"\g<1>device_memory: {[low] * len(peaks)}\n",
+                     text, count=1, flags=re.M)
+    for edited in (capacity, devices):
+        for text_plan in (False, True):
+            if text_plan:
+                edited = re.sub(r"^plan: .*$", "plan: null", edited, count=1, flags=re.M)
+            path = tmp_path / f"{plan}.resolved.yaml"
+            path.write_text(reseal(edited))
+            for command in ("show", "validate"):
+                code, out, err = cli(command, path)
+                assert (code, out) == (2, "") and err.count("\n") == 1, (command, err)

@@ -482,3 +482,64 @@ def test_the_data_and_loss_are_named_for_the_watchdog_while_they_run():
     call_user(model, "module", model.loss, 1, 2)
     assert seen == [(named, True), (named, False), None]
     assert user_calls.now() is None  # nothing runs between calls
+
+
+LATER = """
+import os
+import sys
+import time
+
+
+class Later(nn.Module):
+    calls = 0
+
+    def forward(self, x):  # the first call (the model run on a micro-batch) returns
+        Later.calls += 1
+        if Later.calls == int(os.environ["LATER_CALL"]):
+            what = os.environ["LATER"]
+            if what == "exit":
+                sys.exit(5)
+            if what == "os_exit":
+                os._exit(5)
+            if what == "interrupt":
+                raise KeyboardInterrupt
+            time.sleep(3600)
+        return x
+
+
+def later():
+    return nn.Sequential(nn.Linear(4, 4), Later(), nn.Linear(4, 4))
+"""
+
+ENDED = ("while pyplan partition measured the model; the model's code must return or raise, "
+         "not end the process (hint: raise an exception instead (it is reported with the unit))")
+
+
+@pytest.mark.parametrize("what, call, message", [
+    ("exit", 2, f"Later.forward (usermodel.py:106) called sys.exit(5) {ENDED}"),
+    ("os_exit", 3, f"Later.forward (usermodel.py:108) called os._exit(5) {ENDED}"),
+    ("interrupt", 2, f"Later.forward (usermodel.py:110) raised KeyboardInterrupt {ENDED}"),
+    ("sleep", 2, "the model's forward computed nothing for 10 s while measured (it sleeps or "
+     "waits for something) (hint: if it is slow, not stuck, raise --unit-time-limit (now 10 s "
+     "of CPU time; the idle bound is 1/30 of it, at least 10 s))"),
+])
+def test_a_later_call_into_the_model_is_guarded_as_the_first(user, what, call, message):
+    """Round 5's leftovers: whatever the model's forward does on a later call that pyplan
+    partition makes into it (finding its units, tracing, measuring them) is one line naming
+    it, exit 2, and --unit-time-limit holds for it; a KeyboardInterrupt the model raises is not
+    a Ctrl-C (the command itself: pyplan's own SIGINT handler)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (user / "usermodel.py").write_text(BAD + LATER)
+    result = subprocess.run([str(Path(sys.executable).with_name("pyplan")), "partition",
+                             "usermodel:later", "--data", "usermodel:batch", "--loss",
+                             "usermodel:loss", "--devices", "2", "--repeats", "1",
+                             "--unit-time-limit", "10", "-o", "p.yaml"],
+                            cwd=user, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "LATER": what, "LATER_CALL": str(call)})
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    assert result.stderr == f"error: {message}\n"
+    assert not (user / "p.yaml").exists()

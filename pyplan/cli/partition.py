@@ -16,7 +16,7 @@ from pyplan.cli.profile import MAX_REPEATS, add_time_limit, check_time_limit
 from pyplan.cli.run import DTYPES
 from pyplan.errors import PlanError
 from pyplan.files import write_atomic
-from pyplan.partition import OPTIMIZER_STATE
+from pyplan.options.choices import optimizer
 from pyplan.planfile import parse_memory
 from pyplan.planfile.plan import MAX_DEVICES, MAX_MICRO_BATCHES
 
@@ -57,10 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", choices=("never", "always", "auto"), default="never",
                         help="activation recomputation written to the plan (training.recompute; "
                         "auto: pyplan solve chooses per stage); default never")
-    parser.add_argument("--optimizer", choices=(*OPTIMIZER_STATE, "adam"), default="sgd",
+    parser.add_argument("--optimizer", type=optimizer, default="sgd", metavar="{sgd,adamw}",
                         help="the optimizer pyplan run will train with (its --optimizer): its "
                         "state counts in the weights' memory, its step's temporaries and time "
-                        "are measured; adam is adamw's former name here")
+                        "are measured")
     parser.add_argument("--repeats", type=whole(1, MAX_REPEATS), default=5, metavar="K",
                         help="timed runs per unit and direction; the median counts")
     add_time_limit(parser, "unit")
@@ -159,18 +159,19 @@ def run(args: argparse.Namespace) -> int:
     stages, n, memory, speeds = _options(args)
     host = None if args.host_memory is None else _size(args.host_memory, "--host-memory")
     require_torch("partition")
+    from pyplan.measure.limits import users_code
     from pyplan.measure.partitioner import partition_model
 
     out = Path(args.output)
-    found = _measured(lambda progress: partition_model(
-        args.factory, args.data, args.loss, devices=args.devices, output=out, shape=args.shape,
-        chunks=args.chunks, micro_batches=n, memory=memory, speeds=speeds,
-        recompute=args.recompute, optimizer="adamw" if args.optimizer == "adam" else
-        args.optimizer,
-        split_backward=args.split_backward, weights=args.weights, repeats=args.repeats,
-        dtype=args.dtype, seed=args.seed, device=args.device, links=args.links, progress=progress,
-        unit_seconds=args.unit_time_limit, host_memory=host, tensor=args.tensor,
-        sequence_parallel=not args.no_sequence_parallel))
+    with users_code("partition"):
+        found = _measured(lambda progress: partition_model(
+            args.factory, args.data, args.loss, devices=args.devices, output=out,
+            shape=args.shape, chunks=args.chunks, micro_batches=n, memory=memory,
+            speeds=speeds, recompute=args.recompute, optimizer=args.optimizer,
+            split_backward=args.split_backward, weights=args.weights, repeats=args.repeats,
+            dtype=args.dtype, seed=args.seed, device=args.device, links=args.links,
+            progress=progress, unit_seconds=args.unit_time_limit, host_memory=host,
+            tensor=args.tensor, sequence_parallel=not args.no_sequence_parallel))
     units, plans = found.units, found.plans
     how = {"chain": "", "traced": "cut by torch's pipeline tracer, ",
            "forward": "cut in the model's own forward, "}[found.cut.kind]

@@ -108,17 +108,20 @@ def run(args: argparse.Namespace) -> int:
                         file=problem.source_path)
     require_torch("profile")
     from pyplan.run.binding import load_model  # torch only from here on
+    from pyplan.measure.limits import users_code
     from pyplan.measure.profile import Measured, profile_blocks
     from pyplan.run.pipeline import DTYPES as COMPUTE
 
     import torch
 
     device = _device(torch, args.device)
-    model = load_model(problem, Path(problem.source_path).resolve().parent)
     measured = Measured()
-    costs = profile_blocks(problem, model, seed=args.seed, repeats=args.repeats,
-                           device=device, measured=measured, measure_collectives=args.links,
-                           unit_seconds=args.block_time_limit, dtype=COMPUTE[args.dtype])
+    with users_code("profile"):
+        model = load_model(problem, Path(problem.source_path).resolve().parent)
+        costs = profile_blocks(problem, model, seed=args.seed, repeats=args.repeats,
+                               device=device, measured=measured,
+                               measure_collectives=args.links,
+                               unit_seconds=args.block_time_limit, dtype=COMPUTE[args.dtype])
     unit = args.unit_ms or max(MIN_UNIT_MS, min(c.forward_ms for c in costs))
     longest = max(max(c.forward_ms, c.backward_ms or 0.0) for c in costs)
     if longest / unit > MAX_TIME:  # the suggested times would be refused by the plan

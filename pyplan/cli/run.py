@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pyplan.options.outputs import (check_outputs, check_resume, check_save, check_save_folder,
                                  checkpoint_reads, lock_save, model_reads)
+from pyplan.options.choices import OPTIMIZERS, optimizer
 from pyplan.options.numbers import SEED, Number, Steps, duration, number, whole
 from pyplan.cli._torch import require_torch
 from pyplan.cli.launch import LAUNCH_NUMBERS, LAUNCH_OPTIONS, check_processes, launch
@@ -36,7 +37,6 @@ __all__ = ["DEVICES", "DTYPES", "OPTIMIZERS", "PARAMS", "SCHEDULES", "add_argume
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 PARAMS = ("fp32", "bf16")
-OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "linear", "cosine")
 FAULT_TIMEOUT = 300.0  # pyplan.train.faults.TIMEOUT, which says why
 # The numeric options' ceilings: far above any real run, far below what overflows a count,
@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print one JSON object with the results instead of the summary")
     parser.add_argument("--seed", type=SEED, default=0,
                         help="seed of weights and batches")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS,
+    parser.add_argument("--optimizer", type=optimizer, metavar="{sgd,adamw}",
                         help="torch.optim optimizer (default: the plan's model.optimizer, "
                         "which pyplan partition --optimizer writes, else sgd)")
     parser.add_argument("--lr", type=number(0, 1e6, above=True), default=0.01,
@@ -256,6 +256,8 @@ def _config_value(source, key, value, action: argparse.Action):
         raise source.error((key,), f"--config: {key}: {value!r} is not "
                            f"{action.type.describe() if numeric else 'valid'}",
                            hint=action.help and action.help.split(";")[0]) from None
+    except PlanError as exc:  # a type of words (--optimizer): its own message and hint
+        raise source.error((key,), f"--config: {key}: {exc.message}", hint=exc.hint) from None
     if action.choices is not None and converted not in action.choices:
         raise source.error((key,), f"--config: {key}: {value!r} is not one of "
                            f"{', '.join(map(str, action.choices))}")

@@ -1,35 +1,36 @@
 """The user's code while pyplan measures it (`pyplan partition`, `pyplan profile`): whatever
 a unit's forward raises (SystemExit too) or returns that is not tensors is one error line
 naming the unit (`guarded`), and a forward that loops for ever or sleeps ends in one error
-line instead of holding the command (`time_limit`).
+line instead of holding the command (`time_limit`); whatever ends the process from the user's
+code anywhere else (sys.exit, os._exit, a KeyboardInterrupt it raises) is one error line
+naming the function that did it (`users_code`).
 
 Two bounds, both blind to other work on the machine: the process's CPU time over the
 measurement (a busy machine stretches the wall clock, not the CPU time), and a stretch of wall
 time in which the process computes nearly nothing (a sleep, a wait on a lock or a socket; a
 process that merely shares the cores with others still gets its share, far above the 1% this
 asks). A watchdog thread checks both twice a second and interrupts the main thread with a
-signal, which ends a sleep as well as a Python loop.
+signal, which ends a sleep as well as a Python loop, and again at every check until the body
+ends (user code that catches the error does not outlast the limit).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
 
-from pyplan.errors import PyplanError, UserCodeError, describe_exception
+from pyplan.errors import (OsExit, PyplanError, TimeLimitError, UserCodeError,
+                           describe_exception)
 
 __all__ = ["DEFAULT_SECONDS", "TimeLimitError", "computing_in", "guarded", "idle_seconds",
-           "in_compute_dtype", "time_limit"]
+           "in_compute_dtype", "time_limit", "users_code"]
 
 DEFAULT_SECONDS = 300.0  # CPU seconds per measured unit (or block): generous
 _IDLE_SHARE = 0.01       # below this share of one core for the idle stretch: not computing
 _TICK = 0.5
-
-
-class TimeLimitError(PyplanError):
-    """The user's code measured by pyplan went past its time limit (exit 2)."""
 
 
 def idle_seconds(limit: float) -> float:
@@ -42,7 +43,8 @@ def idle_seconds(limit: float) -> float:
 def time_limit(what: str, limit: float | None, option: str = "--unit-time-limit", *,
                idle: float | None = None):
     """Run the body (which measures `what`, e.g. "unit layers.3") within `limit` CPU seconds
-    and without an idle stretch of `idle` seconds (default idle_seconds(limit));
+    (math.inf: no CPU bound) and without an idle stretch of `idle` seconds (default
+    idle_seconds(limit));
     TimeLimitError otherwise. No bound with `limit` None, or off the main thread (signals
     reach only it)."""
     if limit is None or threading.current_thread() is not threading.main_thread():
@@ -69,14 +71,15 @@ def time_limit(what: str, limit: float | None, option: str = "--unit-time-limit"
             previous = wall
             if cpu - last_cpu > _IDLE_SHARE * max(wall - last_wall, _TICK):
                 last_cpu, last_wall = cpu, wall
-            if cpu - start > limit:
+            if expired:
+                pass
+            elif cpu - start > limit:
                 expired.append(f"{what} took more than {limit:g} s of CPU time to measure")
             elif wall - last_wall > idle:
                 expired.append(f"{what} computed nothing for {idle:g} s while measured (it "
                                "sleeps or waits for something)")
-            if expired:
+            if expired:  # and at every tick after, until the body ends
                 signal.pthread_kill(main, signal.SIGALRM)
-                return
 
     previous = signal.signal(signal.SIGALRM, on_signal)
     watchdog = threading.Thread(target=watch, name="pyplan-time-limit", daemon=True)
@@ -146,3 +149,57 @@ def guarded(module, what: str):
         flatten(out, what)
         return out
     return call
+
+
+@contextlib.contextmanager
+def users_code(command: str):
+    """The body calls the user's code (pyplan partition, pyplan profile): a sys.exit or
+    os._exit in it, or a KeyboardInterrupt it raises itself (not Ctrl-C's), is one
+    UserCodeError naming the function that did it, not the end of the command. os._exit is
+    pyplan's to refuse only in this process (a child the user's code forks ends as it asks)."""
+    pid, real_exit = os.getpid(), os._exit
+    handler = signal.getsignal(signal.SIGINT)
+
+    def refused(code):
+        if os.getpid() != pid:
+            real_exit(code)
+        raise OsExit(code)
+
+    os._exit = refused
+    try:
+        yield
+    except OsExit as exc:
+        raise _ended(exc, f"called os._exit({exc.code!r})", command) from None
+    except SystemExit as exc:
+        raise _ended(exc, f"called sys.exit({exc.code!r})", command) from None
+    except KeyboardInterrupt as exc:
+        # Ctrl-C swaps pyplan's handler (pyplan.cli.main.catch_interrupts); with Python's own
+        # handler a Ctrl-C cannot be told from the user's raise: an interrupt, as it was.
+        if signal.getsignal(signal.SIGINT) is not handler or \
+                handler is signal.default_int_handler:
+            raise
+        raise _ended(exc, "raised KeyboardInterrupt", command) from None
+    finally:
+        os._exit = real_exit
+
+
+_OURS = {"pyplan", "torch", "contextlib", "functools", "threading"}
+
+
+def _ended(exc: BaseException, did: str, command: str) -> UserCodeError:
+    """The error for the user's function (the innermost frame outside pyplan, torch and the
+    standard library's wrappers) that did `did`."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code, tb.tb_frame.f_globals.get("__name__", ""),
+                       tb.tb_lineno))
+        tb = tb.tb_next
+    user = next(((code, line) for code, module, line in reversed(frames)
+                 if module.partition(".")[0] not in _OURS), None)
+    who = "the user's code" if user is None else \
+        f"{getattr(user[0], 'co_qualname', user[0].co_name)} " \
+        f"({os.path.basename(user[0].co_filename)}:{user[1]})"
+    return UserCodeError(f"{who} {did} while pyplan {command} measured the model; the model's "
+                         "code must return or raise, not end the process",
+                         hint="raise an exception instead (it is reported with the unit)")

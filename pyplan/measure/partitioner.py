@@ -28,7 +28,7 @@ from pyplan.run.binding import Model, defer_whole, import_function, loss_functio
 from pyplan.measure.census import storage_bytes
 from pyplan.run.data import batches_from, split_batch
 from pyplan.run.pipeline import DTYPES
-from pyplan.measure.limits import DEFAULT_SECONDS
+from pyplan.measure.limits import DEFAULT_SECONDS, time_limit
 from pyplan.measure.links import measure_link
 from pyplan.measure.measure import Measured, host_bytes, rss_bytes
 
@@ -153,8 +153,10 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
             raise PlanError(f"tensor {tensor} with shape {shape}: the M-shape's blocks on "
                             "every device do not combine with tensor parallelism",
                             hint="use shape vshape or interleaved")
-        units = _per_tensor_rank(units, deferred.model, cut, inputs, factory, tensor,
-                                 sequence_parallel, dtype, _link(links, device), optimizer)
+        with time_limit(f"the units priced per tensor rank ({len(units)} units)",
+                        None if unit_seconds is None else unit_seconds * len(units)):
+            units = _per_tensor_rank(units, deferred.model, cut, inputs, factory, tensor,
+                                     sequence_parallel, dtype, _link(links, device), optimizer)
         mesh = f"{{tensor: {tensor}, priced: {tensor}" + \
             ("" if sequence_parallel else ", sequence: false") + "}"
     if host_memory is not None and device == "cpu":  # host memory is the device's
@@ -177,8 +179,11 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     sharded, why, about = None, None, []
     if shape in ("mshape", "auto"):
         try:
-            sharded, why, about = _sharded(deferred, inputs, targets, user, cut, units,
-                                           devices, optimizer, repeats, where, measured)
+            with time_limit("the vocabulary-sharded units (the model's forward, the "
+                            "embedding and the head)", None if unit_seconds is None else
+                            3 * unit_seconds):
+                sharded, why, about = _sharded(deferred, inputs, targets, user, cut, units,
+                                               devices, optimizer, repeats, where, measured)
         except PlanError as exc:  # auto: the other placements still apply
             if shape == "mshape":
                 raise

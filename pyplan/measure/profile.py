@@ -148,14 +148,17 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
     own = [tuple(dict.fromkeys(names[id(p)] for p in unit_parameters(whole, unit)))
            for unit in units]
     meta = torch.device("meta")
-    pieces = _pieces(whole, cut, units, to_device(inputs, meta), meta) if on_meta else \
-        _pieces(whole, cut, units, inputs, device) if deferred.eager else None
+    with time_limit("the model's forward", unit_seconds):  # (the tracer runs it)
+        pieces = _pieces(whole, cut, units, to_device(inputs, meta), meta) if on_meta else \
+            _pieces(whole, cut, units, inputs, device) if deferred.eager else None
     costs, value = [], None
     for k, unit in enumerate(units):
         undo = None
         if on_meta:
             undo = traced.materialize(pieces[k], deferred, device)
-        module = pieces[k] if pieces is not None else _piece(deferred, cut, units, k, device)
+        what = f"unit {unit.name}"
+        with time_limit(what, unit_seconds):
+            module = pieces[k] if pieces is not None else _piece(deferred, cut, units, k, device)
         params = [p for p in module.parameters() if p.requires_grad]
         if cut.kind == FORWARD:  # the stage module holds the whole model: the unit's own
             params = unit_parameters(module.model, unit)
@@ -166,7 +169,6 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
             args = [inputs if received is None else received]
         last = k == len(units) - 1
         loss_fn = in_compute_dtype(lambda out: loss(out, targets)) if last else None
-        what = f"unit {unit.name}"
         with time_limit(what, unit_seconds):
             forward_ms, backward_ms, saved, out = measure(timer, guarded(module, what), args,
                                                            wrt, params, loss_fn, what)

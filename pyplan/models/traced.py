@@ -23,7 +23,7 @@ import warnings
 
 from torch import nn
 
-from pyplan.errors import PlanError
+from pyplan.errors import PlanError, TimeLimitError
 
 __all__ = ["materialize", "pieces"]
 
@@ -44,6 +44,8 @@ def pieces(model: nn.Module, starts: list[str], inputs) -> list[nn.Module]:
             logging.disable(logging.WARNING)
             pipe = pipeline(model, mb_args=(inputs,),
                             split_spec={name: SplitPoint.BEGINNING for name in starts[1:]})
+    except TimeLimitError:
+        raise
     except Exception as exc:  # the tracer's limits: the cause in one line, torch's words after
         raise PlanError(f"torch's pipeline tracer stops at {_cause(exc)}",
                         hint="torch's tracer needs the forward as one graph (no graph breaks, "

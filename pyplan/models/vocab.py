@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pyplan.errors import PlanError
+from pyplan.errors import PlanError, TimeLimitError
 from pyplan.models.collectives import all_reduce_, all_sum, summed_gradient
 
 __all__ = ["Vocab", "check_divisible", "check_modules", "cross_entropy", "find", "mesh_of",
@@ -336,6 +336,8 @@ def _cross_entropy_form(loss: Callable, shape: tuple, dtype: torch.dtype, target
     try:
         with ops:
             value = loss(logits, targets)
+    except TimeLimitError:
+        raise
     except Exception:  # noqa: BLE001 - a loss meta tensors cannot run: not recognised
         return None
     if ops.other or ops.form is None or value is not ops.loss:
