@@ -118,6 +118,7 @@ def preset_names() -> list[str]:
 
 def load_cluster(where: str) -> Cluster:
     """A cluster file, or a preset's name (dgx-a100-80gb, dgx-h100, ...)."""
+    from pyplan.planfile.plan import check_document
     from pyplan.planfile.schema import check_schema
     from pyplan.planfile.source import load_yaml
 
@@ -129,6 +130,7 @@ def load_cluster(where: str) -> Cluster:
                         hint="a cluster YAML file (docs/cluster-planning.md), or one of the "
                         "presets: " + ", ".join(preset_names()), file=where, line=1, column=1)
     source = load_yaml(path)
+    check_document(source)  # (.nan and .inf pass JSON Schema's bounds)
     check_schema(source, "cluster")
     doc = source.data
     gpu = doc["gpu"]

@@ -144,6 +144,17 @@ class Transformer:
         return 6.0 * weights + 12.0 * self.layers * self.q_dim * tokens_per_sequence
 
 
+def _known(family, where: str) -> None:
+    if family in _NOT_STANDARD:
+        raise PlanError(f"{where}: model_type {family!r} has {_NOT_STANDARD[family]}, which "
+                        "pyplan plan does not cost yet",
+                        hint="supported: " + ", ".join(sorted(FAMILIES)))
+    if family not in FAMILIES:
+        shown = repr(family) if len(repr(family)) <= 60 else repr(family)[:57] + "..."
+        raise PlanError(f"{where}: model_type {shown} is not a family pyplan plan knows",
+                        hint="supported: " + ", ".join(sorted(FAMILIES)))
+
+
 def _first(config: dict, *names, default=None):
     for name in names:
         value = config.get(name)
@@ -155,22 +166,14 @@ def _first(config: dict, *names, default=None):
 def from_config(config: dict, where: str = "config.json") -> Transformer:
     """The shape from a config's dict (`PretrainedConfig.to_dict()` or the JSON file)."""
     family = config.get("model_type")
-    if family in _NOT_STANDARD:
-        raise PlanError(f"{where}: model_type {family!r} has {_NOT_STANDARD[family]}, which "
-                        "pyplan plan does not cost yet",
-                        hint="supported: " + ", ".join(sorted(FAMILIES)))
-    if family not in FAMILIES:
-        raise PlanError(f"{where}: model_type {family!r} is not a family pyplan plan knows",
-                        hint="supported: " + ", ".join(sorted(FAMILIES)))
+    _known(family, where)
     gated, norm, biases = FAMILIES[family]
     hidden = _first(config, "hidden_size", "n_embd", "d_model")
     layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
     heads = _first(config, "num_attention_heads", "n_head")
     for name, value in (("hidden_size", hidden), ("num_hidden_layers", layers),
                         ("num_attention_heads", heads)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise PlanError(f"{where}: {name} must be a positive integer, got {value!r}",
-                            hint="give the model's config.json as transformers writes it")
+        _whole(where, name, value, 1)
     kv_heads = _first(config, "num_key_value_heads", "num_kv_heads", default=heads)
     if family == "falcon" and not config.get("new_decoder_architecture") and \
             config.get("multi_query", True):
@@ -187,16 +190,27 @@ def from_config(config: dict, where: str = "config.json") -> Transformer:
     top_k = _first(config, "num_experts_per_tok", "moe_top_k", default=0) if experts else 0
     expert_ffn = _first(config, "moe_intermediate_size", default=ffn) if experts else 0
     shared = _first(config, "shared_expert_intermediate_size", default=0) if experts else 0
+    for name, value in (("the number of experts", experts), ("experts per token", top_k),
+                        ("the experts' intermediate size", expert_ffn),
+                        ("the shared expert's intermediate size", shared),
+                        ("positions", positions_of(config, family))):
+        _whole(where, name, value, 0)
+    if experts and not 1 <= top_k <= experts:
+        raise PlanError(f"{where}: {top_k} experts per token of {experts} experts",
+                        hint="num_experts_per_tok is between 1 and the number of experts")
     moe_layers = 0
     if experts:
-        step = config.get("decoder_sparse_step") or 1
-        dense = set(config.get("mlp_only_layers") or ())
+        step = _whole(where, "decoder_sparse_step", config.get("decoder_sparse_step") or 1, 1)
+        dense = config.get("mlp_only_layers") or ()
+        if not isinstance(dense, list) or not all(type(i) is int for i in dense):
+            raise PlanError(f"{where}: mlp_only_layers must list layer numbers",
+                            hint="give the model's config.json as transformers writes it")
+        dense = set(dense)
         moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
     dropout = any(float(config.get(k) or 0) > 0 for k in
                   ("resid_pdrop", "attn_pdrop", "hidden_dropout", "attention_dropout",
                    "dropout", "hidden_dropout_prob"))
-    positions = _first(config, "n_positions", "max_position_embeddings", default=0) \
-        if family in ("gpt2", "gpt_bigcode", "opt", "gpt_neo") else 0
+    positions = positions_of(config, family)
     model = Transformer(family=family, layers=layers, hidden=hidden, heads=heads,
                         kv_heads=kv_heads, head_dim=head_dim, ffn=ffn, vocab=vocab,
                         gated=gated, norm=norm, biases=biases,
@@ -204,15 +218,31 @@ def from_config(config: dict, where: str = "config.json") -> Transformer:
                         positions=positions, dropout=dropout, experts=experts, top_k=top_k,
                         expert_ffn=expert_ffn, shared_ffn=shared, moe_layers=moe_layers)
     for name in ("vocab", "ffn", "head_dim", "kv_heads"):
-        value = getattr(model, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise PlanError(f"{where}: the model's {name} must be a positive integer, got "
-                            f"{value!r}", hint="give the model's config.json as transformers "
-                            "writes it")
+        _whole(where, f"the model's {name}", getattr(model, name), 1)
     if heads % kv_heads:
         raise PlanError(f"{where}: {heads} attention heads do not group into {kv_heads} "
                         "key/value heads")
     return model
+
+
+MAX_LAYERS = 100_000  # far above any model's; the costs loop over the layers
+MAX_SIZE = 2**40       # a width, a vocabulary, a count of experts: far above any model's
+
+
+def positions_of(config: dict, family: str):
+    """Learned position embeddings' count (the families that have them), else 0."""
+    return _first(config, "n_positions", "max_position_embeddings", default=0) \
+        if family in ("gpt2", "gpt_bigcode", "opt", "gpt_neo") else 0
+
+
+def _whole(where: str, name: str, value, low: int) -> int:
+    """`value` if it is an integer from `low` to its ceiling, else PlanError naming it."""
+    high = MAX_LAYERS if "layers" in name else MAX_SIZE
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise PlanError(f"{where}: {name} must be an integer from {low} to {high:,}, got "
+                        f"{value!r}", hint="give the model's config.json as transformers "
+                        "writes it")
+    return value
 
 
 def read_model(path: str | Path) -> Transformer:
@@ -234,6 +264,7 @@ def read_model(path: str | Path) -> Transformer:
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         raise PlanError(f"{file} has no model_type", hint="a Hugging Face config.json names "
                         "its family in model_type", file=str(file), line=1, column=1)
+    _known(raw["model_type"], str(file))  # (transformers' refusal lists all its ~900)
     config = _auto_config(raw, file)
     return from_config(config, str(file))
 
@@ -253,8 +284,10 @@ def _auto_config(raw: dict, file: Path) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = AutoConfig.for_model(**raw)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise PlanError(f"{file}: transformers cannot read this config: {exc}".splitlines()[0],
+    except Exception as exc:  # noqa: BLE001 - a family's config class refuses in its own way
+        # (huggingface_hub's strict dataclasses: a field of the wrong type, on two lines)
+        said = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise PlanError(f"{file}: transformers cannot read this config: {said}",
                         hint="give a model's config.json as transformers writes it",
                         file=str(file), line=1, column=1) from None
     return {**config.to_dict(), "model_type": raw["model_type"]}

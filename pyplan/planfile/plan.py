@@ -22,7 +22,7 @@ from pyplan.planfile.types import (FORMAT_VERSION, BackwardOverride, BackwardSpe
                                    SearchSpec, ShapeSpec, TopologySpec)
 from pyplan.planfile.units import parse_memory
 
-__all__ = ["load_spec", "parse_spec", "spec_from_text"]
+__all__ = ["check_document", "load_spec", "parse_spec", "spec_from_text"]
 
 
 # Amounts a block holds (never frees): each is at least 0, used by the plan or not.
@@ -379,15 +379,15 @@ def parse_spec(source: Source) -> PlanSpec:
         raise source.error(("pyplan",), f"unsupported plan format version {version}",
                            f"this pyplan reads version {FORMAT_VERSION}; upgrade pyplan or "
                            "convert the plan")
-    _check_document(source)
+    check_document(source)
     check_schema(source)
     return _build(source)
 
 
-def _check_document(source: Source) -> None:
-    """Every key of a plan is a name and every number finite: a key YAML reads as a number,
-    true/false or null (`1:`, `yes:`), or a .nan or .inf (which JSON Schema's bounds let
-    through), is refused where it is, before anything looks it up."""
+def check_document(source: Source) -> None:
+    """Every key of a plan (or a cluster file) is a name and every number finite: a key YAML
+    reads as a number, true/false or null (`1:`, `yes:`), or a .nan or .inf (which JSON
+    Schema's bounds let through), is refused where it is, before anything looks it up."""
     stack = [((), source.data)]
     while stack:
         path, node = stack.pop()
