@@ -1,10 +1,10 @@
 """The cost model's constants: each a physical quantity, with where its value comes from.
 
-Fitted (least squares on `../shared/cluster`'s rows only, `benchmarks/cluster.py --fit`):
-the large-GEMM efficiency and the memory-bound kernels' share of HBM bandwidth, from the zero
-bubble paper's measured per-stage F/B/W times (W is GEMMs alone; F and B add the element-wise
-work). Everything else is a first-principles or spec-sheet value, and a cluster file may
-override each per GPU or per link.
+Fitted (least squares on `../shared/cluster`'s rows, `benchmarks/cluster.py --fit`, each
+checked by leaving one source out): K_OVERHEAD, LAYER_US, OVERLAP_SHARE and
+MEMORY_EFFICIENCY. MATMUL_EFFICIENCY was fitted on the zero bubble paper's W passes (pure
+GEMMs). Everything else is a first-principles or spec-sheet value, and a cluster file may
+override the per-GPU and per-link ones.
 """
 
 # GPU (A100 defaults; presets override what differs)
@@ -27,6 +27,25 @@ bubble paper's F - W and B - W times."""
 STREAM_EFFICIENCY = 0.90
 """Fraction of HBM bandwidth a large contiguous pass reaches: a memory-bound GEMM (attention's
 s x s products), the loss's passes over the logits (STREAM benchmarks: ~90% on A100 and H100)."""
+K_OVERHEAD = 96.0
+"""A GEMM tile's K-loop prologue and epilogue (filling the pipeline of loads, writing the tile
+out), in elements of K: a GEMM with inner dimension k runs at k / (k + K_OVERHEAD) of its
+tile's rate. Fitted."""
+LAYER_US = 60.0
+"""Host time per transformer layer and pass (Python, autograd, dispatching its ~15-25
+kernels) that the GPU waits for where a layer's kernels are shorter than their launches.
+Fitted; a framework scales it."""
+OVERLAP_SHARE = 0.75
+"""Share of its bandwidth a collective keeps while compute kernels run beside it (NCCL gets
+fewer SMs for its channels and shares HBM). Fitted."""
+FUSED_ELEMENTWISE = 0.6
+"""Share of the element-wise bytes that remain when norms, activations, casts and rotary are
+fused (Transformer Engine, torch.compile) rather than run as one kernel each."""
+FP8_CAST_BYTES = 3.0
+"""HBM bytes per element of an fp8 GEMM's 16-bit input: read it (2), write its fp8 copy (1);
+the scaling's amax is taken in the same pass (delayed or current tensor-wise scaling)."""
+COLLECTIVE_US = 8.0
+"""Fixed cost of launching one NCCL collective and synchronising its ranks, microseconds."""
 KERNEL_US = 4.0
 """Fixed cost of one kernel launch and its tail, microseconds (what makes tiny layers slow)."""
 RESERVED_GIB = 2.0
@@ -38,11 +57,11 @@ LINK_EFFICIENCY = 0.78
 """NVLink/NVSwitch: nccl-tests' all-reduce bus bandwidth on DGX A100 is ~230-240 GB/s of 300."""
 NETWORK_EFFICIENCY = 0.90
 """InfiniBand: ~22-23 GB/s of a 200 Gb/s HDR port's 25 GB/s in nccl-tests across nodes."""
-LINK_LATENCY_US = 10.0
-"""Latency of one collective inside a node (NCCL over NVLink, small messages: ~10 us)."""
-NETWORK_LATENCY_US = 20.0
-"""Latency of one collective step across nodes (InfiniBand, NCCL's proxy): paid 1 + log2(nodes)
-times."""
+LINK_LATENCY_US = 1.0
+"""Latency of one step of a collective inside a node (NCCL over NVLink: an 8-GPU all-reduce of
+a few bytes takes ~20 us, 14 ring steps after its launch)."""
+NETWORK_LATENCY_US = 5.0
+"""Latency of one step of a collective across nodes (InfiniBand and NCCL's proxy thread)."""
 
 # Work the model counts per element
 BACKWARD_ELEMENTWISE = 0.7
