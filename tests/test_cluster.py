@@ -278,7 +278,7 @@ def test_plan_json_has_the_contracted_keys_and_is_the_same_under_any_hash_seed(t
     (["--gpus", "12"], "--gpus 12 is not a whole number of nodes of 8 GPUs"),
     (["--micro-batch", "0"], "--micro-batch must be an integer in 1 .. 1,000,000, got 0"),
     (["--tp", "12"], "--tp 12: 32 attention heads do not divide"),
-    (["--cp", "3"], "--cp 3: a sequence of 2048 does not split into 6 chunks"),
+    (["--cp", "2", "--seq", "2046"], "--cp 2: a sequence of 2046 does not split into 4 chunks"),
     (["--cp", "0"], "--cp must be an integer in 1 .. 1,000,000, got 0"),
     (["--ep", "-2"], "--ep must be an integer in 1 .. 1,000,000, got -2"),
     (["--ep", "2"], "--ep 2: llama is not a mixture of experts"),
