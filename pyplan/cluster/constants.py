@@ -1,8 +1,8 @@
 """The cost model's constants: each a physical quantity, with where its value comes from.
 
 Fitted (least squares on `../shared/cluster`'s rows, `benchmarks/cluster.py --fit`, each
-checked by leaving one source out): K_OVERHEAD, LAYER_US, OVERLAP_SHARE and
-MEMORY_EFFICIENCY. MATMUL_EFFICIENCY was fitted on the zero bubble paper's W passes (pure
+checked by leaving one source out): K_OVERHEAD, LAYER_US, OVERLAP_SHARE, ATTENTION_BACKWARD
+and MEMORY_EFFICIENCY. MATMUL_EFFICIENCY was fitted on the zero bubble paper's W passes (pure
 GEMMs). Everything else is a first-principles or spec-sheet value, and a cluster file may
 override the per-GPU and per-link ones.
 """
@@ -20,6 +20,10 @@ bubble paper's W passes (pure GEMMs) run at 238-252 TFLOP/s on A100 (0.76-0.81 o
 ATTENTION_EFFICIENCY = 0.55
 """Fraction of peak a fused (flash) attention kernel reaches on the FLOPs it computes
 (FlashAttention-2 reports 50-73% of A100 peak forward and backward at head dim 128)."""
+ATTENTION_BACKWARD = 2.5
+"""Fused attention's backward time over its forward's: 2.5 times the FLOPs (the scores are
+recomputed; dQ, dK, dV), and FlashAttention-2 runs its backward below its forward's rate
+(its paper: ~0.8 of it on A100 and H100), so ~3. Fitted."""
 MEMORY_EFFICIENCY = 0.45
 """Fraction of HBM bandwidth that memory-bound kernels (norms, activations, softmax, dropout,
 layout copies) reach, with pyplan's count of what each reads and writes. Fitted on the zero
@@ -41,6 +45,10 @@ fewer SMs for its channels and shares HBM). Fitted."""
 FUSED_ELEMENTWISE = 0.6
 """Share of the element-wise bytes that remain when norms, activations, casts and rotary are
 fused (Transformer Engine, torch.compile) rather than run as one kernel each."""
+FP8_EFFICIENCY = 0.8
+"""An fp8 GEMM's share of the fp8 peak relative to a 16-bit GEMM's share of its own: cuBLASLt
+on H100 SXM reaches ~1,100-1,300 of 1,979 fp8 TFLOP/s where bf16 reaches ~700 of 989 (fp8
+runs 1.3-1.6x faster, not 2x, in Transformer Engine's and torchao's benchmarks)."""
 FP8_CAST_BYTES = 3.0
 """HBM bytes per element of an fp8 GEMM's 16-bit input: read it (2), write its fp8 copy (1);
 the scaling's amax is taken in the same pass (delayed or current tensor-wise scaling)."""

@@ -103,7 +103,7 @@ class Costs:
         self.framework = batch.framework
         self.peak = gpu.peak(batch.state_dtype)
         self.fp8 = batch.dtype == "fp8"
-        self.linear_peak = gpu.peak("fp8") if self.fp8 else self.peak
+        self.linear_peak = gpu.peak("fp8") * constants.FP8_EFFICIENCY if self.fp8 else self.peak
         self.bytes = 4 if batch.dtype == "fp32" else 2  # activations' element size
         self.tokens = layout.micro_batch * batch.sequence / layout.cp  # per rank
         self.fused = constants.FUSED_ELEMENTWISE if self.framework.fused_kernels else 1.0

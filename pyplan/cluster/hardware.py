@@ -26,7 +26,8 @@ class Gpu:
     memory_bandwidth_gbs: float
     sms: int = constants.SMS
     matmul_efficiency: float = constants.MATMUL_EFFICIENCY
-    memory_efficiency: float = constants.MEMORY_EFFICIENCY
+    memory_efficiency: float | None = None
+    """None: constants.MEMORY_EFFICIENCY (fitted)."""
     attention_efficiency: float = constants.ATTENTION_EFFICIENCY
     reserved_gib: float = constants.RESERVED_GIB
     kernel_us: float = constants.KERNEL_US

@@ -62,8 +62,9 @@ def gemm(gpu: Gpu, peak: float, element: float, m: float, n: float, k: float,
 def attention(gpu: Gpu, peak: float, sequences: float, heads: float, queries: float,
               keys: float, head_dim: int, causal: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds of fused attention: `queries` rows against `keys` keys per
-    head and sequence (causal: the lower triangle, keys == queries in length), backward 2.5
-    times the forward's FLOPs (it recomputes the scores)."""
+    head and sequence (causal: the lower triangle, keys == queries in length); the backward
+    (2.5 times the forward's FLOPs: it recomputes the scores) takes ATTENTION_BACKWARD times
+    the forward's time."""
     if sequences <= 0 or heads <= 0 or queries <= 0:
         return 0.0, 0.0
     share = 0.5 if causal else 1.0
@@ -72,12 +73,14 @@ def attention(gpu: Gpu, peak: float, sequences: float, heads: float, queries: fl
     use = blocks / (math.ceil(blocks / gpu.sms) * gpu.sms)
     loop = _k_use(keys * share)
     rate = peak * gpu.attention_efficiency * use * loop
-    return flops / rate + launches(gpu, 1), 2.5 * flops / rate + launches(gpu, 2)
+    return (flops / rate + launches(gpu, 1),
+            constants.ATTENTION_BACKWARD * flops / rate + launches(gpu, 2))
 
 
 def memory_bound(gpu: Gpu, nbytes: float) -> float:
     """Seconds of element-wise kernels moving `nbytes`."""
-    return nbytes / (gpu.memory_bandwidth_gbs * 1e9 * gpu.memory_efficiency)
+    share = gpu.memory_efficiency or constants.MEMORY_EFFICIENCY
+    return nbytes / (gpu.memory_bandwidth_gbs * 1e9 * share)
 
 
 def streamed(gpu: Gpu, nbytes: float) -> float:
