@@ -38,7 +38,8 @@ from pyplan.cluster.predict import predict  # noqa: E402
 
 # The fitted constants and the range each may take (physical bounds, not a free table).
 FITTED = {"K_OVERHEAD": (16.0, 512.0), "LAYER_US": (5.0, 1000.0),
-          "OVERLAP_SHARE": (0.4, 1.0), "ATTENTION_BACKWARD": (2.5, 4.0),
+          "OVERLAP_SHARE": (0.4, 1.0), "ATTENTION_BACKWARD": (2.5, 3.5),
+          "ATTENTION_SHARE": (0.4, 1.2),
           "MEMORY_EFFICIENCY": (0.2, 0.9)}
 
 

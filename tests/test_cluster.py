@@ -264,7 +264,8 @@ def test_plan_json_has_the_contracted_keys_and_is_the_same_under_any_hash_seed(t
                                                "activations", "buffers"}
     assert set(report["breakdown"]) == {"compute", "tp_communication", "cp_communication",
                                         "ep_communication", "fsdp_communication",
-                                        "pipeline_bubble", "dp_communication", "optimizer"}
+                                        "pp_communication", "pipeline_bubble",
+                                        "dp_communication", "optimizer"}
     assert sum(report["breakdown"].values()) == pytest.approx(report["iteration_seconds"],
                                                               rel=0.02)
     assert 0 < report["mfu"] <= report["hfu"] < 1

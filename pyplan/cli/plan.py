@@ -290,7 +290,9 @@ def _details(p, cluster) -> list[str]:
                 f"{what} communication {b[key]:.3f} s, " for what, key in (
                     ("context-parallel", "cp_communication"),
                     ("expert-parallel", "ep_communication"),
-                    ("FSDP", "fsdp_communication")) if b[key] > 0) + "tensor-parallel "
+                    ("FSDP", "fsdp_communication"), ("pipeline",
+                                                     "pp_communication")) if b[key] > 0) +
+            "tensor-parallel "
             f"communication {b['tp_communication']:.3f} s, pipeline bubble "
             f"{b['pipeline_bubble']:.3f} s, data-parallel communication "
             f"{b['dp_communication']:.3f} s, optimizer {b['optimizer']:.3f} s"]

@@ -1,8 +1,8 @@
 """The cost model's constants: each a physical quantity, with where its value comes from.
 
 Fitted (least squares on `../shared/cluster`'s rows, `benchmarks/cluster.py --fit`, each
-checked by leaving one source out): K_OVERHEAD, LAYER_US, OVERLAP_SHARE, ATTENTION_BACKWARD
-and MEMORY_EFFICIENCY. MATMUL_EFFICIENCY was fitted on the zero bubble paper's W passes (pure
+checked by leaving one source out): K_OVERHEAD, LAYER_US, OVERLAP_SHARE, ATTENTION_BACKWARD,
+ATTENTION_SHARE and MEMORY_EFFICIENCY. MATMUL_EFFICIENCY was fitted on the zero bubble paper's W passes (pure
 GEMMs). Everything else is a first-principles or spec-sheet value, and a cluster file may
 override the per-GPU and per-link ones.
 """
@@ -23,15 +23,19 @@ ATTENTION_EFFICIENCY = 0.55
 ATTENTION_BACKWARD = 2.5
 """Fused attention's backward time over its forward's: 2.5 times the FLOPs (the scores are
 recomputed; dQ, dK, dV), and FlashAttention-2 runs its backward below its forward's rate
-(its paper: ~0.8 of it on A100 and H100), so ~3. Fitted."""
-MEMORY_EFFICIENCY = 0.45
+(its paper: ~0.8 of it on A100 and H100), so ~3. Fitted within 2.5-3.5."""
+ATTENTION_SHARE = 0.63
+"""What the trainers' fused attention reaches relative to each GPU's `attention_efficiency`
+(FlashAttention-2's own figures): kernels with ALiBi biases, SDPA's dispatch, head dimensions
+below 128 reach less. Fitted."""
+MEMORY_EFFICIENCY = 0.49
 """Fraction of HBM bandwidth that memory-bound kernels (norms, activations, softmax, dropout,
 layout copies) reach, with pyplan's count of what each reads and writes. Fitted on the zero
 bubble paper's F - W and B - W times."""
 STREAM_EFFICIENCY = 0.90
 """Fraction of HBM bandwidth a large contiguous pass reaches: a memory-bound GEMM (attention's
 s x s products), the loss's passes over the logits (STREAM benchmarks: ~90% on A100 and H100)."""
-K_OVERHEAD = 96.0
+K_OVERHEAD = 47.0
 """A GEMM tile's K-loop prologue and epilogue (filling the pipeline of loads, writing the tile
 out), in elements of K: a GEMM with inner dimension k runs at k / (k + K_OVERHEAD) of its
 tile's rate. Fitted."""
@@ -39,7 +43,7 @@ LAYER_US = 60.0
 """Host time per transformer layer and pass (Python, autograd, dispatching its ~15-25
 kernels) that the GPU waits for where a layer's kernels are shorter than their launches.
 Fitted; a framework scales it."""
-OVERLAP_SHARE = 0.75
+OVERLAP_SHARE = 0.54
 """Share of its bandwidth a collective keeps while compute kernels run beside it (NCCL gets
 fewer SMs for its channels and shares HBM). Fitted."""
 FUSED_ELEMENTWISE = 0.6

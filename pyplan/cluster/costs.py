@@ -40,7 +40,7 @@ from pyplan.cluster.model import Transformer
 
 __all__ = ["COMMUNICATION", "Costs", "Work"]
 
-COMMUNICATION = ("tp_comm", "cp_comm", "ep_comm", "fsdp_comm")
+COMMUNICATION = ("tp_comm", "cp_comm", "ep_comm", "fsdp_comm", "pp_comm")
 PARTS = ("gemm", "attention", "elementwise", "kernels", "host") + COMMUNICATION
 
 

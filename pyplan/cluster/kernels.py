@@ -72,7 +72,7 @@ def attention(gpu: Gpu, peak: float, sequences: float, heads: float, queries: fl
     blocks = sequences * math.ceil(heads) * math.ceil(queries / QUERY_BLOCK)
     use = blocks / (math.ceil(blocks / gpu.sms) * gpu.sms)
     loop = _k_use(keys * share)
-    rate = peak * gpu.attention_efficiency * use * loop
+    rate = peak * gpu.attention_efficiency * constants.ATTENTION_SHARE * use * loop
     return (flops / rate + launches(gpu, 1),
             constants.ATTENTION_BACKWARD * flops / rate + launches(gpu, 2))
 

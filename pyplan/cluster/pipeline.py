@@ -146,6 +146,13 @@ def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
         f, b, w = Work(), Work(), Work()
         for p in pieces:
             f, b, w = f + p.forward, b + p.backward, w + p.weight
+        send = collectives.send(cluster, boundary, across)
+        if not batch.framework.overlap_p2p and stages > 1:
+            # blocking sends (Megatron-LM's default): the activation to the next stage after
+            # the forward, the gradient to the previous one after the backward
+            f.add("pp_comm", send if c < stages - 1 else 0.0)
+            b.add("pp_comm", send if c > 0 else 0.0)
+            send = 0.0
         working = max((a.working for a in acts), default=0.0)
         sync = gradient_sync(costs, params, experts, f, b + w)
         state = stage_state(params, batch, layout, largest_layer=max(per_layer, default=0.0))
@@ -155,8 +162,7 @@ def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
         out.append(Chunk(c, device_of(c, layout), layers, c == 0, c == stages - 1, f, b, w,
                          sum(a.held for a in acts), sum(a.weight_held for a in acts),
                          working, params, state.total,
-                         0.0 if c == stages - 1 else
-                         collectives.send(cluster, boundary, across),
+                         0.0 if c == stages - 1 else send,
                          sync, update))
     return out
 

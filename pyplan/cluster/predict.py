@@ -95,7 +95,8 @@ def _prediction(model: Transformer, cluster: Cluster, layout: Layout, batch: Bat
     bubble = max(0.0, priced.compute_makespan - compute - sum(comm.values()))
     breakdown = {"compute": compute, "tp_communication": comm["tp_comm"],
                  "cp_communication": comm["cp_comm"], "ep_communication": comm["ep_comm"],
-                 "fsdp_communication": comm["fsdp_comm"], "pipeline_bubble": bubble,
+                 "fsdp_communication": comm["fsdp_comm"],
+                 "pp_communication": comm["pp_comm"], "pipeline_bubble": bubble,
                  "dp_communication": exposed_dp, "optimizer": priced.update}
     return Prediction(layout, priced.seconds, tokens / priced.seconds / layout.gpus, mfu, hfu,
                       total, memory, priced.peak_bytes[device] <= capacity, breakdown,
