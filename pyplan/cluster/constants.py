@@ -2,18 +2,15 @@
 
 Fitted (least squares on `../shared/cluster`'s rows, `benchmarks/cluster.py --fit`, each
 checked by leaving one source out): K_OVERHEAD, LAYER_US, OVERLAP_SHARE, ATTENTION_BACKWARD,
-ATTENTION_SHARE and MEMORY_EFFICIENCY. MATMUL_EFFICIENCY was fitted on the zero bubble paper's W passes (pure
-GEMMs). Everything else is a first-principles or spec-sheet value, and a cluster file may
-override the per-GPU and per-link ones.
+ATTENTION_SHARE and MEMORY_EFFICIENCY. MATMUL_EFFICIENCY was fitted on the zero bubble paper's
+W passes (pure GEMMs). Everything else is a first-principles or spec-sheet value, and a
+cluster file may override the per-GPU and per-link ones.
 """
 
 # GPU (A100 defaults; presets override what differs)
 SMS = 108
 """Streaming multiprocessors: a GEMM's output tiles run in waves of this many (A100: 108,
 H100 SXM: 132)."""
-TILE = 128
-"""Output tile edge of the tensor-core GEMM kernels (cuBLAS/CUTLASS 128 x 128 for 16-bit):
-a matrix edge that is not a multiple of it wastes the rest of its last tile."""
 MATMUL_EFFICIENCY = 0.77
 """Fraction of the dense tensor-core peak a large, well-shaped GEMM reaches. Fitted: the zero
 bubble paper's W passes (pure GEMMs) run at 238-252 TFLOP/s on A100 (0.76-0.81 of 312)."""
