@@ -17,7 +17,7 @@ bubble paper's W passes (pure GEMMs) run at 238-252 TFLOP/s on A100 (0.76-0.81 o
 ATTENTION_EFFICIENCY = 0.55
 """Fraction of peak a fused (flash) attention kernel reaches on the FLOPs it computes
 (FlashAttention-2 reports 50-73% of A100 peak forward and backward at head dim 128)."""
-ATTENTION_BACKWARD = 2.5
+ATTENTION_BACKWARD = 2.7
 """Fused attention's backward time over its forward's: 2.5 times the FLOPs (the scores are
 recomputed; dQ, dK, dV), and FlashAttention-2 runs its backward below its forward's rate
 (its paper: ~0.8 of it on A100 and H100), so ~3. Fitted within 2.5-3.5."""
@@ -32,7 +32,7 @@ bubble paper's F - W and B - W times."""
 STREAM_EFFICIENCY = 0.90
 """Fraction of HBM bandwidth a large contiguous pass reaches: a memory-bound GEMM (attention's
 s x s products), the loss's passes over the logits (STREAM benchmarks: ~90% on A100 and H100)."""
-K_OVERHEAD = 47.0
+K_OVERHEAD = 75.0
 """A GEMM tile's K-loop prologue and epilogue (filling the pipeline of loads, writing the tile
 out), in elements of K: a GEMM with inner dimension k runs at k / (k + K_OVERHEAD) of its
 tile's rate. Fitted."""
