@@ -208,3 +208,13 @@ def test_tensor_parallelism_wider_than_a_node_is_predicted_with_a_warning(tmp_pa
     captured = capsys.readouterr()
     assert "warning: --tp 16 spans 2 nodes" in captured.err
     assert "tp 16 x pp 1 x dp 1" in captured.out
+
+
+def test_a_context_parallel_layout_is_not_exported_to_a_trainer_silently(tmp_path, capsys):
+    argv = ["plan", _config(tmp_path), "--cluster", "dgx-h100", "--gpus", "8",
+            "--global-batch", "8", "--seq", "8192", "--tp", "1", "--cp", "2", "--pp", "1",
+            "--megatron", str(tmp_path / "args.txt")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--megatron: the layout has context parallelism" in err
+    assert not (tmp_path / "args.txt").exists()
