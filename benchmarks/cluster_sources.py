@@ -168,7 +168,8 @@ def foundry() -> list[Row]:
 
 def torchtitan() -> list[Row]:
     """Llama 3.1 (gated, RMSNorm, 8 key/value heads, untied) under FSDP2 with TP, PP and CP
-    as published; pipeline micro-batches of one sequence (torchtitan's default)."""
+    as published; under a pipeline, as many micro-batches as stages (torchtitan's default
+    `pipeline_parallel_microbatches`), each a share of the rank's local batch."""
     out = []
     for r in read("torchtitan_2412.csv"):
         layers, h, ffn, heads, kv, vocab, seq, gpus, tp, pp, dp, cp = (_int(r[k]) for k in (
@@ -184,7 +185,7 @@ def torchtitan() -> list[Row]:
                              tp_comm_overlap="async TP" in notes)
         schedule = "interleaved-1f1b" if "Interleaved" in r["name"] else "1f1b"
         vpp = 2 if schedule == "interleaved-1f1b" else 1
-        mb = 1 if pp > 1 else local
+        mb = max(1, local // pp) if pp > 1 else local
         if pp > 1 and vpp > 1 and (B // (dp * mb)) % pp:
             schedule, vpp = "1f1b", 1
         layout = Layout(tp, pp, dp, vpp, mb, _recompute(r["recompute"]), tp > 1, schedule,
