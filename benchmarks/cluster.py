@@ -1,240 +1,228 @@
 """`pyplan plan`'s cost model against runs that really happened (../shared/cluster/*.csv, or
-PYPLAN_CLUSTER_DATA): each row's layout predicted on a DGX A100 cluster and set beside what was
-measured.
+PYPLAN_CLUSTER_DATA; benchmarks/cluster_sources.py reads them): each row's layout fixed as
+published and predicted, beside what was measured.
 
-- narayanan_sc21.csv (Megatron-LM, fp16, full recomputation, up to 3,072 A100s): iteration
-  time, measured / predicted.
-- zero_bubble.csv (pure pipelines on 8-32 A100s, four schedules): throughput per GPU and peak
-  memory per schedule, and whether the measured order of the schedules is reproduced.
-- zero_bubble_stage_times.csv: the measured F, B, W of one stage against the cost model's.
+- narayanan_sc21 (Megatron-LM, fp16, full recompute, up to 3,072 A100s), zero_bubble (pure
+  pipelines on 8-32 A100s, four schedules), llm_foundry (MPT 125M-70B under FSDP on A100-40GB,
+  A100-80GB and H100, bf16 and fp8), torchtitan_2412 (Llama 3.1 8B-405B, FSDP2 x TP x PP x
+  CP, compile, float8): iteration time, predicted / measured - 1.
+- zero_bubble_stage_times: the measured F, B, W of one stage against the cost model's.
 
-Prints every row, the mean and largest error of each table, and the Spearman rank correlation
-of predicted and measured throughput over the zero bubble paper's layouts. `--fit` refits the
-cost model's fitted constants (pyplan/cluster/constants.py) on these rows by least squares and
-prints them; it changes nothing on disk.
+Prints, per source, the mean and largest |error| with the fitted constants (constants.py, fitted
+on every source), the same with them refitted leaving that source out (leave-one-source-out:
+what a source not seen in fitting gets), and the Spearman rank correlation of predicted and
+measured throughput over each model's layouts. Then the planner's free search of Llama 3.1
+405B on 16,384 H100s (sequence 8,192, and 131,072 with context parallelism), timed.
+`--fit` refits the constants on every source and prints them; nothing changes on disk.
 
-    python benchmarks/cluster.py [--data DIR] [--fit]
+    python benchmarks/cluster.py [--data DIR] [--fit] [--rows] [--no-loso] [--no-search]
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import itertools
-import os
+import math
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import cluster_sources as sources  # noqa: E402
 from pyplan.cluster import constants  # noqa: E402
 from pyplan.cluster.costs import Costs  # noqa: E402
-from pyplan.cluster.hardware import load_cluster  # noqa: E402
 from pyplan.cluster.layout import Batch, Layout  # noqa: E402
 from pyplan.cluster.model import gpt  # noqa: E402
-from pyplan.cluster.pipeline import chunks, price, split_layers  # noqa: E402
+from pyplan.cluster.predict import predict  # noqa: E402
 
-DATA = Path(os.environ.get("PYPLAN_CLUSTER_DATA") or
-            Path(__file__).resolve().parent.parent.parent / "shared" / "cluster")
-ZB_SCHEDULES = (("1f1b", "1f1b", 1), ("interleaved_1f1b", "interleaved-1f1b", 2),
-                ("zb_1p", "zb-h1", 1), ("zb_2p", "zb-2p", 1))
-
-
-def rows(name: str) -> list[dict]:
-    with open(DATA / name, newline="") as f:
-        lines = [line for line in f if line.strip() and not line.startswith("#")]
-    return list(csv.DictReader(lines))
+# The fitted constants and the range each may take (physical bounds, not a free table).
+FITTED = {"K_OVERHEAD": (16.0, 512.0), "LAYER_US": (5.0, 1000.0),
+          "OVERLAP_SHARE": (0.4, 1.0), "ATTENTION_BACKWARD": (2.5, 3.5),
+          "ATTENTION_SHARE": (0.4, 1.2),
+          "MEMORY_EFFICIENCY": (0.2, 0.9)}
 
 
-def a100(gpus: int, gpu_changes: dict | None = None):
-    cluster = load_cluster("dgx-a100-80gb")
-    gpu = replace(cluster.gpu, **(gpu_changes or {}))
-    return replace(cluster, gpu=gpu, nodes=max(1, -(-gpus // cluster.gpus_per_node)))
+def predicted(row: sources.Row) -> float:
+    return predict(row.model, row.cluster, row.layout, row.batch, row.counts).seconds
 
 
-def ends_lighter(layers: int, stages: int) -> tuple[int, ...]:
-    """The zero bubble paper's split: the first and last stages hold one layer fewer (where
-    the stages hold more than one), what does not divide going to the middle stages."""
-    lighter = (layers + 2) // stages >= 2
-    base, extra = divmod(layers + (2 if lighter else 0), stages)
-    counts = [base] * stages
-    if lighter:
-        counts[0] -= 1
-        counts[-1] -= 1
-    for s in range(extra):
-        counts[1 + s % (stages - 2)] += 1
-    return tuple(counts)
-
-
-def narayanan(gpu: dict | None = None) -> list[tuple]:
-    out = []
-    for r in rows("narayanan_sc21.csv"):
-        layers, h, a, tp, pp, vpp, gpus, B, mb = (int(r[k]) for k in (
-            "layers", "hidden", "heads", "tp", "pp", "vpp", "gpus", "global_batch",
-            "micro_batch"))
-        dp = gpus // (tp * pp)
-        model = gpt(layers, h, a, vocab=51200, sequence=2048)
-        layout = Layout(tp, pp, dp, vpp, mb, "full", False,
-                        "1f1b" if vpp == 1 else "interleaved-1f1b", False)
-        batch = Batch(B, 2048, "fp16", flash_attention=False)
-        cluster = a100(gpus, gpu)
-        counts = (layers // (pp * vpp),) * (pp * vpp)
-        priced = price(chunks(model, cluster, layout, batch, counts), layout,
-                       layout.micro_batches(batch), cluster.gpu.memory_bytes)
-        out.append((r["model"], layout, float(r["iteration_seconds"]), priced))
+def score(rows: list[sources.Row]) -> dict[str, list[float]]:
+    """Per source: predicted / measured - 1 of each row."""
+    out: dict[str, list[float]] = {}
+    for row in rows:
+        out.setdefault(row.source, []).append(predicted(row) / row.measured - 1)
     return out
 
 
-def zero_bubble(gpu: dict | None = None) -> list[tuple]:
+def stage_rows() -> list[tuple[str, list[float], list[float]]]:
+    shapes = {r["model"]: r for r in sources.read("zero_bubble.csv")}
     out = []
-    for r in rows("zero_bubble.csv"):
-        layers, h, a, gpus, mb, m = (int(r[k]) for k in ("layers", "hidden", "heads", "gpus",
-                                                        "micro_batch", "m"))
-        model = gpt(layers, h, a, vocab=51200, sequence=1024)
-        cluster = a100(gpus, gpu)
-        batch = Batch(m * mb, 1024, "fp16", flash_attention=False)
-        for column, schedule, vpp in ZB_SCHEDULES:
-            layout = Layout(1, gpus, 1, vpp, mb, "none", False, schedule, False)
-            # One chunk per GPU: the paper's split; interleaved: the planner's balance.
-            counts = ends_lighter(layers, gpus) if vpp == 1 else \
-                split_layers(model, gpus * vpp, Costs(model, cluster, layout, batch))
-            priced = price(chunks(model, cluster, layout, batch, counts), layout, m,
-                           cluster.gpu.memory_bytes)
-            throughput = m * mb / priced.seconds / gpus
-            out.append((f"{r['model']} m={m}", schedule, float(r[f"s_{column}"]),
-                        throughput, float(r[f"mem_{column}"]),
-                        max(priced.peak_bytes) / 1e9 + cluster.gpu.reserved_gib * 2**30 / 1e9))
-    return out
-
-
-def stage_times(gpu: dict | None = None) -> list[tuple]:
-    shapes = {r["model"]: r for r in rows("zero_bubble.csv")}
-    out = []
-    for r in rows("zero_bubble_stage_times.csv"):
+    for r in sources.read("zero_bubble_stage_times.csv"):
         shape = shapes[r["model"]]
         layers, h, a, mb = (int(shape[k]) for k in ("layers", "hidden", "heads", "micro_batch"))
         pp = int(r["pp"])
         model = gpt(layers, h, a, vocab=51200, sequence=1024)
-        cluster = a100(pp, gpu)
         layout = Layout(1, pp, 1, 1, mb, "none", False, "zb-h1", False)
-        costs = Costs(model, cluster, layout, Batch(mb, 1024, "fp16", flash_attention=False))
-        per_stage = max(ends_lighter(layers, pp))  # the measured stage: a middle one
+        costs = Costs(model, sources.sized("dgx-a100-80gb", pp), layout,
+                      Batch(mb, 1024, "fp16", flash_attention=False))
+        per_stage = max(sources.ends_lighter(layers, pp))  # the measured stage: a middle one
         layer = costs.layer(False)
-        predicted = [x.seconds * per_stage * 1e3 for x in
-                     (layer.forward, layer.backward, layer.weight)]
-        measured = [float(r[k]) for k in ("t_f", "t_b", "t_w")]
-        out.append((r["model"], measured, predicted))
+        out.append((r["model"], [float(r[k]) for k in ("t_f", "t_b", "t_w")],
+                    [x.seconds * per_stage * 1e3 for x in
+                     (layer.forward, layer.backward, layer.weight)]))
     return out
+
+
+def objective(rows: list[sources.Row]) -> float:
+    """Mean over sources of the mean |log(predicted / measured)|: each source weighs the
+    same, however many rows it has; the stage times count with the zero bubble paper."""
+    errors = score(rows)
+    if any(r.source == "zero_bubble" for r in rows):
+        errors.setdefault("zero_bubble", []).extend(
+            p / m - 1 for _, ms, ps in stage_rows() for m, p in zip(ms, ps))
+    return sum(sum(abs(math.log1p(e)) for e in es) / len(es) for es in errors.values()) / len(
+        errors)
+
+
+def fit(rows: list[sources.Row], rounds: int = 3) -> dict[str, float]:
+    """Coordinate descent in log space over FITTED within their bounds: each constant in turn
+    moved by a shrinking factor while the objective falls."""
+    values = {name: getattr(constants, name) for name in FITTED}
+    best = objective(rows)
+    for step in (1.6, 1.25, 1.08)[:rounds]:
+        for name, (low, high) in FITTED.items():
+            for direction in (step, 1 / step):
+                while True:
+                    trial = min(high, max(low, values[name] * direction))
+                    if trial == values[name]:
+                        break
+                    setattr(constants, name, trial)
+                    value = objective(rows)
+                    if value < best - 1e-5:
+                        best, values[name] = value, trial
+                    else:
+                        setattr(constants, name, values[name])
+                        break
+    for name, value in values.items():
+        setattr(constants, name, value)
+    return values
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
         r = [0.0] * len(v)
-        for rank, i in enumerate(order):
-            r[i] = rank
+        i = 0
+        while i < len(order):  # ties share their mean rank
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
         return r
     rx, ry = ranks(xs), ranks(ys)
-    n = len(xs)
-    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / var if var else 1.0
 
 
-def report(gpu: dict | None = None) -> dict:
-    started = time.perf_counter()
-    print("Megatron-LM, Narayanan et al. SC21 (DGX A100, fp16, full recompute): iteration "
-          "seconds")
-    errors, fit = [], 0
-    capacity = a100(1).gpu.memory_bytes - a100(1).gpu.reserved_gib * 2**30
-    for name, layout, measured, priced in narayanan(gpu):
-        error = priced.seconds / measured - 1
-        errors.append(error)
-        fit += max(priced.peak_bytes) <= capacity
-        print(f"  {name:>7}  {layout.describe():<64} measured {measured:6.1f}  predicted "
-              f"{priced.seconds:6.2f}  {error:+6.1%}")
-    nar = _summary("  iteration time", errors)
-    print(f"  predicted to fit in the GPU's memory, as they ran: {fit} of {len(errors)}")
-
-    print("\nZero bubble (Qi et al. 2024), pure pipelines on 8-32 A100s: samples/s/GPU and "
-          "peak GB")
-    zb = zero_bubble(gpu)
-    t_errors, m_errors, order_kept, cases = [], [], 0, 0
-    for case, group in itertools.groupby(zb, key=lambda x: x[0]):
-        group = list(group)
-        line = []
-        for _, schedule, measured, predicted, mem_measured, mem_predicted in group:
-            t_errors.append(predicted / measured - 1)
-            m_errors.append(mem_predicted / mem_measured - 1)
-            line.append(f"{schedule} {measured:.2f}/{predicted:.2f} "
-                        f"({predicted / measured - 1:+.0%}, mem {mem_measured:.0f}/"
-                        f"{mem_predicted:.0f})")
-        measured_order = sorted(range(4), key=lambda i: group[i][2])
-        predicted_order = sorted(range(4), key=lambda i: group[i][3])
-        cases += 1
-        order_kept += measured_order == predicted_order
-        print(f"  {case:<13} " + "; ".join(line) +
-              ("" if measured_order == predicted_order else "  [order differs]"))
-    zbt = _summary("  throughput", t_errors)
-    zbm = _summary("  peak memory", m_errors)
-    zb_fit = sum(x[5] * 1e9 <= a100(1).gpu.memory_bytes for x in zb)
-    print(f"  predicted to fit in the GPU's memory, as they ran: {zb_fit} of {len(zb)}")
-    rho = spearman([x[2] for x in zb], [x[3] for x in zb])
-    print(f"  schedule order (measured) reproduced in {order_kept} of {cases} cases; Spearman "
-          f"rank correlation of throughput over all {len(zb)} layouts: {rho:.3f}")
-
-    print("\nZero bubble, measured per-stage F / B / W (ms) against the cost model")
-    s_errors = []
-    for name, measured, predicted in stage_times(gpu):
-        parts = []
-        for what, m, p in zip("FBW", measured, predicted):
-            s_errors.append(p / m - 1)
-            parts.append(f"{what} {m:.2f}/{p:.2f} ({p / m - 1:+.0%})")
-        print(f"  {name:>6}  " + ", ".join(parts))
-    st = _summary("  stage times", s_errors)
-    print(f"\n({time.perf_counter() - started:.1f} s)")
-    return {"narayanan": nar, "zb_throughput": zbt, "zb_memory": zbm, "stages": st,
-            "spearman": rho, "order": (order_kept, cases),
-            "fit": (fit + zb_fit, len(errors) + len(zb))}
-
-
-def _summary(what: str, errors: list[float]) -> tuple[float, float]:
+def _summary(errors: list[float]) -> str:
     mean = sum(abs(e) for e in errors) / len(errors)
     worst = max(errors, key=abs)
-    print(f"{what}: mean error {mean:.1%}, max {worst:+.1%} ({len(errors)} rows)")
-    return mean, abs(worst)
+    return f"mean |error| {mean:5.1%}, max {worst:+6.1%}"
 
 
-def fit() -> None:
-    """Least squares over a grid of the fitted constants: stage times and iteration times."""
-    best = None
-    for mm in (0.77, 0.78, 0.79, 0.80, 0.81):
-        for mem in (0.35, 0.40, 0.45, 0.50, 0.55, 0.60):
-            for back in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
-                constants.BACKWARD_ELEMENTWISE = back
-                gpu = {"matmul_efficiency": mm, "memory_efficiency": mem}
-                errors = [p / m - 1 for _, ms, ps in stage_times(gpu) for m, p in zip(ms, ps)]
-                errors += [p.seconds / m - 1 for _, _, m, p in narayanan(gpu)]
-                score = sum(e * e for e in errors)
-                if best is None or score < best[0]:
-                    best = (score, mm, mem, back)
-    score, mm, mem, back = best
-    print(f"fitted: MATMUL_EFFICIENCY {mm}, MEMORY_EFFICIENCY {mem}, BACKWARD_ELEMENTWISE "
-          f"{back} (rms relative error {(score / 22) ** 0.5:.1%})")
+def report(rows: list[sources.Row], loso: bool, show_rows: bool) -> None:
+    fitted = {name: getattr(constants, name) for name in FITTED}
+    print("constants (pyplan/cluster/constants.py): " +
+          ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()))
+    errors = {}
+    ranked: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for row in rows:
+        p = predicted(row)
+        errors.setdefault(row.source, []).append(p / row.measured - 1)
+        ranked.setdefault((row.source, row.group), []).append(
+            (row.tokens_per_gpu / p, row.tokens_per_gpu / row.measured))
+        if show_rows:
+            print(f"  {row.source:<15} {row.label[:60]:<60} measured {row.measured:8.3f} s "
+                  f"predicted {p:8.3f} s {p / row.measured - 1:+6.1%}")
+    stages = [p / m - 1 for _, ms, ps in stage_rows() for m, p in zip(ms, ps)]
+    left_out = {}
+    if loso:
+        for source in sources.SOURCES:
+            fit([r for r in rows if r.source != source])
+            left_out[source] = score([r for r in rows if r.source == source])[source]
+            for name, value in fitted.items():
+                setattr(constants, name, value)
+    print("\nper source, iteration time (predicted / measured - 1):")
+    for source in sources.SOURCES:
+        line = f"  {source:<16} {len(errors[source]):>3} rows  fitted on all: " \
+               f"{_summary(errors[source])}"
+        if source in left_out:
+            line += f"   left out of the fit: {_summary(left_out[source])}"
+        print(line)
+    print(f"  {'zero_bubble F/B/W':<16} {len(stages):>3} rows  fitted on all: "
+          f"{_summary(stages)}")
+    every = [e for es in errors.values() for e in es]
+    print(f"  {'all':<16} {len(every):>3} rows  fitted on all: {_summary(every)}")
+    print("\nSpearman rank correlation of predicted and measured tokens/s per GPU over each "
+          "model's layouts (3 or more):")
+    for (source, group), pairs in ranked.items():
+        if len(pairs) >= 3:
+            rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
+            print(f"  {source:<16} {group:<36} {len(pairs):>3} layouts  rho {rho:+.3f}")
+
+
+def search_at_scale() -> None:
+    from pyplan.cluster.framework import framework
+    from pyplan.cluster.hardware import load_cluster
+    from pyplan.cluster.model import Transformer
+    from pyplan.cluster.search import Fixed, search
+
+    model = Transformer(family="llama", layers=126, hidden=16384, heads=128, kv_heads=8,
+                        head_dim=128, ffn=53248, vocab=128256, gated=True, norm="rmsnorm",
+                        biases=False, tied=False)
+    cluster = load_cluster("dgx-h100")
+    print("\nfree search, Llama 3.1 405B on 16,384 H100s (dgx-h100), --framework nemo:")
+    for sequence, global_batch in ((8192, 2048), (131072, 128)):
+        batch = Batch(global_batch, sequence, "bf16", True, framework("nemo"))
+        started = time.perf_counter()
+        best, considered, priced = search(model, cluster, batch, 16384, Fixed())
+        seconds = time.perf_counter() - started
+        p = best[0]
+        print(f"  seq {sequence:>6} x {global_batch} sequences: {considered:,} layouts, "
+              f"{priced} priced exactly, {seconds:.1f} s; best {p.layout.describe()}: "
+              f"{p.seconds:.2f} s, MFU {p.mfu:.1%}, {p.memory_bytes / 2**30:.1f} GiB")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", help="folder of the CSV files (default ../shared/cluster)")
-    parser.add_argument("--fit", action="store_true", help="refit the fitted constants")
+    parser.add_argument("--fit", action="store_true", help="refit the constants and print them")
+    parser.add_argument("--rows", action="store_true", help="print every row")
+    parser.add_argument("--no-loso", action="store_true", help="skip leave-one-source-out")
+    parser.add_argument("--no-search", action="store_true", help="skip the 16,384-GPU search")
     args = parser.parse_args(argv)
-    global DATA
     if args.data:
-        DATA = Path(args.data)
+        sources.DATA = Path(args.data)
+    if not (sources.DATA / "narayanan_sc21.csv").is_file():
+        print(f"benchmarks/cluster.py: no data in {sources.DATA} (give --data DIR or "
+              "PYPLAN_CLUSTER_DATA)", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    rows = sources.all_rows()
     if args.fit:
-        fit()
+        values = fit(rows)
+        print("fitted: " + ", ".join(f"{k} = {v:.4g}" for k, v in values.items()) +
+              f" (objective {objective(rows):.4f})")
         return 0
-    report()
+    report(rows, not args.no_loso, args.rows)
+    if not args.no_search:
+        search_at_scale()
+    print(f"\n({time.perf_counter() - started:.0f} s)")
     return 0
 
 

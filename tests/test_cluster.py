@@ -100,13 +100,15 @@ def test_model_flops_are_the_72_formula():
 
 
 def test_a_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_bytes():
-    inside = A100.all_reduce(1e9, 8, 8) - A100.all_reduce(0.5e9, 8, 8)
+    from pyplan.cluster import collectives
+
+    inside = collectives.all_reduce(A100, 1e9, 8, 8) - collectives.all_reduce(A100, 0.5e9, 8, 8)
     rate = A100.link_gbs * 1e9 * A100.link_efficiency
     assert inside == pytest.approx(2 * 7 / 8 * 0.5e9 / rate)
     # One GPU per node in the group: one network port's share; eight: the node's eight.
-    one = A100.all_reduce(2e9, 16, 1) - A100.all_reduce(1e9, 16, 1)
+    one = collectives.all_reduce(A100, 2e9, 16, 1) - collectives.all_reduce(A100, 1e9, 16, 1)
     assert one == pytest.approx(2 * 15 / 16 * 1e9 / (25e9 * A100.network_efficiency))
-    eight = A100.all_reduce(2e9, 16, 8) - A100.all_reduce(1e9, 16, 8)
+    eight = collectives.all_reduce(A100, 2e9, 16, 8) - collectives.all_reduce(A100, 1e9, 16, 8)
     assert eight == pytest.approx(2 * 15 / 16 * 1e9 / (8 * 25e9 * A100.network_efficiency))
 
 
@@ -124,7 +126,7 @@ def test_a_moe_layer_under_tensor_parallelism_is_each_ranks_slice_of_every_exper
                         head_dim=d, ffn=4096, vocab=32000, gated=True, norm="rmsnorm",
                         biases=False, experts=E, top_k=k, expert_ffn=f, moe_layers=2)
     flops = []
-    monkeypatch.setattr(Costs, "gemm", lambda self, m, n, k_, count=1.0:
+    monkeypatch.setattr(Costs, "gemm", lambda self, m, n, k_, count=1.0, fp8=False:
                         flops.append(2 * m * n * k_ * count) or 0.0)
     layout = Layout(t, 1, 1, 1, b, "none", sp, "1f1b", False)
     layer = Costs(model, A100, layout, Batch(b, s, "bf16", flash_attention=False)).layer(True)
@@ -135,7 +137,9 @@ def test_a_moe_layer_under_tensor_parallelism_is_each_ranks_slice_of_every_exper
     scores = 2 * 2 * b * (q // d / t) * s * s * d      # QK^T and PV of each rank's heads
     assert sum(flops) == pytest.approx(3 * weights + scores)  # F, B and W of each weight
     ring = 2 * (t - 1) / t / (A100.link_gbs * 1e9 * A100.link_efficiency)
-    latency = 2 * A100.bandwidth(t, t)[1]
+    from pyplan.cluster.collectives import _latency
+
+    latency = _latency(A100, t, t, 2)
     assert layer.forward.parts["tp_comm"] == pytest.approx(2 * (latency + T * h * 2 * ring))
     assert layer.backward.parts["tp_comm"] == pytest.approx(
         2 * (latency + T * h * 2 * ring) + latency + T * k * 4 * ring)
@@ -251,13 +255,16 @@ def test_plan_json_has_the_contracted_keys_and_is_the_same_under_any_hash_seed(t
     assert outputs[0] == outputs[1]
     report = outputs[0][0]
     assert set(report["layout"]) == {"tp", "pp", "dp", "vpp", "micro_batch", "recompute",
-                                     "sequence_parallel", "schedule", "distributed_optimizer"}
+                                     "sequence_parallel", "schedule", "distributed_optimizer",
+                                     "cp", "ep", "fsdp", "dp_replicate"}
     for key in ("iteration_seconds", "tokens_per_second_per_gpu", "mfu", "hfu",
                 "memory_bytes_per_gpu", "fits"):
         assert key in report
     assert set(report["memory_breakdown"]) == {"weights", "gradients", "optimizer",
                                                "activations", "buffers"}
-    assert set(report["breakdown"]) == {"compute", "tp_communication", "pipeline_bubble",
+    assert set(report["breakdown"]) == {"compute", "tp_communication", "cp_communication",
+                                        "ep_communication", "fsdp_communication",
+                                        "pp_communication", "pipeline_bubble",
                                         "dp_communication", "optimizer"}
     assert sum(report["breakdown"].values()) == pytest.approx(report["iteration_seconds"],
                                                               rel=0.02)
@@ -266,11 +273,22 @@ def test_plan_json_has_the_contracted_keys_and_is_the_same_under_any_hash_seed(t
 
 @pytest.mark.parametrize("arguments, message", [
     (["--tp", "3"], "--tp 3: 32 attention heads do not divide over 3 GPUs"),
-    (["--tp", "2", "--pp", "2", "--dp", "2"], "--tp 2 x --pp 2 x --dp 2 = 8 GPUs, not the 16"),
+    (["--tp", "2", "--pp", "2", "--dp", "2"],
+     "--tp 2 x --cp 1 x --pp 2 x --dp 2 = 8 GPUs, not the 16"),
     (["--dp", "3"], "the fixed degrees (3 GPUs) do not divide 16 GPUs"),
     (["--gpus", "12"], "--gpus 12 is not a whole number of nodes of 8 GPUs"),
     (["--micro-batch", "0"], "--micro-batch must be an integer in 1 .. 1,000,000, got 0"),
-    (["--tp", "16"], "--tp 16: more than a node's 8 GPUs"),
+    (["--tp", "12"], "--tp 12: 32 attention heads do not divide"),
+    (["--cp", "2", "--seq", "2046"], "--cp 2: a sequence of 2046 does not split into 4 chunks"),
+    (["--cp", "0"], "--cp must be an integer in 1 .. 1,000,000, got 0"),
+    (["--ep", "-2"], "--ep must be an integer in 1 .. 1,000,000, got -2"),
+    (["--ep", "2"], "--ep 2: llama is not a mixture of experts"),
+    (["--dp-replicate", "2"], "--dp-replicate 2 needs --fsdp"),
+    (["--dp-replicate", "3", "--fsdp", "--dp", "4"], "--dp-replicate 3 does not divide --dp 4"),
+    (["--fsdp", "--distributed-optimizer"], "--fsdp with --distributed-optimizer"),
+    (["--dtype", "fp8"], "--dtype fp8: A100-SXM4-80GB has no fp8 tensor cores"),
+    (["--cp", "nan"], "--cp: invalid int value: 'nan'"),
+    (["--gpus", "99999999999"], "--gpus must be an integer in 1 .. 1,000,000"),
     (["--global-batch", "30", "--dp", "4"], "--global-batch 30 does not split over --dp 4"),
     (["--tp", "2", "--pp", "2", "--dp", "4", "--micro-batch", "1", "--recompute", "none",
       "--schedule", "interleaved-1f1b", "--vpp", "1"],

@@ -5,6 +5,7 @@ and whether it fits; with -o, the layout's pipeline as a plan `pyplan solve` tak
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -18,7 +19,7 @@ from pyplan.planfile.units import count
 
 __all__ = ["add_arguments", "run"]
 
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per sequence")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16",
                         help="training precision (default bf16: 16-bit weights and "
-                        "activations, fp32 gradients and optimizer state)")
+                        "activations, fp32 gradients and optimizer state; fp8: the linear "
+                        "layers' GEMMs in fp8 at the GPU's fp8 peak, the rest as bf16)")
+    parser.add_argument("--framework", choices=("megatron", "nemo", "torchtitan"),
+                        default="megatron", help="the software that runs it (default "
+                        "megatron): which communication overlaps compute, which kernels are "
+                        "fused (docs/cluster-planning.md)")
     group = parser.add_argument_group("the layout (each fixed when given, searched when not)")
     group.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree")
     group.add_argument("--pp", type=int, metavar="N", help="pipeline-parallel degree")
@@ -56,9 +62,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "templates")
     group.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction,
                        help="shard the optimizer's state over the data-parallel ranks")
+    group.add_argument("--cp", type=int, metavar="N",
+                       help="context-parallel degree (ring attention over N ranks)")
+    group.add_argument("--ep", type=int, metavar="N",
+                       help="expert-parallel degree (a mixture's experts over N data ranks)")
+    group.add_argument("--fsdp", action=argparse.BooleanOptionalAction,
+                       help="ZeRO-3 / FULL_SHARD over the data (and context) ranks (default: "
+                       "searched with torchtitan, off otherwise)")
+    group.add_argument("--dp-replicate", type=int, metavar="R",
+                       help="HSDP: R replicas of FSDP groups of dp / R (needs --fsdp)")
     group.add_argument("--flash-attention", action=argparse.BooleanOptionalAction,
                        default=True, help="fused attention (default on); off: the s x s "
                        "scores go through memory, as in Megatron-LM before 2023")
+    over = parser.add_argument_group("overlaps (default: the framework's)")
+    over.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction,
+                      help="data-parallel gradient reduction beside the backward")
+    over.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction,
+                      help="parameter all-gathers (distributed optimizer, FSDP) prefetched")
+    over.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction,
+                      help="tensor-parallel communication overlapped with its GEMMs")
+    over.add_argument("--overlap-p2p", action=argparse.BooleanOptionalAction,
+                      help="pipeline sends and receives beside compute")
+    over.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction,
+                      help="element-wise work fused (Transformer Engine, torch.compile)")
     parser.add_argument("--top", type=int, default=1, metavar="K",
                         help="list the K best layouts (default 1)")
     parser.add_argument("--json", action="store_true",
@@ -85,7 +111,10 @@ def _positive(args: argparse.Namespace, name: str, high: int = 10**9) -> None:
 def run(args: argparse.Namespace) -> int:
     from pyplan.cluster import Batch, Fixed, load_cluster, predict, read_model, search
 
-    for name in ("gpus", "global_batch", "seq", "tp", "pp", "dp", "vpp", "micro_batch"):
+    from pyplan.cluster.framework import framework
+
+    for name in ("gpus", "global_batch", "seq", "tp", "pp", "dp", "vpp", "micro_batch", "cp",
+                 "ep", "dp_replicate"):
         _positive(args, name, 10**6 if name != "seq" else 10**7)
     _positive(args, "top", 1000)
     check_outputs({"-o": (args.output, "file"), "--torchtitan": (args.torchtitan, "file"),
@@ -104,9 +133,14 @@ def run(args: argparse.Namespace) -> int:
     if gpus > cluster.gpus_per_node and gpus % cluster.gpus_per_node:
         raise PlanError(f"--gpus {gpus} is not a whole number of nodes of "
                         f"{cluster.gpus_per_node} GPUs", hint="use whole nodes")
-    batch = Batch(args.global_batch, args.seq, args.dtype, args.flash_attention)
+    software = framework(args.framework, overlap_grad_reduce=args.overlap_grad_reduce,
+                         overlap_param_gather=args.overlap_param_gather,
+                         tp_comm_overlap=args.tp_comm_overlap, overlap_p2p=args.overlap_p2p,
+                         fused_kernels=args.fused_kernels)
+    batch = Batch(args.global_batch, args.seq, args.dtype, args.flash_attention, software)
     fixed = Fixed(args.tp, args.pp, args.dp, args.vpp, args.micro_batch, args.recompute,
-                  args.sequence_parallel, args.schedule, args.distributed_optimizer)
+                  args.sequence_parallel, args.schedule, args.distributed_optimizer,
+                  args.cp, args.ep, args.fsdp, args.dp_replicate)
     _check_fixed(fixed, model, batch, gpus, cluster)
     started = time.perf_counter()
     if fixed.schedule == "search":  # pyplan's own search: on the templates' best layout
@@ -122,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
             from pyplan.cluster.layout import Layout, check_layout
             layout = Layout(fixed.tp, fixed.pp, fixed.dp, fixed.vpp or 1, fixed.micro_batch,
                             fixed.recompute, bool(fixed.sequence_parallel), fixed.schedule,
-                            bool(fixed.distributed_optimizer))
+                            bool(fixed.distributed_optimizer), fixed.cp or 1, fixed.ep or 1,
+                            bool(fixed.fsdp), fixed.dp_replicate or 1)
             reason = check_layout(layout, model, batch, gpus, cluster.gpus_per_node)
             raise PlanError(f"the layout given cannot run: {reason}",
                             hint="change the degrees, the schedule or --vpp")
@@ -157,16 +192,21 @@ def _check_fixed(fixed, model, batch, gpus, cluster) -> None:
     if fixed.tp and model.heads % fixed.tp:
         raise PlanError(f"--tp {fixed.tp}: {model.heads} attention heads do not divide over "
                         f"{fixed.tp} GPUs", hint="use a tensor degree that divides the heads")
-    product = math.prod(x for x in (fixed.tp, fixed.pp, fixed.dp) if x)
+    product = math.prod(x for x in (fixed.tp, fixed.cp, fixed.pp, fixed.dp) if x)
     if fixed.tp and fixed.pp and fixed.dp and product != gpus:
-        raise PlanError(f"--tp {fixed.tp} x --pp {fixed.pp} x --dp {fixed.dp} = {product} "
-                        f"GPUs, not the {gpus} given", hint="degrees multiply to --gpus")
+        raise PlanError(f"--tp {fixed.tp} x --cp {fixed.cp or 1} x --pp {fixed.pp} x --dp "
+                        f"{fixed.dp} = {product} GPUs, not the {gpus} given",
+                        hint="degrees multiply to --gpus")
     if gpus % product:
         raise PlanError(f"the fixed degrees ({product} GPUs) do not divide {gpus} GPUs",
                         hint="give degrees whose product divides --gpus")
-    if fixed.tp and fixed.tp > cluster.gpus_per_node:
-        raise PlanError(f"--tp {fixed.tp}: more than a node's {cluster.gpus_per_node} GPUs",
-                        hint="tensor parallelism stays inside a node")
+    node = cluster.gpus_per_node
+    if fixed.tp and fixed.tp > node:
+        if fixed.tp % node:
+            raise PlanError(f"--tp {fixed.tp}: wider than a node of {node} GPUs and not whole "
+                            "nodes", hint=f"use a multiple of {node} or at most {node}")
+        print(f"pyplan: warning: --tp {fixed.tp} spans {fixed.tp // node} nodes: its "
+              "collectives run at the network's bandwidth", file=sys.stderr)
     if fixed.dp and batch.global_batch % fixed.dp:
         raise PlanError(f"--global-batch {batch.global_batch} does not split over --dp "
                         f"{fixed.dp} replicas", hint="use a multiple of the data degree")
@@ -176,6 +216,39 @@ def _check_fixed(fixed, model, batch, gpus, cluster) -> None:
     if fixed.pp and fixed.pp > model.layers:
         raise PlanError(f"--pp {fixed.pp}: more pipeline stages than the model's "
                         f"{model.layers} layers")
+    if fixed.cp and fixed.cp > 1:
+        if not batch.flash_attention:
+            raise PlanError(f"--cp {fixed.cp}: ring attention needs fused attention",
+                            hint="drop --no-flash-attention")
+        tp = fixed.tp or 1
+        if batch.sequence % (2 * fixed.cp * tp):
+            raise PlanError(f"--cp {fixed.cp}: a sequence of {batch.sequence} does not split "
+                            f"into {2 * fixed.cp} chunks of whole tensor slices (tp {tp})",
+                            hint="context parallelism splits each sequence into 2 x cp "
+                            "chunks for the causal load balance")
+    if fixed.ep and fixed.ep > 1:
+        if not model.experts:
+            raise PlanError(f"--ep {fixed.ep}: {model.family} is not a mixture of experts",
+                            hint="expert parallelism needs routed experts")
+        if model.experts % fixed.ep:
+            raise PlanError(f"--ep {fixed.ep}: {model.experts} experts do not divide over "
+                            f"{fixed.ep} ranks", hint="use a divisor of the experts")
+        if fixed.dp and fixed.dp % fixed.ep:
+            raise PlanError(f"--ep {fixed.ep} does not divide --dp {fixed.dp}",
+                            hint="expert parallelism splits the data-parallel ranks")
+    if fixed.dp_replicate and fixed.dp_replicate > 1:
+        if not fixed.fsdp:
+            raise PlanError(f"--dp-replicate {fixed.dp_replicate} needs --fsdp",
+                            hint="HSDP replicates FSDP groups")
+        if fixed.dp and fixed.dp % fixed.dp_replicate:
+            raise PlanError(f"--dp-replicate {fixed.dp_replicate} does not divide --dp "
+                            f"{fixed.dp}", hint="replicas of equal FSDP groups")
+    if fixed.fsdp and fixed.distributed_optimizer:
+        raise PlanError("--fsdp with --distributed-optimizer: FSDP already shards the "
+                        "optimizer's state", hint="give one of them")
+    if batch.dtype == "fp8" and not cluster.gpu.peak_tflops.get("fp8"):
+        raise PlanError(f"--dtype fp8: {cluster.gpu.name} has no fp8 tensor cores in the "
+                        "cluster file", hint="add peak_tflops.fp8 to its gpu, or use bf16")
 
 
 def _gib(nbytes: float) -> str:
@@ -188,7 +261,7 @@ def _text(best, model, cluster, batch, gpus, considered, priced, seconds, output
     first = best[0]
     lines = [f"{model.family} ({parameters_text(model)}) on {gpus} GPUs of {cluster.name} "
              f"({cluster.gpu.name}), global batch {batch.global_batch} x {batch.sequence} "
-             f"tokens, {batch.dtype}",
+             f"tokens, {batch.dtype}, {batch.framework.describe()}",
              f"  {considered:,} layouts considered, {priced} priced exactly, in {seconds:.1f} s"]
     lines.append(("best: " if len(best) > 1 or considered > 1 else "layout: ") +
                  first.layout.describe())
@@ -213,7 +286,13 @@ def _details(p, cluster) -> list[str]:
             f"({fits}): weights {_gib(memory['weights'])}, gradients "
             f"{_gib(memory['gradients'])}, optimizer {_gib(memory['optimizer'])}, activations "
             f"{_gib(memory['activations'])}, buffers {_gib(memory['buffers'])}",
-            f"  iteration by part: compute {b['compute']:.3f} s, tensor-parallel "
+            f"  iteration by part: compute {b['compute']:.3f} s, " + "".join(
+                f"{what} communication {b[key]:.3f} s, " for what, key in (
+                    ("context-parallel", "cp_communication"),
+                    ("expert-parallel", "ep_communication"),
+                    ("FSDP", "fsdp_communication"), ("pipeline",
+                                                     "pp_communication")) if b[key] > 0) +
+            "tensor-parallel "
             f"communication {b['tp_communication']:.3f} s, pipeline bubble "
             f"{b['pipeline_bubble']:.3f} s, data-parallel communication "
             f"{b['dp_communication']:.3f} s, optimizer {b['optimizer']:.3f} s"]
@@ -227,6 +306,7 @@ def _json(best, model, cluster, batch, gpus, considered, priced, seconds) -> dic
                 "cluster": cluster.name, "gpus": gpus,
                 "batch": {"global_batch": batch.global_batch, "sequence": batch.sequence,
                           "dtype": batch.dtype, "flash_attention": batch.flash_attention},
+                "framework": dataclasses.asdict(batch.framework),
                 "search": {"layouts": considered, "priced": priced, "seconds": seconds},
                 "top": [p.as_json() for p in best]})
     return out
@@ -237,6 +317,12 @@ def _exports(p, model, batch, args) -> list[tuple[str, str]]:
     if not (args.torchtitan or args.megatron):
         return []
     from pyplan.export.trainers import TrainerLayout, megatron_arguments, torchtitan_config
+
+    if p.layout.cp > 1 or p.layout.ep > 1:
+        flag = "--torchtitan" if args.torchtitan else "--megatron"
+        raise PlanError(f"{flag}: the layout has {'context' if p.layout.cp > 1 else 'expert'} "
+                        "parallelism, which the trainer exports do not write yet",
+                        hint="fix --cp 1 and --ep 1 to export, or leave the export out")
 
     layout = TrainerLayout.planned(p.layout, name=model.family,
                                    micro_batches=p.layout.micro_batches(batch),

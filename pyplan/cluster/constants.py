@@ -1,32 +1,60 @@
 """The cost model's constants: each a physical quantity, with where its value comes from.
 
-Fitted (least squares on `../shared/cluster`'s rows only, `benchmarks/cluster.py --fit`):
-the large-GEMM efficiency and the memory-bound kernels' share of HBM bandwidth, from the zero
-bubble paper's measured per-stage F/B/W times (W is GEMMs alone; F and B add the element-wise
-work). Everything else is a first-principles or spec-sheet value, and a cluster file may
-override each per GPU or per link.
+Fitted (least squares on `../shared/cluster`'s rows, `benchmarks/cluster.py --fit`, each
+checked by leaving one source out): K_OVERHEAD, LAYER_US, OVERLAP_SHARE, ATTENTION_BACKWARD,
+ATTENTION_SHARE and MEMORY_EFFICIENCY. MATMUL_EFFICIENCY was fitted on the zero bubble paper's
+W passes (pure GEMMs). Everything else is a first-principles or spec-sheet value, and a
+cluster file may override the per-GPU and per-link ones.
 """
 
 # GPU (A100 defaults; presets override what differs)
 SMS = 108
 """Streaming multiprocessors: a GEMM's output tiles run in waves of this many (A100: 108,
 H100 SXM: 132)."""
-TILE = 128
-"""Output tile edge of the tensor-core GEMM kernels (cuBLAS/CUTLASS 128 x 128 for 16-bit):
-a matrix edge that is not a multiple of it wastes the rest of its last tile."""
 MATMUL_EFFICIENCY = 0.77
 """Fraction of the dense tensor-core peak a large, well-shaped GEMM reaches. Fitted: the zero
 bubble paper's W passes (pure GEMMs) run at 238-252 TFLOP/s on A100 (0.76-0.81 of 312)."""
 ATTENTION_EFFICIENCY = 0.55
 """Fraction of peak a fused (flash) attention kernel reaches on the FLOPs it computes
 (FlashAttention-2 reports 50-73% of A100 peak forward and backward at head dim 128)."""
-MEMORY_EFFICIENCY = 0.45
+ATTENTION_BACKWARD = 2.7
+"""Fused attention's backward time over its forward's: 2.5 times the FLOPs (the scores are
+recomputed; dQ, dK, dV), and FlashAttention-2 runs its backward below its forward's rate
+(its paper: ~0.8 of it on A100 and H100), so ~3. Fitted within 2.5-3.5."""
+ATTENTION_SHARE = 0.63
+"""What the trainers' fused attention reaches relative to each GPU's `attention_efficiency`
+(FlashAttention-2's own figures): kernels with ALiBi biases, SDPA's dispatch, head dimensions
+below 128 reach less. Fitted."""
+MEMORY_EFFICIENCY = 0.49
 """Fraction of HBM bandwidth that memory-bound kernels (norms, activations, softmax, dropout,
 layout copies) reach, with pyplan's count of what each reads and writes. Fitted on the zero
 bubble paper's F - W and B - W times."""
 STREAM_EFFICIENCY = 0.90
 """Fraction of HBM bandwidth a large contiguous pass reaches: a memory-bound GEMM (attention's
 s x s products), the loss's passes over the logits (STREAM benchmarks: ~90% on A100 and H100)."""
+K_OVERHEAD = 75.0
+"""A GEMM tile's K-loop prologue and epilogue (filling the pipeline of loads, writing the tile
+out), in elements of K: a GEMM with inner dimension k runs at k / (k + K_OVERHEAD) of its
+tile's rate. Fitted."""
+LAYER_US = 60.0
+"""Host time per transformer layer and pass (Python, autograd, dispatching its ~15-25
+kernels) that the GPU waits for where a layer's kernels are shorter than their launches.
+Fitted; a framework scales it."""
+OVERLAP_SHARE = 0.54
+"""Share of its bandwidth a collective keeps while compute kernels run beside it (NCCL gets
+fewer SMs for its channels and shares HBM). Fitted."""
+FUSED_ELEMENTWISE = 0.6
+"""Share of the element-wise bytes that remain when norms, activations, casts and rotary are
+fused (Transformer Engine, torch.compile) rather than run as one kernel each."""
+FP8_EFFICIENCY = 0.8
+"""An fp8 GEMM's share of the fp8 peak relative to a 16-bit GEMM's share of its own: cuBLASLt
+on H100 SXM reaches ~1,100-1,300 of 1,979 fp8 TFLOP/s where bf16 reaches ~700 of 989 (fp8
+runs 1.3-1.6x faster, not 2x, in Transformer Engine's and torchao's benchmarks)."""
+FP8_CAST_BYTES = 3.0
+"""HBM bytes per element of an fp8 GEMM's 16-bit input: read it (2), write its fp8 copy (1);
+the scaling's amax is taken in the same pass (delayed or current tensor-wise scaling)."""
+COLLECTIVE_US = 8.0
+"""Fixed cost of launching one NCCL collective and synchronising its ranks, microseconds."""
 KERNEL_US = 4.0
 """Fixed cost of one kernel launch and its tail, microseconds (what makes tiny layers slow)."""
 RESERVED_GIB = 2.0
@@ -38,11 +66,11 @@ LINK_EFFICIENCY = 0.78
 """NVLink/NVSwitch: nccl-tests' all-reduce bus bandwidth on DGX A100 is ~230-240 GB/s of 300."""
 NETWORK_EFFICIENCY = 0.90
 """InfiniBand: ~22-23 GB/s of a 200 Gb/s HDR port's 25 GB/s in nccl-tests across nodes."""
-LINK_LATENCY_US = 10.0
-"""Latency of one collective inside a node (NCCL over NVLink, small messages: ~10 us)."""
-NETWORK_LATENCY_US = 20.0
-"""Latency of one collective step across nodes (InfiniBand, NCCL's proxy): paid 1 + log2(nodes)
-times."""
+LINK_LATENCY_US = 1.0
+"""Latency of one step of a collective inside a node (NCCL over NVLink: an 8-GPU all-reduce of
+a few bytes takes ~20 us, 14 ring steps after its launch)."""
+NETWORK_LATENCY_US = 5.0
+"""Latency of one step of a collective across nodes (InfiniBand and NCCL's proxy thread)."""
 
 # Work the model counts per element
 BACKWARD_ELEMENTWISE = 0.7

@@ -2,38 +2,46 @@
 head) the forward F, the input-gradient backward B and the weight-gradient backward W, each a
 sum of named parts so that a total can be traced to what makes it.
 
-- GEMMs: 2MNK FLOPs at the GPU's large-GEMM efficiency, less where the matrix edges leave
-  output tiles partly empty or the tiles fill the last wave of SMs partly (the shape
-  dependence: small hidden sizes and micro-batches run below peak), never faster than reading
-  and writing the three matrices from HBM (the roofline), plus a kernel's fixed cost.
-- Attention's s x s products: batched GEMMs whose score matrix goes through HBM (unfused), or
-  one fused kernel at its own efficiency on the causal half (flash attention).
-- Element-wise work (norms, activations, softmax, dropout, layout copies): bytes each op reads
-  and writes, at the memory-bound kernels' share of HBM bandwidth.
+- GEMMs, fused attention and memory-bound kernels: pyplan.cluster.kernels, by shape (tile
+  and wave quantisation, the K loop, the roofline); with fp8 the linear layers' GEMMs run at
+  the fp8 peak and pay the casts of their inputs (attention, norms, the head stay 16-bit).
+- Unfused attention (Megatron-LM before flash attention): batched GEMMs whose score matrix
+  goes through HBM, and the softmax's passes over it.
 - Tensor parallelism: two all-reduces per layer in the forward and two in the backward (all-
-  gathers and reduce-scatters with sequence parallelism), on the node's links, not hidden
-  behind compute (as Megatron-LM runs them by default); an MoE layer's experts are sharded as
-  its MLP would be (each rank every expert's slice of the inner width, the router whole), and
-  its backward sums the routing weights' gradient too.
-- Recomputation: full reruns each layer's forward before its backward; selective reruns the
-  attention core only.
+  gathers and reduce-scatters with sequence parallelism), on the node's links (across nodes
+  where the group is wider than a node), blocking unless the framework overlaps them with the
+  GEMMs they feed; an MoE layer's experts are sharded as its MLP would be.
+- Context parallelism (ring attention, causal load balance: each rank holds chunks i and
+  2cp-1-i of the sequence, so every rank computes 1/cp of the causal triangle): cp - 1 steps
+  each way, each passing the keys and values (backward: and their gradients) to the next rank
+  while the current block computes; only what a step's transfer outlasts its block is exposed.
+- Expert parallelism: each rank's tokens dispatched to the experts' ranks and combined back
+  (an all-to-all each way, forward and backward); each rank computes its experts over every
+  rank's tokens routed to them.
+- FSDP without a pipeline: each layer's parameters all-gathered before its forward and its
+  backward, its gradients reduce-scattered after, per micro-batch; prefetched beside the
+  neighbouring layer's compute where the framework does so (only what outlasts it is exposed).
+- Host overhead: where a layer's kernels take less than the host needs to launch them, the
+  GPU waits for the host.
+- Recomputation: full reruns each layer's forward (its collectives too, not FSDP's gathers,
+  which the backward makes anyway) before its backward; selective reruns attention's core.
 Counts follow Megatron-LM's GPT layer (Korthikanti et al. 2022) generalised to grouped
 key/value heads, gated MLPs and experts (each expert's GEMMs get its share of the tokens).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from pyplan.cluster import constants
+from pyplan.cluster import collectives, constants, kernels
 from pyplan.cluster.hardware import Cluster
 from pyplan.cluster.layout import Batch, Layout
 from pyplan.cluster.model import Transformer
 
-__all__ = ["Costs", "Work"]
+__all__ = ["COMMUNICATION", "Costs", "Work"]
 
-PARTS = ("gemm", "attention", "elementwise", "tp_comm", "kernels")
+COMMUNICATION = ("tp_comm", "cp_comm", "ep_comm", "fsdp_comm", "pp_comm")
+PARTS = ("gemm", "attention", "elementwise", "kernels", "host") + COMMUNICATION
 
 
 @dataclass
@@ -48,7 +56,11 @@ class Work:
 
     @property
     def compute(self) -> float:
-        return self.seconds - self.parts["tp_comm"]
+        return self.seconds - sum(self.parts[k] for k in COMMUNICATION)
+
+    @property
+    def communication(self) -> float:
+        return sum(self.parts[k] for k in COMMUNICATION)
 
     def add(self, part: str, seconds: float) -> "Work":
         self.parts[part] += seconds
@@ -57,6 +69,8 @@ class Work:
     def __add__(self, other: "Work") -> "Work":
         return Work({k: self.parts[k] + other.parts[k] for k in PARTS})
 
+    def without(self, part: str) -> "Work":
+        return Work({k: (0.0 if k == part else v) for k, v in self.parts.items()})
 
 
 @dataclass(frozen=True)
@@ -68,93 +82,122 @@ class Pieces:
     """Weight gradient (W)."""
 
 
+def weight_bytes(batch: Batch) -> float:
+    """Bytes of one parameter as the GEMMs read it (and FSDP gathers it): 16-bit, fp8 with an
+    fp8 all-gather, fp32 for fp32 runs."""
+    return {"fp32": 4, "fp8": 1}.get(batch.dtype, 2)
+
+
+def gradient_bytes(batch: Batch) -> float:
+    """Bytes of one gradient as it is reduced: fp32 main gradients for bf16 (Megatron-LM,
+    FSDP2's reduce dtype), 16-bit for fp16."""
+    return 2 if batch.dtype == "fp16" else 4
+
+
 class Costs:
     """The cost model of one model on one cluster with one layout and batch."""
 
     def __init__(self, model: Transformer, cluster: Cluster, layout: Layout, batch: Batch):
         self.model, self.cluster, self.layout, self.batch = model, cluster, layout, batch
-        gpu = cluster.gpu
-        self.peak = gpu.peak(batch.dtype)
+        gpu = self.gpu = cluster.gpu
+        self.framework = batch.framework
+        self.peak = gpu.peak(batch.state_dtype)
+        self.fp8 = batch.dtype == "fp8"
+        self.linear_peak = gpu.peak("fp8") * constants.FP8_EFFICIENCY if self.fp8 else self.peak
         self.bytes = 4 if batch.dtype == "fp32" else 2  # activations' element size
-        self.hbm = gpu.memory_bandwidth_gbs * 1e9 * gpu.memory_efficiency
-        # Large contiguous passes (a GEMM's operands, an s x s score matrix, the loss's passes
-        # over the logits) stream near the bandwidth; a layer's many small element-wise
-        # kernels and layout copies get the fitted, lower share.
-        self.stream_hbm = gpu.memory_bandwidth_gbs * 1e9 * constants.STREAM_EFFICIENCY
-        self.tokens = layout.micro_batch * batch.sequence
+        self.tokens = layout.micro_batch * batch.sequence / layout.cp  # per rank
+        self.fused = constants.FUSED_ELEMENTWISE if self.framework.fused_kernels else 1.0
 
     # -- primitives
 
-    def gemm(self, m: float, n: float, k: float, count: float = 1.0) -> float:
-        """Seconds of `count` GEMMs of m x k by k x n, run as one (batched) kernel."""
-        if m <= 0 or n <= 0 or k <= 0 or count <= 0:
-            return 0.0
-        gpu, tile = self.cluster.gpu, constants.TILE
-        tiles = math.ceil(m / tile) * math.ceil(n / tile) * count
-        waves = math.ceil(tiles / gpu.sms)
-        use = m * n * count / (tile * tile * waves * gpu.sms)  # full tiles, full waves: 1
-        compute = 2 * m * n * k * count / (self.peak * gpu.matmul_efficiency * use)
-        memory = self.bytes * (m * k + k * n + m * n) * count / self.stream_hbm
-        return max(compute, memory) + self.kernels(1)
+    def gemm(self, m: float, n: float, k: float, count: float = 1.0,
+             fp8: bool = False) -> float:
+        """Seconds of `count` GEMMs of m x k by k x n, run as one (batched) kernel: 16-bit,
+        or fp8 at the fp8 peak."""
+        if fp8:
+            return kernels.gemm(self.gpu, self.linear_peak, 1, m, n, k, count)
+        return kernels.gemm(self.gpu, self.peak, self.bytes, m, n, k, count)
+
+    def linear(self, m: float, n: float, k: float, count: float = 1.0) -> float:
+        """A linear layer's GEMM: fp8 with its input's cast under fp8, else `gemm`."""
+        seconds = self.gemm(m, n, k, count, fp8=self.fp8)
+        if self.fp8:
+            seconds += self.moved(m * k * count * constants.FP8_CAST_BYTES * self.fused)
+        return seconds
 
     def moved(self, nbytes: float) -> float:
         """Seconds of a layer's element-wise kernels moving `nbytes`."""
-        return nbytes / self.hbm
+        return kernels.memory_bound(self.gpu, nbytes)
 
     def streamed(self, nbytes: float) -> float:
         """Seconds of large contiguous passes over `nbytes`."""
-        return nbytes / self.stream_hbm
+        return kernels.streamed(self.gpu, nbytes)
 
     def kernels(self, count: float) -> float:
-        return count * self.cluster.gpu.kernel_us * 1e-6
+        return kernels.launches(self.gpu, count)
 
-    def tp_collective(self, nbytes: float) -> float:
+    def tp_collective(self, nbytes: float, overlapped: bool = False) -> float:
         """One all-reduce of `nbytes` over the tensor-parallel group (an all-gather plus a
         reduce-scatter with sequence parallelism moves the same bytes)."""
         t = self.layout.tp
-        return self.cluster.all_reduce(nbytes, t, t)
+        return collectives.all_reduce(self.cluster, nbytes, t,
+                                      self.layout.per_node("tp", self.cluster.gpus_per_node),
+                                      overlapped)
+
+    def _tp_exposed(self, collectives_seconds: float, overlapped_seconds: float,
+                    gemm_seconds: float) -> float:
+        """What of a pass's tensor-parallel communication is exposed: all of it, or with the
+        framework's overlap what its chunks do not hide behind the GEMMs they feed (the
+        first chunk of each never is)."""
+        if not self.framework.tp_comm_overlap:
+            return collectives_seconds
+        hidden = min(overlapped_seconds, gemm_seconds) * (1 - 1 / max(self.layout.tp, 2))
+        return overlapped_seconds - hidden
 
     # -- a layer
 
     def layer(self, moe: bool) -> Pieces:
         model, layout, batch = self.model, self.layout, self.batch
-        t, T, s, b = layout.tp, self.tokens, batch.sequence, layout.micro_batch
+        t, T, b = layout.tp, self.tokens, layout.micro_batch
         h, q, kv = model.hidden, model.q_dim, model.kv_dim
-        kv_rank = kv / t if model.kv_heads % t == 0 else model.head_dim * max(
-            1, model.kv_heads // t)
         heads = model.heads / t
         f, b_, w = Work(), Work(), Work()
 
         # GEMMs with weights: (rows = tokens, output columns, inner) per rank
-        weights = [(T, q / t + 2 * kv_rank, h), (T, h, q / t)]
-        experts = []
+        weights = [(T, q / t + 2 * self.kv_rank, h), (T, h, q / t)]
+        experts, local = [], 0
         if not moe:
             weights += self._mlp(T, model.ffn / t)
         else:
             weights.append((T, model.experts, h))  # the router (replicated)
             if model.shared_ffn:
                 weights += self._mlp(T, model.shared_ffn / t)
-            routed = T * model.top_k / model.experts  # tokens per expert, on average
+            local = model.experts // layout.ep
+            routed = T * model.top_k * layout.ep / model.experts  # tokens per local expert
             experts = self._mlp(routed, model.expert_ffn / t)
         for m_, n_, k_ in weights:
-            f.add("gemm", self.gemm(m_, n_, k_))
-            b_.add("gemm", self.gemm(m_, k_, n_))
-            w.add("gemm", self.gemm(k_, n_, m_))
+            f.add("gemm", self.linear(m_, n_, k_))
+            b_.add("gemm", self.linear(m_, k_, n_))
+            w.add("gemm", self.linear(k_, n_, m_))
         for m_, n_, k_ in experts:
-            f.add("gemm", self.gemm(m_, n_, k_, model.experts))
-            b_.add("gemm", self.gemm(m_, k_, n_, model.experts))
-            w.add("gemm", self.gemm(k_, n_, m_, model.experts))
+            f.add("gemm", self.linear(m_, n_, k_, local))
+            b_.add("gemm", self.linear(m_, k_, n_, local))
+            w.add("gemm", self.linear(k_, n_, m_, local))
 
-        # Attention's s x s products
-        core_f, core_b = self.attention_core(b, heads, s)
+        # Attention's s x s products (and context parallelism's ring)
+        core_f, core_b = self.attention_core(b, heads)
         f.add("attention", core_f)
         b_.add("attention", core_b)
+        if layout.cp > 1:
+            ring_f, ring_b = self.cp_ring(core_f, core_b)
+            f.add("cp_comm", ring_f)
+            b_.add("cp_comm", ring_b)
 
         # Element-wise work and kernels
-        ew = self.elementwise_forward(moe)
+        ew = self.elementwise_forward(moe) * self.fused
         f.add("elementwise", self.moved(ew))
         b_.add("elementwise", self.moved(ew * constants.BACKWARD_ELEMENTWISE))
-        launches = 14 + (4 if model.dropout else 0) + (2 * model.experts if moe else 0)
+        launches = 14 + (4 if model.dropout else 0) + (2 * local if moe else 0)
         f.add("kernels", self.kernels(launches))
         b_.add("kernels", self.kernels(launches * 1.5))
 
@@ -162,31 +205,107 @@ class Costs:
         # layer's backward also sums the routing weights' gradient (fp32, top-k per token),
         # which each rank computes a part of (its slice of the experts)
         if t > 1:
-            comm = self.tp_collective(T * h * self.bytes)
-            f.add("tp_comm", 2 * comm)
-            b_.add("tp_comm", 2 * comm)
+            nbytes = T * h * self.bytes
+            comm, overlapped = self.tp_collective(nbytes), self.tp_collective(nbytes, True)
+            f.add("tp_comm", self._tp_exposed(2 * comm, 2 * overlapped, f.parts["gemm"]))
+            b_.add("tp_comm", self._tp_exposed(2 * comm, 2 * overlapped, b_.parts["gemm"]))
             if moe:
-                b_.add("tp_comm", self.cluster.all_reduce(T * model.top_k * 4, t, t))
+                b_.add("tp_comm", collectives.all_reduce(
+                    self.cluster, T * model.top_k * 4, t,
+                    layout.per_node("tp", self.cluster.gpus_per_node)))
+        if moe and layout.ep > 1:
+            dispatch = self.all_to_all(T * model.top_k * h * self.bytes /
+                                       (t if layout.sequence_parallel else 1))
+            f.add("ep_comm", 2 * dispatch)
+            b_.add("ep_comm", 2 * dispatch)
 
+        self._host(f, b_, w)
         if layout.recompute == "full":
             b_ = b_ + f
         elif layout.recompute == "selective":
             b_ = b_ + Work().add("attention", core_f).add(
-                "elementwise", self.moved(self.score_bytes(b, heads, s)))
+                "elementwise", self.moved(self.score_bytes(b, heads, batch.sequence)))
+        if layout.fsdp and layout.pp == 1:
+            self._fsdp(f, b_, model.layer_params(moe))
         return Pieces(f, b_, w)
+
+    @property
+    def kv_rank(self) -> float:
+        """Key/value width per tensor rank (heads replicated where fewer than tp)."""
+        model, t = self.model, self.layout.tp
+        return model.kv_dim / t if model.kv_heads % t == 0 else \
+            model.head_dim * max(1, model.kv_heads // t)
+
+    def all_to_all(self, nbytes: float) -> float:
+        return collectives.all_to_all(self.cluster, nbytes, self.layout.ep,
+                                      self.layout.per_node("ep", self.cluster.gpus_per_node))
+
+    def cp_ring(self, core_f: float, core_b: float) -> tuple[float, float]:
+        """Exposed seconds of ring attention's key/value exchange, forward and backward: cp - 1
+        steps, each a send to the next rank of the ring of this rank's keys and values (the
+        backward: and their gradients) beside one step's block of attention."""
+        layout, cluster = self.layout, self.cluster
+        cp = layout.cp
+        nbytes = 2 * self.tokens * self.kv_rank * self.bytes  # this rank's keys and values
+        across = layout.per_node("cp", cluster.gpus_per_node) < cp
+        step = collectives.send(cluster, nbytes, across)
+        step_f, step_b = core_f / cp, core_b / cp
+        forward = (cp - 1) * max(0.0, step - step_f)
+        backward = (cp - 1) * max(0.0, 2 * step - step_b)
+        return forward, backward
+
+    def _host(self, f: Work, b_: Work, w: Work) -> None:
+        """The GPU waits for the host where a pass's kernels are shorter than its launch."""
+        host = constants.LAYER_US * 1e-6 * self.framework.host_overhead
+        f.add("host", max(0.0, host - f.compute))
+        b_.add("host", max(0.0, host - b_.compute - w.compute))
+
+    def _fsdp(self, f: Work, b_: Work, parameters: float) -> None:
+        """A layer's FSDP traffic per micro-batch: the parameters gathered for its forward and
+        its backward, the gradients reduce-scattered (with HSDP, all-reduced across the
+        replicas too); prefetched, only what outlasts the compute beside it is exposed."""
+        gather, reduce = self.fsdp_traffic(parameters, self.framework.overlap_param_gather)
+        if self.framework.overlap_param_gather:
+            f.add("fsdp_comm", max(0.0, gather - f.compute))
+            b_.add("fsdp_comm", max(0.0, gather + reduce - b_.compute))
+        else:
+            f.add("fsdp_comm", gather)
+            b_.add("fsdp_comm", gather + reduce)
+
+    def fsdp_traffic(self, parameters: float, overlapped: bool) -> tuple[float, float]:
+        """(all-gather, reduce-scatter [+ replica all-reduce]) seconds of `parameters` (the
+        whole layer's: each rank gathers its tensor shard's)."""
+        layout, cluster, node = self.layout, self.cluster, self.cluster.gpus_per_node
+        shard = layout.shard
+        mine = parameters / layout.tp
+        gather = collectives.all_gather(cluster, mine * weight_bytes(self.batch), shard,
+                                        layout.per_node("shard", node), overlapped)
+        grads = mine * gradient_bytes(self.batch)
+        reduce = collectives.reduce_scatter(cluster, grads, shard,
+                                            layout.per_node("shard", node), overlapped)
+        if layout.dp_replicate > 1:
+            reduce += collectives.all_reduce(cluster, grads / shard, layout.dp_replicate,
+                                             layout.per_node("replicate", node), overlapped)
+        return gather, reduce
 
     def _mlp(self, rows: float, width: float) -> list[tuple[float, float, float]]:
         h = self.model.hidden
         into = width * (2 if self.model.gated else 1)
         return [(rows, into, h), (rows, h, width)]
 
-    def attention_core(self, b: int, heads: float, s: int) -> tuple[float, float]:
-        """Forward and backward seconds of QK^T, softmax and PV for one micro-batch."""
-        d = self.model.head_dim
+    def attention_core(self, b: int, heads: float) -> tuple[float, float]:
+        """Forward and backward seconds of QK^T, softmax and PV for one micro-batch on one
+        rank: fused (its 1/cp of the causal triangle, in cp ring steps), or unfused."""
+        d, s, cp = self.model.head_dim, self.batch.sequence, self.layout.cp
         if self.batch.flash_attention:
-            flops = 4 * b * heads * s * s * d * 0.5  # causal: the lower triangle
-            rate = self.peak * self.cluster.gpu.attention_efficiency
-            return flops / rate + self.kernels(1), 2.5 * flops / rate + self.kernels(2)
+            if cp == 1:
+                return kernels.attention(self.gpu, self.peak, b, heads, s, s, d)
+            # the diagonal step is causal; each of the others computes half of its block
+            diagonal = kernels.attention(self.gpu, self.peak, b, heads, s / cp, s / cp, d)
+            block = kernels.attention(self.gpu, self.peak, b, heads, s / cp, s / cp, d,
+                                      causal=False)
+            return (diagonal[0] + (cp - 1) * block[0] / 2,
+                    diagonal[1] + (cp - 1) * block[1] / 2)
         count = b * heads
         forward = self.gemm(s, s, d, count) + self.gemm(s, d, s, count)
         backward = 2 * forward
@@ -257,7 +376,7 @@ class Costs:
         b_.add("kernels", self.kernels(4))
         w.add("kernels", self.kernels(1))
         if t > 1:
-            f.add("tp_comm", 2 * self.cluster.all_reduce(T * 4, t, t) +
+            f.add("tp_comm", 2 * self.tp_collective(T * 4) +
                   self.tp_collective(T * h * e))  # max, sum; the sequence back together
             b_.add("tp_comm", self.tp_collective(T * h * e))
         if self.layout.recompute == "full":

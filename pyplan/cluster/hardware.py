@@ -1,19 +1,10 @@
 """A cluster that is not here: its GPUs, their links inside a node and the network between
 nodes, read from a YAML file (schemas/cluster.schema.json) or a preset by name
-(pyplan/cluster/presets/), and the time its collectives take.
-
-Collectives are rings (NCCL's algorithm for large messages): an all-reduce of S bytes over n
-ranks moves 2(n-1)/n S through each rank's busiest link, an all-gather or a reduce-scatter
-half that. Inside a node the link is NVLink/NVSwitch; a group that spans nodes
-crosses the network once per node on each ring, and NCCL spreads its rings over the node's
-network interfaces, so the bytes crossing it share the bandwidth of the group's GPUs on that
-node (a data-parallel group of one GPU per node gets one GPU's share). Each collective also
-pays the link's latency, which is what makes small messages slow.
+(pyplan/cluster/presets/). What its collectives cost is pyplan.cluster.collectives'.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -35,7 +26,8 @@ class Gpu:
     memory_bandwidth_gbs: float
     sms: int = constants.SMS
     matmul_efficiency: float = constants.MATMUL_EFFICIENCY
-    memory_efficiency: float = constants.MEMORY_EFFICIENCY
+    memory_efficiency: float | None = None
+    """None: constants.MEMORY_EFFICIENCY (fitted)."""
     attention_efficiency: float = constants.ATTENTION_EFFICIENCY
     reserved_gib: float = constants.RESERVED_GIB
     kernel_us: float = constants.KERNEL_US
@@ -72,41 +64,6 @@ class Cluster:
     @property
     def gpus(self) -> int | None:
         return None if self.nodes is None else self.gpus_per_node * self.nodes
-
-    def bandwidth(self, ranks: int, per_node: int) -> tuple[float, float]:
-        """(bytes per second, seconds of latency) of a collective over `ranks` GPUs with
-        `per_node` of them on each node. A large message is cut into chunks that the ring
-        pipelines, so latency is paid about once inside a node; across nodes NCCL's trees make
-        it grow with the logarithm of the nodes."""
-        inside = self.link_gbs * 1e9 * self.link_efficiency
-        if per_node >= ranks:
-            return inside, self.link_latency_us * 1e-6
-        across = self.network_gbs * 1e9 * self.network_efficiency * per_node
-        nodes = -(-ranks // per_node)
-        return min(inside, across), self.network_latency_us * 1e-6 * (1 + math.log2(nodes))
-
-    def all_reduce(self, nbytes: float, ranks: int, per_node: int) -> float:
-        return self._ring(nbytes, ranks, per_node, 2)
-
-    def all_gather(self, nbytes: float, ranks: int, per_node: int) -> float:
-        """All-gather (or reduce-scatter) of `nbytes` in all, each rank holding 1/ranks."""
-        return self._ring(nbytes, ranks, per_node, 1)
-
-    def _ring(self, nbytes: float, ranks: int, per_node: int, passes: int) -> float:
-        if ranks <= 1 or nbytes <= 0:
-            return 0.0
-        bandwidth, latency = self.bandwidth(ranks, per_node)
-        return passes * latency + passes * (ranks - 1) / ranks * nbytes / bandwidth
-
-    def send(self, nbytes: float, across_nodes: bool) -> float:
-        """One point-to-point message between two GPUs."""
-        if nbytes <= 0:
-            return 0.0
-        if across_nodes:
-            return self.network_latency_us * 1e-6 + nbytes / (
-                self.network_gbs * 1e9 * self.network_efficiency)
-        return self.link_latency_us * 1e-6 + nbytes / (self.link_gbs * 1e9 *
-                                                       self.link_efficiency)
 
 
 _GPU_KEYS = {f.name for f in fields(Gpu)}

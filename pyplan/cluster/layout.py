@@ -3,13 +3,16 @@ change its time and memory. One frozen value, checked once against the model and
 the search enumerates them, the cost model reads them, the plan records them.
 
 Ranks are numbered as Megatron-LM and torchtitan do: tensor parallel innermost (its ranks share
-a node), then data parallel, then pipeline outermost.
+a node), then context parallel, then data parallel (expert parallelism splits the data ranks,
+its ranks innermost), then pipeline outermost. `Layout.per_node` says how many ranks of each
+group share a node, which decides whether its collectives cross the network.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
+from pyplan.cluster.framework import FRAMEWORKS, Framework
 from pyplan.cluster.model import Transformer
 
 __all__ = ["RECOMPUTE", "SCHEDULES", "Batch", "Layout", "check_layout"]
@@ -28,7 +31,16 @@ class Batch:
     sequence: int
     """Tokens per sequence."""
     dtype: str = "bf16"
+    """bf16, fp16 or fp32; fp8: the linear layers' GEMMs in fp8 (Transformer Engine,
+    torchao's float8), everything else in bf16."""
     flash_attention: bool = True
+    framework: Framework = field(default=FRAMEWORKS["megatron"])
+    """The software that runs it: which communication overlaps compute, what is fused."""
+
+    @property
+    def state_dtype(self) -> str:
+        """The dtype of the weights, gradients and activations kept (fp8 keeps bf16 ones)."""
+        return "bf16" if self.dtype == "fp8" else self.dtype
 
 
 @dataclass(frozen=True)
@@ -43,10 +55,51 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     distributed_optimizer: bool = False
+    """ZeRO-1: the optimizer's state sharded over the data-parallel ranks."""
+    cp: int = 1
+    """Context parallelism: each sequence split over cp ranks (ring attention)."""
+    ep: int = 1
+    """Expert parallelism: a mixture's experts split over ep of the data-parallel ranks."""
+    fsdp: bool = False
+    """ZeRO-3 / FULL_SHARD: parameters, gradients and optimizer state sharded over the data
+    (and context) ranks, each layer's parameters all-gathered for its forward and backward."""
+    dp_replicate: int = 1
+    """HSDP: the data ranks are dp_replicate replicas of FSDP groups of dp / dp_replicate."""
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def shard(self) -> int:
+        """Ranks that hold one share of the parameters under FSDP (the data ranks of one
+        replica, times the context ranks, as torchtitan shards)."""
+        return self.dp // self.dp_replicate * self.cp
+
+    def per_node(self, group: str, gpus_per_node: int) -> int:
+        """How many ranks of one `group` (tp, cp, dp, ep, grad: the data and context ranks
+        that reduce gradients together, shard, replicate) share a node."""
+        node, tp, cp = gpus_per_node, self.tp, self.cp
+        if group == "tp":
+            return min(tp, node)
+        inner = max(1, node // tp)
+        if group == "cp":
+            return max(1, min(cp, inner))
+        if group in ("grad", "shard"):
+            size = self.dp * cp if group == "grad" else self.shard
+            return max(1, min(size, inner))
+        inner = max(1, inner // cp)
+        if group == "dp":
+            return max(1, min(self.dp, inner))
+        if group == "ep":
+            return max(1, min(self.ep, inner))
+        if group == "replicate":
+            return max(1, min(self.dp_replicate, inner // (self.dp // self.dp_replicate)))
+        raise ValueError(group)
+
+    def pipeline_across_nodes(self, gpus_per_node: int) -> bool:
+        """Consecutive pipeline ranks are tp x cp x dp ranks apart."""
+        return self.tp * self.cp * self.dp >= gpus_per_node
 
     @property
     def stages(self) -> int:
@@ -60,7 +113,15 @@ class Layout:
         return asdict(self)
 
     def describe(self) -> str:
-        text = f"tp {self.tp} x pp {self.pp} x dp {self.dp}"
+        text = f"tp {self.tp}"
+        if self.cp > 1:
+            text += f" x cp {self.cp}"
+        text += f" x pp {self.pp} x dp {self.dp}"
+        if self.ep > 1:
+            text += f" (ep {self.ep})"
+        if self.fsdp:
+            text += ", FSDP" if self.dp_replicate == 1 else \
+                f", HSDP ({self.dp_replicate} replicas)"
         if self.vpp > 1:
             text += f", {self.vpp} chunks per GPU"
         text += f", micro-batch {self.micro_batch}, {self.schedule}"
@@ -77,10 +138,27 @@ def check_layout(layout: Layout, model: Transformer, batch: Batch, gpus: int,
                  gpus_per_node: int) -> str | None:
     """Why the layout cannot run this model and batch on `gpus` GPUs, or None."""
     if layout.gpus != gpus:
-        return (f"tp {layout.tp} x pp {layout.pp} x dp {layout.dp} = {layout.gpus} GPUs, not "
-                f"the {gpus} given")
-    if layout.tp > gpus_per_node:
-        return f"tensor parallelism over {layout.tp} GPUs leaves a node of {gpus_per_node}"
+        return (f"tp {layout.tp} x cp {layout.cp} x pp {layout.pp} x dp {layout.dp} = "
+                f"{layout.gpus} GPUs, not the {gpus} given")
+    if layout.tp > gpus_per_node and layout.tp % gpus_per_node:
+        return (f"tensor parallelism over {layout.tp} GPUs is not whole nodes of "
+                f"{gpus_per_node}")
+    if layout.cp > 1 and batch.sequence % (2 * layout.cp * layout.tp):
+        return (f"a sequence of {batch.sequence} does not split into 2 x cp {layout.cp} "
+                f"chunks of whole tensor-parallel slices (tp {layout.tp})")
+    if layout.ep > 1:
+        if not model.experts:
+            return "expert parallelism needs a mixture of experts"
+        if model.experts % layout.ep:
+            return f"{model.experts} experts do not divide over ep {layout.ep}"
+        if layout.dp % layout.ep:
+            return f"ep {layout.ep} does not divide the {layout.dp} data-parallel ranks"
+    if layout.dp_replicate > 1 and not layout.fsdp:
+        return "--dp-replicate (HSDP) needs --fsdp"
+    if layout.dp % layout.dp_replicate:
+        return f"dp {layout.dp} does not split into {layout.dp_replicate} replicas"
+    if layout.fsdp and layout.distributed_optimizer:
+        return "FSDP already shards the optimizer's state (no --distributed-optimizer)"
     if model.heads % layout.tp:
         return f"{model.heads} attention heads do not divide over tp {layout.tp}"
     if model.kv_heads % layout.tp and layout.tp % model.kv_heads:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pyplan.cluster.layout import Batch, Layout
 from pyplan.cluster.model import Transformer
 
-__all__ = ["Activations", "State", "activations", "mesh_state_bytes",
-           "state_bytes_per_parameter"]
+__all__ = ["Activations", "State", "activations", "mesh_state_bytes", "rank_parameters",
+           "stage_state", "state_bytes_per_parameter"]
 
 
 def state_bytes_per_parameter(dtype: str, optimizer: str = "adam", shards: int = 1,
@@ -53,9 +53,10 @@ class Activations:
 
 
 def activations(model: Transformer, layout: Layout, batch: Batch, moe: bool) -> Activations:
-    """A layer's activations for one micro-batch on one tensor-parallel rank."""
+    """A layer's activations for one micro-batch on one tensor- and context-parallel rank (its
+    1/cp of each sequence; fp8 runs keep them in bf16)."""
     t, e = layout.tp, (4 if batch.dtype == "fp32" else 2)
-    T = layout.micro_batch * batch.sequence
+    T = layout.micro_batch * batch.sequence / layout.cp
     sp = layout.sequence_parallel
     h, q, kv = model.hidden, model.q_dim, model.kv_dim
     kv_rank = kv / t if model.kv_heads % t == 0 else model.head_dim * max(1, model.kv_heads // t)
@@ -72,7 +73,7 @@ def activations(model: Transformer, layout: Layout, batch: Batch, moe: bool) -> 
         s = batch.sequence
         scores = layout.micro_batch * heads * s * s * (e + mask + (e if mask else 0))
     elif batch.flash_attention:
-        scores = layout.micro_batch * model.heads / t * batch.sequence * 4  # log-sum-exp
+        scores = layout.micro_batch * model.heads / t * T / layout.micro_batch * 4  # lse
 
     def mlp(tokens: float, width: float) -> tuple[float, float]:
         """(held, what W needs) of an MLP over `tokens` with inner `width` per rank."""
@@ -101,7 +102,7 @@ def ends(model: Transformer, layout: Layout, batch: Batch) -> tuple[Activations,
     """(embedding, head): the embedding keeps its dropout mask; the head its input and the
     loss's fp32 softmax over the vocabulary shard (4 s b V / t bytes)."""
     t, e = layout.tp, (4 if batch.dtype == "fp32" else 2)
-    T = layout.micro_batch * batch.sequence
+    T = layout.micro_batch * batch.sequence / layout.cp
     rep = T * model.hidden / (t if layout.sequence_parallel else 1)
     embedding = Activations(rep * (1 if model.dropout else 0), 0.0, 0.0)
     logits = 4 * T * model.vocab / t
@@ -123,10 +124,36 @@ class State:
         return self.weights + self.gradients + self.optimizer
 
 
-def stage_state(parameters: float, batch: Batch, layout: Layout,
-                optimizer: str = "adam") -> State:
-    per = state_bytes_per_parameter(batch.dtype, optimizer,
-                                    layout.dp if layout.distributed_optimizer else 1)
+def rank_parameters(model: Transformer, layout: Layout, moe: bool) -> float:
+    """One layer's parameters on one rank: its tensor shard, the experts' also split over the
+    expert-parallel ranks."""
+    whole = model.layer_params(moe)
+    experts = model.experts * model.mlp_params(model.expert_ffn) if moe else 0
+    return (whole - experts) / layout.tp + experts / (layout.tp * layout.ep)
+
+
+def stage_state(parameters: float, batch: Batch, layout: Layout, optimizer: str = "adam",
+                largest_layer: float = 0.0) -> State:
+    """A stage's state on one rank. The distributed optimizer (ZeRO-1) shards the optimizer's
+    state over the data ranks; FSDP (ZeRO-3) shards everything over its shard group and holds
+    what it gathers: without a pipeline two layers' 16-bit parameters (the one computing and
+    the one prefetched) and one layer's unsharded gradients (`largest_layer`: the largest
+    layer's parameters on this rank); under a pipeline, which gathers once per iteration
+    (torchtitan does not reshard after the forward there), the whole stage's."""
+    dtype = batch.state_dtype
+    if layout.fsdp:
+        shard = layout.shard
+        per = state_bytes_per_parameter(dtype, optimizer, shard, sharded_gradients=True)
+        weight = 2 if dtype != "fp32" else 4
+        gradient = 2 if dtype == "fp16" else 4
+        gathered = parameters if layout.pp > 1 else largest_layer
+        weights = parameters * per["weights"] / shard + gathered * weight * \
+            (1 if layout.pp > 1 else 2)
+        gradients = parameters * per["gradients"] + gathered * gradient
+        return State(parameters, weights, gradients, parameters * per["optimizer"])
+    per = state_bytes_per_parameter(dtype, optimizer,
+                                    layout.dp * layout.cp if layout.distributed_optimizer
+                                    else 1)
     return State(parameters, parameters * per["weights"], parameters * per["gradients"],
                  parameters * per["optimizer"])
 

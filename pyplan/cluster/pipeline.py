@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pyplan.cluster import constants
-from pyplan.cluster.costs import Costs, Work
+from pyplan.cluster import collectives, constants
+from pyplan.cluster.costs import Costs, Work, gradient_bytes
 from pyplan.cluster.hardware import Cluster
 from pyplan.cluster.layout import SPLIT_BACKWARD, Batch, Layout
-from pyplan.cluster.memory import activations, ends, stage_state
+from pyplan.cluster.memory import activations, ends, rank_parameters, stage_state
 from pyplan.cluster.model import Transformer
 
 __all__ = ["Chunk", "Priced", "chunks", "plan_text", "price", "split_layers"]
 
+BUCKET = 40e6  # parameters per gradient bucket (Megatron-LM's and DDP's default size)
 UNITS = 1_000  # time units the longest block gets: times are integers, rounded by <= 0.05%
 
 
@@ -123,17 +124,17 @@ def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
     t = layout.tp
     out, first_layer = [], 0
     stages = len(counts)
-    boundary = batch.sequence * layout.micro_batch * model.hidden * costs.bytes / t
-    # Consecutive pipeline ranks are tp x dp ranks apart: across nodes when that fills one.
-    across = layout.tp * layout.dp >= cluster.gpus_per_node
-    dp_per_node = max(1, min(layout.dp, cluster.gpus_per_node // layout.tp))
-    grad_bytes = 2 if batch.dtype == "fp16" else 4
+    boundary = costs.tokens * model.hidden * costs.bytes / t
+    across = layout.pipeline_across_nodes(cluster.gpus_per_node)
     for c, count in enumerate(counts):
         layers = tuple(range(first_layer, first_layer + count))
         first_layer += count
         pieces = [moe if model.is_moe(i) else dense for i in layers]
         acts = [moe_act if model.is_moe(i) else dense_act for i in layers]
-        params = sum(model.layer_params(model.is_moe(i)) for i in layers) / t
+        per_layer = [rank_parameters(model, layout, model.is_moe(i)) for i in layers]
+        params = sum(per_layer)
+        experts = sum(model.experts * model.mlp_params(model.expert_ffn) / (t * layout.ep)
+                      for i in layers if model.is_moe(i))
         if c == 0:
             pieces.insert(0, embedding)
             acts.insert(0, embedding_act)
@@ -145,24 +146,72 @@ def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
         f, b, w = Work(), Work(), Work()
         for p in pieces:
             f, b, w = f + p.forward, b + p.backward, w + p.weight
+        send = collectives.send(cluster, boundary, across)
+        if not batch.framework.overlap_p2p and stages > 1:
+            # blocking sends (Megatron-LM's default): the activation to the next stage after
+            # the forward, the gradient to the previous one after the backward
+            f.add("pp_comm", send if c < stages - 1 else 0.0)
+            b.add("pp_comm", send if c > 0 else 0.0)
+            send = 0.0
         working = max((a.working for a in acts), default=0.0)
-        if layout.dp > 1:
-            if layout.distributed_optimizer:
-                sync = (cluster.all_gather(params * grad_bytes, layout.dp, dp_per_node) +
-                        cluster.all_gather(params * costs.bytes, layout.dp, dp_per_node))
-            else:
-                sync = cluster.all_reduce(params * grad_bytes, layout.dp, dp_per_node)
-        else:
-            sync = 0.0
-        state = stage_state(params, batch, layout)
-        shards = layout.dp if layout.distributed_optimizer else 1
-        update = costs.moved(params / shards * constants.ADAM_BYTES[batch.dtype])
+        sync = gradient_sync(costs, params, experts, f, b + w)
+        state = stage_state(params, batch, layout, largest_layer=max(per_layer, default=0.0))
+        shards = layout.shard if layout.fsdp else \
+            layout.dp * layout.cp if layout.distributed_optimizer else 1
+        update = costs.moved(params / shards * constants.ADAM_BYTES[batch.state_dtype])
         out.append(Chunk(c, device_of(c, layout), layers, c == 0, c == stages - 1, f, b, w,
                          sum(a.held for a in acts), sum(a.weight_held for a in acts),
                          working, params, state.total,
-                         0.0 if c == stages - 1 else cluster.send(boundary, across),
+                         0.0 if c == stages - 1 else send,
                          sync, update))
     return out
+
+
+def gradient_sync(costs: Costs, params: float, experts: float, forward: Work,
+                  backward: Work) -> float:
+    """Exposed seconds of a stage's once-per-iteration data-parallel traffic: the gradients'
+    all-reduce over the data and context ranks (the experts' over those of their expert
+    group), or with the distributed optimizer a reduce-scatter and the parameters'
+    all-gather, or under a pipeline FSDP's one gather and one reduce-scatter of the stage.
+    Where the framework overlaps them, the reduction runs beside the last micro-batch's
+    backward and the gather beside the first's forward: only what outlasts those (and at
+    least one bucket of Megatron-LM's 40M parameters) is exposed."""
+    layout, cluster, batch = costs.layout, costs.cluster, costs.batch
+    framework, node = batch.framework, cluster.gpus_per_node
+    if layout.fsdp:
+        if layout.pp == 1:
+            return 0.0  # per layer, in the layers' costs
+        gather, reduce = costs.fsdp_traffic(params * layout.tp, False)
+        gather_ov, reduce_ov = costs.fsdp_traffic(params * layout.tp, True)
+    else:
+        ranks = layout.dp * layout.cp
+        if ranks == 1:
+            return 0.0
+        grads = gradient_bytes(batch)
+        groups = ((params - experts, ranks, layout.per_node("grad", node)),
+                  (experts, ranks // layout.ep, max(1, layout.per_node("grad", node) //
+                                                   layout.per_node("ep", node))))
+        gather = gather_ov = reduce = reduce_ov = 0.0
+        for count, size, per_node in groups:
+            if count <= 0 or size <= 1:
+                continue
+            if layout.distributed_optimizer:
+                reduce += collectives.reduce_scatter(cluster, count * grads, size, per_node)
+                reduce_ov += collectives.reduce_scatter(cluster, count * grads, size, per_node,
+                                                        True)
+                gather += collectives.all_gather(cluster, count * costs.bytes, size, per_node)
+                gather_ov += collectives.all_gather(cluster, count * costs.bytes, size,
+                                                    per_node, True)
+            else:
+                reduce += collectives.all_reduce(cluster, count * grads, size, per_node)
+                reduce_ov += collectives.all_reduce(cluster, count * grads, size, per_node,
+                                                    True)
+    bucket = min(1.0, BUCKET / max(params * layout.tp, 1.0))
+    if framework.overlap_grad_reduce:
+        reduce = max(reduce * bucket, reduce_ov - backward.compute)
+    if framework.overlap_param_gather:
+        gather = max(gather * bucket, gather_ov - forward.compute)
+    return reduce + gather
 
 
 @dataclass(frozen=True)
@@ -202,7 +251,7 @@ def plan_text(name: str, chunk_list: list[Chunk], layout: Layout, micro_batches:
               f"topology: {{time_unit_ms: {unit * 1e3:.9g}}}"]
     sync = max(c.sync for c in chunk_list)
     mesh = [f"data: {layout.dp}"] if layout.dp > 1 else []
-    if layout.dp > 1 and layout.distributed_optimizer:  # (the optimizer's state sharded)
+    if layout.dp > 1 and (layout.distributed_optimizer or layout.fsdp):  # (state sharded)
         mesh.append("shard: true")
     if layout.tp > 1:
         mesh.append(f"tensor: {layout.tp}, priced: {layout.tp}")  # (the chunks' costs)

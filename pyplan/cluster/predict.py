@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pyplan.cluster.costs import Costs
+from pyplan.cluster.costs import COMMUNICATION, Costs
 from pyplan.cluster.hardware import Cluster
 from pyplan.cluster.layout import Batch, Layout
-from pyplan.cluster.memory import stage_state
+from pyplan.cluster.memory import rank_parameters, stage_state
 from pyplan.cluster.model import Transformer
 from pyplan.cluster.pipeline import Chunk, Priced, chunks, price, split_layers
 
@@ -41,6 +41,7 @@ class Prediction:
     layers_per_stage: tuple[int, ...]
     plan: str = field(repr=False)
     """The pipeline as a pyplan plan (what `-o` writes)."""
+    framework: str = "megatron"
 
     def as_json(self) -> dict:
         return {"layout": self.layout.as_dict(), "iteration_seconds": self.seconds,
@@ -67,7 +68,7 @@ def _prediction(model: Transformer, cluster: Cluster, layout: Layout, batch: Bat
                 capacity: float) -> Prediction:
     m = layout.micro_batches(batch)
     tokens = batch.global_batch * batch.sequence
-    peak = cluster.gpu.peak(batch.dtype)
+    peak = cluster.gpu.peak(batch.state_dtype)  # fp8 runs: over the 16-bit peak, as reported
     model_flops = model.model_flops(batch.sequence) * tokens
     mfu = model_flops / (priced.seconds * layout.gpus * peak)
     hfu = (model_flops + _recomputed_flops(model, layout, batch) * tokens) / (
@@ -75,7 +76,9 @@ def _prediction(model: Transformer, cluster: Cluster, layout: Layout, batch: Bat
     # The fullest GPU and its parts.
     device = max(range(layout.pp), key=lambda d: priced.peak_bytes[d])
     mine = [c for c in chunk_list if c.device == device]
-    state = stage_state(sum(c.parameters for c in mine), batch, layout)
+    largest = max((rank_parameters(model, layout, model.is_moe(i)) for c in mine
+                   for i in c.layers), default=0.0)
+    state = stage_state(sum(c.parameters for c in mine), batch, layout, largest_layer=largest)
     static = state.total
     activations = priced.peak_bytes[device] - static
     buffers = cluster.gpu.reserved_gib * 2**30
@@ -86,14 +89,18 @@ def _prediction(model: Transformer, cluster: Cluster, layout: Layout, batch: Bat
     busiest = max(range(layout.pp), key=lambda d: priced.busy[d])
     work = [c for c in chunk_list if c.device == busiest]
     compute = m * sum(c.forward.compute + c.backward.compute + c.weight.compute for c in work)
-    tp = m * sum(c.forward.parts["tp_comm"] + c.backward.parts["tp_comm"] for c in work)
+    comm = {part: m * sum(c.forward.parts[part] + c.backward.parts[part] for c in work)
+            for part in COMMUNICATION}
     exposed_dp = max(0.0, priced.makespan - priced.compute_makespan)
-    bubble = max(0.0, priced.compute_makespan - compute - tp)
-    breakdown = {"compute": compute, "tp_communication": tp, "pipeline_bubble": bubble,
+    bubble = max(0.0, priced.compute_makespan - compute - sum(comm.values()))
+    breakdown = {"compute": compute, "tp_communication": comm["tp_comm"],
+                 "cp_communication": comm["cp_comm"], "ep_communication": comm["ep_comm"],
+                 "fsdp_communication": comm["fsdp_comm"],
+                 "pp_communication": comm["pp_comm"], "pipeline_bubble": bubble,
                  "dp_communication": exposed_dp, "optimizer": priced.update}
     return Prediction(layout, priced.seconds, tokens / priced.seconds / layout.gpus, mfu, hfu,
                       total, memory, priced.peak_bytes[device] <= capacity, breakdown,
-                      counts, priced.text)
+                      counts, priced.text, batch.framework.name)
 
 
 def _recomputed_flops(model: Transformer, layout: Layout, batch: Batch) -> float:

@@ -66,6 +66,12 @@ def _held(model: Transformer, tensor: int, sequence_parallel: bool, batch: Batch
     return embedding if kind == "embedding" else head
 
 
+def _kernels(work) -> float:
+    """The GPU's own time of a piece: its compute without the host's wait (the measured
+    times already hold this machine's host overhead)."""
+    return work.compute - work.parts["host"]
+
+
 def _ratio(part: float, whole: float) -> float:
     return part / whole if whole > 0 else 1.0
 
@@ -94,11 +100,11 @@ def rank_units(units: list[UnitCost], kinds: list[str], model: Transformer, *, t
         held = _ratio(_held(model, tensor, sequence_parallel, batch, micro_batch, kind,
                             moe).held,
                       _held(model, 1, False, batch, micro_batch, kind, moe).held)
-        f = _ratio(mine.forward.compute, whole.forward.compute)
-        b = _ratio(mine.backward.compute, whole.backward.compute)
-        w = _ratio(mine.weight.compute, whole.weight.compute)
-        bw = _ratio(mine.backward.compute + mine.weight.compute,
-                    whole.backward.compute + whole.weight.compute)
+        f = _ratio(_kernels(mine.forward), _kernels(whole.forward))
+        b = _ratio(_kernels(mine.backward), _kernels(whole.backward))
+        w = _ratio(_kernels(mine.weight), _kernels(whole.weight))
+        bw = _ratio(_kernels(mine.backward) + _kernels(mine.weight),
+                    _kernels(whole.backward) + _kernels(whole.weight))
         comm_f = mine.forward.parts["tp_comm"] * 1e3
         comm_b = mine.backward.parts["tp_comm"] * 1e3
         sliced = 1 / tensor if sequence_parallel else 1.0

@@ -22,7 +22,7 @@ from functools import cache
 from pyplan.cluster.costs import Costs
 from pyplan.cluster.hardware import Cluster
 from pyplan.cluster.layout import RECOMPUTE, Batch, Layout, check_layout
-from pyplan.cluster.memory import activations, stage_state
+from pyplan.cluster.memory import activations, rank_parameters, stage_state
 from pyplan.cluster.model import Transformer
 from pyplan.cluster.predict import Prediction, predict
 from pyplan.cluster.pipeline import device_of, split_layers
@@ -47,6 +47,10 @@ class Fixed:
     sequence_parallel: bool | None = None
     schedule: str | None = None
     distributed_optimizer: bool | None = None
+    cp: int | None = None
+    ep: int | None = None
+    fsdp: bool | None = None
+    dp_replicate: int | None = None
 
     @property
     def everything(self) -> bool:
@@ -58,45 +62,86 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _context_degrees(batch: Batch, tp: int, room: int) -> list[int]:
+    """Context degrees worth trying: powers of two whose chunks keep >= 1,024 tokens (below
+    that the ring's transfers outlast its blocks), none for sequences under 4,096."""
+    out, cp = [1], 2
+    while batch.sequence >= 4096 and cp <= room and batch.sequence // (2 * cp) >= 1024:
+        if room % cp == 0 and batch.sequence % (2 * cp * tp) == 0:
+            out.append(cp)
+        cp *= 2
+    return out
+
+
+def _expert_degrees(model: Transformer, dp: int) -> list[int]:
+    if not model.experts:
+        return [1]
+    return [e for e in _divisors(min(dp, model.experts))
+            if model.experts % e == 0 and dp % e == 0 and e & (e - 1) == 0]
+
+
 def candidates(model: Transformer, cluster: Cluster, batch: Batch, gpus: int,
                fixed: Fixed) -> list[Layout]:
-    """Every layout the fixed choices allow that can run the model (check_layout)."""
+    """Every layout the fixed choices allow that can run the model (check_layout). Tensor
+    parallelism is searched inside a node (wider only when fixed); FSDP is searched where the
+    framework is built on it (torchtitan), the distributed optimizer elsewhere."""
     out = []
     node = cluster.gpus_per_node
+    fsdp_default = batch.framework.name == "torchtitan"
     tps = [fixed.tp] if fixed.tp else [t for t in _divisors(min(node, gpus)) if gpus % t == 0]
     for tp in tps:
-        pps = [fixed.pp] if fixed.pp else [p for p in _divisors(gpus // tp)
-                                           if p <= model.layers]
-        for pp in pps:
-            if gpus % (tp * pp):
+        if gpus % tp:
+            continue
+        cps = [fixed.cp] if fixed.cp else _context_degrees(batch, tp, gpus // tp) \
+            if batch.flash_attention else [1]
+        for cp in cps:
+            if gpus % (tp * cp):
                 continue
-            dp = gpus // (tp * pp)
-            if fixed.dp and dp != fixed.dp:
-                continue
-            if batch.global_batch % dp:
-                continue
-            mbs = [fixed.micro_batch] if fixed.micro_batch else \
-                [b for b in _divisors(batch.global_batch // dp) if b <= MAX_MICRO_BATCH]
-            schedules = [fixed.schedule] if fixed.schedule else \
-                (SEARCHED_SCHEDULES if pp > 1 else ("1f1b",))
-            for schedule, mb in itertools.product(schedules, mbs):
-                if fixed.vpp:
-                    vpps = [fixed.vpp]
-                elif schedule == "interleaved-1f1b":
-                    vpps = [v for v in CHUNKS if pp * v <= model.layers]
-                elif schedule == "zb-v":
-                    vpps = [2]
-                else:
-                    vpps = [1]
-                sps = [fixed.sequence_parallel] if fixed.sequence_parallel is not None \
-                    else [tp > 1]
-                dos = [fixed.distributed_optimizer] \
-                    if fixed.distributed_optimizer is not None else [dp > 1]
-                recomputes = [fixed.recompute] if fixed.recompute else list(RECOMPUTE)
-                for vpp, sp, do, recompute in itertools.product(vpps, sps, dos, recomputes):
-                    layout = Layout(tp, pp, dp, vpp, mb, recompute, sp, schedule, do)
-                    if check_layout(layout, model, batch, gpus, node) is None:
-                        out.append(layout)
+            pps = [fixed.pp] if fixed.pp else [p for p in _divisors(gpus // (tp * cp))
+                                               if p <= model.layers]
+            for pp in pps:
+                if gpus % (tp * cp * pp):
+                    continue
+                dp = gpus // (tp * cp * pp)
+                if fixed.dp and dp != fixed.dp:
+                    continue
+                if batch.global_batch % dp:
+                    continue
+                out += _settings(model, batch, fixed, gpus, node, tp, cp, pp, dp,
+                                 fsdp_default)
+    return out
+
+
+def _settings(model: Transformer, batch: Batch, fixed: Fixed, gpus: int, node: int, tp: int,
+              cp: int, pp: int, dp: int, fsdp_default: bool) -> list[Layout]:
+    out = []
+    mbs = [fixed.micro_batch] if fixed.micro_batch else \
+        [b for b in _divisors(batch.global_batch // dp) if b <= MAX_MICRO_BATCH]
+    schedules = [fixed.schedule] if fixed.schedule else \
+        (SEARCHED_SCHEDULES if pp > 1 else ("1f1b",))
+    fsdps = [fixed.fsdp] if fixed.fsdp is not None else [fsdp_default and dp * cp > 1]
+    eps = [fixed.ep] if fixed.ep else _expert_degrees(model, dp)
+    replicas = [fixed.dp_replicate or 1]
+    for schedule, mb, fsdp, ep, replicate in itertools.product(schedules, mbs, fsdps, eps,
+                                                               replicas):
+        if fixed.vpp:
+            vpps = [fixed.vpp]
+        elif schedule == "interleaved-1f1b":
+            vpps = [v for v in CHUNKS if pp * v <= model.layers]
+        elif schedule == "zb-v":
+            vpps = [2]
+        else:
+            vpps = [1]
+        sps = [fixed.sequence_parallel] if fixed.sequence_parallel is not None \
+            else [tp > 1]
+        dos = [fixed.distributed_optimizer] \
+            if fixed.distributed_optimizer is not None else [dp * cp > 1 and not fsdp]
+        recomputes = [fixed.recompute] if fixed.recompute else list(RECOMPUTE)
+        for vpp, sp, do, recompute in itertools.product(vpps, sps, dos, recomputes):
+            layout = Layout(tp, pp, dp, vpp, mb, recompute, sp, schedule, do, cp, ep, fsdp,
+                            replicate)
+            if check_layout(layout, model, batch, gpus, node) is None:
+                out.append(layout)
     return out
 
 
@@ -115,10 +160,10 @@ class _Bounds:
         self._layer = cache(self._layer)
         self._split = cache(self._split)
 
-    def _layer(self, tp: int, sp: bool, mb: int, recompute: str) -> tuple:
-        """(costs, per-layer seconds, per-layer held bytes, embedding and head seconds): none
-        depends on the pipeline or data degrees."""
-        layout = Layout(tp, 1, 1, 1, mb, recompute, sp, "1f1b", False)
+    def _layer(self, layout: Layout) -> tuple:
+        """(costs, per-layer seconds, per-layer held bytes, embedding and head seconds,
+        per-layer forward seconds, per-layer parameters on a rank): none depends on the
+        pipeline's schedule or chunks (`layout` is the candidate's with those reset)."""
         costs = Costs(self.model, self.cluster, layout, self.batch)
         total, held, forward, params = {}, {}, {}, {}
         for moe in ({False, True} if self.model.moe_layers else {False}):
@@ -127,21 +172,20 @@ class _Bounds:
                                                  pieces.weight))
             forward[moe] = pieces.forward.seconds
             held[moe] = activations(self.model, layout, self.batch, moe).held
-            params[moe] = self.model.layer_params(moe) / tp
+            params[moe] = rank_parameters(self.model, layout, moe)
         embedding, head = costs.embedding(), costs.head()
         ends_seconds = tuple(sum(w.seconds for w in (p.forward, p.backward, p.weight))
                              for p in (embedding, head))
         return costs, total, held, ends_seconds, forward, params
 
-    def _split(self, tp: int, sp: bool, mb: int, recompute: str,
-               stages: int) -> tuple[int, ...]:
-        costs = self._layer(tp, sp, mb, recompute)[0]
+    def _split(self, layout: Layout, stages: int) -> tuple[int, ...]:
+        costs = self._layer(layout)[0]
         return split_layers(self.model, stages, costs)
 
     def bound(self, layout: Layout) -> _Bound:
-        key = (layout.tp, layout.sequence_parallel, layout.micro_batch, layout.recompute)
-        _, total, held, (embedding, head), forward, per_layer = self._layer(*key)
-        counts = self._split(*key, layout.stages)
+        key = replace(layout, pp=min(layout.pp, 2), vpp=1, schedule="1f1b")
+        _, total, held, (embedding, head), forward, per_layer = self._layer(key)
+        counts = self._split(key, layout.stages)
         model = self.model
         work, params = [0.0] * layout.pp, [0.0] * layout.pp
         first_held = [0.0] * layout.pp
@@ -169,7 +213,8 @@ class _Bounds:
             before += chunk_forward
         m = layout.micro_batches(self.batch)
         seconds = max(fill[d] + m * work[d] for d in range(layout.pp))
-        memory = max(stage_state(p, self.batch, layout).total +
+        largest = max(per_layer.values())
+        memory = max(stage_state(p, self.batch, layout, largest_layer=largest).total +
                      first_held[d] * _in_flight(layout, d, m) for d, p in enumerate(params))
         return _Bound(seconds, memory)
 
@@ -231,10 +276,11 @@ def search(model: Transformer, cluster: Cluster, batch: Batch, gpus: int, fixed:
 
 def _key(layout: Layout) -> tuple:
     return (layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch,
-            layout.sequence_parallel, layout.schedule, layout.distributed_optimizer)
+            layout.sequence_parallel, layout.schedule, layout.distributed_optimizer,
+            layout.cp, layout.ep, layout.fsdp, layout.dp_replicate)
 
 
 def _order(layout: Layout) -> tuple:
     """Ties go to the simpler layout."""
-    return (layout.tp, layout.pp, layout.vpp, -layout.micro_batch, layout.schedule,
-            RECOMPUTE.index(layout.recompute))
+    return (layout.tp, layout.cp, layout.pp, layout.vpp, layout.ep, -layout.micro_batch,
+            layout.schedule, RECOMPUTE.index(layout.recompute))

@@ -175,11 +175,13 @@ class TrainerLayout:
                 schedule_csv: str | None = None) -> TrainerLayout:
         """From a cluster planner's layout: any object with tp, pp, dp, vpp, micro_batch,
         schedule, recompute, sequence_parallel and distributed_optimizer (its dp ranks shard
-        the state with a distributed optimizer, else replicate it; zb-v and dualpipev place
+        the state with a distributed optimizer or FSDP, over dp / dp_replicate ranks, else
+        replicate it; zb-v and dualpipev place
         their stages in a V)."""
-        shard = bool(layout.distributed_optimizer)
+        shard = bool(layout.distributed_optimizer or getattr(layout, "fsdp", False))
+        replicas = getattr(layout, "dp_replicate", 1) if shard else layout.dp
         return cls(name=name, tp=layout.tp, pp=layout.pp, vpp=layout.vpp,
-                   dp_replicate=1 if shard else layout.dp, dp_shard=layout.dp if shard else 1,
+                   dp_replicate=replicas, dp_shard=layout.dp // replicas,
                    micro_batches=micro_batches, micro_batch_size=layout.micro_batch,
                    sequence_length=sequence_length, schedule=layout.schedule,
                    schedule_csv=schedule_csv, placement=_PLACEMENT.get(layout.schedule, LOOP),

@@ -1,0 +1,71 @@
+"""The software a run uses: the same layout runs at different speeds in Megatron-LM, in NVIDIA's
+NeMo recipes and in torchtitan, because they overlap different communication with compute,
+fuse different kernels and pay different per-layer host overheads. Each framework is a set of
+switches the cost model reads; `pyplan plan --framework` picks one and its flags change an
+overlap (docs/cluster-planning.md says what each assumes and why).
+
+- megatron: Megatron-LM with its own defaults. Its overlaps are opt-in flags
+  (`--overlap-grad-reduce`, `--overlap-param-gather`, `--tp-comm-overlap`), so off; its own
+  and apex's fused kernels (layer norm, bias + GeLU, scaled masked softmax) are the baseline
+  the element-wise byte counts describe; pipeline sends and receives block the compute stream.
+- nemo: NeMo / Megatron-Bridge recipes on Megatron-Core: gradient reduction and parameter
+  all-gathers (distributed optimizer) overlap the backward and the forward, tensor-parallel
+  communication overlaps its GEMMs (Transformer Engine's userbuffers), pipeline sends overlap
+  compute, and Transformer Engine fuses norms, casts and activations.
+- torchtitan: FSDP2 / DTensor: FSDP's all-gathers are prefetched and its reduce-scatters
+  overlap the backward; tensor-parallel collectives block (async TP, `--tp-comm-overlap`,
+  overlaps them); torch.compile fuses element-wise kernels (`--no-fused-kernels`: eager);
+  selective (per-op) activation checkpointing is its default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FRAMEWORKS", "Framework", "framework"]
+
+
+@dataclass(frozen=True)
+class Framework:
+    name: str
+    overlap_grad_reduce: bool
+    """Data-parallel gradient reduction (or FSDP's reduce-scatter) runs beside the backward."""
+    overlap_param_gather: bool
+    """Parameter all-gathers (distributed optimizer, FSDP) are prefetched beside compute."""
+    tp_comm_overlap: bool
+    """Tensor-parallel all-gathers and reduce-scatters are split into chunks that overlap the
+    GEMMs they feed (userbuffers, async TP)."""
+    overlap_p2p: bool
+    """Pipeline sends and receives run on their own stream beside compute."""
+    fused_kernels: bool
+    """Element-wise work fused beyond Megatron-LM's kernels into fewer passes (Transformer
+    Engine's fused norm + cast + GEMM prologues, torch.compile): constants.FUSED_ELEMENTWISE of
+    the bytes remain."""
+    recompute: str
+    """What the framework recomputes when not told (its default)."""
+    host_overhead: float
+    """Host (Python, dispatch) time per layer and pass, as a multiple of the fitted
+    constants.LAYER_US: eager PyTorch with DTensor dispatch pays more than Megatron's modules."""
+
+    def describe(self) -> str:
+        on = [name for name, value in (
+            ("grad-reduce overlap", self.overlap_grad_reduce),
+            ("param-gather overlap", self.overlap_param_gather),
+            ("tp-comm overlap", self.tp_comm_overlap), ("p2p overlap", self.overlap_p2p),
+            ("fused kernels", self.fused_kernels)) if value]
+        return f"{self.name} ({', '.join(on) or 'no overlaps'})"
+
+
+FRAMEWORKS = {
+    "megatron": Framework("megatron", False, False, False, False, False, "none", 1.0),
+    "nemo": Framework("nemo", True, True, True, True, True, "none", 1.0),
+    "torchtitan": Framework("torchtitan", True, True, False, False, True, "selective", 1.5),
+}
+
+
+def framework(name: str, **changes) -> Framework:
+    """The framework `name` with some switches changed (None: its default)."""
+    from dataclasses import replace
+
+    base = FRAMEWORKS[name]
+    return replace(base, **{k: v for k, v in changes.items() if v is not None})

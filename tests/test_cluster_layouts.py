@@ -1,0 +1,220 @@
+"""`pyplan plan`'s cost model by piece, against hand counts: a GEMM's wave quantisation, an FSDP
+layer's all-gathers and reduce-scatter, a context-parallel ring's exchanges, an expert layer's
+all-to-alls, the frameworks' overlaps, fp8's GEMMs, FSDP's memory; and the new flags on the
+command line (tensor parallelism across nodes warned, not refused; the same bytes twice)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from pyplan.cluster import collectives, kernels
+from pyplan.cluster.costs import Costs
+from pyplan.cluster.framework import framework
+from pyplan.cluster.hardware import load_cluster
+from pyplan.cluster.layout import Batch, Layout, check_layout
+from pyplan.cluster.memory import stage_state, state_bytes_per_parameter
+from pyplan.cluster.model import Transformer
+from pyplan.cli import main
+
+A100 = load_cluster("dgx-a100-80gb")
+H100 = load_cluster("dgx-h100")
+LLAMA = Transformer(family="llama", layers=4, hidden=1024, heads=16, kv_heads=4, head_dim=64,
+                    ffn=2816, vocab=32000, gated=True, norm="rmsnorm", biases=False)
+MOE = replace(LLAMA, family="mixtral", experts=8, top_k=2, expert_ffn=1024, moe_layers=4)
+
+
+def _recording(monkeypatch, name):
+    calls = []
+    original = getattr(collectives, name)
+
+    def record(cluster, nbytes, *args, **kwargs):
+        calls.append(nbytes)
+        return original(cluster, nbytes, *args, **kwargs)
+    monkeypatch.setattr(collectives, name, record)
+    return calls
+
+
+def test_a_gemm_one_tile_past_a_full_wave_pays_for_the_tiles_it_leaves_empty():
+    """3,072 x 1,152 is 108 tiles of 256 x 128: one full wave of an A100's 108 SMs. At 3,072 x
+    1,280 the best tile is 128 x 64 (480 tiles in 5 waves of 108: 480/540 of the slots used,
+    at 0.80 of the large tile's rate); 256 x 128 would leave 96 of 216 slots empty."""
+    gpu, peak, k = A100.gpu, 312e12, 8192
+    full = kernels.gemm(gpu, peak, 2, 3072, 1152, k) - kernels.launches(gpu, 1)
+    over = kernels.gemm(gpu, peak, 2, 3072, 1280, k) - kernels.launches(gpu, 1)
+    rate = peak * gpu.matmul_efficiency * k / (k + kernels.constants.K_OVERHEAD)
+    assert full == pytest.approx(2 * 3072 * 1152 * k / rate)
+    assert over == pytest.approx(2 * 3072 * 1280 * k / (rate * 0.80 * 480 / 540))
+
+
+def test_a_short_k_loop_and_a_thin_gemm_run_below_peak_and_never_beat_hbm():
+    gpu = A100.gpu
+    long_k = kernels.gemm(gpu, 312e12, 2, 8192, 8192, 8192)
+    short_k = kernels.gemm(gpu, 312e12, 2, 8192, 8192, 128) * 64
+    assert short_k > 1.5 * long_k  # 128 / (128 + K_OVERHEAD) of the rate, and the roofline
+    thin = kernels.gemm(gpu, 312e12, 2, 8192, 8, 8192)
+    hbm = 2 * (8192 * 8192 + 8192 * 8) / (gpu.memory_bandwidth_gbs * 1e9 * 0.9)
+    assert thin >= hbm
+
+
+def test_an_fsdp_layer_gathers_its_parameters_twice_and_reduce_scatters_its_gradients(
+        monkeypatch):
+    gathers, reduces = _recording(monkeypatch, "all_gather"), []
+    monkeypatch.setattr(collectives, "reduce_scatter",
+                        lambda cluster, nbytes, *a, **k: reduces.append(nbytes) or 0.0)
+    layout = Layout(1, 1, 16, 1, 1, "none", False, "1f1b", False, fsdp=True)
+    batch = Batch(16, 2048, "bf16", True, framework("megatron"))  # no prefetch: all exposed
+    layer = Costs(LLAMA, A100, layout, batch).layer(False)
+    params = LLAMA.layer_params(False)
+    assert gathers == [params * 2] and reduces == [params * 4]  # bf16 weights, fp32 grads
+    gather = collectives.all_gather(A100, params * 2, 16, 8)
+    scatter = collectives.reduce_scatter(A100, params * 4, 16, 8)
+    assert layer.forward.parts["fsdp_comm"] == pytest.approx(gather)
+    assert layer.backward.parts["fsdp_comm"] == pytest.approx(gather + scatter)
+    # prefetched: only what outlasts the compute beside it
+    overlapped = Costs(LLAMA, A100, layout, replace(batch, framework=framework("torchtitan")))
+    hidden = overlapped.layer(False)
+    assert hidden.forward.parts["fsdp_comm"] == pytest.approx(max(
+        0.0, collectives.all_gather(A100, params * 2, 16, 8, True) - hidden.forward.compute))
+
+
+def test_fp8_gathers_its_weights_in_one_byte_and_runs_its_linear_gemms_at_the_fp8_peak(
+        monkeypatch):
+    gathers = _recording(monkeypatch, "all_gather")
+    layout = Layout(1, 1, 16, 1, 1, "none", False, "1f1b", False, fsdp=True)
+    fp8 = Costs(LLAMA, H100, layout, Batch(16, 2048, "fp8", True, framework("torchtitan")))
+    fp8.layer(False)
+    assert gathers[0] == LLAMA.layer_params(False) * 1
+    bf16 = Costs(LLAMA, H100, layout, Batch(16, 2048, "bf16", True, framework("torchtitan")))
+    launch = kernels.launches(H100.gpu, 1)
+    ratio = 989 / (1979 * kernels.constants.FP8_EFFICIENCY)
+    assert fp8.gemm(8192, 8192, 8192, fp8=True) - launch == pytest.approx(
+        ratio * (bf16.gemm(8192, 8192, 8192) - launch))
+    assert fp8.linear(8192, 8192, 8192) > fp8.gemm(8192, 8192, 8192, fp8=True)  # the cast
+
+
+def test_a_context_parallel_ring_passes_keys_and_values_cp_minus_1_times_each_way(monkeypatch):
+    sends = []
+    monkeypatch.setattr(collectives, "send", lambda cluster, nbytes, across:
+                        sends.append((nbytes, across)) or 1.0)  # 1 s: outlasts every block
+    cp, s, b = 4, 8192, 1
+    layout = Layout(1, 1, 2, 1, b, "none", False, "1f1b", False, cp=cp)
+    costs = Costs(LLAMA, A100, layout, Batch(2, s, "bf16"))
+    layer = costs.layer(False)
+    kv = 2 * b * s / cp * LLAMA.kv_dim * 2  # this rank's keys and values, bf16
+    assert sends == [(kv, False)]
+    core_f, core_b = costs.attention_core(b, LLAMA.heads)
+    assert layer.forward.parts["cp_comm"] == pytest.approx((cp - 1) * (1.0 - core_f / cp))
+    assert layer.backward.parts["cp_comm"] == pytest.approx((cp - 1) * (2.0 - core_b / cp))
+    # each rank computes 1/cp of the causal triangle: the diagonal block causal, the other
+    # cp - 1 half each (chunks i and 2cp-1-i)
+    blocks = []
+    monkeypatch.setattr(kernels, "attention", lambda gpu, peak, sequences, heads, queries,
+                        keys, d, causal=True: blocks.append(
+                            queries * keys * (0.5 if causal else 1.0)) or (1.0, 2.0))
+    assert costs.attention_core(b, LLAMA.heads) == (1 + (cp - 1) / 2, 2 + (cp - 1))
+    assert blocks[0] + (cp - 1) * blocks[1] / 2 == pytest.approx(s * s / 2 / cp)
+
+
+def test_an_expert_layer_dispatches_and_combines_its_routed_tokens_each_way(monkeypatch):
+    sizes = _recording(monkeypatch, "all_to_all")
+    ep, b, s = 4, 2, 1024
+    layout = Layout(1, 1, 8, 1, b, "none", False, "1f1b", False, ep=ep)
+    costs = Costs(MOE, A100, layout, Batch(16, s, "bf16"))
+    layer = costs.layer(True)
+    tokens = b * s * MOE.top_k
+    assert sizes == [tokens * MOE.hidden * 2]
+    one = collectives.all_to_all(A100, tokens * MOE.hidden * 2, ep, 4)
+    assert layer.forward.parts["ep_comm"] == pytest.approx(2 * one)
+    assert layer.backward.parts["ep_comm"] == pytest.approx(2 * one)
+    # an all-to-all across nodes sends what leaves the node over one port per GPU
+    across = collectives.all_to_all(A100, 1e9, 16, 8) - collectives.all_to_all(A100, 0, 16, 8)
+    assert across > 0.5e9 / (A100.network_gbs * 1e9)
+
+
+def test_tensor_parallel_collectives_across_nodes_run_at_network_bandwidth():
+    inside = collectives.all_reduce(A100, 2e9, 8, 8) - collectives.all_reduce(A100, 1e9, 8, 8)
+    across = collectives.all_reduce(A100, 2e9, 16, 8) - collectives.all_reduce(A100, 1e9, 16, 8)
+    assert inside == pytest.approx(2 * 7 / 8 * 1e9 / (A100.link_gbs * 1e9 *
+                                                      A100.link_efficiency))
+    # the node's eight ports carry the ring between the two nodes
+    assert across == pytest.approx(2 * 15 / 16 * 1e9 / (8 * A100.network_gbs * 1e9 *
+                                                        A100.network_efficiency))
+    layout = Layout(16, 1, 1, 1, 1)
+    model = replace(LLAMA, heads=16, kv_heads=16)
+    assert check_layout(layout, model, Batch(1, 2048), 16, 8) is None
+    assert check_layout(Layout(12, 1, 1, 1, 1), replace(LLAMA, heads=24, kv_heads=24),
+                        Batch(1, 2048), 12, 8) is not None  # not whole nodes
+
+
+def test_each_frameworks_overlaps_hide_what_megatrons_defaults_expose():
+    layout = Layout(4, 1, 4, 1, 2, "none", True, "1f1b", True)
+    batch = Batch(64, 4096, "bf16")
+    megatron = Costs(LLAMA, A100, layout, batch).layer(False)
+    nemo = Costs(LLAMA, A100, layout, replace(batch, framework=framework("nemo"))).layer(False)
+    assert nemo.forward.parts["tp_comm"] < megatron.forward.parts["tp_comm"]
+    off = framework("nemo", tp_comm_overlap=False)
+    assert Costs(LLAMA, A100, layout, replace(batch, framework=off)).layer(False).forward \
+        .parts["tp_comm"] == pytest.approx(megatron.forward.parts["tp_comm"])
+
+
+def test_fsdp_shards_every_state_and_holds_two_gathered_layers():
+    layout = Layout(1, 1, 16, 1, 1, "none", False, "1f1b", False, fsdp=True)
+    params, largest = 1e9, 1e8
+    state = stage_state(params, Batch(16, 2048), layout, largest_layer=largest)
+    per = state_bytes_per_parameter("bf16")
+    assert state.total == pytest.approx(params * sum(per.values()) / 16 +
+                                        largest * (2 * 2 + 4))
+    hsdp = replace(layout, dp_replicate=4)
+    assert stage_state(params, Batch(16, 2048), hsdp, largest_layer=largest).total > \
+        state.total  # shards over 4 ranks, not 16
+
+
+def _config(tmp_path, **changes):
+    config = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816,
+              "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 16,
+              "vocab_size": 32000, **changes}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_new_flags_price_the_layout_they_fix_and_name_every_dimension(tmp_path, capsys):
+    argv = ["plan", _config(tmp_path), "--cluster", "dgx-h100", "--gpus", "32",
+            "--global-batch", "32", "--seq", "16384", "--framework", "torchtitan", "--tp", "2",
+            "--cp", "2", "--fsdp", "--dp-replicate", "2", "--dtype", "fp8", "--json"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert main(argv) == 0
+    second = capsys.readouterr().out
+    one, two = json.loads(first), json.loads(second)
+    one["search"].pop("seconds"), two["search"].pop("seconds")
+    assert one == two
+    layout = one["layout"]
+    assert (layout["tp"], layout["cp"], layout["fsdp"], layout["dp_replicate"]) == \
+        (2, 2, True, 2)
+    assert layout["tp"] * layout["cp"] * layout["pp"] * layout["dp"] == 32
+    assert one["framework"]["name"] == "torchtitan" and one["batch"]["dtype"] == "fp8"
+    assert one["breakdown"]["cp_communication"] >= 0 and math.isfinite(one["mfu"])
+
+
+def test_tensor_parallelism_wider_than_a_node_is_predicted_with_a_warning(tmp_path, capsys):
+    argv = ["plan", _config(tmp_path), "--cluster", "dgx-a100-80gb", "--gpus", "16",
+            "--global-batch", "16", "--seq", "2048", "--tp", "16", "--pp", "1"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "warning: --tp 16 spans 2 nodes" in captured.err
+    assert "tp 16 x pp 1 x dp 1" in captured.out
+
+
+def test_a_context_parallel_layout_is_not_exported_to_a_trainer_silently(tmp_path, capsys):
+    argv = ["plan", _config(tmp_path), "--cluster", "dgx-h100", "--gpus", "8",
+            "--global-batch", "8", "--seq", "8192", "--tp", "1", "--cp", "2", "--pp", "1",
+            "--megatron", str(tmp_path / "args.txt")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--megatron: the layout has context parallelism" in err
+    assert not (tmp_path / "args.txt").exists()
