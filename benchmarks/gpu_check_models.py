@@ -28,7 +28,7 @@ MODELS = {
         "llama": dict(family="llama", sequence=4096, micro_batch=1, hf=dict(
             hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
             intermediate_size=14336, num_hidden_layers=3, vocab_size=128256,
-            max_position_embeddings=4096, rope_theta=500000.0)),
+            max_position_embeddings=4096)),
         "gpt2": dict(family="gpt2", sequence=1024, micro_batch=4, hf=dict(
             n_embd=1600, n_head=25, n_layer=4, vocab_size=50257, n_positions=1024)),
         "run": dict(family="gpt2", sequence=512, micro_batch=4, hf=dict(

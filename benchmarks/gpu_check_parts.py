@@ -31,8 +31,10 @@ def _ratio(measured, predicted) -> float | None:
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE),
-                                                         os.environ.get("PYTHONPATH", "")])}
+    """The children's: gpu_check_models importable; the source tree's pyplan/ not on the path
+    (PYTHONSAFEPATH: pytest from the root imports the installed pyplan, with its C++ core)."""
+    return {**os.environ, "PYTHONSAFEPATH": "1",
+            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
 
 
 def _last(text: str | None) -> str:
@@ -90,8 +92,13 @@ def install(args, out: Path) -> dict:
              "'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0)}))")
     before = run_command([sys.executable, "-c", probe], log, clock.left())
     build_env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 4)}
+    made = run_command([sys.executable, "-m", "venv", "--system-site-packages", venv], log,
+                       clock.left(60))
+    where = "a virtualenv over this Python's packages"
+    if made is None or made.returncode:  # (a Python without ensurepip): into this one
+        python, where = sys.executable, "this Python (no virtualenv: " + (
+            _last(made.stdout) if made else "timed out") + ")"
     for name, command, env in (
-            ("venv", [sys.executable, "-m", "venv", "--system-site-packages", venv], None),
             ("dependencies", [python, "-m", "pip", "install", "--no-index", "--find-links",
                               args.wheels, *DEPENDENCIES], None),
             ("pyplan", [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
@@ -114,8 +121,8 @@ def install(args, out: Path) -> dict:
     if was and seen["torch"] != was["torch"]:
         return {"status": "failed", "reason": f"torch changed: {was['torch']} -> "
                 f"{seen['torch']}", **figures}
-    return {"status": "passed", "reason": f"pyplan built against torch {seen['torch']}",
-            "python": python, "step_seconds": steps, **seen, **figures}
+    return {"status": "passed", "reason": f"pyplan built against torch {seen['torch']} into "
+            f"{where}", "python": python, "step_seconds": steps, **seen, **figures}
 
 
 # ---------------------------------------------------------------- 2. the GPU suite
