@@ -168,6 +168,9 @@ class TorchScheduleCase:
                 index, replicas = self.replica
                 inputs = split_batch(inputs, replicas)[index]
                 targets = split_batch(targets, replicas)[index]
+            # torch 2.11's PipelineStage checks its inputs' strides: a batch sliced from a
+            # longer one (tokens[:, :-1]) is copied contiguous first (2.13 no longer checks)
+            inputs, targets = inputs.contiguous(), targets.contiguous()
             self.optimizer.zero_grad(set_to_none=True)
             started = time.perf_counter()
             kwargs = {"target": targets, "losses": []} if self.last else {}

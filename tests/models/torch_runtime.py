@@ -58,6 +58,9 @@ def main() -> None:
     for step in range(iterations):
         inputs, targets = (split_batch(x, mesh.data_parallel)[data_index] for x in
                            make_batch(model, step, 0, torch.device("cpu")))
+        # torch 2.11's PipelineStage checks its inputs' strides: a batch sliced from a longer
+        # one (tokens[:, :-1]) is copied contiguous (2.13 no longer checks)
+        inputs, targets = inputs.contiguous(), targets.contiguous()
         optimizer.zero_grad(set_to_none=True)
         losses = []
         schedule.step(*([inputs] if first else []),
