@@ -403,6 +403,7 @@ for attempt in range(2):  # the second joins a new world of its own (torchrun's,
 """
 
 
+@pytest.mark.slow
 @pytest.mark.torchrun
 def test_a_pipeline_after_a_closed_one_joins_a_new_world(tmp_path):
     """A Pipeline that made the process group leaves it on close(); the next one makes a new

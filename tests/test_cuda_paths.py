@@ -430,6 +430,7 @@ CASTS = """\
 """
 
 
+@pytest.mark.slow
 @pytest.mark.torchrun
 def test_autocast_casts_each_weight_once_per_iteration_not_per_micro_batch(tmp_path):
     text = TWO.format(name="one", last=0, build="two", loss="loss").replace(

@@ -303,6 +303,7 @@ def test_mshape_on_a_model_without_an_embedding_is_one_line(cli, tmp_path, monke
     assert re.search(r"mshape +not applicable: the first unit has no token embedding", out)
 
 
+@pytest.mark.slow
 def test_auto_writes_the_shortest_predicted_placement(cli, tmp_path, monkeypatch):
     pytest.importorskip("torch")
     monkeypatch.syspath_prepend(str(MODELS))  # plain: embedding, 8 layers, head
@@ -417,6 +418,7 @@ def _partition_solve_run(tmp_path, factory: str, data: str, loss: str, *run_args
         json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.torchrun
 def test_example_gpt_in_mshape_trains_the_same_model(tmp_path):
     plan, out, report = _partition_solve_run(

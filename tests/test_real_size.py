@@ -300,6 +300,7 @@ def test_an_index_naming_a_shard_without_the_tensor_is_one_line(command, cli, tm
     assert not (tmp_path / "out.pt").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.torchrun
 def test_a_run_from_a_sharded_checkpoint_trains_as_one_process_from_it(tmp_path):
     plan = _pretrained_plan(tmp_path)
@@ -313,6 +314,7 @@ def test_a_run_from_a_sharded_checkpoint_trains_as_one_process_from_it(tmp_path)
     assert json.loads(result.stdout.strip().splitlines()[-1])["check"]["ok"]
 
 
+@pytest.mark.slow
 @pytest.mark.torchrun
 @pytest.mark.parametrize("family", ["zamba2"])
 def test_hybrid_layer_lists_partition_and_train_as_one_process(family, tmp_path):
@@ -372,6 +374,7 @@ def test_a_loader_yields_the_same_batches_on_every_rank_pass_after_pass():
     assert torch.equal(dataset.get(4, lambda *parts: None)[0], torch.full((4, 8), 2.0))
 
 
+@pytest.mark.slow
 @pytest.mark.torchrun
 def test_only_the_ranks_that_read_a_batch_call_for_it_and_loaders_train_as_one_process(
         tmp_path):
@@ -400,6 +403,7 @@ def test_only_the_ranks_that_read_a_batch_call_for_it_and_loaders_train_as_one_p
             assert called == ["rank0", "rank2"], called
 
 
+@pytest.mark.slow
 @pytest.mark.torchrun
 def test_consolidate_writes_what_from_pretrained_loads(tmp_path):
     """Train from a sharded checkpoint, consolidate the run's checkpoint as safetensors, load
@@ -429,6 +433,7 @@ def test_consolidate_writes_what_from_pretrained_loads(tmp_path):
     assert not torch.equal(start.state_dict()["lm_head.weight"], trained["lm_head.weight"])
 
 
+@pytest.mark.slow
 @pytest.mark.torchrun
 @pytest.mark.parametrize("name", ["unequal", "uneven"])
 def test_each_ranks_measured_memory_is_what_its_plan_holds(name, tmp_path):

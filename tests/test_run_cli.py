@@ -157,6 +157,7 @@ def test_bad_fail_at_is_refused(cli, value):
     assert code == 2 and f"--fail-at '{value}' is not RANK:INDEX or RANK:INDEX:kill" in err
 
 
+@pytest.mark.slow
 def test_commands_work_without_torch(tmp_path):
     # torch set to None in sys.modules makes every `import torch` fail, as if uninstalled.
     plan, out = PLANS / "transformer-vshape.yaml", tmp_path / "v.resolved.yaml"
