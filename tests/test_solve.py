@@ -264,7 +264,9 @@ def test_random_plans_solve_to_verified_schedules(problem):
     assert ev.ok and ev.makespan == schedule.makespan
     assert schedule.makespan >= solution.lower_bound
     assert schedule.repetend is None or schedule.repetend.period >= solution.period_bound
-    assert solution.status in ("optimal", "feasible")
+    # time_limit: a Z3 subproblem ran out of its wall-clock share (a busy machine); what was
+    # found must still verify and beat every template that fits
+    assert solution.status in ("optimal", "feasible", "time_limit")
     fitting = [b.makespan for b in solution.baselines.values() if b.applicable and b.fits_memory]
     assert all(schedule.makespan <= m for m in fitting)
 
