@@ -169,11 +169,15 @@ def report(rows: list[sources.Row], loso: bool, show_rows: bool) -> None:
     every = [e for es in errors.values() for e in es]
     print(f"  {'all':<16} {len(every):>3} rows  fitted on all: {_summary(every)}")
     print("\nSpearman rank correlation of predicted and measured tokens/s per GPU over each "
-          "model's layouts (3 or more):")
+          "model's layouts (3 or more; spread: the measured fastest over the slowest, where "
+          "it is a few percent the ranks are those of near-ties):")
     for (source, group), pairs in ranked.items():
         if len(pairs) >= 3:
             rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
-            print(f"  {source:<16} {group:<36} {len(pairs):>3} layouts  rho {rho:+.3f}")
+            measured = [m for _, m in pairs]
+            spread = max(measured) / min(measured) - 1
+            print(f"  {source:<16} {group:<36} {len(pairs):>3} layouts  rho {rho:+.3f}  "
+                  f"(spread {spread:5.1%})")
 
 
 def search_at_scale() -> None:

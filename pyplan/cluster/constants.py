@@ -43,6 +43,10 @@ Fitted; a framework scales it."""
 OVERLAP_SHARE = 0.54
 """Share of its bandwidth a collective keeps while compute kernels run beside it (NCCL gets
 fewer SMs for its channels and shares HBM). Fitted."""
+NCCL_SMS = 16
+"""SMs NCCL's kernels hold while a collective runs beside compute (one per channel; 8-16
+channels on NVLink and InfiniBand): the compute beside it runs on the others, so an overlapped
+collective still costs NCCL_SMS / sms of its duration in compute."""
 FUSED_ELEMENTWISE = 0.6
 """Share of the element-wise bytes that remain when norms, activations, casts and rotary are
 fused (Transformer Engine, torch.compile) rather than run as one kernel each."""

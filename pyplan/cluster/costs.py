@@ -152,7 +152,7 @@ class Costs:
         if not self.framework.tp_comm_overlap:
             return collectives_seconds
         hidden = min(overlapped_seconds, gemm_seconds) * (1 - 1 / max(self.layout.tp, 2))
-        return overlapped_seconds - hidden
+        return overlapped_seconds - hidden + self.contention(hidden)
 
     # -- a layer
 
@@ -254,6 +254,11 @@ class Costs:
         backward = (cp - 1) * max(0.0, 2 * step - step_b)
         return forward, backward
 
+    def contention(self, overlapped: float) -> float:
+        """Compute lost to the SMs a collective holds while it overlaps compute for
+        `overlapped` seconds."""
+        return overlapped * constants.NCCL_SMS / self.gpu.sms
+
     def _host(self, f: Work, b_: Work, w: Work) -> None:
         """The GPU waits for the host where a pass's kernels are shorter than its launch."""
         host = constants.LAYER_US * 1e-6 * self.framework.host_overhead
@@ -268,6 +273,8 @@ class Costs:
         if self.framework.overlap_param_gather:
             f.add("fsdp_comm", max(0.0, gather - f.compute))
             b_.add("fsdp_comm", max(0.0, gather + reduce - b_.compute))
+            f.add("gemm", self.contention(min(gather, f.compute)))
+            b_.add("gemm", self.contention(min(gather + reduce, b_.compute)))
         else:
             f.add("fsdp_comm", gather)
             b_.add("fsdp_comm", gather + reduce)

@@ -208,9 +208,11 @@ def gradient_sync(costs: Costs, params: float, experts: float, forward: Work,
                                                     True)
     bucket = min(1.0, BUCKET / max(params * layout.tp, 1.0))
     if framework.overlap_grad_reduce:
-        reduce = max(reduce * bucket, reduce_ov - backward.compute)
+        reduce = max(reduce * bucket, reduce_ov - backward.compute) + costs.contention(
+            min(reduce_ov, backward.compute))
     if framework.overlap_param_gather:
-        gather = max(gather * bucket, gather_ov - forward.compute)
+        gather = max(gather * bucket, gather_ov - forward.compute) + costs.contention(
+            min(gather_ov, forward.compute))
     return reduce + gather
 
 
