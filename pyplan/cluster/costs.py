@@ -152,7 +152,9 @@ class Costs:
         if not self.framework.tp_comm_overlap:
             return collectives_seconds
         hidden = min(overlapped_seconds, gemm_seconds) * (1 - 1 / max(self.layout.tp, 2))
-        return overlapped_seconds - hidden + self.contention(hidden)
+        # (where the GEMMs are too short to hide the slower overlapped chunks, the blocking
+        # collective is the better of the two: no slower than without the overlap)
+        return min(collectives_seconds, overlapped_seconds - hidden + self.contention(hidden))
 
     # -- a layer
 
