@@ -151,14 +151,25 @@ def test_tensor_parallel_collectives_across_nodes_run_at_network_bandwidth():
 
 
 def test_each_frameworks_overlaps_hide_what_megatrons_defaults_expose():
+    wide = replace(LLAMA, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672)
     layout = Layout(4, 1, 4, 1, 2, "none", True, "1f1b", True)
     batch = Batch(64, 4096, "bf16")
-    megatron = Costs(LLAMA, A100, layout, batch).layer(False)
-    nemo = Costs(LLAMA, A100, layout, replace(batch, framework=framework("nemo"))).layer(False)
+    megatron = Costs(wide, A100, layout, batch).layer(False)
+    nemo = Costs(wide, A100, layout, replace(batch, framework=framework("nemo"))).layer(False)
+    # hidden behind the GEMMs but for the first of tp chunks, at the overlapped bandwidth,
+    # and the SMs NCCL holds meanwhile
+    costs = Costs(wide, A100, layout, replace(batch, framework=framework("nemo")))
+    overlapped = 2 * costs.tp_collective(2 * 4096 * wide.hidden * 2, overlapped=True)
+    assert nemo.forward.parts["tp_comm"] == pytest.approx(
+        overlapped / 4 + costs.contention(overlapped * 3 / 4))
     assert nemo.forward.parts["tp_comm"] < megatron.forward.parts["tp_comm"]
     off = framework("nemo", tp_comm_overlap=False)
-    assert Costs(LLAMA, A100, layout, replace(batch, framework=off)).layer(False).forward \
+    assert Costs(wide, A100, layout, replace(batch, framework=off)).layer(False).forward \
         .parts["tp_comm"] == pytest.approx(megatron.forward.parts["tp_comm"])
+    # GEMMs too short to hide the overlapped chunks: no slower than blocking
+    small = Costs(LLAMA, A100, layout, replace(batch, framework=framework("nemo"))).layer(False)
+    blocking = Costs(LLAMA, A100, layout, batch).layer(False)
+    assert small.forward.parts["tp_comm"] <= blocking.forward.parts["tp_comm"]
 
 
 def test_fsdp_shards_every_state_and_holds_two_gathered_layers():
