@@ -236,6 +236,11 @@ def _check_fixed(fixed, model, batch, gpus, cluster) -> None:
         if fixed.dp and fixed.dp % fixed.ep:
             raise PlanError(f"--ep {fixed.ep} does not divide --dp {fixed.dp}",
                             hint="expert parallelism splits the data-parallel ranks")
+    for flag, value in (("--ep", fixed.ep), ("--dp-replicate", fixed.dp_replicate)):
+        if value and gpus % (product * value if product % value else product):
+            raise PlanError(f"{flag} {value}: the data-parallel ranks of {gpus} GPUs with the "
+                            f"fixed degrees ({product} GPUs) do not split by {value}",
+                            hint=f"give {flag} a divisor of the data-parallel degree")
     if fixed.dp_replicate and fixed.dp_replicate > 1:
         if not fixed.fsdp:
             raise PlanError(f"--dp-replicate {fixed.dp_replicate} needs --fsdp",
