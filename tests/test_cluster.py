@@ -284,7 +284,7 @@ def test_plan_json_has_the_contracted_keys_and_is_the_same_under_any_hash_seed(t
     (["--ep", "-2"], "--ep must be an integer in 1 .. 1,000,000, got -2"),
     (["--ep", "2"], "--ep 2: llama is not a mixture of experts"),
     (["--dp-replicate", "2"], "--dp-replicate 2 needs --fsdp"),
-    (["--dp-replicate", "3", "--fsdp", "--dp", "4"], "--dp-replicate 3 does not divide --dp 4"),
+    (["--dp-replicate", "3", "--fsdp", "--dp", "4"], "--dp-replicate 3: the data-parallel ranks"),
     (["--fsdp", "--distributed-optimizer"], "--fsdp with --distributed-optimizer"),
     (["--dtype", "fp8"], "--dtype fp8: A100-SXM4-80GB has no fp8 tensor cores"),
     (["--cp", "nan"], "--cp: invalid int value: 'nan'"),
@@ -309,7 +309,7 @@ def test_bad_layouts_get_one_line_naming_the_flag(tmp_path, arguments, message, 
      "network: {gbs_per_gpu: 1}\n", "missing required key 'memory_bandwidth_gbs' in gpu"),
     ("gpu: {name: x, peak_tflops: {bf16: -1}, memory_gib: 80, memory_bandwidth_gbs: 1}\n"
      "node: {gpus: 8, link_gbs: 1}\nnetwork: {gbs_per_gpu: 1}\n",
-     "gpu.peak_tflops.bf16 must be > 0"),
+     "gpu.peak_tflops.bf16 must be >= 0.001"),
     ("gpu: {name: x, peak_tflops: {bf16: 1}, memory_gib: 80, memory_bandwidth_gbs: 1}\n"
      "node: {gpus: 8, link_gb: 1}\nnetwork: {gbs_per_gpu: 1}\n", "unknown key 'link_gb'"),
 ])
