@@ -47,10 +47,12 @@ HERE = Path(__file__).resolve().parent
 PARTS = ("install", "suite", "partition", "run")
 # Seconds each part may take (its deadline counts from the start: what an earlier part leaves
 # over goes to the later ones, and the whole stays within the sum).
-BOXES = {"gpu": {"install": 80, "suite": 120, "partition": 90, "run": 150},
-         # on the CPU the work is ~30 s of CPU time; the boxes leave room for a busy machine
-         "cpu": {"install": 30, "suite": 60, "partition": 90, "run": 150}}
+BOXES = {"gpu": {"install": 80, "suite": 140, "partition": 90, "run": 140},
+         # on the CPU the work is under a minute of CPU time; the boxes leave room for a
+         # machine shared with other work (5x slower at a load of 10 on 2 cores)
+         "cpu": {"install": 60, "suite": 120, "partition": 180, "run": 300}}
 DEPENDENCIES = ("pyyaml", "jsonschema", "z3-solver", "rich")  # pyproject's, besides torch
+TEST_TOOLS = ("pytest-xdist",)  # the suite's workers, GPU tests side by side on the one GPU
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 GPU_TESTS = ("tests/test_gpu.py", "tests/test_cuda_paths.py", "tests/test_gpu_review.py")
 CARRY_LIMIT = 64 * 2**20  # what the device tool carries of ignored paths
@@ -129,7 +131,7 @@ def check(args) -> dict:
         command = [python, __file__, "--part", part, "--out", out, "--wheels", args.wheels,
                    "--seconds", f"{left:.0f}"] + (["--cpu"] if args.cpu else [])
         done = run_command(command, log, left, env=child_env(args, python))
-        if result_path.exists():
+        if result_path.exists():  # (a part cut short leaves what it found so far)
             result = json.loads(result_path.read_text())
         elif done is None:
             result = {"status": "failed", "reason": f"timed out after its {left:.0f} s box"}
@@ -164,7 +166,7 @@ def fetch_wheels(wheels: Path) -> int:
                "--only-binary=:all:", "--implementation", "cp", "-d", str(wheels)]
     for platform in PLATFORMS:
         command += ["--platform", platform]
-    result = subprocess.run(command + list(DEPENDENCIES))
+    result = subprocess.run(command + list(DEPENDENCIES + TEST_TOOLS))
     if result.returncode:
         return result.returncode
     files = sorted(p for p in wheels.iterdir() if p.suffix == ".whl")

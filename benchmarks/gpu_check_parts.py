@@ -14,8 +14,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from gpu_check import (CARRY_LIMIT, DEPENDENCIES, GPU_TESTS, PLATFORMS, ROOT, HERE, Log,
-                       run_command)
+from gpu_check import (CARRY_LIMIT, DEPENDENCIES, GPU_TESTS, PLATFORMS, ROOT, HERE,
+                       TEST_TOOLS, Log, _write_json, run_command)
 
 CLUSTER = HERE / "h200.yaml"
 
@@ -31,10 +31,15 @@ def _ratio(measured, predicted) -> float | None:
 
 
 def _env() -> dict:
-    """The children's: gpu_check_models importable; the source tree's pyplan/ not on the path
-    (PYTHONSAFEPATH: pytest from the root imports the installed pyplan, with its C++ core)."""
-    return {**os.environ, "PYTHONSAFEPATH": "1",
+    """The children's: gpu_check_models importable."""
+    return {**os.environ,
             "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+
+
+def _so_far(out: Path, part: str, doing: str, **figures) -> None:
+    """What the part found so far, as the report will say should its box run out now."""
+    _write_json(out / "parts" / f"{part}.json", {"status": "failed", "reason": "timed out "
+                                                  f"during {doing}", **figures})
 
 
 def _last(text: str | None) -> str:
@@ -77,7 +82,7 @@ def install(args, out: Path) -> dict:
                    "--quiet", "--report", out / "install-resolved.json"]
         for platform in PLATFORMS:
             command += ["--platform", platform]
-        done = run_command(command + list(DEPENDENCIES), log, clock.left())
+        done = run_command(command + list(DEPENDENCIES + TEST_TOOLS), log, clock.left())
         if done is None or done.returncode:
             return {"status": "failed", "reason": "the wheels do not resolve for Python 3.12: "
                     + (_last(done.stdout) if done else "timed out"), **figures}
@@ -89,18 +94,21 @@ def install(args, out: Path) -> dict:
     venv = Path(tempfile.mkdtemp(prefix="gpu-check-venv-")) / "venv"
     steps, python = {}, str(venv / "bin" / "python")
     probe = ("import json, torch; print(json.dumps({'torch': torch.__version__, "
-             "'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0)}))")
+             "'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0) if "
+             "torch.cuda.is_available() else None}))")
     before = run_command([sys.executable, "-c", probe], log, clock.left())
     build_env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 4)}
+    t0 = time.monotonic()
     made = run_command([sys.executable, "-m", "venv", "--system-site-packages", venv], log,
                        clock.left(60))
+    steps["venv"] = round(time.monotonic() - t0, 1)
     where = "a virtualenv over this Python's packages"
     if made is None or made.returncode:  # (a Python without ensurepip): into this one
         python, where = sys.executable, "this Python (no virtualenv: " + (
             _last(made.stdout) if made else "timed out") + ")"
     for name, command, env in (
             ("dependencies", [python, "-m", "pip", "install", "--no-index", "--find-links",
-                              args.wheels, *DEPENDENCIES], None),
+                              args.wheels, *DEPENDENCIES, *TEST_TOOLS], None),
             ("pyplan", [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
                         ROOT], build_env)):
         t0 = time.monotonic()
@@ -134,9 +142,18 @@ def suite(args, out: Path) -> dict:
     tests = GPU_TESTS[:1] if args.cpu else GPU_TESTS
     junit = out / "suite.xml"
     junit.unlink(missing_ok=True)
+    # On a GPU, with pytest-xdist (carried in the wheels), 6 workers side by side: each case
+    # is one rank (or a CPU test), and one GPU holds several such processes
+    workers = []
+    if not args.cpu:
+        probe = run_command([sys.executable, "-c", "import xdist"], log, clock.left())
+        workers = ["-n", "6", "--dist", "load"] if probe and not probe.returncode else []
+    # From tests/: `python -m pytest` puts its folder first on the path, and the root's would
+    # put the source tree's pyplan/ (without its C++ core) before the installed one
     done = run_command([sys.executable, "-m", "pytest", "-o", "addopts=", "-p",
-                        "no:cacheprovider", "-q", "-rfEs", f"--junitxml={junit}", *tests],
-                       log, clock.left(3), env=_env())
+                        "no:cacheprovider", "-q", "-rfEs", f"--junitxml={junit}", *workers,
+                        *(str(ROOT / t) for t in tests)], log, clock.left(3), env=_env(),
+                       cwd=ROOT / "tests")
     if not junit.exists():
         return {"status": "failed", "reason": "pytest " + ("timed out" if done is None else
                                                           _last(done.stdout)),
@@ -157,7 +174,8 @@ def suite(args, out: Path) -> dict:
             skips[reason] = skips.get(reason, 0) + 1
         else:
             counts["passed"] += 1
-    figures = {"tests": list(tests), **counts, "failures": failures, "skip_reasons": skips}
+    figures = {"tests": list(tests), "workers": int(workers[1]) if workers else 1, **counts,
+               "failures": failures, "skip_reasons": skips}
     if done is None:
         return {"status": "failed", "reason": "pytest timed out", **figures}
     if counts["failed"] or done.returncode not in (0, 5):
@@ -361,6 +379,7 @@ def partition(args, out: Path) -> dict:
     work.mkdir(exist_ok=True)
     results = {}
     for name in ("llama", "gpt2"):
+        _so_far(out, "partition", name, models=results)
         try:
             results[name] = _one_model(name, work, device, dtype)
             _print_model(name, results[name])
@@ -465,6 +484,7 @@ def run(args, out: Path) -> dict:
             ("bf16", ("--dtype", "bf16", "--params", "bf16", "--check")),
             ("compile", ("--compile", backend, "--check", "--iterations", "4",
                          "--check-steps", "4"))):
+        _so_far(out, "run", f"the {name} run", compile_backend=backend, runs=runs)
         runs[name] = _pyplan_run(name, plan, work, device, log, clock.left(), *extra)
     if runs["check"]["status"] == "passed":
         blocks = _trace_blocks(work / "prof")

@@ -98,7 +98,7 @@ class DataParallel:
             module.set_requires_gradient_sync(True, recurse=False)
             module.set_reshard_after_backward(True, recurse=False)
             module.set_is_last_backward(True)
-            for group in self._fully_shard.state(module)._fsdp_param_groups:
+            for group in _param_groups(self._fully_shard.state(module)):
                 group.post_backward()
 
     def finish(self) -> None:
@@ -110,6 +110,16 @@ class DataParallel:
             if state._is_root:
                 state._root_post_backward_final_callback()
         self._arm()
+
+
+def _param_groups(state) -> list:
+    """An FSDP state's parameter groups: a list in torch 2.13 (`_fsdp_param_groups`), one
+    group or None in torch 2.11 (`_fsdp_param_group`)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = state._fsdp_param_group
+        groups = [] if group is None else [group]
+    return groups
 
 
 class _Same(torch.autograd.Function):
