@@ -80,20 +80,36 @@ def _write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
-def run_command(command: list[str], log: Log, timeout: float, *, env=None, cwd=ROOT
-                ) -> subprocess.CompletedProcess | None:
+def _signal_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:  # every process of it has ended
+        pass
+
+
+def run_command(command: list[str], log: Log, timeout: float, *, env=None, cwd=ROOT,
+                grace: float = 0.0) -> subprocess.CompletedProcess | None:
     """`command` in a session of its own, killed with all its children past `timeout`
-    seconds (None then); its output goes to the log."""
+    seconds (None then; with `grace`, interrupted that many seconds before, as Ctrl-C would:
+    pytest then still writes its report); its output goes to the log."""
     log.write(f"$ {' '.join(map(str, command))}   (timeout {timeout:.0f} s)")
     started = time.monotonic()
     process = subprocess.Popen([str(c) for c in command], cwd=cwd, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                start_new_session=True)
     try:
-        out, _ = process.communicate(timeout=max(timeout, 1))
+        out, _ = process.communicate(timeout=max(timeout - grace, 1))
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, _ = process.communicate()
+        out = None
+        if grace:
+            _signal_group(process.pid, signal.SIGINT)
+            try:
+                out, _ = process.communicate(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(process.pid, signal.SIGKILL)  # (what an interrupt left running too)
+        if out is None:
+            out, _ = process.communicate()
         log.write(out or "")
         log.write(f"# killed after {time.monotonic() - started:.1f} s (time box)")
         return None

@@ -153,7 +153,7 @@ def suite(args, out: Path) -> dict:
     done = run_command([sys.executable, "-m", "pytest", "-o", "addopts=", "-p",
                         "no:cacheprovider", "-q", "-rfEs", f"--junitxml={junit}", *workers,
                         *(str(ROOT / t) for t in tests)], log, clock.left(3), env=_env(),
-                       cwd=ROOT / "tests")
+                       cwd=ROOT / "tests", grace=10)
     if not junit.exists():
         return {"status": "failed", "reason": "pytest " + ("timed out" if done is None else
                                                           _last(done.stdout)),
@@ -177,7 +177,8 @@ def suite(args, out: Path) -> dict:
     figures = {"tests": list(tests), "workers": int(workers[1]) if workers else 1, **counts,
                "failures": failures, "skip_reasons": skips}
     if done is None:
-        return {"status": "failed", "reason": "pytest timed out", **figures}
+        return {"status": "failed", "reason": "pytest stopped at the end of its box after "
+                f"{sum(counts.values())} tests", **figures}
     if counts["failed"] or done.returncode not in (0, 5):
         return {"status": "failed", "reason": f"{counts['failed']} failed", **figures}
     if not counts["passed"]:
