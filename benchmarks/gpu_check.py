@@ -1,7 +1,7 @@
 """Everything that needs a GPU, in one command that fits a lent GPU's minutes (issue 61).
 
     python benchmarks/gpu_check.py --out DIR [--wheels DIR] [--parts install,suite,...]
-    python benchmarks/gpu_check.py --out DIR --cpu      # the same on the CPU, in a minute
+    python benchmarks/gpu_check.py --out DIR --cpu      # no GPU: the same parts, tiny models
     python benchmarks/gpu_check.py --fetch-wheels       # here, with a network: fill wheels/
 
 writes DIR/report.json (rewritten after every part, so a run cut short still says what it

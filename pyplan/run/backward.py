@@ -31,6 +31,7 @@ a copy of such a gradient in `.grad`, which later micro-batches add to in place.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +43,34 @@ __all__ = ["WeightWork", "backward_input", "backward_weight", "full_backward", "
 def root(t: torch.Tensor):
     """What a backward starts from for an output `t`: its gradient edge (the node that makes
     it and which of its outputs), which does not hold t's data, so the output itself can be
-    freed once sent (Megatron's deallocated outputs); a tensor without a node stays itself."""
-    if t.grad_fn is not None:
+    freed once sent (Megatron's deallocated outputs); a tensor without a node stays itself,
+    and so does one a Python function's node makes where torch cannot start from its edge."""
+    if t.grad_fn is not None and (not fused(t.grad_fn) or _python_edges()):
         return GradientEdge(t.grad_fn, t.output_nr)
     return t
+
+
+@functools.cache
+def _python_edges() -> bool:
+    """Whether autograd starts a backward at a gradient edge of a Python function's node (an
+    autograd.Function's, torch.compile's): torch 2.13 does; torch 2.11 reads the node's
+    `_input_metadata`, which such a node lacks there ("legacy access pattern")."""
+    class Same(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    with torch.enable_grad():
+        node = Same.apply(torch.zeros(1, requires_grad=True)).grad_fn
+    try:
+        node._input_metadata  # noqa: B018 - what torch.autograd reads of a root edge's node
+    except (RuntimeError, AttributeError):
+        return False
+    return True
 
 
 def _live(r) -> bool:

@@ -542,6 +542,8 @@ def _compile_forward(module: torch.nn.Module, backend: str) -> None:
     """torch.compile the module's forward in place: its hooks (FSDP's gathers) stay eager, and
     torch.nn's own classes compile too (Module.compile leaves their frames to eager Python)."""
     forward = module.forward
+    if torch.__version__ < "2.13":  # 2.11's compiled backward refuses retain_graph (the split
+        torch._functorch.config.donated_buffer = False  # B's) with buffers donated to it
 
     def block_forward(*args, **kwargs):
         return forward(*args, **kwargs)
