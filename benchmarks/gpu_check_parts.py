@@ -14,7 +14,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from gpu_check import (CARRY_LIMIT, DEPENDENCIES, GPU_TESTS, PLATFORMS, ROOT, HERE,
+from gpu_check_common import (CARRY_LIMIT, DEPENDENCIES, GPU_TESTS, PLATFORMS, ROOT, HERE,
                        TEST_TOOLS, Log, _write_json, run_command)
 
 CLUSTER = HERE / "h200.yaml"
