@@ -33,25 +33,9 @@ _INPUT = ("input",)
 def pieces(model: nn.Module, starts: list[str], inputs) -> list[nn.Module]:
     """The model cut by torch's tracer before each name in `starts` (after the first): one
     module per stage."""
-    from torch.distributed.pipelining import SplitPoint, pipeline
+    from torch.distributed.pipelining import SplitPoint
 
-    quiet = logging.root.manager.disable
-    try:
-        # torch.export's deprecation notices and the graphs it logs or prints on a failure are
-        # not the user's to read
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("ignore", FutureWarning)
-            logging.disable(logging.WARNING)
-            pipe = pipeline(model, mb_args=(inputs,),
-                            split_spec={name: SplitPoint.BEGINNING for name in starts[1:]})
-    except TimeLimitError:
-        raise
-    except Exception as exc:  # the tracer's limits: the cause in one line, torch's words after
-        raise PlanError(f"torch's pipeline tracer stops at {_cause(exc)}",
-                        hint="torch's tracer needs the forward as one graph (no graph breaks, "
-                             "no control flow on tensor values)") from None
-    finally:
-        logging.disable(quiet)
+    pipe = _trace(model, inputs, {name: SplitPoint.BEGINNING for name in starts[1:]})
     if pipe.num_stages != len(starts):
         raise PlanError(f"torch's pipeline tracer cut the model into {pipe.num_stages} stages, "
                         f"not {len(starts)}", hint="split points must be submodules the "
@@ -66,6 +50,29 @@ def pieces(model: nn.Module, starts: list[str], inputs) -> list[nn.Module]:
         live.append(sorted((v for v in needed if v == _INPUT or v[0] <= k), key=_order))
     return [_Piece(pipe.get_stage_module(k), k, sources[k], [_INPUT] if k == 0 else live[k - 1],
                    live[k] if k < count - 1 else [result]) for k in range(count)]
+
+
+def _trace(model: nn.Module, inputs, split_spec: dict):
+    """torch.distributed.pipelining's Pipe of the model split at `split_spec`, or PlanError
+    with the tracer's cause in one line."""
+    from torch.distributed.pipelining import pipeline
+
+    quiet = logging.root.manager.disable
+    try:
+        # torch.export's deprecation notices and the graphs it logs or prints on a failure are
+        # not the user's to read
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore", FutureWarning)
+            logging.disable(logging.WARNING)
+            return pipeline(model, mb_args=(inputs,), split_spec=split_spec)
+    except TimeLimitError:
+        raise
+    except Exception as exc:  # the tracer's limits: the cause in one line, torch's words after
+        raise PlanError(f"torch's pipeline tracer stops at {_cause(exc)}",
+                        hint="torch's tracer needs the forward as one graph (no graph breaks, "
+                             "no control flow on tensor values)") from None
+    finally:
+        logging.disable(quiet)
 
 
 def _cause(exc: BaseException) -> str:
