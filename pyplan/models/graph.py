@@ -28,20 +28,15 @@ def _pieces(model: nn.Module, names: list[str], inputs):
         if "_orig_forward" in module.__dict__:
             module.__dict__.pop("forward", None)
             del module.__dict__["_orig_forward"]
-    pipe = _trace(model, inputs, {name: SplitPoint.END for name in names})
-    sources, result = _wiring(pipe.split_gm.graph)
-    wanted = set(names)
-    unit_of = []
-    for k in range(len(sources)):
-        held = [n for n, _ in pipe.get_stage_module(k).named_modules() if n in wanted]
-        if len(held) != 1:
-            raise PlanError(f"torch's pipeline tracer made a piece holding {len(held)} units "
-                            f"({', '.join(held) or 'none'}), not one",
-                            hint="the units must be submodules the forward calls once each")
-        unit_of.append(names.index(held[0]))
-    if sorted(unit_of) != list(range(len(names))):
-        raise PlanError("torch's pipeline tracer did not make one piece per unit",
+    order = _call_order(model, names, inputs)
+    # After every unit but the last called: what follows it goes with that last one.
+    pipe = _trace(model, inputs, {names[u]: SplitPoint.END for u in order[:-1]})
+    sources, result = _wiring(pipe)
+    if len(sources) != len(names):
+        raise PlanError(f"torch's pipeline tracer cut the model into {len(sources)} pieces, "
+                        f"not one per unit ({len(names)})",
                         hint="the units must be submodules the forward calls once each")
+    unit_of = order
 
     def where(src):
         return src if src == _INPUT else (unit_of[src[0]], src[1])
@@ -49,6 +44,25 @@ def _pieces(model: nn.Module, names: list[str], inputs):
     for k, unit in enumerate(unit_of):
         pieces[unit] = (pipe.get_stage_module(k), [where(s) for s in sources[k]])
     return pieces, where(result)
+
+
+def _call_order(model: nn.Module, names: list[str], inputs) -> list[int]:
+    """The units (indices into `names`) in the order the model's forward calls them; PlanError
+    unless it calls each once."""
+    order: list[int] = []
+    hooks = [model.get_submodule(name).register_forward_pre_hook(
+        lambda *_, k=k: order.append(k)) for k, name in enumerate(names)]
+    try:
+        with torch.no_grad():
+            model(inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if sorted(order) != list(range(len(names))):
+        raise PlanError("the model's forward does not call each of its units once",
+                        hint="a graph pipeline cuts between submodules the forward calls once "
+                             "each")
+    return order
 
 
 def unit_graph(model: nn.Module, names: list[str], inputs

@@ -428,7 +428,8 @@ def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None
             materialize = None
         else:  # on the meta device, then each of this rank's pieces gets its own values
             inputs = to_device(inputs, torch.device("meta"))
-            materialize = lambda piece: traced.materialize(piece, deferred, device)  # noqa
+            made: dict = {}  # a tied parameter's copies in this process: one parameter
+            materialize = lambda piece: traced.materialize(piece, deferred, device, made)  # noqa
     elif model.cut.kind == CHAIN:  # only the units of this rank's stages
         owned = tuple(f"{u}." for b in mine for u in model.stages[problem.blocks[b].name])
         deferred.materialize(whole, device, names=lambda name: name.startswith(owned))
