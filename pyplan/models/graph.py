@@ -126,10 +126,12 @@ class GraphStage(nn.Module):
         return env[(src[0], None)][src[1]]
 
 
-def graph_stages(model: nn.Module, stages: list[tuple[str, tuple[str, ...]]], inputs
-                 ) -> tuple[list[GraphStage], list[list[int]]]:
-    """The stages of a graph pipeline (stages: (block name, its units), in plan order) and,
-    per stage, the stages whose outputs it reads (sorted: its arguments' order)."""
+def graph_stages(model: nn.Module, stages: list[tuple[str, tuple[str, ...]]], inputs,
+                 reads: list[list[int]]) -> list[GraphStage]:
+    """The stages of a graph pipeline (stages: (block name, its units), in plan order), whose
+    arguments are the outputs of the stages `reads` lists for each (the plan's after:):
+    PlanError unless those are exactly, in stage order, the stages whose values its units
+    read."""
     names = [u for _, units in stages for u in units]
     if len(set(names)) != len(names):
         raise PlanError("a graph pipeline's stages must not share units")
@@ -153,12 +155,17 @@ def graph_stages(model: nn.Module, stages: list[tuple[str, tuple[str, ...]]], in
     found = []
     for s in range(len(stages)):
         mine = sorted(u for u, t in stage_of.items() if t == s)
-        reads = any(src == _INPUT for u in mine for src in pieces[u][1])
-        stage = GraphStage([(u, pieces[u][0], pieces[u][1]) for u in mine], reads,
+        takes_input = any(src == _INPUT for u in mine for src in pieces[u][1])
+        stage = GraphStage([(u, pieces[u][0], pieces[u][1]) for u in mine], takes_input,
                            [provides[p] for p in preds[s]], provides[s])
-        stage.reads = preds[s]
         found.append(stage)
-    return found, preds
+        if preds[s] != reads[s]:
+            want = ", ".join(stages[p][0] for p in preds[s])
+            raise PlanError(f"block '{stages[s][0]}' of a graph pipeline must come after "
+                            f"exactly the stages its units read, in plan order: after: "
+                            f"[{want}]", hint="the plan is stale: re-run pyplan partition "
+                            "--shape graph")
+    return found
 
 
 def _model_order(model: nn.Module, names: list[str]) -> list[str]:

@@ -433,14 +433,13 @@ def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None
     elif model.cut.kind == CHAIN:  # only the units of this rank's stages
         owned = tuple(f"{u}." for b in mine for u in model.stages[problem.blocks[b].name])
         deferred.materialize(whole, device, names=lambda name: name.startswith(owned))
-    reads = _stage_reads(problem, blocks)
-    graph = model.cut.kind == TRACED and reads != [[s - 1] if s else [] for s in
-                                                   range(len(blocks))]
+    # Traced stages that are not a chain form a graph pipeline: each reads its after: stages.
+    reads = [[blocks.index(p) for p in ps] for ps in block_inputs(problem, blocks).values()]
+    graph = reads if model.cut.kind == TRACED and reads != [
+        [s - 1] if s else [] for s in range(len(blocks))] else None
     by_stage = stage_modules(whole, model.cut, stages,
                              [index[problem.blocks[b].name] for b in mine], device, inputs,
                              materialize=materialize, graph=graph)
-    if graph:
-        _check_reads(model, problem, blocks, reads, by_stage)
     if model.vocab is not None:
         _shard_vocab(whole, model, problem, stages, by_stage, mine, rank, groups or {}, device)
     # A parameter's name in the model: a tied one's first name, though pruning may have
@@ -452,31 +451,11 @@ def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None
     names.update((id(p), p.pyplan_name) for m in modules.values() for p in m.parameters()
                  if id(p) not in names and hasattr(p, "pyplan_name"))
     wants = frozenset(b for b in mine if model.cut.kind == FORWARD and index[
-        problem.blocks[b].name] > 0 or graph and reads[index[problem.blocks[b].name]] and
+        problem.blocks[b].name] > 0 or graph and graph[index[problem.blocks[b].name]] and
         modules[b].reads_input)
     read = tuple(deferred.checkpoint.read) if deferred.checkpoint is not None else ()
     return Built(modules, names, whole if model.cut.kind != TRACED else None, found, wants,
                  read)
-
-
-def _stage_reads(problem: Problem, blocks: list[int]) -> list[list[int]]:
-    """Per forward block (a stage, in plan order), the stages whose outputs it takes."""
-    at = {b: s for s, b in enumerate(blocks)}
-    return [[at[p] for p in preds] for preds in block_inputs(problem, blocks).values()]
-
-
-def _check_reads(model: Model, problem: Problem, blocks: list[int], reads: list[list[int]],
-                 by_stage: dict) -> None:
-    """A graph pipeline's blocks come after exactly the stages their units read (the traced
-    model's own dataflow), in stage order: else the plan is stale."""
-    for s, module in by_stage.items():
-        if reads[s] != module.reads:
-            name = problem.blocks[blocks[s]].name
-            want = ", ".join(problem.blocks[blocks[p]].name for p in module.reads)
-            raise located(model.source or problem.source_path, ("model", "stages", name),
-                          f"block '{name}' of a graph pipeline must come after exactly the "
-                          f"stages its units read, in plan order: after: [{want}]",
-                          "the plan is stale: re-run pyplan partition --shape graph")
 
 
 def _vocab_blocks(model: Model, problem: Problem,
