@@ -84,7 +84,7 @@ def _module_files(*found) -> list[str]:
 
 
 def partition_model(factory: str, data: str, loss: str, *, devices: int, output: str | Path,
-                    shape: str | None = "vshape", chunks: int = 2, micro_batches: int | None = None,
+                    shape: str | None = None, chunks: int = 2, micro_batches: int | None = None,
                     memory: int | list[int] | None = None, speeds: list[float] | None = None,
                     recompute: str = "never", optimizer: str = "sgd",
                     split_backward: bool = False, weights: str | Path | None = None,
