@@ -298,7 +298,46 @@ class _Search:
                     if others is not None:
                         best = _better(best, (others[0] + 1 + rest[0],
                                               others[1] + (members,) + rest[1]))
+        return self._tail_merged(items, i, d, after, best)
+
+    def _tail_merged(self, items: tuple[Node, ...], i: int, d: int, after: int, best):
+        """Options where the cheapest branch of parallel item i ends in the stage after it:
+        its last items with items i+1..j, its first ones on devices of their own beside the
+        other branches."""
+        branches = self.ordered(items[i])
+        last = branches[-1]
+        if last.kind != _SERIES:
+            return best
+        for q in range(1, len(last.children)):
+            start = self.prefix(last, q)
+            tail = self.cost_of(last.children[q:])
+            total = tail
+            for j in range(i + 1, len(items)):
+                total += self.cost(items[j])
+                if total > self.limit:
+                    break
+                members = tuple(sorted([u for x in last.children[q:] for u in x.units] +
+                                       [u for x in items[i + 1:j + 1] for u in x.units]))
+                for rest_devices in range(0, d - 2):
+                    rest = self._series(items, j + 1, rest_devices, after)
+                    if rest is None or not self.fits(members, after + rest[0]):
+                        continue
+                    behind = after + 1 + rest[0]
+                    for own in range(1, d - 1 - rest_devices):
+                        others = self._parallel(items[i], len(branches) - 1, 0,
+                                                d - 1 - rest_devices - own, behind)
+                        first = self.solve(start, own, behind) if others is not None else None
+                        if first is not None:
+                            best = _better(best, (max(others[0], first[0]) + 1 + rest[0],
+                                                  others[1] + first[1] + (members,) + rest[1]))
         return best
+
+    def prefix(self, node: Node, q: int) -> Node:
+        """The series of node's first q items (one object per (node, q), for the memo)."""
+        key = ("prefix", id(node), q)
+        if key not in self.memo:
+            self.memo[key] = node.children[0] if q == 1 else Node(_SERIES, node.children[:q])
+        return self.memo[key]
 
     def cost_of(self, nodes) -> float:
         return sum(self.cost(x) for x in nodes)
