@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from pyplan.api import PartitionPlan, partition_plans
-from pyplan.errors import InfeasibleError, PlanError
+from pyplan.errors import InfeasibleError, PlanError, TimeLimitError, describe_exception
 from pyplan.files import check_not_input
 from pyplan.models import FORWARD, TRACED, Cut, Unit, everywhere
 from pyplan.partition import UnitCost, host_capacity, ties
@@ -202,7 +202,8 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     tried, names, why_chosen = [], None, ""
     graph, why_graph = None, None
     if shape in (None, "graph", "auto"):
-        graph, why_graph = _unit_graph(deferred, cut, units, inputs, memory, speeds)
+        graph, why_graph = _unit_graph(deferred, cut, units, inputs, memory, speeds,
+                                       unit_seconds)
         if shape == "graph" and graph is None:
             raise PlanError(f"shape graph: {why_graph}", hint="use --shape vshape")
     if shape is None and graph is not None:  # a model with branches: graph or chain
@@ -262,8 +263,8 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
                        measured_link, why_chosen)
 
 
-def _unit_graph(deferred, cut: Cut, units: list[UnitCost], inputs, memory, speeds
-                ) -> tuple[UnitGraph | None, str | None]:
+def _unit_graph(deferred, cut: Cut, units: list[UnitCost], inputs, memory, speeds,
+                unit_seconds: float | None) -> tuple[UnitGraph | None, str | None]:
     """(the units' graph, None) for a model with parallel branches, else (None, why not)."""
     if cut.kind != TRACED:
         how = "in its own forward" if cut.kind == FORWARD else "as a chain"
@@ -274,10 +275,19 @@ def _unit_graph(deferred, cut: Cut, units: list[UnitCost], inputs, memory, speed
 
     meta = not deferred.eager
     # A copy: torch's tracer wraps the forwards of the modules it splits at, for good.
-    with deferred.streaming() if not meta else contextlib.nullcontext():
-        preds, reads, sizes = unit_graph(copy.deepcopy(deferred.model), [u.name for u in units],
-                                         to_device(inputs, torch.device("meta")) if meta
-                                         else inputs)
+    try:
+        with deferred.streaming() if not meta else contextlib.nullcontext(), \
+                time_limit("the model's graph of units (torch's tracer)", unit_seconds):
+            preds, reads, sizes = unit_graph(copy.deepcopy(deferred.model),
+                                             [u.name for u in units],
+                                             to_device(inputs, torch.device("meta")) if meta
+                                             else inputs)
+    except (TimeLimitError, KeyboardInterrupt):
+        raise
+    except PlanError as exc:  # the tracer's limits: the graph does not apply
+        return None, exc.message
+    except Exception as exc:  # noqa: BLE001 - the pieces failed to run: no graph
+        return None, f"its units' graph could not be followed ({describe_exception(exc)})"
     graph = UnitGraph(tuple(preds), tuple(reads), tuple(sizes))
     if decompose(graph).branches() < 2:
         return None, "the model's units have no parallel branches"
