@@ -27,7 +27,6 @@ Nothing here needs torch.
 from __future__ import annotations
 
 import json
-import math
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -554,7 +553,3 @@ def graph_plan_text(units: list[UnitCost], graph: UnitGraph, partition: GraphPar
         lines.append(f"  path: {json.dumps(path)}")
     return "\n".join(lines) + "\n"
 
-
-def efficiency(busy_ms: float, devices: int, makespan_ms: float) -> float:
-    """The blocks' total time over devices x makespan."""
-    return busy_ms / (devices * makespan_ms) if makespan_ms > 0 else math.nan
