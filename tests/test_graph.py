@@ -189,8 +189,10 @@ def test_traced_graph_stages_compute_what_the_whole_model_computes():
                       graph=[[], [0], [0], [1, 2]])
 
 
-def test_partition_by_default_writes_the_graph_of_a_branching_model_and_why(cli, tmp_path,
-                                                                           monkeypatch):
+def test_partition_by_default_solves_graph_and_chain_of_a_branching_model_and_says_why(
+        cli, tmp_path, monkeypatch):
+    """Which wins depends on this machine's measurements (the graph beating the chain is
+    tested above on fixed costs): the shorter is written, and the plan is a graph's or not."""
     shutil.copy(MODELS / "branches.py", tmp_path / "branches.py")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -198,10 +200,18 @@ def test_partition_by_default_writes_the_graph_of_a_branching_model_and_why(cli,
                          "branches:loss", "--devices", "4", "--micro-batches", "8",
                          "--repeats", "1", "-o", "uno.yaml")
     assert code == 0, err
-    assert "chosen: graph (a stage DAG of depth" in out and "vshape" in out
+    ranked = re.findall(r"^  (graph|vshape) +([0-9.]+) ms", out, re.M)
+    assert sorted(shape for shape, _ in ranked) == ["graph", "vshape"]
+    assert float(ranked[0][1]) <= float(ranked[1][1])
+    chosen = ranked[0][0]
+    assert f"chosen: {chosen}" in out and f"shorter than {ranked[1][0]}'s" in out
     plan = (tmp_path / "uno.yaml").read_text()
-    assert "cut: traced" in plan and plan.count("after: []") >= 2
-    code, out, err = cli("export", "uno.yaml", "--format", "megatron-layout", "-o", "x.json")
+    assert "cut: traced" in plan and (plan.count("after: []") >= 2) == (chosen == "graph")
+    code, out, err = cli("partition", "branches:uno", "--data", "branches:batch", "--loss",
+                         "branches:loss", "--devices", "4", "--micro-batches", "8",
+                         "--repeats", "1", "--shape", "graph", "-o", "graph.yaml")
+    assert code == 0, err
+    code, out, err = cli("export", "graph.yaml", "--format", "megatron-layout", "-o", "x.json")
     assert code == 2 and "stages form a graph" in err and len(err.strip().splitlines()) == 1
 
 
