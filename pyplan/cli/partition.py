@@ -33,13 +33,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fn(output, targets) -> a scalar mean loss")
     parser.add_argument("--devices", type=whole(1, MAX_DEVICES), required=True, metavar="D",
                         help="devices (pipeline ranks) to cut the model for")
-    parser.add_argument("--shape", choices=("vshape", "interleaved", "mshape", "auto"),
-                        default="vshape",
+    parser.add_argument("--shape", choices=("vshape", "interleaved", "mshape", "graph", "auto"),
+                        default=None,
                         help="vshape: stage s on device s; interleaved: stage s on device s "
                         "mod D, --chunks stages per device; mshape: the token embedding and "
                         "the head on all devices, sharded over the vocabulary, one stage per "
-                        "device between them; auto: solve every placement that applies and "
-                        "write the shortest")
+                        "device between them; graph: stages forming a DAG that follows the "
+                        "model's parallel branches, one per device; auto: solve every placement "
+                        "that applies and write the shortest (default: vshape, or graph when "
+                        "the model has parallel branches and its makespan is shorter)")
     parser.add_argument("--chunks", type=whole(1, MAX_DEVICES), metavar="C",
                         help="stages per device with --shape interleaved (default 2)")
     parser.add_argument("--micro-batches", type=whole(1, MAX_MICRO_BATCHES), metavar="N",
@@ -94,8 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _options(args: argparse.Namespace):
     """(stages, micro-batches, memory in bytes: one amount or one per device, speeds)."""
-    if args.chunks is not None and args.shape in ("vshape", "mshape"):
-        raise PlanError(f"--chunks does nothing with --shape {args.shape}",
+    if args.tensor > 1 and args.shape is None:
+        args.shape = "vshape"
+    if args.chunks is not None and args.shape not in ("interleaved", "auto"):
+        raise PlanError(f"--chunks does nothing with --shape {args.shape or 'vshape'}",
                         hint="give --shape interleaved (or auto), or leave --chunks out")
     if args.no_sequence_parallel and args.tensor == 1:
         raise PlanError("--no-sequence-parallel does nothing without --tensor",
@@ -119,7 +123,7 @@ def _options(args: argparse.Namespace):
     if args.speeds is not None:
         speeds = [_speed(text) for text in _per_device(args.speeds, "--speeds", args.devices)]
         speeds = speeds * args.devices if len(speeds) == 1 else speeds
-    if args.shape in ("mshape", "auto") and (isinstance(memory, list) or speeds):
+    if args.shape in ("mshape", "graph", "auto") and (isinstance(memory, list) or speeds):
         raise PlanError(f"--shape {args.shape} takes one --memory for every device and no "
                         "--speeds (its sharded units run on all devices alike)",
                         hint="use --shape vshape or interleaved")
@@ -175,8 +179,10 @@ def run(args: argparse.Namespace) -> int:
     units, plans = found.units, found.plans
     how = {"chain": "", "traced": "cut by torch's pipeline tracer, ",
            "forward": "cut in the model's own forward, "}[found.cut.kind]
-    if args.shape == "auto":
+    if found.tried:
         _print_placements(found, args, n, f"{how}measured")
+        print(f"  chosen: {found.why}")
+        print(f"{found.tried[0].label}: the best partitions and even splits, solved:")
     else:
         print(f"{args.factory}: {len(units)} units ({how}measured), {stages} stages "
               f"({found.shape}), {n} micro-batches; the best partitions and even splits, "
@@ -185,8 +191,7 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     for plan in sorted(plans, key=lambda c: c.partition.bottleneck_ms):
         p = plan.partition
-        cut_text = " | ".join(f"{units[p.bounds[s]].name}..{units[p.bounds[s + 1] - 1].name}"
-                              for s in range(p.num_stages))
+        cut_text = _stages_text(units, p)
         print(f"  bottleneck {p.bottleneck_ms:8.2f} ms  makespan {plan.makespan_ms:9.2f} ms "
               f"({plan.solution.status})  {cut_text}")
     for line in found.warnings:
@@ -210,6 +215,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stages_text(units, p) -> str:
+    """A partition's stages: first..last unit of each run; a DAG's with what each reads."""
+    if not hasattr(p, "preds"):
+        return " | ".join(f"{units[p.bounds[s]].name}..{units[p.bounds[s + 1] - 1].name}"
+                          for s in range(p.num_stages))
+    out = []
+    for s, members in enumerate(p.stages):
+        runs, start = [], members[0]
+        for a, b in zip(members, members[1:] + (None,)):
+            if b != a + 1:
+                runs.append(units[start].name if a == start else
+                            f"{units[start].name}..{units[a].name}")
+                start = b
+        reads = f" <- {','.join(map(str, p.preds[s]))}" if p.preds[s] else ""
+        out.append(f"{s}: {' + '.join(runs)}{reads}")
+    return f"depth {p.depth}: " + " | ".join(out)
+
+
 def _print_placements(found, args, n: int, how: str) -> None:
     """--shape auto: every placement solved, the shortest first."""
     tried = found.tried
@@ -228,7 +251,6 @@ def _print_placements(found, args, n: int, how: str) -> None:
         bound = f", at least {p.busy_ms / p.cores:9.2f} ms on {p.cores} cores" if shared else ""
         print(f"  {p.label:24} {p.best.makespan_ms:9.2f} ms ({p.best.solution.status}){bound}"
               f"{mark}")
-    print(f"{best.label}: the best partitions and even splits, solved:")
 
 
 def _measured(partition):

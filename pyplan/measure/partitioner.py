@@ -10,6 +10,8 @@ placement that applies is solved (pyplan.measure.placements).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import sys
 from dataclasses import dataclass, field
@@ -18,15 +20,17 @@ from pathlib import Path
 import torch
 
 from pyplan.api import PartitionPlan, partition_plans
-from pyplan.errors import InfeasibleError, PlanError
+from pyplan.errors import InfeasibleError, PlanError, TimeLimitError, describe_exception
 from pyplan.files import check_not_input
 from pyplan.models import FORWARD, TRACED, Cut, Unit, everywhere
 from pyplan.partition import UnitCost, host_capacity, ties
 from pyplan.planfile.types import CPU_LINK, LinkSpec, TopologySpec
-from pyplan.measure.placements import CHUNKS, Placement, Sharded, mshape_plans, placements
+from pyplan.measure.placements import (CHUNKS, Placement, Sharded, graph_plans, mshape_plans,
+                                      placements)
+from pyplan.partition.graph import UnitGraph, decompose
 from pyplan.run.binding import Model, defer_whole, import_function, loss_function, make_batch
 from pyplan.measure.census import storage_bytes
-from pyplan.run.data import batches_from, split_batch
+from pyplan.run.data import batches_from, split_batch, to_device
 from pyplan.run.pipeline import DTYPES
 from pyplan.measure.limits import DEFAULT_SECONDS, time_limit
 from pyplan.measure.links import measure_link
@@ -34,7 +38,7 @@ from pyplan.measure.measure import Measured, host_bytes, rss_bytes
 
 __all__ = ["SHAPES", "Partitioned", "partition_model"]
 
-SHAPES = ("vshape", "interleaved", "mshape", "auto")
+SHAPES = ("vshape", "interleaved", "mshape", "graph", "auto")
 SOLVE_SECONDS = 10.0  # per candidate partition
 AUTO_SOLVE_SECONDS, AUTO_KEEP = 5.0, 2  # shape auto: per candidate, best partitions kept
 
@@ -50,7 +54,8 @@ class Partitioned:
     units: list[UnitCost]
     cut: Cut
     tried: list[Placement] = field(default_factory=list)
-    """shape auto: every placement solved (or why it does not apply), shortest first."""
+    """shape auto (or the default on a model with branches): every placement solved (or why
+    it does not apply), shortest first."""
     sharded: Sharded | None = None
     """The vocabulary-sharded first and last units (M-shape), when measured."""
     about_sharded: list[str] = field(default_factory=list)
@@ -65,6 +70,8 @@ class Partitioned:
     """What a process held before the model was built: Python, torch and the model's code."""
     link: LinkSpec | None = None
     """The link between two devices the plans time transfers on, when measured (links=True)."""
+    why: str = ""
+    """Why the shape written was chosen (auto, the default on a model with branches)."""
 
 
 def _module_files(*found) -> list[str]:
@@ -77,7 +84,7 @@ def _module_files(*found) -> list[str]:
 
 
 def partition_model(factory: str, data: str, loss: str, *, devices: int, output: str | Path,
-                    shape: str = "vshape", chunks: int = 2, micro_batches: int | None = None,
+                    shape: str | None = None, chunks: int = 2, micro_batches: int | None = None,
                     memory: int | list[int] | None = None, speeds: list[float] | None = None,
                     recompute: str = "never", optimizer: str = "sgd",
                     split_backward: bool = False, weights: str | Path | None = None,
@@ -90,7 +97,9 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     `data` ("pkg.mod:fn", batch(step) -> (inputs, targets), or a dataset or loader) with
     `loss` ("pkg.mod:fn", loss(output, targets)) over `devices` devices, for a plan to be
     written at `output` (its name; the folders it names are relative to it). `shape`:
-    vshape, interleaved (`chunks` stages per device), mshape or auto. `memory`: bytes per
+    vshape, interleaved (`chunks` stages per device), mshape, graph (a stage DAG following the
+    model's branches, pyplan.partition.graph), auto, or None: vshape, or graph when the model
+    has parallel branches and its solved makespan is shorter. `memory`: bytes per
     device (or one per device), `speeds` each device's relative speed; `recompute`,
     `optimizer` (sgd or adamw, as pyplan run names them: the state its weights count and its
     step's time and temporaries), `split_backward` (zero bubble: input and weight gradients
@@ -107,7 +116,7 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     priced as one tensor rank runs it (pyplan.cluster.ranks).
     PlanError for bad arguments, a model that cannot be cut or an `output` that is one of the
     model's modules; InfeasibleError when nothing fits."""
-    if shape not in SHAPES:
+    if shape is not None and shape not in SHAPES:
         raise PlanError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     stages = devices * (chunks if shape == "interleaved" else 1) + (2 if shape == "mshape"
                                                                      else 0)
@@ -190,17 +199,39 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
             why = exc.message
         if sharded is None and shape == "mshape":
             raise PlanError(f"shape mshape: {why}", hint="use vshape or interleaved")
-    tried, names = [], None
+    tried, names, why_chosen = [], None, ""
+    graph, why_graph = None, None
+    if shape in (None, "graph", "auto"):
+        graph, why_graph = _unit_graph(deferred, cut, units, inputs, memory, speeds,
+                                       unit_seconds)
+        if shape == "graph" and graph is None:
+            raise PlanError(f"shape graph: {why_graph}", hint="use --shape vshape")
+    if shape is None and graph is not None:  # a model with branches: graph or chain
+        tried = placements(units, devices=devices, shapes=("vshape", "graph"), sharded=None,
+                           graph=graph, **options)
+        if tried[0].best is None:
+            raise InfeasibleError("no placement fits: " + "; ".join(
+                f"{p.label}: {p.reason}" for p in tried), hint="give more memory or devices")
+        plans, chosen = list(tried[0].plans), tried[0].shape
+        why_chosen = _why(tried)
+    elif shape is None:
+        shape = "vshape"
     if shape == "auto":
-        shapes = ("vshape", *(f"interleaved-{c}" for c in CHUNKS), "mshape")
+        shapes = ("vshape", *(f"interleaved-{c}" for c in CHUNKS), "mshape", "graph")
         # Five placements to solve: fewer candidates each, and less time per candidate.
         tried = placements(units, devices=devices, shapes=shapes, sharded=sharded,
                            why_not_mshape=why, cores=_cores() if device == "cpu" else None,
+                           graph=graph, why_not_graph=why_graph,
                            **{**options, "keep": AUTO_KEEP, "time_limit": AUTO_SOLVE_SECONDS})
         if tried[0].best is None:
             raise InfeasibleError("no placement fits: " + "; ".join(
                 f"{p.label}: {p.reason}" for p in tried), hint="give more memory or devices")
         plans, chosen = list(tried[0].plans), tried[0].shape
+        why_chosen = _why(tried)
+    elif shape == "graph":
+        plans, chosen = graph_plans(units, graph, devices=devices, **options), "graph"
+    elif shape is None:
+        pass  # chosen above
     elif shape == "mshape":
         plans, chosen = mshape_plans(units, sharded, devices=devices, **options), "mshape"
     else:
@@ -229,7 +260,51 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     return Partitioned(plans, chosen, units, cut, tried, sharded if chosen == "mshape" else None,
                        about if chosen == "mshape" else [], warnings,
                        ties(units, plans[0].partition, shared, names), host, baseline,
-                       measured_link)
+                       measured_link, why_chosen)
+
+
+def _unit_graph(deferred, cut: Cut, units: list[UnitCost], inputs, memory, speeds,
+                unit_seconds: float | None) -> tuple[UnitGraph | None, str | None]:
+    """(the units' graph, None) for a model with parallel branches, else (None, why not)."""
+    if cut.kind != TRACED:
+        how = "in its own forward" if cut.kind == FORWARD else "as a chain"
+        return None, f"the model is cut {how}: its units run one after another"
+    if isinstance(memory, list) or speeds:
+        return None, "it takes one memory for every device and no speeds"
+    from pyplan.models.graph import unit_graph
+
+    meta = not deferred.eager
+    # A copy: torch's tracer wraps the forwards of the modules it splits at, for good.
+    try:
+        with deferred.streaming() if not meta else contextlib.nullcontext(), \
+                time_limit("the model's graph of units (torch's tracer)", unit_seconds):
+            preds, reads, sizes = unit_graph(copy.deepcopy(deferred.model),
+                                             [u.name for u in units],
+                                             to_device(inputs, torch.device("meta")) if meta
+                                             else inputs)
+    except (TimeLimitError, KeyboardInterrupt):
+        raise
+    except PlanError as exc:  # the tracer's limits: the graph does not apply
+        return None, exc.message
+    except Exception as exc:  # noqa: BLE001 - the pieces failed to run: no graph
+        return None, f"its units' graph could not be followed ({describe_exception(exc)})"
+    graph = UnitGraph(tuple(preds), tuple(reads), tuple(sizes))
+    if decompose(graph).branches() < 2:
+        return None, "the model's units have no parallel branches"
+    return graph, None
+
+
+def _why(tried: list[Placement]) -> str:
+    """Why the first placement was written: its makespan (and depth) against the next."""
+    best, other = tried[0], next((p for p in tried[1:] if p.best is not None), None)
+    depth = getattr(best.best.partition, "depth", None)
+    what = f"{best.label}" + (f" (a stage DAG of depth {depth} on "
+                              f"{best.best.partition.num_stages} devices)" if depth else "")
+    if other is None:
+        return f"{what}: the only placement that fits"
+    return (f"{what}: predicted makespan {best.expected_ms:.2f} ms, "
+            f"{other.expected_ms / best.expected_ms:.2f}x shorter than {other.label}'s "
+            f"{other.expected_ms:.2f} ms")
 
 
 _LINKS: dict[tuple[bool, str], LinkSpec] = {}

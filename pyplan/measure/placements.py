@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pyplan.api import UNITS_PER_STAGE, PartitionPlan, partition_plans, solved_plans
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.partition import Partition, UnitCost, candidates, plan_text, smallest_capacity
+from pyplan.partition.graph import UnitGraph, graph_candidates, graph_plan_text
 from pyplan.planfile import LinkSpec, format_memory
 
-__all__ = ["CHUNKS", "Placement", "Sharded", "mshape_plans", "placements"]
+__all__ = ["CHUNKS", "Placement", "Sharded", "graph_plans", "mshape_plans", "placements"]
 
 CHUNKS = (2, 3, 4)  # interleaved chunks per device that `auto` tries
 
@@ -130,6 +131,38 @@ def mshape_plans(units: list[UnitCost], sharded: Sharded, *, devices: int, name:
     return solved_plans(texts, source=source, time_limit=time_limit, unit_ms=unit_ms)
 
 
+def graph_plans(units: list[UnitCost], graph: UnitGraph, *, devices: int, name: str,
+                factory: str, data: str, loss: str, micro_batches: int,
+                memory: int | None = None, path: str | None = None, keep: int = 3,
+                time_limit: float = 10.0, source: str = "<partition>", cut: str = "chain",
+                layer_returns: str = "tensor", everywhere: tuple[str, ...] = (),
+                recompute: str = "never", weights: str | None = None,
+                link: LinkSpec | None = None,
+                optimizer: str | None = None) -> list[PartitionPlan]:
+    """Plans of graph pipelines (pyplan.partition.graph): stage DAGs of one stage per device
+    following the model's branches, the shallowest at the least bottleneck and at a few larger
+    ones, each solved, shortest makespan first. The model is cut by torch's tracer."""
+    if cut != "traced" or everywhere:
+        raise PlanError("a graph pipeline cuts the model with torch's tracer, and this model "
+                        f"is cut {'in its own forward' if cut == 'forward' else 'as a chain'}",
+                        hint="use --shape vshape")
+    if len(units) < devices:
+        raise PlanError(f"{devices} stages need as many units, the model has {len(units)}")
+    found = graph_candidates(units, graph, devices, micro_batches=micro_batches,
+                             capacity=memory, recompute=recompute)[:keep + 2]
+    if not found:
+        raise InfeasibleError(f"no stage DAG of {len(units)} units on {devices} devices fits "
+                              f"{format_memory(memory, True)} per device, even one "
+                              "micro-batch at a time", hint="give more memory or devices")
+    unit_ms = max(c.bottleneck_ms for c in found) / UNITS_PER_STAGE
+    texts = [(p, graph_plan_text(units, graph, p, name=name, devices=devices,
+                                 micro_batches=micro_batches, capacity=memory, factory=factory,
+                                 data=data, loss=loss, path=path, time_unit_ms=unit_ms,
+                                 recompute=recompute, weights=weights, link=link,
+                                 optimizer=optimizer)) for p in found]
+    return solved_plans(texts, source=source, time_limit=time_limit, unit_ms=unit_ms)
+
+
 def _busy_ms(units: list[UnitCost], sharded: Sharded | None, devices: int,
              micro_batches: int) -> float:
     each = lambda u: u.forward_ms + u.backward_ms  # noqa: E731
@@ -141,8 +174,10 @@ def _busy_ms(units: list[UnitCost], sharded: Sharded | None, devices: int,
 
 def placements(units: list[UnitCost], *, devices: int, shapes: tuple[str, ...],
                sharded: Sharded | None, why_not_mshape: str | None = None,
-               cores: int | None = None, **options) -> list[Placement]:
-    """Every placement of `shapes` (vshape, interleaved-C, mshape), solved with the measured
+               cores: int | None = None, graph: UnitGraph | None = None,
+               why_not_graph: str | None = None, **options) -> list[Placement]:
+    """Every placement of `shapes` (vshape, interleaved-C, mshape, graph: with the units'
+    `graph`), solved with the measured
     costs; those that do not apply or fit say why. Sorted by expected_ms (with `cores`, the
     CPU cores the devices share when fewer), the shortest first (then those without a plan,
     in the order asked)."""
@@ -155,6 +190,11 @@ def placements(units: list[UnitCost], *, devices: int, shapes: tuple[str, ...],
                     found.append(Placement(shape, reason=why_not_mshape or "not applicable"))
                     continue
                 plans = mshape_plans(units, sharded, devices=devices, **options)
+            elif shape == "graph":
+                if graph is None:
+                    found.append(Placement(shape, reason=why_not_graph or "not applicable"))
+                    continue
+                plans = graph_plans(units, graph, devices=devices, **options)
             else:
                 chunks = int(shape.split("-")[1]) if shape.startswith("interleaved-") else 1
                 if len(units) < devices * chunks:

@@ -135,13 +135,25 @@ def _runs(model: nn.Module, inputs) -> None:
 
 def stage_modules(model: nn.Module, cut: Cut, stages: list[tuple[str, tuple[str, ...]]],
                   mine: list[int], device, inputs=None,
-                  materialize=None) -> dict[int, nn.Module]:
+                  materialize=None, graph: list[list[int]] | None = None
+                  ) -> dict[int, nn.Module]:
     """The modules of stages `mine` (indices into `stages`: (block name, its modules), in
     model order), on `device`. `inputs` (a micro-batch) is needed by the traced cut. A model
     whose parameters are still on the meta device: the forward cut calls `materialize(model)`
     once it has dropped what other stages hold, the traced cut `materialize(piece)` for each
     piece of `mine` (traced on the meta device, with `inputs` there too); the chain cut needs
-    the caller to have materialised its stages' parameters first."""
+    the caller to have materialised its stages' parameters first. `graph` (traced cut): the
+    stages form a DAG, each taking the outputs of the stages graph[s] (the plan's after:,
+    checked against the model's dataflow) and, where its module's `reads_input`, the
+    micro-batch's inputs first (pyplan.models.graph)."""
+    if cut.kind == TRACED and graph is not None:
+        from pyplan.models.graph import graph_stages
+
+        found = graph_stages(model, stages, inputs, graph)
+        if materialize is not None:
+            for s in mine:
+                materialize(found[s])
+        return {s: found[s].to(device) for s in mine}
     if cut.kind == FORWARD:
         return forward.prune(model, [m for _, m in stages], mine, device,
                              returns=cut.returns, materialize=materialize)

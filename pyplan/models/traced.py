@@ -33,30 +33,14 @@ _INPUT = ("input",)
 def pieces(model: nn.Module, starts: list[str], inputs) -> list[nn.Module]:
     """The model cut by torch's tracer before each name in `starts` (after the first): one
     module per stage."""
-    from torch.distributed.pipelining import SplitPoint, pipeline
+    from torch.distributed.pipelining import SplitPoint
 
-    quiet = logging.root.manager.disable
-    try:
-        # torch.export's deprecation notices and the graphs it logs or prints on a failure are
-        # not the user's to read
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("ignore", FutureWarning)
-            logging.disable(logging.WARNING)
-            pipe = pipeline(model, mb_args=(inputs,),
-                            split_spec={name: SplitPoint.BEGINNING for name in starts[1:]})
-    except TimeLimitError:
-        raise
-    except Exception as exc:  # the tracer's limits: the cause in one line, torch's words after
-        raise PlanError(f"torch's pipeline tracer stops at {_cause(exc)}",
-                        hint="torch's tracer needs the forward as one graph (no graph breaks, "
-                             "no control flow on tensor values)") from None
-    finally:
-        logging.disable(quiet)
+    pipe = _trace(model, inputs, {name: SplitPoint.BEGINNING for name in starts[1:]})
     if pipe.num_stages != len(starts):
         raise PlanError(f"torch's pipeline tracer cut the model into {pipe.num_stages} stages, "
                         f"not {len(starts)}", hint="split points must be submodules the "
                         "forward runs once, in order")
-    sources, result = _wiring(pipe.split_gm.graph)
+    sources, result = _wiring(pipe)
     count = len(sources)
     # live[k]: the values still needed after stage k, in a fixed order.
     live = []
@@ -66,6 +50,29 @@ def pieces(model: nn.Module, starts: list[str], inputs) -> list[nn.Module]:
         live.append(sorted((v for v in needed if v == _INPUT or v[0] <= k), key=_order))
     return [_Piece(pipe.get_stage_module(k), k, sources[k], [_INPUT] if k == 0 else live[k - 1],
                    live[k] if k < count - 1 else [result]) for k in range(count)]
+
+
+def _trace(model: nn.Module, inputs, split_spec: dict):
+    """torch.distributed.pipelining's Pipe of the model split at `split_spec`, or PlanError
+    with the tracer's cause in one line."""
+    from torch.distributed.pipelining import pipeline
+
+    quiet = logging.root.manager.disable
+    try:
+        # torch.export's deprecation notices and the graphs it logs or prints on a failure are
+        # not the user's to read
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore", FutureWarning)
+            logging.disable(logging.WARNING)
+            return pipeline(model, mb_args=(inputs,), split_spec=split_spec)
+    except TimeLimitError:
+        raise
+    except Exception as exc:  # the tracer's limits: the cause in one line, torch's words after
+        raise PlanError(f"torch's pipeline tracer stops at {_cause(exc)}",
+                        hint="torch's tracer needs the forward as one graph (no graph breaks, "
+                             "no control flow on tensor values)") from None
+    finally:
+        logging.disable(quiet)
 
 
 def _cause(exc: BaseException) -> str:
@@ -84,16 +91,20 @@ def _order(value: tuple) -> tuple:
     return (-1, 0) if value == _INPUT else (value[0], -1 if value[1] is None else value[1])
 
 
-def _wiring(graph) -> tuple[list[list[tuple]], tuple]:
-    """Per piece, where each of its arguments comes from ((piece, output index or None for the
-    whole output) or the model's input), and where the model's output comes from."""
-    names, sources, result = {}, [], None
-    for node in graph.nodes:
+def _wiring(pipe) -> tuple[list[list[tuple]], tuple]:
+    """Per piece (by its stage number: the graph may call them in another order, e.g.
+    independent branches), where each of its arguments comes from ((piece, output index or
+    None for the whole output) or the model's input), and where the model's output comes
+    from."""
+    number = {id(pipe.get_stage_module(k)): k for k in range(pipe.num_stages)}
+    names, sources, result = {}, [None] * pipe.num_stages, None
+    for node in pipe.split_gm.graph.nodes:
         if node.op == "placeholder":
             names[node.name] = _INPUT
         elif node.op == "call_module":
-            sources.append([names[a.name] for a in node.args])
-            names[node.name] = (len(sources) - 1, None)
+            k = number[id(pipe.split_gm.get_submodule(node.target))]
+            sources[k] = [names[a.name] for a in node.args]
+            names[node.name] = (k, None)
         elif node.op == "call_function" and node.target is operator.getitem:
             piece, _ = names[node.args[0].name]
             names[node.name] = (piece, node.args[1])
@@ -125,7 +136,7 @@ class _Piece(nn.Module):
         return found[0] if len(found) == 1 else tuple(found)
 
 
-def materialize(piece: nn.Module, deferred, device):
+def materialize(piece: nn.Module, deferred, device, made: dict | None = None):
     """Give the meta parameters and buffers of a piece traced on the meta device their values
     on `device`, found by identity in the deferred model (pyplan.models.deferred.Deferred,
     whose model the piece was traced from; a tied parameter stays one). Returns a function
@@ -136,16 +147,22 @@ def materialize(piece: nn.Module, deferred, device):
             for attr, tensor in table.items():
                 if tensor is not None and tensor.is_meta:
                     places.setdefault(id(tensor), []).append((table, attr, tensor))
-    names = {key: deferred.first[key] for key in places}
-    values = deferred.values(list(names.values()))
+    # The tracer gives a tied parameter a copy per piece that uses it, which knows its name:
+    # one value per name, so the copies in one stage stay one parameter.
+    names = {key: deferred.first.get(key) or getattr(where[0][2], "pyplan_name")
+             for key, where in places.items()}
+    made = {} if made is None else made  # name -> value, shared by a process's pieces
+    values = deferred.values([n for n in dict.fromkeys(names.values()) if n not in made])
     for key, where in places.items():
-        value, meta = values[names[key]].to(device), where[0][2]
-        if isinstance(meta, nn.Parameter):
-            fresh = nn.Parameter(value, requires_grad=meta.requires_grad)
-            fresh.__dict__.update(meta.__dict__)  # its name in the model too
-            value = fresh
+        if names[key] not in made:
+            value, meta = values[names[key]].to(device), where[0][2]
+            if isinstance(meta, nn.Parameter):
+                fresh = nn.Parameter(value, requires_grad=meta.requires_grad)
+                fresh.__dict__.update(meta.__dict__)  # its name in the model too
+                value = fresh
+            made[names[key]] = value
         for table, attr, _ in where:
-            table[attr] = value
+            table[attr] = made[names[key]]
 
     def undo() -> None:
         for where in places.values():

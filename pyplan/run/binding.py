@@ -428,13 +428,18 @@ def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None
             materialize = None
         else:  # on the meta device, then each of this rank's pieces gets its own values
             inputs = to_device(inputs, torch.device("meta"))
-            materialize = lambda piece: traced.materialize(piece, deferred, device)  # noqa
+            made: dict = {}  # a tied parameter's copies in this process: one parameter
+            materialize = lambda piece: traced.materialize(piece, deferred, device, made)  # noqa
     elif model.cut.kind == CHAIN:  # only the units of this rank's stages
         owned = tuple(f"{u}." for b in mine for u in model.stages[problem.blocks[b].name])
         deferred.materialize(whole, device, names=lambda name: name.startswith(owned))
+    # Traced stages that are not a chain form a graph pipeline: each reads its after: stages.
+    reads = [[blocks.index(p) for p in ps] for ps in block_inputs(problem, blocks).values()]
+    graph = reads if model.cut.kind == TRACED and reads != [
+        [s - 1] if s else [] for s in range(len(blocks))] else None
     by_stage = stage_modules(whole, model.cut, stages,
                              [index[problem.blocks[b].name] for b in mine], device, inputs,
-                             materialize=materialize)
+                             materialize=materialize, graph=graph)
     if model.vocab is not None:
         _shard_vocab(whole, model, problem, stages, by_stage, mine, rank, groups or {}, device)
     # A parameter's name in the model: a tied one's first name, though pruning may have
@@ -446,7 +451,8 @@ def build(model: Model, problem: Problem, *, seed: int, device, rank: int | None
     names.update((id(p), p.pyplan_name) for m in modules.values() for p in m.parameters()
                  if id(p) not in names and hasattr(p, "pyplan_name"))
     wants = frozenset(b for b in mine if model.cut.kind == FORWARD and index[
-        problem.blocks[b].name] > 0)
+        problem.blocks[b].name] > 0 or graph and graph[index[problem.blocks[b].name]] and
+        modules[b].reads_input)
     read = tuple(deferred.checkpoint.read) if deferred.checkpoint is not None else ()
     return Built(modules, names, whole if model.cut.kind != TRACED else None, found, wants,
                  read)

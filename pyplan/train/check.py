@@ -227,6 +227,7 @@ class _forward:
             self.whole = None
             built = build(model, problem, seed=seed, device=device)
             self.modules = built.modules
+            self.wants_inputs = built.wants_inputs
             self.preds = block_inputs(problem, self.modules)
             self.order = [b for b in problem.graph.topological_order() if b in self.modules]
             names = built.names
@@ -262,7 +263,9 @@ class _forward:
             return logits(out)
         outputs = {}
         for b in self.order:
-            args = [outputs[p] for p in self.preds[b]] if self.preds[b] else [micro]
+            args = [outputs[p] for p in self.preds[b]]
+            if not self.preds[b] or b in self.wants_inputs:  # (a graph pipeline's stage)
+                args.insert(0, micro)
             self._reseed(b)
             with torch.set_grad_enabled(b in self.trains):
                 outputs[b] = self.modules[b](*args)

@@ -300,6 +300,26 @@ def _stages(problem: Problem) -> list[tuple[str, ...]]:
 _TRAINERS = {"torchtitan": "torchtitan", "megatron": "Megatron-LM"}
 
 
+def _branching(problem: Problem) -> tuple[int, str] | None:
+    """(a forward block, how its stages branch) where they are not one chain, else None."""
+    forward = {b.index for b in problem.blocks if b.is_forward}
+    ins: dict[int, list[int]] = {b: [] for b in forward}
+    outs: dict[int, list[int]] = {b: [] for b in forward}
+    for a, c in problem.edges:
+        if a in forward and c in forward:
+            ins[c].append(a)
+            outs[a].append(c)
+    for b in sorted(forward):
+        name = problem.blocks[b].name
+        if len(outs[b]) > 1:
+            return b, f"block '{name}' feeds {len(outs[b])} blocks"
+        if len(ins[b]) > 1:
+            return b, f"block '{name}' joins {len(ins[b])} blocks"
+    if sum(not ins[b] for b in forward) > 1:
+        return min(forward), "its forward blocks start more than one chain"
+    return None
+
+
 def plan_layout(problem: Problem, trainer: str, template: str | None = None) -> TrainerLayout:
     """The layout of a plan `pyplan partition` wrote, for `trainer` (torchtitan or megatron):
     its devices are the pipeline ranks, its stages the model's submodules, its `mesh:` the data
@@ -308,6 +328,11 @@ def plan_layout(problem: Problem, trainer: str, template: str | None = None) -> 
     (`NAME.csv`)."""
     name = _TRAINERS[trainer]
     stages = _stages(problem)
+    branch = _branching(problem)
+    if branch is not None:  # a graph pipeline
+        raise _at(problem, ("blocks", branch[0]), f"{problem.name}'s stages form a graph "
+                  f"({branch[1]}), but {name}'s pipeline stages form one chain",
+                  "export svg or chrome, or partition with --shape vshape")
     d = problem.num_devices
     style = _placement(problem, (LOOP, V) if trainer == "torchtitan" and len(stages) == 2 * d
                        else (LOOP,), name)
