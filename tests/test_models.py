@@ -126,9 +126,9 @@ def test_llama_interleaved_with_adamw_and_clipping_trains_the_same_model(tmp_pat
 
 @pytest.mark.parametrize("factory, message", [
     ("rooted", "error: the model cannot be cut: not at its layers (it has no nn.ModuleList of "
-               "layers), and torch's tracer makes stages of its children, but its parameter "
-               "scale belongs to none of them (hint: move the parameter into one of the "
-               "model's submodules, or make the forward call its list of layers"),
+               "layers), and torch's tracer would copy its parameter scale into the units of "
+               "embed and of b, which use it (hint: move the parameter into a submodule of the "
+               "model, called where it is used)"),
     ("branchy", "error: the model cannot be cut: not at its layers (its forward does not call "
                 "the 4 layers of layers once each, in order (called: 3, 2, 1, 0)), and torch's "
                 "pipeline tracer stops at GuardOnDataDependentSymNode: Could not guard on "

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_leaves
 
-from pyplan.models import Unit
+from pyplan.models import Unit, member
 from pyplan.run.backward import backward_input, backward_weight
 from pyplan.measure.census import Census, storage_bytes
 from pyplan.comm.values import flatten, rebuild, saved_bytes
@@ -424,14 +424,14 @@ def _kept_bytes(value, storages: frozenset[int]) -> int:
 
 def unit_buffer_bytes(model: torch.nn.Module, unit: Unit) -> int:
     """The bytes of the buffers of a unit's modules (each storage once)."""
-    return storage_bytes(b for name in unit.modules for b in model.get_submodule(name).buffers())
+    return storage_bytes(b for name in unit.modules for b in member(model, name).buffers())
 
 
 def unit_parameters(model: torch.nn.Module, unit: Unit) -> list[torch.Tensor]:
     """The parameters of a unit's modules (each once)."""
     found = {}
     for name in unit.modules:
-        for p in model.get_submodule(name).parameters():
+        for p in member(model, name).parameters():
             if p.requires_grad:
                 found[id(p)] = p
     return list(found.values())

@@ -400,7 +400,7 @@ def _sharded(deferred, inputs, targets, user, cut, units, devices, optimizer, re
         was = model.training
         model.eval()
         try:
-            out = logits(whole_forward(model, inputs) if cut.kind == FORWARD else model(inputs))
+            out = logits(whole_forward(model, inputs))
         finally:
             model.train(was)
         vocab = find(model, inputs, found_units[0].modules, found_units[-1].modules, out)

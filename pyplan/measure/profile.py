@@ -24,6 +24,7 @@ import torch
 from pyplan.lower import check_runnable
 from pyplan.models import (CHAIN, FORWARD, TRACED, Cut, Unit, find_units, stage_modules,
                            traced)
+from pyplan.models import chain
 from pyplan.models.deferred import Deferred, eager, move
 from pyplan.partition import UnitCost, weight_bytes
 from pyplan.problem import Problem
@@ -156,6 +157,7 @@ def _profile_units(model, inputs, targets, loss, *, optimizer: str, repeats: int
         undo = None
         if on_meta:
             undo = traced.materialize(pieces[k], deferred, device)
+            traced.place(pieces[k], device)
         what = f"unit {unit.name}"
         with time_limit(what, unit_seconds):
             module = pieces[k] if pieces is not None else _piece(deferred, cut, units, k, device)
@@ -224,7 +226,8 @@ def _pieces(model, cut: Cut, units: list[Unit], inputs, device) -> list[torch.nn
     stages = [(unit.name, unit.modules) for unit in units]
     everything = list(range(len(units)))
     if cut.kind == CHAIN:
-        return [model.get_submodule(unit.name).to(device) for unit in units]
+        return [chain.stage(model, (unit.name,), first=k == 0).to(device)
+                for k, unit in enumerate(units)]
     held = copy.deepcopy(model) if cut.kind == FORWARD else model
     found = stage_modules(held, cut, stages, everything, device, inputs)
     return [found[s] for s in everything]
@@ -239,7 +242,7 @@ def _piece(deferred: Deferred, cut: Cut, units: list[Unit], k: int,
         piece = copy.deepcopy(whole.get_submodule(units[k].name))
         deferred.materialize(piece, device, prefix=f"{units[k].name}.")
         move(piece, device)
-        return piece
+        return chain.stage(piece, ("",), first=True) if k == 0 else piece
     stages = [(unit.name, unit.modules) for unit in units]
     return stage_modules(copy.deepcopy(whole), cut, stages, [k], device,
                          materialize=lambda pruned: deferred.materialize(pruned, device))[k]

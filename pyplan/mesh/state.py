@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 
 from pyplan.models.chunks import shard_dim
 from pyplan.mesh.tensor import model_major, rank_major
+from pyplan.models.forward import _owner
 
 __all__ = ["SHARD", "load_state_dict", "state_dict"]
 
@@ -75,15 +76,28 @@ def _view(pipe) -> _Named:
     buffers = {}
     whole = pipe.built.whole
     if whole is not None:
+        mine = _stages_here(pipe)
         for name, buffer in whole.named_buffers():
             module = whole.get_submodule(name.rpartition(".")[0]) if "." in name else whole
-            if name.rpartition(".")[2] not in module._non_persistent_buffers_set:
+            if name.rpartition(".")[2] not in module._non_persistent_buffers_set and \
+                    _owner(name, mine[1]) in mine[0]:
                 buffers[name] = buffer
     else:
         for b, module in pipe.modules.items():
             for name, buffer in module.named_buffers():
                 buffers[f"{pipe.problem.blocks[b].name}.{name}"] = buffer
     return _Named(params, buffers)
+
+
+def _stages_here(pipe) -> tuple[set, dict]:
+    """(the stages this rank runs, and None: modules no stage lists; the model's modules ->
+    their stage) of a model cut in its own forward: a rank also runs the modules of earlier
+    stages, with zeros for their weights, and so updates their batch norms' running
+    statistics with what is not theirs (those are the other rank's to save)."""
+    stages = [m for m in pipe.modules.values() if getattr(m, "owners", None) is not None]
+    if not stages:
+        return {None}, {}
+    return {None} | {m.index for m in stages}, stages[0].owners
 
 
 def _options() -> StateDictOptions:

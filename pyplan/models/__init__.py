@@ -23,10 +23,12 @@ from torch import nn
 
 from pyplan.errors import PlanError, PyplanError, UserCodeError, describe_exception
 from pyplan.models import chain, forward, traced
+from pyplan.models.calls import call_model
 from pyplan.models.deferred import move
+from pyplan.models.traced import traced_units
 
 __all__ = ["CHAIN", "CUTS", "FORWARD", "TRACED", "Cut", "Tie", "Unit", "everywhere",
-           "find_units", "stage_modules", "ties"]
+           "find_units", "member", "stage_modules", "ties"]
 
 CHAIN, FORWARD, TRACED = "chain", "forward", "traced"
 CUTS = (CHAIN, FORWARD, TRACED)
@@ -100,9 +102,43 @@ def find_units(model: nn.Module, inputs) -> tuple[Cut, list[Unit]]:
     if not names:
         raise PlanError(f"the model cannot be cut: not at its layers ({why}), and it has no "
                         "children for torch's tracer to make stages of", hint=_REWRITE)
-    _held_by_units(model, names, f"not at its layers ({why}), and torch's tracer makes stages "
-                                 "of its children, but")
-    return Cut(TRACED, why=why), [Unit(n, (n,)) for n in names]
+    try:
+        units = [Unit(u[0], u) for u in traced_units(model, inputs, _expanded(model, names))]
+    except PlanError as exc:
+        raise PlanError(f"the model cannot be cut: not at its layers ({why}), and "
+                        f"{exc.message}", hint=exc.hint) from None
+    _held_by_units(model, [m for u in units for m in u.modules],
+                   f"not at its layers ({why}), and torch's tracer makes stages of its "
+                   "children, but")
+    return Cut(TRACED, why=why), units
+
+
+def _expanded(model: nn.Module, names: list[str]) -> list[str]:
+    """`names` with each module that holds a list of layers (an nn.ModuleList) and no
+    parameter of its own replaced by its children, recursively, but not the layers
+    themselves: a T5's encoder and decoder, CLIP's two towers, a U-Net's blocks become their
+    layers and the modules around them, for the tracer to cut between."""
+    found = []
+    for name in names:
+        module = model.get_submodule(name)
+        parent = model.get_submodule(name.rpartition(".")[0])
+        if not module._parameters and not isinstance(parent, (nn.ModuleList, nn.Sequential)) \
+                and any(isinstance(m, nn.ModuleList) for m in module.modules()):
+            found += _expanded(model, chain.units(module, f"{name}."))
+        else:
+            found.append(name)
+    return found
+
+
+def member(model: nn.Module, name: str) -> nn.Module:
+    """A unit's module `name`; for a parameter the model holds itself, which a unit of the
+    traced cut may list (CLIP's logit_scale), a module holding just that parameter."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        holder = nn.Module()
+        holder.register_parameter(name.rpartition(".")[2], model.get_parameter(name))
+        return holder
 
 
 def _held_by_units(model: nn.Module, names: list[str], why: str) -> None:
@@ -110,7 +146,7 @@ def _held_by_units(model: nn.Module, names: list[str], why: str) -> None:
     chain and traced cuts run nothing but their units)."""
     owners = dict.fromkeys(names, 0)
     for name, _ in model.named_parameters():
-        if forward._owner(name.rpartition(".")[0], owners) is None:
+        if forward._owner(name, owners) is None:
             raise PlanError(f"the model cannot be cut: {why} its parameter {name} belongs to "
                             "none of them", hint="move the parameter into one of the model's "
                             f"submodules, or {_REWRITE}")
@@ -121,7 +157,7 @@ def _runs(model: nn.Module, inputs) -> None:
     model.eval()
     try:
         with torch.no_grad():
-            model(inputs)
+            call_model(model, inputs)
     except (PyplanError, KeyboardInterrupt):
         raise
     except BaseException as exc:  # SystemExit too: the user's forward must not end pyplan
@@ -168,8 +204,8 @@ def stage_modules(model: nn.Module, cut: Cut, stages: list[tuple[str, tuple[str,
         if materialize is not None:  # traced on the meta device: only these stages' values
             for s in mine:
                 materialize(pieces[s])
-        return {s: pieces[s].to(device) for s in mine}
-    stages_of = {s: chain.stage(model, stages[s][1]) for s in mine}
+        return {s: traced.place(pieces[s], device) for s in mine}
+    stages_of = {s: chain.stage(model, stages[s][1], first=s == 0) for s in mine}
     for module in stages_of.values():
         move(module, device)
     return stages_of
@@ -181,8 +217,7 @@ def everywhere(model: nn.Module, units: list[Unit]) -> tuple[str, ...]:
     owners = {name: 0 for unit in units for name in unit.modules}
     found = []
     for name, _ in model.named_parameters():
-        module = name.rpartition(".")[0]
-        if forward._owner(module, owners) is None:
+        if forward._owner(name, owners) is None:
             found.append(name)
     return tuple(found)
 
@@ -199,8 +234,7 @@ def ties(model: nn.Module, stages: list[tuple[str, tuple[str, ...]]]) -> list[Ti
     first: dict[int, tuple[str, torch.Tensor]] = {}
     everywhere = set(range(len(stages)))
     for name, param in model.named_parameters(remove_duplicate=False):
-        module = name.rpartition(".")[0]
-        owner = forward._owner(module, owners) if module else None
+        owner = forward._owner(name, owners)
         holders.setdefault(id(param), set()).update(everywhere if owner is None else {owner})
         first.setdefault(id(param), (name, param))
     out = []

@@ -26,12 +26,11 @@ answers the attributes the model's forward reads of the layer and its submodules
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
 from pyplan.errors import TimeLimitError
+from pyplan.models.calls import call_model, for_loss
 from pyplan.models.deferred import move
 
 __all__ = ["ForwardStage", "call_order", "decoder_layers", "hidden_position", "logits",
@@ -116,9 +115,12 @@ def units(model: nn.Module, inputs) -> tuple[list[tuple[str, tuple[str, ...]]], 
         return (f"its forward does not call the {count} layers of {layers_name} once each, "
                 f"in order (called: {shown or 'none'})")
     first, last = order.index(layers[0]), order.index(layers[-1])
-    before, after = order[:first], order[last + 1:]
+    before, after = _outermost(order[:first]), _outermost(order[last + 1:])
     if any(name in before + after for name in layers):
         return f"its forward calls the layers of {layers_name} more than once"
+    other = _other_layers(model, layers_name, before + after)
+    if other is not None:  # an encoder-decoder: both lists are to be cut, not one
+        return f"its forward calls a second list of layers, {other}, around {layers_name}"
     tail = [("+".join(after), tuple(after))] if after else []
     found = ([("+".join(before), tuple(before))] if before else []) + \
         [(name, (name,)) for name in layers] + tail
@@ -132,6 +134,24 @@ def units(model: nn.Module, inputs) -> tuple[list[tuple[str, tuple[str, ...]]], 
     if before and _differs_from_whole(model, [m for _, m in found], inputs, returns) is None:
         return found, returns
     return f"cut at its layers, each stage on a rank of its own, {why}"
+
+
+def _other_layers(model: nn.Module, layers_name: str, names: list[str]) -> str | None:
+    """The name of another list of layers (an nn.ModuleList of 2 or more, not inside a
+    list) holding one of the modules `names`, if any."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and name != layers_name and \
+                not _lists_above(model, name) and \
+                any(n.startswith(f"{name}.") for n in names):
+            return name
+    return None
+
+
+def _outermost(names: list[str]) -> list[str]:
+    """`names` without those inside another of them (ViT's embeddings own the class token and
+    positions, and hold the patch embedding's convolution, called first): a unit's modules
+    never overlap."""
+    return [n for n in names if not any(n.startswith(f"{m}.") for m in names if m != n)]
 
 
 def _differs_from_whole(model: nn.Module, stage_modules: list[tuple[str, ...]], inputs,
@@ -169,13 +189,6 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
-def logits(output):
-    """What the loss gets from the last stage: the logits of a model output object, else the
-    output as it is."""
-    found = getattr(output, "logits", None)
-    return output if found is None else found
-
-
 def hidden_position(args: tuple, kwargs: dict):
     """Where a module call's hidden states are: its first positional tensor, else the
     `hidden_states` keyword, else its first tensor keyword."""
@@ -197,21 +210,8 @@ class _Leave(Exception):
         self.value = value
 
 
-def _call_kwargs(model: nn.Module) -> dict:
-    """Keywords that keep a generation model from building caches it does not need."""
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"use_cache": False} if "use_cache" in parameters else {}
-
-
-def whole_forward(model: nn.Module, inputs):
-    """The model's own forward on a micro-batch's inputs (a tensor or a dict of keywords)."""
-    extra = _call_kwargs(model)
-    if isinstance(inputs, dict):
-        return model(**inputs, **extra)
-    return model(inputs, **extra)
+logits = for_loss  # what the loss gets of the model's output (pyplan.models.calls)
+whole_forward = call_model  # the model's own forward on a micro-batch's inputs
 
 
 class _Calls:
@@ -362,9 +362,10 @@ def _copy_attributes(source: nn.Module, target: nn.Module) -> None:
 class _Elsewhere(nn.Module):
     """A module of a later stage, held by another rank: never called on this one."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, module: nn.Module) -> None:
         super().__init__()
         self.name = name
+        _copy_attributes(module, self)  # read before the call (MobileNet's padding: .stride)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError(f"{self.name} belongs to a later stage but was called before this "
@@ -402,7 +403,7 @@ def prune(model: nn.Module, stage_modules: list[tuple[str, ...]], mine: list[int
             continue
         if owner > last and name in owners:  # a later stage's: never called here
             parent, _, child = name.rpartition(".")
-            model.get_submodule(parent).register_module(child, _Elsewhere(name))
+            model.get_submodule(parent).register_module(child, _Elsewhere(name, module))
         elif owner < last:  # runs before this rank's stages start: zeros, almost free
             for pname, param in list(module._parameters.items()):
                 if param is not None:

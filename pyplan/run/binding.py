@@ -29,7 +29,7 @@ import torch
 
 from pyplan.errors import PlanError, RunError, UserCodeError
 from pyplan.errors import describe_exception as _describe_exception
-from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Tie, stage_modules, ties, traced
+from pyplan.models import CHAIN, FORWARD, TRACED, Cut, Tie, member, stage_modules, ties, traced
 from pyplan.models.deferred import Deferred, defer
 from pyplan.models.weights import open_checkpoint
 from pyplan.run.data import (DATA_HINT, Source, batches_from, check_batch, describe, split_batch,
@@ -324,7 +324,7 @@ def _check_stage_names(whole: torch.nn.Module, model: Model, problem: Problem) -
                        "list the submodules of every declared block")
         for i, unit in enumerate(model.stages[name]):
             try:
-                module = whole.get_submodule(unit)
+                module = member(whole, unit)
             except AttributeError:
                 raise fail((name, i), f"model.stages: the model has no submodule '{unit}' "
                            f"(block '{name}')", "names are dotted paths as in "
@@ -533,7 +533,7 @@ def _check_cut(whole: torch.nn.Module, model: Model, problem: Problem) -> None:
         return
     owners = {name: 0 for _, units in _stages_in_order(problem, model) for name in units}
     for name, _ in whole.named_parameters():
-        if _owner(name.rpartition(".")[0], owners) is None:
+        if _owner(name, owners) is None:
             raise located(source, where, f"model.cut is {model.cut.kind}, which runs only the "
                           f"stages' modules, but the model's parameter {name} is in none of "
                           "them", "the cut is what pyplan partition found: re-run it, or "

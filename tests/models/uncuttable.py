@@ -1,6 +1,7 @@
 """Models pyplan partition must refuse in one line, not cut into a plan that pyplan run then
-refuses: `Rooted`, whose root module owns a parameter its forward uses but which has no list of
-layers (so only the traced cut, which runs nothing but its children, would apply); `Branchy`,
+refuses: `Rooted`, whose root module owns a parameter its forward uses in two places, and which
+has no list of layers (so only the traced cut would apply, whose tracer would copy the
+parameter into two stages, their gradients summed by nothing); `Branchy`,
 which calls its layers out of order and branches on a tensor's value (so neither its own
 forward nor torch's tracer can be cut)."""
 
@@ -22,7 +23,7 @@ class Rooted(nn.Module):
     def forward(self, x):
         h = self.embed(x) * self.scale
         h = torch.tanh(self.a(h)) + h
-        return self.head(torch.tanh(self.b(h)))
+        return self.head(torch.tanh(self.b(h)) * self.scale)
 
 
 class Branchy(nn.Module):
