@@ -5,7 +5,18 @@ command). `PYPLAN_FUZZ_CASES` scales the cases (a long run: PYPLAN_FUZZ_CASES=20
 
 - plan: `pyplan plan` with a cluster YAML whose numbers are zeros, NaN, infinities, negative,
   tiny or huge, a config.json of an unknown family, 0 layers, a vocabulary of 1, fields of the
-  wrong type, MoE sizes that do not fit, and every flag with counts that divide nothing.
+  wrong type, MoE sizes that do not fit, and every flag with counts that divide nothing;
+- mesh: tensor-parallel styles (mesh.tensor_plan's and the model's own, packed_colwise:N of
+  any N) on modules they do not fit, MoE styles on dense models and attention, with and
+  without sequence parallelism, applied to tiny Hugging Face models over a fake 2-rank world;
+- run flags: round 5's options of `pyplan run` (--compile, --params, --profile and
+  --profile-steps, --async-save, --save, --resume, --max-time, --steps with --accumulate,
+  --save-every, --keep-last) together with hostile values, read before anything launches
+  (--dry-run), and a full disk (ENOSPC injected where DCP writes) during an async save;
+- resume: `--resume auto` and `--resume DIR` on odd folders (step folders that are files,
+  links to themselves or nowhere, records that are damaged, /dev/zero, directories, hidden
+  half-renamed steps, names that are nearly steps): a CheckpointError or an OSError, each of
+  which every rank reports in one line (checkpoint.agree), never another exception.
 """
 
 from __future__ import annotations
@@ -200,3 +211,216 @@ def test_a_config_that_is_not_a_model_is_one_line(tmp_path, changes, message):
                       "--global-batch", "8", "--seq", "128"])
     assert code == 2 and err.count("\n") == 1 and len(err) < 600, err
     assert message in err, err
+
+
+# ---------------------------------------------------------------- mesh styles
+
+MESH_FAMILIES = ["llama", "mixtral", "gpt2", "qwen3", "qwen2_moe"]
+ODD_STYLES = ["packed_colwise:3", "packed_colwise:0", "packed_colwise:-1", "packed_colwise:x",
+              "packed_colwise:7", "colwise:2", "nope", ""]
+
+
+def test_mesh_styles_on_modules_they_do_not_fit_are_one_line(fake_world):
+    """Each case: parallelize (what a rank of `pyplan run` does with the plan's mesh) returns
+    or raises a one-line PlanError. Found: packed_colwise:x raised ValueError, :0 a
+    ZeroDivisionError, a width the tensor ranks (times a packed layer's parts) do not divide
+    a RuntimeError of torch's unflatten; each is one line naming the module now. (A style that
+    fits its module but not its neighbours, colwise_rep before a row-wise layer, fails in the
+    first forward: one line from `pyplan run` naming the rank and instruction, exit 1.)"""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from models import hf
+
+    from pyplan.errors import PlanError
+    from pyplan.mesh.tensor import STYLES, parallelize, tensor_plan
+
+    hf.transformers_quiet()
+    rng = random.Random(SEED)
+    failures, outcomes = [], {"built": 0, "refused": 0}
+    for case in range(max(CASES // 15, 12)):
+        family = rng.choice(MESH_FAMILIES)
+        torch.manual_seed(0)
+        model = hf.build(family, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+        names = [n for n, _ in model.named_modules() if n]
+        overrides = {}
+        for _ in range(rng.randint(1, 3)):
+            parts = rng.choice(names).split(".")
+            if rng.random() < 0.3:
+                parts[rng.randrange(len(parts))] = "*"
+            overrides[".".join(parts)] = rng.choice(list(STYLES) + ODD_STYLES)
+        try:
+            parallelize(model, tensor_plan(model, overrides), fake_world,
+                        where="p.yaml mesh", sequence=rng.random() < 0.5)
+            outcomes["built"] += 1
+        except PlanError as exc:
+            outcomes["refused"] += 1
+            if "\n" in str(exc) or not exc.message.startswith("p.yaml mesh: "):
+                failures.append((case, family, overrides, str(exc)))
+        except Exception as exc:  # noqa: BLE001 - what the test reports
+            failures.append((case, family, overrides, f"{type(exc).__name__}: {exc}"))
+    print(f"mesh styles: {outcomes}")
+    assert not failures, failures[:3]
+
+
+# ---------------------------------------------------------------- pyplan run's round-5 flags
+
+RUN_VALUES = {
+    "--compile": ["inductor", "aot_eager", "nope", "", "eager", "x" * 300],
+    "--params": ["fp32", "bf16", "fp16", "x"],
+    "--dtype": ["fp32", "bf16", "fp16"],
+    "--profile": ["prof", "afile", "/dev/null", "adir", "prof/deep/er", "", "ck"],
+    "--profile-steps": ["1", "0", "-1", "1..0", "x", "99999999999", "1,2", "2..3", "1e9",
+                        "nan"],
+    "--async-save": None,
+    "--save": ["ck", "afile", "/dev/null", "adir", "", "prof"],
+    "--resume": ["auto", "ck", "afile", "/dev/null", "", "nope"],
+    "--max-time": ["0", "-1", "nan", "1e400", "1d", "10:00", "1h30m", "3600", "1e-9", "inf",
+                   "x"],
+    "--steps": ["0", "1", "-1", "1e9", "99999999999", "x"],
+    "--iterations": ["0", "1", "3"],
+    "--accumulate": ["0", "1", "2", "1000000", "1000001", "-1", "x"],
+    "--save-every": ["0", "1", "-1"],
+    "--keep-last": ["0", "1", "-1"],
+    "--eval-every": ["0", "1"],
+}
+
+
+def test_run_flags_of_round_5_together_are_read_in_one_line(tmp_path, monkeypatch):
+    from conftest import PLANS
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    rng = random.Random(SEED)
+    failures, codes = [], {}
+    for case in range(max(CASES // 3, 40)):
+        args = ["run", PLANS / "transformer-vshape.resolved.yaml", "--dry-run"]
+        for flag in rng.sample(sorted(RUN_VALUES), rng.randint(1, 5)):
+            values = RUN_VALUES[flag]
+            args += [flag] if values is None else [flag, rng.choice(values)]
+        code, err = _run(args)
+        codes[code] = codes.get(code, 0) + 1
+        if not _clean(code, err) or code == 3:
+            failures.append((case, [str(a) for a in args[3:]], code, err[-600:]))
+    print(f"run flags: {codes}")
+    assert not failures, failures[:3]
+
+
+# ---------------------------------------------------------------- --resume on odd folders
+
+RECORD = {"format": 1, "step": 4, "batches": 4, "plan": "two", "seed": 0}
+STEP_NAMES = ["step-00000004", "step-00000002", "step-99999999999999999999",
+              ".step-00000004.partial", ".step-00000004.replaced", "step-0000004", "stepx",
+              "step-00000004\n", "step-\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff14"]
+RECORD_TEXTS = [b"{", b"[]", b"\0\0", b"x" * 10, b"\xff\xfe", b'{"format": 1, "step": NaN}']
+
+
+def _odd_record(rng: random.Random) -> bytes:
+    record = dict(RECORD)
+    for _ in range(rng.randint(0, 3)):
+        record[rng.choice(["format", "step", "batches", "plan", "seed", "training", "history",
+                           "plan_sha256", "optimizer"])] = rng.choice(NUMBERS + WRONG)
+    return json.dumps(record).encode()
+
+
+def _odd_folder(rng: random.Random, root: Path) -> None:
+    for _ in range(rng.randint(0, 4)):
+        path = root / rng.choice(STEP_NAMES)
+        if path.exists() or path.is_symlink():
+            continue
+        kind = rng.choice(["file", "dir", "record", "record", "record directory", "link",
+                           "loop", "dangling", "zeros"])
+        if kind == "file":
+            path.write_text("x")
+        elif kind == "link":
+            path.symlink_to(root)
+        elif kind == "loop":
+            path.symlink_to(path)
+        elif kind == "dangling":
+            path.symlink_to(root / "nowhere")
+        else:
+            path.mkdir()
+            if kind == "record":
+                (path / "pyplan.json").write_bytes(rng.choice([_odd_record(rng),
+                                                               *RECORD_TEXTS]))
+                if rng.random() < 0.5:
+                    (path / ".metadata").write_text("x")
+            elif kind == "record directory":
+                (path / "pyplan.json").mkdir()
+            elif kind == "zeros":
+                (path / "pyplan.json").symlink_to("/dev/zero")
+
+
+def test_resume_on_odd_folders_is_a_checkpoint_error_or_an_os_error(tmp_path):
+    import shutil
+
+    from pyplan.errors import PyplanError
+    from pyplan.train import checkpoint
+
+    rng = random.Random(SEED)
+    failures, outcomes = [], {"found": 0, "none": 0, "refused": 0}
+    for case in range(max(CASES // 6, 30)):
+        root = tmp_path / f"ck{case}"
+        root.mkdir()
+        _odd_folder(rng, root)
+        target = rng.choice([root, root / "step-00000004", root / "nope", Path("/dev/null"),
+                             root / "step-00000004" / "pyplan.json"])
+        for look in (checkpoint.newest, checkpoint.named):
+            try:
+                outcomes["none" if look(target) is None else "found"] += 1
+            except (PyplanError, OSError):
+                outcomes["refused"] += 1
+            except BaseException as exc:  # noqa: BLE001 - what the test reports
+                failures.append((case, look.__name__, sorted(p.name for p in root.iterdir()),
+                                 f"{type(exc).__name__}: {exc}"))
+        shutil.rmtree(root)
+    print(f"resume folders: {outcomes}")
+    assert not failures, failures[:3]
+
+
+# ---------------------------------------------------------------- a full disk under --save
+
+FULL_DISK = """\
+import os
+
+if os.environ.get("PYPLAN_TEST_ENOSPC"):  # RANK:TEXT: that rank's disk is full for files
+    import errno                          # whose path holds TEXT (a step's folder)
+
+    import torch.distributed.checkpoint.filesystem as filesystem
+
+    rank, _, text = os.environ["PYPLAN_TEST_ENOSPC"].partition(":")
+    write = filesystem._write_item
+
+    def full(transforms, stream, *args, **kwargs):
+        if os.environ.get("RANK") == rank and text in str(getattr(stream, "name", "")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(transforms, stream, *args, **kwargs)
+
+    filesystem._write_item = full
+"""
+
+
+@pytest.mark.torchrun
+def test_a_full_disk_during_an_async_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """ENOSPC where DCP writes rank 1's part of step 2 (injected through a sitecustomize in
+    the launcher's and so the workers' interpreter: no tmpfs to fill here): every rank says
+    so in one line, exit 2; the temporary folder goes, step 1 stays (with --async-save the
+    failure is seen at a later step's end, or at the run's last). A synchronous save's full
+    disk: tests/test_checkpoints.py (a file-size limit)."""
+    from test_checkpoints import launch, listing, solved
+
+    solved(tmp_path, "two", [["0"], ["1", "2", "3", "4", "5"]])
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(FULL_DISK)
+    path = os.pathsep.join(filter(None, [str(tmp_path / "inject"),
+                                         os.environ.get("PYTHONPATH")]))
+    code, out, err = launch(tmp_path, "two.resolved.yaml", 2, "--iterations", 3, "--save",
+                            "ck", "--save-every", 1, "--async-save",
+                            env={"PYTHONPATH": path, "PYPLAN_TEST_ENOSPC": "1:step-00000002"})
+    assert code == 2 and len(err) == 2 and len(set(err)) == 1, err
+    assert err[0] == ("error: cannot write the checkpoint of step 2 in ck: rank 1: No space "
+                      "left on device (hint: ck/step-00000001 is intact)"), err
+    assert listing(tmp_path / "ck") == ["step-00000001"]

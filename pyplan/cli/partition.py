@@ -59,8 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", choices=("never", "always", "auto"), default="never",
                         help="activation recomputation written to the plan (training.recompute; "
                         "auto: pyplan solve chooses per stage); default never")
-    parser.add_argument("--optimizer", type=optimizer, default="sgd", metavar="{sgd,adamw}",
-                        help="the optimizer pyplan run will train with (its --optimizer): its "
+    parser.add_argument("--optimizer", type=optimizer, default="sgd", metavar="O",
+                        help="sgd (default) or adamw, the optimizer pyplan run will train with "
+                        "(its --optimizer): its "
                         "state counts in the weights' memory, its step's temporaries and time "
                         "are measured")
     parser.add_argument("--repeats", type=whole(1, MAX_REPEATS), default=5, metavar="K",

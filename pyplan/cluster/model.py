@@ -201,8 +201,8 @@ def from_config(config: dict, where: str = "config.json") -> Transformer:
     moe_layers = 0
     if experts:
         step = _whole(where, "decoder_sparse_step", config.get("decoder_sparse_step") or 1, 1)
-        dense = config.get("mlp_only_layers") or []
-        if not isinstance(dense, list) or not all(type(i) is int for i in dense):
+        dense = config.get("mlp_only_layers") or ()
+        if not isinstance(dense, (list, tuple)) or not all(type(i) is int for i in dense):
             raise PlanError(f"{where}: mlp_only_layers must list layer numbers",
                             hint="give the model's config.json as transformers writes it")
         dense = set(dense)

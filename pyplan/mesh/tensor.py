@@ -112,10 +112,13 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str,
                                                                         f"{path}.{name}")}
                for path, style in chosen.items() if style in (EXPERTS, EXPERT_PARALLEL)}
     for path, style in sorted(chosen.items()):
-        if style.partition(":")[0] not in STYLES:
+        name, colon, parts = style.partition(":")
+        if name not in STYLES or colon and not (name == "packed_colwise" and
+                                                 parts.isdigit() and 1 <= int(parts) <= 64):
             raise PlanError(f"{where}: module {path} asks for tensor-parallel style {style!r}, "
                             "which pyplan does not run", hint="styles: " + ", ".join(STYLES) +
-                            "; give mesh.tensor_plan for this module, or mesh.tensor: 1")
+                            " (packed_colwise:N, N from 1 to 64 parts); give mesh.tensor_plan "
+                            "for this module, or mesh.tensor: 1")
         module = modules[path]
         if style in (EXPERTS, EXPERT_PARALLEL):
             check_experts(module, experts[path], mesh.size(), path, where,
@@ -125,6 +128,8 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str,
                             f"the {style} style does not shard",
                             hint="tensor parallelism shards nn.Linear and Conv1D layers (packed "
                             "ones too); give mesh.tensor_plan without it, or mesh.tensor: 1")
+        elif style not in _WHOLE + (_SUMMED,):
+            _check_divides(module, style, mesh.size(), path, where)
     sharded = {path: style for path, style in sorted(chosen.items()) if style not in _WHOLE}
     around = sequence_modules(root, sharded, where) if sequence and sharded else None
     if sharded:
@@ -308,6 +313,23 @@ def _sequence_parallel(root: nn.Module, around: Around, mesh) -> None:
     parallelize_module(root, mesh, {path: PrepareModuleOutput(
         output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)
         for path in around.final})
+
+
+def _check_divides(module: nn.Module, style: str, ranks: int, path: str, where: str) -> None:
+    """PlanError unless the tensor ranks split the width `style` shards evenly (each part of a
+    packed layer too)."""
+    name, _, parts = style.partition(":")
+    out_dim = 1 if type(module).__name__ == "Conv1D" else 0
+    rowwise = name.startswith("rowwise")
+    count = (int(parts) if parts else 2) if name == "packed_colwise" else 1
+    size = module.weight.shape[1 - out_dim if rowwise else out_dim]
+    if size % (count * ranks):
+        what = "input" if rowwise else "output"
+        each = f" in {count} packed parts" if count > 1 else ""
+        raise PlanError(f"{where}: mesh.tensor {ranks} does not divide the {what} features "
+                        f"({size}{each}) of module {path} ({style})",
+                        hint="give mesh.tensor_plan another style for it, or a tensor degree "
+                        "that divides its width")
 
 
 def _shardable(module: nn.Module, style: str) -> bool:
