@@ -404,6 +404,7 @@ if os.environ.get("PYPLAN_TEST_ENOSPC"):  # RANK:TEXT: that rank's disk is full 
 
 
 @pytest.mark.torchrun
+@pytest.mark.slow  # (as --fail-at RANK:save's failing write in tests/test_run_flags.py)
 def test_a_full_disk_during_an_async_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
     """ENOSPC where DCP writes rank 1's part of step 2 (injected through a sitecustomize in
     the launcher's and so the workers' interpreter: no tmpfs to fill here): every rank says

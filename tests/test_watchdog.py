@@ -49,7 +49,8 @@ def model():
 @pytest.mark.torchrun
 @pytest.mark.parametrize("slow, args", [
     ("12,0", ()),  # the interpreter held for 12 s, with the defaults (killed at 10 s before)
-    ("0,3", ("--fault-timeout", "2")),  # a 12 s step (4 micro-batches), a 2 s timeout
+    pytest.param("0,3", ("--fault-timeout", "2"), marks=pytest.mark.slow),  # a 12 s step (4
+    # micro-batches of 3 s) and a 2 s timeout: the heartbeat does not wait for the step
 ])
 def test_a_slow_rank_is_alive(tmp_path, slow, args):
     (tmp_path / "slow.py").write_text(SLOW)
