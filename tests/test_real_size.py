@@ -482,7 +482,7 @@ def test_one_iteration_compares_the_static_memory_after_its_step(tmp_path):
                                        cwd=tmp_path, timeout=600)
     made = run("partition", "unequal:model", "--data", "unequal:batch", "--loss",
                "unequal:loss", "--devices", "2", "--micro-batches", "4", "--repeats", "1",
-               "--optimizer", "adam", "-o", "p.yaml")
+               "--optimizer", "adamw", "-o", "p.yaml")
     assert made.returncode == 0, made.stderr
     assert run("solve", "p.yaml", "--quiet").returncode == 0
     result = run("run", "p.resolved.yaml", "--nproc-per-node", "2", "--json",
