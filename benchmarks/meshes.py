@@ -144,7 +144,7 @@ def _partitioned(folder: Path) -> None:
     (folder / "model.py").write_text(MODEL.format(tests=str(ROOT / "tests" / "models")))
     for name, extra in (("llama", ()), ("llama-tp", ("--tensor", 2))):
         pyplan("partition", "model:llama", "--data", "model:batch", "--loss", "model:loss",
-               "--devices", 2, "--repeats", 1, "--optimizer", "adam", *extra,
+               "--devices", 2, "--repeats", 1, "--optimizer", "adamw", *extra,
                "-o", f"{name}.yaml", cwd=folder)
 
 
@@ -203,7 +203,7 @@ def checks(folder: Path) -> None:
           "steps)")
     for name, extra in (("one", ()), ("one-tp", ("--tensor", 2))):
         pyplan("partition", "model:llama", "--data", "model:batch", "--loss", "model:loss",
-               "--devices", 1, "--repeats", 1, "--optimizer", "adam", *extra,
+               "--devices", 1, "--repeats", 1, "--optimizer", "adamw", *extra,
                "-o", f"{name}.yaml", cwd=folder)
     for plan, mesh in (("llama-tp", "{tensor: 2, priced: 2}"), ("llama", "{data: 2, shard: true}"),
                        ("llama", "{data: 2}"), ("one", "{data: 2, shard: 2}"),
