@@ -425,3 +425,18 @@ def test_a_full_disk_during_an_async_save_is_one_line_and_keeps_the_last_checkpo
     assert err[0] == ("error: cannot write the checkpoint of step 2 in ck: rank 1: No space "
                       "left on device (hint: ck/step-00000001 is intact)"), err
     assert listing(tmp_path / "ck") == ["step-00000001"]
+
+
+def test_the_partition_api_takes_the_clis_optimizer_names_only():
+    """pyplan.partition_model(optimizer="adam") raised KeyError deep in the weights' bytes (the
+    CLI mapped adam to adamw; it refuses adam now, with a hint, as pyplan run does)."""
+    from pyplan.errors import PlanError
+    from pyplan.measure.partitioner import partition_model
+
+    with pytest.raises(PlanError, match="optimizer must be one of sgd, adamw, got 'adam'"):
+        partition_model("m:f", "m:d", "m:l", devices=2, output="p.yaml", optimizer="adam")
+    code, err = _run(["partition", "m:f", "--data", "m:d", "--loss", "m:l", "--devices", "2",
+                      "--optimizer", "adam", "-o", "p.yaml"])
+    assert (code, err) == (2, "error: --optimizer 'adam' is not one of sgd, adamw (hint: adamw: "
+                           "torch.optim.AdamW, Adam with decoupled weight decay (--weight-decay 0 "
+                           "makes it Adam); pyplan has no other Adam)\n")

@@ -23,7 +23,7 @@ from pyplan.api import PartitionPlan, partition_plans
 from pyplan.errors import InfeasibleError, PlanError, TimeLimitError, describe_exception
 from pyplan.files import check_not_input
 from pyplan.models import FORWARD, TRACED, Cut, Unit, everywhere
-from pyplan.partition import UnitCost, host_capacity, ties
+from pyplan.partition import OPTIMIZER_STATE, UnitCost, host_capacity, ties
 from pyplan.planfile.types import CPU_LINK, LinkSpec, TopologySpec
 from pyplan.measure.placements import (CHUNKS, Placement, Sharded, graph_plans, mshape_plans,
                                       placements)
@@ -118,6 +118,10 @@ def partition_model(factory: str, data: str, loss: str, *, devices: int, output:
     model's modules; InfeasibleError when nothing fits."""
     if shape is not None and shape not in SHAPES:
         raise PlanError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    if optimizer not in OPTIMIZER_STATE:  # (pyplan.options.choices: the CLI's same names)
+        raise PlanError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE)}, got "
+                        f"{optimizer!r}", hint="adamw: torch.optim.AdamW, Adam with decoupled "
+                        "weight decay")
     stages = devices * (chunks if shape == "interleaved" else 1) + (2 if shape == "mshape"
                                                                      else 0)
     n = micro_batches if micro_batches is not None else 2 * devices * (
