@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", choices=("never", "always", "auto"), default="never",
                         help="activation recomputation written to the plan (training.recompute; "
                         "auto: pyplan solve chooses per stage); default never")
-    parser.add_argument("--optimizer", type=optimizer, default="sgd", metavar="O",
+    parser.add_argument("--optimizer", type=optimizer, default="sgd", metavar="{sgd,adamw}",
                         help="sgd (default) or adamw, the optimizer pyplan run will train with "
                         "(its --optimizer): its "
                         "state counts in the weights' memory, its step's temporaries and time "

@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print one JSON object with the results instead of the summary")
     parser.add_argument("--seed", type=SEED, default=0,
                         help="seed of weights and batches")
-    parser.add_argument("--optimizer", type=optimizer, metavar="O",
+    parser.add_argument("--optimizer", type=optimizer, metavar="{sgd,adamw}",
                         help="torch.optim optimizer, sgd or adamw (default: the plan's model.optimizer, "
                         "which pyplan partition --optimizer writes, else sgd)")
     parser.add_argument("--lr", type=number(0, 1e6, above=True), default=0.01,
