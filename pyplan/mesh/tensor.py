@@ -128,8 +128,9 @@ def parallelize(root: nn.Module, plan: dict[str, str], mesh, *, where: str,
                             f"the {style} style does not shard",
                             hint="tensor parallelism shards nn.Linear and Conv1D layers (packed "
                             "ones too); give mesh.tensor_plan without it, or mesh.tensor: 1")
-        elif style not in _WHOLE + (_SUMMED,):
-            _check_divides(module, style, mesh.size(), path, where)
+        elif style.startswith("packed") or type(module).__name__ == "Conv1D":
+            _check_divides(module, style, mesh.size(), path, where)  # (pyplan's own layers:
+            # torch's styles on nn.Linear shard an uneven width unevenly)
     sharded = {path: style for path, style in sorted(chosen.items()) if style not in _WHOLE}
     around = sequence_modules(root, sharded, where) if sequence and sharded else None
     if sharded:
@@ -317,7 +318,7 @@ def _sequence_parallel(root: nn.Module, around: Around, mesh) -> None:
 
 def _check_divides(module: nn.Module, style: str, ranks: int, path: str, where: str) -> None:
     """PlanError unless the tensor ranks split the width `style` shards evenly (each part of a
-    packed layer too)."""
+    packed layer too): pyplan's rank-major layout of a packed or Conv1D layer needs it."""
     name, _, parts = style.partition(":")
     out_dim = 1 if type(module).__name__ == "Conv1D" else 0
     rowwise = name.startswith("rowwise")
