@@ -20,6 +20,20 @@ os.environ["PYPLAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="pyplan-test-cache-")
 os.environ["PYPLAN_DEVICE"] = "cpu"
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Files whose multi-rank cases run under `pytest -m slow` only: the meshes' sweeps of layouts
+# and checkpoints (test_experts and test_sequence_parallel keep a tensor-parallel run in the
+# default suite), the CPU runs of the CUDA paths and the GPU check's --cpu pass (a GPU runs
+# them all through benchmarks/gpu_check.py).
+SLOW_RANKS = {"test_meshes.py", "test_cuda_paths.py", "test_gpu_review.py", "test_gpu_check.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_RANKS and (item.get_closest_marker("torchrun") or
+                                            item.path.name == "test_gpu_check.py"):
+            item.add_marker(pytest.mark.slow)
 PLANS = ROOT / "plans"
 INVALID = Path(__file__).resolve().parent / "plans" / "invalid"
 

@@ -73,6 +73,7 @@ def listing(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.torchrun
 def test_checkpoints_survive_a_killed_rank_and_a_full_disk(tmp_path):
     solved(tmp_path, "three", THREE)

@@ -45,7 +45,7 @@ GUIDES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LANGUAGES = {"sh", "console", "python", "pycon", "yaml", "text"}
 MAX_NOT_RUN = 5  # blocks marked <!-- not run: ... --> in all the guides together
 README_LINES = 300
-SLOW_GUIDES = {"search.md", "partition.md"}  # the longest to run: `pytest -m slow`
+SLOW_GUIDES = {"search.md", "partition.md", "training-loop.md"}  # the longest: `pytest -m slow`
 TIMEOUT = 600  # seconds for one command (a torchrun launch takes 5-20)
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _NOT_RUN = re.compile(r"^<!-- not run: (.+) -->$")
@@ -216,7 +216,8 @@ def _yaml(block: Block, cwd: Path) -> None:
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("guide, where", [
-    pytest.param(guide, where, marks=[pytest.mark.slow] if guide.name in SLOW_GUIDES else [])
+    pytest.param(guide, where, marks=[pytest.mark.slow]
+                 if guide.name in SLOW_GUIDES or where == "clean" else [])
     for guide in GUIDES
     for where in (("root", "clean") if guide.name == "README.md" else ("root",))],
     ids=lambda x: x.name if isinstance(x, Path) else x)

@@ -254,6 +254,7 @@ def test_tensor_parallel_experts_train_the_single_process_model(partitioned, pla
     assert report["check"]["ok"], report["check"]
 
 
+@pytest.mark.slow
 @pytest.mark.torchrun
 def test_tensor_parallel_experts_save_and_resume_exactly(partitioned):
     """gate_up_proj's strided shards are checkpointed whole (pyplan.mesh.state), cut back on

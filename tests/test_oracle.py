@@ -66,6 +66,7 @@ def _run(folder, plan, ranks, *args, code=0):
     return result, (json.loads(result.stdout.splitlines()[-1]) if code == 0 else None)
 
 
+@pytest.mark.slow
 @pytest.mark.torchrun
 def test_tied_gpt2_with_accumulation_split_backward_and_a_distant_tie(tmp_path):
     bench.prepare(tmp_path)

@@ -188,6 +188,7 @@ def test_async_saves_resume_exactly_as_synchronous_ones(tmp_path):
                  _whole(tmp_path / "resumed" / "step-00000004"))
 
 
+@pytest.mark.slow
 @pytest.mark.torchrun
 def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint_intact(tmp_path):
     """Rank 1 is killed in async_save's thread, after writing its part of step 5's checkpoint,
