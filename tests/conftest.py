@@ -21,18 +21,34 @@ os.environ["PYPLAN_DEVICE"] = "cpu"
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Files whose multi-rank cases run under `pytest -m slow` only: the meshes' sweeps of layouts
-# and checkpoints (test_experts and test_sequence_parallel keep a tensor-parallel run in the
-# default suite), the CPU runs of the CUDA paths and the GPU check's --cpu pass (a GPU runs
-# them all through benchmarks/gpu_check.py).
-SLOW_RANKS = {"test_meshes.py", "test_cuda_paths.py", "test_gpu_review.py", "test_gpu_check.py"}
+# What runs under `pytest -m slow` only (CI runs it after the README's `pytest`, which then
+# keeps one case of each behaviour within 10 minutes on 2 cores), chosen by CI's --durations:
+# the multi-rank cases of these files (the CUDA paths' CPU runs, the GPU check's --cpu pass:
+# a GPU runs them all through benchmarks/gpu_check.py) ...
+SLOW_RANKS = {"test_cuda_paths.py", "test_gpu_review.py"}
+# ... and these files and cases whole (a further model, layout or save of a behaviour that a
+# faster case in the default run covers).
+SLOW_CASES = (
+    "tests/test_meshes.py::",  # meshes: test_experts and test_sequence_parallel keep TP runs
+    "tests/test_gpu_check.py::",
+    "tests/test_model_classes.py::",  # one torchrun of 9 model classes (tests/models/classes.py)
+    "tests/test_families.py::test_every_family_trains_on_two_ranks",
+    "tests/test_experts.py::test_tensor_parallel_experts_train_the_single_process_model[mix1",
+    "tests/test_experts.py::test_tensor_parallel_experts_train_the_single_process_model[q2",
+    "tests/test_restarts.py::test_sigterm_saves_and_the_same_command_continues_exactly[async]",
+    "tests/test_long_runs.py::test_lines_as_they_happen",
+    "tests/test_run_flags.py::test_async_saves_resume_exactly_as_synchronous_ones",
+    "tests/test_models.py::test_llama_interleaved_with_adamw_and_clipping",
+    "tests/test_mshape.py::test_tied_gpt2_in_mshape_with_adamw_and_clipping",
+    "tests/test_training.py::test_checkpoints_resume_exactly_reshard_and_consolidate",
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SLOW_RANKS and (item.get_closest_marker("torchrun") or
-                                            item.path.name == "test_gpu_check.py"):
+        if item.path.name in SLOW_RANKS and item.get_closest_marker("torchrun") or \
+                item.nodeid.startswith(SLOW_CASES):
             item.add_marker(pytest.mark.slow)
 PLANS = ROOT / "plans"
 INVALID = Path(__file__).resolve().parent / "plans" / "invalid"
