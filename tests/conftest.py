@@ -29,13 +29,18 @@ SLOW_RANKS = {"test_cuda_paths.py", "test_gpu_review.py"}
 # ... and these files and cases whole (a further model, layout or save of a behaviour that a
 # faster case in the default run covers).
 SLOW_CASES = (
-    "tests/test_meshes.py::",  # meshes: test_experts and test_sequence_parallel keep TP runs
+    "tests/test_meshes.py::",  # the meshes' layouts and saves (TP, FSDP, data)
     "tests/test_gpu_check.py::",
     "tests/test_model_classes.py::",  # one torchrun of 9 model classes (tests/models/classes.py)
     "tests/test_families.py::test_every_family_trains_on_two_ranks",
+    # (test_experts' q3 keeps a tensor-parallel run with sequence parallelism in the default)
     "tests/test_experts.py::test_tensor_parallel_experts_train_the_single_process_model[mix1",
     "tests/test_experts.py::test_tensor_parallel_experts_train_the_single_process_model[q2",
-    "tests/test_restarts.py::test_sigterm_saves_and_the_same_command_continues_exactly[async]",
+    "tests/test_restarts.py::test_sigterm_saves_and_the_same_command_continues_exactly",
+    "tests/test_docs.py::test_guide_runs[README.md-root]",  # README's blocks: test_docs' others
+    "tests/test_docs.py::test_guide_runs[cluster-planning.md-root]",
+    "tests/test_run_flags.py::test_compiled_blocks_pass_the_check[1f1b]",
+    "tests/test_partition.py::test_a_model_partitioned_solved_and_run_matches_single_process_training[interleaved-unequal-chain]",
     "tests/test_long_runs.py::test_lines_as_they_happen",
     "tests/test_run_flags.py::test_async_saves_resume_exactly_as_synchronous_ones",
     "tests/test_models.py::test_llama_interleaved_with_adamw_and_clipping",
