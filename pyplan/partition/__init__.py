@@ -522,6 +522,14 @@ def plan_text(units: list[UnitCost], partition: Partition, *, name: str, devices
     if vocab is not None:
         lines.append(f"  vocab_parallel: {{embedding: {json.dumps(vocab[0])}, "
                      f"head: {json.dumps(vocab[1])}}}")
+    return model_tail(lines, units, partition, names, everywhere=everywhere, weights=weights,
+                      optimizer=optimizer, data=data, loss=loss, path=path)
+
+
+def model_tail(lines: list[str], units, partition, names, *, everywhere, weights, optimizer,
+               data, loss, path) -> str:
+    """The plan text ended by its model: section's last keys (ties, weights, optimizer, data,
+    loss, path), as chain and graph plans write them."""
     found = ties(units, partition, everywhere, names)
     if found:
         lines.append("  ties:")

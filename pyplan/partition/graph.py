@@ -31,8 +31,8 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pyplan.partition import (UnitCost, recompute_bytes, stage_activations, stage_workspace,
-                              ties)
+from pyplan.partition import (UnitCost, model_tail, recompute_bytes, stage_activations,
+                              stage_workspace)
 
 __all__ = ["GraphPartition", "UnitGraph", "decompose", "graph_candidates", "graph_plan_text",
            "partition_graph"]
@@ -539,17 +539,6 @@ def graph_plan_text(units: list[UnitCost], graph: UnitGraph, partition: GraphPar
         modules = ", ".join(json.dumps(m) for k in members for m in units[k].module_names)
         lines.append(f"    {names[s]}: [{modules}]")
     lines.append("  cut: traced")
-    found = ties(units, partition, (), names)
-    if found:
-        lines.append("  ties:")
-        lines += [f"    - {{parameter: {json.dumps(p)}, stages: [{', '.join(st)}]}}"
-                  for p, st in found]
-    if weights is not None:
-        lines.append(f"  weights: {json.dumps(weights)}")
-    if optimizer is not None:
-        lines.append(f"  optimizer: {optimizer}")
-    lines += [f"  data: {data}", f"  loss: {loss}"]
-    if path is not None:
-        lines.append(f"  path: {json.dumps(path)}")
-    return "\n".join(lines) + "\n"
+    return model_tail(lines, units, partition, names, everywhere=(), weights=weights,
+                      optimizer=optimizer, data=data, loss=loss, path=path)
 
