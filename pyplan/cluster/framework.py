@@ -16,6 +16,17 @@ overlap (docs/cluster-planning.md says what each assumes and why).
   overlap the backward; tensor-parallel collectives block (async TP, `--tp-comm-overlap`,
   overlaps them); torch.compile fuses element-wise kernels (`--no-fused-kernels`: eager);
   selective (per-op) activation checkpointing is its default.
+- megatron-deepspeed: BigScience's and Microsoft's Megatron-DeepSpeed (BLOOM-176B, MT-NLG
+  530B): Megatron-LM's layers run by DeepSpeed's pipeline engine, which sends each boundary's
+  whole activation from every tensor rank (no scatter/gather) and blocks on it, reduces
+  gradients after the pipeline's flush and overlaps nothing; ZeRO-1 is its
+  `--distributed-optimizer`.
+
+Besides the overlaps, each says whether it splits the layers evenly over the pipeline stages (Megatron-LM requires it, DeepSpeed's
+`partition_method: type:transformer` does it) and whether its pipeline sends scatter the
+activation over the tensor ranks and gather it after (Megatron-LM's
+`scatter_gather_tensors_in_pipeline`, on by default where it existed; with sequence
+parallelism each rank's shard is sent as it is).
 """
 
 from __future__ import annotations
@@ -46,6 +57,12 @@ class Framework:
     host_overhead: float
     """Host (Python, dispatch) time per layer and pass, as a multiple of the fitted
     constants.LAYER_US: eager PyTorch with DTensor dispatch pays more than Megatron's modules."""
+    even_split: bool = False
+    """The layers split evenly over the pipeline stages (the embedding and the head on top of
+    the first and last), not balanced by time."""
+    p2p_scatter_gather: bool = True
+    """A pipeline send carries 1/tp of the activation from each tensor rank, the receiver
+    all-gathers it over its tensor group; off: every tensor rank sends the whole."""
 
     def describe(self) -> str:
         on = [name for name, value in (
@@ -57,9 +74,13 @@ class Framework:
 
 
 FRAMEWORKS = {
-    "megatron": Framework("megatron", False, False, False, False, False, "none", 1.0),
+    "megatron": Framework("megatron", False, False, False, False, False, "none", 1.0,
+                          even_split=True),
     "nemo": Framework("nemo", True, True, True, True, True, "none", 1.0),
     "torchtitan": Framework("torchtitan", True, True, False, False, True, "selective", 1.5),
+    "megatron-deepspeed": Framework("megatron-deepspeed", False, False, False, False, False,
+                                    "none", 1.0, even_split=True,
+                                    p2p_scatter_gather=False),
 }
 
 

@@ -55,11 +55,15 @@ class Chunk:
 
 def split_layers(model: Transformer, stages: int, costs: Costs,
                  given: tuple[int, ...] | None = None) -> tuple[int, ...]:
-    """Layers per stage: `given`, else contiguous counts that balance the stages' time with
-    the embedding on the first and the head on the last (the fewest stages over the least
-    bottleneck; an exact search over the counts)."""
+    """Layers per stage: `given`; else where the framework splits evenly (Megatron-LM,
+    DeepSpeed's type:transformer) and the stages divide the layers, as many on each, the
+    embedding and the head on top of the first and the last; else contiguous counts that
+    balance the stages' time with the embedding on the first and the head on the last (the
+    fewest stages over the least bottleneck; an exact search over the counts)."""
     if given is not None:
         return given
+    if costs.framework.even_split and model.layers % stages == 0:
+        return (model.layers // stages,) * stages
     kinds = {moe: costs.layer(moe) for moe in {model.is_moe(i) for i in range(model.layers)}}
     per_kind = {moe: p.forward.seconds + p.backward.seconds + p.weight.seconds
                 for moe, p in kinds.items()}
@@ -124,8 +128,9 @@ def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
     t = layout.tp
     out, first_layer = [], 0
     stages = len(counts)
-    boundary = costs.tokens * model.hidden * costs.bytes / t
+    boundary, gather = boundary_traffic(costs)
     across = layout.pipeline_across_nodes(cluster.gpus_per_node)
+    tied = tied_embedding_sync(costs)
     for c, count in enumerate(counts):
         layers = tuple(range(first_layer, first_layer + count))
         first_layer += count
@@ -153,8 +158,13 @@ def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
             f.add("pp_comm", send if c < stages - 1 else 0.0)
             b.add("pp_comm", send if c > 0 else 0.0)
             send = 0.0
+        if stages > 1:  # the scattered activation (gradient) gathered after it arrives
+            f.add("pp_comm", gather if c > 0 else 0.0)
+            b.add("pp_comm", gather if c < stages - 1 else 0.0)
         working = max((a.working for a in acts), default=0.0)
         sync = gradient_sync(costs, params, experts, f, b + w)
+        if c in (0, stages - 1):
+            sync += tied
         state = stage_state(params, batch, layout, largest_layer=max(per_layer, default=0.0))
         shards = layout.shard if layout.fsdp else \
             layout.dp * layout.cp if layout.distributed_optimizer else 1
@@ -165,6 +175,39 @@ def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
                          0.0 if c == stages - 1 else send,
                          sync, update))
     return out
+
+
+def boundary_traffic(costs: Costs) -> tuple[float, float]:
+    """(bytes each rank sends across a stage boundary per micro-batch, seconds of the
+    receiver's all-gather over its tensor group): with sequence parallelism each tensor rank
+    sends its shard of the sequence; without it, with the framework's scatter/gather
+    (Megatron-LM's `scatter_gather_tensors_in_pipeline`), 1/tp of the activation, all-gathered
+    over the tensor ranks after it arrives; else every tensor rank sends the whole (DeepSpeed's
+    pipeline engine)."""
+    layout, model = costs.layout, costs.model
+    t = layout.tp
+    whole = costs.tokens * model.hidden * costs.bytes
+    if t == 1 or layout.sequence_parallel:
+        return whole / t, 0.0
+    if costs.framework.p2p_scatter_gather:
+        gather = collectives.all_gather(costs.cluster, whole, t,
+                                        layout.per_node("tp", costs.cluster.gpus_per_node))
+        return whole / t, gather
+    return whole, 0.0
+
+
+def tied_embedding_sync(costs: Costs) -> float:
+    """Seconds of the all-reduce of a tied embedding's gradient between the first and the last
+    pipeline stage, which both hold it (Megatron's `_allreduce_embedding_grads`, DeepSpeed's
+    tied modules): its vocabulary shard on each tensor rank, once per iteration after the
+    pipeline's flush, over the network where the pipeline spans nodes."""
+    layout, model, cluster = costs.layout, costs.model, costs.cluster
+    if layout.pp == 1 or not model.tied:
+        return 0.0
+    nbytes = model.vocab * model.hidden / layout.tp * gradient_bytes(costs.batch)
+    return collectives.all_reduce(cluster, nbytes, 2,
+                                  1 if layout.pipeline_across_nodes(cluster.gpus_per_node)
+                                  else 2)
 
 
 def gradient_sync(costs: Costs, params: float, experts: float, forward: Work,
