@@ -24,6 +24,7 @@ DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pyplan.cluster import RECOMPUTE, SCHEDULES
+    from pyplan.cluster.framework import FRAMEWORKS
 
     parser.add_argument("model", metavar="MODEL",
                         help="a Hugging Face config.json, or a folder holding one")
@@ -40,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training precision (default bf16: 16-bit weights and "
                         "activations, fp32 gradients and optimizer state; fp8: the linear "
                         "layers' GEMMs in fp8 at the GPU's fp8 peak, the rest as bf16)")
-    parser.add_argument("--framework", choices=("megatron", "nemo", "torchtitan"),
+    parser.add_argument("--framework", choices=tuple(FRAMEWORKS),
                         default="megatron", help="the software that runs it (default "
                         "megatron): which communication overlaps compute, which kernels are "
                         "fused (docs/cluster-planning.md)")

@@ -1,0 +1,124 @@
+"""`pyplan plan`'s pipeline traffic by piece, against hand counts: what a stage boundary sends
+with Megatron-LM's scatter/gather and without it (DeepSpeed's pipeline engine), the receiver's
+all-gather, a tied embedding's gradient all-reduce between the first and the last stage, and
+the frameworks' layer splits."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pyplan.cluster import collectives, constants
+from pyplan.cluster.costs import Costs
+from pyplan.cluster.framework import FRAMEWORKS, framework
+from pyplan.cluster.hardware import load_cluster
+from pyplan.cluster.layout import Batch, Layout
+from pyplan.cluster.model import gpt
+from pyplan.cluster.pipeline import (boundary_traffic, chunks, gradient_sync, split_layers,
+                                     tied_embedding_sync)
+from pyplan.cli import main
+
+A100 = replace(load_cluster("dgx-a100-80gb"), nodes=4)
+GPT = gpt(8, 2048, 16, vocab=51200, sequence=2048)
+TOKENS = 2 * 2048  # a micro-batch of 2 sequences
+
+
+def _costs(layout: Layout, name: str = "megatron", dtype: str = "fp16") -> Costs:
+    return Costs(GPT, A100, layout, Batch(64, 2048, dtype, False, framework(name)))
+
+
+def test_a_scattered_send_carries_a_tensor_ranks_share_and_the_receiver_gathers_it():
+    """tp 4 without sequence parallelism: each rank sends 2 x 2048 x 2048 x 2 / 4 bytes; the
+    receiver's all-gather moves the whole activation over its 4 NVLink ranks (3/4 of 32 MiB
+    at the link's bus bandwidth, 3 ring steps of latency after the launch)."""
+    layout = Layout(4, 2, 4, micro_batch=2, recompute="full")
+    whole = TOKENS * 2048 * 2
+    sent, gather = boundary_traffic(_costs(layout))
+    assert sent == whole / 4
+    link = A100.link_gbs * 1e9 * A100.link_efficiency
+    assert gather == pytest.approx((constants.COLLECTIVE_US + 3 * A100.link_latency_us) * 1e-6
+                                   + 3 / 4 * whole / link)
+    # DeepSpeed's pipeline engine: every tensor rank sends the whole, nothing to gather
+    assert boundary_traffic(_costs(layout, "megatron-deepspeed")) == (whole, 0.0)
+    # sequence parallelism: each rank's shard of the sequence, as it is
+    assert boundary_traffic(_costs(replace(layout, sequence_parallel=True))) == \
+        (whole / 4, 0.0)
+    assert boundary_traffic(_costs(replace(layout, tp=1, dp=16))) == (whole, 0.0)
+
+
+def test_blocking_sends_and_the_gathers_sit_on_each_stages_passes():
+    """pp 2 across nodes (tp 4 x dp 4 fill a node): stage 0's forward ends with its send over
+    the network and its backward begins with the gradient's gather; stage 1's forward begins
+    with the activation's gather and its backward ends with the gradient's send."""
+    layout = Layout(4, 2, 4, micro_batch=2, recompute="full")
+    costs = _costs(layout)
+    sent, gather = boundary_traffic(costs)
+    send = collectives.send(A100, sent, True)
+    assert send == pytest.approx((constants.COLLECTIVE_US + A100.network_latency_us) * 1e-6 +
+                                 sent / (A100.network_gbs * 1e9 * A100.network_efficiency))
+    first, last = chunks(GPT, A100, layout, costs.batch, (4, 4))
+    assert first.forward.parts["pp_comm"] == pytest.approx(send)
+    assert first.backward.parts["pp_comm"] == pytest.approx(gather)
+    assert last.forward.parts["pp_comm"] == pytest.approx(gather)
+    assert last.backward.parts["pp_comm"] == pytest.approx(send)
+    deepspeed = chunks(GPT, A100, layout, _costs(layout, "megatron-deepspeed").batch, (4, 4))
+    whole = collectives.send(A100, TOKENS * 2048 * 2, True)
+    assert deepspeed[0].forward.parts["pp_comm"] == pytest.approx(whole)
+    assert deepspeed[1].forward.parts["pp_comm"] == 0.0
+
+
+def test_a_tied_embedding_is_all_reduced_between_the_first_and_the_last_stage():
+    """51,200 x 2,048 / 4 fp16 gradients (52.4 MB) between two GPUs on two nodes: a ring of 2
+    moves half of them each way over the network; NCCL's tree pays one network step each
+    pass; the first and the last stage wait for it, a middle one does not."""
+    layout = Layout(4, 4, 2, micro_batch=2, recompute="full")
+    costs = _costs(layout)
+    nbytes = 51200 * 2048 / 4 * 2
+    network = A100.network_gbs * 1e9 * A100.network_efficiency
+    expected = (constants.COLLECTIVE_US + 2 * A100.network_latency_us) * 1e-6 + \
+        nbytes / network
+    assert tied_embedding_sync(costs) == pytest.approx(expected)
+    stages = chunks(GPT, A100, layout, costs.batch, (2, 2, 2, 2))
+    assert [s.sync - gradient_sync(costs, s.parameters, 0.0, s.forward, s.backward + s.weight)
+            for s in stages] == pytest.approx([expected, 0.0, 0.0, expected])
+    plain = Costs(replace(GPT, tied=False), A100, layout, costs.batch)
+    assert tied_embedding_sync(plain) == 0.0
+    assert tied_embedding_sync(_costs(replace(layout, pp=1, dp=8))) == 0.0
+    # bf16: fp32 main gradients, twice the bytes
+    assert tied_embedding_sync(_costs(layout, dtype="bf16")) == pytest.approx(
+        expected + nbytes / network)
+
+
+def test_megatron_splits_the_layers_evenly_where_others_balance_the_head():
+    """A small GPT with a large vocabulary: its head outweighs a layer, so the balanced split
+    gives the last stage fewer layers; Megatron-LM (and DeepSpeed's type:transformer) split
+    8 layers over 4 stages 2 each, and where the stages do not divide them, balance."""
+    model = gpt(8, 512, 8, vocab=256000, sequence=2048)
+    layout = Layout(1, 4, 1, micro_batch=1)
+    for name, expected in (("megatron", (2, 2, 2, 2)), ("megatron-deepspeed", (2, 2, 2, 2))):
+        costs = Costs(model, A100, layout, Batch(8, 2048, "bf16", True, framework(name)))
+        assert split_layers(model, 4, costs) == expected
+    balanced = split_layers(model, 4, Costs(model, A100, layout,
+                                            Batch(8, 2048, "bf16", True, framework("nemo"))))
+    assert sum(balanced) == 8 and balanced[-1] < 2
+    odd = Costs(model, A100, replace(layout, pp=3), Batch(8, 2048, "bf16", True))
+    assert sum(split_layers(model, 3, odd)) == 8
+    assert [n for n, f in FRAMEWORKS.items() if f.even_split] == ["megatron",
+                                                                   "megatron-deepspeed"]
+
+
+def test_the_megatron_deepspeed_framework_is_a_choice_and_named(tmp_path, capsys):
+    import json
+    config = {"model_type": "gpt2", "n_embd": 1024, "n_layer": 8, "n_head": 16,
+              "vocab_size": 50257, "n_positions": 2048}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    argv = ["plan", str(path), "--cluster", "dgx-a100-80gb", "--gpus", "16",
+            "--global-batch", "64", "--seq", "2048", "--framework", "megatron-deepspeed",
+            "--tp", "2", "--pp", "2", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["framework"]["name"] == "megatron-deepspeed"
+    assert out["framework"]["p2p_scatter_gather"] is False
+    assert out["layers_per_stage"] == [4, 4]
