@@ -22,11 +22,12 @@ overlap (docs/cluster-planning.md says what each assumes and why).
   gradients after the pipeline's flush and overlaps nothing; ZeRO-1 is its
   `--distributed-optimizer`.
 
-Besides the overlaps, each says whether it splits the layers evenly over the pipeline stages (Megatron-LM requires it, DeepSpeed's
+Besides the overlaps, each says whether it splits the layers evenly over the pipeline stages
+(Megatron-LM requires it without --decoder-first/last-pipeline-num-layers, DeepSpeed's
 `partition_method: type:transformer` does it) and whether its pipeline sends scatter the
 activation over the tensor ranks and gather it after (Megatron-LM's
-`scatter_gather_tensors_in_pipeline`, on by default where it existed; with sequence
-parallelism each rank's shard is sent as it is).
+`scatter_gather_tensors_in_pipeline`, on by default in the 2021-2022 releases the published
+runs used; with sequence parallelism each rank's shard is sent as it is).
 """
 
 from __future__ import annotations
