@@ -122,3 +122,17 @@ def test_the_megatron_deepspeed_framework_is_a_choice_and_named(tmp_path, capsys
     assert out["framework"]["name"] == "megatron-deepspeed"
     assert out["framework"]["p2p_scatter_gather"] is False
     assert out["layers_per_stage"] == [4, 4]
+
+
+def test_nccl_gathers_and_scatters_in_rings_only_where_an_all_reduce_may_use_its_tree():
+    """64 nodes of 8: a one-byte all-gather pays its ring's 448 NVLink and 64 network steps
+    (NCCL has no tree for all-gather or reduce-scatter), an all-reduce of one byte the better of
+    its ring's two passes and its tree's (7 NVLink and log2 64 = 6 network steps each way)."""
+    link, network = A100.link_latency_us, A100.network_latency_us
+    gather = collectives.all_gather(A100, 1.0, 512, 8)
+    assert gather == pytest.approx((constants.COLLECTIVE_US + 448 * link + 64 * network) * 1e-6,
+                                   rel=1e-6)
+    assert collectives.reduce_scatter(A100, 1.0, 512, 8) == gather
+    reduce = collectives.all_reduce(A100, 1.0, 512, 8)
+    assert reduce == pytest.approx((constants.COLLECTIVE_US + 2 * (7 * link + 6 * network))
+                                   * 1e-6, rel=1e-6)

@@ -8,7 +8,8 @@ A collective of S bytes over n ranks with k of them on each node:
   channels spread the group's k GPUs' rings over (a group of one GPU per node gets one port);
 - latency: every step of the ring pays the link's per-step latency (2(n-1) steps for an
   all-reduce), across nodes NCCL's trees pay about 2 log2(nodes) network steps instead where
-  that is shorter, and each collective pays a fixed launch cost. Small messages are latency
+  that is shorter for an all-reduce (NCCL runs all-gathers and reduce-scatters as rings
+  only: their latency grows with the ranks), and each collective pays a fixed launch cost. Small messages are latency
   bound: this is what makes a small model's or a small micro-batch's collectives slow;
 - overlap: a collective that runs beside compute kernels gets fewer SMs for its channels and
   shares HBM with them: `overlapped=True` divides its bandwidth by the fitted share it keeps.
@@ -46,6 +47,8 @@ def _latency(cluster: Cluster, ranks: int, per_node: int, passes: int) -> float:
         return start + passes * (ranks - 1) * link
     nodes = -(-ranks // per_node)
     ring = passes * ((ranks - nodes) * link + nodes * network)
+    if passes == 1:  # all-gather, reduce-scatter: NCCL runs them as rings only
+        return start + ring
     tree = passes * ((per_node - 1) * link + math.ceil(math.log2(nodes)) * network)
     return start + min(ring, tree)
 
