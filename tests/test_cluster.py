@@ -233,7 +233,7 @@ def test_plan_prints_the_best_layouts_and_writes_a_plan_solve_takes(tmp_path):
     solved = _pyplan("solve", "llama.yaml", "--json", cwd=tmp_path)
     assert solved.returncode == 0, solved.stderr
     for command in (["validate", "llama.yaml"], ["show", "llama.resolved.yaml", "--width",
-                                                 "80", "--micro-batches", "8"],
+                                                 "80"],
                     ["export", "llama.resolved.yaml", "--format", "chrome", "-o", "t.json"]):
         done = _pyplan(*command, cwd=tmp_path)
         assert done.returncode == 0, (command, done.stderr)
@@ -373,10 +373,51 @@ def test_a_cluster_of_sixteen_thousand_gpus_is_planned_and_its_plan_validates(tm
                      vocab_size=128256)
     result = _pyplan("plan", config, "--cluster", "dgx-h100", "--gpus", "16384", "--tp", "8",
                      "--pp", "16", "--dp", "128", "--global-batch", "2048", "--seq", "8192",
-                     "--micro-batch", "1", "--json", "-o", "l405.yaml", cwd=tmp_path)
+                     "--micro-batch", "1", "--framework", "nemo", "--json", "-o",
+                     "l405.yaml", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     layout = json.loads(result.stdout)["layout"]
     assert (layout["tp"], layout["pp"], layout["dp"]) == (8, 16, 128)
     assert "mesh: {data: 128, " in (tmp_path / "l405.yaml").read_text()
     validated = _pyplan("validate", "l405.yaml", cwd=tmp_path)
     assert validated.returncode == 0, validated.stderr
+
+
+def _plan_json(capsys, config, *args):
+    code = main(["plan", config, "--cluster", "dgx-a100-80gb", "--gpus", "64",
+                 "--global-batch", "512", "--seq", "2048", "--json", *args])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return json.loads(out.out)
+
+
+def test_a_switch_not_given_is_the_frameworks_own_default(tmp_path, capsys):
+    """A published Megatron-LM run fixed by its degrees alone is priced as Megatron-LM runs it
+    without further flags: 1F1B with one chunk, no sequence parallelism, no distributed
+    optimizer, and in fp16 its scores through memory; NeMo's recipes turn those on; --cp
+    needs fused attention; no framework searches a schedule it does not run."""
+    config = _config(tmp_path, "gpt2", n_embd=3072, n_layer=30, n_head=32, n_positions=2048,
+                     vocab_size=51200)
+    fixed = ("--tp", "4", "--pp", "2", "--micro-batch", "4", "--recompute", "full")
+    plain = _plan_json(capsys, config, "--dtype", "fp16", *fixed)
+    spelled = _plan_json(capsys, config, "--dtype", "fp16", *fixed, "--schedule", "1f1b",
+                         "--vpp", "1", "--no-sequence-parallel", "--no-distributed-optimizer",
+                         "--no-flash-attention")
+    assert plain == {**spelled, "search": plain["search"]}
+    layout = plain["layout"]
+    assert (layout["schedule"], layout["vpp"], layout["sequence_parallel"],
+            layout["distributed_optimizer"], plain["batch"]["flash_attention"]) == \
+        ("1f1b", 1, False, False, False)
+    assert _plan_json(capsys, config, "--dtype", "bf16", *fixed)["batch"]["flash_attention"]
+    nemo = _plan_json(capsys, config, "--framework", "nemo", "--dtype", "fp16", *fixed)
+    assert (nemo["layout"]["sequence_parallel"], nemo["layout"]["distributed_optimizer"],
+            nemo["batch"]["flash_attention"]) == (True, True, True)
+    cp = _plan_json(capsys, config, "--dtype", "fp16", "--cp", "2", "--tp", "2")
+    assert cp["batch"]["flash_attention"] and cp["layout"]["cp"] == 2
+    for name in ("megatron", "nemo", "megatron-deepspeed", "torchtitan"):
+        report = _plan_json(capsys, config, "--framework", name, "--top", "50", "--tp", "8",
+                            "--micro-batch", "2")
+        schedules = {row["layout"]["schedule"] for row in report["top"]}
+        runs = {"torchtitan": {"1f1b", "interleaved-1f1b", "zb-v"},
+                "megatron-deepspeed": {"1f1b"}}.get(name, {"1f1b", "interleaved-1f1b"})
+        assert schedules <= runs, (name, schedules)

@@ -56,13 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="activation recomputation: none, selective (attention's core) "
                        "or full (each layer)")
     group.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
-                       help="Megatron-LM's sequence parallelism inside tensor-parallel groups")
+                       help="Megatron-LM's sequence parallelism inside tensor-parallel groups "
+                       "(default: the framework's: off in megatron, on elsewhere)")
     group.add_argument("--schedule", choices=SCHEDULES,
                        help="pipeline schedule (pyplan's templates; search: pyplan's own "
                        "search, on the best layout's degrees); default: the best of the "
-                       "templates")
+                       "framework's own schedules")
     group.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction,
-                       help="shard the optimizer's state over the data-parallel ranks")
+                       help="shard the optimizer's state over the data-parallel ranks "
+                       "(default: the framework's: on in nemo, off in megatron)")
     group.add_argument("--cp", type=int, metavar="N",
                        help="context-parallel degree (ring attention over N ranks)")
     group.add_argument("--ep", type=int, metavar="N",
@@ -73,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dp-replicate", type=int, metavar="R",
                        help="HSDP: R replicas of FSDP groups of dp / R (needs --fsdp)")
     group.add_argument("--flash-attention", action=argparse.BooleanOptionalAction,
-                       default=True, help="fused attention (default on); off: the s x s "
-                       "scores go through memory, as in Megatron-LM before 2023")
+                       help="fused attention (default: on with --cp and in 16-bit, except "
+                       "megatron's fp16 and megatron-deepspeed: their scores go through "
+                       "memory, as their published runs did)")
     over = parser.add_argument_group("overlaps (default: the framework's)")
     over.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction,
                       help="data-parallel gradient reduction beside the backward")
@@ -138,7 +141,10 @@ def run(args: argparse.Namespace) -> int:
                          overlap_param_gather=args.overlap_param_gather,
                          tp_comm_overlap=args.tp_comm_overlap, overlap_p2p=args.overlap_p2p,
                          fused_kernels=args.fused_kernels)
-    batch = Batch(args.global_batch, args.seq, args.dtype, args.flash_attention, software)
+    flash = args.flash_attention
+    if flash is None:  # context parallelism runs only on fused attention (Megatron-Core, TE)
+        flash = args.dtype in software.flash_attention or (args.cp or 1) > 1
+    batch = Batch(args.global_batch, args.seq, args.dtype, flash, software)
     fixed = Fixed(args.tp, args.pp, args.dp, args.vpp, args.micro_batch, args.recompute,
                   args.sequence_parallel, args.schedule, args.distributed_optimizer,
                   args.cp, args.ep, args.fsdp, args.dp_replicate)
@@ -267,7 +273,9 @@ def _text(best, model, cluster, batch, gpus, considered, priced, seconds, output
     first = best[0]
     lines = [f"{model.family} ({parameters_text(model)}) on {gpus} GPUs of {cluster.name} "
              f"({cluster.gpu.name}), global batch {batch.global_batch} x {batch.sequence} "
-             f"tokens, {batch.dtype}, {batch.framework.describe()}",
+             f"tokens, {batch.dtype}"
+             f"{'' if batch.flash_attention else ' (attention unfused)'}, "
+             f"{batch.framework.describe()}",
              f"  {considered:,} layouts considered, {priced} priced exactly, in {seconds:.1f} s"]
     lines.append(("best: " if len(best) > 1 or considered > 1 else "layout: ") +
                  first.layout.describe())

@@ -64,6 +64,18 @@ class Framework:
     p2p_scatter_gather: bool = True
     """A pipeline send carries 1/tp of the activation from each tensor rank, the receiver
     all-gathers it over its tensor group; off: every tensor rank sends the whole."""
+    schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b")
+    """The pipeline schedules the framework runs: what `pyplan plan` searches when --schedule
+    is not given (another of pyplan's templates is priced when asked for)."""
+    flash_attention: tuple[str, ...] = ("bf16", "fp16", "fp8")
+    """The training dtypes whose attention is fused when not told (--flash-attention / --no-
+    flash-attention); fp32 never is (the fused kernels take 16-bit inputs)."""
+    sequence_parallel: bool = True
+    """Sequence parallelism inside tensor-parallel groups when not told."""
+    distributed_optimizer: bool = True
+    """The optimizer's state sharded over the data-parallel ranks (ZeRO-1) when not told."""
+    fsdp: bool = False
+    """FULL_SHARD over the data ranks is the framework's own way (searched when not told)."""
 
     def describe(self) -> str:
         on = [name for name, value in (
@@ -74,14 +86,27 @@ class Framework:
         return f"{self.name} ({', '.join(on) or 'no overlaps'})"
 
 
+# What each runs when a switch is not given is its own command line's default: Megatron-LM's
+# --sequence-parallel and --use-distributed-optimizer are opt-in, NeMo's recipes turn them on,
+# torchtitan's tensor-parallel plan is always sequence-parallel over FSDP2 with SDPA's flash
+# kernel. Megatron-LM's attention is fused by Transformer Engine in its bf16 and fp8 recipes;
+# its fp16 recipe (loss scaling, 2019-2022, the published A100 runs) ran apex's scaled masked
+# softmax over scores in memory, as Megatron-DeepSpeed (BLOOM, MT-NLG) did in any dtype. None
+# of Megatron-LM, NeMo or DeepSpeed runs a zero-bubble schedule (sail-sg's fork of Megatron
+# does); torchtitan runs ZBVZeroBubble.
 FRAMEWORKS = {
     "megatron": Framework("megatron", False, False, False, False, False, "none", 1.0,
-                          even_split=True),
+                          even_split=True, flash_attention=("bf16", "fp8"),
+                          sequence_parallel=False, distributed_optimizer=False),
     "nemo": Framework("nemo", True, True, True, True, True, "none", 1.0),
-    "torchtitan": Framework("torchtitan", True, True, False, False, True, "selective", 1.5),
+    "torchtitan": Framework("torchtitan", True, True, False, False, True, "selective", 1.5,
+                            schedules=("1f1b", "interleaved-1f1b", "zb-v"),
+                            distributed_optimizer=False, fsdp=True),
     "megatron-deepspeed": Framework("megatron-deepspeed", False, False, False, False, False,
                                     "none", 1.0, even_split=True,
-                                    p2p_scatter_gather=False),
+                                    p2p_scatter_gather=False, schedules=("1f1b",),
+                                    flash_attention=(), sequence_parallel=False,
+                                    distributed_optimizer=False),
 }
 
 

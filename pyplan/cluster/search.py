@@ -27,9 +27,7 @@ from pyplan.cluster.model import Transformer
 from pyplan.cluster.predict import Prediction, predict
 from pyplan.cluster.pipeline import device_of, split_layers
 
-__all__ = ["SEARCHED_SCHEDULES", "Fixed", "candidates", "search"]
-
-SEARCHED_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-2p", "zb-v")
+__all__ = ["Fixed", "candidates", "search"]
 CHUNKS = (2, 3, 4, 6, 8)  # chunks per GPU the search tries for interleaved 1F1B
 MAX_MICRO_BATCH = 64
 
@@ -87,7 +85,7 @@ def candidates(model: Transformer, cluster: Cluster, batch: Batch, gpus: int,
     framework is built on it (torchtitan), the distributed optimizer elsewhere."""
     out = []
     node = cluster.gpus_per_node
-    fsdp_default = batch.framework.name == "torchtitan"
+    fsdp_default = batch.framework.fsdp
     tps = [fixed.tp] if fixed.tp else [t for t in _divisors(min(node, gpus)) if gpus % t == 0]
     for tp in tps:
         if gpus % tp:
@@ -117,8 +115,15 @@ def _settings(model: Transformer, batch: Batch, fixed: Fixed, gpus: int, node: i
     out = []
     mbs = [fixed.micro_batch] if fixed.micro_batch else \
         [b for b in _divisors(batch.global_batch // dp) if b <= MAX_MICRO_BATCH]
-    schedules = [fixed.schedule] if fixed.schedule else \
-        (SEARCHED_SCHEDULES if pp > 1 else ("1f1b",))
+    software = batch.framework
+    if fixed.schedule:
+        schedules = [fixed.schedule]
+    elif pp == 1 or (fixed.pp and not fixed.vpp):
+        # a pipeline the user fixed runs as its framework launches one without a virtual
+        # pipeline or schedule flag: one chunk per GPU, its first schedule (1F1B)
+        schedules = list(software.schedules[:1])
+    else:
+        schedules = list(software.schedules)
     fsdps = [fixed.fsdp] if fixed.fsdp is not None else [fsdp_default and dp * cp > 1]
     eps = [fixed.ep] if fixed.ep else _expert_degrees(model, dp)
     replicas = [fixed.dp_replicate or 1]
@@ -133,9 +138,10 @@ def _settings(model: Transformer, batch: Batch, fixed: Fixed, gpus: int, node: i
         else:
             vpps = [1]
         sps = [fixed.sequence_parallel] if fixed.sequence_parallel is not None \
-            else [tp > 1]
+            else [tp > 1 and software.sequence_parallel]
         dos = [fixed.distributed_optimizer] \
-            if fixed.distributed_optimizer is not None else [dp * cp > 1 and not fsdp]
+            if fixed.distributed_optimizer is not None \
+            else [dp * cp > 1 and not fsdp and software.distributed_optimizer]
         recomputes = [fixed.recompute] if fixed.recompute else list(RECOMPUTE)
         for vpp, sp, do, recompute in itertools.product(vpps, sps, dos, recomputes):
             layout = Layout(tp, pp, dp, vpp, mb, recompute, sp, schedule, do, cp, ep, fsdp,
