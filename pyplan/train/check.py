@@ -164,14 +164,31 @@ def _loss(forward, model, problem, output_block, batch, data, micro_batches, aut
     with torch.autocast(forward.device.type, dtype=autocast, enabled=autocast is not None):
         # Micro-batch by micro-batch, so that each forward draws the random numbers it
         # draws in the pipeline; the loss sees the whole batch, as in training without a
-        # pipeline.
+        # pipeline (so a loss that is not a mean over the samples fails the check), unless
+        # the loss is over each micro-batch as a whole (`per_micro_batch`: a contrastive
+        # loss over its pairs), whose mean over the micro-batches the pipeline trains.
         results = [forward(batch, m, micro)
                    for m, micro in enumerate(split_batch(inputs, micro_batches))]
         whole = (None,) if len(problem.blocks[output_block].devices) > 1 else ()
         with torch.set_grad_enabled(grad):
+            if per_micro_batch(model.loss):
+                loss = loss_function(model)
+                return torch.stack([loss(out, part, *whole).float() for out, part in zip(
+                    results, split_batch(targets, micro_batches))]).mean()
             what = f"block '{problem.blocks[output_block].name}'" if forward.whole is None \
                 else "the model"
-            return loss_function(model)(concatenated(results, what), targets, *whole)
+            return loss_function(model, _WHOLE)(concatenated(results, what), targets, *whole)
+
+
+_WHOLE = "on the whole batch's output in --check's reference (its micro-batches' outputs " \
+    "concatenated; a loss over each micro-batch as a whole, such as a contrastive loss over " \
+    "its pairs, says so: loss.per_micro_batch = True)"
+
+
+def per_micro_batch(loss) -> bool:
+    """Whether the user's loss declares itself over each micro-batch as a whole
+    (`loss.per_micro_batch = True`), not a mean over its samples."""
+    return getattr(loss, "per_micro_batch", False) is True
 
 
 def tokens_of(targets) -> int:

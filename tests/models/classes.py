@@ -166,10 +166,15 @@ def clip_batch(step: int):
 
 def clip_loss(output, pairs):
     """The symmetric contrastive loss over the micro-batch's pairs (CLIPOutput's logits: image i
-    against text j of the micro-batch); `pairs` only sizes it (its own index matches)."""
+    against text j of the micro-batch); `pairs` only sizes it (its own index matches). Over
+    the micro-batch as a whole, not a mean over its samples: it says so (`per_micro_batch`),
+    and --check's reference averages the micro-batches' losses as the pipeline does."""
     image = output.logits_per_image
     labels = torch.arange(image.shape[0])
     return (F.cross_entropy(image, labels) + F.cross_entropy(output.logits_per_text, labels)) / 2
+
+
+clip_loss.per_micro_batch = True  # (not a mean over samples: --check averages micro-batches')
 
 
 # -- a diffusion U-Net: noisy images and timesteps in, the noise out ------------------------
