@@ -11,7 +11,7 @@ from torch import nn
 
 BATCH = 8
 NAMES = ("resnet", "mobilenet_v2", "convnext", "vit", "swin", "bert", "t5", "bart", "whisper",
-         "clip", "unet", "recommender")
+         "clip", "unet", "recommender", "sequential_cnn")
 
 
 def _quiet():
@@ -66,8 +66,17 @@ def swin():
         window_size=2, num_labels=4))
 
 
+def sequential_cnn():
+    """A batch-norm CNN as an nn.Sequential (cut as a chain of its children)."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+
 resnet_batch = mobilenet_v2_batch = convnext_batch = vit_batch = swin_batch = images
+sequential_cnn_batch = images
 resnet_loss = mobilenet_v2_loss = convnext_loss = vit_loss = swin_loss = classify
+sequential_cnn_loss = classify
 
 
 # -- an encoder with an attention mask and a classification head ---------------------------
