@@ -31,7 +31,7 @@ SLOW_RANKS = {"test_cuda_paths.py", "test_gpu_review.py"}
 SLOW_CASES = (
     "tests/test_meshes.py::",  # the meshes' layouts and saves (TP, FSDP, data)
     "tests/test_gpu_check.py::",
-    "tests/test_model_classes.py::",  # one torchrun of 9 model classes (tests/models/classes.py)
+    "tests/test_model_classes.py::",  # one torchrun of 13 model classes (tests/models/classes.py)
     "tests/test_families.py::test_every_family_trains_on_two_ranks",
     # (test_experts' q3 keeps a tensor-parallel run with sequence parallelism in the default)
     "tests/test_experts.py::test_tensor_parallel_experts_train_the_single_process_model[mix1",

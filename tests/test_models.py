@@ -157,3 +157,34 @@ def test_the_plans_layer_returns_name_the_structure_stand_ins_return():
         assert Cut.of(FORWARD, text).layer_returns == text
     assert Cut.of(FORWARD, "tuple of 3").returns == 3 and Cut.of(FORWARD).returns == 0
     assert Cut.of(FORWARD, "tuple").returns == 1  # plans written before: (hidden,) as then
+
+
+class _Pooled(torch.nn.Module):
+    """What broke encoder-decoders and two towers traced on the meta device: the ids moved to
+    the hidden states' device (CLIP's pooled text: a positional device the trace recorded as
+    meta), and a buffer the model computes on the CPU (Marian's, mBART's final_logits_bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 3)
+        self.register_buffer("bias", torch.arange(3.0))
+
+    def forward(self, ids):
+        hidden = self.embed(ids)
+        last = ids.to(hidden.device, torch.int32).argmax(-1)
+        return self.head(hidden[torch.arange(ids.shape[0]), last]) + self.bias
+
+
+def test_pieces_traced_on_the_meta_device_compute_what_the_model_does():
+    from pyplan.models import traced
+    from pyplan.models.deferred import defer
+
+    deferred = defer(_Pooled, 0)
+    ids = torch.tensor([[1, 5, 2], [7, 3, 3]])
+    pieces = traced.pieces(deferred.model, ["embed", "head"], ids.to("meta"))
+    made: dict = {}
+    for piece in pieces:
+        traced.materialize(piece, deferred, "cpu", made)
+        traced.place(piece, "cpu")
+    deferred.materialize(deferred.model, "cpu")
+    assert torch.equal(pieces[1](pieces[0](ids)), deferred.model(ids))

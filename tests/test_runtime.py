@@ -96,6 +96,19 @@ def test_compare_names_the_worst_parameter_of_the_first_step_that_differs():
     assert verdict.ok and "the losses of all 2 steps differ by at most 2.0e-01" in \
         verdict.message
     assert "missing" in compare([1.0], steps({}), [1.0], ref_steps[:1], 1e-5).message
+    # Buffers (batch norms' running statistics) after the step: a count is shown as counts.
+    stats = {"bn.num_batches_tracked": t([4.0]), "bn.running_mean": t([0.5, 1.0])}
+    theirs = [{"gradients": ref, "values": ref, "buffers": stats}]
+    mine = [{"gradients": good, "values": good,
+             "buffers": {(n, ""): v for n, v in stats.items()}}]
+    assert "and so do 2 buffers" in compare([1.0], mine, [1.0], theirs, 1e-5).message
+    mine[0]["buffers"][("bn.num_batches_tracked", "")] = t([8.0])
+    assert compare([1.0], mine, [1.0], theirs, 1e-5).message.startswith(
+        "at step 1 buffer bn.num_batches_tracked is 8, the single-process run's 4")
+    mine[0]["buffers"][("bn.num_batches_tracked", "")] = t([4.0])
+    mine[0]["buffers"][("bn.running_mean", "")] = t([0.5, 1.1])
+    assert "buffer bn.running_mean differs from the single-process run's: relative error " \
+        "0.0894" in compare([1.0], mine, [1.0], theirs, 1e-5).message
 
 
 def test_batches_must_split_evenly():

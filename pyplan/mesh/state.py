@@ -77,10 +77,12 @@ def _view(pipe) -> _Named:
     whole = pipe.built.whole
     if whole is not None:
         mine = _stages_here(pipe)
+        # (a chain cut's stages are the whole model's own modules: only the rank's are its)
+        held = {id(b) for module in pipe.modules.values() for b in module.buffers()}
         for name, buffer in whole.named_buffers():
             module = whole.get_submodule(name.rpartition(".")[0]) if "." in name else whole
             if name.rpartition(".")[2] not in module._non_persistent_buffers_set and \
-                    _owner(name, mine[1]) in mine[0]:
+                    _owner(name, mine[1]) in mine[0] and id(buffer) in held:
                 buffers[name] = buffer
     else:
         for b, module in pipe.modules.items():

@@ -189,7 +189,7 @@ def stage_modules(model: nn.Module, cut: Cut, stages: list[tuple[str, tuple[str,
         if materialize is not None:
             for s in mine:
                 materialize(found[s])
-        return {s: found[s].to(device) for s in mine}
+        return {s: traced.place(found[s], device) for s in mine}
     if cut.kind == FORWARD:
         return forward.prune(model, [m for _, m in stages], mine, device,
                              returns=cut.returns, materialize=materialize)

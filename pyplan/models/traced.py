@@ -111,7 +111,7 @@ def pieces(model: nn.Module, starts: list[str], inputs) -> list[nn.Module]:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore", FutureWarning)
             logging.disable(logging.WARNING)
-            with _output_structure() as output:
+            with _output_structure() as output, _buffers_like(model, inputs):
                 pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs,
                                 split_spec={name: SplitPoint.BEGINNING for name in starts[1:]})
     except TimeLimitError:
@@ -154,6 +154,32 @@ def pieces(model: nn.Module, starts: list[str], inputs) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
+def _buffers_like(model: nn.Module, inputs):
+    """While a model whose parameters are on the meta device is traced on a micro-batch
+    there: its buffers on the meta device too (a deferred model computes them on the CPU, and
+    torch's tracer refuses an operation on both, such as Marian's and mBART's logits plus
+    their final_logits_bias). The pieces hold meta buffers then, which `materialize` gives
+    the model's values."""
+    if not any(isinstance(t, torch.Tensor) and t.is_meta for t in
+               tree_flatten(inputs)[0]):
+        yield
+        return
+    swapped = []
+    for module in model.modules():
+        for attr, tensor in module._buffers.items():
+            if tensor is not None and not tensor.is_meta:
+                swapped.append((module, attr, tensor))
+    meta = {}
+    for module, attr, tensor in swapped:  # a buffer held twice stays one
+        module._buffers[attr] = meta.setdefault(id(tensor), tensor.to("meta"))
+    try:
+        yield
+    finally:
+        for module, attr, tensor in swapped:
+            module._buffers[attr] = tensor
+
+
+@contextlib.contextmanager
 def _output_structure():
     """A list that gets the structure (pytree spec) of the model's output as torch.export
     traced it: the tracer's pieces return its tensors flat, and the last stage rebuilds the
@@ -175,13 +201,40 @@ def _output_structure():
 
 
 def place(piece: nn.Module, device) -> nn.Module:
-    """A piece on `device`, with the tensors its graph makes there too (torch.ones(...,
-    device=x.device) was recorded with the device it was traced on: meta)."""
-    from torch.distributed.pipelining._IR import _modify_graph_op_device
-
+    """A piece on `device`, with the tensors its graph makes or moves there too: torch.ones(...,
+    device=x.device) and x.to(y.device) were recorded with the device they were traced on
+    (meta), as a keyword or a positional argument (CLIP's pooled text, which moves the input
+    ids to the hidden states' device: on meta, the CPU's indices would index nothing)."""
     piece = piece.to(device)
-    _modify_graph_op_device(piece.graph, torch.device(device))
+    device = torch.device(device)
+    for module in piece.modules():  # GraphModules, and the InterpreterModules of unflattening
+        code = module if isinstance(module, torch.fx.GraphModule) else \
+            module.__dict__.get("graph_module")
+        graphs = {id(g): g for g in (getattr(module, "graph", None), getattr(code, "graph", None))
+                  if isinstance(g, torch.fx.Graph)}
+        if any([_devices_to(g, device) for g in graphs.values()]) and code is not None:
+            code.recompile()
     return piece
+
+
+def _devices_to(graph: torch.fx.Graph, device: torch.device) -> bool:
+    """Every device among the graph's calls' arguments made `device`; whether any changed."""
+    changed = False
+
+    def swap(value):
+        nonlocal changed
+        if isinstance(value, torch.device) and value != device:
+            changed = True
+            return device
+        if isinstance(value, (tuple, list)):
+            return type(value)(swap(v) for v in value)
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        return value
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.args, node.kwargs = swap(node.args), swap(node.kwargs)
+    return changed
 
 
 def _trace(model: nn.Module, inputs, split_spec: dict):
@@ -196,7 +249,8 @@ def _trace(model: nn.Module, inputs, split_spec: dict):
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore", FutureWarning)
             logging.disable(logging.WARNING)
-            return pipeline(model, mb_args=(inputs,), split_spec=split_spec)
+            with _buffers_like(model, inputs):
+                return pipeline(model, mb_args=(inputs,), split_spec=split_spec)
     except TimeLimitError:
         raise
     except Exception as exc:  # the tracer's limits: the cause in one line, torch's words after

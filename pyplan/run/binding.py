@@ -101,11 +101,11 @@ def call_user(model: Model | None, what: str, fn: Callable, *args, context: str 
                           + (f" {context}" if context else ""), _HINTS.get(what)) from None
 
 
-def loss_function(model: Model) -> Callable:
-    """The model's loss, called as the user's code (failures named at its plan line) and
-    checked to return a scalar tensor."""
+def loss_function(model: Model, context: str = "") -> Callable:
+    """The model's loss, called as the user's code (failures named at its plan line, with
+    `context` after the exception) and checked to return a scalar tensor."""
     def loss(output, targets, *group):
-        value = call_user(model, "loss", model.loss, output, targets, *group)
+        value = call_user(model, "loss", model.loss, output, targets, *group, context=context)
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             raise _user_error(model, "loss", f"returned {describe(value)}, not a scalar tensor",
                               _HINTS["loss"])

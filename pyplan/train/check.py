@@ -3,9 +3,11 @@ process, as an oracle for the pipelined run. For each of the first N optimizer s
 (`--check-steps`, default 3) every parameter's gradient just before `optimizer.step()` (after
 accumulation and clipping) and its value just after it are compared with the single-process
 run's, every copy of a tied parameter included, with an error relative to the values (per
-parameter: ||a - b|| / ||b||) and a tolerance scaled by the dtype; so are those steps' losses
-and the evaluations (Pfeife's equal-loss protocol, extended to the whole state; nnScaler 7.1
-checks new plans on a model shrunk to fit one device the same way). Later steps' losses are
+parameter: ||a - b|| / ||b||) and a tolerance scaled by the dtype; so are those steps' losses,
+the persistent buffers each rank's stages hold after them (batch norms' running statistics;
+not with data-parallel replicas) and the evaluations (Pfeife's equal-loss protocol, extended
+to the whole state; nnScaler 7.1 checks new plans on a model shrunk to fit one device the
+same way). Later steps' losses are
 reported, not judged: two fp32 runs that sum in different orders drift apart over many steps.
 
 The single-process model is the user's own: for a `module:` plan its whole forward (with the
@@ -56,6 +58,8 @@ def gathered(pipe, what: str) -> dict[tuple[str, str], torch.Tensor]:
     or tensor-parallel DTensor gathered whole (every rank of its mesh calls this), a
     multi-device block's chunks gathered over the block's group and kept by its first rank;
     only the first data-parallel index keeps anything. Every rank calls it (collectives)."""
+    if what == "buffers":
+        return _buffers(pipe)
     if what not in ("values", "gradients"):
         raise ValueError(what)
     out = {}
@@ -79,6 +83,19 @@ def gathered(pipe, what: str) -> dict[tuple[str, str], torch.Tensor]:
             if block.devices[0] == pipe.device_index and pipe.data_index == 0:
                 out[(key, block.name)] = tensor.float().cpu().clone()
     return out
+
+
+def _buffers(pipe) -> dict[tuple[str, str], torch.Tensor]:
+    """This rank's own persistent buffers (batch norms' running statistics: those of the
+    stages it runs, as a checkpoint saves them), keyed (the model's name, ""), on the CPU in
+    fp32; none with data-parallel replicas, whose statistics are each replica's own (no one
+    process sees what one replica sees)."""
+    from pyplan.mesh.state import _view
+
+    if pipe.problem.mesh.data_parallel > 1 or pipe.data_index != 0:
+        return {}
+    return {(name, ""): buffer.detach().float().cpu().clone()
+            for name, buffer in _view(pipe).named_buffers()}
 
 
 def reference_run(model: Model, problem: Problem, output_block: int, *, seed: int,
@@ -136,6 +153,7 @@ def reference_run(model: Model, problem: Problem, output_block: int, *, seed: in
             optimizer.step()
             if step in checked:
                 snapshots[-1]["values"] = _named(forward, gradients=False)
+                snapshots[-1]["buffers"] = forward.buffers()
                 if len(anchors) >= len(snapshots):
                     _anchor(forward, anchors[len(snapshots) - 1])
             scheduler.step()
@@ -164,14 +182,31 @@ def _loss(forward, model, problem, output_block, batch, data, micro_batches, aut
     with torch.autocast(forward.device.type, dtype=autocast, enabled=autocast is not None):
         # Micro-batch by micro-batch, so that each forward draws the random numbers it
         # draws in the pipeline; the loss sees the whole batch, as in training without a
-        # pipeline.
+        # pipeline (so a loss that is not a mean over the samples fails the check), unless
+        # the loss is over each micro-batch as a whole (`per_micro_batch`: a contrastive
+        # loss over its pairs), whose mean over the micro-batches the pipeline trains.
         results = [forward(batch, m, micro)
                    for m, micro in enumerate(split_batch(inputs, micro_batches))]
         whole = (None,) if len(problem.blocks[output_block].devices) > 1 else ()
         with torch.set_grad_enabled(grad):
+            if per_micro_batch(model.loss):
+                loss = loss_function(model)
+                return torch.stack([loss(out, part, *whole).float() for out, part in zip(
+                    results, split_batch(targets, micro_batches))]).mean()
             what = f"block '{problem.blocks[output_block].name}'" if forward.whole is None \
                 else "the model"
-            return loss_function(model)(concatenated(results, what), targets, *whole)
+            return loss_function(model, _WHOLE)(concatenated(results, what), targets, *whole)
+
+
+_WHOLE = "on the whole batch's output in --check's reference (its micro-batches' outputs " \
+    "concatenated; a loss over each micro-batch as a whole, such as a contrastive loss over " \
+    "its pairs, says so: loss.per_micro_batch = True)"
+
+
+def per_micro_batch(loss) -> bool:
+    """Whether the user's loss declares itself over each micro-batch as a whole
+    (`loss.per_micro_batch = True`), not a mean over its samples."""
+    return getattr(loss, "per_micro_batch", False) is True
 
 
 def tokens_of(targets) -> int:
@@ -235,6 +270,17 @@ class _forward:
                           for b, m in self.modules.items() for n, p in m.named_parameters()]
             self.named = list({id(p): (n, p) for n, p in self.named}.values())
         self.parameters = [p for _, p in self.named]
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent buffers, by the names the pipelined run's checkpoints give them (the
+        model's own; a block's module's under the block's name), on the CPU in fp32."""
+        if self.whole is not None:
+            named = [(n, b) for n, b in self.whole.named_buffers() if n.rpartition(".")[2] not
+                     in self.whole.get_submodule(n.rpartition(".")[0])._non_persistent_buffers_set]
+        else:
+            named = [(f"{self.problem.blocks[b].name}.{n}", t) for b, m in self.modules.items()
+                     for n, t in m.named_buffers()]
+        return {n: t.detach().float().cpu().clone() for n, t in named}
 
     def train(self, mode: bool) -> None:
         for module in [self.whole] if self.whole is not None else self.modules.values():
@@ -364,6 +410,10 @@ def compare(losses: list[float], snapshots: list[dict], ref_losses: list[float],
                                f"{allowed:g}; the worst of {len(errors)} parameters)")
             if error >= worst[0]:
                 worst = (error, f"the {what} of {where} at step {step}")
+        if mine.get("buffers"):  # (none with data-parallel replicas)
+            failed = _buffers_differ(mine["buffers"], ref.get("buffers", {}), step, tolerance)
+            if failed:
+                return failed
     for (step, got), (_, want) in zip(evals, ref_evals):
         error = _loss_error(got, want)
         if not error <= tolerance:
@@ -378,6 +428,9 @@ def compare(losses: list[float], snapshots: list[dict], ref_losses: list[float],
                  f"{worst[1]}, relative error {worst[0]:.1e})")
     text += (f" match the single-process run's (tolerance {tolerance:g}, the values "
              f"{max(tolerance, VALUES):g})")
+    buffers = len(snapshots[0].get("buffers", ())) if snapshots else 0
+    if buffers:
+        text += f", and so do {buffers} buffers"
     if len(losses) > checked:
         later = max(_loss_error(a, b) for a, b in zip(losses, ref_losses))
         text += (f"; the losses of all {len(losses)} steps differ by at most {later:.1e} "
@@ -386,6 +439,25 @@ def compare(losses: list[float], snapshots: list[dict], ref_losses: list[float],
         text += (f"; {len(evals)} evaluations match (largest relative error "
                  f"{max(_loss_error(a[1], b[1]) for a, b in zip(evals, ref_evals)):.1e})")
     return Verdict(True, text)
+
+
+def _buffers_differ(mine: dict, ref: dict, step: int, tolerance: float) -> Verdict | None:
+    """The first of the pipelined run's buffers (batch norms' running statistics and counts,
+    updated once by every micro-batch's forward) that differs from the single-process run's
+    after step `step`."""
+    for (name, _), tensor in sorted(mine.items()):
+        want = ref.get(name)
+        if want is None:
+            return Verdict(False, f"buffer {name} of the pipelined model is not the "
+                           "single-process model's")
+        error = relative_error(tensor, want) if tensor.shape == want.shape else float("inf")
+        if not error <= tolerance:
+            what = f"is {float(tensor):g}, the single-process run's {float(want):g}" if \
+                tensor.numel() == want.numel() == 1 else \
+                f"differs from the single-process run's: relative error {error:.3g}"
+            return Verdict(False, f"at step {step} buffer {name} {what} (tolerance "
+                           f"{tolerance:g}; each micro-batch's forward updates it once)")
+    return None
 
 
 def perturb(pipe, name: str) -> None:

@@ -341,7 +341,7 @@ class Session:
                 scheduler.step()
         if check:
             started = time.perf_counter()
-            self.snapshots[-1]["values"] = gathered(pipe, "values")
+            self.snapshots[-1].update({k: gathered(pipe, k) for k in ("values", "buffers")})
             self.check_seconds += time.perf_counter() - started
         return norm
 
@@ -477,7 +477,7 @@ class Session:
             verdict = None
             if self.options.check:
                 merged = [{kind: {k: v for g in every for k, v in g[2][i][kind].items()}
-                           for kind in ("gradients", "values")} for i in range(len(snapshots))]
+                           for kind in snapshots[i]} for i in range(len(snapshots))]
                 verdict = self.check(first, losses, merged, evals)
             norms = [next((r[i][4] for r in by_rank if r[i][4] is not None), None)
                      for i in iterations]

@@ -11,7 +11,7 @@ from torch import nn
 
 BATCH = 8
 NAMES = ("resnet", "mobilenet_v2", "convnext", "vit", "swin", "bert", "t5", "bart", "whisper",
-         "clip", "unet", "recommender")
+         "clip", "unet", "recommender", "sequential_cnn")
 
 
 def _quiet():
@@ -66,8 +66,17 @@ def swin():
         window_size=2, num_labels=4))
 
 
+def sequential_cnn():
+    """A batch-norm CNN as an nn.Sequential (cut as a chain of its children)."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+
 resnet_batch = mobilenet_v2_batch = convnext_batch = vit_batch = swin_batch = images
+sequential_cnn_batch = images
 resnet_loss = mobilenet_v2_loss = convnext_loss = vit_loss = swin_loss = classify
+sequential_cnn_loss = classify
 
 
 # -- an encoder with an attention mask and a classification head ---------------------------
@@ -166,10 +175,15 @@ def clip_batch(step: int):
 
 def clip_loss(output, pairs):
     """The symmetric contrastive loss over the micro-batch's pairs (CLIPOutput's logits: image i
-    against text j of the micro-batch); `pairs` only sizes it (its own index matches)."""
+    against text j of the micro-batch); `pairs` only sizes it (its own index matches). Over
+    the micro-batch as a whole, not a mean over its samples: it says so (`per_micro_batch`),
+    and --check's reference averages the micro-batches' losses as the pipeline does."""
     image = output.logits_per_image
     labels = torch.arange(image.shape[0])
     return (F.cross_entropy(image, labels) + F.cross_entropy(output.logits_per_text, labels)) / 2
+
+
+clip_loss.per_micro_batch = True  # (not a mean over samples: --check averages micro-batches')
 
 
 # -- a diffusion U-Net: noisy images and timesteps in, the noise out ------------------------
