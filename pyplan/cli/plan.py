@@ -142,8 +142,8 @@ def run(args: argparse.Namespace) -> int:
                          tp_comm_overlap=args.tp_comm_overlap, overlap_p2p=args.overlap_p2p,
                          fused_kernels=args.fused_kernels)
     flash = args.flash_attention
-    if flash is None:  # context parallelism runs only on fused attention (Megatron-Core, TE)
-        flash = args.dtype in software.flash_attention or (args.cp or 1) > 1
+    if flash is None and (args.cp or 1) > 1:  # ring attention runs on fused attention only
+        flash = True
     batch = Batch(args.global_batch, args.seq, args.dtype, flash, software)
     fixed = Fixed(args.tp, args.pp, args.dp, args.vpp, args.micro_batch, args.recompute,
                   args.sequence_parallel, args.schedule, args.distributed_optimizer,

@@ -33,9 +33,15 @@ class Batch:
     dtype: str = "bf16"
     """bf16, fp16 or fp32; fp8: the linear layers' GEMMs in fp8 (Transformer Engine,
     torchao's float8), everything else in bf16."""
-    flash_attention: bool = True
+    flash_attention: bool | None = None
+    """Fused attention; None: the framework's default for the dtype (Framework.flash_attention)."""
     framework: Framework = field(default=FRAMEWORKS["megatron"])
     """The software that runs it: which communication overlaps compute, what is fused."""
+
+    def __post_init__(self) -> None:
+        if self.flash_attention is None:
+            object.__setattr__(self, "flash_attention",
+                               self.dtype in self.framework.flash_attention)
 
     @property
     def state_dtype(self) -> str:
