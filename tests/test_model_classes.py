@@ -34,8 +34,9 @@ PASSING = ("resnet", "mobilenet_v2", "convnext", "vit", "swin", "bert", "recomme
            "whisper", "t5", "bart", "clip", "sequential_cnn")
 SAVED = ("resnet", "sequential_cnn")  # batch-norm CNNs cut in their forward and as a chain:
 # saved and resumed
-BATCH_NORMS = ("resnet", "mobilenet_v2", "sequential_cnn")  # --check compares their running
-# statistics too
+BATCH_NORMS = ("resnet", "mobilenet_v2", "sequential_cnn", "sequential_cnn-recomputed")
+# (--check compares their running statistics too; recomputed: every stage's forward rerun in
+# its backward, which must not update them a second time)
 
 
 def test_inputs_are_passed_as_the_model_takes_them():
@@ -75,11 +76,13 @@ def plans(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("classes")
     shutil.copy(MODELS / "classes.py", folder / "classes.py")
     found = {}
-    for name in PASSING:
+    for name in PASSING + ("sequential_cnn-recomputed",):
         plan = folder / f"{name}.yaml"
-        assert main(["partition", f"classes:{name}", "--data", f"classes:{name}_batch",
-                     "--loss", f"classes:{name}_loss", "--devices", "2", "--repeats", "1",
-                     "--unit-time-limit", "120", "-o", str(plan)]) == 0, name
+        model, recompute = name.partition("-")[::2]
+        assert main(["partition", f"classes:{model}", "--data", f"classes:{model}_batch",
+                     "--loss", f"classes:{model}_loss", "--devices", "2", "--repeats", "1",
+                     "--unit-time-limit", "120", "--recompute",
+                     "always" if recompute else "never", "-o", str(plan)]) == 0, name
         assert main(["solve", str(plan), "--quiet"]) == 0, name
         found[name] = folder / f"{name}.resolved.yaml"
     return found

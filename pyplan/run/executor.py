@@ -145,6 +145,9 @@ class Executor:
         """fp16: the loss is multiplied by this before its backward (the caller unscales)."""
         self.fail_at = fail_at if fail_at and fail_at[0] == rank else None
         self.saved_bytes: dict[int, int] = {}
+        self.updated_buffers: dict[int, list[torch.Tensor]] = {}
+        """The buffers a recomputed block's forward updates in place (batch norms' running
+        statistics), found on its first forward: its rerun's update is undone."""
         self.kept_inputs: dict[int, set[tuple[int, int]]] = {}
         """Per block, the (input, tensor) positions whose storage autograd saves."""
         self.iteration, self.index = -1, -1  # read by the fault watchdog
@@ -331,7 +334,11 @@ class Executor:
                 contextlib.nullcontext() as saved, \
                 torch.compiler.set_stance("force_eager") if measure and self.compiled else \
                 contextlib.nullcontext():  # (torch.compile does not trace the hooks)
+            if recomputed and b not in self.updated_buffers:  # (batch norm's kernel updates
+                before = [(t, t.clone()) for t in self.modules[b].buffers()]  # no _version)
             out, loss = self._call(b, m, args, trains and not recomputed)
+            if recomputed and b not in self.updated_buffers:
+                self.updated_buffers[b] = [t for t, old in before if not torch.equal(t, old)]
         if measure:
             self.saved_bytes[b] = saved.bytes
             # Which of its inputs autograd keeps (the same in every micro-batch): the others
@@ -379,7 +386,15 @@ class Executor:
         state = self.saved.pop((b, m))
         roots, loss = state.roots, state.loss
         if state.rerun is not None:  # the rerun's output is not kept either, only its graph
+            # (a micro-batch updates a batch norm's running statistics once, as without
+            # recomputation: what the rerun adds to them is undone)
+            kept = [t.clone() for t in self.updated_buffers.get(b, ())]
             out, loss = self._call(b, m, state.rerun, True)
+            for t, value in zip(self.updated_buffers.get(b, ()), kept):
+                # (batch norm's backward in training reads its batch's statistics, not the
+                # running ones autograd saved: their version may stay)
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t):
+                    t.copy_(value)
             tensors, _ = flatten(out, f"block '{self.blocks[b].name}'")
             roots = [root(tensors[i]) for i in differentiable(tensors)]
             del out, tensors
