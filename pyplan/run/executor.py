@@ -83,6 +83,18 @@ class IterationResult:
         return self.timing.figures()[2]
 
 
+def _updated(module: torch.nn.Module, versions: list) -> list[torch.Tensor]:
+    """The buffers a forward of `module` updated in place: those whose version moved, and the
+    running statistics of its batch norms (their kernel updates them without a version)."""
+    found = {id(t): t for t, version in versions if t._version != version}
+    for norm in module.modules():
+        if isinstance(norm, torch.nn.modules.batchnorm._NormBase) and norm.track_running_stats:
+            for t in (norm.running_mean, norm.running_var, norm.num_batches_tracked):
+                if t is not None:
+                    found[id(t)] = t
+    return list(found.values())
+
+
 @dataclass
 class _Forward:
     """What a forward keeps for its backward: autograd's graph and what starts its backward,
@@ -334,11 +346,11 @@ class Executor:
                 contextlib.nullcontext() as saved, \
                 torch.compiler.set_stance("force_eager") if measure and self.compiled else \
                 contextlib.nullcontext():  # (torch.compile does not trace the hooks)
-            if recomputed and b not in self.updated_buffers:  # (batch norm's kernel updates
-                before = [(t, t.clone()) for t in self.modules[b].buffers()]  # no _version)
+            if recomputed and b not in self.updated_buffers:
+                versions = [(t, t._version) for t in self.modules[b].buffers()]
             out, loss = self._call(b, m, args, trains and not recomputed)
             if recomputed and b not in self.updated_buffers:
-                self.updated_buffers[b] = [t for t, old in before if not torch.equal(t, old)]
+                self.updated_buffers[b] = _updated(self.modules[b], versions)
         if measure:
             self.saved_bytes[b] = saved.bytes
             # Which of its inputs autograd keeps (the same in every micro-batch): the others
