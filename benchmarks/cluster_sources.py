@@ -154,7 +154,7 @@ def foundry() -> list[Row]:
         model = Transformer(family="mpt", layers=layers, hidden=h, heads=heads,
                             kv_heads=_int(r["kv_heads"]), head_dim=h // heads, ffn=ffn,
                             vocab=vocab, gated=False, norm="layernorm", biases=False,
-                            tied=True)
+                            tied=True, alibi=True)
         dtype = "fp8" if r["precision"].startswith("fp8") else "bf16"
         layout = Layout(1, 1, gpus, 1, mb, _recompute(r["recompute"]), False, "1f1b", False,
                         fsdp=True)

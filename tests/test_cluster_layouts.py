@@ -91,8 +91,13 @@ def test_fp8_gathers_its_weights_in_one_byte_and_runs_its_linear_gemms_at_the_fp
     bf16 = Costs(LLAMA, H100, layout, Batch(16, 2048, "bf16", True, framework("torchtitan")))
     launch = kernels.launches(H100.gpu, 1)
     ratio = 989 / (1979 * kernels.constants.FP8_EFFICIENCY)
+
+    def k_use(peak):  # the K loop's fixed prologue is more elements at the faster fp8 rate
+        c = kernels.constants
+        return 8192 / (8192 + c.K_OVERHEAD * peak / H100.gpu.sms / c.REFERENCE_SM_FLOPS)
     assert fp8.gemm(8192, 8192, 8192, fp8=True) - launch == pytest.approx(
-        ratio * (bf16.gemm(8192, 8192, 8192) - launch))
+        ratio * k_use(989e12) / k_use(1979e12 * kernels.constants.FP8_EFFICIENCY) *
+        (bf16.gemm(8192, 8192, 8192) - launch))
     assert fp8.linear(8192, 8192, 8192) > fp8.gemm(8192, 8192, 8192, fp8=True)  # the cast
 
 
@@ -113,7 +118,7 @@ def test_a_context_parallel_ring_passes_keys_and_values_cp_minus_1_times_each_wa
     # cp - 1 half each (chunks i and 2cp-1-i)
     blocks = []
     monkeypatch.setattr(kernels, "attention", lambda gpu, peak, sequences, heads, queries,
-                        keys, d, causal=True: blocks.append(
+                        keys, d, causal=True, bias=False: blocks.append(
                             queries * keys * (0.5 if causal else 1.0)) or (1.0, 2.0))
     assert costs.attention_core(b, LLAMA.heads) == (1 + (cp - 1) / 2, 2 + (cp - 1))
     assert blocks[0] + (cp - 1) * blocks[1] / 2 == pytest.approx(s * s / 2 / cp)
@@ -229,3 +234,58 @@ def test_a_context_parallel_layout_is_not_exported_to_a_trainer_silently(tmp_pat
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--megatron: the layout has context parallelism" in err
     assert not (tmp_path / "args.txt").exists()
+
+
+def test_a_k_loops_fixed_prologue_is_more_elements_on_faster_sms():
+    gpu, k = H100.gpu, 1024
+    c = kernels.constants
+    full = kernels.gemm(gpu, 989e12, 2, 8448, 4096, k) - kernels.launches(gpu, 1)
+    # 8448 x 4096 in 256 x 128 tiles: 33 x 32 = 1,056 tiles, 8 full waves of 132 SMs
+    overhead = c.K_OVERHEAD * (989e12 / 132) / (312e12 / 108)  # ~2.6x an A100's elements
+    assert full == pytest.approx(2 * 8448 * 4096 * k / (
+        989e12 * gpu.matmul_efficiency * k / (k + overhead)))
+    a100 = kernels.gemm(A100.gpu, 312e12, 2, 8448, 4096, k) - kernels.launches(A100.gpu, 1)
+    assert a100 / full < 989e12 * gpu.matmul_efficiency / (312e12 * A100.gpu.matmul_efficiency)
+
+
+def test_eager_pytorch_moves_the_bytes_of_its_decomposed_norms_rotary_and_gate():
+    layout = Layout(1, 1, 8, 1, 2, "none", False, "1f1b", False)
+    batch = Batch(16, 2048, "bf16", True, framework("torchtitan", fused_kernels=False))
+    eager = Costs(LLAMA, H100, layout, batch).elementwise_forward(False)
+    fused = Costs(LLAMA, H100, layout, replace(batch, framework=framework("megatron")))
+    T = 2 * 2048
+    # RMSNorm: up to fp32 (2 + 4), square (4 + 4), mean (4), scale (4 + 4), back (4 + 2),
+    # weight (2 + 2) = 36 bytes an element where a fused kernel moves 4; rotary 20 against 4;
+    # SiLU and the gate's product 10 against a fused gate's 6
+    extra = 2 * (36 - 4) * T * 1024 + (20 - 4) * (1024 + 256) * T + (10 - 6) * 2816 * T
+    assert eager - fused.elementwise_forward(False) == pytest.approx(extra)
+    compiled = Costs(LLAMA, H100, layout, replace(batch, framework=framework("torchtitan")))
+    assert compiled.elementwise_forward(False) == fused.elementwise_forward(False)
+
+
+def test_alibi_has_no_rotary_and_its_fused_attention_pays_for_the_bias():
+    mpt = replace(LLAMA, family="mpt", alibi=True)
+    layout = Layout(1, 1, 8, 1, 2, "none", False, "1f1b", False)
+    batch = Batch(16, 2048, "bf16", True, framework("megatron"))
+    rope, bias = Costs(LLAMA, A100, layout, batch), Costs(mpt, A100, layout, batch)
+    T = 2 * 2048
+    assert rope.elementwise_forward(False) - bias.elementwise_forward(False) == \
+        pytest.approx(2 * 2 * (1024 + 256) * T)
+    launch = kernels.launches(A100.gpu, 1)
+    plain, biased = rope.attention_core(2, 16)[0], bias.attention_core(2, 16)[0]
+    assert biased - launch == pytest.approx((plain - launch) / kernels.constants.BIAS_ATTENTION)
+
+
+def test_deepspeeds_bf16_pipeline_adds_each_micro_batchs_gradients_in_a_pass_of_their_own():
+    from pyplan.cluster.pipeline import chunks
+
+    layout = Layout(1, 2, 1, 1, 1, "full", False, "1f1b", False)
+    deepspeed = framework("megatron-deepspeed")
+    fused = framework("megatron-deepspeed", grad_accumulation_pass=False)
+    for dtype, passes in (("bf16", 1), ("fp16", 0)):
+        with_pass = chunks(LLAMA, A100, layout, Batch(8, 2048, dtype, False, deepspeed), (2, 2))
+        without = chunks(LLAMA, A100, layout, Batch(8, 2048, dtype, False, fused), (2, 2))
+        for a, b in zip(with_pass, without):
+            extra = a.backward.parts["elementwise"] - b.backward.parts["elementwise"]
+            assert extra == pytest.approx(passes * a.parameters * 20 / (
+                A100.gpu.memory_bandwidth_gbs * 1e9 * 0.9))

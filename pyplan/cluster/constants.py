@@ -17,30 +17,37 @@ bubble paper's W passes (pure GEMMs) run at 238-252 TFLOP/s on A100 (0.76-0.81 o
 ATTENTION_EFFICIENCY = 0.55
 """Fraction of peak a fused (flash) attention kernel reaches on the FLOPs it computes
 (FlashAttention-2 reports 50-73% of A100 peak forward and backward at head dim 128)."""
-ATTENTION_BACKWARD = 2.7
+ATTENTION_BACKWARD = 2.5
 """Fused attention's backward time over its forward's: 2.5 times the FLOPs (the scores are
 recomputed; dQ, dK, dV), and FlashAttention-2 runs its backward below its forward's rate
 (its paper: ~0.8 of it on A100 and H100), so ~3. Fitted within 2.5-3.5."""
-ATTENTION_SHARE = 0.63
+ATTENTION_SHARE = 0.68
 """What the trainers' fused attention reaches relative to each GPU's `attention_efficiency`
 (FlashAttention-2's own figures): kernels with ALiBi biases, SDPA's dispatch, head dimensions
 below 128 reach less. Fitted."""
-MEMORY_EFFICIENCY = 0.49
+BIAS_ATTENTION = 0.8
+"""A fused attention kernel that adds a bias to its scores (ALiBi: MPT, BLOOM) relative to one
+that does not: it computes the bias per score tile. Fitted (only MPT's rows have one)."""
+MEMORY_EFFICIENCY = 0.53
 """Fraction of HBM bandwidth that memory-bound kernels (norms, activations, softmax, dropout,
 layout copies) reach, with pyplan's count of what each reads and writes. Fitted on the zero
 bubble paper's F - W and B - W times."""
 STREAM_EFFICIENCY = 0.90
 """Fraction of HBM bandwidth a large contiguous pass reaches: a memory-bound GEMM (attention's
 s x s products), the loss's passes over the logits (STREAM benchmarks: ~90% on A100 and H100)."""
-K_OVERHEAD = 75.0
+K_OVERHEAD = 94.0
 """A GEMM tile's K-loop prologue and epilogue (filling the pipeline of loads, writing the tile
-out), in elements of K: a GEMM with inner dimension k runs at k / (k + K_OVERHEAD) of its
-tile's rate. Fitted."""
+out), in elements of K on an A100: a GEMM with inner dimension k runs at k / (k + K_OVERHEAD)
+of its tile's rate there. The time is fixed (load latency, the tile's write), so a GPU whose
+SMs compute faster pays more elements' worth: K_OVERHEAD times its per-SM rate over
+REFERENCE_SM_FLOPS. Fitted."""
+REFERENCE_SM_FLOPS = 312e12 / 108
+"""An A100's dense 16-bit tensor rate per SM, FLOP/s: what K_OVERHEAD is counted at."""
 LAYER_US = 60.0
 """Host time per transformer layer and pass (Python, autograd, dispatching its ~15-25
 kernels) that the GPU waits for where a layer's kernels are shorter than their launches.
 Fitted; a framework scales it."""
-OVERLAP_SHARE = 0.54
+OVERLAP_SHARE = 0.62
 """Share of its bandwidth a collective keeps while compute kernels run beside it (NCCL gets
 fewer SMs for its channels and shares HBM). Fitted."""
 NCCL_SMS = 16
@@ -80,6 +87,10 @@ NETWORK_LATENCY_US = 5.0
 BACKWARD_ELEMENTWISE = 0.7
 """An element-wise op's backward moves about twice its forward's bytes (it reads the incoming
 gradient and what the forward saved, and writes a gradient)."""
+GRAD_ACCUMULATION_BYTES = 20
+"""HBM bytes per parameter of adding one micro-batch's bf16 gradients into fp32 ones as a pass
+of their own (DeepSpeed's BF16_Optimizer): the 16-bit gradient cast up (2 + 4), added into
+the fp32 one (4 + 4 + 4), and zeroed for the next micro-batch (2)."""
 ADAM_BYTES = {"bf16": 30, "fp16": 30, "fp32": 28}
 """HBM bytes Adam moves per parameter at its step, a memory-bound pass: the fp32 master weight,
 its two moments and the gradient read (16), the three written back (12), and with mixed

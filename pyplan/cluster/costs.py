@@ -307,12 +307,14 @@ class Costs:
         rank: fused (its 1/cp of the causal triangle, in cp ring steps), or unfused."""
         d, s, cp = self.model.head_dim, self.batch.sequence, self.layout.cp
         if self.batch.flash_attention:
+            bias = self.model.alibi
             if cp == 1:
-                return kernels.attention(self.gpu, self.peak, b, heads, s, s, d)
+                return kernels.attention(self.gpu, self.peak, b, heads, s, s, d, bias=bias)
             # the diagonal step is causal; each of the others computes half of its block
-            diagonal = kernels.attention(self.gpu, self.peak, b, heads, s / cp, s / cp, d)
+            diagonal = kernels.attention(self.gpu, self.peak, b, heads, s / cp, s / cp, d,
+                                         bias=bias)
             block = kernels.attention(self.gpu, self.peak, b, heads, s / cp, s / cp, d,
-                                      causal=False)
+                                      causal=False, bias=bias)
             return (diagonal[0] + (cp - 1) * block[0] / 2,
                     diagonal[1] + (cp - 1) * block[1] / 2)
         count = b * heads
@@ -334,23 +336,32 @@ class Costs:
         t, T, e = layout.tp, self.tokens, self.bytes
         h, q, kv = model.hidden, model.q_dim, model.kv_dim
         replicated = T * h / (t if layout.sequence_parallel else 1)
-        total = 2 * 2 * replicated * e                      # two norms: read, write
+        eager = self.framework.eager and not self.framework.fused_kernels
+        norm, rotary, gate = 2 * e, 2 * e, 3 * e           # fused: read, write (gate: 2 in)
+        if eager:  # as eager PyTorch decomposes them (16-bit e; fp32 skips the casts)
+            cast = e + 4 if e < 4 else 0                    # up to fp32 and back, each
+            if model.norm == "rmsnorm":                     # square, mean, scale, weight
+                norm = 2 * cast + 8 + 4 + 8 + 2 * e
+            rotary = 2 * cast + 8                           # the complex product in fp32
+            gate = 2 * e + 3 * e                            # SiLU, then the product
+        total = 2 * norm * replicated                       # two norms
         total += 2 * 3 * replicated * e                     # two residual adds
         if model.dropout:
             total += 2 * replicated * 1                     # their dropout masks
         total += 2 * (q + 2 * model.kv_dim) * T / t * e     # q, k, v into head layout
         total += 2 * q * T / t * e                          # the context back
-        if model.positions == 0:
-            total += 2 * (q + kv) * T / t * e               # rotary on q and k
+        if model.rotary:
+            total += rotary * (q + kv) * T / t              # rotary on q and k
         total += self.score_bytes(layout.micro_batch, model.heads / t, batch.sequence)
+        mlp = gate if model.gated else 2 * e                # per element of the inner width
         if not moe:
-            total += (3 if model.gated else 2) * model.ffn * T / t * e
+            total += mlp * model.ffn * T / t
         else:
             routed = T * model.top_k
             total += 2 * 2 * routed * h * e                # tokens to experts and back
-            total += (3 if model.gated else 2) * model.expert_ffn * routed / t * e
+            total += mlp * model.expert_ffn * routed / t
             if model.shared_ffn:
-                total += (3 if model.gated else 2) * model.shared_ffn * T / t * e
+                total += mlp * model.shared_ffn * T / t
         return total
 
     # -- the ends of the model

@@ -14,13 +14,14 @@ overlap (docs/cluster-planning.md says what each assumes and why).
   compute, and Transformer Engine fuses norms, casts and activations.
 - torchtitan: FSDP2 / DTensor: FSDP's all-gathers are prefetched and its reduce-scatters
   overlap the backward; tensor-parallel collectives block (async TP, `--tp-comm-overlap`,
-  overlaps them); torch.compile fuses element-wise kernels (`--no-fused-kernels`: eager);
+  overlaps them); torch.compile fuses element-wise kernels (`--no-fused-kernels`: eager
+  PyTorch's decomposed norms, rotary and gates);
   selective (per-op) activation checkpointing is its default.
 - megatron-deepspeed: BigScience's and Microsoft's Megatron-DeepSpeed (BLOOM-176B, MT-NLG
   530B): Megatron-LM's layers run by DeepSpeed's pipeline engine, which sends each boundary's
-  whole activation from every tensor rank (no scatter/gather) and blocks on it, reduces
-  gradients after the pipeline's flush and overlaps nothing; ZeRO-1 is its
-  `--distributed-optimizer`.
+  whole activation from every tensor rank (no scatter/gather) and blocks on it, adds each
+  micro-batch's bf16 gradients into fp32 ones in a pass of its own, reduces gradients after
+  the pipeline's flush and overlaps nothing; ZeRO-1 is its `--distributed-optimizer`.
 
 Besides the overlaps, each says whether it splits the layers evenly over the pipeline stages
 (Megatron-LM requires it without --decoder-first/last-pipeline-num-layers, DeepSpeed's
@@ -76,6 +77,15 @@ class Framework:
     """The optimizer's state sharded over the data-parallel ranks (ZeRO-1) when not told."""
     fsdp: bool = False
     """FULL_SHARD over the data ranks is the framework's own way (searched when not told)."""
+    eager: bool = False
+    """Without fused kernels its element-wise ops run as eager PyTorch decomposes them (an
+    RMSNorm upcast to fp32 over six kernels, rotary as a complex product in fp32, SiLU and the
+    gate's product apart); off: Megatron-LM's, apex's and DeepSpeed's fused CUDA kernels."""
+    grad_accumulation_pass: bool = False
+    """With bf16, each micro-batch's 16-bit gradients are added into fp32 ones after its
+    backward, a pass over the stage's parameters (DeepSpeed's BF16_Optimizer under its pipeline
+    engine); off: accumulated in fp32 by the weight-gradient GEMM itself (Megatron-LM's
+    gradient accumulation fusion) or not at all (one micro-batch per step under FSDP)."""
 
     def describe(self) -> str:
         on = [name for name, value in (
@@ -101,12 +111,13 @@ FRAMEWORKS = {
     "nemo": Framework("nemo", True, True, True, True, True, "none", 1.0),
     "torchtitan": Framework("torchtitan", True, True, False, False, True, "selective", 1.5,
                             schedules=("1f1b", "interleaved-1f1b", "zb-v"),
-                            distributed_optimizer=False, fsdp=True),
+                            distributed_optimizer=False, fsdp=True, eager=True),
     "megatron-deepspeed": Framework("megatron-deepspeed", False, False, False, False, False,
                                     "none", 1.0, even_split=True,
                                     p2p_scatter_gather=False, schedules=("1f1b",),
                                     flash_attention=(), sequence_parallel=False,
-                                    distributed_optimizer=False),
+                                    distributed_optimizer=False,
+                                    grad_accumulation_pass=True),
 }
 
 

@@ -6,7 +6,8 @@
   partly filled wave), so the time is the best of: 2mnk FLOPs at the large-GEMM efficiency
   times the tile's own efficiency, divided by the share of the waves' tile slots the matrix
   fills. Each tile also pays its K loop's prologue and epilogue (filling the pipeline of loads,
-  writing the tile out), worth `K_OVERHEAD` elements of K: a short K loop (a tensor-parallel
+  writing the tile out), a fixed time worth `K_OVERHEAD` elements of K on an A100's SM (more
+  on faster SMs): a short K loop (a tensor-parallel
   rank's out-projection, attention's head dimension) runs far below peak. A GEMM is never
   faster than reading its operands and writing its result from HBM (the roofline), and each
   kernel pays a launch.
@@ -36,8 +37,12 @@ def launches(gpu: Gpu, count: float) -> float:
     return count * gpu.kernel_us * 1e-6
 
 
-def _k_use(k: float) -> float:
-    return k / (k + constants.K_OVERHEAD)
+def _k_use(gpu: Gpu, peak: float, k: float) -> float:
+    """The share of a tile's time its K loop computes: the prologue and epilogue take a fixed
+    time, K_OVERHEAD elements of K at an A100's per-SM rate, so more elements on SMs that
+    compute faster (an H100's, an fp8 GEMM's)."""
+    overhead = constants.K_OVERHEAD * (peak / gpu.sms) / constants.REFERENCE_SM_FLOPS
+    return k / (k + overhead)
 
 
 def gemm(gpu: Gpu, peak: float, element: float, m: float, n: float, k: float,
@@ -53,14 +58,15 @@ def gemm(gpu: Gpu, peak: float, element: float, m: float, n: float, k: float,
         slots = math.ceil(tiles / gpu.sms) * gpu.sms * rows * cols
         use = m * n * count / slots
         best = min(best, flops / (peak * gpu.matmul_efficiency * efficiency * use))
-    best /= _k_use(k)
+    best /= _k_use(gpu, peak, k)
     stream = stream or gpu.memory_bandwidth_gbs * 1e9 * constants.STREAM_EFFICIENCY
     memory = (element * (m * k + k * n) + max(2.0, element) * m * n) * count / stream
     return max(best, memory) + launches(gpu, 1)
 
 
 def attention(gpu: Gpu, peak: float, sequences: float, heads: float, queries: float,
-              keys: float, head_dim: int, causal: bool = True) -> tuple[float, float]:
+              keys: float, head_dim: int, causal: bool = True,
+              bias: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of fused attention: `queries` rows against `keys` keys per
     head and sequence (causal: the lower triangle, keys == queries in length); the backward
     (2.5 times the forward's FLOPs: it recomputes the scores) takes ATTENTION_BACKWARD times
@@ -71,8 +77,10 @@ def attention(gpu: Gpu, peak: float, sequences: float, heads: float, queries: fl
     flops = 4 * sequences * heads * queries * keys * head_dim * share
     blocks = sequences * math.ceil(heads) * math.ceil(queries / QUERY_BLOCK)
     use = blocks / (math.ceil(blocks / gpu.sms) * gpu.sms)
-    loop = _k_use(keys * share)
+    loop = _k_use(gpu, peak, keys * share)
     rate = peak * gpu.attention_efficiency * constants.ATTENTION_SHARE * use * loop
+    if bias:
+        rate *= constants.BIAS_ATTENTION
     return (flops / rate + launches(gpu, 1),
             constants.ATTENTION_BACKWARD * flops / rate + launches(gpu, 2))
 

@@ -62,7 +62,10 @@ class Transformer:
     biases: bool = True
     tied: bool = False
     positions: int = 0
-    """Learned position embeddings (GPT-2's wpe); 0 with rotary or none."""
+    """Learned position embeddings (GPT-2's wpe); 0 with rotary or ALiBi."""
+    alibi: bool = False
+    """Positions as a bias on the attention scores (BLOOM, MPT, Falcon's alibi), added inside
+    the attention kernel: no rotary on the queries and keys."""
     dropout: bool = False
     experts: int = 0
     """Routed experts in each MoE layer (0: a dense model)."""
@@ -72,6 +75,10 @@ class Transformer:
     """The shared experts' total inner width, in every MoE layer."""
     moe_layers: int = 0
     """How many of the layers have experts (the others a dense MLP of `ffn`)."""
+
+    @property
+    def rotary(self) -> bool:
+        return self.positions == 0 and not self.alibi
 
     @property
     def q_dim(self) -> int:
@@ -215,7 +222,9 @@ def from_config(config: dict, where: str = "config.json") -> Transformer:
                         kv_heads=kv_heads, head_dim=head_dim, ffn=ffn, vocab=vocab,
                         gated=gated, norm=norm, biases=biases,
                         tied=bool(config.get("tie_word_embeddings", family == "gpt2")),
-                        positions=positions, dropout=dropout, experts=experts, top_k=top_k,
+                        positions=positions,
+                        alibi=family == "bloom" or bool(config.get("alibi")),
+                        dropout=dropout, experts=experts, top_k=top_k,
                         expert_ffn=expert_ffn, shared_ffn=shared, moe_layers=moe_layers)
     for name in ("vocab", "ffn", "head_dim", "kv_heads"):
         _whole(where, f"the model's {name}", getattr(model, name), 1)

@@ -151,6 +151,8 @@ def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
         f, b, w = Work(), Work(), Work()
         for p in pieces:
             f, b, w = f + p.forward, b + p.backward, w + p.weight
+        if batch.framework.grad_accumulation_pass and batch.dtype == "bf16":
+            b.add("elementwise", costs.streamed(params * constants.GRAD_ACCUMULATION_BYTES))
         send = collectives.send(cluster, boundary, across)
         if not batch.framework.overlap_p2p and stages > 1:
             # blocking sends (Megatron-LM's default): the activation to the next stage after
