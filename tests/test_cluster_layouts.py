@@ -289,3 +289,16 @@ def test_deepspeeds_bf16_pipeline_adds_each_micro_batchs_gradients_in_a_pass_of_
             extra = a.backward.parts["elementwise"] - b.backward.parts["elementwise"]
             assert extra == pytest.approx(passes * a.parameters * 20 / (
                 A100.gpu.memory_bandwidth_gbs * 1e9 * 0.9))
+
+
+def test_fp8_all_gathers_a_sequence_parallel_layers_inputs_in_one_byte(monkeypatch):
+    gathers, scatters = _recording(monkeypatch, "all_gather"), _recording(monkeypatch,
+                                                                          "reduce_scatter")
+    layout = Layout(8, 1, 1, 1, 2, "none", True, "1f1b", False)
+    Costs(LLAMA, H100, layout, Batch(2, 2048, "fp8", True, framework("nemo"))).layer(False)
+    T = 2 * 2048  # (each priced twice: blocking, and overlapped with its GEMMs)
+    assert gathers == [T * 1024 * 1] * 2  # 8-bit before the column-parallel GEMMs
+    assert scatters == [T * 1024 * 2] * 2  # 16-bit after the row-parallel ones
+    gathers.clear()
+    Costs(LLAMA, H100, layout, Batch(2, 2048, "bf16", True, framework("nemo"))).layer(False)
+    assert gathers == []  # 16-bit: priced as all-reduces of the same bytes

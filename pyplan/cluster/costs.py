@@ -144,6 +144,14 @@ class Costs:
                                       self.layout.per_node("tp", self.cluster.gpus_per_node),
                                       overlapped)
 
+    def tp_gather_scatter(self, gathered: float, scattered: float,
+                          overlapped: bool = False) -> float:
+        """A sequence-parallel all-gather of `gathered` bytes and reduce-scatter of
+        `scattered` bytes over the tensor-parallel group."""
+        t, per_node = self.layout.tp, self.layout.per_node("tp", self.cluster.gpus_per_node)
+        return (collectives.all_gather(self.cluster, gathered, t, per_node, overlapped) +
+                collectives.reduce_scatter(self.cluster, scattered, t, per_node, overlapped))
+
     def _tp_exposed(self, collectives_seconds: float, overlapped_seconds: float,
                     gemm_seconds: float) -> float:
         """What of a pass's tensor-parallel communication is exposed: all of it, or with the
@@ -209,7 +217,15 @@ class Costs:
         if t > 1:
             nbytes = T * h * self.bytes
             comm, overlapped = self.tp_collective(nbytes), self.tp_collective(nbytes, True)
-            f.add("tp_comm", self._tp_exposed(2 * comm, 2 * overlapped, f.parts["gemm"]))
+            forward, forward_overlapped = comm, overlapped
+            if self.fp8 and layout.sequence_parallel:
+                # the column-parallel GEMMs' inputs are cast to fp8 before their all-gather
+                # (Transformer Engine, torchao's Float8ColwiseParallel): half the bytes; the
+                # reduce-scatters and the backward's collectives stay 16-bit
+                forward, forward_overlapped = (self.tp_gather_scatter(nbytes / 2, nbytes, o)
+                                               for o in (False, True))
+            f.add("tp_comm", self._tp_exposed(2 * forward, 2 * forward_overlapped,
+                                              f.parts["gemm"]))
             b_.add("tp_comm", self._tp_exposed(2 * comm, 2 * overlapped, b_.parts["gemm"]))
             if moe:
                 b_.add("tp_comm", collectives.all_reduce(
