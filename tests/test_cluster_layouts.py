@@ -302,3 +302,16 @@ def test_fp8_all_gathers_a_sequence_parallel_layers_inputs_in_one_byte(monkeypat
     gathers.clear()
     Costs(LLAMA, H100, layout, Batch(2, 2048, "bf16", True, framework("nemo"))).layer(False)
     assert gathers == []  # 16-bit: priced as all-reduces of the same bytes
+
+
+def test_a_fused_gate_keeps_its_two_inputs_and_eager_pytorch_also_silus_output():
+    from pyplan.cluster.memory import activations
+
+    layout = Layout(1, 1, 8, 1, 2, "none", False, "1f1b", False)
+    fused = activations(LLAMA, layout, Batch(16, 2048, "bf16", True, framework("megatron")),
+                        False)
+    eager = activations(LLAMA, layout, Batch(16, 2048, "bf16", True,
+                                             framework("torchtitan", fused_kernels=False)),
+                        False)
+    assert eager.held - fused.held == 2 * 2048 * 2816 * 2  # one inner-width tensor, bf16
+    assert eager.weight_held == fused.weight_held  # the down projection's input, either way

@@ -75,10 +75,16 @@ def activations(model: Transformer, layout: Layout, batch: Batch, moe: bool) -> 
     elif batch.flash_attention:
         scores = layout.micro_batch * model.heads / t * T / layout.micro_batch * 4  # lse
 
+    # A gated activation keeps its two inputs, and eager PyTorch also SiLU's output for the
+    # product's backward; a fused one (Megatron-LM's bias_swiglu, Transformer Engine,
+    # torch.compile's partitioner) recomputes it
+    framework = batch.framework
+    gate_inputs = 2 + (framework.eager and not framework.fused_kernels)
+
     def mlp(tokens: float, width: float) -> tuple[float, float]:
         """(held, what W needs) of an MLP over `tokens` with inner `width` per rank."""
         inner = tokens * width / t * e
-        held = (3 if model.gated else 1) * inner + inner  # activation inputs; down's input
+        held = (gate_inputs if model.gated else 1) * inner + inner  # activation; down's input
         return held, inner
     if not moe:
         mlp_held, mlp_w = mlp(T, model.ffn)
