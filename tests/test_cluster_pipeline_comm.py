@@ -68,6 +68,22 @@ def test_blocking_sends_and_the_gathers_sit_on_each_stages_passes():
     assert deepspeed[1].forward.parts["pp_comm"] == 0.0
 
 
+def test_where_a_node_holds_two_stages_every_other_boundary_crosses_the_network():
+    """tp 2 x dp 2: four GPUs a stage, two stages a node. Stage 0 sends to stage 1 over
+    NVLink, stage 1 to stage 2 over the network, and the gradients come back the same way."""
+    layout = Layout(2, 4, 2, micro_batch=2, recompute="full")
+    costs = _costs(layout)
+    sent, gather = boundary_traffic(costs)
+    link, network = collectives.send(A100, sent, False), collectives.send(A100, sent, True)
+    assert link < network
+    stages = chunks(GPT, A100, layout, costs.batch, (2, 2, 2, 2))
+    assert [s.forward.parts["pp_comm"] - (gather if i else 0.0)
+            for i, s in enumerate(stages)] == pytest.approx([link, network, link, 0.0])
+    assert [s.backward.parts["pp_comm"] - (gather if i < 3 else 0.0)
+            for i, s in enumerate(stages)] == pytest.approx([0.0, link, network, link])
+    assert layout.pipeline_across_nodes(8) and not Layout(2, 2, 2).pipeline_across_nodes(8)
+
+
 def test_a_tied_embedding_is_all_reduced_between_the_first_and_the_last_stage():
     """51,200 x 2,048 / 4 fp16 gradients (52.4 MB) between two GPUs on two nodes: a ring of 2
     moves half of them each way over the network; NCCL's tree pays one network step each

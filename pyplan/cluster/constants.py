@@ -35,7 +35,7 @@ bubble paper's F - W and B - W times."""
 STREAM_EFFICIENCY = 0.90
 """Fraction of HBM bandwidth a large contiguous pass reaches: a memory-bound GEMM (attention's
 s x s products), the loss's passes over the logits (STREAM benchmarks: ~90% on A100 and H100)."""
-K_OVERHEAD = 94.0
+K_OVERHEAD = 110.0
 """A GEMM tile's K-loop prologue and epilogue (filling the pipeline of loads, writing the tile
 out), in elements of K on an A100: a GEMM with inner dimension k runs at k / (k + K_OVERHEAD)
 of its tile's rate there. The time is fixed (load latency, the tile's write), so a GPU whose
@@ -47,7 +47,7 @@ LAYER_US = 60.0
 """Host time per transformer layer and pass (Python, autograd, dispatching its ~15-25
 kernels) that the GPU waits for where a layer's kernels are shorter than their launches.
 Fitted; a framework scales it."""
-OVERLAP_SHARE = 0.62
+OVERLAP_SHARE = 0.50
 """Share of its bandwidth a collective keeps while compute kernels run beside it (NCCL gets
 fewer SMs for its channels and shares HBM). Fitted."""
 NCCL_SMS = 16

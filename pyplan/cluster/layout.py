@@ -104,8 +104,14 @@ class Layout:
         raise ValueError(group)
 
     def pipeline_across_nodes(self, gpus_per_node: int) -> bool:
-        """Consecutive pipeline ranks are tp x cp x dp ranks apart."""
-        return self.tp * self.cp * self.dp >= gpus_per_node
+        """The pipeline's ranks span more than one node (its first and last stages on two)."""
+        return self.tp * self.cp * self.dp * self.pp > gpus_per_node
+
+    def node_of_stage(self, device: int, gpus_per_node: int) -> int:
+        """The node of pipeline rank `device`'s first GPU: consecutive pipeline ranks are
+        tp x cp x dp GPUs apart (Megatron-LM's rank order), so a node holds several stages
+        where their groups are smaller than it."""
+        return device * self.tp * self.cp * self.dp // gpus_per_node
 
     @property
     def stages(self) -> int:

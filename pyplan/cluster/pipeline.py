@@ -129,7 +129,16 @@ def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
     out, first_layer = [], 0
     stages = len(counts)
     boundary, gather = boundary_traffic(costs)
-    across = layout.pipeline_across_nodes(cluster.gpus_per_node)
+    node = cluster.gpus_per_node
+
+    def send_to(c: int, other: int) -> float:
+        """One send from chunk c to chunk `other`: over the network where their pipeline
+        ranks are on two nodes, none where they are one (the turn of zb-v's V)."""
+        mine, theirs = device_of(c, layout), device_of(other, layout)
+        if mine == theirs:
+            return 0.0
+        return collectives.send(cluster, boundary, layout.node_of_stage(mine, node) !=
+                                layout.node_of_stage(theirs, node))
     tied = tied_embedding_sync(costs)
     for c, count in enumerate(counts):
         layers = tuple(range(first_layer, first_layer + count))
@@ -153,12 +162,12 @@ def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
             f, b, w = f + p.forward, b + p.backward, w + p.weight
         if batch.framework.grad_accumulation_pass and batch.dtype == "bf16":
             b.add("elementwise", costs.streamed(params * constants.GRAD_ACCUMULATION_BYTES))
-        send = collectives.send(cluster, boundary, across)
+        send = send_to(c, c + 1) if c < stages - 1 else 0.0
         if not batch.framework.overlap_p2p and stages > 1:
             # blocking sends (Megatron-LM's default): the activation to the next stage after
             # the forward, the gradient to the previous one after the backward
-            f.add("pp_comm", send if c < stages - 1 else 0.0)
-            b.add("pp_comm", send if c > 0 else 0.0)
+            f.add("pp_comm", send)
+            b.add("pp_comm", send_to(c, c - 1) if c > 0 else 0.0)
             send = 0.0
         if stages > 1:  # the scattered activation (gradient) gathered after it arrives
             f.add("pp_comm", gather if c > 0 else 0.0)
@@ -174,7 +183,7 @@ def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
         out.append(Chunk(c, device_of(c, layout), layers, c == 0, c == stages - 1, f, b, w,
                          sum(a.held for a in acts), sum(a.weight_held for a in acts),
                          working, params, state.total,
-                         0.0 if c == stages - 1 else send,
+                         send,
                          sync, update))
     return out
 
