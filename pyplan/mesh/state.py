@@ -22,7 +22,7 @@ from pyplan.models.chunks import shard_dim
 from pyplan.mesh.tensor import model_major, rank_major
 from pyplan.models.forward import _owner
 
-__all__ = ["SHARD", "load_state_dict", "state_dict"]
+__all__ = ["SHARD", "load_state_dict", "rank_view", "state_dict"]
 
 SHARD = ".__shard{}of{}dim{}"
 """The suffix of a sharded parameter's chunk: the chunk's index, the chunks, the dimension."""
@@ -48,7 +48,7 @@ class _Named(nn.Module):
                 holder.register_buffer(leaf, tensor)
 
 
-def _view(pipe) -> _Named:
+def rank_view(pipe) -> _Named:
     """This rank's state under its keys: trainable and frozen parameters, persistent buffers."""
     block_of = {id(p): b for b, m in pipe.modules.items() for p in m.parameters()}
     named = list(pipe.named_parameters())
@@ -111,7 +111,7 @@ def _options() -> StateDictOptions:
 def state_dict(pipe, optimizer=None) -> dict:
     """This rank's part of the model (and optimizer) state: {"model": ..., "optimizer": ...},
     keyed by the model's names, ready for torch.distributed.checkpoint.save/load."""
-    view = _view(pipe)
+    view = rank_view(pipe)
     if not view.state_dict():  # a stage of parameter-free modules: nothing, but it takes part
         return {"model": {}, "optimizer": {}} if optimizer is not None else {"model": {}}
     with warnings.catch_warnings():  # DCP's notices about its own internals
@@ -172,7 +172,7 @@ def _placed(state: dict, like: dict, packed: dict) -> dict:
 
 def load_state_dict(pipe, state: dict, optimizer=None) -> None:
     """Put a state `state_dict` returned (and DCP filled) into this rank's tensors."""
-    view = _view(pipe)
+    view = rank_view(pipe)
     if not view.state_dict():
         return
     with warnings.catch_warnings():

@@ -90,12 +90,12 @@ def _buffers(pipe) -> dict[tuple[str, str], torch.Tensor]:
     stages it runs, as a checkpoint saves them), keyed (the model's name, ""), on the CPU in
     fp32; none with data-parallel replicas, whose statistics are each replica's own (no one
     process sees what one replica sees)."""
-    from pyplan.mesh.state import _view
+    from pyplan.mesh.state import rank_view
 
     if pipe.problem.mesh.data_parallel > 1 or pipe.data_index != 0:
         return {}
     return {(name, ""): buffer.detach().float().cpu().clone()
-            for name, buffer in _view(pipe).named_buffers()}
+            for name, buffer in rank_view(pipe).named_buffers()}
 
 
 def reference_run(model: Model, problem: Problem, output_block: int, *, seed: int,
