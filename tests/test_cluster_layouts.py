@@ -226,14 +226,17 @@ def test_tensor_parallelism_wider_than_a_node_is_predicted_with_a_warning(tmp_pa
     assert "tp 16 x pp 1 x dp 1" in captured.out
 
 
-def test_a_context_parallel_layout_is_not_exported_to_a_trainer_silently(tmp_path, capsys):
+def test_a_context_parallel_layout_is_exported_with_the_frameworks_overlaps(tmp_path, capsys):
     argv = ["plan", _config(tmp_path), "--cluster", "dgx-h100", "--gpus", "8",
             "--global-batch", "8", "--seq", "8192", "--tp", "1", "--cp", "2", "--pp", "1",
-            "--megatron", str(tmp_path / "args.txt")]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--megatron: the layout has context parallelism" in err
-    assert not (tmp_path / "args.txt").exists()
+            "--framework", "nemo", "--megatron", str(tmp_path / "args.txt")]
+    assert main(argv) == 0
+    line = (tmp_path / "args.txt").read_text().splitlines()[-1].split()
+    assert line[line.index("--context-parallel-size") + 1] == "2"
+    assert "--overlap-grad-reduce" in line and "--overlap-param-gather" in line
+    argv[argv.index("nemo")] = "megatron"
+    assert main(argv) == 0
+    assert "--overlap-grad-reduce" not in (tmp_path / "args.txt").read_text()
 
 
 def test_a_k_loops_fixed_prologue_is_more_elements_on_faster_sms():

@@ -112,6 +112,10 @@ def test_module_names_as_stages():
     ({"schedule": "zb-v"}, "placement", "zb-v places its stages in a V, not loop"),
     ({"placement": "v", "schedule": "search", "vpp": 1, "stage_layers": (4, 4, 4, 4)}, "vpp",
      "a V places 2 stages on each rank, not 1"),
+    ({"cp": 4, "sequence_length": 4100}, "sequence_length", "a sequence of 4100 tokens does "
+     "not split into 2 x cp 4 chunks"),
+    ({"ep": 3}, "ep", "ep 3 does not divide the 2 data x context ranks"),
+    ({"overlaps": ("p2p",)}, "overlaps", "unknown overlap 'p2p'"),
 ])
 def test_a_layout_says_what_is_wrong_in_one_line(changes, field, message):
     with pytest.raises(LayoutError) as caught:
@@ -285,3 +289,21 @@ def test_a_cluster_planners_layout_maps_onto_the_trainers():
         name="v", micro_batches=8, stage_layers=(1, 2, 2, 2, 2, 2, 2, 3))
     assert (replicated.dp_replicate, replicated.dp_shard, replicated.placement) == (2, 1, "v")
     assert '"ZBVZeroBubble"' in torchtitan_config(replicated)
+
+
+def test_context_and_expert_parallelism_and_the_priced_overlaps_reach_the_trainers():
+    layout = _layout(cp=2, ep=4, overlaps=("grad-reduce", "param-gather", "tp-comm"))
+    assert layout.gpus == 2 * 2 * 4 * 2 and layout.global_batch == 16  # cp splits sequences
+    argv = megatron_argv(layout)
+    for flag, value in (("--context-parallel-size", "2"), ("--expert-model-parallel-size", "4")):
+        assert argv[argv.index(flag) + 1] == value
+    assert {"--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap"} <= set(argv)
+    # param-gather needs the distributed optimizer's shards, tp-comm sequence parallelism
+    plain = megatron_argv(_layout(dp_shard=1, dp_replicate=2, sequence_parallel=False,
+                                  overlaps=("param-gather", "tp-comm")))
+    assert "--overlap-param-gather" not in plain and "--tp-comm-overlap" not in plain
+    body = _pipeline_body(torchtitan_config(_layout(cp=2)))
+    assert "parallelism.context_parallel_degree = 2" in body
+    with pytest.raises(LayoutError) as caught:
+        torchtitan_config(_layout(ep=2))
+    assert caught.value.field == "ep" and "--megatron" in str(caught.value)

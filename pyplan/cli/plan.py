@@ -332,16 +332,14 @@ def _exports(p, model, batch, args) -> list[tuple[str, str]]:
         return []
     from pyplan.export.trainers import TrainerLayout, megatron_arguments, torchtitan_config
 
-    if p.layout.cp > 1 or p.layout.ep > 1:
-        flag = "--torchtitan" if args.torchtitan else "--megatron"
-        raise PlanError(f"{flag}: the layout has {'context' if p.layout.cp > 1 else 'expert'} "
-                        "parallelism, which the trainer exports do not write yet",
-                        hint="fix --cp 1 and --ep 1 to export, or leave the export out")
-
+    software = batch.framework
+    overlaps = [name for name, on in (("grad-reduce", software.overlap_grad_reduce),
+                                      ("param-gather", software.overlap_param_gather),
+                                      ("tp-comm", software.tp_comm_overlap)) if on]
     layout = TrainerLayout.planned(p.layout, name=model.family,
                                    micro_batches=p.layout.micro_batches(batch),
                                    stage_layers=p.layers_per_stage,
-                                   sequence_length=batch.sequence)
+                                   sequence_length=batch.sequence, overlaps=tuple(overlaps))
     out = []
     if args.torchtitan:
         out.append((args.torchtitan, torchtitan_config(layout)))

@@ -10,7 +10,7 @@ from pyplan.errors import PlanError, did_you_mean
 from pyplan.planfile.source import error_at
 from pyplan.problem import Problem
 
-__all__ = ["LOOP", "MEGATRON_CORE", "MEGATRON_LM", "RECOMPUTE", "SCHEDULES", "TORCHTITAN", "V",
+__all__ = ["LOOP", "MEGATRON_CORE", "MEGATRON_LM", "OVERLAPS", "RECOMPUTE", "SCHEDULES", "TORCHTITAN", "V",
            "LayoutError", "TrainerLayout", "layout_of", "plan_layout", "relocate",
            "require_training"]
 
@@ -23,6 +23,7 @@ MEGATRON_LM = "core_v0.16.1"
 arguments."""
 
 RECOMPUTE = ("none", "selective", "full")
+OVERLAPS = ("grad-reduce", "param-gather", "tp-comm")
 # pyplan's templates (pyplan.solver.templates) and "search": pyplan's own order.
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "chimera", "zb-h1", "zb-h2", "zb-2p",
              "zb-v", "dualpipev", "3f1b", "search")
@@ -89,10 +90,17 @@ class TrainerLayout:
     the zero-bubble templates always do."""
     sequence_parallel: bool = False
     recompute: str | None = None
+    cp: int = 1
+    """Context parallelism: each sequence split over cp ranks (ring attention)."""
+    ep: int = 1
+    """Expert parallelism: a mixture's experts split over ep of the data x context ranks."""
+    overlaps: tuple[str, ...] = ()
+    """What the run overlaps that its trainer has a switch for (grad-reduce, param-gather,
+    tp-comm: Megatron-LM's --overlap-* flags), as `pyplan plan` priced it."""
 
     def __post_init__(self) -> None:
         for field in ("pp", "micro_batches", "tp", "dp_replicate", "dp_shard", "vpp",
-                      "micro_batch_size"):
+                      "micro_batch_size", "cp", "ep"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(field, f"{field} must be a whole number of at least 1, not "
@@ -116,6 +124,19 @@ class TrainerLayout:
                               "choose loop or v")
         self._check_stages()
         self._check_schedule()
+        if self.cp > 1 and self.sequence_length and self.sequence_length % (2 * self.cp):
+            raise LayoutError("sequence_length", f"a sequence of {self.sequence_length} tokens "
+                              f"does not split into 2 x cp {self.cp} chunks (context "
+                              "parallelism's causal load balance)",
+                              f"choose a sequence length divisible by {2 * self.cp}")
+        if (self.dp * self.cp) % self.ep:
+            raise LayoutError("ep", f"ep {self.ep} does not divide the {self.dp * self.cp} "
+                              "data x context ranks the experts are split over",
+                              "choose an ep that divides dp x cp")
+        unknown = sorted(set(self.overlaps) - set(OVERLAPS))
+        if unknown:
+            raise LayoutError("overlaps", f"unknown overlap '{unknown[0]}'",
+                              f"choose from {', '.join(OVERLAPS)}")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel", "sequence parallelism splits the sequence "
                               "over the tensor-parallel ranks, and tp is 1",
@@ -171,8 +192,8 @@ class TrainerLayout:
 
     @classmethod
     def planned(cls, layout, *, name: str, micro_batches: int, stage_layers: tuple[int, ...],
-                sequence_length: int | None = None,
-                schedule_csv: str | None = None) -> TrainerLayout:
+                sequence_length: int | None = None, schedule_csv: str | None = None,
+                overlaps: tuple[str, ...] = ()) -> TrainerLayout:
         """From a cluster planner's layout: any object with tp, pp, dp, vpp, micro_batch,
         schedule, recompute, sequence_parallel and distributed_optimizer (its dp ranks shard
         the state with a distributed optimizer or FSDP, over dp / dp_replicate ranks, else
@@ -186,7 +207,8 @@ class TrainerLayout:
                    sequence_length=sequence_length, schedule=layout.schedule,
                    schedule_csv=schedule_csv, placement=_PLACEMENT.get(layout.schedule, LOOP),
                    sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
-                   stage_layers=tuple(stage_layers))
+                   stage_layers=tuple(stage_layers), cp=getattr(layout, "cp", 1),
+                   ep=getattr(layout, "ep", 1), overlaps=tuple(overlaps))
 
     @property
     def dp(self) -> int:
@@ -194,7 +216,7 @@ class TrainerLayout:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def stages(self) -> int:
@@ -222,13 +244,16 @@ class TrainerLayout:
 
     def describe(self, sharding: str) -> str:
         """The layout in words; `sharding`: what the client shards the state with."""
-        text = (f"{self.gpus} GPUs = tensor parallel {self.tp} x pipeline {self.pp} x data "
-                f"parallel {self.dp}")
+        context = f" x context parallel {self.cp}" if self.cp > 1 else ""
+        text = (f"{self.gpus} GPUs = tensor parallel {self.tp}{context} x pipeline {self.pp} "
+                f"x data parallel {self.dp}")
         if self.dp_replicate > 1 and self.dp_shard > 1:
             text += (f" ({self.dp_replicate} replicas, each sharded over {self.dp_shard} by "
                      f"{sharding})")
         elif self.dp_shard > 1:
             text += f" (sharded by {sharding})"
+        if self.ep > 1:
+            text += f"; the experts split over {self.ep} of the data x context ranks"
         text += f"; {self.stages} stages"
         if self.vpp > 1:
             text += (f", {self.vpp} per pipeline rank "

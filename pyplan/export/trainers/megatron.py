@@ -129,6 +129,10 @@ def megatron_argv(layout: TrainerLayout | Problem, template: str | None = None) 
     argv = ["--tensor-model-parallel-size", str(layout.tp),
             "--pipeline-model-parallel-size", str(layout.pp),
             "--num-layers", str(sum(s.count("t") for s in stages))]
+    if layout.cp > 1:
+        argv += ["--context-parallel-size", str(layout.cp)]
+    if layout.ep > 1:
+        argv += ["--expert-model-parallel-size", str(layout.ep)]
     if layout.stages > 1:
         argv += ["--pipeline-model-parallel-layout", _megatron_text(stages)]
     argv += ["--micro-batch-size", str(layout.micro_batch_size),
@@ -146,6 +150,12 @@ def megatron_argv(layout: TrainerLayout | Problem, template: str | None = None) 
         argv += ["--use-distributed-optimizer"]
         if layout.dp_replicate > 1:  # sharded within each group of dp_shard ranks
             argv += ["--num-distributed-optimizer-instances", str(layout.dp_replicate)]
+    if "grad-reduce" in layout.overlaps:
+        argv += ["--overlap-grad-reduce"]
+    if "param-gather" in layout.overlaps and layout.distributed_optimizer:
+        argv += ["--overlap-param-gather"]  # (it gathers the distributed optimizer's shards)
+    if "tp-comm" in layout.overlaps and layout.sequence_parallel:
+        argv += ["--tp-comm-overlap"]  # (Transformer Engine's userbuffers need it)
     return argv
 
 
@@ -161,7 +171,8 @@ def megatron_arguments(layout: TrainerLayout | Problem, template: str | None = N
              "pretrain_gpt.py arguments, written by pyplan export --format megatron-args.",
              f"{layout.describe('its distributed optimizer')}. Schedule: {order}.",
              f"Launch it on {layout.gpus} GPUs (Megatron-LM takes data parallel = GPUs / "
-             f"(tp x pp) = {layout.dp}) with your model, data and optimizer arguments after "
+             f"(tp x {'cp x ' if layout.cp > 1 else ''}pp) = {layout.dp}) with your model, "
+             "data and optimizer arguments after "
              "these: paste the line into your command or into an argument array such as "
              "MODEL_PARALLEL_ARGS=( ... ) in Megatron-LM's example scripts."]
     header = "".join(textwrap.fill(p, width=96, initial_indent="# ",

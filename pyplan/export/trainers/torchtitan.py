@@ -115,6 +115,11 @@ def torchtitan_config(layout: TrainerLayout | Problem, template: str | None = No
     require_training(layout, "torchtitan's pipeline settings are for training")
     layout, problem = layout_of(layout, "torchtitan", template)
     try:
+        if layout.ep > 1:
+            raise LayoutError("ep", "torchtitan's expert parallelism spans its tensor ranks "
+                              "too (expert_parallel_degree at least tp), not the data ranks "
+                              "this layout splits the experts over (Megatron-LM's)",
+                              "write it with --megatron, or fix --ep 1 for torchtitan")
         schedule = _torchtitan_schedule(layout)
         parts, whose = _torchtitan_parts(layout)
         if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and \
@@ -149,7 +154,7 @@ def torchtitan_config(layout: TrainerLayout | Problem, template: str | None = No
         "parallelism = config.parallelism",
         f"parallelism.tensor_parallel_degree = {layout.tp}",
         f"parallelism.enable_sequence_parallel = {layout.sequence_parallel}",
-        "parallelism.context_parallel_degree = 1",
+        f"parallelism.context_parallel_degree = {layout.cp}",
         f"parallelism.data_parallel_replicate_degree = {layout.dp_replicate}",
         f"parallelism.data_parallel_shard_degree = {layout.dp_shard}",
         f"parallelism.pipeline_parallel_degree = {layout.pp}",
