@@ -23,8 +23,8 @@ recomputed; dQ, dK, dV), and FlashAttention-2 runs its backward below its forwar
 (its paper: ~0.8 of it on A100 and H100), so ~3. Fitted within 2.5-3.5."""
 ATTENTION_SHARE = 0.68
 """What the trainers' fused attention reaches relative to each GPU's `attention_efficiency`
-(FlashAttention-2's own figures): kernels with ALiBi biases, SDPA's dispatch, head dimensions
-below 128 reach less. Fitted."""
+(FlashAttention-2's own figures): SDPA's dispatch, short sequences, head dimensions below 128
+reach less (a kernel with ALiBi's bias: BIAS_ATTENTION of this). Fitted."""
 BIAS_ATTENTION = 0.8
 """A fused attention kernel that adds a bias to its scores (ALiBi: MPT, BLOOM) relative to one
 that does not: it computes the bias per score tile. Fitted (only MPT's rows have one)."""

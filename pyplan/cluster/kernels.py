@@ -11,7 +11,8 @@
   rank's out-projection, attention's head dimension) runs far below peak. A GEMM is never
   faster than reading its operands and writing its result from HBM (the roofline), and each
   kernel pays a launch.
-- Fused (flash) attention: its FLOPs on the causal half at the GPU's attention efficiency,
+- Fused (flash) attention: its FLOPs on the causal half at the GPU's attention efficiency
+  (a kernel adding ALiBi's bias to its scores at BIAS_ATTENTION of that),
   its query blocks (128 rows of one head of one sequence) in waves of SMs, and its inner loop
   over the keys (half the sequence on average) paying the same prologue as a GEMM's K loop.
 - Memory-bound kernels (norms, activations, residual adds, casts, layout copies): bytes at the
