@@ -10,9 +10,10 @@ published and predicted, beside what was measured.
 
 Prints, per source, the mean and largest |error| with the fitted constants (constants.py, fitted
 on every source), the same with them refitted leaving that source out (leave-one-source-out:
-what a source not seen in fitting gets), and the Spearman rank correlation of predicted and
-measured throughput over each model's layouts. Then the planner's free search of Llama 3.1
-405B on 16,384 H100s (sequence 8,192, and 131,072 with context parallelism), timed.
+what a source not seen in fitting gets), the mean signed error per source and GPU, and the
+Spearman rank correlation of predicted and measured throughput over each model's layouts.
+Then the planner's free search of Llama 3.1 405B on 16,384 H100s (sequence 8,192, and 131,072
+with context parallelism), timed.
 `--fit` refits the constants on every source and prints them; nothing changes on disk.
 
     python benchmarks/cluster.py [--data DIR] [--fit] [--rows] [--no-loso] [--no-search]
@@ -148,11 +149,14 @@ def report(rows: list[sources.Row], loso: bool, show_rows: bool) -> None:
     fitted = {name: getattr(constants, name) for name in FITTED}
     print("constants (pyplan/cluster/constants.py): " +
           ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()))
-    errors = {}
+    errors, by_gpu = {}, {}
     ranked: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for row in rows:
         p = predicted(row)
         errors.setdefault(row.source, []).append(p / row.measured - 1)
+        gpu = row.cluster.gpu
+        where = f"{gpu.name.split('-')[0]} {gpu.memory_gib:g} GiB"
+        by_gpu.setdefault((row.source, where), []).append(p / row.measured - 1)
         ranked.setdefault((row.source, row.group), []).append(
             (row.tokens_per_gpu / p, row.tokens_per_gpu / row.measured))
         if show_rows:
@@ -177,6 +181,10 @@ def report(rows: list[sources.Row], loso: bool, show_rows: bool) -> None:
           f"{_summary(stages)}")
     every = [e for es in errors.values() for e in es]
     print(f"  {'all':<16} {len(every):>3} rows  fitted on all: {_summary(every)}")
+    print("\nby source and GPU, fitted on all (mean signed error: + slower than measured):")
+    for (source, gpu), es in by_gpu.items():
+        print(f"  {source:<16} {gpu:<12} {len(es):>3} rows  mean {sum(es) / len(es):+6.1%}  "
+              f"{_summary(es)}")
     print("\nSpearman rank correlation of predicted and measured tokens/s per GPU over each "
           "model's layouts (3 or more; spread: the measured fastest over the slowest, where "
           "it is a few percent the ranks are those of near-ties):")
