@@ -53,6 +53,17 @@ SLOW_CASES = (
 )
 
 
+_WHY = ("Fatal Python error", "terminate called", "what():", "Traceback", "error:")
+
+
+def why_ranks_failed(stderr: str, tail: int = 2500) -> str:
+    """A failed multi-rank run's stderr for an assertion message: the lines that say why a
+    rank died (a native abort's first words come long before its stack dumps end), then the
+    tail."""
+    said = [line for line in stderr.splitlines() if line.lstrip().startswith(_WHY)]
+    return "\n".join(said[:20]) + "\n...\n" + stderr[-tail:]
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
     for item in items:

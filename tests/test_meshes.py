@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import why_ranks_failed
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
@@ -94,7 +96,7 @@ def _meshed(folder: Path, plan: str, mesh: str | None, name: str) -> str:
 def _checked(folder: Path, resolved: str, *extra) -> dict:
     done = _pyplan(folder, "run", resolved, "--nproc-per-node", 4, "--iterations", 3,
                    "--check", "--json", *TRAIN, *extra)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, why_ranks_failed(done.stderr)
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["check"]["ok"], report["check"]
     return report
@@ -114,7 +116,7 @@ def test_a_sharded_run_prints_no_warnings(tmp_path):
     assert _pyplan(tmp_path, "solve", "fsdp.yaml", "--quiet").returncode == 0
     done = _pyplan(tmp_path, "run", "fsdp.resolved.yaml", "--nproc-per-node", 4,
                    "--iterations", 2, "--check", "--optimizer", "adamw", "--device", "cpu")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, why_ranks_failed(done.stderr)
     assert "check: " in done.stdout
     assert "Warning" not in done.stderr, done.stderr[-3000:]
 
@@ -164,7 +166,7 @@ def _losses(folder: Path, resolved: str, iterations: int, *extra,
     """The losses of an AdamW run of `resolved` on `ranks` CPU ranks (its --json report)."""
     done = _pyplan(folder, "run", resolved, "--nproc-per-node", ranks, "--iterations",
                    iterations, "--json", "--optimizer", "adamw", "--device", "cpu", *extra)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, why_ranks_failed(done.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])["losses"]
 
 
