@@ -352,9 +352,8 @@ class Costs:
         t, T, e = layout.tp, self.tokens, self.bytes
         h, q, kv = model.hidden, model.q_dim, model.kv_dim
         replicated = T * h / (t if layout.sequence_parallel else 1)
-        eager = self.framework.eager and not self.framework.fused_kernels
         norm, rotary, gate = 2 * e, 2 * e, 3 * e           # fused: read, write (gate: 2 in)
-        if eager:  # as eager PyTorch decomposes them (16-bit e; fp32 skips the casts)
+        if self.framework.decomposed:  # as eager PyTorch decomposes them (16-bit e; fp32 skips the casts)
             cast = e + 4 if e < 4 else 0                    # up to fp32 and back, each
             if model.norm == "rmsnorm":                     # square, mean, scale, weight
                 norm = 2 * cast + 8 + 4 + 8 + 2 * e

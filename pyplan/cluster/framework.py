@@ -87,6 +87,11 @@ class Framework:
     engine); off: accumulated in fp32 by the weight-gradient GEMM itself (Megatron-LM's
     gradient accumulation fusion) or not at all (one micro-batch per step under FSDP)."""
 
+    @property
+    def decomposed(self) -> bool:
+        """Its element-wise ops run as eager PyTorch decomposes them: eager, and not fused."""
+        return self.eager and not self.fused_kernels
+
     def describe(self) -> str:
         on = [name for name, value in (
             ("grad-reduce overlap", self.overlap_grad_reduce),

@@ -78,8 +78,7 @@ def activations(model: Transformer, layout: Layout, batch: Batch, moe: bool) -> 
     # A gated activation keeps its two inputs, and eager PyTorch also SiLU's output for the
     # product's backward; a fused one (Megatron-LM's bias_swiglu, Transformer Engine,
     # torch.compile's partitioner) recomputes it
-    framework = batch.framework
-    gate_inputs = 2 + (framework.eager and not framework.fused_kernels)
+    gate_inputs = 2 + batch.framework.decomposed
 
     def mlp(tokens: float, width: float) -> tuple[float, float]:
         """(held, what W needs) of an MLP over `tokens` with inner `width` per rank."""
