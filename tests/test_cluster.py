@@ -171,22 +171,35 @@ def test_pipeline_makespans_meet_the_closed_forms(p, v, m):
     assert (priced.makespan - ideal) / ideal == pytest.approx((p - 1) / (v * m), rel=5e-3)
 
 
-def test_the_search_finds_what_pricing_every_candidate_finds():
-    model = gpt(8, 1024, 16, sequence=1024)
-    batch = Batch(32, 1024, "bf16")
+@pytest.mark.parametrize("model, batch, gpus, fixed", [
+    (gpt(8, 1024, 16, sequence=1024), Batch(32, 1024, "bf16"), 16, Fixed()),
+    # memory binds: block recomputation of a few layers wins
+    (gpt(16, 4096, 32, sequence=8192), Batch(32, 8192, "bf16"), 8, Fixed(tp=1, pp=1))])
+def test_the_search_finds_what_pricing_every_candidate_finds(model, batch, gpus, fixed):
     cluster = load_cluster("dgx-a100-80gb")
-    fixed = Fixed()
-    everything = candidates(model, cluster, batch, 16, fixed)
-    priced = [predict(model, cluster, layout, batch) for layout in everything]
-    fits = {p.layout for p in priced if p.fits}
+    everything = candidates(model, cluster, batch, gpus, fixed)
+    priced = []
+    for layout in everything:
+        if layout.recompute != "block":
+            priced.append(predict(model, cluster, layout, batch))
+            continue
+        # every count of layers per chunk: the fastest that fits stands for the layout
+        tries = [predict(model, cluster, replace(layout, recompute_layers=n), batch)
+                 for n in range(1, -(-model.layers // layout.stages))]
+        fit = [p for p in tries if p.fits]
+        priced.append(min(fit, key=lambda p: p.seconds) if fit else tries[0])
+    fits = {(replace(p.layout, recompute="none", recompute_layers=0), p.layout.recompute)
+            for p in priced if p.fits}
     # (a layout is not listed beside the same one recomputing less that fits: never faster)
-    less = {"none": (), "selective": ("none",), "full": ("none", "selective")}
+    less = {"none": (), "selective": ("none",), "block": ("none",),
+            "full": ("none", "selective", "block")}
     fitting = sorted((p for p in priced if p.fits and not any(
-        replace(p.layout, recompute=r) in fits for r in less[p.layout.recompute])),
-        key=lambda p: p.seconds)
-    best, count, exact = search(model, cluster, batch, 16, fixed, top=3)
+        (replace(p.layout, recompute="none", recompute_layers=0), r) in fits
+        for r in less[p.layout.recompute])), key=lambda p: p.seconds)
+    best, count, exact = search(model, cluster, batch, gpus, fixed, top=3)
     assert count == len(everything) and exact < count
     assert [b.seconds for b in best] == pytest.approx([p.seconds for p in fitting[:3]])
+    assert [b.layout for b in best] == [p.layout for p in fitting[:3]]
 
 
 def test_a_fixed_layout_that_does_not_fit_is_predicted_and_said(tmp_path):
@@ -256,7 +269,7 @@ def test_plan_json_has_the_contracted_keys_and_is_the_same_under_any_hash_seed(t
     report = outputs[0][0]
     assert set(report["layout"]) == {"tp", "pp", "dp", "vpp", "micro_batch", "recompute",
                                      "sequence_parallel", "schedule", "distributed_optimizer",
-                                     "cp", "ep", "fsdp", "dp_replicate"}
+                                     "cp", "ep", "fsdp", "dp_replicate", "recompute_layers"}
     for key in ("iteration_seconds", "tokens_per_second_per_gpu", "mfu", "hfu",
                 "memory_bytes_per_gpu", "fits"):
         assert key in report

@@ -318,3 +318,64 @@ def test_a_fused_gate_keeps_its_two_inputs_and_eager_pytorch_also_silus_output()
                         False)
     assert eager.held - fused.held == 2 * 2048 * 2816 * 2  # one inner-width tensor, bf16
     assert eager.weight_held == fused.weight_held  # the down projection's input, either way
+
+
+def test_block_recompute_reruns_and_keeps_only_the_input_of_each_chunks_first_layers():
+    """Megatron-LM's --recompute-method block: in each model chunk the first N layers keep
+    their input and rerun their forward in the backward, the others keep everything."""
+    from pyplan.cluster.memory import activations
+    from pyplan.cluster.pipeline import chunks
+
+    model = replace(LLAMA, layers=8)
+    batch = Batch(8, 2048, "bf16")
+    block = Layout(1, 2, 1, 1, 1, "block", schedule="1f1b", recompute_layers=3)
+    plain, full = replace(block, recompute="none", recompute_layers=0), \
+        replace(block, recompute="full", recompute_layers=0)
+    kept = activations(model, plain, batch, False)
+    rerun = activations(model, full, batch, False)
+    layer = Costs(model, A100, plain, batch).layer(False)
+    by = {layout.recompute: chunks(model, A100, layout, batch, (4, 4))
+          for layout in (block, plain)}
+    for mine, none in zip(by["block"], by["none"]):
+        assert mine.held - none.held == pytest.approx(3 * (rerun.held - kept.held))
+        assert mine.weight_held == pytest.approx(none.weight_held - 3 * kept.weight_held)
+        assert mine.backward.seconds - none.backward.seconds == pytest.approx(
+            3 * layer.forward.seconds)
+    assert check_layout(replace(block, recompute_layers=0), model, batch, 2, 8) == \
+        "block recomputation needs the layers per chunk it recomputes (--recompute-layers N)"
+
+
+def test_the_search_recomputes_the_fewest_layers_per_chunk_that_fit():
+    from pyplan.cluster import Fixed, predict, search
+
+    model = Transformer(family="llama", layers=16, hidden=4096, heads=32, kv_heads=32,
+                        head_dim=128, ffn=11008, vocab=32000, gated=True, norm="rmsnorm",
+                        biases=False)
+    batch = Batch(32, 8192, "bf16")
+    fixed = Fixed(tp=1, pp=1, cp=1, micro_batch=2, recompute="block")
+    (best,), _, _ = search(model, A100, batch, 8, fixed)
+    n = best.layout.recompute_layers
+    assert 1 < n < 16 and best.fits
+    assert not predict(model, A100, replace(best.layout, recompute_layers=n - 1), batch).fits
+    full = predict(model, A100, replace(best.layout, recompute="full", recompute_layers=0),
+                   batch)
+    assert full.fits and full.seconds > best.seconds
+    rerun = (best.hfu - best.mfu) * best.seconds * 8 * A100.gpu.peak("bf16") / (32 * 8192)
+    assert rerun == pytest.approx(n * (2 * model.layer_active_params(False) +
+                                       4 * model.q_dim * 8192))  # FLOPs per token
+
+
+def test_block_recompute_is_fixed_on_the_command_line_and_exported_to_megatron(tmp_path,
+                                                                               capsys):
+    argv = ["plan", _config(tmp_path), "--cluster", "dgx-a100-80gb", "--gpus", "8",
+            "--global-batch", "16", "--seq", "2048", "--tp", "2", "--pp", "2",
+            "--micro-batch", "1", "--recompute-layers", "1", "--megatron", "-", "--json"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    line = [x for x in out.splitlines() if not x.startswith("#")][0].split()
+    assert line[line.index("--recompute-method") + 1] == "block"
+    assert line[line.index("--recompute-num-layers") + 1] == "1"
+    layout = json.loads(out.splitlines()[-1])["layout"]
+    assert (layout["recompute"], layout["recompute_layers"]) == ("block", 1)
+    assert main(argv[:-3] + ["--recompute", "full"]) == 2
+    assert "--recompute-layers needs --recompute block" in capsys.readouterr().err

@@ -53,8 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--micro-batch", type=int, metavar="N",
                        help="sequences per micro-batch")
     group.add_argument("--recompute", choices=RECOMPUTE,
-                       help="activation recomputation: none, selective (attention's core) "
-                       "or full (each layer)")
+                       help="activation recomputation: none, selective (attention's core), "
+                       "block (the first --recompute-layers of each model chunk; searched: "
+                       "the fewest that fit) or full (each layer)")
+    group.add_argument("--recompute-layers", type=int, metavar="N",
+                       help="layers per model chunk block recomputation reruns (Megatron-LM's "
+                       "--recompute-num-layers with --recompute-method block; implies "
+                       "--recompute block)")
     group.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                        help="Megatron-LM's sequence parallelism inside tensor-parallel groups "
                        "(default: the framework's: off in megatron, on elsewhere)")
@@ -118,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from pyplan.cluster.framework import framework
 
     for name in ("gpus", "global_batch", "seq", "tp", "pp", "dp", "vpp", "micro_batch", "cp",
-                 "ep", "dp_replicate"):
+                 "ep", "dp_replicate", "recompute_layers"):
         _positive(args, name, 10**6 if name != "seq" else 10**7)
     _positive(args, "top", 1000)
     check_outputs({"-o": (args.output, "file"), "--torchtitan": (args.torchtitan, "file"),
@@ -145,9 +150,15 @@ def run(args: argparse.Namespace) -> int:
     if flash is None and (args.cp or 1) > 1:  # ring attention runs on fused attention only
         flash = True
     batch = Batch(args.global_batch, args.seq, args.dtype, flash, software)
-    fixed = Fixed(args.tp, args.pp, args.dp, args.vpp, args.micro_batch, args.recompute,
+    recompute = args.recompute
+    if args.recompute_layers is not None:
+        if recompute not in (None, "block"):
+            raise PlanError(f"--recompute-layers needs --recompute block, not --recompute "
+                            f"{recompute}", hint="drop one of them")
+        recompute = "block"
+    fixed = Fixed(args.tp, args.pp, args.dp, args.vpp, args.micro_batch, recompute,
                   args.sequence_parallel, args.schedule, args.distributed_optimizer,
-                  args.cp, args.ep, args.fsdp, args.dp_replicate)
+                  args.cp, args.ep, args.fsdp, args.dp_replicate, args.recompute_layers)
     _check_fixed(fixed, model, batch, gpus, cluster)
     started = time.perf_counter()
     if fixed.schedule == "search":  # pyplan's own search: on the templates' best layout
@@ -164,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
             layout = Layout(fixed.tp, fixed.pp, fixed.dp, fixed.vpp or 1, fixed.micro_batch,
                             fixed.recompute, bool(fixed.sequence_parallel), fixed.schedule,
                             bool(fixed.distributed_optimizer), fixed.cp or 1, fixed.ep or 1,
-                            bool(fixed.fsdp), fixed.dp_replicate or 1)
+                            bool(fixed.fsdp), fixed.dp_replicate or 1,
+                            fixed.recompute_layers or 0)
             reason = check_layout(layout, model, batch, gpus, cluster.gpus_per_node)
             raise PlanError(f"the layout given cannot run: {reason}",
                             hint="change the degrees, the schedule or --vpp")

@@ -24,7 +24,8 @@ sum of named parts so that a total can be traced to what makes it.
 - Host overhead: where a layer's kernels take less than the host needs to launch them, the
   GPU waits for the host.
 - Recomputation: full reruns each layer's forward (its collectives too, not FSDP's gathers,
-  which the backward makes anyway) before its backward; selective reruns attention's core.
+  which the backward makes anyway) before its backward, block the first N layers' of each
+  model chunk; selective reruns attention's core.
 Counts follow Megatron-LM's GPT layer (Korthikanti et al. 2022) generalised to grouped
 key/value heads, gated MLPs and experts (each expert's GEMMs get its share of the tokens).
 """
@@ -166,8 +167,12 @@ class Costs:
 
     # -- a layer
 
-    def layer(self, moe: bool) -> Pieces:
+    def layer(self, moe: bool, rerun: bool | None = None) -> Pieces:
+        """A layer's pieces; `rerun`: its backward first reruns its forward (None: as the
+        layout's recomputation says of every layer; block says it of a chunk's first ones)."""
         model, layout, batch = self.model, self.layout, self.batch
+        if rerun is None:
+            rerun = layout.recompute == "full"
         t, T, b = layout.tp, self.tokens, layout.micro_batch
         h, q, kv = model.hidden, model.q_dim, model.kv_dim
         heads = model.heads / t
@@ -238,7 +243,7 @@ class Costs:
             b_.add("ep_comm", 2 * dispatch)
 
         self._host(f, b_, w)
-        if layout.recompute == "full":
+        if rerun:
             b_ = b_ + f
         elif layout.recompute == "selective":
             b_ = b_ + Work().add("attention", core_f).add(

@@ -17,7 +17,11 @@ from pyplan.cluster.model import Transformer
 
 __all__ = ["RECOMPUTE", "SCHEDULES", "Batch", "Layout", "check_layout"]
 
-RECOMPUTE = ("none", "selective", "full")
+# What a layer keeps for its backward: everything; all but attention's scores (selective:
+# recomputed in the backward); block: the first `recompute_layers` layers of each model chunk
+# keep only their input and rerun their forward (Megatron-LM's --recompute-method block), the
+# rest everything; full: every layer only its input.
+RECOMPUTE = ("none", "selective", "block", "full")
 # The pipeline schedules pyplan prices (its templates' names); "search": pyplan's own.
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-2p", "zb-v", "gpipe",
              "search")
@@ -71,6 +75,14 @@ class Layout:
     (and context) ranks, each layer's parameters all-gathered for its forward and backward."""
     dp_replicate: int = 1
     """HSDP: the data ranks are dp_replicate replicas of FSDP groups of dp / dp_replicate."""
+    recompute_layers: int = 0
+    """With block recomputation: the layers of each model chunk recomputed (its first ones;
+    a chunk with fewer recomputes them all)."""
+
+    def recomputes(self, position: int) -> bool:
+        """Whether the layer at `position` in its model chunk reruns its whole forward."""
+        return self.recompute == "full" or (self.recompute == "block" and
+                                            position < self.recompute_layers)
 
     @property
     def gpus(self) -> int:
@@ -137,7 +149,10 @@ class Layout:
         if self.vpp > 1:
             text += f", {self.vpp} chunks per GPU"
         text += f", micro-batch {self.micro_batch}, {self.schedule}"
-        if self.recompute != "none":
+        if self.recompute == "block":
+            text += (f", block recompute ({self.recompute_layers} layer"
+                     f"{'s' if self.recompute_layers > 1 else ''} per chunk)")
+        elif self.recompute != "none":
             text += f", {self.recompute} recompute"
         if self.sequence_parallel:
             text += ", sequence parallel"
@@ -165,6 +180,10 @@ def check_layout(layout: Layout, model: Transformer, batch: Batch, gpus: int,
             return f"{model.experts} experts do not divide over ep {layout.ep}"
         if layout.dp % layout.ep:
             return f"ep {layout.ep} does not divide the {layout.dp} data-parallel ranks"
+    if (layout.recompute == "block") != (layout.recompute_layers > 0):
+        return ("block recomputation needs the layers per chunk it recomputes (--recompute-"
+                "layers N)" if layout.recompute == "block" else
+                "--recompute-layers needs --recompute block")
     if layout.dp_replicate > 1 and not layout.fsdp:
         return "--dp-replicate (HSDP) needs --fsdp"
     if layout.dp % layout.dp_replicate:

@@ -52,9 +52,13 @@ class Activations:
     """Needed only while its backward runs (a fully recomputed layer's activations)."""
 
 
-def activations(model: Transformer, layout: Layout, batch: Batch, moe: bool) -> Activations:
+def activations(model: Transformer, layout: Layout, batch: Batch, moe: bool,
+                rerun: bool | None = None) -> Activations:
     """A layer's activations for one micro-batch on one tensor- and context-parallel rank (its
-    1/cp of each sequence; fp8 runs keep them in bf16)."""
+    1/cp of each sequence; fp8 runs keep them in bf16); `rerun`: it keeps only its input and
+    recomputes the rest (None: as the layout's recomputation says of every layer)."""
+    if rerun is None:
+        rerun = layout.recompute == "full"
     t, e = layout.tp, (4 if batch.dtype == "fp32" else 2)
     T = layout.micro_batch * batch.sequence / layout.cp
     sp = layout.sequence_parallel
@@ -68,7 +72,7 @@ def activations(model: Transformer, layout: Layout, batch: Batch, moe: bool) -> 
     qkv = T * (q / t + 2 * kv_rank) * e          # q and k for the scores, v for PV
     residual_masks = 2 * rep * mask
     scores = 0.0
-    if not batch.flash_attention and layout.recompute == "none":
+    if not batch.flash_attention and layout.recompute in ("none", "block") and not rerun:
         heads = model.heads / t
         s = batch.sequence
         scores = layout.micro_batch * heads * s * s * (e + mask + (e if mask else 0))
@@ -97,7 +101,7 @@ def activations(model: Transformer, layout: Layout, batch: Batch, moe: bool) -> 
             mlp_held, mlp_w = mlp_held + held, mlp_w + w
     held = norms + gemm_inputs + qkv + residual_masks + scores + mlp_held
     weight_held = gemm_inputs + mlp_w
-    if layout.recompute == "full":
+    if rerun:
         layer_input = rep * e
         return Activations(layer_input, 0.0, held)
     return Activations(held, weight_held, 0.0)

@@ -120,9 +120,15 @@ def device_of(chunk: int, layout: Layout) -> int:
 def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
            counts: tuple[int, ...]) -> list[Chunk]:
     costs = Costs(model, cluster, layout, batch)
-    dense, moe = costs.layer(False), costs.layer(True) if model.moe_layers else None
-    dense_act = activations(model, layout, batch, False)
-    moe_act = activations(model, layout, batch, True) if model.moe_layers else None
+    kinds: dict[tuple[bool, bool], tuple] = {}
+
+    def layer(i: int, position: int) -> tuple:
+        """(pieces, activations) of layer i at `position` in its chunk: dense or experts,
+        its forward rerun in the backward or not (priced once each)."""
+        key = (model.is_moe(i), layout.recomputes(position))
+        if key not in kinds:
+            kinds[key] = (costs.layer(*key), activations(model, layout, batch, *key))
+        return kinds[key]
     embedding_act, head_act = ends(model, layout, batch)
     embedding, head = costs.embedding(), costs.head()
     t = layout.tp
@@ -143,8 +149,8 @@ def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
     for c, count in enumerate(counts):
         layers = tuple(range(first_layer, first_layer + count))
         first_layer += count
-        pieces = [moe if model.is_moe(i) else dense for i in layers]
-        acts = [moe_act if model.is_moe(i) else dense_act for i in layers]
+        pieces = [layer(i, position)[0] for position, i in enumerate(layers)]
+        acts = [layer(i, position)[1] for position, i in enumerate(layers)]
         per_layer = [rank_parameters(model, layout, model.is_moe(i)) for i in layers]
         params = sum(per_layer)
         experts = sum(model.experts * model.mlp_params(model.expert_ffn) / (t * layout.ep)

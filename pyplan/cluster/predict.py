@@ -71,7 +71,7 @@ def _prediction(model: Transformer, cluster: Cluster, layout: Layout, batch: Bat
     peak = cluster.gpu.peak(batch.state_dtype)  # fp8 runs: over the 16-bit peak, as reported
     model_flops = model.model_flops(batch.sequence) * tokens
     mfu = model_flops / (priced.seconds * layout.gpus * peak)
-    hfu = (model_flops + _recomputed_flops(model, layout, batch) * tokens) / (
+    hfu = (model_flops + _recomputed_flops(model, layout, batch, counts) * tokens) / (
         priced.seconds * layout.gpus * peak)
     # The fullest GPU and its parts.
     device = max(range(layout.pp), key=lambda d: priced.peak_bytes[d])
@@ -103,10 +103,20 @@ def _prediction(model: Transformer, cluster: Cluster, layout: Layout, batch: Bat
                       counts, priced.text, batch.framework.name)
 
 
-def _recomputed_flops(model: Transformer, layout: Layout, batch: Batch) -> float:
-    """FLOPs per token recomputation adds."""
+def _recomputed_flops(model: Transformer, layout: Layout, batch: Batch,
+                      counts: tuple[int, ...]) -> float:
+    """FLOPs per token recomputation adds (block: the forwards of each chunk's first
+    layers, 2 per active weight and attention's 4 q_dim s)."""
     if layout.recompute == "full":
         return model.model_flops(batch.sequence) / 3
+    if layout.recompute == "block":
+        rerun, first = 0.0, 0
+        for count in counts:
+            for i in range(first, first + min(count, layout.recompute_layers)):
+                rerun += 2.0 * model.layer_active_params(model.is_moe(i)) + \
+                    4.0 * model.q_dim * batch.sequence
+            first += count
+        return rerun
     if layout.recompute == "selective":
         return 4.0 * model.layers * model.q_dim * batch.sequence
     return 0.0

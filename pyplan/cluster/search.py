@@ -7,7 +7,9 @@ no schedule can shorten; and a memory floor: its static memory and one micro-bat
 activations. Candidates whose floor exceeds the GPU are dropped; the rest are priced exactly
 (schedule laid out and evaluated by pyplan's solver) in the order of their bounds, until the
 next bound cannot beat the K-th best layout that fits. A layout that recomputes more is
-skipped once the same layout recomputing less fits (it is never faster in this model).
+skipped once the same layout recomputing less fits (it is never faster in this model); block
+recomputation is priced for the fewest layers per chunk that fit (a bisection: more layers
+rerun hold less and take longer).
 When the distributed optimizer and sequence parallelism are not fixed, they are taken where
 they apply: they move the same bytes as their alternatives and hold less.
 """
@@ -49,11 +51,14 @@ class Fixed:
     ep: int | None = None
     fsdp: bool | None = None
     dp_replicate: int | None = None
+    recompute_layers: int | None = None
+    """With block recomputation, the layers per chunk (None: the fewest that fit)."""
 
     @property
     def everything(self) -> bool:
         return all(getattr(self, name) is not None for name in (
-            "tp", "pp", "dp", "micro_batch", "recompute", "schedule"))
+            "tp", "pp", "dp", "micro_batch", "recompute", "schedule")) and (
+            self.recompute != "block" or self.recompute_layers is not None)
 
 
 def _divisors(n: int) -> list[int]:
@@ -144,8 +149,11 @@ def _settings(model: Transformer, batch: Batch, fixed: Fixed, gpus: int, node: i
             else [dp * cp > 1 and not fsdp and software.distributed_optimizer]
         recomputes = [fixed.recompute] if fixed.recompute else list(RECOMPUTE)
         for vpp, sp, do, recompute in itertools.product(vpps, sps, dos, recomputes):
+            block = recompute == "block"
+            if block and not fixed.recompute_layers and -(-model.layers // (pp * vpp)) < 2:
+                continue  # chunks of one layer: block recomputation is full recomputation
             layout = Layout(tp, pp, dp, vpp, mb, recompute, sp, schedule, do, cp, ep, fsdp,
-                            replicate)
+                            replicate, (fixed.recompute_layers or 1) if block else 0)
             if check_layout(layout, model, batch, gpus, node) is None:
                 out.append(layout)
     return out
@@ -172,12 +180,15 @@ class _Bounds:
         pipeline's schedule or chunks (`layout` is the candidate's with those reset)."""
         costs = Costs(self.model, self.cluster, layout, self.batch)
         total, held, forward, params = {}, {}, {}, {}
+        # block: the time of layers that rerun nothing (bound() adds the reruns it must
+        # make), the memory of layers that keep only their input (it may rerun them all)
+        floor = True if layout.recompute == "block" else None
         for moe in ({False, True} if self.model.moe_layers else {False}):
             pieces = costs.layer(moe)
             total[moe] = sum(w.seconds for w in (pieces.forward, pieces.backward,
                                                  pieces.weight))
             forward[moe] = pieces.forward.seconds
-            held[moe] = activations(self.model, layout, self.batch, moe).held
+            held[moe] = activations(self.model, layout, self.batch, moe, floor).held
             params[moe] = rank_parameters(self.model, layout, moe)
         embedding, head = costs.embedding(), costs.head()
         ends_seconds = tuple(sum(w.seconds for w in (p.forward, p.backward, p.weight))
@@ -205,6 +216,9 @@ class _Bounds:
             seconds = (count - moe) * total[False] + (moe and moe * total[True])
             params_c = (count - moe) * per_layer[False] + (moe and moe * per_layer[True])
             chunk_forward = (count - moe) * forward[False] + (moe and moe * forward[True])
+            if layout.recompute == "block":  # at least its first layers' forwards again
+                seconds += sum(forward[model.is_moe(i)]
+                               for i in list(layers)[:layout.recompute_layers])
             if c == 0:
                 seconds += embedding
                 params_c += model.embedding_params / layout.tp
@@ -262,13 +276,15 @@ def search(model: Transformer, cluster: Cluster, batch: Batch, gpus: int, fixed:
         seconds, _, layout = heapq.heappop(heap)
         if len(best) >= top and seconds >= best[top - 1].seconds:
             break
-        lesser = RECOMPUTE[:RECOMPUTE.index(layout.recompute)]
-        if any(_key(replace(layout, recompute=r)) in fitting for r in lesser):
+        if any((_key(layout), r) in fitting for r in LESSER[layout.recompute]):
             continue
-        prediction = predict(model, cluster, layout, batch)
-        priced += 1
+        if layout.recompute == "block" and fixed.recompute_layers is None:
+            prediction, count = _fewest_rerun(model, cluster, layout, batch)
+        else:
+            prediction, count = predict(model, cluster, layout, batch), 1
+        priced += count
         if prediction.fits:
-            fitting.add(_key(layout))
+            fitting.add((_key(layout), layout.recompute))
             best.append(prediction)
             best.sort(key=lambda p: (p.seconds, _order(p.layout)))
             del best[top:]
@@ -280,6 +296,37 @@ def search(model: Transformer, cluster: Cluster, batch: Batch, gpus: int, fixed:
     return over[:top], len(found), priced
 
 
+# What recomputes less than each (never slower in this model): a layout is skipped where one
+# of these fits. Selective and block are not ordered: block may rerun fewer FLOPs.
+LESSER = {"none": (), "selective": ("none",), "block": ("none",),
+          "full": ("none", "selective", "block")}
+
+
+def _fewest_rerun(model: Transformer, cluster: Cluster, layout: Layout,
+                  batch: Batch) -> tuple[Prediction, int]:
+    """Block recomputation of the fewest layers per chunk that fit (more rerun hold less and
+    take longer: a bisection over 1 .. the longest chunk's layers - 1; all of them is full
+    recomputation), with the number of layouts priced; none fitting: the one that holds
+    least."""
+    least = predict(model, cluster, replace(layout, recompute_layers=1), batch)
+    most = max(least.layers_per_stage) - 1
+    if least.fits or most <= 1:
+        return least, 1
+    fits = predict(model, cluster, replace(layout, recompute_layers=most), batch)
+    priced, low = 2, 1
+    if not fits.fits:
+        return fits, priced
+    while fits.layout.recompute_layers - low > 1:
+        middle = (low + fits.layout.recompute_layers) // 2
+        trial = predict(model, cluster, replace(layout, recompute_layers=middle), batch)
+        priced += 1
+        if trial.fits:
+            fits = trial
+        else:
+            low = middle
+    return fits, priced
+
+
 def _key(layout: Layout) -> tuple:
     return (layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch,
             layout.sequence_parallel, layout.schedule, layout.distributed_optimizer,
@@ -289,4 +336,4 @@ def _key(layout: Layout) -> tuple:
 def _order(layout: Layout) -> tuple:
     """Ties go to the simpler layout."""
     return (layout.tp, layout.cp, layout.pp, layout.vpp, layout.ep, -layout.micro_batch,
-            layout.schedule, RECOMPUTE.index(layout.recompute))
+            layout.schedule, RECOMPUTE.index(layout.recompute), layout.recompute_layers)

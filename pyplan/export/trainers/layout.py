@@ -22,7 +22,7 @@ MEGATRON_LM = "core_v0.16.1"
 """Megatron-LM's release (its git tag) beside megatron-core 0.16.1: pretrain_gpt.py's
 arguments."""
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "block", "full")
 OVERLAPS = ("grad-reduce", "param-gather", "tp-comm")
 # pyplan's templates (pyplan.solver.templates) and "search": pyplan's own order.
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "chimera", "zb-h1", "zb-h2", "zb-2p",
@@ -90,6 +90,8 @@ class TrainerLayout:
     the zero-bubble templates always do."""
     sequence_parallel: bool = False
     recompute: str | None = None
+    recompute_layers: int = 0
+    """With block recomputation: the layers of each stage recomputed (its first ones)."""
     cp: int = 1
     """Context parallelism: each sequence split over cp ranks (ring attention)."""
     ep: int = 1
@@ -119,6 +121,14 @@ class TrainerLayout:
         if self.recompute is not None and self.recompute not in RECOMPUTE:
             raise LayoutError("recompute", f"unknown recompute '{self.recompute}'",
                               f"choose {', '.join(RECOMPUTE)}, or None for the client's own")
+        if isinstance(self.recompute_layers, bool) or not isinstance(
+                self.recompute_layers, int) or self.recompute_layers < 0:
+            raise LayoutError("recompute_layers", "recompute_layers must be a whole number of "
+                              f"layers, not {self.recompute_layers!r}")
+        if (self.recompute == "block") != (self.recompute_layers > 0):
+            raise LayoutError("recompute_layers", "block recomputation needs recompute_layers "
+                              "> 0, and only it takes them",
+                              "give recompute='block' with recompute_layers=N, or neither")
         if self.placement not in (LOOP, V):
             raise LayoutError("placement", f"unknown placement '{self.placement}'",
                               "choose loop or v")
@@ -207,6 +217,7 @@ class TrainerLayout:
                    sequence_length=sequence_length, schedule=layout.schedule,
                    schedule_csv=schedule_csv, placement=_PLACEMENT.get(layout.schedule, LOOP),
                    sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
+                   recompute_layers=getattr(layout, "recompute_layers", 0),
                    stage_layers=tuple(stage_layers), cp=getattr(layout, "cp", 1),
                    ep=getattr(layout, "ep", 1), overlaps=tuple(overlaps))
 

@@ -143,6 +143,9 @@ def megatron_argv(layout: TrainerLayout | Problem, template: str | None = None) 
         argv += ["--sequence-parallel"]
     if layout.recompute == "selective":
         argv += ["--recompute-granularity", "selective"]
+    elif layout.recompute == "block":  # each chunk's first N layers
+        argv += ["--recompute-granularity", "full", "--recompute-method", "block",
+                 "--recompute-num-layers", str(layout.recompute_layers)]
     elif layout.recompute == "full":  # every layer recomputed, one at a time
         argv += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                  "--recompute-num-layers", "1"]

@@ -120,6 +120,12 @@ def torchtitan_config(layout: TrainerLayout | Problem, template: str | None = No
                               "too (expert_parallel_degree at least tp), not the data ranks "
                               "this layout splits the experts over (Megatron-LM's)",
                               "write it with --megatron, or fix --ep 1 for torchtitan")
+        if layout.recompute == "block":
+            raise LayoutError("recompute", "torchtitan checkpoints whole layers at a "
+                              "frequency (every k-th), not each stage's first "
+                              f"{layout.recompute_layers} (Megatron-LM's block method)",
+                              "write it with --megatron, or fix --recompute full or "
+                              "selective for torchtitan")
         schedule = _torchtitan_schedule(layout)
         parts, whose = _torchtitan_parts(layout)
         if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and \
