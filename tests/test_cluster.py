@@ -136,13 +136,13 @@ def test_a_moe_layer_under_tensor_parallelism_is_each_ranks_slice_of_every_exper
                        + k * 3 * h * f / t)             # each token's k experts, 1/t of each
     scores = 2 * 2 * b * (q // d / t) * s * s * d      # QK^T and PV of each rank's heads
     assert sum(flops) == pytest.approx(3 * weights + scores)  # F, B and W of each weight
-    ring = 2 * (t - 1) / t / (A100.link_gbs * 1e9 * A100.link_efficiency)
-    from pyplan.cluster.collectives import _latency
+    from pyplan.cluster.collectives import all_reduce
 
-    latency = _latency(A100, t, t, 2)
-    assert layer.forward.parts["tp_comm"] == pytest.approx(2 * (latency + T * h * 2 * ring))
-    assert layer.backward.parts["tp_comm"] == pytest.approx(
-        2 * (latency + T * h * 2 * ring) + latency + T * k * 4 * ring)
+    def reduced(nbytes):
+        return all_reduce(A100, nbytes, t, t)
+    assert layer.forward.parts["tp_comm"] == pytest.approx(2 * reduced(T * h * 2))
+    assert layer.backward.parts["tp_comm"] == pytest.approx(2 * reduced(T * h * 2) +
+                                                            reduced(T * k * 4))
 
 
 def _uniform(layout: Layout, m: int):

@@ -30,15 +30,15 @@ def _costs(layout: Layout, name: str = "megatron", dtype: str = "fp16") -> Costs
 
 def test_a_scattered_send_carries_a_tensor_ranks_share_and_the_receiver_gathers_it():
     """tp 4 without sequence parallelism: each rank sends 2 x 2048 x 2048 x 2 / 4 bytes; the
-    receiver's all-gather moves the whole activation over its 4 NVLink ranks (3/4 of 32 MiB
-    at the link's bus bandwidth, 3 ring steps of latency after the launch)."""
+    receiver's all-gather moves the whole activation over its 4 NVLink ranks (3/4 of 16 MiB
+    at the link's bus bandwidth with NCCL's Simple protocol: its fixed 8.4 us and 3 ring steps
+    of 3.4 us)."""
     layout = Layout(4, 2, 4, micro_batch=2, recompute="full")
     whole = TOKENS * 2048 * 2
     sent, gather = boundary_traffic(_costs(layout))
     assert sent == whole / 4
     link = A100.link_gbs * 1e9 * A100.link_efficiency
-    assert gather == pytest.approx((constants.COLLECTIVE_US + 3 * A100.link_latency_us) * 1e-6
-                                   + 3 / 4 * whole / link)
+    assert gather == pytest.approx((8.4 + 3 * 3.4) * 1e-6 + 3 / 4 * whole / link)
     # DeepSpeed's pipeline engine: every tensor rank sends the whole, nothing to gather
     assert boundary_traffic(_costs(layout, "megatron-deepspeed")) == (whole, 0.0)
     # sequence parallelism: each rank's shard of the sequence, as it is
@@ -86,14 +86,14 @@ def test_where_a_node_holds_two_stages_every_other_boundary_crosses_the_network(
 
 def test_a_tied_embedding_is_all_reduced_between_the_first_and_the_last_stage():
     """51,200 x 2,048 / 4 fp16 gradients (52.4 MB) between two GPUs on two nodes: a ring of 2
-    moves half of them each way over the network; NCCL's tree pays one network step each
-    pass; the first and the last stage wait for it, a middle one does not."""
+    moves half of them each way over the network, with NCCL's Simple protocol two network
+    steps of 9.6 us after its fixed 8.4 us, 1.9 times that for a large ring all-reduce across
+    nodes (NCCL's plateau); the first and the last stage wait for it, a middle one does not."""
     layout = Layout(4, 4, 2, micro_batch=2, recompute="full")
     costs = _costs(layout)
     nbytes = 51200 * 2048 / 4 * 2
     network = A100.network_gbs * 1e9 * A100.network_efficiency
-    expected = (constants.COLLECTIVE_US + 2 * A100.network_latency_us) * 1e-6 + \
-        nbytes / network
+    expected = (8.4 + 2 * 9.6) * 1.9 * 1e-6 + nbytes / network
     assert tied_embedding_sync(costs) == pytest.approx(expected)
     stages = chunks(GPT, A100, layout, costs.batch, (2, 2, 2, 2))
     assert [s.sync - gradient_sync(costs, s.parameters, 0.0, s.forward, s.backward + s.weight)
@@ -141,14 +141,29 @@ def test_the_megatron_deepspeed_framework_is_a_choice_and_named(tmp_path, capsys
 
 
 def test_nccl_gathers_and_scatters_in_rings_only_where_an_all_reduce_may_use_its_tree():
-    """64 nodes of 8: a one-byte all-gather pays its ring's 448 NVLink and 64 network steps
-    (NCCL has no tree for all-gather or reduce-scatter), an all-reduce of one byte the better of
-    its ring's two passes and its tree's (7 NVLink and log2 64 = 6 network steps each way)."""
-    link, network = A100.link_latency_us, A100.network_latency_us
+    """64 nodes of 8, one byte, NCCL's LL protocol (its quickest steps): an all-gather pays its
+    ring's 448 NVLink steps (0.47 us, 1.8 times that in a collective across nodes) and 63
+    network steps (2.7 us) after LL's fixed 3.6 us (NCCL has no tree for all-gather or
+    reduce-scatter); an all-reduce takes its tree instead: 7 NVLink steps (0.52 us x 1.8) and
+    log2 64 = 6 network steps (5 us) each way after the tree's fixed 4.4 us."""
     gather = collectives.all_gather(A100, 1.0, 512, 8)
-    assert gather == pytest.approx((constants.COLLECTIVE_US + 448 * link + 64 * network) * 1e-6,
-                                   rel=1e-6)
+    assert gather == pytest.approx((3.6 + 448 * 0.47 * 1.8 + 63 * 2.7) * 1e-6, rel=1e-3)
     assert collectives.reduce_scatter(A100, 1.0, 512, 8) == gather
     reduce = collectives.all_reduce(A100, 1.0, 512, 8)
-    assert reduce == pytest.approx((constants.COLLECTIVE_US + 2 * (7 * link + 6 * network))
-                                   * 1e-6, rel=1e-6)
+    assert reduce == pytest.approx((4.4 + 2 * (7 * 0.52 * 1.8 + 6 * 5.0)) * 1e-6, rel=1e-3)
+
+
+@pytest.mark.parametrize("nbytes, protocol", [(64 * 1024, "LL"), (4 * 2**20, "LL128"),
+                                              (256 * 2**20, "Simple")])
+def test_an_all_reduce_inside_a_node_takes_the_fastest_nccl_protocol_at_its_size(
+        nbytes, protocol):
+    """8 GPUs of a DGX A100, 14 ring steps: LL's quick steps (0.47 us) at a quarter of the bus
+    bandwidth win small messages, LL128's (1.9 us) at 92% of it the middle ones, Simple's
+    (3.4 us) at all of it the large ones (NCCL's tuning model's figures)."""
+    bus = A100.link_gbs * 1e9 * A100.link_efficiency
+    moved = 2 * 7 / 8 * nbytes
+    times = {"LL": (3.6 + 14 * 0.47) * 1e-6 + moved / (bus / 4),
+             "LL128": (10.0 + 14 * 1.9) * 1e-6 + moved / (bus * 0.92),
+             "Simple": (8.4 + 14 * 3.4) * 1e-6 + moved / bus}
+    assert min(times, key=times.get) == protocol
+    assert collectives.all_reduce(A100, nbytes, 8, 8) == pytest.approx(times[protocol])

@@ -7,10 +7,14 @@ A collective of S bytes over n ranks with k of them on each node:
   messages: NVLink/NVSwitch inside a node; across nodes the node's network ports, which NCCL's
   channels spread the group's k GPUs' rings over (a group of one GPU per node gets one port);
 - latency: every step of the ring pays the link's per-step latency (2(n-1) steps for an
-  all-reduce), across nodes NCCL's trees pay about 2 log2(nodes) network steps instead where
-  that is shorter for an all-reduce (NCCL runs all-gathers and reduce-scatters as rings
-  only: their latency grows with the ranks), and each collective pays a fixed launch cost. Small messages are latency
-  bound: this is what makes a small model's or a small micro-batch's collectives slow;
+  all-reduce, those between nodes the network's), across nodes NCCL's trees pay about
+  2 log2(nodes) network steps instead where that is shorter for an all-reduce (NCCL runs
+  all-gathers and reduce-scatters as rings only: their latency grows with the ranks), and
+  each collective pays a fixed latency. Small messages are latency bound: this is what makes
+  a small model's or a small micro-batch's collectives slow;
+- protocol: NCCL times each collective with its three protocols and runs the fastest; LL and
+  LL128 step quickly but carry less payload per byte moved, Simple carries all of it in slow
+  steps (constants.NCCL_PROTOCOLS: the figures of NCCL's own tuning model);
 - overlap: a collective that runs beside compute kernels gets fewer SMs for its channels and
   shares HBM with them: `overlapped=True` divides its bandwidth by the fitted share it keeps.
 
@@ -40,29 +44,40 @@ def _bandwidth(cluster: Cluster, ranks: int, per_node: int) -> float:
     return min(inside, cluster.network_gbs * 1e9 * cluster.network_efficiency * per_node)
 
 
-def _latency(cluster: Cluster, ranks: int, per_node: int, passes: int) -> float:
-    link, network = cluster.link_latency_us * 1e-6, cluster.network_latency_us * 1e-6
-    start = constants.COLLECTIVE_US * 1e-6
-    if per_node >= ranks:
-        return start + passes * (ranks - 1) * link
-    nodes = -(-ranks // per_node)
-    ring = passes * ((ranks - nodes) * link + nodes * network)
-    if passes == 1:  # all-gather, reduce-scatter: NCCL runs them as rings only
-        return start + ring
-    tree = passes * ((per_node - 1) * link + math.ceil(math.log2(nodes)) * network)
-    return start + min(ring, tree)
-
-
 def _ring(cluster: Cluster, nbytes: float, ranks: int, per_node: int, passes: int,
           overlapped: bool) -> float:
+    """The fastest of NCCL's protocols (and for an all-reduce across nodes, of its ring and its
+    tree): each a fixed latency, a latency per step and its share of the bus bandwidth."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
     per_node = max(1, min(per_node, ranks))
     bandwidth = _bandwidth(cluster, ranks, per_node)
     if overlapped:
         bandwidth *= constants.OVERLAP_SHARE
-    return (_latency(cluster, ranks, per_node, passes) +
-            passes * (ranks - 1) / ranks * nbytes / bandwidth)
+    nodes = -(-ranks // per_node)
+    link = cluster.link_latency_us / constants.LINK_LATENCY_US * 1e-6
+    network = cluster.network_latency_us / constants.NETWORK_LATENCY_US * 1e-6
+    steps, across = passes * (ranks - 1), passes * (nodes - 1)
+    moved = passes * (ranks - 1) / ranks * nbytes
+    best = math.inf
+    for name, (share, fixed, ring_in, ring_out, tree_in, tree_out, tree_fixed) in \
+            constants.NCCL_PROTOCOLS.items():
+        if name == "LL" and nodes == 1 and passes == 1:
+            share = 1 / 3  # (LL's flags cost less of an all-gather inside a node)
+        if name == "LL" and nodes > 1:
+            ring_in *= constants.LL_INTRA_ACROSS_NODES
+            tree_in *= constants.LL_INTRA_ACROSS_NODES
+        latency = fixed * 1e-6 + (steps - across) * ring_in * link + across * ring_out * network
+        if name == "Simple" and passes == 2 and nodes > 1 and \
+                nbytes >= ranks / 16 * 65536:
+            latency *= constants.RING_PLATEAU
+        best = min(best, latency + moved / (bandwidth * share))
+        if passes == 2 and nodes > 1:  # NCCL's tree: up and down, log2(nodes) network steps
+            latency = tree_fixed * 1e-6 + 2 * ((per_node - 1) * tree_in * link + math.ceil(
+                math.log2(nodes)) * tree_out * network)
+            best = min(best, latency + 2 * nbytes / (bandwidth * constants.TREE_BANDWIDTH *
+                                                      share))
+    return best
 
 
 def all_reduce(cluster: Cluster, nbytes: float, ranks: int, per_node: int,

@@ -77,11 +77,34 @@ LINK_EFFICIENCY = 0.78
 """NVLink/NVSwitch: nccl-tests' all-reduce bus bandwidth on DGX A100 is ~230-240 GB/s of 300."""
 NETWORK_EFFICIENCY = 0.90
 """InfiniBand: ~22-23 GB/s of a 200 Gb/s HDR port's 25 GB/s in nccl-tests across nodes."""
-LINK_LATENCY_US = 1.0
-"""Latency of one step of a collective inside a node (NCCL over NVLink: an 8-GPU all-reduce of
-a few bytes takes ~20 us, 14 ring steps after its launch)."""
-NETWORK_LATENCY_US = 5.0
-"""Latency of one step of a collective across nodes (InfiniBand and NCCL's proxy thread)."""
+LINK_LATENCY_US = 3.4
+"""Latency of one ring step of a collective inside a node with NCCL's Simple protocol (the one
+large messages use), microseconds: NCCL's own tuning model (src/graph/tuning.cc) counts 3.4 on
+NVLink. The LL and LL128 protocols' steps are shorter in NCCL_PROTOCOLS' proportions."""
+NETWORK_LATENCY_US = 9.6
+"""The same across nodes (InfiniBand and NCCL's proxy thread): 9.6 in NCCL's tuning model."""
+NCCL_PROTOCOLS = {
+    # protocol: (share of the bus bandwidth, fixed latency us, ring step inside a node us,
+    #            across nodes us, tree step inside us, across us, tree's fixed latency us)
+    "LL": (0.25, 3.6, 0.47, 2.7, 0.52, 5.0, 4.4),
+    "LL128": (0.92, 10.0, 1.9, 4.0, 1.2, 8.5, 4.4),
+    "Simple": (1.0, 8.4, 3.4, 9.6, 28.0, 50.0, 0.0),
+}
+"""NCCL's three protocols as its tuning model prices them (the figures of src/graph/tuning.cc,
+the table NCCL picks a protocol and an algorithm by): LL flags every 8-byte word (a quarter of
+the bandwidth reaches payload across nodes or in an all-reduce, a third otherwise, the
+quickest steps), LL128 every 128-byte line (92%), Simple moves whole chunks (all of it, the
+slowest steps; a tree's Simple step waits for a 256 kB chunk). A collective takes whichever is
+fastest at its size. The step latencies scale with a cluster's `latency_us` values, which are
+Simple's ring steps (LINK_LATENCY_US, NETWORK_LATENCY_US)."""
+LL_INTRA_ACROSS_NODES = 1.8
+"""LL's steps inside a node take 1.8 times as long when the collective also spans nodes (NCCL's
+tuning model)."""
+RING_PLATEAU = 1.9
+"""A ring all-reduce across nodes of at least ranks/16 x 64 KiB with the Simple protocol pays
+1.9 times its latency (NCCL's tuning model: the ring's plateau, measured)."""
+TREE_BANDWIDTH = 0.9
+"""A tree all-reduce reaches 0.9 of the ring's bus bandwidth (NCCL's tuning model)."""
 
 # Work the model counts per element
 BACKWARD_ELEMENTWISE = 0.7
