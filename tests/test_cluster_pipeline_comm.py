@@ -167,3 +167,19 @@ def test_an_all_reduce_inside_a_node_takes_the_fastest_nccl_protocol_at_its_size
              "Simple": (8.4 + 14 * 3.4) * 1e-6 + moved / bus}
     assert min(times, key=times.get) == protocol
     assert collectives.all_reduce(A100, nbytes, 8, 8) == pytest.approx(times[protocol])
+
+
+def test_megatron_core_overlaps_pipeline_sends_under_the_interleaved_schedule_only():
+    """Megatron-LM and NeMo: 1F1B's sends sit on the passes (Megatron-Core pairs them with the
+    receives in blocking batches); with a virtual pipeline they go beside compute (its
+    --overlap-p2p-communication, on by default), unless turned off."""
+    one = Layout(1, 2, 4, micro_batch=2, recompute="full")
+    two = replace(one, vpp=2, schedule="interleaved-1f1b")
+    for name in ("megatron", "nemo"):
+        batch = _costs(one, name).batch
+        blocking = chunks(GPT, A100, one, batch, (4, 4))
+        assert blocking[0].send == 0.0 and blocking[0].forward.parts["pp_comm"] > 0
+        overlapped = chunks(GPT, A100, two, batch, (2, 2, 2, 2))
+        assert overlapped[0].send > 0 and overlapped[0].forward.parts["pp_comm"] == 0.0
+    off = Batch(64, 2048, "fp16", False, framework("megatron", overlap_p2p=False))
+    assert chunks(GPT, A100, two, off, (2, 2, 2, 2))[0].send == 0.0

@@ -7,11 +7,15 @@ overlap (docs/cluster-planning.md says what each assumes and why).
 - megatron: Megatron-LM with its own defaults. Its overlaps are opt-in flags
   (`--overlap-grad-reduce`, `--overlap-param-gather`, `--tp-comm-overlap`), so off; its own
   and apex's fused kernels (layer norm, bias + GeLU, scaled masked softmax) are the baseline
-  the element-wise byte counts describe; pipeline sends and receives block the compute stream.
+  the element-wise byte counts describe; pipeline sends overlap compute under the interleaved
+  schedule (its `--overlap-p2p-communication`, on unless `--no-overlap-p2p-communication`)
+  and block the compute stream under 1F1B, whose sends and receives Megatron-Core pairs in
+  blocking batches.
 - nemo: NeMo / Megatron-Bridge recipes on Megatron-Core: gradient reduction and parameter
   all-gathers (distributed optimizer) overlap the backward and the forward, tensor-parallel
   communication overlaps its GEMMs (Transformer Engine's userbuffers), pipeline sends overlap
-  compute, and Transformer Engine fuses norms, casts and activations.
+  compute under the interleaved schedule (Megatron-Core's rule, as above), and Transformer
+  Engine fuses norms, casts and activations.
 - torchtitan: FSDP2 / DTensor: FSDP's all-gathers are prefetched and its reduce-scatters
   overlap the backward; tensor-parallel collectives block (async TP, `--tp-comm-overlap`,
   overlaps them); torch.compile fuses element-wise kernels (`--no-fused-kernels`: eager
@@ -49,7 +53,8 @@ class Framework:
     """Tensor-parallel all-gathers and reduce-scatters are split into chunks that overlap the
     GEMMs they feed (userbuffers, async TP)."""
     overlap_p2p: bool
-    """Pipeline sends and receives run on their own stream beside compute."""
+    """Pipeline sends and receives run on their own stream beside compute (with
+    `p2p_overlap_interleaved`: under interleaved schedules only)."""
     fused_kernels: bool
     """Element-wise work fused beyond Megatron-LM's kernels into fewer passes (Transformer
     Engine's fused norm + cast + GEMM prologues, torch.compile): constants.FUSED_ELEMENTWISE of
@@ -77,6 +82,9 @@ class Framework:
     """The optimizer's state sharded over the data-parallel ranks (ZeRO-1) when not told."""
     fsdp: bool = False
     """FULL_SHARD over the data ranks is the framework's own way (searched when not told)."""
+    p2p_overlap_interleaved: bool = False
+    """Its sends overlap only where a GPU holds several model chunks: Megatron-Core's 1F1B
+    without a virtual pipeline sends and receives in blocking pairs."""
     eager: bool = False
     """Without fused kernels its element-wise ops run as eager PyTorch decomposes them (an
     RMSNorm upcast to fp32 over six kernels, rotary as a complex product in fp32, SiLU and the
@@ -87,6 +95,10 @@ class Framework:
     engine); off: accumulated in fp32 by the weight-gradient GEMM itself (Megatron-LM's
     gradient accumulation fusion) or not at all (one micro-batch per step under FSDP)."""
 
+    def overlaps_p2p(self, vpp: int) -> bool:
+        """Whether a pipeline of `vpp` chunks per GPU overlaps its sends with compute."""
+        return self.overlap_p2p and (vpp > 1 or not self.p2p_overlap_interleaved)
+
     @property
     def decomposed(self) -> bool:
         """Its element-wise ops run as eager PyTorch decomposes them: eager, and not fused."""
@@ -96,7 +108,8 @@ class Framework:
         on = [name for name, value in (
             ("grad-reduce overlap", self.overlap_grad_reduce),
             ("param-gather overlap", self.overlap_param_gather),
-            ("tp-comm overlap", self.tp_comm_overlap), ("p2p overlap", self.overlap_p2p),
+            ("tp-comm overlap", self.tp_comm_overlap),
+            ("interleaved " * self.p2p_overlap_interleaved + "p2p overlap", self.overlap_p2p),
             ("fused kernels", self.fused_kernels)) if value]
         return f"{self.name} ({', '.join(on) or 'no overlaps'})"
 
@@ -110,10 +123,12 @@ class Framework:
 # of Megatron-LM, NeMo or DeepSpeed runs a zero-bubble schedule (sail-sg's fork of Megatron
 # does); torchtitan runs ZBVZeroBubble.
 FRAMEWORKS = {
-    "megatron": Framework("megatron", False, False, False, False, False, "none", 1.0,
+    "megatron": Framework("megatron", False, False, False, True, False, "none", 1.0,
                           even_split=True, flash_attention=("bf16", "fp8"),
-                          sequence_parallel=False, distributed_optimizer=False),
-    "nemo": Framework("nemo", True, True, True, True, True, "none", 1.0),
+                          sequence_parallel=False, distributed_optimizer=False,
+                          p2p_overlap_interleaved=True),
+    "nemo": Framework("nemo", True, True, True, True, True, "none", 1.0,
+                      p2p_overlap_interleaved=True),
     "torchtitan": Framework("torchtitan", True, True, False, False, True, "selective", 1.5,
                             schedules=("1f1b", "interleaved-1f1b", "zb-v"),
                             distributed_optimizer=False, fsdp=True, eager=True),

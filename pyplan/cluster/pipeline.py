@@ -169,8 +169,8 @@ def chunks(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
         if batch.framework.grad_accumulation_pass and batch.dtype == "bf16":
             b.add("elementwise", costs.streamed(params * constants.GRAD_ACCUMULATION_BYTES))
         send = send_to(c, c + 1) if c < stages - 1 else 0.0
-        if not batch.framework.overlap_p2p and stages > 1:
-            # blocking sends (Megatron-LM's default): the activation to the next stage after
+        if not batch.framework.overlaps_p2p(layout.vpp) and stages > 1:
+            # blocking sends (Megatron-Core's 1F1B): the activation to the next stage after
             # the forward, the gradient to the previous one after the backward
             f.add("pp_comm", send)
             b.add("pp_comm", send_to(c, c - 1) if c > 0 else 0.0)
