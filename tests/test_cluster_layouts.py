@@ -379,3 +379,7 @@ def test_block_recompute_is_fixed_on_the_command_line_and_exported_to_megatron(t
     assert (layout["recompute"], layout["recompute_layers"]) == ("block", 1)
     assert main(argv[:-3] + ["--recompute", "full"]) == 2
     assert "--recompute-layers needs --recompute block" in capsys.readouterr().err
+    too_many = argv[:-3]
+    too_many[too_many.index("--recompute-layers") + 1] = "9"
+    assert main(too_many) == 2
+    assert "more than the model's 8 layers" in capsys.readouterr().err

@@ -232,6 +232,10 @@ def _check_fixed(fixed, model, batch, gpus, cluster) -> None:
     if fixed.micro_batch and batch.global_batch % fixed.micro_batch:
         raise PlanError(f"--global-batch {batch.global_batch} is not a multiple of "
                         f"--micro-batch {fixed.micro_batch}")
+    if fixed.recompute_layers and fixed.recompute_layers > model.layers:
+        raise PlanError(f"--recompute-layers {fixed.recompute_layers}: more than the model's "
+                        f"{model.layers} layers", hint="give at most the layers of a chunk, "
+                        "or --recompute full")
     if fixed.pp and fixed.pp > model.layers:
         raise PlanError(f"--pp {fixed.pp}: more pipeline stages than the model's "
                         f"{model.layers} layers")

@@ -184,6 +184,9 @@ def check_layout(layout: Layout, model: Transformer, batch: Batch, gpus: int,
         return ("block recomputation needs the layers per chunk it recomputes (--recompute-"
                 "layers N)" if layout.recompute == "block" else
                 "--recompute-layers needs --recompute block")
+    if layout.recompute_layers > model.layers:
+        return (f"block recomputation of {layout.recompute_layers} layers per chunk: the "
+                f"model has {model.layers}")
     if layout.dp_replicate > 1 and not layout.fsdp:
         return "--dp-replicate (HSDP) needs --fsdp"
     if layout.dp % layout.dp_replicate:

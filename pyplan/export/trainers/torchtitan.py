@@ -121,9 +121,9 @@ def torchtitan_config(layout: TrainerLayout | Problem, template: str | None = No
                               "this layout splits the experts over (Megatron-LM's)",
                               "write it with --megatron, or fix --ep 1 for torchtitan")
         if layout.recompute == "block":
-            raise LayoutError("recompute", "torchtitan checkpoints whole layers at a "
-                              "frequency (every k-th), not each stage's first "
-                              f"{layout.recompute_layers} (Megatron-LM's block method)",
+            raise LayoutError("recompute", "torchtitan checkpoints every k-th layer, not "
+                              f"the first {layout.recompute_layers} of each stage as Megatron-"
+                              "LM's block recomputation does",
                               "write it with --megatron, or fix --recompute full or "
                               "selective for torchtitan")
         schedule = _torchtitan_schedule(layout)
