@@ -7,6 +7,8 @@ published and predicted, beside what was measured.
   A100-80GB and H100, bf16 and fp8), torchtitan_2412 (Llama 3.1 8B-405B, FSDP2 x TP x PP x
   CP, compile, float8): iteration time, predicted / measured - 1.
 - zero_bubble_stage_times: the measured F, B, W of one stage against the cost model's.
+- zero_bubble's measured peak memory per schedule against the fullest GPU's predicted peak
+  (what decides whether a layout fits, and so what the search may recompute).
 
 Prints, per source, the mean and largest |error| with the fitted constants (constants.py, fitted
 on every source), the same with them refitted leaving that source out (leave-one-source-out:
@@ -51,6 +53,21 @@ FITTED = {"K_OVERHEAD": (16.0, 512.0, 64.0), "LAYER_US": (5.0, 1000.0, 50.0),
 
 def predicted(row: sources.Row) -> float:
     return predict(row.model, row.cluster, row.layout, row.batch, row.counts).seconds
+
+
+def memory_errors(rows: list[sources.Row]) -> dict[str, list[float]]:
+    """Per schedule, predicted / measured - 1 of the fullest GPU's peak memory where a source
+    published it: the prediction without the buffers it reserves (CUDA context, NCCL,
+    fragmentation), as the measured peak of allocated memory counts none of them (the zero
+    bubble paper's GB read as GiB, torch.cuda.max_memory_allocated's unit)."""
+    out: dict[str, list[float]] = {}
+    for row in rows:
+        if row.memory_gib is None:
+            continue
+        p = predict(row.model, row.cluster, row.layout, row.batch, row.counts)
+        allocated = (p.memory_bytes - p.memory["buffers"]) / 2**30
+        out.setdefault(row.layout.schedule, []).append(allocated / row.memory_gib - 1)
+    return out
 
 
 def score(rows: list[sources.Row]) -> dict[str, list[float]]:
@@ -181,6 +198,13 @@ def report(rows: list[sources.Row], loso: bool, show_rows: bool) -> None:
           f"{_summary(stages)}")
     every = [e for es in errors.values() for e in es]
     print(f"  {'all':<16} {len(every):>3} rows  fitted on all: {_summary(every)}")
+    memory = memory_errors(rows)
+    if memory:
+        print("\nthe fullest GPU's peak memory, zero_bubble (predicted without the reserved "
+              "buffers / measured - 1):")
+        for schedule, es in memory.items():
+            print(f"  {schedule:<17} {len(es):>3} rows  mean {sum(es) / len(es):+6.1%}  "
+                  f"{_summary(es)}")
     print("\nby source and GPU, fitted on all (mean signed error: + slower than measured):")
     for (source, gpu), es in by_gpu.items():
         print(f"  {source:<16} {gpu:<12} {len(es):>3} rows  mean {sum(es) / len(es):+6.1%}  "

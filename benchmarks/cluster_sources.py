@@ -24,7 +24,7 @@ from pyplan.cluster.model import Transformer, gpt
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("narayanan_sc21", "zero_bubble", "llm_foundry", "torchtitan_2412")
 ZB_SCHEDULES = (("1f1b", "1f1b", 1), ("interleaved_1f1b", "interleaved-1f1b", 2),
-                ("zb_1p", "zb-h1", 1), ("zb_2p", "zb-2p", 1))
+                ("zb_1p", "zb-h1", 1), ("zb_2p", "zb-2p", 1))  # (CSV column, template, vpp)
 POWER_CAP = 0.82
 """torchtitan's H100s ran at a 500 W limit (not the SXM part's 700 W): under dense GEMMs
 their clock holds about 1.5 of the 1.83 GHz the 989 TFLOP/s peak is quoted at."""
@@ -64,6 +64,8 @@ class Row:
     measured: float
     """Iteration seconds."""
     counts: tuple[int, ...] | None = None
+    memory_gib: float | None = None
+    """The measured peak of the fullest GPU's allocated memory, where published."""
 
     @property
     def tokens_per_gpu(self) -> float:
@@ -128,7 +130,8 @@ def zero_bubble() -> list[Row]:
             seconds = m * mb / (float(r[f"s_{column}"]) * gpus)
             out.append(Row("zero_bubble", f"{r['model']} m={m}", schedule, model,
                            sized("dgx-a100-80gb", gpus), layout, batch, seconds,
-                           ends_lighter(layers, gpus) if vpp == 1 else None))
+                           ends_lighter(layers, gpus) if vpp == 1 else None,
+                           float(r[f"mem_{column}"])))
     return out
 
 

@@ -183,3 +183,33 @@ def test_megatron_core_overlaps_pipeline_sends_under_the_interleaved_schedule_on
         assert overlapped[0].send > 0 and overlapped[0].forward.parts["pp_comm"] == 0.0
     off = Batch(64, 2048, "fp16", False, framework("megatron", overlap_p2p=False))
     assert chunks(GPT, A100, two, off, (2, 2, 2, 2))[0].send == 0.0
+
+
+def test_an_interleaved_pipeline_of_uneven_layers_is_split_by_gpu_where_that_runs_faster():
+    """22 layers over 8 GPUs of 2 chunks (the zero bubble paper's 1.5B GPT): balancing each
+    chunk's time leaves GPUs 1-5 three layers in a 2 + 1 split and the last GPU two beside the
+    head; balancing the GPUs gives each its share (the head's GPU and the embedding's fewer),
+    its extra layer on its second chunk, of which interleaved 1F1B holds fewer micro-batches in
+    flight. predict() prices both and keeps the faster that fits."""
+    from pyplan.cluster.pipeline import device_split, splits
+    from pyplan.cluster.predict import predict
+
+    model = gpt(22, 2304, 24, vocab=51200, sequence=1024)
+    layout = Layout(1, 8, 1, 2, 6, "none", False, "interleaved-1f1b", False)
+    batch = Batch(144, 1024, "fp16", False)
+    costs = Costs(model, A100, layout, batch)
+    by_gpu = device_split(model, layout, costs)
+    shares = [by_gpu[d] + by_gpu[d + 8] for d in range(8)]
+    assert sum(shares) == 22 and max(shares) == 3 and min(shares) == 2
+    assert all(by_gpu[d] <= by_gpu[d + 8] for d in range(8))  # the extra on the later chunk
+    both = splits(model, layout, costs)
+    assert both[1] == by_gpu and len(both) == 2
+    priced = {split: predict(model, A100, layout, batch, split) for split in both}
+    chosen = predict(model, A100, layout, batch)
+    assert chosen.seconds == min(p.seconds for p in priced.values() if p.fits)
+    assert chosen.layers_per_stage == by_gpu  # here the faster, and it holds less
+    assert priced[by_gpu].memory_bytes < priced[both[0]].memory_bytes
+    # an even split where the framework splits evenly and the stages divide the layers
+    even = replace(layout, pp=2, vpp=2)
+    assert splits(replace(model, layers=24), even, Costs(replace(model, layers=24), A100,
+                                                         even, batch)) == [(6, 6, 6, 6)]

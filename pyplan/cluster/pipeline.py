@@ -17,7 +17,8 @@ from pyplan.cluster.layout import SPLIT_BACKWARD, Batch, Layout
 from pyplan.cluster.memory import activations, ends, rank_parameters, stage_state
 from pyplan.cluster.model import Transformer
 
-__all__ = ["Chunk", "Priced", "chunks", "plan_text", "price", "split_layers"]
+__all__ = ["Chunk", "Priced", "chunks", "device_split", "plan_text", "price", "split_layers",
+           "splits"]
 
 BUCKET = 40e6  # parameters per gradient bucket (Megatron-LM's and DDP's default size)
 UNITS = 1_000  # time units the longest block gets: times are integers, rounded by <= 0.05%
@@ -102,6 +103,50 @@ def split_layers(model: Transformer, stages: int, costs: Costs,
         else:
             low = middle
     return best
+
+
+def splits(model: Transformer, layout: Layout, costs: Costs) -> list[tuple[int, ...]]:
+    """The layer splits worth pricing: split_layers' (each chunk's time balanced), and where a
+    GPU holds several chunks and the framework does not split evenly, the GPUs' work balanced
+    (device_split). Which runs faster depends on the schedule; the first and the later
+    chunks are not held alike (interleaved 1F1B keeps more micro-batches of a GPU's first
+    chunk in flight), so the two differ in memory too."""
+    out = [split_layers(model, layout.stages, costs)]
+    if not (costs.framework.even_split and model.layers % layout.stages == 0):
+        other = device_split(model, layout, costs)
+        if other is not None and other != out[0]:
+            out.append(other)
+    return out
+
+
+def device_split(model: Transformer, layout: Layout, costs: Costs) -> tuple[int, ...] | None:
+    """Layers per chunk where a GPU holds several: each GPU's share of the layers first, so
+    that the busiest GPU's work is the least it can be (each layer in turn to the GPU that
+    would then be least loaded, the embedding's and the head's time on theirs), then each
+    GPU's share over its chunks, as many on each and the extra ones on its last chunks (the
+    ones a schedule holds the fewest micro-batches of). None where the layers differ in kind
+    (a mixture's dense and expert layers) or a chunk would have none."""
+    stages, pp = layout.stages, layout.pp
+    if layout.vpp == 1 or stages > model.layers or \
+            len({model.is_moe(i) for i in range(model.layers)}) > 1:
+        return None
+    pieces = costs.layer(model.is_moe(0))
+    layer = pieces.forward.seconds + pieces.backward.seconds + pieces.weight.seconds
+    load = [0.0] * pp
+    for end, chunk in ((costs.embedding(), 0), (costs.head(), stages - 1)):
+        load[device_of(chunk, layout)] += sum(w.seconds for w in (end.forward, end.backward,
+                                                                  end.weight))
+    share = [layout.vpp] * pp  # a layer in each chunk at least
+    for _ in range(model.layers - stages):
+        device = min(range(pp), key=lambda d: (load[d] + share[d] * layer, d))
+        share[device] += 1
+    counts = [0] * stages
+    for device in range(pp):
+        mine = [c for c in range(stages) if device_of(c, layout) == device]
+        base, extra = divmod(share[device], len(mine))
+        for i, c in enumerate(reversed(mine)):
+            counts[c] = base + (1 if i < extra else 0)
+    return tuple(counts)
 
 
 def _even(layers: int, stages: int) -> tuple[int, ...]:

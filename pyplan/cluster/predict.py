@@ -18,7 +18,7 @@ from pyplan.cluster.hardware import Cluster
 from pyplan.cluster.layout import Batch, Layout
 from pyplan.cluster.memory import rank_parameters, stage_state
 from pyplan.cluster.model import Transformer
-from pyplan.cluster.pipeline import Chunk, Priced, chunks, price, split_layers
+from pyplan.cluster.pipeline import Chunk, Priced, chunks, price, splits
 
 __all__ = ["Prediction", "predict"]
 
@@ -53,13 +53,21 @@ class Prediction:
 
 def predict(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
             counts: tuple[int, ...] | None = None, name: str = "plan") -> Prediction:
-    """The layout priced exactly: layers split to balance the stages' time (or `counts`)."""
+    """The layout priced exactly, its layers split as `counts` says, else by the split that
+    runs fastest and fits of those worth pricing (pipeline.splits; none fitting: the one that
+    holds least)."""
     costs = Costs(model, cluster, layout, batch)
-    counts = split_layers(model, layout.stages, costs, counts)
-    chunk_list = chunks(model, cluster, layout, batch, counts)
     capacity = cluster.gpu.memory_bytes - cluster.gpu.reserved_gib * 2**30
     m = layout.micro_batches(batch)
-    priced = price(chunk_list, layout, m, capacity, name=name)
+    best = None
+    for split in [counts] if counts is not None else splits(model, layout, costs):
+        chunk_list = chunks(model, cluster, layout, batch, split)
+        priced = price(chunk_list, layout, m, capacity, name=name)
+        rank = (max(priced.peak_bytes) > capacity, priced.seconds if
+                max(priced.peak_bytes) <= capacity else max(priced.peak_bytes))
+        if best is None or rank < best[0]:
+            best = (rank, chunk_list, priced, split)
+    _, chunk_list, priced, counts = best
     return _prediction(model, cluster, layout, batch, chunk_list, priced, counts, capacity)
 
 

@@ -27,7 +27,7 @@ from pyplan.cluster.layout import RECOMPUTE, Batch, Layout, check_layout
 from pyplan.cluster.memory import activations, rank_parameters, stage_state
 from pyplan.cluster.model import Transformer
 from pyplan.cluster.predict import Prediction, predict
-from pyplan.cluster.pipeline import device_of, split_layers
+from pyplan.cluster.pipeline import device_of, splits
 
 __all__ = ["Fixed", "candidates", "search"]
 CHUNKS = (2, 3, 4, 6, 8)  # chunks per GPU the search tries for interleaved 1F1B
@@ -195,14 +195,18 @@ class _Bounds:
                              for p in (embedding, head))
         return costs, total, held, ends_seconds, forward, params
 
-    def _split(self, layout: Layout, stages: int) -> tuple[int, ...]:
-        costs = self._layer(layout)[0]
-        return split_layers(self.model, stages, costs)
+    def _split(self, layout: Layout, key: Layout) -> tuple[tuple[int, ...], ...]:
+        """The splits predict() prices (`key`: the layout whose per-layer costs they read)."""
+        return tuple(splits(self.model, layout, self._layer(key)[0]))
 
     def bound(self, layout: Layout) -> _Bound:
+        """The least time and memory any of the layer splits predict() prices can have."""
         key = replace(layout, pp=min(layout.pp, 2), vpp=1, schedule="1f1b")
+        found = [self._bound(layout, key, counts) for counts in self._split(layout, key)]
+        return _Bound(min(b.seconds for b in found), min(b.memory for b in found))
+
+    def _bound(self, layout: Layout, key: Layout, counts: tuple[int, ...]) -> _Bound:
         _, total, held, (embedding, head), forward, per_layer = self._layer(key)
-        counts = self._split(key, layout.stages)
         model = self.model
         work, params = [0.0] * layout.pp, [0.0] * layout.pp
         first_held = [0.0] * layout.pp
