@@ -383,3 +383,33 @@ def test_block_recompute_is_fixed_on_the_command_line_and_exported_to_megatron(t
     too_many[too_many.index("--recompute-layers") + 1] = "9"
     assert main(too_many) == 2
     assert "more than the model's 8 layers" in capsys.readouterr().err
+
+
+def test_megatrons_input_gradient_collectives_run_beside_the_weight_gradient_gemms():
+    """tp 8: in the backward, QKV's and the first MLP matrix's input-gradient all-reduce runs
+    beside the same linear's weight-gradient GEMM (Megatron-Core's async dgrad); only what
+    outlasts the GEMM, and the SMs NCCL holds meanwhile, is exposed. With sequence parallelism
+    the reduce-scatter overlaps and the all-gather of the incoming gradient blocks. torchtitan
+    and the zero-bubble schedules (W deferred) block on both."""
+    layout = Layout(8, 1, 1, 1, 4, "none", False, "1f1b", False)
+    batch = Batch(4, 2048, "bf16", True, framework("megatron"))
+    costs = Costs(LLAMA, A100, layout, batch)
+    T, h = 4 * 2048, 1024
+    nbytes = T * h * 2
+    windows = [costs.linear(h, 1024 / 8 + 2 * 256 / 8, T), costs.linear(h, 2 * 2816 / 8, T)]
+    # (beside the GEMM at its overlapped rate, after it at its own)
+    alone, beside = (collectives.all_reduce(A100, nbytes, 8, 8, o) for o in (False, True))
+    expected = sum((1 - min(1, w / beside)) * alone + min(beside, w) * 16 / A100.gpu.sms
+                   for w in windows)
+    assert costs.layer(False).backward.parts["tp_comm"] == pytest.approx(expected)
+    blocking = 2 * alone
+    assert expected < blocking
+    for other in (Costs(LLAMA, A100, layout, replace(batch, framework=framework("torchtitan"))),
+                  Costs(LLAMA, A100, replace(layout, schedule="zb-h1"), batch)):
+        assert other.layer(False).backward.parts["tp_comm"] == pytest.approx(blocking)
+    sp = Costs(LLAMA, A100, replace(layout, sequence_parallel=True), batch)
+    gathers = 2 * collectives.all_gather(A100, nbytes, 8, 8)
+    alone, beside = (collectives.reduce_scatter(A100, nbytes, 8, 8, o) for o in (False, True))
+    assert sp.layer(False).backward.parts["tp_comm"] == pytest.approx(gathers + sum(
+        (1 - min(1, w / beside)) * alone + min(beside, w) * 16 / A100.gpu.sms
+        for w in windows))

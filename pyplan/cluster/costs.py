@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from pyplan.cluster import collectives, constants, kernels
 from pyplan.cluster.hardware import Cluster
-from pyplan.cluster.layout import Batch, Layout
+from pyplan.cluster.layout import SPLIT_BACKWARD, Batch, Layout
 from pyplan.cluster.model import Transformer
 
 __all__ = ["COMMUNICATION", "Costs", "Work"]
@@ -153,6 +153,32 @@ class Costs:
         return (collectives.all_gather(self.cluster, gathered, t, per_node, overlapped) +
                 collectives.reduce_scatter(self.cluster, scattered, t, per_node, overlapped))
 
+    def _dgrad_exposed(self, nbytes: float, windows: list[float]) -> float:
+        """The backward's tensor-parallel communication where each column-parallel linear's
+        input-gradient all-reduce (with sequence parallelism: its reduce-scatter; the row-
+        parallel linears' all-gathers of the incoming gradient still block) runs beside its
+        weight-gradient GEMM (`windows`): what outlasts the GEMM, and the SMs it holds."""
+        t, node = self.layout.tp, self.cluster.gpus_per_node
+        per_node = self.layout.per_node("tp", node)
+        exposed = 0.0
+        overlapping = collectives.reduce_scatter if self.layout.sequence_parallel else \
+            collectives.all_reduce
+        for window in windows:
+            if self.layout.sequence_parallel:
+                exposed += collectives.all_gather(self.cluster, nbytes, t, per_node)
+            exposed += self.beside(overlapping(self.cluster, nbytes, t, per_node),
+                                   overlapping(self.cluster, nbytes, t, per_node, True), window)
+        return exposed
+
+    def beside(self, alone: float, overlapped: float, window: float) -> float:
+        """Exposed seconds of a collective (`alone` by itself, `overlapped` beside compute)
+        started with `window` seconds of compute: it moves at its overlapped rate while the
+        compute runs and at its own once that ends, and holds NCCL's SMs meanwhile."""
+        if overlapped <= 0:
+            return 0.0
+        done = min(1.0, window / overlapped)
+        return (1 - done) * alone + self.contention(min(overlapped, window))
+
     def _tp_exposed(self, collectives_seconds: float, overlapped_seconds: float,
                     gemm_seconds: float) -> float:
         """What of a pass's tensor-parallel communication is exposed: all of it, or with the
@@ -181,7 +207,9 @@ class Costs:
         # GEMMs with weights: (rows = tokens, output columns, inner) per rank
         weights = [(T, q / t + 2 * self.kv_rank, h), (T, h, q / t)]
         experts, local = [], 0
+        column = [0]  # the column-parallel linears (QKV, the first MLP matrix): W's windows
         if not moe:
+            column.append(len(weights))
             weights += self._mlp(T, model.ffn / t)
         else:
             weights.append((T, model.experts, h))  # the router (replicated)
@@ -190,14 +218,19 @@ class Costs:
             local = model.experts // layout.ep
             routed = T * model.top_k * layout.ep / model.experts  # tokens per local expert
             experts = self._mlp(routed, model.expert_ffn / t)
-        for m_, n_, k_ in weights:
+        windows = []
+        for i, (m_, n_, k_) in enumerate(weights):
             f.add("gemm", self.linear(m_, n_, k_))
             b_.add("gemm", self.linear(m_, k_, n_))
             w.add("gemm", self.linear(k_, n_, m_))
-        for m_, n_, k_ in experts:
+            if i in column:
+                windows.append(self.linear(k_, n_, m_))
+        for i, (m_, n_, k_) in enumerate(experts):
             f.add("gemm", self.linear(m_, n_, k_, local))
             b_.add("gemm", self.linear(m_, k_, n_, local))
             w.add("gemm", self.linear(k_, n_, m_, local))
+            if i == 0:
+                windows.append(self.linear(k_, n_, m_, local))
 
         # Attention's s x s products (and context parallelism's ring)
         core_f, core_b = self.attention_core(b, heads)
@@ -231,7 +264,12 @@ class Costs:
                                                for o in (False, True))
             f.add("tp_comm", self._tp_exposed(2 * forward, 2 * forward_overlapped,
                                               f.parts["gemm"]))
-            b_.add("tp_comm", self._tp_exposed(2 * comm, 2 * overlapped, b_.parts["gemm"]))
+            if self.framework.tp_dgrad_overlap and not self.framework.tp_comm_overlap and \
+                    layout.schedule not in SPLIT_BACKWARD:
+                b_.add("tp_comm", self._dgrad_exposed(nbytes, windows))
+            else:
+                b_.add("tp_comm", self._tp_exposed(2 * comm, 2 * overlapped,
+                                                  b_.parts["gemm"]))
             if moe:
                 b_.add("tp_comm", collectives.all_reduce(
                     self.cluster, T * model.top_k * 4, t,

@@ -7,7 +7,9 @@ overlap (docs/cluster-planning.md says what each assumes and why).
 - megatron: Megatron-LM with its own defaults. Its overlaps are opt-in flags
   (`--overlap-grad-reduce`, `--overlap-param-gather`, `--tp-comm-overlap`), so off; its own
   and apex's fused kernels (layer norm, bias + GeLU, scaled masked softmax) are the baseline
-  the element-wise byte counts describe; pipeline sends overlap compute under the interleaved
+  the element-wise byte counts describe; a column-parallel linear's input-gradient collective
+  overlaps its weight-gradient GEMM (Megatron-Core does so by default); pipeline sends overlap
+  compute under the interleaved
   schedule (its `--overlap-p2p-communication`, on unless `--no-overlap-p2p-communication`)
   and block the compute stream under 1F1B, whose sends and receives Megatron-Core pairs in
   blocking batches.
@@ -82,6 +84,12 @@ class Framework:
     """The optimizer's state sharded over the data-parallel ranks (ZeRO-1) when not told."""
     fsdp: bool = False
     """FULL_SHARD over the data ranks is the framework's own way (searched when not told)."""
+    tp_dgrad_overlap: bool = False
+    """A column-parallel linear's input-gradient all-reduce (reduce-scatter with sequence
+    parallelism) runs beside its weight-gradient GEMM: Megatron-Core's
+    LinearWithGradAccumulationAndAsyncCommunication, which CUDA_DEVICE_MAX_CONNECTIONS=1 orders
+    ahead of that GEMM (Megatron-LM since 2022); not where the weight gradient is deferred
+    (zero-bubble schedules)."""
     p2p_overlap_interleaved: bool = False
     """Its sends overlap only where a GPU holds several model chunks: Megatron-Core's 1F1B
     without a virtual pipeline sends and receives in blocking pairs."""
@@ -126,9 +134,9 @@ FRAMEWORKS = {
     "megatron": Framework("megatron", False, False, False, True, False, "none", 1.0,
                           even_split=True, flash_attention=("bf16", "fp8"),
                           sequence_parallel=False, distributed_optimizer=False,
-                          p2p_overlap_interleaved=True),
+                          tp_dgrad_overlap=True, p2p_overlap_interleaved=True),
     "nemo": Framework("nemo", True, True, True, True, True, "none", 1.0,
-                      p2p_overlap_interleaved=True),
+                      tp_dgrad_overlap=True, p2p_overlap_interleaved=True),
     "torchtitan": Framework("torchtitan", True, True, False, False, True, "selective", 1.5,
                             schedules=("1f1b", "interleaved-1f1b", "zb-v"),
                             distributed_optimizer=False, fsdp=True, eager=True),
