@@ -136,13 +136,16 @@ def test_a_moe_layer_under_tensor_parallelism_is_each_ranks_slice_of_every_exper
                        + k * 3 * h * f / t)             # each token's k experts, 1/t of each
     scores = 2 * 2 * b * (q // d / t) * s * s * d      # QK^T and PV of each rank's heads
     assert sum(flops) == pytest.approx(3 * weights + scores)  # F, B and W of each weight
-    from pyplan.cluster.collectives import all_reduce
+    from pyplan.cluster.collectives import all_gather, all_reduce, reduce_scatter
 
     def reduced(nbytes):
         return all_reduce(A100, nbytes, t, t)
     assert layer.forward.parts["tp_comm"] == pytest.approx(2 * reduced(T * h * 2))
-    assert layer.backward.parts["tp_comm"] == pytest.approx(2 * reduced(T * h * 2) +
-                                                            reduced(T * k * 4))
+    # (the backward's: with sequence parallelism an all-gather and a reduce-scatter apiece,
+    # the weight-gradient GEMMs they would run beside taking no time here)
+    each = all_gather(A100, T * h * 2, t, t) + reduce_scatter(A100, T * h * 2, t, t) if sp \
+        else reduced(T * h * 2)
+    assert layer.backward.parts["tp_comm"] == pytest.approx(2 * each + reduced(T * k * 4))
 
 
 def _uniform(layout: Layout, m: int):

@@ -222,15 +222,15 @@ class Costs:
         for i, (m_, n_, k_) in enumerate(weights):
             f.add("gemm", self.linear(m_, n_, k_))
             b_.add("gemm", self.linear(m_, k_, n_))
-            w.add("gemm", self.linear(k_, n_, m_))
+            w.add("gemm", gradient := self.linear(k_, n_, m_))
             if i in column:
-                windows.append(self.linear(k_, n_, m_))
+                windows.append(gradient)
         for i, (m_, n_, k_) in enumerate(experts):
             f.add("gemm", self.linear(m_, n_, k_, local))
             b_.add("gemm", self.linear(m_, k_, n_, local))
-            w.add("gemm", self.linear(k_, n_, m_, local))
+            w.add("gemm", gradient := self.linear(k_, n_, m_, local))
             if i == 0:
-                windows.append(self.linear(k_, n_, m_, local))
+                windows.append(gradient)
 
         # Attention's s x s products (and context parallelism's ring)
         core_f, core_b = self.attention_core(b, heads)
