@@ -10,7 +10,9 @@ sum of named parts so that a total can be traced to what makes it.
 - Tensor parallelism: two all-reduces per layer in the forward and two in the backward (all-
   gathers and reduce-scatters with sequence parallelism), on the node's links (across nodes
   where the group is wider than a node), blocking unless the framework overlaps them with the
-  GEMMs they feed; an MoE layer's experts are sharded as its MLP would be.
+  GEMMs they feed (Megatron-Core by default: a column-parallel linear's input-gradient
+  collective beside its weight-gradient GEMM); an MoE layer's experts are sharded as its MLP
+  would be.
 - Context parallelism (ring attention, causal load balance: each rank holds chunks i and
   2cp-1-i of the sequence, so every rank computes 1/cp of the causal triangle): cp - 1 steps
   each way, each passing the keys and values (backward: and their gradients) to the next rank
@@ -24,8 +26,8 @@ sum of named parts so that a total can be traced to what makes it.
 - Host overhead: where a layer's kernels take less than the host needs to launch them, the
   GPU waits for the host.
 - Recomputation: full reruns each layer's forward (its collectives too, not FSDP's gathers,
-  which the backward makes anyway) before its backward, block the first N layers' of each
-  model chunk; selective reruns attention's core.
+  which the backward makes anyway) before its backward, block only those of each model
+  chunk's first N layers; selective reruns attention's core.
 Counts follow Megatron-LM's GPT layer (Korthikanti et al. 2022) generalised to grouped
 key/value heads, gated MLPs and experts (each expert's GEMMs get its share of the tokens).
 """
@@ -157,7 +159,8 @@ class Costs:
         """The backward's tensor-parallel communication where each column-parallel linear's
         input-gradient all-reduce (with sequence parallelism: its reduce-scatter; the row-
         parallel linears' all-gathers of the incoming gradient still block) runs beside its
-        weight-gradient GEMM (`windows`): what outlasts the GEMM, and the SMs it holds."""
+        weight-gradient GEMM (`windows`): what is left of it when the GEMM ends, and the SMs
+        it holds meanwhile."""
         t, node = self.layout.tp, self.cluster.gpus_per_node
         per_node = self.layout.per_node("tp", node)
         exposed = 0.0
