@@ -150,7 +150,7 @@ def _settings(model: Transformer, batch: Batch, fixed: Fixed, gpus: int, node: i
         recomputes = [fixed.recompute] if fixed.recompute else list(RECOMPUTE)
         for vpp, sp, do, recompute in itertools.product(vpps, sps, dos, recomputes):
             block = recompute == "block"
-            if block and not fixed.recompute_layers and -(-model.layers // (pp * vpp)) < 2:
+            if block and not fixed.recompute and -(-model.layers // (pp * vpp)) < 2:
                 continue  # chunks of one layer: block recomputation is full recomputation
             layout = Layout(tp, pp, dp, vpp, mb, recompute, sp, schedule, do, cp, ep, fsdp,
                             replicate, (fixed.recompute_layers or 1) if block else 0)
