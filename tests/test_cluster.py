@@ -47,7 +47,28 @@ SMALL = {
                       vocab_size=1000, num_experts=4, num_experts_per_tok=2, head_dim=32),
     "gpt_neox": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
                      num_attention_heads=8, vocab_size=1000),
+    "nemotron": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
+                     num_attention_heads=8, num_key_value_heads=2, vocab_size=1000),
 }
+
+
+def test_grok_1s_config_is_a_mixture_of_316b_parameters_84b_of_them_active():
+    """Grok-1 as its Hugging Face port's config.json gives it (no transformers class): 64
+    layers of 6,144 with 48 query and 8 key/value heads of 128, 8 gated experts of 32,768
+    (top 2), a 131,072-token vocabulary tied to the output: 316B parameters, 84B active."""
+    grok = from_config({"model_type": "grok-1", "hidden_size": 6144, "intermediate_size": 32768,
+                        "num_hidden_layers": 64, "num_attention_heads": 48,
+                        "num_key_value_heads": 8, "num_experts": 8, "num_experts_per_tok": 2,
+                        "vocab_size": 131072, "max_position_embeddings": 8192,
+                        "tie_word_embeddings": True})
+    attention = 2 * 6144 * 6144 + 2 * 6144 * 1024
+    expert = 3 * 6144 * 32768
+    layer = attention + 8 * expert + 6144 * 8 + 2 * 6144  # the router, two RMSNorms
+    assert grok.params == pytest.approx(64 * layer + 131072 * 6144, rel=1e-3)
+    assert grok.params / 1e9 == pytest.approx(316, abs=1)
+    assert grok.active_params == pytest.approx(64 * (layer - 6 * expert) + 131072 * 6144,
+                                               rel=1e-3)
+    assert (grok.experts, grok.top_k, grok.moe_layers, grok.gated) == (8, 2, 64, True)
 
 
 @pytest.mark.parametrize("family", sorted(SMALL))

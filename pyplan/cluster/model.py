@@ -35,6 +35,10 @@ FAMILIES = {
     "mixtral": (True, "rmsnorm", False), "qwen2_moe": (True, "rmsnorm", False),
     "qwen3_moe": (True, "rmsnorm", False), "olmoe": (True, "rmsnorm", False),
     "granitemoe": (True, "rmsnorm", False), "phimoe": (True, "layernorm", False),
+    # NVIDIA's Nemotron(-4): a squared-ReLU MLP of two matrices, LayerNorm; xAI's Grok-1 (the
+    # config of its Hugging Face port, whose modelling code is the repository's own): a
+    # GeLU-gated mixture of 8 experts, top 2
+    "nemotron": (False, "layernorm", False), "grok-1": (True, "rmsnorm", False),
 }
 _NOT_STANDARD = {
     "deepseek_v2": "multi-head latent attention", "deepseek_v3": "multi-head latent attention",
