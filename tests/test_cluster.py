@@ -71,6 +71,20 @@ def test_grok_1s_config_is_a_mixture_of_316b_parameters_84b_of_them_active():
     assert (grok.experts, grok.top_k, grok.moe_layers, grok.gated) == (8, 2, 64, True)
 
 
+def test_a_family_transformers_does_not_know_is_read_from_its_own_config(tmp_path, capsys):
+    """Grok-1's port has no transformers class: its config.json is read as it is (it was
+    refused with transformers' list of its ~900 families on one line)."""
+    config = {"model_type": "grok-1", "hidden_size": 512, "intermediate_size": 1024,
+              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 1000}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = ["plan", str(tmp_path), "--cluster", "dgx-h100", "--gpus", "8", "--global-batch",
+            "16", "--seq", "2048", "--ep", "8", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["family"] == "grok-1" and report["layout"]["ep"] == 8
+
+
 @pytest.mark.parametrize("family", sorted(SMALL))
 def test_parameters_are_those_of_the_model_transformers_builds(family):
     torch = pytest.importorskip("torch")
@@ -198,7 +212,9 @@ def test_pipeline_makespans_meet_the_closed_forms(p, v, m):
 @pytest.mark.parametrize("model, batch, gpus, fixed", [
     (gpt(8, 1024, 16, sequence=1024), Batch(32, 1024, "bf16"), 16, Fixed()),
     # memory binds: block recomputation of a few layers wins
-    (gpt(16, 4096, 32, sequence=8192), Batch(32, 8192, "bf16"), 8, Fixed(tp=1, pp=1))])
+    (gpt(16, 4096, 32, sequence=8192), Batch(32, 8192, "bf16"), 8, Fixed(tp=1, pp=1)),
+    # a pipeline whose fitting block recomputations rerun half of each chunk
+    (gpt(32, 4096, 32, sequence=16384), Batch(16, 16384, "bf16"), 8, Fixed(tp=1, pp=2))])
 def test_the_search_finds_what_pricing_every_candidate_finds(model, batch, gpus, fixed):
     cluster = load_cluster("dgx-a100-80gb")
     everything = candidates(model, cluster, batch, gpus, fixed)

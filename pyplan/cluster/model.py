@@ -287,7 +287,10 @@ def _auto_config(raw: dict, file: Path) -> dict:
     knows the family; the raw file otherwise."""
     try:
         from transformers import AutoConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     except ImportError:
+        return raw
+    if raw["model_type"] not in CONFIG_MAPPING:  # (Grok-1's port: its config is its own)
         return raw
     import logging
     import warnings
@@ -300,6 +303,8 @@ def _auto_config(raw: dict, file: Path) -> dict:
     except Exception as exc:  # noqa: BLE001 - a family's config class refuses in its own way
         # (huggingface_hub's strict dataclasses: a field of the wrong type, on two lines)
         said = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        if len(said) > 300:
+            said = said[:297] + "..."
         raise PlanError(f"{file}: transformers cannot read this config: {said}",
                         hint="give a model's config.json as transformers writes it",
                         file=str(file), line=1, column=1) from None

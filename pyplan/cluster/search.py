@@ -168,32 +168,35 @@ class _Bound:
 class _Bounds:
     """Lower bounds of candidates, sharing the per-layer costs of equal settings."""
 
-    def __init__(self, model: Transformer, cluster: Cluster, batch: Batch) -> None:
+    def __init__(self, model: Transformer, cluster: Cluster, batch: Batch,
+                 search_block: bool = True) -> None:
         self.model, self.cluster, self.batch = model, cluster, batch
+        self.search_block = search_block
+        """Block recomputation's layers per chunk are searched (not fixed)."""
         self.capacity = cluster.gpu.memory_bytes - cluster.gpu.reserved_gib * 2**30
         self._layer = cache(self._layer)
         self._split = cache(self._split)
 
     def _layer(self, layout: Layout) -> tuple:
         """(costs, per-layer seconds, per-layer held bytes, embedding and head seconds,
-        per-layer forward seconds, per-layer parameters on a rank): none depends on the
-        pipeline's schedule or chunks (`layout` is the candidate's with those reset)."""
+        per-layer forward seconds, per-layer parameters on a rank, per-layer held bytes of a
+        layer that reruns its forward): none depends on the pipeline's schedule or chunks
+        (`layout` is the candidate's with those reset). Under block recomputation the
+        seconds are those of a layer that reruns nothing (_bound adds the reruns)."""
         costs = Costs(self.model, self.cluster, layout, self.batch)
-        total, held, forward, params = {}, {}, {}, {}
-        # block: the time of layers that rerun nothing (bound() adds the reruns it must
-        # make), the memory of layers that keep only their input (it may rerun them all)
-        floor = True if layout.recompute == "block" else None
+        total, held, forward, params, rerun_held = {}, {}, {}, {}, {}
         for moe in ({False, True} if self.model.moe_layers else {False}):
             pieces = costs.layer(moe)
             total[moe] = sum(w.seconds for w in (pieces.forward, pieces.backward,
                                                  pieces.weight))
             forward[moe] = pieces.forward.seconds
-            held[moe] = activations(self.model, layout, self.batch, moe, floor).held
+            held[moe] = activations(self.model, layout, self.batch, moe).held
+            rerun_held[moe] = activations(self.model, layout, self.batch, moe, True).held
             params[moe] = rank_parameters(self.model, layout, moe)
         embedding, head = costs.embedding(), costs.head()
         ends_seconds = tuple(sum(w.seconds for w in (p.forward, p.backward, p.weight))
                              for p in (embedding, head))
-        return costs, total, held, ends_seconds, forward, params
+        return costs, total, held, ends_seconds, forward, params, rerun_held
 
     def _split(self, layout: Layout, key: Layout) -> tuple[tuple[int, ...], ...]:
         """The splits predict() prices (`key`: the layout whose per-layer costs they read)."""
@@ -206,10 +209,10 @@ class _Bounds:
         return _Bound(min(b.seconds for b in found), min(b.memory for b in found))
 
     def _bound(self, layout: Layout, key: Layout, counts: tuple[int, ...]) -> _Bound:
-        _, total, held, (embedding, head), forward, per_layer = self._layer(key)
+        _, total, held, (embedding, head), forward, per_layer, rerun_held = self._layer(key)
         model = self.model
         work, params = [0.0] * layout.pp, [0.0] * layout.pp
-        first_held = [0.0] * layout.pp
+        first = [range(0)] * layout.pp  # each device's first chunk's layers
         fill = [None] * layout.pp  # forward time before the device's first block can start
         before, layer = 0.0, 0
         for c, count in enumerate(counts):
@@ -220,9 +223,6 @@ class _Bounds:
             seconds = (count - moe) * total[False] + (moe and moe * total[True])
             params_c = (count - moe) * per_layer[False] + (moe and moe * per_layer[True])
             chunk_forward = (count - moe) * forward[False] + (moe and moe * forward[True])
-            if layout.recompute == "block":  # at least its first layers' forwards again
-                seconds += sum(forward[model.is_moe(i)]
-                               for i in list(layers)[:layout.recompute_layers])
             if c == 0:
                 seconds += embedding
                 params_c += model.embedding_params / layout.tp
@@ -232,15 +232,34 @@ class _Bounds:
             work[d] += seconds
             params[d] += params_c
             if fill[d] is None:
-                fill[d] = before
-                first_held[d] = (count - moe) * held[False] + (moe and moe * held[True])
+                fill[d], first[d] = before, layers
             before += chunk_forward
         m = layout.micro_batches(self.batch)
-        seconds = max(fill[d] + m * work[d] for d in range(layout.pp))
         largest = max(per_layer.values())
-        memory = max(stage_state(p, self.batch, layout, largest_layer=largest).total +
-                     first_held[d] * _in_flight(layout, d, m) for d, p in enumerate(params))
-        return _Bound(seconds, memory)
+        state = [stage_state(p, self.batch, layout, largest_layer=largest).total
+                 for p in params]
+
+        def memory(rerun: int) -> float:
+            """The floor with each chunk's first `rerun` layers keeping only their input."""
+            return max(state[d] + _in_flight(layout, d, m) * sum(
+                (rerun_held if position < rerun else held)[model.is_moe(i)]
+                for position, i in enumerate(first[d])) for d in range(layout.pp))
+        rerun = 0
+        if layout.recompute == "block":
+            # the fewest layers per chunk whose floor fits (at least the layout's own): no
+            # fewer can fit, so their forwards are rerun in every chunk
+            rerun = layout.recompute_layers
+            if self.search_block:
+                while rerun < max(counts) and memory(rerun) > self.capacity:
+                    rerun += 1
+            layer = 0
+            for c, count in enumerate(counts):
+                d = device_of(c, layout)
+                work[d] += sum(forward[model.is_moe(i)]
+                               for i in range(layer, layer + min(rerun, count)))
+                layer += count
+        seconds = max(fill[d] + m * work[d] for d in range(layout.pp))
+        return _Bound(seconds, memory(rerun))
 
 
 def _in_flight(layout: Layout, device: int, m: int) -> int:
@@ -261,7 +280,7 @@ def search(model: Transformer, cluster: Cluster, batch: Batch, gpus: int, fixed:
            top: int = 1) -> tuple[list[Prediction], int, int]:
     """The `top` fastest layouts that fit (when none fits: the least memory first), the
     number of candidates and how many were priced exactly."""
-    bounds = _Bounds(model, cluster, batch)
+    bounds = _Bounds(model, cluster, batch, fixed.recompute_layers is None)
     found = candidates(model, cluster, batch, gpus, fixed)
     heap, smallest = [], None
     for i, layout in enumerate(found):
