@@ -84,6 +84,11 @@ class Pieces:
     weight: Work
     """Weight gradient (W)."""
 
+    @property
+    def seconds(self) -> float:
+        """F, B and W together: what one micro-batch of it costs its GPU."""
+        return self.forward.seconds + self.backward.seconds + self.weight.seconds
+
 
 def weight_bytes(batch: Batch) -> float:
     """Bytes of one parameter as the GEMMs read it (and FSDP gathers it): 16-bit, fp8 with an
@@ -169,11 +174,11 @@ class Costs:
         for window in windows:
             if self.layout.sequence_parallel:
                 exposed += collectives.all_gather(self.cluster, nbytes, t, per_node)
-            exposed += self.beside(overlapping(self.cluster, nbytes, t, per_node),
+            exposed += self._beside(overlapping(self.cluster, nbytes, t, per_node),
                                    overlapping(self.cluster, nbytes, t, per_node, True), window)
         return exposed
 
-    def beside(self, alone: float, overlapped: float, window: float) -> float:
+    def _beside(self, alone: float, overlapped: float, window: float) -> float:
         """Exposed seconds of a collective (`alone` by itself, `overlapped` beside compute)
         started with `window` seconds of compute: it moves at its overlapped rate while the
         compute runs and at its own once that ends, and holds NCCL's SMs meanwhile."""
@@ -399,7 +404,7 @@ class Costs:
         h, q, kv = model.hidden, model.q_dim, model.kv_dim
         replicated = T * h / (t if layout.sequence_parallel else 1)
         norm, rotary, gate = 2 * e, 2 * e, 3 * e           # fused: read, write (gate: 2 in)
-        if self.framework.decomposed:  # as eager PyTorch decomposes them (16-bit e; fp32 skips the casts)
+        if self.framework.decomposed:  # eager PyTorch's (16-bit e; fp32 skips the casts)
             cast = e + 4 if e < 4 else 0                    # up to fp32 and back, each
             if model.norm == "rmsnorm":                     # square, mean, scale, weight
                 norm = 2 * cast + 8 + 4 + 8 + 2 * e

@@ -18,7 +18,7 @@ from pyplan.cluster.memory import activations, ends, rank_parameters, stage_stat
 from pyplan.cluster.model import Transformer
 
 __all__ = ["Chunk", "Priced", "chunks", "device_split", "plan_text", "price", "split_layers",
-           "splits"]
+           "splits", "splits_evenly"]
 
 BUCKET = 40e6  # parameters per gradient bucket (Megatron-LM's and DDP's default size)
 UNITS = 1_000  # time units the longest block gets: times are integers, rounded by <= 0.05%
@@ -63,17 +63,13 @@ def split_layers(model: Transformer, stages: int, costs: Costs,
     fewest stages over the least bottleneck; an exact search over the counts)."""
     if given is not None:
         return given
-    if costs.framework.even_split and model.layers % stages == 0:
+    if splits_evenly(model, stages, costs):
         return (model.layers // stages,) * stages
-    kinds = {moe: costs.layer(moe) for moe in {model.is_moe(i) for i in range(model.layers)}}
-    per_kind = {moe: p.forward.seconds + p.backward.seconds + p.weight.seconds
-                for moe, p in kinds.items()}
+    per_kind = {moe: costs.layer(moe).seconds
+                for moe in {model.is_moe(i) for i in range(model.layers)}}
     layer_time = [per_kind[model.is_moe(i)] for i in range(model.layers)]
-    head, embedding = costs.head(), costs.embedding()
-    extra = {0: sum(w.seconds for w in (embedding.forward, embedding.backward,
-                                        embedding.weight))}
-    extra[stages - 1] = extra.get(stages - 1, 0.0) + sum(
-        w.seconds for w in (head.forward, head.backward, head.weight))
+    extra = {0: costs.embedding().seconds}
+    extra[stages - 1] = extra.get(stages - 1, 0.0) + costs.head().seconds
     # The least bottleneck: a binary search over it, each candidate checked by filling the
     # stages in order as far as it allows (optimal for contiguous stages), each with a layer.
     prefix = [0.0]
@@ -105,6 +101,12 @@ def split_layers(model: Transformer, stages: int, costs: Costs,
     return best
 
 
+def splits_evenly(model: Transformer, stages: int, costs: Costs) -> bool:
+    """The framework splits the layers evenly (Megatron-LM, DeepSpeed's type:transformer) and
+    the stages divide them."""
+    return costs.framework.even_split and model.layers % stages == 0
+
+
 def splits(model: Transformer, layout: Layout, costs: Costs) -> list[tuple[int, ...]]:
     """The layer splits worth pricing: split_layers' (each chunk's time balanced), and where a
     GPU holds several chunks and the framework does not split evenly, the GPUs' work balanced
@@ -112,7 +114,7 @@ def splits(model: Transformer, layout: Layout, costs: Costs) -> list[tuple[int, 
     chunks are not held alike (interleaved 1F1B keeps more micro-batches of a GPU's first
     chunk in flight), so the two differ in memory too."""
     out = [split_layers(model, layout.stages, costs)]
-    if not (costs.framework.even_split and model.layers % layout.stages == 0):
+    if not splits_evenly(model, layout.stages, costs):
         other = device_split(model, layout, costs)
         if other is not None and other != out[0]:
             out.append(other)
@@ -130,12 +132,10 @@ def device_split(model: Transformer, layout: Layout, costs: Costs) -> tuple[int,
     if layout.vpp == 1 or stages > model.layers or \
             len({model.is_moe(i) for i in range(model.layers)}) > 1:
         return None
-    pieces = costs.layer(model.is_moe(0))
-    layer = pieces.forward.seconds + pieces.backward.seconds + pieces.weight.seconds
+    layer = costs.layer(model.is_moe(0)).seconds
     load = [0.0] * pp
     for end, chunk in ((costs.embedding(), 0), (costs.head(), stages - 1)):
-        load[device_of(chunk, layout)] += sum(w.seconds for w in (end.forward, end.backward,
-                                                                  end.weight))
+        load[device_of(chunk, layout)] += end.seconds
     share = [layout.vpp] * pp  # a layer in each chunk at least
     for _ in range(model.layers - stages):
         device = min(range(pp), key=lambda d: (load[d] + share[d] * layer, d))

@@ -63,8 +63,8 @@ def predict(model: Transformer, cluster: Cluster, layout: Layout, batch: Batch,
     for split in [counts] if counts is not None else splits(model, layout, costs):
         chunk_list = chunks(model, cluster, layout, batch, split)
         priced = price(chunk_list, layout, m, capacity, name=name)
-        rank = (max(priced.peak_bytes) > capacity, priced.seconds if
-                max(priced.peak_bytes) <= capacity else max(priced.peak_bytes))
+        fits = max(priced.peak_bytes) <= capacity
+        rank = (not fits, priced.seconds if fits else max(priced.peak_bytes))
         if best is None or rank < best[0]:
             best = (rank, chunk_list, priced, split)
     _, chunk_list, priced, counts = best

@@ -187,15 +187,12 @@ class _Bounds:
         total, held, forward, params, rerun_held = {}, {}, {}, {}, {}
         for moe in ({False, True} if self.model.moe_layers else {False}):
             pieces = costs.layer(moe)
-            total[moe] = sum(w.seconds for w in (pieces.forward, pieces.backward,
-                                                 pieces.weight))
+            total[moe] = pieces.seconds
             forward[moe] = pieces.forward.seconds
             held[moe] = activations(self.model, layout, self.batch, moe).held
             rerun_held[moe] = activations(self.model, layout, self.batch, moe, True).held
             params[moe] = rank_parameters(self.model, layout, moe)
-        embedding, head = costs.embedding(), costs.head()
-        ends_seconds = tuple(sum(w.seconds for w in (p.forward, p.backward, p.weight))
-                             for p in (embedding, head))
+        ends_seconds = (costs.embedding().seconds, costs.head().seconds)
         return costs, total, held, ends_seconds, forward, params, rerun_held
 
     def _split(self, layout: Layout, key: Layout) -> tuple[tuple[int, ...], ...]:
